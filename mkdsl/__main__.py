@@ -1,0 +1,5 @@
+import sys
+
+from mkdsl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,103 @@
+"""The `mkdsl` command: check, plan and compile specs.
+
+Exit status: 0 success, 1 errors in the spec (or stale output with --check), 2 usage errors
+(bad arguments, unreadable files), 3 an internal compiler error (a bug in mkdsl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+from mkdsl import __version__
+from mkdsl.diagnostics import SpecError
+
+
+class UsageError(Exception):
+    pass
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read {path}: not UTF-8 text") from None
+
+
+def _load(args):
+    from mkdsl.elaborate import elaborate
+    from mkdsl.syntax import parse
+
+    source = _read(args.spec)
+    try:
+        return elaborate(parse(source), args.profile, source), source
+    except SpecError as e:
+        e.source = source
+        raise
+
+
+def cmd_check(args) -> int:
+    t0 = time.perf_counter()
+    model, _ = _load(args)
+    n_layers = len(model.schedule)
+    kinds = ", ".join(f"{k.name} x{model.schedule.count(k.name)}" for k in model.kinds)
+    print(f"{args.spec}: ok: model {model.name}"
+          f"{f' (profile {model.profile})' if model.profile else ''}, {n_layers} layers ({kinds}), "
+          f"{len(model.weights)} weights, {len(model.states)} state tensors "
+          f"[{time.perf_counter() - t0:.2f} s]")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    model, _ = _load(args)
+    print(f"{args.spec}: checked model {model.name}; code generation is not implemented yet, "
+          "so nothing was written", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mkdsl", description="Compile model decode specs (.mk) to Pallas TPU megakernels.")
+    p.add_argument("--version", action="version", version=f"mkdsl {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def spec_command(name: str, help: str, fn):
+        c = sub.add_parser(name, help=help, description=help)
+        c.add_argument("spec", metavar="SPEC", help="path to a .mk spec")
+        c.add_argument("--profile", "-p", help="apply a named profile's constant overrides (e.g. mini)")
+        c.set_defaults(fn=fn)
+        return c
+
+    spec_command("check", "parse and check a spec; print diagnostics only", cmd_check)
+    spec_command("compile", "check a spec and generate its kernel", cmd_compile)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except SpecError as e:
+        print(e.render(args.spec, getattr(e, "source", "")), file=sys.stderr)
+        return 1
+    except UsageError as e:
+        print(f"mkdsl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mkdsl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug in mkdsl, never the user's fault
+        if os.environ.get("MKDSL_DEBUG"):
+            traceback.print_exc()
+        print(f"mkdsl: internal error: {type(e).__name__}: {e}\n"
+              "This is a bug in mkdsl; rerun with MKDSL_DEBUG=1 for the traceback.", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

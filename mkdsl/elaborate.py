@@ -1,0 +1,614 @@
+"""Check a parsed spec and elaborate it into the graph IR.
+
+Runs as a sequence of small named steps over one `Reporter`, so every independent error in
+the spec is reported in one run. Blocks are inlined; each layer kind becomes one graph whose
+parameters and results are the values carried from layer to layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from mkdsl import dtypes
+from mkdsl.consts import ConstEnv
+from mkdsl.diagnostics import NOWHERE, Reporter, Span, SpecError, did_you_mean
+from mkdsl.ir import DimRange, Graph, Model, Node, Ref, Tensor, TensorType, Value
+from mkdsl.ops import OPS, REQUIRED, Operand, OpError
+from mkdsl.syntax import (
+    AssignStmt, BinOp, Call, ConstDecl, DimDecl, Expr, FuncDef, HintsDecl, LayersDecl, MeshDecl,
+    ModelDecl, Module, Name, Num, ProfileDecl, ReturnStmt, TensorDecl, TypeExpr, UnOp, parse,
+)
+
+# Schedule hints the planner understands (checked here, used by the planner).
+HINTS = {
+    "ring_depth": "weight-stream ring depth (VMEM banks)",
+    "tile_n": "weight tile width in columns (a multiple of 128)",
+    "kv_tile": "KV cache tile in tokens",
+    "expert_slots": "expert weight slots in flight",
+    "vmem_cap_mib": "VMEM budget cap in MiB",
+}
+_OPERATORS = {"+": "add", "*": "mul"}
+
+
+@dataclass
+class _Decls:
+    model: ModelDecl | None = None
+    consts: dict[str, ConstDecl] = field(default_factory=dict)
+    dims: dict[str, DimDecl] = field(default_factory=dict)
+    meshes: list[MeshDecl] = field(default_factory=list)
+    profiles: dict[str, ProfileDecl] = field(default_factory=dict)
+    hints: list[HintsDecl] = field(default_factory=list)
+    tensors: dict[str, TensorDecl] = field(default_factory=dict)
+    blocks: dict[str, FuncDef] = field(default_factory=dict)
+    layer_defs: dict[str, FuncDef] = field(default_factory=dict)
+    layers: list[LayersDecl] = field(default_factory=list)
+    steps: list[FuncDef] = field(default_factory=list)
+
+
+def load(path: str, profile: str | None = None) -> Model:
+    """Read, parse and elaborate a spec file."""
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    return elaborate(parse(source), profile, source)
+
+
+def elaborate(module: Module, profile: str | None, source: str = "") -> Model:
+    return _Elaborator(module, profile, source).run()
+
+
+class _Elaborator:
+    def __init__(self, module: Module, profile: str | None, source: str):
+        self.rep = Reporter()
+        self.module, self.profile, self.source = module, profile, source
+        self.d = _Decls()
+
+    def run(self) -> Model:
+        self.collect()
+        self.consts = ConstEnv(self.d.consts, self.profile_overrides(), self.rep)
+        const_values = self.fold_constants()
+        dims = self.check_dims()
+        mesh = self.check_mesh()
+        hints = self.check_hints()
+        schedule = self.check_layer_schedule()
+        tensors = self.check_tensors(mesh, schedule)
+        step, kinds, inputs = self.elaborate_functions(tensors, schedule, dims)
+        self.rep.check()
+        return Model(
+            name=self.d.model.name,
+            profile=self.profile,
+            consts=tuple(const_values.items()),
+            dims=tuple(dims.values()),
+            mesh=tuple(mesh.items()),
+            tensors=tuple(tensors.values()),
+            kinds=kinds,
+            schedule=schedule,
+            step=step,
+            inputs=inputs,
+            hints=tuple(hints.items()),
+        )
+
+    # ------------------------------------------------------------------ declarations
+
+    def collect(self) -> None:
+        """Sort items by kind; every top-level name is defined once."""
+        seen: dict[str, Span] = {}
+
+        def define(name: str, span: Span, table: dict, item) -> None:
+            if name in seen:
+                self.rep.error(span, f"`{name}` is already defined at line {seen[name].line}")
+                return
+            seen[name] = span
+            table[name] = item
+
+        for it in self.module.items:
+            if isinstance(it, ModelDecl):
+                if self.d.model:
+                    self.rep.error(it.span, f"second `model` declaration (first at line {self.d.model.span.line})")
+                self.d.model = self.d.model or it
+            elif isinstance(it, ConstDecl):
+                define(it.name, it.span, self.d.consts, it)
+            elif isinstance(it, DimDecl):
+                define(it.name, it.span, self.d.dims, it)
+            elif isinstance(it, MeshDecl):
+                self.d.meshes.append(it)
+            elif isinstance(it, ProfileDecl):
+                if it.name in self.d.profiles:
+                    self.rep.error(it.span, f"profile `{it.name}` is already defined at line {self.d.profiles[it.name].span.line}")
+                self.d.profiles.setdefault(it.name, it)
+            elif isinstance(it, HintsDecl):
+                self.d.hints.append(it)
+            elif isinstance(it, TensorDecl):
+                define(it.name, it.span, self.d.tensors, it)
+            elif isinstance(it, FuncDef) and it.kind == "block":
+                define(it.name, it.span, self.d.blocks, it)
+            elif isinstance(it, FuncDef) and it.kind == "layer":
+                define(it.name, it.span, self.d.layer_defs, it)
+            elif isinstance(it, LayersDecl):
+                self.d.layers.append(it)
+            elif isinstance(it, FuncDef):
+                self.d.steps.append(it)
+        if self.d.model is None:
+            self.rep.error(NOWHERE, "the spec has no `model NAME` declaration")
+        for extra, what in ((self.d.meshes, "mesh"), (self.d.hints, "hints"), (self.d.layers, "layers"), (self.d.steps, "step")):
+            for dup in extra[1:]:
+                self.rep.error(dup.span, f"second `{what}` section (first at line {extra[0].span.line})")
+        if not self.d.steps:
+            self.rep.error(NOWHERE, "the spec has no `step(tokens, positions) { ... }`")
+        self.rep.check()  # nothing below makes sense without one model and one step
+
+    def profile_overrides(self) -> dict[str, Expr]:
+        for p in self.d.profiles.values():
+            for a in p.overrides:
+                if a.name not in self.d.consts:
+                    self.rep.error(a.span, f"profile `{p.name}` overrides `{a.name}`, which is not a constant",
+                                   did_you_mean(a.name, self.d.consts))
+        if self.profile is None:
+            return {}
+        if self.profile not in self.d.profiles:
+            known = ", ".join(sorted(self.d.profiles)) or "none"
+            self.rep.error(self.d.model.span, f"no profile named `{self.profile}` (profiles in this spec: {known})",
+                           did_you_mean(self.profile, self.d.profiles))
+            self.rep.check()
+        return {a.name: a.value for a in self.d.profiles[self.profile].overrides}
+
+    def fold_constants(self) -> dict[str, object]:
+        return {name: self.consts.get(name) for name in self.d.consts}
+
+    def check_dims(self) -> dict[str, DimRange]:
+        out = {}
+        for d in self.d.dims.values():
+            lo = self.consts.eval_int(d.low, f"the lower bound of `{d.name}`")
+            hi = self.consts.eval_int(d.high, f"the upper bound of `{d.name}`")
+            if lo is not None and hi is not None:
+                if lo > hi:
+                    self.rep.error(d.span, f"empty range for `{d.name}`: {lo} .. {hi}")
+                out[d.name] = DimRange(d.name, lo, hi)
+        if not self.d.dims:
+            self.rep.error(NOWHERE, "the spec declares no `dim`: the first one is the row count", "add `dim B in 1 .. 8`")
+        return out
+
+    def check_mesh(self) -> dict[str, int]:
+        mesh: dict[str, int] = {}
+        for m in self.d.meshes[:1]:
+            for a in m.axes:
+                if a.name in mesh:
+                    self.rep.error(a.span, f"mesh axis `{a.name}` is declared twice")
+                size = self.consts.eval_int(a.value, f"mesh axis `{a.name}`")
+                mesh.setdefault(a.name, size or 1)
+        return mesh
+
+    def check_hints(self) -> dict[str, int]:
+        hints = {}
+        for h in self.d.hints[:1]:
+            for a in h.hints:
+                if a.name not in HINTS:
+                    self.rep.error(a.span, f"unknown schedule hint `{a.name}`",
+                                   did_you_mean(a.name, HINTS) or f"known hints: {', '.join(HINTS)}")
+                    continue
+                v = self.consts.eval_int(a.value, f"hint `{a.name}`")
+                if v is not None:
+                    hints[a.name] = v
+        return hints
+
+    def check_layer_schedule(self) -> tuple[str, ...]:
+        """Layer kind of every layer index: the first rule whose predicate holds."""
+        if not self.d.layers:
+            if self.d.layer_defs:
+                first = next(iter(self.d.layer_defs.values()))
+                self.rep.error(first.span, "layer kinds are defined but there is no `layers N { ... }` schedule")
+            return ()
+        decl = self.d.layers[0]
+        count = self.consts.eval_int(decl.count, "the layer count")
+        for r in decl.rules:
+            if r.kind not in self.d.layer_defs:
+                self.rep.error(r.span, f"unknown layer kind `{r.kind}`", did_you_mean(r.kind, self.d.layer_defs))
+        for r in decl.rules[:-1]:
+            if r.when is None:
+                self.rep.error(r.span, "`otherwise` must be the last rule: the rules after it are never used")
+        for name, f in self.d.layer_defs.items():
+            if all(r.kind != name for r in decl.rules):
+                self.rep.error(f.span, f"layer kind `{name}` is never scheduled", f"add a rule `{name}: ...` to `layers`")
+        if count is None:
+            return ()
+        schedule, uncovered = [], []
+        for layer in range(count):
+            kind = None
+            for r in decl.rules:
+                hit = True if r.when is None else self.consts.eval(r.when, {"l": layer})
+                if hit is not None and not isinstance(hit, bool):
+                    self.rep.error(r.when.span, f"a layer rule must be true or false, got {hit!r}",
+                                   "compare the layer index, e.g. `l % 4 == 3`")
+                    hit = None
+                if hit:
+                    kind = r.kind
+                    break
+            if kind is None:
+                uncovered.append(layer)
+            schedule.append(kind or "")
+        if uncovered:
+            shown = ", ".join(map(str, uncovered[:8])) + (", ..." if len(uncovered) > 8 else "")
+            self.rep.error(decl.span, f"{len(uncovered)} of {count} layers match no rule (layers {shown})",
+                           "add a last rule `KIND: otherwise`")
+        return tuple(schedule)
+
+    def check_type(self, t: TypeExpr, name: str, allow_dims: bool) -> tuple[dtypes.DType | None, tuple]:
+        dt = None
+        args = {a.name: a for a in t.dtype_args}
+        if t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
+            dt = dtypes.PLAIN.get(t.dtype, dtypes.MXFP4)
+            for a in t.dtype_args:
+                self.rep.error(a.span, f"dtype {t.dtype} takes no parameters")
+        elif t.dtype == "int4":
+            if "group" not in args:
+                self.rep.error(t.span, "int4 needs a group size", "write `int4(group=128)[...]`")
+            for a in t.dtype_args:
+                if a.name != "group":
+                    self.rep.error(a.span, f"int4 has no parameter `{a.name}`", "its only parameter is `group`")
+            g = self.consts.eval_int(args["group"].value, "the int4 group size") if "group" in args else None
+            dt = dtypes.int4(g) if g else None
+        else:
+            self.rep.error(t.span, f"unknown dtype `{t.dtype}`", did_you_mean(t.dtype, dtypes.ALL_NAMES))
+        shape = []
+        for i, d in enumerate(t.dims):
+            if isinstance(d.size, Name) and d.size.id in self.d.dims:
+                if not allow_dims:
+                    self.rep.error(d.size.span, f"weight `{name}` cannot depend on `{d.size.id}`, which is only known when the step is built")
+                shape.append(d.size.id)
+                continue
+            shape.append(self.consts.eval_int(d.size, f"dimension {i + 1} of `{name}`"))
+        return dt, tuple(shape)
+
+    def check_tensors(self, mesh: dict[str, int], schedule: tuple[str, ...]) -> dict[str, Tensor]:
+        out = {}
+        for t in self.d.tensors.values():
+            dt, shape = self.check_type(t.type, t.name, allow_dims=t.kind == "state")
+            sharding = []
+            for i, (d, size) in enumerate(zip(t.type.dims, shape)):
+                sharding.append(d.axis)
+                if d.axis is None:
+                    continue
+                if d.axis not in mesh:
+                    self.rep.error(d.span, f"`{d.axis}` is not a mesh axis", did_you_mean(d.axis, mesh) or
+                                   ("declare it: `mesh { " + d.axis + " = N }`" if not mesh else f"mesh axes: {', '.join(mesh)}"))
+                elif isinstance(size, int) and size % mesh[d.axis]:
+                    self.rep.error(d.span, f"dimension {i + 1} of `{t.name}` has size {size}, which mesh axis "
+                                   f"`{d.axis}` (size {mesh[d.axis]}) does not divide")
+            if dt is not None and dt.quantised and None not in shape:
+                if len(shape) < 2:
+                    self.rep.error(t.type.span, f"a {dt} tensor needs at least 2 dimensions [.., in, out]")
+                elif isinstance(shape[-2], int) and (shape[-2] % dt.group or shape[-2] % 8):
+                    self.rep.error(t.type.dims[-2].span, f"the input dimension of {dt} weight `{t.name}` "
+                                   f"({shape[-2]}) must be a multiple of {max(dt.group, 8)}")
+                if t.kind == "state":
+                    self.rep.error(t.type.span, f"state `{t.name}` cannot be quantised ({dt})")
+            kinds = t.layer_kinds
+            for k in kinds:
+                if k not in self.d.layer_defs:
+                    self.rep.error(t.stacking_span, f"unknown layer kind `{k}`", did_you_mean(k, self.d.layer_defs))
+            slots, n = [], 0
+            for kind in schedule:
+                if t.per_layer and (not kinds or kind in kinds):
+                    slots.append(n)
+                    n += 1
+                else:
+                    slots.append(-1)
+            if dt is None or None in shape:
+                continue
+            out[t.name] = Tensor(t.name, t.kind, TensorType(dt, shape), tuple(sharding), t.per_layer,
+                                 n if t.per_layer else 0, tuple(slots) if t.per_layer else (), t.span)
+        return out
+
+    # ------------------------------------------------------------------ functions
+
+    def elaborate_functions(self, tensors, schedule, dims):
+        step = self.d.steps[0]
+        rows = next(iter(dims), None)
+        if len(step.params) != 2:
+            self.rep.error(step.span, f"`step` takes 2 inputs (token ids, positions), got {len(step.params)}",
+                           "write `step(tokens, positions) { ... }`")
+        inputs = tuple(Value(p, TensorType(dtypes.I32, (rows,)), step.span) for p in step.params[:2])
+        ctx = _Context(self, tensors, {v.name: v for v in inputs}, schedule)
+        graph = ctx.build_graph("step", step, params=(), layer_kind=None)
+        if graph is not None and ctx.layers_node is None and schedule:
+            self.rep.error(step.span, "the step never calls `layers(...)`, so no layer is run")
+        if graph is not None:
+            self.check_step_results(graph, step, rows)
+        return graph, tuple(ctx.kind_graphs.values()), inputs
+
+    def check_step_results(self, graph: Graph, step: FuncDef, rows: str) -> None:
+        types = [graph_value_type(graph, r) for r in graph.results]
+        ok = (len(types) == 2 and types[0].dtype.float and len(types[0].shape) == 2
+              and types[1] == TensorType(dtypes.I32, (rows,)))
+        if not ok:
+            got = ", ".join(str(t) for t in types)
+            self.rep.error(step.span, f"`step` must return (logits f32[{rows}, V], next tokens i32[{rows}]); it returns ({got})",
+                           "end the step with `return logits, argmax(logits)`")
+
+
+def graph_value_type(graph: Graph, ref: Ref) -> TensorType:
+    for v in graph.params:
+        if v.name == ref.name:
+            return v.type
+    for n in graph.nodes:
+        for v in n.outputs:
+            if v.name == ref.name:
+                return v.type
+    raise KeyError(ref.name)
+
+
+class _Context:
+    """Elaborates function bodies: inlines blocks, builds each layer kind's graph once."""
+
+    def __init__(self, el: _Elaborator, tensors, inputs: dict[str, Value], schedule):
+        self.el, self.rep, self.tensors, self.inputs, self.schedule = el, el.rep, tensors, inputs, schedule
+        self.kind_graphs: dict[str, Graph] = {}
+        self.layers_node: Node | None = None
+
+    def build_graph(self, name: str, f: FuncDef, params: tuple[Value, ...], layer_kind: str | None) -> Graph | None:
+        g = _GraphBuilder(name, layer_kind)
+        env = {}
+        for v in params:
+            g.types[v.name] = v.type
+            env[v.name] = Ref("value", v.name)
+        results = self.run_body(f, env, g, inline_stack=())
+        if results is None:
+            return None
+        return Graph(name, params, tuple(g.nodes), tuple(results), f.span)
+
+    def run_body(self, f: FuncDef, env: dict[str, Ref], g, inline_stack) -> list[Ref] | None:
+        returns = [s for s in f.body if isinstance(s, ReturnStmt)]
+        if not returns:
+            self.rep.error(f.span, f"`{f.name}` has no `return`")
+            return None
+        if f.body[-1] is not returns[0]:
+            self.rep.error(returns[0].span, "`return` must be the last statement")
+        failed = False
+        for s in f.body:
+            if isinstance(s, AssignStmt):
+                refs = self.expr(s.value, env, g, inline_stack, name_hint=s.targets[0])
+                if refs is None:
+                    failed = True
+                    for t in s.targets:  # poison: uses of these names are not reported again
+                        env[t] = None
+                    continue
+                if len(refs) != len(s.targets):
+                    self.rep.error(s.span, f"the right side gives {len(refs)} value{'s' if len(refs) != 1 else ''} "
+                                   f"but {len(s.targets)} name{'s are' if len(s.targets) != 1 else ' is'} assigned")
+                    failed = True
+                    continue
+                for t, r in zip(s.targets, refs):
+                    env[t] = r
+            elif s is returns[0]:
+                out = []
+                for e in s.values:
+                    refs = self.expr(e, env, g, inline_stack)
+                    if refs is None:
+                        failed = True
+                    elif len(refs) != 1:
+                        self.rep.error(e.span, f"this returns {len(refs)} values where one is expected")
+                        failed = True
+                    else:
+                        out.extend(refs)
+                return None if failed else out
+        return None
+
+    # ---------------------------------------------------------------- expressions
+
+    def expr(self, e: Expr, env, g, inline_stack, name_hint: str | None = None) -> list[Ref] | None:
+        if isinstance(e, Name):
+            r = self.lookup(e, env, g)
+            return None if r is None else [r]
+        if isinstance(e, Call):
+            return self.call(e, env, g, inline_stack, name_hint)
+        if isinstance(e, BinOp) and e.op in _OPERATORS:
+            call = Call(e.span, _OPERATORS[e.op], e.span, (e.left, e.right), ())
+            return self.call(call, env, g, inline_stack, name_hint)
+        if isinstance(e, Num):
+            self.rep.error(e.span, f"expected a tensor, got the number {e.value!r}",
+                           "numbers can be passed as keyword attributes, e.g. `eps=1e-5`")
+            return None
+        op = e.op if isinstance(e, (BinOp, UnOp)) else "?"
+        self.rep.error(e.span, f"operator `{op}` is not defined on tensors", "tensors support `+` and `*`; use an op")
+        return None
+
+    def lookup(self, e: Name, env, g) -> Ref | None:
+        if e.id in env:
+            return env[e.id]  # None when poisoned by an earlier error
+        if e.id in self.tensors:
+            t = self.tensors[e.id]
+            if t.stacked and g.layer_kind is None:
+                self.rep.error(e.span, f"`{e.id}` is declared per layer, so it can only be used inside a layer")
+                return None
+            if t.stacked and t.slots and all(
+                    s < 0 for s, k in zip(t.slots, self.schedule) if k == g.layer_kind) and g.layer_kind in self.schedule:
+                self.rep.error(e.span, f"`{e.id}` has no slice for layer kind `{g.layer_kind}`",
+                               f"declare it `per layer({g.layer_kind}, ...)` or use it in another kind")
+                return None
+            return Ref("tensor", e.id)
+        if e.id in self.inputs:
+            return Ref("input", e.id)
+        if e.id in self.el.d.tensors:
+            return None  # the declaration itself was already reported
+        if e.id in self.el.d.consts:
+            self.rep.error(e.span, f"`{e.id}` is a constant, not a tensor", "pass constants as attributes, e.g. `eps=EPS`")
+            return None
+        known = [*env, *self.tensors, *self.inputs]
+        self.rep.error(e.span, f"unknown name `{e.id}`", did_you_mean(e.id, known))
+        return None
+
+    def operand(self, ref: Ref, g) -> Operand:
+        if ref.kind == "tensor":
+            t = self.tensors[ref.name]
+            return Operand(t.type, "tensor", ref.name, t.kind == "state")
+        if ref.kind == "input":
+            return Operand(self.inputs[ref.name].type, "input", ref.name)
+        return Operand(g.types[ref.name], "value", ref.name)
+
+    def call(self, e: Call, env, g, inline_stack, name_hint) -> list[Ref] | None:
+        if e.func == "layers":
+            return self.call_layers(e, env, g, inline_stack)
+        if e.func in self.el.d.blocks:
+            return self.inline_block(e, env, g, inline_stack)
+        if e.func not in OPS:
+            known = [*OPS, *self.el.d.blocks, "layers"]
+            self.rep.error(e.func_span, f"unknown op or block `{e.func}`", did_you_mean(e.func, known))
+            return None
+        op = OPS[e.func]
+        if len(e.args) != len(op.operands):
+            self.rep.error(e.span, f"`{op.name}` takes {len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
+                           f"({', '.join(op.operands)}), got {len(e.args)}")
+            return None
+        args = [self.expr(a, env, g, inline_stack) for a in e.args]
+        attrs = self.attributes(e, op)
+        if any(a is None for a in args) or attrs is None:
+            return None
+        refs = []
+        for a, arg_e in zip(args, e.args):
+            if len(a) != 1:
+                self.rep.error(arg_e.span, f"this gives {len(a)} values where one operand is expected")
+                return None
+            refs.append(a[0])
+        operands = [self.operand(r, g) for r in refs]
+        try:
+            out_types = op.infer(operands, attrs)
+        except OpError as err:
+            span = e.span
+            if isinstance(err.arg, int):
+                span = e.args[err.arg].span
+            elif isinstance(err.arg, str):
+                span = next((k.span for k in e.kwargs if k.name == err.arg), e.span)
+            self.rep.error(span, f"{op.name}: {err}", err.hint)
+            return None
+        writes = []
+        for name in op.inout:
+            i = op.operands.index(name)
+            if refs[i].kind != "tensor" or not operands[i].is_state:
+                self.rep.error(e.args[i].span, f"{op.name}: operand `{name}` is updated in place, so it must be a declared state tensor")
+                return None
+            writes.append(refs[i].name)
+        outs = tuple(Value(g.fresh(name_hint or op.name), t, e.span) for t in out_types)
+        g.add(Node(op.name, tuple(refs), tuple(sorted(attrs.items())), outs, tuple(writes), e.span))
+        return [Ref("value", v.name) for v in outs]
+
+    def attributes(self, e: Call, op) -> dict | None:
+        attrs, ok = {}, True
+        for k in e.kwargs:
+            if k.name not in op.attrs:
+                hint = did_you_mean(k.name, op.attrs) or (
+                    f"`{op.name}` takes: {', '.join(op.attrs)}" if op.attrs else f"`{op.name}` takes no attributes")
+                self.rep.error(k.span, f"`{op.name}` has no attribute `{k.name}`", hint)
+                ok = False
+                continue
+            v = self.el.consts.eval(k.value)
+            if v is None:
+                ok = False
+            attrs[k.name] = v
+        for name, default in op.attrs.items():
+            if name not in attrs:
+                if default is REQUIRED:
+                    self.rep.error(e.span, f"`{op.name}` needs the attribute `{name}=...`")
+                    ok = False
+                attrs[name] = default
+        return attrs if ok else None
+
+    def inline_block(self, e: Call, env, g, inline_stack) -> list[Ref] | None:
+        f = self.el.d.blocks[e.func]
+        if e.func in inline_stack:
+            chain = " -> ".join((*inline_stack[inline_stack.index(e.func):], e.func))
+            self.rep.error(e.func_span, f"block `{e.func}` calls itself ({chain}); blocks are inlined, so recursion is not allowed")
+            return None
+        if e.kwargs:
+            self.rep.error(e.kwargs[0].span, f"block `{e.func}` takes no keyword attributes")
+            return None
+        if len(e.args) != len(f.params):
+            self.rep.error(e.span, f"block `{f.name}` takes {len(f.params)} argument{'s' if len(f.params) != 1 else ''} "
+                           f"({', '.join(f.params)}), got {len(e.args)}")
+            return None
+        inner = {}
+        for p, a in zip(f.params, e.args):
+            refs = self.expr(a, env, g, inline_stack)
+            if refs is None:
+                return None
+            if len(refs) != 1:
+                self.rep.error(a.span, f"this gives {len(refs)} values where one argument is expected")
+                return None
+            inner[p] = refs[0]
+        return self.run_body(f, inner, g, (*inline_stack, e.func))
+
+    def call_layers(self, e: Call, env, g, inline_stack) -> list[Ref] | None:
+        if g.layer_kind is not None or g.name != "step" or inline_stack:
+            self.rep.error(e.func_span, "`layers(...)` can only be called from `step`")
+            return None
+        if self.layers_node is not None:
+            self.rep.error(e.func_span, "`layers(...)` is called twice; the layer stack runs once per step")
+            return None
+        refs = []
+        for a in e.args:
+            r = self.expr(a, env, g, inline_stack)
+            if r is None:
+                return None
+            refs.extend(r)
+        carries = tuple(Value(f"carry{i}", self.operand(r, g).type, e.span) for i, r in enumerate(refs))
+        used = [k for k in dict.fromkeys(self.schedule) if k]
+        ok = True
+        for kind in used:
+            f = self.el.d.layer_defs[kind]
+            if len(f.params) != len(carries):
+                self.rep.error(f.span, f"layer `{kind}` takes {len(f.params)} carried value{'s' if len(f.params) != 1 else ''} "
+                               f"but `layers(...)` at line {e.span.line} passes {len(carries)}")
+                ok = False
+                continue
+            params = tuple(Value(p, c.type, f.span) for p, c in zip(f.params, carries))
+            graph = self.build_graph(kind, f, params, layer_kind=kind)
+            if graph is None:
+                ok = False
+                continue
+            got = [graph_value_type(graph, r) for r in graph.results]
+            want = [c.type for c in carries]
+            if got != want:
+                self.rep.error(f.span, f"layer `{kind}` must return what it carries ({', '.join(map(str, want))}), "
+                               f"but returns ({', '.join(map(str, got))})")
+                ok = False
+                continue
+            self.kind_graphs[kind] = graph
+        if not ok:
+            return None
+        outs = tuple(Value(g.fresh(f"{p}_out"), c.type, e.span) for p, c in zip(("x",) * len(carries), carries))
+        writes = tuple(sorted({w for kg in self.kind_graphs.values() for n in kg.nodes for w in n.writes}))
+        node = Node("layers", tuple(refs), (), outs, writes, e.span)
+        self.layers_node = node
+        g.add(node)
+        return [Ref("value", v.name) for v in outs]
+
+
+class _GraphBuilder:
+    """SSA construction: every value gets a unique name derived from the spec's own names."""
+
+    def __init__(self, name: str, layer_kind: str | None):
+        self.name, self.layer_kind = name, layer_kind
+        self.nodes: list[Node] = []
+        self.types: dict[str, TensorType] = {}
+        self._counts: dict[str, int] = {}
+
+    def fresh(self, hint: str) -> str:
+        n = self._counts.get(hint, 0)
+        self._counts[hint] = n + 1
+        name = hint if n == 0 else f"{hint}_{n}"
+        while name in self.types:
+            n += 1
+            self._counts[hint] = n + 1
+            name = f"{hint}_{n}"
+        return name
+
+    def add(self, node: Node) -> None:
+        self.nodes.append(node)
+        for v in node.outputs:
+            self.types[v.name] = v.type
+
+
+def spec_sha256(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+__all__ = ["HINTS", "SpecError", "elaborate", "load", "spec_sha256"]

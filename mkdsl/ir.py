@@ -1,0 +1,123 @@
+"""Graph IR: the checked, constant-folded model that every later stage reads.
+
+Frozen dataclasses only; nothing here refers to spec text except through `Span`s, which say
+where each value came from so that later stages can still point at the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mkdsl.diagnostics import Span
+from mkdsl.dtypes import DType
+
+Dim = int | str  # str: a size bound when the step is built (a `dim`, e.g. "B")
+
+
+@dataclass(frozen=True)
+class TensorType:
+    dtype: DType
+    shape: tuple[Dim, ...]
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(str(d) for d in self.shape)}]"
+
+
+@dataclass(frozen=True)
+class DimRange:
+    name: str
+    low: int
+    high: int
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A declared weight or state tensor.
+
+    `type` is one layer's slice; stacked tensors have a leading axis of `stack` slices and
+    `slots[l]` gives layer l's slice (-1 where the layer's kind has no such tensor).
+    """
+
+    name: str
+    kind: str  # "weight" | "state"
+    type: TensorType
+    sharding: tuple[str | None, ...]  # mesh axis per dimension of `type`
+    stacked: bool
+    stack: int
+    slots: tuple[int, ...]
+    span: Span = field(compare=False)
+
+    @property
+    def full_shape(self) -> tuple[Dim, ...]:
+        return ((self.stack,) if self.stacked else ()) + self.type.shape
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An operand: a value computed in this graph, a declared tensor, or a step input."""
+
+    kind: str  # "value" | "tensor" | "input"
+    name: str
+
+
+@dataclass(frozen=True)
+class Value:
+    name: str  # unique within its graph
+    type: TensorType
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Node:
+    op: str
+    inputs: tuple[Ref, ...]
+    attrs: tuple[tuple[str, object], ...]
+    outputs: tuple[Value, ...]
+    writes: tuple[str, ...]  # state tensors this node updates in place
+    span: Span = field(compare=False)
+
+    @property
+    def attr(self) -> dict[str, object]:
+        return dict(self.attrs)
+
+
+@dataclass(frozen=True)
+class Graph:
+    name: str
+    params: tuple[Value, ...]
+    nodes: tuple[Node, ...]
+    results: tuple[Ref, ...]
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    profile: str | None
+    consts: tuple[tuple[str, int | float | bool], ...]
+    dims: tuple[DimRange, ...]
+    mesh: tuple[tuple[str, int], ...]
+    tensors: tuple[Tensor, ...]
+    kinds: tuple[Graph, ...]  # one graph per layer kind; params and results are the carries
+    schedule: tuple[str, ...]  # layer kind of each layer index
+    step: Graph  # inputs tokens/positions; calls the layer stack through a `layers` node
+    inputs: tuple[Value, ...]
+    hints: tuple[tuple[str, int], ...]
+
+    def tensor(self, name: str) -> Tensor:
+        return next(t for t in self.tensors if t.name == name)
+
+    def kind(self, name: str) -> Graph:
+        return next(k for k in self.kinds if k.name == name)
+
+    @property
+    def const(self) -> dict[str, int | float | bool]:
+        return dict(self.consts)
+
+    @property
+    def weights(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.tensors if t.kind == "weight")
+
+    @property
+    def states(self) -> tuple[Tensor, ...]:
+        return tuple(t for t in self.tensors if t.kind == "state")

@@ -1,0 +1,72 @@
+"""Matrix ops: embedding gather and linear layers over bf16, fp8 or quantised weights."""
+
+from __future__ import annotations
+
+from mkdsl.lazy import jnp
+
+from mkdsl.dtypes import F32
+from mkdsl.ir import TensorType
+from mkdsl.ops.registry import (
+    Cost, OpDef, OpError, expect_dtype, expect_float, expect_rank, nbytes, register,
+)
+from mkdsl.quant import QTensor, dequantize
+
+
+def weight_f32(w):
+    """A weight operand as f32: decoded if quantised, upcast otherwise (exact either way)."""
+    return dequantize(w) if isinstance(w, QTensor) else w.astype(jnp.float32)
+
+
+def linear(x, w):
+    """bf16(x) @ w with f32 accumulation: the MXU's contract for every weight format."""
+    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
+    return jnp.dot(xb, weight_f32(w), precision="highest")
+
+
+def _linear_infer(args, attrs):
+    x, w = args
+    expect_rank(x, 2, 0, "the input")
+    expect_float(x, 0)
+    if w.kind != "tensor" or w.is_state:
+        raise OpError(f"the second operand of linear must be a declared weight, not `{w.name}`", 1)
+    expect_rank(w, 2, 1, "the weight")
+    k, n = w.type.shape
+    if x.type.shape[1] != k:
+        raise OpError(
+            f"`{x.name}` has {x.type.shape[1]} columns but weight `{w.name}` has {k} input rows "
+            f"(weights are stored [in, out])", 1)
+    return (TensorType(F32, (x.type.shape[0], n)),)
+
+
+def _linear_cost(ins, outs, attrs):
+    x, w = ins
+    k, n = w.shape
+    return Cost(nbytes(x) + nbytes(w), nbytes(outs[0]), 2 * x.shape[0] * k * n)
+
+
+register(OpDef(
+    "linear", ("x", "weight"), _linear_infer,
+    lambda x, w: (linear(x, w),), _linear_cost,
+    doc="x @ weight, f32 out; x is rounded to bf16, weights of any format are decoded exactly."))
+
+
+def _embedding_infer(args, attrs):
+    tokens, table = args
+    expect_dtype(tokens, ("i32",), 0)
+    expect_rank(tokens, 1, 0, "the token ids")
+    expect_rank(table, 2, 1, "the embedding table")
+    if table.type.dtype.quantised:
+        raise OpError(f"embedding table `{table.name}` must not be quantised", 1)
+    return (TensorType(F32, (tokens.type.shape[0], table.type.shape[1])),)
+
+
+def _embedding_cost(ins, outs, attrs):
+    tokens, table = ins
+    row = nbytes(TensorType(table.dtype, (1, table.shape[1])))
+    return Cost(nbytes(tokens) + tokens.shape[0] * row, nbytes(outs[0]), 0)
+
+
+register(OpDef(
+    "embedding", ("tokens", "table"), _embedding_infer,
+    lambda t, table: (jnp.take(table, t, axis=0).astype(jnp.float32),), _embedding_cost,
+    doc="Rows of `table` gathered by token id, as f32."))

@@ -1,0 +1,43 @@
+"""Normalisation: RMSNorm over the whole row or per head."""
+
+from __future__ import annotations
+
+from mkdsl.lazy import jax
+from mkdsl.lazy import jnp
+
+from mkdsl.dtypes import F32
+from mkdsl.ir import TensorType
+from mkdsl.ops.registry import (
+    Cost, OpDef, OpError, expect_divides, expect_float, expect_rank, nbytes, numel, register,
+)
+
+
+def _infer(args, attrs):
+    x, w = args
+    expect_rank(x, 2, 0, "the input")
+    expect_float(x, 0)
+    expect_rank(w, 1, 1, "the norm weight")
+    heads = attrs["heads"]
+    width = expect_divides(x.type.shape[1], heads, "row width per head", "heads")
+    if w.type.shape[0] != width:
+        raise OpError(
+            f"norm weight `{w.name}` has {w.type.shape[0]} elements but each "
+            f"{'head' if heads > 1 else 'row'} of `{x.name}` has {width}", 1)
+    return (TensorType(F32, x.type.shape),)
+
+
+def rmsnorm(x, w, eps, heads=1):
+    """x·rsqrt(mean(x²)+eps)·w in f32; with heads > 1 each head's slice is normalised alone."""
+    x = x.astype(jnp.float32)
+    b, n = x.shape
+    xh = x.reshape(b, heads, n // heads)
+    y = xh * jax.lax.rsqrt(jnp.mean(xh * xh, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).reshape(b, n)
+
+
+register(OpDef(
+    "rmsnorm", ("x", "weight"), _infer,
+    lambda x, w, eps, heads: (rmsnorm(x, w, eps, heads),),
+    lambda ins, outs, a: Cost(sum(nbytes(t) for t in ins), nbytes(outs[0]), 4 * numel(outs[0])),
+    attrs={"eps": 1e-5, "heads": 1},
+    doc="RMSNorm: x·rsqrt(mean(x²)+eps)·weight, f32; `heads=n` normalises n equal slices."))

@@ -1,0 +1,111 @@
+"""The op registry: everything mkdsl knows about an op lives in one `OpDef`.
+
+An op declares its operands and attributes, a shape rule, a plain-jnp reference and its cost.
+Adding an op means writing one `OpDef` in one module of this package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mkdsl.dtypes import DType
+from mkdsl.ir import TensorType
+
+REQUIRED = object()
+
+
+class OpError(Exception):
+    """A shape/dtype rule failed; `arg` is the operand index (or attribute name) to blame."""
+
+    def __init__(self, message: str, arg: int | str | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.arg = arg
+        self.hint = hint
+
+
+@dataclass(frozen=True)
+class Operand:
+    """What the shape rule sees of one operand."""
+
+    type: TensorType
+    kind: str  # "value" | "tensor" | "input"
+    name: str
+    is_state: bool = False
+
+
+@dataclass(frozen=True)
+class Cost:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    flops: int = 0
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(
+            self.bytes_read + other.bytes_read,
+            self.bytes_written + other.bytes_written,
+            self.flops + other.flops,
+        )
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    operands: tuple[str, ...]
+    infer: Callable[..., tuple[TensorType, ...]]  # (operands, attrs) -> output types
+    reference: Callable  # (*arrays, **attrs) -> outputs (+ new values of `inout` operands)
+    cost: Callable[..., Cost]  # (operand types, output types, attrs), all dims concrete
+    attrs: dict[str, object] = field(default_factory=dict)  # name -> default or REQUIRED
+    inout: tuple[str, ...] = ()  # operands that must be state tensors; updated in place
+    outputs: int = 1
+    doc: str = ""
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    assert op.name not in OPS, op.name
+    OPS[op.name] = op
+    return op
+
+
+# ---------------------------------------------------------------- helpers for shape rules
+
+
+def expect_rank(x: Operand, rank: int, i: int, what: str) -> None:
+    if len(x.type.shape) != rank:
+        raise OpError(f"{what} must have rank {rank}, but `{x.name}` is {x.type}", i)
+
+
+def expect_float(x: Operand, i: int) -> None:
+    if not x.type.dtype.float:
+        raise OpError(f"expected a floating-point tensor, but `{x.name}` is {x.type}", i)
+
+
+def expect_dtype(x: Operand, names: tuple[str, ...], i: int) -> None:
+    if x.type.dtype.name not in names:
+        allowed = ", ".join(names)
+        raise OpError(f"`{x.name}` has dtype {x.type.dtype}, expected one of: {allowed}", i)
+
+
+def expect_divides(total, part: int, what: str, arg) -> int:
+    if isinstance(total, int) and (part <= 0 or total % part):
+        raise OpError(f"{what}: {total} is not divisible by {part}", arg)
+    return total // part if isinstance(total, int) else total
+
+
+def numel(t: TensorType) -> int:
+    return int(np.prod([d for d in t.shape], dtype=np.int64))
+
+
+def nbytes(t: TensorType) -> int:
+    from mkdsl.dtypes import storage_bytes
+
+    return storage_bytes(t.dtype, t.shape)
+
+
+def act(dtype: DType, *shape) -> TensorType:
+    return TensorType(dtype, tuple(shape))

@@ -1,0 +1,51 @@
+"""Selection over the last axis: top-k (routing) and argmax (greedy sampling)."""
+
+from __future__ import annotations
+
+from mkdsl.lazy import jax
+from mkdsl.lazy import jnp
+
+from mkdsl.dtypes import F32, I32
+from mkdsl.ir import TensorType
+from mkdsl.ops.registry import (
+    REQUIRED, Cost, OpDef, OpError, expect_float, expect_rank, nbytes, register,
+)
+
+
+def _topk_infer(args, attrs):
+    (x,) = args
+    expect_rank(x, 2, 0, "the scores")
+    expect_float(x, 0)
+    k = attrs["k"]
+    n = x.type.shape[1]
+    if not isinstance(k, int) or k < 1 or (isinstance(n, int) and k > n):
+        raise OpError(f"k must be an integer in 1..{n}, got {k}", "k")
+    b = x.type.shape[0]
+    return TensorType(F32, (b, k)), TensorType(I32, (b, k))
+
+
+def topk(x, k):
+    """The k largest values per row, descending; ties go to the lower index."""
+    values, indices = jax.lax.top_k(x.astype(jnp.float32), k)
+    return values, indices.astype(jnp.int32)
+
+
+register(OpDef(
+    "topk", ("x",), _topk_infer, topk,
+    lambda ins, outs, a: Cost(nbytes(ins[0]), nbytes(outs[0]) + nbytes(outs[1]), 0),
+    attrs={"k": REQUIRED}, outputs=2,
+    doc="(values, indices) of the k largest entries of each row; ties to the lower index."))
+
+
+def _argmax_infer(args, attrs):
+    (x,) = args
+    expect_rank(x, 2, 0, "the logits")
+    expect_float(x, 0)
+    return (TensorType(I32, (x.type.shape[0],)),)
+
+
+register(OpDef(
+    "argmax", ("x",), _argmax_infer,
+    lambda x: (jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32),),
+    lambda ins, outs, a: Cost(nbytes(ins[0]), nbytes(outs[0]), 0),
+    doc="Index of each row's largest entry (the first on ties): greedy next token."))

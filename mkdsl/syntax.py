@@ -1,0 +1,395 @@
+"""Parse `.mk` text into an AST of frozen dataclasses that carry source spans.
+
+The grammar lives in `grammar.lark` (LALR). Syntax errors become diagnostics with the
+offending token underlined and the tokens that would have been accepted as the hint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import lark
+from lark import Lark, Transformer, v_args
+
+from mkdsl.diagnostics import Diagnostic, Span, SpecError
+
+# ---------------------------------------------------------------------------- expressions
+
+
+@dataclass(frozen=True)
+class Expr:
+    span: Span
+
+
+@dataclass(frozen=True)
+class Num(Expr):
+    value: int | float | bool
+
+
+@dataclass(frozen=True)
+class Name(Expr):
+    id: str
+
+
+@dataclass(frozen=True)
+class BinOp(Expr):
+    op: str  # + - * / // % ** == != < <= > >= and or
+    left: Expr
+    right: Expr
+
+
+@dataclass(frozen=True)
+class UnOp(Expr):
+    op: str  # - not
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Kwarg:
+    span: Span
+    name: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    func: str
+    func_span: Span
+    args: tuple[Expr, ...]
+    kwargs: tuple[Kwarg, ...]
+
+
+# ---------------------------------------------------------------------------- declarations
+
+
+@dataclass(frozen=True)
+class Assign:
+    span: Span
+    name: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class ModelDecl:
+    span: Span
+    name: str
+
+
+@dataclass(frozen=True)
+class ConstDecl:
+    span: Span
+    name: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class DimDecl:
+    """A size bound when the step is built (batch rows, cache length), with its legal range."""
+
+    span: Span
+    name: str
+    low: Expr
+    high: Expr
+
+
+@dataclass(frozen=True)
+class MeshDecl:
+    span: Span
+    axes: tuple[Assign, ...]
+
+
+@dataclass(frozen=True)
+class ProfileDecl:
+    span: Span
+    name: str
+    overrides: tuple[Assign, ...]
+
+
+@dataclass(frozen=True)
+class HintsDecl:
+    span: Span
+    hints: tuple[Assign, ...]
+
+
+@dataclass(frozen=True)
+class ShapeDim:
+    span: Span
+    size: Expr
+    axis: str | None  # mesh axis this dimension is sharded over
+
+
+@dataclass(frozen=True)
+class TypeExpr:
+    span: Span
+    dtype: str
+    dtype_args: tuple[Assign, ...]
+    dims: tuple[ShapeDim, ...]
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    span: Span
+    kind: str  # "weight" | "state"
+    name: str
+    type: TypeExpr
+    per_layer: bool
+    layer_kinds: tuple[str, ...]  # empty: every layer
+    stacking_span: Span | None
+
+
+@dataclass(frozen=True)
+class AssignStmt:
+    span: Span
+    targets: tuple[str, ...]
+    value: Expr
+
+
+@dataclass(frozen=True)
+class ReturnStmt:
+    span: Span
+    values: tuple[Expr, ...]
+
+
+Stmt = AssignStmt | ReturnStmt
+
+
+@dataclass(frozen=True)
+class FuncDef:
+    """`block`, `layer` or `step`: parameters and straight-line statements."""
+
+    span: Span
+    kind: str
+    name: str
+    params: tuple[str, ...]
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class Rule:
+    span: Span
+    kind: str
+    when: Expr | None  # None: otherwise
+
+
+@dataclass(frozen=True)
+class LayersDecl:
+    span: Span
+    count: Expr
+    rules: tuple[Rule, ...]
+
+
+@dataclass(frozen=True)
+class Module:
+    items: tuple[object, ...]
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def _span(meta) -> Span:
+    return Span.of(meta)
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    """Tree -> AST. One method per grammar rule, in grammar order."""
+
+    def start(self, meta, items):
+        return Module(tuple(items))
+
+    def model_decl(self, meta, c):
+        return ModelDecl(_span(meta), str(c[0]))
+
+    def const_decl(self, meta, c):
+        return ConstDecl(Span.of(c[0]), str(c[0]), c[1])
+
+    def dim_decl(self, meta, c):
+        return DimDecl(Span.of(c[0]), str(c[0]), c[1], c[2])
+
+    def mesh_decl(self, meta, c):
+        return MeshDecl(_span(meta), tuple(c))
+
+    def profile_decl(self, meta, c):
+        return ProfileDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
+
+    def hints_decl(self, meta, c):
+        return HintsDecl(_span(meta), tuple(c))
+
+    def assign(self, meta, c):
+        return Assign(Span.of(c[0]), str(c[0]), c[1])
+
+    def tensor_kind(self, meta, c):
+        return str(c[0])
+
+    def tensor_decl(self, meta, c):
+        kind, name, ttype = c[0], c[1], c[2]
+        per_layer, kinds, sspan = False, (), None
+        if len(c) > 3:
+            per_layer, kinds, sspan = True, c[3][0], c[3][1]
+        return TensorDecl(Span.of(name), kind, str(name), ttype, per_layer, kinds, sspan)
+
+    def ttype(self, meta, c):
+        name = c[0]
+        args = c[1] if len(c) == 3 else ()
+        return TypeExpr(Span.of(name), str(name), tuple(args), tuple(c[-1]))
+
+    def dtype_args(self, meta, c):
+        return tuple(c)
+
+    def dim_list(self, meta, c):
+        return tuple(c)
+
+    def sdim(self, meta, c):
+        axis = str(c[1]) if len(c) > 1 else None
+        return ShapeDim(_span(meta), c[0], axis)
+
+    def stacking(self, meta, c):
+        return (tuple(c[0]) if c else (), _span(meta))
+
+    def name_list(self, meta, c):
+        return tuple(str(t) for t in c)
+
+    def _func(self, kind, meta, c):
+        if kind == "step":
+            params, body = c[0], c[1:]
+            return FuncDef(_span(meta), "step", "step", tuple(params or ()), tuple(body))
+        name, params, body = c[0], c[1], c[2:]
+        return FuncDef(Span.of(name), kind, str(name), tuple(params or ()), tuple(body))
+
+    def block_def(self, meta, c):
+        return self._func("block", meta, c)
+
+    def layer_def(self, meta, c):
+        return self._func("layer", meta, c)
+
+    def step_def(self, meta, c):
+        return self._func("step", meta, c)
+
+    def layers_decl(self, meta, c):
+        return LayersDecl(_span(meta), c[0], tuple(c[1:]))
+
+    def rule_when(self, meta, c):
+        return Rule(Span.of(c[0]), str(c[0]), c[1])
+
+    def rule_otherwise(self, meta, c):
+        return Rule(Span.of(c[0]), str(c[0]), None)
+
+    def assign_stmt(self, meta, c):
+        return AssignStmt(_span(meta), tuple(c[0]), c[1])
+
+    def return_stmt(self, meta, c):
+        return ReturnStmt(_span(meta), tuple(c))
+
+    def _fold(self, meta, c, op):
+        out = c[0]
+        for right in c[1:]:
+            out = BinOp(_span(meta), op, out, right)
+        return out
+
+    def or_expr(self, meta, c):
+        return self._fold(meta, c, "or")
+
+    def and_expr(self, meta, c):
+        return self._fold(meta, c, "and")
+
+    def not_(self, meta, c):
+        return UnOp(_span(meta), "not", c[0])
+
+    def cmp_expr(self, meta, c):
+        return BinOp(_span(meta), str(c[1]), c[0], c[2])
+
+    def binop(self, meta, c):
+        return BinOp(Span.of(c[1]), str(c[1]), c[0], c[2])
+
+    def neg(self, meta, c):
+        return UnOp(_span(meta), "-", c[0])
+
+    def power(self, meta, c):
+        return BinOp(_span(meta), "**", c[0], c[1])
+
+    def int_lit(self, meta, c):
+        return Num(Span.of(c[0]), int(c[0]))
+
+    def float_lit(self, meta, c):
+        return Num(Span.of(c[0]), float(c[0]))
+
+    def true_lit(self, meta, c):
+        return Num(_span(meta), True)
+
+    def false_lit(self, meta, c):
+        return Num(_span(meta), False)
+
+    def name_ref(self, meta, c):
+        return Name(Span.of(c[0]), str(c[0]))
+
+    def call(self, meta, c):
+        name, args = c[0], c[1] or ()
+        pos = tuple(a for a in args if not isinstance(a, Kwarg))
+        kws = tuple(a for a in args if isinstance(a, Kwarg))
+        return Call(_span(meta), str(name), Span.of(name), pos, kws)
+
+    def args(self, meta, c):
+        return tuple(c)
+
+    def kwarg(self, meta, c):
+        return Kwarg(Span.of(c[0]), str(c[0]), c[1])
+
+
+@cache
+def _parser() -> Lark:
+    grammar = (Path(__file__).parent / "grammar.lark").read_text()
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+# Human names for terminals in "expected ..." hints.
+_TERMINAL_NAMES = {
+    "NAME": "a name",
+    "INT": "an integer",
+    "FLOAT": "a number",
+    "LPAR": "`(`",
+    "RPAR": "`)`",
+    "LSQB": "`[`",
+    "RSQB": "`]`",
+    "LBRACE": "`{`",
+    "RBRACE": "`}`",
+    "COMMA": "`,`",
+    "COLON": "`:`",
+    "EQUAL": "`=`",
+    "$END": "end of file",
+}
+
+
+def _describe(terminals) -> str:
+    names = sorted({_TERMINAL_NAMES.get(t, f"`{_literal(t)}`") for t in terminals})
+    return ", ".join(names[:6]) + (" or more" if len(names) > 6 else "")
+
+
+def _literal(term: str) -> str:
+    try:
+        pattern = _parser().get_terminal(term).pattern
+        return pattern.value if pattern.type == "str" else term.lower()
+    except KeyError:
+        return term.lower()
+
+
+def parse(source: str) -> Module:
+    """Parse spec text; raise `SpecError` with one diagnostic for the first syntax error."""
+    try:
+        tree = _parser().parse(source)
+    except lark.exceptions.UnexpectedToken as e:
+        tok = e.token
+        if tok.type == "$END":
+            lines = source.splitlines() or [""]
+            span = Span(len(lines), len(lines[-1]) + 1, 1)
+            msg = "unexpected end of file"
+        else:
+            span = Span(tok.line, tok.column, max(1, len(str(tok))))
+            msg = f"unexpected `{tok}`"
+        raise SpecError([Diagnostic(span, msg, f"expected {_describe(e.expected)}")]) from None
+    except lark.exceptions.UnexpectedCharacters as e:
+        span = Span(e.line, e.column, 1)
+        raise SpecError([Diagnostic(span, f"unexpected character `{e.char}`")]) from None
+    return _ToAst().transform(tree)
+
