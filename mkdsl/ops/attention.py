@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from mkdsl.lazy import jax
-from mkdsl.lazy import jnp
-
 from mkdsl.dtypes import F32
 from mkdsl.ir import TensorType
+from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import (
-    Cost, OpDef, OpError, expect_divides, expect_dtype, expect_float, expect_rank, nbytes, numel,
+    Cost,
+    OpDef,
+    OpError,
+    expect_divides,
+    expect_dtype,
+    expect_float,
+    expect_rank,
+    numel,
     register,
 )
 
@@ -42,7 +47,7 @@ def _rope_infer(args, attrs):
 register(OpDef(
     "rope", ("x", "positions"), _rope_infer,
     lambda x, p, heads, theta: (rope(x, p, heads, theta),),
-    lambda ins, outs, a: Cost(nbytes(ins[0]) + nbytes(ins[1]), nbytes(outs[0]), 6 * numel(outs[0])),
+    lambda ins, outs, a: Cost(flops=6 * numel(outs[0])),
     attrs={"heads": 1, "theta": 10000.0},
     doc="Rotary position embedding (rotate-half pairs) of each head at each row's position."))
 
@@ -99,9 +104,8 @@ def _attention_cost(ins, outs, attrs):
     b, kvh, s, dk = kc.shape
     dv = vc.shape[3]
     cache_read = b * kvh * s * (dk + dv) * (kc.dtype.bits // 8)
-    flops = 2 * b * attrs["heads"] * s * (dk + dv)
-    written = b * kvh * (dk + dv) * (kc.dtype.bits // 8) + nbytes(outs[0])
-    return Cost(nbytes(q) + nbytes(k) + nbytes(v) + cache_read, written, flops)
+    written = b * kvh * (dk + dv) * (kc.dtype.bits // 8)
+    return Cost(state_bytes=cache_read + written, flops=2 * b * attrs["heads"] * s * (dk + dv))
 
 
 register(OpDef(

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from mkdsl.lazy import jax
-from mkdsl.lazy import jnp
-
 from mkdsl.dtypes import F32
-from mkdsl.ops.registry import (
-    REQUIRED, Cost, OpDef, OpError, expect_float, nbytes, numel, register,
-)
 from mkdsl.ir import TensorType
+from mkdsl.lazy import jax, jnp
+from mkdsl.ops.registry import (
+    REQUIRED,
+    Cost,
+    OpDef,
+    OpError,
+    expect_float,
+    numel,
+    register,
+)
 
 
 def _same_shape(args, attrs):
@@ -28,7 +32,7 @@ def _unary(args, attrs):
 
 def _cost(flops_per_elem: int):
     def cost(ins, outs, attrs):
-        return Cost(sum(nbytes(t) for t in ins), nbytes(outs[0]), flops_per_elem * numel(outs[0]))
+        return Cost(flops=flops_per_elem * numel(outs[0]))
 
     return cost
 

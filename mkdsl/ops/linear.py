@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from mkdsl.lazy import jnp
-
 from mkdsl.dtypes import F32
 from mkdsl.ir import TensorType
+from mkdsl.lazy import jnp
 from mkdsl.ops.registry import (
-    Cost, OpDef, OpError, expect_dtype, expect_float, expect_rank, nbytes, register,
+    Cost,
+    OpDef,
+    OpError,
+    expect_dtype,
+    expect_float,
+    expect_rank,
+    nbytes,
+    register,
 )
 from mkdsl.quant import QTensor, dequantize
 
@@ -41,7 +47,7 @@ def _linear_infer(args, attrs):
 def _linear_cost(ins, outs, attrs):
     x, w = ins
     k, n = w.shape
-    return Cost(nbytes(x) + nbytes(w), nbytes(outs[0]), 2 * x.shape[0] * k * n)
+    return Cost(weight_bytes=nbytes(w), flops=2 * x.shape[0] * k * n)
 
 
 register(OpDef(
@@ -63,7 +69,7 @@ def _embedding_infer(args, attrs):
 def _embedding_cost(ins, outs, attrs):
     tokens, table = ins
     row = nbytes(TensorType(table.dtype, (1, table.shape[1])))
-    return Cost(nbytes(tokens) + tokens.shape[0] * row, nbytes(outs[0]), 0)
+    return Cost(weight_bytes=tokens.shape[0] * row)
 
 
 register(OpDef(

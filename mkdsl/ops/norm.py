@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from mkdsl.lazy import jax
-from mkdsl.lazy import jnp
-
 from mkdsl.dtypes import F32
 from mkdsl.ir import TensorType
+from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import (
-    Cost, OpDef, OpError, expect_divides, expect_float, expect_rank, nbytes, numel, register,
+    Cost,
+    OpDef,
+    OpError,
+    expect_divides,
+    expect_float,
+    expect_rank,
+    nbytes,
+    numel,
+    register,
 )
 
 
@@ -38,6 +44,6 @@ def rmsnorm(x, w, eps, heads=1):
 register(OpDef(
     "rmsnorm", ("x", "weight"), _infer,
     lambda x, w, eps, heads: (rmsnorm(x, w, eps, heads),),
-    lambda ins, outs, a: Cost(sum(nbytes(t) for t in ins), nbytes(outs[0]), 4 * numel(outs[0])),
+    lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]), flops=4 * numel(outs[0])),
     attrs={"eps": 1e-5, "heads": 1},
     doc="RMSNorm: x·rsqrt(mean(x²)+eps)·weight, f32; `heads=n` normalises n equal slices."))

@@ -38,14 +38,20 @@ class Operand:
 
 @dataclass(frozen=True)
 class Cost:
-    bytes_read: int = 0
-    bytes_written: int = 0
+    """HBM traffic an op cannot avoid in a fused kernel, and its arithmetic.
+
+    Activations live in VMEM inside the megakernel, so only declared tensors count: weight
+    bytes read (storage bytes, scales included) and state bytes read plus written.
+    """
+
+    weight_bytes: int = 0
+    state_bytes: int = 0
     flops: int = 0
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(
-            self.bytes_read + other.bytes_read,
-            self.bytes_written + other.bytes_written,
+            self.weight_bytes + other.weight_bytes,
+            self.state_bytes + other.state_bytes,
             self.flops + other.flops,
         )
 
@@ -56,7 +62,8 @@ class OpDef:
     operands: tuple[str, ...]
     infer: Callable[..., tuple[TensorType, ...]]  # (operands, attrs) -> output types
     reference: Callable  # (*arrays, **attrs) -> outputs (+ new values of `inout` operands)
-    cost: Callable[..., Cost]  # (operand types, output types, attrs), all dims concrete
+    cost: Callable[..., Cost]  # (operand types, output types, attrs), all dims concrete;
+    # for a state operand the type's sequence dims hold the tokens actually read
     attrs: dict[str, object] = field(default_factory=dict)  # name -> default or REQUIRED
     inout: tuple[str, ...] = ()  # operands that must be state tensors; updated in place
     outputs: int = 1

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from mkdsl.lazy import jax
-from mkdsl.lazy import jnp
-
 from mkdsl.dtypes import F32, I32
 from mkdsl.ir import TensorType
+from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import (
-    REQUIRED, Cost, OpDef, OpError, expect_float, expect_rank, nbytes, register,
+    REQUIRED,
+    Cost,
+    OpDef,
+    OpError,
+    expect_float,
+    expect_rank,
+    register,
 )
 
 
@@ -32,7 +36,7 @@ def topk(x, k):
 
 register(OpDef(
     "topk", ("x",), _topk_infer, topk,
-    lambda ins, outs, a: Cost(nbytes(ins[0]), nbytes(outs[0]) + nbytes(outs[1]), 0),
+    lambda ins, outs, a: Cost(flops=ins[0].shape[0] * ins[0].shape[1] * a["k"]),
     attrs={"k": REQUIRED}, outputs=2,
     doc="(values, indices) of the k largest entries of each row; ties to the lower index."))
 
@@ -47,5 +51,5 @@ def _argmax_infer(args, attrs):
 register(OpDef(
     "argmax", ("x",), _argmax_infer,
     lambda x: (jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32),),
-    lambda ins, outs, a: Cost(nbytes(ins[0]), nbytes(outs[0]), 0),
+    lambda ins, outs, a: Cost(flops=ins[0].shape[0] * ins[0].shape[1]),
     doc="Index of each row's largest entry (the first on ties): greedy next token."))
