@@ -31,6 +31,15 @@ class DimRange:
 
 
 @dataclass(frozen=True)
+class Hint:
+    """A schedule hint from the spec's `hints` section; the span lets the planner blame it."""
+
+    name: str
+    value: int
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
 class Tensor:
     """A declared weight or state tensor.
 
@@ -102,13 +111,16 @@ class Model:
     schedule: tuple[str, ...]  # layer kind of each layer index
     step: Graph  # inputs tokens/positions; calls the layer stack through a `layers` node
     inputs: tuple[Value, ...]
-    hints: tuple[tuple[str, int], ...]
+    hints: tuple[Hint, ...]
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)
 
     def kind(self, name: str) -> Graph:
         return next(k for k in self.kinds if k.name == name)
+
+    def hint(self, name: str) -> Hint | None:
+        return next((h for h in self.hints if h.name == name), None)
 
     @property
     def const(self) -> dict[str, int | float | bool]:

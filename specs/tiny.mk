@@ -5,7 +5,7 @@ const L = 2
 const H = 128
 const NH = 2
 const NKV = 1
-const D = 64
+const D = 128
 const F = 256
 const V = 256
 

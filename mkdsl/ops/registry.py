@@ -68,6 +68,9 @@ class OpDef:
     inout: tuple[str, ...] = ()  # operands that must be state tensors; updated in place
     outputs: int = 1
     doc: str = ""
+    # TPU lowering of an elementwise op: a jnp expression over `{operand}` values (f32 arrays)
+    # and `{attr}` literals. Ops with more structure have a macro in backends/tpu/templates/ops.jinja.
+    kernel_expr: str | None = None
 
 
 OPS: dict[str, OpDef] = {}

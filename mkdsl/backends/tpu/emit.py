@@ -1,0 +1,261 @@
+"""Emit the Pallas TPU megakernel module for a planned model, through Jinja2 templates.
+
+emit.py decides names and prepares one small record per IR node; the templates hold all the
+code text (module.py.jinja: the module and kernel skeleton; ops.jinja: one macro per op;
+runtime.py.jinja: the building blocks every generated module carries).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import jinja2
+
+from mkdsl import __version__
+from mkdsl.diagnostics import Diagnostic, SpecError
+from mkdsl.ir import Graph, Model, Node, Ref
+from mkdsl.ops import OPS
+from mkdsl.plan.planner import KV_SLOTS, ROW_TILE, buffer_of, value_buffer
+from mkdsl.plan.types import Alloc, Plan
+
+TEMPLATES = Path(__file__).parent / "templates"
+_MACROS = {"linear", "rmsnorm", "rope", "attention", "embedding", "argmax"}
+
+
+@cache
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+    )
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the spec lives, for the header and the per-phase comments."""
+
+    path: str
+    text: str
+    sha256: str
+
+    def line(self, n: int) -> str:
+        lines = self.text.splitlines()
+        return lines[n - 1].strip() if 1 <= n <= len(lines) else ""
+
+
+def emit_module(model: Model, plan: Plan, source: Source) -> str:
+    """The generated kernel module's text (deterministic: same inputs, same bytes)."""
+    return _Emitter(model, plan, source).render()
+
+
+class _Emitter:
+    def __init__(self, model: Model, plan: Plan, source: Source):
+        self.m, self.plan, self.src = model, plan, source
+        self.errors: list[Diagnostic] = []
+        self.slot_tables: dict[tuple[int, ...], str] = {}
+        self.attentions: list[dict] = []
+        self.rope_tables: dict[tuple[int, float], str] = {}
+        self.casts: set[str] = set()
+
+    # ------------------------------------------------------------------ names
+
+    def stream_const(self, seq: str, st) -> str:
+        return f"S_{seq}_{st.node}".upper()
+
+    def slot_expr(self, tensor: str, layer: str) -> str:
+        t = self.m.tensor(tensor)
+        if not t.stacked:
+            return "0"
+        if t.slots == tuple(range(len(self.m.schedule))):
+            return layer
+        if t.slots not in self.slot_tables:
+            self.slot_tables[t.slots] = f"slots{len(self.slot_tables)}"
+        return f"{self.slot_tables[t.slots]}_ref[{layer}]"
+
+    # ------------------------------------------------------------------ nodes
+
+    def lower_body(self, g: Graph, nodes, seq: str) -> list[dict]:
+        """Lowered nodes in order; each spec line is quoted once, above its first node."""
+        out, last = [], None
+        for node in nodes:
+            n = self.lower_node(g, node, seq)
+            n["comment"] = node.span.line != last
+            last = node.span.line
+            out.append(n)
+        return out
+
+    def lower_node(self, g: Graph, node: Node, seq: str) -> dict:
+        n = {"op": node.op, "line": node.span.line, "source": self.src.line(node.span.line)}
+        ins = [self.operand(g, r) for r in node.inputs]
+        out = value_buffer(g.name, node.outputs[0].name) if node.outputs else None
+        n["out"] = out
+        op = OPS[node.op]
+        if node.op == "linear":
+            st = self.plan.sequence(seq).stream(node.outputs[0].name)
+            xb = f"{ins[0]}_bf16"
+            n.update(x=ins[0], xb=xb, cast=xb not in self.casts, stream=self.stream_const(seq, st),
+                     slot=self.slot_expr(st.tensor, "li"), base="base")
+            self.casts.add(xb)
+        elif node.op == "rmsnorm":
+            n.update(x=ins[0], w=f"res_{node.inputs[1].name}", slot=self.slot_expr(node.inputs[1].name, "li"),
+                     eps=repr(float(node.attr["eps"])), heads=node.attr["heads"])
+        elif node.op == "rope":
+            width = self.value_width(g, node.inputs[0])
+            d = width // node.attr["heads"]
+            key = (d, float(node.attr["theta"]))
+            if key not in self.rope_tables:
+                self.rope_tables[key] = f"rope{len(self.rope_tables)}"
+            n.update(x=ins[0], table=self.rope_tables[key], heads=node.attr["heads"])
+        elif node.op == "attention":
+            n.update(self.attention(node, ins))
+        elif node.op == "embedding":
+            n.update(table=node.inputs[1].name, block="emb_block")
+        elif node.op == "argmax":
+            width = self.value_width(g, node.inputs[0])
+            n.update(x=ins[0], chunk=_chunk(width))
+        elif op.kernel_expr is not None:
+            values = {name: f"r.{b}[...]" for name, b in zip(op.operands, ins, strict=True)}
+            attrs = {k: repr(float(v)) if isinstance(v, float) else repr(v) for k, v in node.attr.items()}
+            n["op"] = "elementwise"
+            n["expr"] = op.kernel_expr.format(**values, **attrs)
+        else:
+            self.errors.append(Diagnostic(node.span, f"op `{node.op}` has no TPU lowering yet"))
+        return n
+
+    def operand(self, g: Graph, ref: Ref) -> str:
+        if ref.kind == "value":
+            return buffer_of(self.m, g, ref)
+        return ref.name
+
+    def value_width(self, g: Graph, ref: Ref) -> int:
+        from mkdsl.elaborate import graph_value_type
+
+        return graph_value_type(g, ref).shape[1]
+
+    def attention(self, node: Node, ins: list[str]) -> dict:
+        i = len(self.attentions)
+        kc, vc = self.m.tensor(node.inputs[3].name), self.m.tensor(node.inputs[4].name)
+        _, kvh, _, dk = kc.type.shape
+        dv = vc.type.shape[3]
+        scale = node.attr["scale"] if node.attr["scale"] is not None else dk**-0.5
+        names = {key: f"att{i}_{key}" for key in ("q2d", "k2d", "v2d", "o2d", "ktiles", "vtiles", "m", "l", "acc", "wb",
+                                                   "kv_sem", "wb_sem")}
+        names.update(k_cache=kc.name, v_cache=vc.name, k_cache_out=f"{kc.name}_out", v_cache_out=f"{vc.name}_out")
+        obj = f"attention{i}"
+        self.attentions.append(dict(obj=obj, heads=node.attr["heads"], kv_heads=kvh, dk=dk, dv=dv,
+                                    scale=repr(float(scale)), names=repr(names)))
+        return dict(obj=obj, slot=self.slot_expr(kc.name, "li"), q=ins[0], k=ins[1], v=ins[2])
+
+    # ------------------------------------------------------------------ module
+
+    def sequences(self) -> list[dict]:
+        out = []
+        for seq in self.plan.sequences:
+            streams = []
+            for st in seq.streams:
+                streams.append(dict(const=self.stream_const(seq.name, st), ref=st.tensor, k=st.k, n=st.n, tk=st.tk,
+                                    tn=st.tn, start=st.start, stacked=st.stacked, line=st.line,
+                                    slot_expr_issue=self.slot_expr(st.tensor, "layer")))
+            out.append(dict(name=seq.name, const=f"{seq.name.upper()}_TILES", tiles=seq.tiles, streams=streams))
+        return out
+
+    def render(self) -> str:
+        m, plan = self.m, self.plan
+        seqs = {s["name"]: s for s in self.sequences()}
+        kinds = []
+        for k in m.kinds:
+            body = self.lower_body(k, k.nodes, k.name)
+            results = [dict(buf=f"carry{i}", value=buffer_of(m, k, r)) for i, r in enumerate(k.results)]
+            results = [r for r in results if r["buf"] != r["value"]]
+            kinds.append(dict(name=k.name, line=k.span.line, body=body, results=results, **{
+                key: seqs[k.name][key] for key in ("streams", "const", "tiles")}))
+        cut = next(i for i, n in enumerate(m.step.nodes) if n.op == "layers")
+        prologue = self.lower_body(m.step, m.step.nodes[:cut], "epilogue")
+        layers = m.step.nodes[cut]
+        carries = [dict(buf=f"carry{i}", init=self.operand(m.step, r)) for i, r in enumerate(layers.inputs)]
+        epilogue = dict(seqs["epilogue"], body=self.lower_body(m.step, m.step.nodes[cut + 1 :], "epilogue"))
+        if self.errors:
+            raise SpecError(self.errors)
+        tiles_of_kind = self.tiles_of_kind(kinds)
+        layer_kind = [[k.name for k in m.kinds].index(name) for name in m.schedule]
+        base, bases = 0, []
+        for name in m.schedule:
+            bases.append(base)
+            base += seqs[name]["tiles"]
+        bases.append(base)
+        weights = [w for w in m.weights]
+        context = dict(
+            version=__version__, spec_path=self.src.path, spec_sha=self.src.sha256, profile=m.profile, model=m.name,
+            num_layers=len(m.schedule), ring_depth=plan.ring_depth, bank=plan.bank, kv_tile=plan.kv_tile,
+            kv_slots=KV_SLOTS, row_tile=ROW_TILE, batch_range=(m.dims[0].low, m.dims[0].high),
+            vmem_limit=vmem_limit(plan), kinds=kinds, layer_kind=repr(layer_kind), layer_base=repr(bases),
+            slot_tables=[dict(name=name, values=repr(list(slots)), users=", ".join(
+                t.name for t in m.tensors if t.stacked and t.slots == slots)) for slots, name in self.slot_tables.items()],
+            weights=[dict(name=w.name, shape=repr(tuple(w.full_shape)), dtype=w.type.dtype.numpy) for w in weights],
+            states=[self.state(s) for s in m.states],
+            sequences=list(seqs.values()), epilogue=epilogue, tiles_of_kind=tiles_of_kind,
+            hbm_inputs=[w.name for w in weights if len(w.type.shape) >= 2],
+            vmem_inputs=[w.name for w in weights if len(w.type.shape) == 1],
+            scratch=[dict(name=a.name, ctor=_ctor(a)) for a in plan.vmem if a.scratch],
+            attentions=self.attentions,
+            resident=[dict(name=w.name, scratch=f"res_{w.name}") for w in weights if len(w.type.shape) == 1],
+            rope_tables=[dict(name=name, d=d, theta=repr(theta)) for (d, theta), name in self.rope_tables.items()],
+            prologue=prologue, carries=carries,
+            logits=self.operand(m.step, m.step.results[0]), next_tokens=self.operand(m.step, m.step.results[1]),
+            vocab=_vocab(m),
+        )
+        return _env().get_template("module.py.jinja").render(**context)
+
+    def tiles_of_kind(self, kinds: list[dict]) -> str:
+        if len(kinds) == 1:
+            return kinds[0]["const"]
+        kind = "layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]"
+        expr = kinds[-1]["const"]
+        for i, k in reversed(list(enumerate(kinds[:-1]))):
+            expr = f"jnp.where({kind} == {i}, {k['const']}, {expr})"
+        return expr
+
+    def state(self, t) -> dict:
+        dims = [d.name for d in self.m.dims]
+        names = {dims[0]: "batch", **({dims[1]: "seq_len"} if len(dims) > 1 else {})}
+        shape = [names.get(d, d) if isinstance(d, str) else d for d in t.full_shape]
+        expr = "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+        doc = "(" + ", ".join(f'"{d}"' if isinstance(d, str) else str(d) for d in shape) + ")"
+        return dict(name=t.name, shape_expr=expr, shape_doc=doc, dtype=t.type.dtype.numpy)
+
+
+def _vocab(m: Model) -> int:
+    from mkdsl.elaborate import graph_value_type
+
+    return graph_value_type(m.step, m.step.results[0]).shape[1]
+
+
+def _chunk(width: int) -> int:
+    """Columns scanned per step of an in-kernel reduction: a lane-aligned divisor of `width`."""
+    if width % 128:
+        return width
+    best = 128
+    for c in range(128, min(width, 2048) + 1, 128):
+        if width % c == 0:
+            best = c
+    return best
+
+
+def _ctor(a: Alloc) -> str:
+    shape = ", ".join(str(d) for d in a.shape) + ("," if len(a.shape) == 1 else "")
+    if a.memory == "SEM":
+        return f"pltpu.SemaphoreType.DMA(({shape}))"
+    ctor = "pltpu.VMEM" if a.memory == "VMEM" else "pltpu.SMEM"
+    return f"{ctor}(({shape}), jnp.{a.dtype})"
+
+
+def vmem_limit(plan: Plan) -> int:
+    """The compiler's VMEM limit: the planned total plus headroom for Mosaic's own scratch, capped."""
+    return int(min(64 << 20, max(plan.vmem_cap, math.ceil(plan.vmem_total / (1 << 20)) * (1 << 20) + (4 << 20))))

@@ -1,0 +1,376 @@
+"""The planner: named passes from the graph IR to a `Plan`, run in a visible sequence.
+
+    pad_rows -> tile_streams -> size_ring -> allocate_vmem -> check_budget
+             -> count_traffic -> model_time
+
+Every decision has a default good enough that a spec needs no `hints` section; hints
+override them and are checked here, with diagnostics that point at the hint's line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
+from mkdsl.ir import Graph, Model, Node, TensorType
+from mkdsl.ops import OPS, Cost
+from mkdsl.plan import cost_model
+from mkdsl.plan.types import Alloc, Plan, Sequence, Stream, TensorTraffic
+from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
+
+ROW_TILE = 16  # rows padded to the bf16 sublane tile, so matmul inputs are tile-aligned
+TILE_K = 2048  # weight tile rows (a multiple of 16, the bf16 sublane tile)
+TILE_N = 512  # weight tile columns (a multiple of 128 lanes)
+RING_BYTES = 24 * MIB  # default share of VMEM for weight tiles in flight
+KV_TILE = 256  # tokens per KV tile (256-token tiles beat 128 on TPU7x, per a public kernel)
+KV_SLOTS = 3  # KV tiles in flight
+MAX_RING_DEPTH = 16
+
+_NUMPY = {"f32": "float32", "bf16": "bfloat16", "i32": "int32", "fp8_e4m3": "float8_e4m3fn",
+          "fp8_e5m2": "float8_e5m2"}
+
+
+@dataclass
+class _State:
+    """What the passes build up; frozen into a `Plan` at the end."""
+
+    model: Model
+    batch: int
+    context: int
+    rows: int = 0
+    tile_k: int = TILE_K
+    tile_n: int = TILE_N
+    kv_tile: int = KV_TILE
+    depth: int = 0
+    bank: tuple[int, int] = (0, 0)
+    sequences: list[Sequence] = field(default_factory=list)
+    vmem: list[Alloc] = field(default_factory=list)
+    spans: dict[str, Span] = field(default_factory=dict)  # alloc name -> spec span to blame
+    cap: int = DEFAULT_CAP
+    errors: list[Diagnostic] = field(default_factory=list)
+
+    def hint(self, name: str, default: int) -> int:
+        h = self.model.hint(name)
+        return default if h is None else h.value
+
+    def hint_span(self, name: str) -> Span:
+        h = self.model.hint(name)
+        return h.span if h else NOWHERE
+
+
+def make_plan(model: Model, batch: int = 1, context: int | None = None) -> Plan:
+    """Plan the decode step for `batch` rows reading `context` cached tokens each."""
+    s = _State(model, batch, context if context is not None else default_context(model))
+    for step in (pad_rows, tile_streams, size_ring, allocate_vmem, check_budget):
+        step(s)
+        if s.errors:
+            raise SpecError(s.errors)
+    traffic, flops = count_traffic(s)
+    sched_bytes, dmas = schedule_traffic(s)
+    timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic)
+    return Plan(
+        model=model.name, profile=model.profile, batch=batch, rows=s.rows, context=s.context,
+        ring_depth=s.depth, bank=s.bank, kv_tile=s.kv_tile, sequences=tuple(s.sequences),
+        vmem=tuple(s.vmem), vmem_cap=s.cap, traffic=traffic, schedule_bytes=sched_bytes,
+        dma_count=dmas, flops=flops, timing=timing,
+    )
+
+
+def default_context(model: Model) -> int:
+    """Traffic figures assume a cache filled to a quarter of its largest length, capped at 4096."""
+    seq = next((d for d in model.dims[1:]), None)
+    return min(4096, seq.high // 4) if seq else 0
+
+
+# ---------------------------------------------------------------------------- passes
+
+
+def pad_rows(s: _State) -> None:
+    rows = next(iter(s.model.dims))
+    if not rows.low <= s.batch <= rows.high:
+        s.errors.append(Diagnostic(NOWHERE, f"batch {s.batch} is outside `{rows.name}` in {rows.low} .. {rows.high}"))
+    s.rows = -(-s.batch // ROW_TILE) * ROW_TILE
+
+
+def _divisor_tile(total: int, cap: int, align: int) -> int | None:
+    """The largest multiple of `align` that divides `total` and is at most `cap`."""
+    if total <= cap and total % align == 0:
+        return total
+    best = None
+    for t in range(align, min(total, cap) + 1, align):
+        if total % t == 0:
+            best = t
+    return best
+
+
+def streamed_linears(graph: Graph, model: Model) -> list[Node]:
+    """The `linear` nodes whose weight is a declared rank-2 matrix: each becomes a stream."""
+    return [n for n in graph.nodes if n.op == "linear" and n.inputs[1].kind == "tensor"]
+
+
+def tile_streams(s: _State) -> None:
+    """Cut every streamed matrix into [tk, tn] tiles; one tile sequence per layer kind."""
+    s.tile_n = s.hint("tile_n", TILE_N)
+    if s.tile_n % 128:
+        s.errors.append(Diagnostic(s.hint_span("tile_n"), f"tile_n must be a multiple of 128 lanes, got {s.tile_n}"))
+        return
+    graphs = [*s.model.kinds, _epilogue(s.model)]
+    for g in graphs:
+        streams, start = [], 0
+        for node in streamed_linears(g, s.model):
+            t = s.model.tensor(node.inputs[1].name)
+            k, n = t.type.shape
+            if t.type.dtype.quantised:
+                s.errors.append(Diagnostic(node.span, f"streaming {t.type.dtype} weight `{t.name}` is not supported yet"))
+                continue
+            tk = _divisor_tile(k, s.tile_k, 16)
+            tn = _divisor_tile(n, s.tile_n, 128)
+            if tk is None or tn is None:
+                what = f"{k} rows" if tk is None else f"{n} columns"
+                need = "a multiple of 16" if tk is None else "a multiple of 128"
+                s.errors.append(Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}"))
+                continue
+            stream = Stream(t.name, node.outputs[0].name, k, n, tk, tn, start, t.stacked, node.span.line)
+            streams.append(stream)
+            start += stream.tiles
+        s.sequences.append(Sequence(g.name, tuple(streams)))
+
+
+def _epilogue(model: Model) -> Graph:
+    """The step's nodes after the layer stack (final norm, lm_head, sampling)."""
+    nodes = model.step.nodes
+    cut = next((i for i, n in enumerate(nodes) if n.op == "layers"), -1) + 1
+    return Graph("epilogue", (), nodes[cut:], model.step.results, model.step.span)
+
+
+def all_streams(s) -> list[Stream]:
+    return [st for seq in s.sequences for st in seq.streams]
+
+
+def bank_bytes(s: _State) -> int:
+    return padded_bytes((1, *s.bank), "bfloat16")
+
+
+def size_ring(s: _State) -> None:
+    """One ring of equal bf16 banks, each big enough for the largest tile."""
+    streams = all_streams(s)
+    s.bank = (max((t.tk for t in streams), default=16), max((t.tn for t in streams), default=128))
+    default = max(3, min(MAX_RING_DEPTH, RING_BYTES // bank_bytes(s)))
+    s.depth = s.hint("ring_depth", default)
+    if s.depth < 2:
+        s.errors.append(Diagnostic(s.hint_span("ring_depth"), f"ring_depth must be at least 2, got {s.depth}"))
+    s.kv_tile = s.hint("kv_tile", KV_TILE)
+    cap_mib = s.hint("vmem_cap_mib", DEFAULT_CAP // MIB)
+    if not 1 <= cap_mib <= VMEM_PER_CORE // MIB:
+        s.errors.append(Diagnostic(s.hint_span("vmem_cap_mib"), f"vmem_cap_mib must be in 1 .. {VMEM_PER_CORE // MIB}, got {cap_mib}"))
+    s.cap = cap_mib * MIB
+
+
+def _alloc(s: _State, name: str, shape: tuple, dtype: str, purpose: str, span: Span, memory: str = "VMEM",
+           scratch: bool = True):
+    """Record one kernel buffer. Dims may be expressions in `rows` and `batch` (sized at build time)."""
+    seq = s.model.dims[1].high if len(s.model.dims) > 1 else 1
+    concrete = tuple(eval_dim(d, rows=s.rows, batch=s.batch, seq_tiles=max(1, seq // s.kv_tile)) for d in shape)
+    if memory == "VMEM":
+        size = padded_bytes(concrete, dtype)
+    elif memory == "SMEM":
+        size = 4 * math.prod(concrete)
+    else:
+        size = 0
+    s.vmem.append(Alloc(name, tuple(shape), dtype, size, purpose, span.line, memory, scratch))
+    s.spans[name] = span
+
+
+def eval_dim(d, **sizes) -> int:
+    """A buffer dim: an int, or a planner-written expression such as "4 * rows"."""
+    return d if isinstance(d, int) else int(eval(d, {"__builtins__": {}}, sizes))  # noqa: S307
+
+
+def value_buffer(graph: str, value: str) -> str:
+    return f"{graph}_{value}"
+
+
+def allocate_vmem(s: _State) -> None:
+    """Every buffer and semaphore the kernel uses, named as the emitter names them."""
+    m = s.model
+    ring_span = s.hint_span("ring_depth") if m.hint("ring_depth") else NOWHERE
+    _alloc(s, "ring", (s.depth, *s.bank), "bfloat16", f"weight ring: {s.depth} banks of [{s.bank[0]}, {s.bank[1]}]", ring_span)
+    _alloc(s, "ring_sem", (s.depth,), "dma", "weight ring semaphores", ring_span, "SEM")
+    _alloc(s, "cursor", (2,), "int32", "tile issue cursor (layer, first tile)", NOWHERE, "SMEM")
+    for t in m.weights:
+        if len(t.type.shape) == 1:  # norm weights and other vectors stay resident in VMEM
+            shape = (t.stack if t.stacked else 1, t.type.shape[0])
+            _alloc(s, t.name, shape, "bfloat16", f"`{t.name}` (a kernel input in VMEM)", t.span, scratch=False)
+            _alloc(s, f"res_{t.name}", shape, "float32", f"`{t.name}` resident in VMEM (f32)", t.span)
+    logits = m.step.results[0]
+    vocab = _type_of(m, m.step, logits).shape[1]
+    _alloc(s, "logits", ("batch", vocab), "float32", "output: logits", m.step.span, scratch=False)
+    _alloc(s, "next_tokens", ("batch", 1), "int32", "output: next tokens", m.step.span, scratch=False)
+    carry = next((n for n in m.step.nodes if n.op == "layers"), None)
+    if carry is not None:
+        for i, v in enumerate(carry.outputs):
+            _alloc(s, f"carry{i}", ("rows", v.type.shape[1]), "float32", "value carried across layers", carry.span)
+    casts: set[str] = set()
+    attention_ops = 0
+    for g in [*m.kinds, m.step]:
+        for node in g.nodes:
+            if node.op == "layers":
+                continue
+            for v in node.outputs:
+                if len(v.type.shape) == 2:
+                    dtype = "float32" if v.type.dtype.float else "int32"
+                    _alloc(s, value_buffer(g.name, v.name), ("rows", v.type.shape[1]), dtype, f"`{v.name}` ({node.op})", node.span)
+                elif len(v.type.shape) == 1:
+                    _alloc(s, value_buffer(g.name, v.name), ("rows", 1), "int32", f"`{v.name}` ({node.op})", node.span)
+            if node.op == "linear":
+                src = buffer_of(m, g, node.inputs[0])
+                if src not in casts:
+                    casts.add(src)
+                    k = m.tensor(node.inputs[1].name).type.shape[0]
+                    _alloc(s, f"{src}_bf16", ("rows", k), "bfloat16", "matmul input (bf16)", node.span)
+            if node.op == "embedding":
+                width = m.tensor(node.inputs[1].name).type.shape[1]
+                _alloc(s, "emb_block", ("batch", 16, width), "bfloat16", "embedding row blocks", node.span)
+                _alloc(s, "emb_sem", (1,), "dma", "embedding semaphore", node.span, "SEM")
+            if node.op == "attention":
+                _allocate_attention(s, attention_ops, node)
+                attention_ops += 1
+    if attention_ops:
+        _alloc(s, "kv_row", ("batch * seq_tiles",), "int32", "KV tile table: row", NOWHERE, "SMEM")
+        _alloc(s, "kv_t0", ("batch * seq_tiles",), "int32", "KV tile table: first token", NOWHERE, "SMEM")
+        _alloc(s, "kv_n", (1,), "int32", "KV tile count", NOWHERE, "SMEM")
+        _alloc(s, "wb_pending", (attention_ops,), "int32", "KV write-backs in flight", NOWHERE, "SMEM")
+
+
+def _allocate_attention(s: _State, i: int, node: Node) -> None:
+    m = s.model
+    kc, vc = m.tensor(node.inputs[3].name), m.tensor(node.inputs[4].name)
+    _, kvh, _, dk = kc.type.shape
+    dv = vc.type.shape[3]
+    heads = node.attr["heads"]
+    span = node.span
+    if dk != dv:
+        s.errors.append(Diagnostic(span, f"attention with key width {dk} != value width {dv} has no TPU lowering yet"))
+    for name, rows, d in (("q2d", heads, dk), ("k2d", kvh, dk), ("v2d", kvh, dv), ("o2d", heads, dv)):
+        _alloc(s, f"att{i}_{name}", (f"{rows} * rows", d), "float32", f"attention {name[0]}, head-major", span)
+    for name, d in (("ktiles", dk), ("vtiles", dv)):
+        _alloc(s, f"att{i}_{name}", (KV_SLOTS, kvh, s.kv_tile, d), "bfloat16",
+               f"KV tiles in flight ({KV_SLOTS} x {s.kv_tile} tokens)", span)
+    _alloc(s, f"att{i}_m", (heads, 1), "float32", "online softmax max", span)
+    _alloc(s, f"att{i}_l", (heads, 1), "float32", "online softmax sum", span)
+    _alloc(s, f"att{i}_acc", (heads, dv), "float32", "online softmax accumulator", span)
+    _alloc(s, f"att{i}_wb", (2, "batch", kvh, 16, dk), "bfloat16", "new-token blocks written back", span)
+    _alloc(s, f"att{i}_kv_sem", (2, KV_SLOTS), "dma", "KV tile semaphores", span, "SEM")
+    _alloc(s, f"att{i}_wb_sem", (1,), "dma", "write-back semaphore", span, "SEM")
+
+
+def buffer_of(m: Model, g: Graph, ref) -> str:
+    """The kernel buffer holding an IR value: a layer's parameters live in the carry buffers."""
+    for i, p in enumerate(g.params):
+        if p.name == ref.name:
+            return f"carry{i}"
+    if g.name == "step":
+        layers = next((n for n in g.nodes if n.op == "layers"), None)
+        if layers is not None:
+            for i, v in enumerate(layers.outputs):
+                if v.name == ref.name:
+                    return f"carry{i}"
+    return value_buffer(g.name, ref.name)
+
+
+def check_budget(s: _State) -> None:
+    total = sum(a.bytes for a in s.vmem if a.memory == "VMEM")
+    if total <= s.cap:
+        return
+    worst = max((a for a in s.vmem if a.memory == "VMEM"), key=lambda a: a.bytes)
+    span = s.spans[worst.name]
+    s.errors.append(Diagnostic(
+        span,
+        f"VMEM budget exceeded: the plan needs {mib(total)} of the {mib(s.cap)} cap; the largest allocation is "
+        f"{worst.purpose} `{worst.name}` {list(worst.shape)} {worst.dtype} = {mib(worst.bytes)}",
+        "lower `ring_depth` or `tile_n` in `hints`, or raise `vmem_cap_mib` (at most 64)",
+    ))
+
+
+# ---------------------------------------------------------------------------- traffic
+
+
+def _concrete(t: TensorType, sizes: dict[str, int]) -> TensorType:
+    return TensorType(t.dtype, tuple(sizes.get(d, d) if isinstance(d, str) else d for d in t.shape))
+
+
+def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], int]:
+    """Bytes each declared tensor must move per step, and the flops, from the op costs."""
+    m = s.model
+    dims = [d.name for d in m.dims]
+    read_sizes = {dims[0]: s.batch, **{d: s.context + 1 for d in dims[1:]}}
+    flop_sizes = {dims[0]: s.rows, **{d: s.context + 1 for d in dims[1:]}}
+    per_tensor: dict[str, int] = {t.name: 0 for t in m.tensors}
+    flops = 0
+
+    def visit(graph: Graph) -> None:
+        nonlocal flops
+        for node in graph.nodes:
+            if node.op == "layers":
+                for kind in m.schedule:
+                    visit(m.kind(kind))
+                continue
+            op = OPS[node.op]
+            types = [_type_of(m, graph, r) for r in node.inputs]
+            outs = [v.type for v in node.outputs]
+            c: Cost = op.cost([_concrete(t, read_sizes) for t in types], [_concrete(t, read_sizes) for t in outs], node.attr)
+            flops += op.cost([_concrete(t, flop_sizes) for t in types], [_concrete(t, flop_sizes) for t in outs], node.attr).flops
+            tensors = [r.name for r in node.inputs if r.kind == "tensor"]
+            weights = [n for n in tensors if m.tensor(n).kind == "weight"]
+            states = [n for n in tensors if m.tensor(n).kind == "state"]
+            if weights:
+                per_tensor[weights[0]] += c.weight_bytes
+            for n in states:
+                per_tensor[n] += c.state_bytes // len(states)
+
+    visit(m.step)
+    traffic = tuple(TensorTraffic(t.name, t.kind, per_tensor[t.name]) for t in m.tensors)
+    return traffic, flops
+
+
+def _type_of(m: Model, graph: Graph, ref) -> TensorType:
+    from mkdsl.elaborate import graph_value_type
+
+    if ref.kind == "tensor":
+        return m.tensor(ref.name).type
+    if ref.kind == "input":
+        return next(v.type for v in m.inputs if v.name == ref.name)
+    return graph_value_type(graph, ref)
+
+
+def schedule_traffic(s: _State) -> tuple[int, int]:
+    """Bytes the schedule moves per step (tiles, KV tiles, resident vectors, gathers) and DMAs."""
+    m = s.model
+    total, dmas = 0, 0
+    per_kind = {seq.name: seq for seq in s.sequences}
+    for kind in m.schedule:
+        seq = per_kind[kind]
+        total += sum(t.k * t.n * 2 for t in seq.streams)
+        dmas += seq.tiles
+    epi = per_kind["epilogue"]
+    total += sum(t.k * t.n * 2 for t in epi.streams)
+    dmas += epi.tiles
+    total += sum(a.bytes // 2 for a in s.vmem if a.purpose.startswith("resident vector"))  # bf16 in HBM
+    kv_tiles = -(-(s.context + 1) // s.kv_tile)
+    for kind in m.schedule:
+        for node in m.kind(kind).nodes:
+            if node.op == "attention":
+                kc = m.tensor(node.inputs[3].name)
+                vc = m.tensor(node.inputs[4].name)
+                _, kvh, _, dk = kc.type.shape
+                dv = vc.type.shape[3]
+                total += s.batch * kv_tiles * s.kv_tile * kvh * (dk + dv) * 2
+                total += s.batch * kvh * 16 * (dk + dv) * 2  # the new token's aligned block written back
+                dmas += s.batch * (2 * kv_tiles + 2)
+    emb = [n for n in m.step.nodes if n.op == "embedding"]
+    for node in emb:
+        t = m.tensor(node.inputs[1].name)
+        total += s.batch * 16 * t.type.shape[1] * 2
+        dmas += s.batch
+    return total, dmas

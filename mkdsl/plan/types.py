@@ -1,0 +1,132 @@
+"""Plan IR: what the planner decided, in a form the emitter and the report both read.
+
+Frozen dataclasses that serialise to plain JSON (`as_dict`), so a plan can be diffed and
+inspected without mkdsl.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A weight matrix streamed through the ring as [tk, tn] tiles, n-major then k.
+
+    `start` is its first tile's index within its sequence (one layer kind, or the epilogue).
+    """
+
+    tensor: str
+    node: str  # the IR value the matmul produces
+    k: int
+    n: int
+    tk: int
+    tn: int
+    start: int
+    stacked: bool
+    line: int  # spec line of the op call
+
+    @property
+    def nk(self) -> int:
+        return self.k // self.tk
+
+    @property
+    def nn(self) -> int:
+        return self.n // self.tn
+
+    @property
+    def tiles(self) -> int:
+        return self.nk * self.nn
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """The tiles one layer kind (or the epilogue after the last layer) consumes, in order."""
+
+    name: str
+    streams: tuple[Stream, ...]
+
+    @property
+    def tiles(self) -> int:
+        return sum(s.tiles for s in self.streams)
+
+    def stream(self, node: str) -> Stream:
+        return next(s for s in self.streams if s.node == node)
+
+
+@dataclass(frozen=True)
+class Alloc:
+    """One VMEM (or SMEM) allocation with the bytes Mosaic's tiling makes it occupy."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    purpose: str
+    line: int  # spec line that caused it (0: the planner's own)
+    memory: str = "VMEM"  # VMEM | SMEM | SEM (a DMA semaphore array)
+    scratch: bool = True  # False: a kernel input or output block that lives in VMEM
+
+
+@dataclass(frozen=True)
+class TensorTraffic:
+    name: str
+    kind: str  # weight | state
+    bytes: int  # per step, as the op costs say it must move
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Modeled figures (no TPU measured them): the HBM floor and the schedule's time."""
+
+    hbm_bytes_per_s: float
+    floor_us: float
+    stream_us: float  # bytes the schedule moves / bandwidth
+    mxu_us: float
+    fixed_us: float  # kernel entry, pipeline fill, drain
+    bubble_us: float  # per-layer waits the schedule cannot hide (data-dependent DMAs)
+    issue_us: float  # DMA descriptor issue cost
+    modeled_us: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e6 / self.modeled_us
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    profile: str | None
+    batch: int
+    rows: int  # batch padded to the f32 sublane tile
+    context: int  # tokens of KV read per row, for the traffic figures
+    ring_depth: int
+    bank: tuple[int, int]  # [tk, tn] of one ring bank (bf16)
+    kv_tile: int
+    sequences: tuple[Sequence, ...]  # one per layer kind, then "epilogue"
+    vmem: tuple[Alloc, ...]
+    vmem_cap: int
+    traffic: tuple[TensorTraffic, ...]
+    schedule_bytes: int  # bytes the tile schedule and KV streaming move per step
+    dma_count: int
+    flops: int
+    timing: Timing
+
+    def sequence(self, name: str) -> Sequence:
+        return next(s for s in self.sequences if s.name == name)
+
+    @property
+    def vmem_total(self) -> int:
+        return sum(a.bytes for a in self.vmem if a.memory == "VMEM")
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.bytes for t in self.traffic if t.kind == "weight")
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.bytes for t in self.traffic if t.kind == "state")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
