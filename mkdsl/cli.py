@@ -55,9 +55,50 @@ def cmd_check(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    model, _ = _load(args)
-    print(f"{args.spec}: checked model {model.name}; code generation is not implemented yet, "
-          "so nothing was written", file=sys.stderr)
+    from pathlib import Path
+
+    from mkdsl.compiler import compile_source, stale_files, write_atomically
+
+    t0 = time.perf_counter()
+    source = _read(args.spec)
+    try:
+        out, out_dir = compile_source(source, args.spec, args.profile, Path(args.output) if args.output else None)
+    except SpecError as e:
+        e.source = source
+        raise
+    shown = os.path.relpath(out_dir)
+    if args.check:
+        stale = stale_files(out, out_dir)
+        if stale:
+            print("\n".join(stale), file=sys.stderr)
+            print(f"{shown} is stale: run `mkdsl compile {args.spec}"
+                  f"{f' --profile {args.profile}' if args.profile else ''}` and commit the result", file=sys.stderr)
+            return 1
+        print(f"{shown}: up to date [{time.perf_counter() - t0:.2f} s]")
+        return 0
+    try:
+        write_atomically(out, out_dir)
+    except OSError as e:
+        raise UsageError(f"cannot write {shown}: {e.strerror or e}") from None
+    sizes = ", ".join(f"{name} ({len(text.encode()) / 1024:.0f} KiB)" for name, text in out.files.items())
+    t = out.plan.timing
+    print(f"wrote {shown}/: {sizes} [{time.perf_counter() - t0:.2f} s]")
+    print(f"  modeled step at batch {out.plan.batch}: {t.modeled_us:.1f} us, HBM floor {t.floor_us:.1f} us "
+          f"({t.modeled_us / t.floor_us:.3f} x); VMEM {out.plan.vmem_total / 2**20:.1f} of {out.plan.vmem_cap / 2**20:.0f} MiB")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from mkdsl.plan import make_plan
+    from mkdsl.report import render_plan
+
+    model, source = _load(args)
+    try:
+        plan = make_plan(model, batch=args.batch, context=args.context)
+    except SpecError as e:
+        e.source = source
+        raise
+    print(render_plan(model, plan, args.spec))
     return 0
 
 
@@ -74,7 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         return c
 
     spec_command("check", "parse and check a spec; print diagnostics only", cmd_check)
-    spec_command("compile", "check a spec and generate its kernel", cmd_compile)
+    c = spec_command("compile", "check, plan and generate the kernel module and its plan report", cmd_compile)
+    c.add_argument("-o", "--output", metavar="DIR", help="output directory (default: generated/<model>[_<profile>])")
+    c.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 with a summary if the output directory is stale")
+    c = spec_command("plan", "print the plan: phases, DMA schedule, VMEM table, bytes, floor, modeled time", cmd_plan)
+    c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
+    c.add_argument("--context", type=int, default=None, help="cached tokens per row (default: a quarter of the cache, at most 4096)")
     return p
 
 

@@ -1,0 +1,91 @@
+"""The whole pipeline for one spec, and writing its output atomically.
+
+    parse -> elaborate -> plan -> emit (kernel.py) + report (plan.md)
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mkdsl.backends.tpu.emit import Source, emit_module
+from mkdsl.elaborate import elaborate, spec_sha256
+from mkdsl.ir import Model
+from mkdsl.plan import Plan, make_plan
+from mkdsl.report import render_plan
+from mkdsl.syntax import parse
+
+
+@dataclass(frozen=True)
+class Output:
+    model: Model
+    plan: Plan
+    files: dict[str, str]  # file name -> text
+
+
+def default_out_dir(spec: str, model_name: str, profile: str | None) -> Path:
+    """generated/<model>[_<profile>]/ in the project holding `spec` (the parent of specs/)."""
+    spec_dir = Path(spec).resolve().parent
+    root = spec_dir.parent if spec_dir.name == "specs" else spec_dir
+    return root / "generated" / (model_name + (f"_{profile}" if profile else ""))
+
+
+def compile_source(source: str, spec_path: str, profile: str | None, out_dir: Path | None = None) -> tuple[Output, Path]:
+    """Run every stage; nothing is written. Raises SpecError with all diagnostics of a stage."""
+    model = elaborate(parse(source), profile, source)
+    out = out_dir or default_out_dir(spec_path, model.name, profile)
+    shown = os.path.relpath(Path(spec_path).resolve(), out.resolve().parent.parent).replace(os.sep, "/")
+    budget = make_plan(model, batch=model.dims[0].high)  # VMEM at the largest batch
+    plan = make_plan(model, batch=model.dims[0].low)  # traffic and timing at the smallest
+    src = Source(shown, source, spec_sha256(source))
+    files = {
+        "kernel.py": emit_module(model, budget, src),
+        "plan.md": render_plan(model, plan, shown),
+    }
+    return Output(model, plan, files), out
+
+
+def stale_files(out: Output, out_dir: Path) -> list[str]:
+    """Summary lines for every file that differs from what is on disk (empty: up to date)."""
+    lines = []
+    existing = {p.name for p in out_dir.iterdir() if p.is_file()} if out_dir.is_dir() else set()
+    for name, text in out.files.items():
+        path = out_dir / name
+        if not path.exists():
+            lines.append(f"{path}: missing")
+            continue
+        old = path.read_text(encoding="utf-8")
+        if old != text:
+            diff = list(difflib.unified_diff(old.splitlines(), text.splitlines(), lineterm="", n=0))
+            plus = sum(1 for d in diff if d.startswith("+") and not d.startswith("+++"))
+            minus = sum(1 for d in diff if d.startswith("-") and not d.startswith("---"))
+            first = next((d for d in diff if d.startswith("@@")), "")
+            lines.append(f"{path}: differs (+{plus} -{minus} lines, first change {first})")
+    for name in sorted(existing - set(out.files)):
+        lines.append(f"{out_dir / name}: not produced by the compiler")
+    return lines
+
+
+def write_atomically(out: Output, out_dir: Path) -> None:
+    """Write every file into a fresh sibling directory, then swap it in with renames."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for name, text in out.files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        old = None
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old"
+            if old.exists():
+                shutil.rmtree(old)
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

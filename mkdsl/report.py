@@ -1,0 +1,94 @@
+"""The plan report (`plan.md` beside each kernel, and `mkdsl plan`): phases, the DMA schedule,
+the VMEM table, bytes per step, the HBM floor and the modeled time. Every time is modeled."""
+
+from __future__ import annotations
+
+from mkdsl.ir import Model
+from mkdsl.plan.types import Plan
+from mkdsl.plan.vmem import MIB
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f} MiB"
+
+
+def _dims(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def render_plan(model: Model, plan: Plan, spec_path: str) -> str:
+    """Markdown; deterministic for the same model and plan."""
+    t = plan.timing
+    out = [
+        f"# {model.name}: decode step plan",
+        "",
+        f"Spec `{spec_path}`, profile {model.profile or 'none'}. Figures for batch {plan.batch} "
+        f"(rows padded to {plan.rows}) with {plan.context} cached tokens per row.",
+        "No TPU measured anything here: every time below is **modeled** (see docs/performance.md).",
+        "",
+        "## Summary (modeled)",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| weight bytes per step | {_bytes(plan.weight_bytes)} |",
+        f"| state bytes per step (KV read + written) | {_bytes(plan.state_bytes)} |",
+        f"| bytes the schedule moves | {_bytes(plan.schedule_bytes)} |",
+        f"| HBM floor at {t.hbm_bytes_per_s / 1e12:.1f} TB/s (modeled) | {t.floor_us:.1f} us |",
+        f"| modeled step time | {t.modeled_us:.1f} us ({t.modeled_us / t.floor_us:.3f} x floor) |",
+        f"| modeled tokens/s per sequence | {t.tokens_per_s:.1f} |",
+        f"| DMAs per step | {plan.dma_count} |",
+        f"| VMEM planned (explicit) | {_mib(plan.vmem_total)} of {_mib(plan.vmem_cap)} cap |",
+        "",
+        "Modeled time = max(stream, MXU) + fixed + bubbles + issue:",
+        f"stream {t.stream_us:.1f} us, MXU {t.mxu_us:.1f} us, fixed {t.fixed_us:.1f} us, "
+        f"bubbles {t.bubble_us:.1f} us, DMA issue {t.issue_us:.1f} us.",
+        "",
+        "## Layers",
+        "",
+        "| kind | layers | count |",
+        "|---|---|---|",
+    ]
+    for k in model.kinds:
+        idx = [i for i, name in enumerate(model.schedule) if name == k.name]
+        shown = ", ".join(map(str, idx[:12])) + (", ..." if len(idx) > 12 else "")
+        out.append(f"| {k.name} | {shown} | {len(idx)} |")
+    out += ["", "## Phases and weight streams", "",
+            f"One ring of {plan.ring_depth} VMEM banks of [{plan.bank[0]}, {plan.bank[1]}] bf16; "
+            f"{plan.ring_depth - 1} tiles stay in flight across op and layer boundaries and into the epilogue. "
+            f"KV caches stream in {plan.kv_tile}-token tiles.", ""]
+    for seq in plan.sequences:
+        g = model.step if seq.name == "epilogue" else model.kind(seq.name)
+        out += [f"### {seq.name} ({seq.tiles} weight tiles{' per layer' if seq.name != 'epilogue' else ''})", "",
+                "| phase | op | spec line | weight | tile | tiles |", "|---|---|---|---|---|---|"]
+        streams = {st.node: st for st in seq.streams}
+        nodes = g.nodes
+        if seq.name == "epilogue":
+            cut = next((i for i, n in enumerate(nodes) if n.op == "layers"), -1)
+            nodes = nodes[cut + 1 :]
+        for i, n in enumerate(nodes):
+            if n.op == "layers":
+                continue
+            st = streams.get(n.outputs[0].name) if n.outputs else None
+            w = f"`{st.tensor}` [{st.k}, {st.n}]" if st else ""
+            tile = f"[{st.tk}, {st.tn}]" if st else ""
+            out.append(f"| {i} | {n.op} -> `{n.outputs[0].name}` | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |")
+        out.append("")
+    out += ["## Bytes per step", "", "| tensor | kind | bytes per step |", "|---|---|---|"]
+    for tt in plan.traffic:
+        out.append(f"| `{tt.name}` | {tt.kind} | {_bytes(tt.bytes)} |")
+    out += ["", "## VMEM budget", "",
+            "Sizes padded to Mosaic's tiles (f32 [8,128], bf16 [16,128], 8-bit [32,128]); `rows` and `batch` "
+            f"at {plan.rows} and {plan.batch}.", "",
+            "| buffer | shape | dtype | memory | bytes | purpose | spec line |", "|---|---|---|---|---|---|---|"]
+    for a in plan.vmem:
+        size = _mib(a.bytes) if a.memory == "VMEM" else (f"{a.bytes} B" if a.memory == "SMEM" else "")
+        out.append(f"| `{a.name}` | {_dims(a.shape)} | {a.dtype} | {a.memory} | {size} | {a.purpose} | {a.line or ''} |")
+    out += ["", f"Total VMEM: {_mib(plan.vmem_total)} of the {_mib(plan.vmem_cap)} cap.", ""]
+    return "\n".join(out)
