@@ -31,6 +31,22 @@ class DimRange:
 
 
 @dataclass(frozen=True)
+class LayerExpr:
+    """An op attribute that depends on the layer index `l` (constants already folded in).
+
+    `py` evaluates with plain Python ints (the reference); `kernel` is the same expression for
+    traced int32 scalars inside the kernel's layer loop, where the index is named `li`.
+    """
+
+    py: str
+    kernel: str
+    first: int | float | bool  # its value at the first layer that uses it (for shape rules)
+
+    def at(self, layer: int):
+        return eval(self.py, {"__builtins__": {}}, {"l": layer})  # noqa: S307 (mkdsl wrote it)
+
+
+@dataclass(frozen=True)
 class Hint:
     """A schedule hint from the spec's `hints` section; the span lets the planner blame it."""
 

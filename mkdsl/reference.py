@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mkdsl.ir import Graph, Model, Ref
+from mkdsl.ir import Graph, LayerExpr, Model, Ref
 from mkdsl.lazy import jax
 from mkdsl.ops import OPS
-from mkdsl.quant import QTensor
+from mkdsl.quant import QTensor, register_pytree
 
 
 def _slot(array, slot: int):
@@ -44,7 +44,8 @@ def build_reference(model: Model, jit: bool = True) -> Callable:
                 outs = run_layers([read(r) for r in node.inputs], weights, state, inputs)
             else:
                 op = OPS[node.op]
-                outs = op.reference(*[read(r) for r in node.inputs], **node.attr)
+                attrs = {k: v.at(layer) if isinstance(v, LayerExpr) else v for k, v in node.attrs}
+                outs = op.reference(*[read(r) for r in node.inputs], **attrs)
                 for name, new in zip(node.writes, outs[op.outputs :]):
                     t = model.tensor(name)
                     state[name] = state[name].at[t.slots[layer]].set(new) if t.stacked else new
@@ -64,4 +65,5 @@ def build_reference(model: Model, jit: bool = True) -> Callable:
         logits, next_tokens = run_graph(model.step, [], weights, state, inputs, None)
         return logits, next_tokens, state
 
+    register_pytree()
     return jax.jit(step) if jit else step

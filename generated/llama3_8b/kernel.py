@@ -460,15 +460,22 @@ def build_decode_step(batch, seq_len, *, interpret=None):
 
         def issue(g):
             """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
-            layer, base = r.cursor[0], r.cursor[1]
-            size = jnp.where(layer >= NUM_LAYERS, EPILOGUE_TILES, DECODER_TILES)
 
-            @pl.when(g >= base + size)
-            def _():
-                r.cursor[0] = layer + 1
-                r.cursor[1] = base + size
+            def tiles_of(layer):
+                return DECODER_TILES
 
-            layer, base = r.cursor[0], r.cursor[1]
+            def behind(cursor):
+                layer, base = cursor
+                return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
+
+            def advance(cursor):
+                layer, base = cursor
+                return layer + 1, base + tiles_of(layer)
+
+            # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
+            layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
+            r.cursor[0] = layer
+            r.cursor[1] = base
             j, bank = g - base, g % RING_DEPTH
             kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
 

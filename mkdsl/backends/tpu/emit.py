@@ -16,7 +16,7 @@ import jinja2
 
 from mkdsl import __version__
 from mkdsl.diagnostics import Diagnostic, SpecError
-from mkdsl.ir import Graph, Model, Node, Ref
+from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref
 from mkdsl.ops import OPS
 from mkdsl.plan.planner import KV_SLOTS, ROW_TILE, buffer_of, value_buffer
 from mkdsl.plan.types import Alloc, Plan
@@ -122,7 +122,7 @@ class _Emitter:
             n.update(x=ins[0], chunk=_chunk(width))
         elif op.kernel_expr is not None:
             values = {name: f"r.{b}[...]" for name, b in zip(op.operands, ins, strict=True)}
-            attrs = {k: repr(float(v)) if isinstance(v, float) else repr(v) for k, v in node.attr.items()}
+            attrs = {k: attr_code(v) for k, v in node.attr.items()}
             n["op"] = "elementwise"
             n["expr"] = op.kernel_expr.format(**values, **attrs)
         else:
@@ -174,7 +174,7 @@ class _Emitter:
             body = self.lower_body(k, k.nodes, k.name)
             results = [dict(buf=f"carry{i}", value=buffer_of(m, k, r)) for i, r in enumerate(k.results)]
             results = [r for r in results if r["buf"] != r["value"]]
-            kinds.append(dict(name=k.name, line=k.span.line, body=body, results=results, **{
+            kinds.append(dict(name=k.name, index=len(kinds), line=k.span.line, body=body, results=results, **{
                 key: seqs[k.name][key] for key in ("streams", "const", "tiles")}))
         cut = next(i for i, n in enumerate(m.step.nodes) if n.op == "layers")
         prologue = self.lower_body(m.step, m.step.nodes[:cut], "epilogue")
@@ -229,6 +229,13 @@ class _Emitter:
         expr = "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
         doc = "(" + ", ".join(f'"{d}"' if isinstance(d, str) else str(d) for d in shape) + ")"
         return dict(name=t.name, shape_expr=expr, shape_doc=doc, dtype=t.type.dtype.numpy)
+
+
+def attr_code(v) -> str:
+    """An attribute as kernel code: a literal, or a layer-dependent expression in `li`."""
+    if isinstance(v, LayerExpr):
+        return v.kernel
+    return repr(float(v)) if isinstance(v, float) else repr(v)
 
 
 def _vocab(m: Model) -> int:
