@@ -18,6 +18,7 @@ _ARITH = {
     "%": operator.mod,
     "**": operator.pow,
 }
+_MAX_BITS = 1 << 16  # integer results of `**` beyond this are mistakes, and slow to compute
 _CMP = {
     "==": operator.eq,
     "!=": operator.ne,
@@ -35,8 +36,9 @@ class ConstEnv:
     does not produce a cascade of follow-on errors.
     """
 
-    def __init__(self, decls: dict[str, ConstDecl], overrides: dict[str, Expr], rep: Reporter):
+    def __init__(self, decls: dict[str, ConstDecl], overrides: dict[str, Expr], rep: Reporter, dims=()):
         self.decls, self.overrides, self.rep = decls, overrides, rep
+        self.dims = frozenset(dims)  # sizes known only when the step is built: never constant
         self.values: dict[str, Scalar | None] = {}
         self._active: list[str] = []
 
@@ -64,6 +66,9 @@ class ConstEnv:
                 return local[e.id]
             if e.id in self.decls:
                 return self.get(e.id)
+            if e.id in self.dims:
+                self.rep.error(e.span, f"`{e.id}` is a `dim`, known only when the step is built: not a constant")
+                return None
             hint = did_you_mean(e.id, [*self.decls, *local])
             self.rep.error(e.span, f"unknown constant `{e.id}`", hint)
             return None
@@ -107,14 +112,28 @@ class ConstEnv:
             self.rep.error(e.span, f"operator `{e.op}` needs numbers, not true/false")
             return None
         if e.op in ("//", "%", "/") and b == 0:
-            self.rep.error(e.right.span, "division by zero")
+            self.rep.error(e.span, "division by zero")
             return None
         if e.op in ("//", "%") and not (isinstance(a, int) and isinstance(b, int)):
             self.rep.error(e.span, f"operator `{e.op}` needs integers", "use `/` for real division")
             return None
         if e.op == "**" and isinstance(b, int) and b < 0 and isinstance(a, int):
-            return float(a) ** b
-        return _ARITH[e.op](a, b)
+            a = float(a)
+        if e.op == "**" and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b * a.bit_length() > _MAX_BITS:
+            self.rep.error(e.span, f"`{a} ** {b}` is too large")
+            return None
+        try:
+            v = _ARITH[e.op](a, b)
+        except ZeroDivisionError:  # 0 ** -1
+            self.rep.error(e.span, "division by zero")
+            return None
+        except OverflowError:
+            self.rep.error(e.span, f"the result of `{e.op}` is too large")
+            return None
+        if isinstance(v, complex):
+            self.rep.error(e.span, "a negative number to a fractional power is not a real number")
+            return None
+        return v
 
     def eval_int(self, e: Expr, what: str, minimum: int | None = 1) -> int | None:
         """Evaluate `e` as an integer (>= minimum), reporting `what` it was meant to be."""

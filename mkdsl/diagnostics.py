@@ -49,7 +49,8 @@ class Diagnostic:
             gutter = f"{self.span.line:>5} | "
             out.append(gutter + text)
             room = max(1, len(text) - self.span.column + 1)
-            out.append(" " * (len(gutter) + self.span.column - 1) + "^" * max(1, min(self.span.width, room)))
+            pad = "".join(c if c == "\t" else " " for c in text[: self.span.column - 1])  # tabs line up
+            out.append(" " * len(gutter) + pad + "^" * max(1, min(self.span.width, room)))
         if self.hint:
             out.append(f"      = hint: {self.hint}")
         return "\n".join(out)

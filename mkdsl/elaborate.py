@@ -16,8 +16,26 @@ from mkdsl.diagnostics import NOWHERE, Reporter, Span, SpecError, did_you_mean
 from mkdsl.ir import DimRange, Graph, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.ops import OPS, REQUIRED, Operand, OpError
 from mkdsl.syntax import (
-    AssignStmt, BinOp, Call, ConstDecl, DimDecl, Expr, FuncDef, HintsDecl, LayersDecl, MeshDecl,
-    ModelDecl, Module, Name, Num, ProfileDecl, ReturnStmt, TensorDecl, TypeExpr, UnOp, parse,
+    AssignStmt,
+    BinOp,
+    Call,
+    ConstDecl,
+    DimDecl,
+    Expr,
+    FuncDef,
+    HintsDecl,
+    LayersDecl,
+    MeshDecl,
+    ModelDecl,
+    Module,
+    Name,
+    Num,
+    ProfileDecl,
+    ReturnStmt,
+    TensorDecl,
+    TypeExpr,
+    UnOp,
+    parse,
 )
 
 # Schedule hints the planner understands (checked here, used by the planner).
@@ -65,7 +83,7 @@ class _Elaborator:
 
     def run(self) -> Model:
         self.collect()
-        self.consts = ConstEnv(self.d.consts, self.profile_overrides(), self.rep)
+        self.consts = ConstEnv(self.d.consts, self.profile_overrides(), self.rep, self.d.dims)
         const_values = self.fold_constants()
         dims = self.check_dims()
         mesh = self.check_mesh()
@@ -102,6 +120,9 @@ class _Elaborator:
             table[name] = item
 
         for it in self.module.items:
+            if isinstance(it, FuncDef):
+                for p in dict.fromkeys(p for p in it.params if it.params.count(p) > 1):
+                    self.rep.error(it.span, f"`{it.name}` has two parameters named `{p}`")
             if isinstance(it, ModelDecl):
                 if self.d.model:
                     self.rep.error(it.span, f"second `model` declaration (first at line {self.d.model.span.line})")
@@ -135,12 +156,15 @@ class _Elaborator:
                 self.rep.error(dup.span, f"second `{what}` section (first at line {extra[0].span.line})")
         if not self.d.steps:
             self.rep.error(NOWHERE, "the spec has no `step(tokens, positions) { ... }`")
-        self.rep.check()  # nothing below makes sense without one model and one step
+        if self.d.model is None or not self.d.steps:
+            self.rep.check()  # nothing below makes sense without one model and one step
 
     def profile_overrides(self) -> dict[str, Expr]:
         for p in self.d.profiles.values():
-            for a in p.overrides:
-                if a.name not in self.d.consts:
+            for i, a in enumerate(p.overrides):
+                if any(b.name == a.name for b in p.overrides[:i]):
+                    self.rep.error(a.span, f"profile `{p.name}` overrides `{a.name}` twice")
+                elif a.name not in self.d.consts:
                     self.rep.error(a.span, f"profile `{p.name}` overrides `{a.name}`, which is not a constant",
                                    did_you_mean(a.name, self.d.consts))
         if self.profile is None:
@@ -181,7 +205,10 @@ class _Elaborator:
     def check_hints(self) -> dict[str, int]:
         hints = {}
         for h in self.d.hints[:1]:
-            for a in h.hints:
+            for i, a in enumerate(h.hints):
+                if any(b.name == a.name for b in h.hints[:i]):
+                    self.rep.error(a.span, f"hint `{a.name}` is given twice")
+                    continue
                 if a.name not in HINTS:
                     self.rep.error(a.span, f"unknown schedule hint `{a.name}`",
                                    did_you_mean(a.name, HINTS) or f"known hints: {', '.join(HINTS)}")
@@ -211,22 +238,26 @@ class _Elaborator:
                 self.rep.error(f.span, f"layer kind `{name}` is never scheduled", f"add a rule `{name}: ...` to `layers`")
         if count is None:
             return ()
-        schedule, uncovered = [], []
+        schedule, uncovered, broken = [], [], set()
         for layer in range(count):
             kind = None
-            for r in decl.rules:
+            for i, r in enumerate(decl.rules):
+                if i in broken:  # its error was reported for an earlier layer
+                    continue
                 hit = True if r.when is None else self.consts.eval(r.when, {"l": layer})
                 if hit is not None and not isinstance(hit, bool):
                     self.rep.error(r.when.span, f"a layer rule must be true or false, got {hit!r}",
                                    "compare the layer index, e.g. `l % 4 == 3`")
                     hit = None
-                if hit:
+                if hit is None:
+                    broken.add(i)
+                elif hit:
                     kind = r.kind
                     break
             if kind is None:
                 uncovered.append(layer)
             schedule.append(kind or "")
-        if uncovered:
+        if uncovered and not broken:
             shown = ", ".join(map(str, uncovered[:8])) + (", ..." if len(uncovered) > 8 else "")
             self.rep.error(decl.span, f"{len(uncovered)} of {count} layers match no rule (layers {shown})",
                            "add a last rule `KIND: otherwise`")
@@ -254,7 +285,7 @@ class _Elaborator:
             if isinstance(d.size, Name) and d.size.id in self.d.dims:
                 if not allow_dims:
                     self.rep.error(d.size.span, f"weight `{name}` cannot depend on `{d.size.id}`, which is only known when the step is built")
-                shape.append(d.size.id)
+                shape.append(d.size.id if allow_dims else None)
                 continue
             shape.append(self.consts.eval_int(d.size, f"dimension {i + 1} of `{name}`"))
         return dt, tuple(shape)
@@ -269,7 +300,7 @@ class _Elaborator:
                 if d.axis is None:
                     continue
                 if d.axis not in mesh:
-                    self.rep.error(d.span, f"`{d.axis}` is not a mesh axis", did_you_mean(d.axis, mesh) or
+                    self.rep.error(d.axis_span, f"`{d.axis}` is not a mesh axis", did_you_mean(d.axis, mesh) or
                                    ("declare it: `mesh { " + d.axis + " = N }`" if not mesh else f"mesh axes: {', '.join(mesh)}"))
                 elif isinstance(size, int) and size % mesh[d.axis]:
                     self.rep.error(d.span, f"dimension {i + 1} of `{t.name}` has size {size}, which mesh axis "
@@ -313,17 +344,34 @@ class _Elaborator:
         if graph is not None and ctx.layers_node is None and schedule:
             self.rep.error(step.span, "the step never calls `layers(...)`, so no layer is run")
         if graph is not None:
-            self.check_step_results(graph, step, rows)
+            self.check_step_results(graph, step, rows, ctx)
         return graph, tuple(ctx.kind_graphs.values()), inputs
 
-    def check_step_results(self, graph: Graph, step: FuncDef, rows: str) -> None:
-        types = [graph_value_type(graph, r) for r in graph.results]
-        ok = (len(types) == 2 and types[0].dtype.float and len(types[0].shape) == 2
-              and types[1] == TensorType(dtypes.I32, (rows,)))
+    def check_step_results(self, graph: Graph, step: FuncDef, rows: str, ctx: _Context) -> None:
+        types = [ctx.type_of(graph, r) for r in graph.results]
+        ok = (len(types) == 2 and types[0].dtype == dtypes.F32 and len(types[0].shape) == 2
+              and types[0].shape[0] == rows and types[1] == TensorType(dtypes.I32, (rows,)))
         if not ok:
             got = ", ".join(str(t) for t in types)
-            self.rep.error(step.span, f"`step` must return (logits f32[{rows}, V], next tokens i32[{rows}]); it returns ({got})",
+            self.rep.error(_return_span(step),
+                           f"`step` must return (logits f32[{rows}, V], next tokens i32[{rows}]); it returns ({got})",
                            "end the step with `return logits, argmax(logits)`")
+
+
+def _return_span(f: FuncDef) -> Span:
+    return next((s.span for s in f.body if isinstance(s, ReturnStmt)), f.span)
+
+
+def _shown(e: Expr) -> str:
+    """An operand as messages name it: as written in the spec, not by its SSA value name."""
+    if isinstance(e, Name):
+        return e.id
+    if isinstance(e, Call):
+        return f"{e.func}(...)"
+    if isinstance(e, BinOp):
+        left, right = (_shown(x) if not isinstance(x, BinOp) else "(...)" for x in (e.left, e.right))
+        return f"{left} {e.op} {right}"
+    return "..."
 
 
 def graph_value_type(graph: Graph, ref: Ref) -> TensorType:
@@ -361,21 +409,22 @@ class _Context:
         if not returns:
             self.rep.error(f.span, f"`{f.name}` has no `return`")
             return None
+        body = f.body
         if f.body[-1] is not returns[0]:
             self.rep.error(returns[0].span, "`return` must be the last statement")
+            body = (*(s for s in f.body if isinstance(s, AssignStmt)), returns[0])  # no follow-on errors
         failed = False
-        for s in f.body:
+        for s in body:
             if isinstance(s, AssignStmt):
                 refs = self.expr(s.value, env, g, inline_stack, name_hint=s.targets[0])
+                if refs is not None and len(refs) != len(s.targets):
+                    self.rep.error(s.span, f"the right side gives {len(refs)} value{'s' if len(refs) != 1 else ''} "
+                                   f"but {len(s.targets)} name{'s are' if len(s.targets) != 1 else ' is'} assigned")
+                    refs = None
                 if refs is None:
                     failed = True
                     for t in s.targets:  # poison: uses of these names are not reported again
                         env[t] = None
-                    continue
-                if len(refs) != len(s.targets):
-                    self.rep.error(s.span, f"the right side gives {len(refs)} value{'s' if len(refs) != 1 else ''} "
-                                   f"but {len(s.targets)} name{'s are' if len(s.targets) != 1 else ' is'} assigned")
-                    failed = True
                     continue
                 for t, r in zip(s.targets, refs):
                     env[t] = r
@@ -437,13 +486,17 @@ class _Context:
         self.rep.error(e.span, f"unknown name `{e.id}`", did_you_mean(e.id, known))
         return None
 
-    def operand(self, ref: Ref, g) -> Operand:
+    def operand(self, ref: Ref, g, shown: str | None = None) -> Operand:
         if ref.kind == "tensor":
             t = self.tensors[ref.name]
-            return Operand(t.type, "tensor", ref.name, t.kind == "state")
+            return Operand(t.type, "tensor", shown or ref.name, t.kind == "state")
         if ref.kind == "input":
-            return Operand(self.inputs[ref.name].type, "input", ref.name)
-        return Operand(g.types[ref.name], "value", ref.name)
+            return Operand(self.inputs[ref.name].type, "input", shown or ref.name)
+        return Operand(g.types[ref.name], "value", shown or ref.name)
+
+    def type_of(self, graph: Graph, ref: Ref) -> TensorType:
+        """Type of a result of a built graph: a value it computes, a declared tensor or a step input."""
+        return graph_value_type(graph, ref) if ref.kind == "value" else self.operand(ref, None).type
 
     def call(self, e: Call, env, g, inline_stack, name_hint) -> list[Ref] | None:
         if e.func == "layers":
@@ -460,7 +513,7 @@ class _Context:
                            f"({', '.join(op.operands)}), got {len(e.args)}")
             return None
         args = [self.expr(a, env, g, inline_stack) for a in e.args]
-        attrs = self.attributes(e, op)
+        attrs = self.attributes(e, op, env)
         if any(a is None for a in args) or attrs is None:
             return None
         refs = []
@@ -469,7 +522,7 @@ class _Context:
                 self.rep.error(arg_e.span, f"this gives {len(a)} values where one operand is expected")
                 return None
             refs.append(a[0])
-        operands = [self.operand(r, g) for r in refs]
+        operands = [self.operand(r, g, _shown(a)) for r, a in zip(refs, e.args)]
         try:
             out_types = op.infer(operands, attrs)
         except OpError as err:
@@ -486,14 +539,30 @@ class _Context:
             if refs[i].kind != "tensor" or not operands[i].is_state:
                 self.rep.error(e.args[i].span, f"{op.name}: operand `{name}` is updated in place, so it must be a declared state tensor")
                 return None
+            if refs[i].name in writes:
+                first = op.inout[writes.index(refs[i].name)]
+                self.rep.error(e.args[i].span, f"{op.name}: `{refs[i].name}` is passed as both `{first}` and `{name}`, "
+                               "which are updated in place", "give each its own state tensor")
+                return None
             writes.append(refs[i].name)
         outs = tuple(Value(g.fresh(name_hint or op.name), t, e.span) for t in out_types)
         g.add(Node(op.name, tuple(refs), tuple(sorted(attrs.items())), outs, tuple(writes), e.span))
         return [Ref("value", v.name) for v in outs]
 
-    def attributes(self, e: Call, op) -> dict | None:
+    def attributes(self, e: Call, op, env) -> dict | None:
         attrs, ok = {}, True
         for k in e.kwargs:
+            if k.name in attrs:
+                self.rep.error(k.span, f"attribute `{k.name}` is given twice")
+                ok = False
+                continue
+            v = k.value
+            if isinstance(v, Name) and v.id not in self.el.d.consts and (
+                    v.id in env or v.id in self.el.d.tensors or v.id in self.inputs):
+                self.rep.error(v.span, f"attribute `{k.name}` must be a constant, but `{v.id}` is a tensor",
+                               "tensors are operands: pass them before the attributes")
+                attrs[k.name], ok = None, False
+                continue
             if k.name not in op.attrs:
                 hint = did_you_mean(k.name, op.attrs) or (
                     f"`{op.name}` takes: {', '.join(op.attrs)}" if op.attrs else f"`{op.name}` takes no attributes")
@@ -525,16 +594,16 @@ class _Context:
             self.rep.error(e.span, f"block `{f.name}` takes {len(f.params)} argument{'s' if len(f.params) != 1 else ''} "
                            f"({', '.join(f.params)}), got {len(e.args)}")
             return None
-        inner = {}
+        inner, ok = {}, True
         for p, a in zip(f.params, e.args):
             refs = self.expr(a, env, g, inline_stack)
-            if refs is None:
-                return None
-            if len(refs) != 1:
+            if refs is not None and len(refs) != 1:
                 self.rep.error(a.span, f"this gives {len(refs)} values where one argument is expected")
-                return None
-            inner[p] = refs[0]
-        return self.run_body(f, inner, g, (*inline_stack, e.func))
+                refs = None
+            inner[p] = None if refs is None else refs[0]  # poisoned, but the body's other errors are still found
+            ok = ok and refs is not None
+        results = self.run_body(f, inner, g, (*inline_stack, e.func))
+        return results if ok else None
 
     def call_layers(self, e: Call, env, g, inline_stack) -> list[Ref] | None:
         if g.layer_kind is not None or g.name != "step" or inline_stack:
@@ -550,7 +619,7 @@ class _Context:
                 return None
             refs.extend(r)
         carries = tuple(Value(f"carry{i}", self.operand(r, g).type, e.span) for i, r in enumerate(refs))
-        used = [k for k in dict.fromkeys(self.schedule) if k]
+        used = [k for k in dict.fromkeys(self.schedule) if k in self.el.d.layer_defs]  # others are reported
         ok = True
         for kind in used:
             f = self.el.d.layer_defs[kind]
@@ -564,10 +633,11 @@ class _Context:
             if graph is None:
                 ok = False
                 continue
-            got = [graph_value_type(graph, r) for r in graph.results]
+            got = [self.type_of(graph, r) for r in graph.results]
             want = [c.type for c in carries]
             if got != want:
-                self.rep.error(f.span, f"layer `{kind}` must return what it carries ({', '.join(map(str, want))}), "
+                self.rep.error(_return_span(f),
+                               f"layer `{kind}` must return what it carries ({', '.join(map(str, want))}), "
                                f"but returns ({', '.join(map(str, got))})")
                 ok = False
                 continue

@@ -13,7 +13,7 @@ from pathlib import Path
 import lark
 from lark import Lark, Transformer, v_args
 
-from mkdsl.diagnostics import Diagnostic, Span, SpecError
+from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 
 # ---------------------------------------------------------------------------- expressions
 
@@ -118,6 +118,7 @@ class ShapeDim:
     span: Span
     size: Expr
     axis: str | None  # mesh axis this dimension is sharded over
+    axis_span: Span | None = None
 
 
 @dataclass(frozen=True)
@@ -242,8 +243,9 @@ class _ToAst(Transformer):
         return tuple(c)
 
     def sdim(self, meta, c):
-        axis = str(c[1]) if len(c) > 1 else None
-        return ShapeDim(_span(meta), c[0], axis)
+        if len(c) > 1:
+            return ShapeDim(_span(meta), c[0], str(c[1]), Span.of(c[1]))
+        return ShapeDim(_span(meta), c[0], None)
 
     def stacking(self, meta, c):
         return (tuple(c[0]) if c else (), _span(meta))
@@ -254,7 +256,8 @@ class _ToAst(Transformer):
     def _func(self, kind, meta, c):
         if kind == "step":
             params, body = c[0], c[1:]
-            return FuncDef(_span(meta), "step", "step", tuple(params or ()), tuple(body))
+            span = Span(meta.line, meta.column, len("step"))  # the keyword: the body spans lines
+            return FuncDef(span, "step", "step", tuple(params or ()), tuple(body))
         name, params, body = c[0], c[1], c[2:]
         return FuncDef(Span.of(name), kind, str(name), tuple(params or ()), tuple(body))
 
@@ -310,7 +313,10 @@ class _ToAst(Transformer):
         return BinOp(_span(meta), "**", c[0], c[1])
 
     def int_lit(self, meta, c):
-        return Num(Span.of(c[0]), int(c[0]))
+        try:
+            return Num(Span.of(c[0]), int(c[0]))
+        except ValueError:  # more digits than Python converts
+            raise SpecError([Diagnostic(Span.of(c[0]), f"integer literal of {len(c[0])} digits is too long")]) from None
 
     def float_lit(self, meta, c):
         return Num(Span.of(c[0]), float(c[0]))
@@ -361,8 +367,17 @@ _TERMINAL_NAMES = {
 }
 
 
+# Terminals that can start an expression; named together as "an expression" in hints.
+_EXPRESSION_START = {"NAME", "INT", "FLOAT", "LPAR", "MINUS", "NOT", "TRUE", "FALSE"}
+
+
 def _describe(terminals) -> str:
-    names = sorted({_TERMINAL_NAMES.get(t, f"`{_literal(t)}`") for t in terminals})
+    terminals = set(terminals)
+    names = set()
+    if {"NAME", "INT", "LPAR"} <= terminals:
+        terminals -= _EXPRESSION_START
+        names.add("an expression")
+    names = sorted(names | {_TERMINAL_NAMES.get(t, f"`{_literal(t)}`") for t in terminals})
     return ", ".join(names[:6]) + (" or more" if len(names) > 6 else "")
 
 
@@ -391,5 +406,18 @@ def parse(source: str) -> Module:
     except lark.exceptions.UnexpectedCharacters as e:
         span = Span(e.line, e.column, 1)
         raise SpecError([Diagnostic(span, f"unexpected character `{e.char}`")]) from None
-    return _ToAst().transform(tree)
+    try:
+        return _ToAst().transform(tree)
+    except lark.exceptions.VisitError as e:
+        if isinstance(e.orig_exc, SpecError):
+            raise e.orig_exc from None
+        if isinstance(e.orig_exc, RecursionError):
+            raise _too_deep() from None
+        raise
+    except RecursionError:
+        raise _too_deep() from None
 
+
+def _too_deep() -> SpecError:
+    hint = "split long expressions into several constants"
+    return SpecError([Diagnostic(NOWHERE, "expressions in this spec are nested too deeply to parse", hint)])
