@@ -147,3 +147,43 @@ class ConstEnv:
             self.rep.error(e.span, f"{what} must be at least {minimum}, got {v}")
             return None
         return v
+
+    def layer_attr(self, e: Expr, layers: list[int]):
+        """An attribute inside a layer body: a constant, or a `LayerExpr` when it uses `l`.
+
+        The expression is checked at every layer index it will see; if it has one value at all
+        of them it folds to that constant.
+        """
+        from mkdsl.ir import LayerExpr
+
+        if "l" in self.decls or not _mentions(e, "l"):
+            return self.eval(e)
+        values = [self.eval(e, {"l": layer}) for layer in layers]
+        if not values or any(v is None for v in values):
+            return None
+        if all(v == values[0] for v in values):
+            return values[0]
+        return LayerExpr(self._render(e, python=True), self._render(e, python=False), values[0])
+
+    def _render(self, e: Expr, python: bool) -> str:
+        if isinstance(e, Num):
+            return repr(e.value)
+        if isinstance(e, Name):
+            return ("l" if python else "li") if e.id == "l" else repr(self.get(e.id))
+        if isinstance(e, UnOp):
+            inner = self._render(e.operand, python)
+            if e.op == "-":
+                return f"(-{inner})"
+            return f"(not {inner})" if python else f"jnp.logical_not({inner})"
+        op = e.op if python or e.op not in ("and", "or") else {"and": "&", "or": "|"}[e.op]
+        return f"({self._render(e.left, python)} {op} {self._render(e.right, python)})"
+
+
+def _mentions(e: Expr, name: str) -> bool:
+    if isinstance(e, Name):
+        return e.id == name
+    if isinstance(e, UnOp):
+        return _mentions(e.operand, name)
+    if isinstance(e, BinOp):
+        return _mentions(e.left, name) or _mentions(e.right, name)
+    return False

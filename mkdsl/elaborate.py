@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from mkdsl import dtypes
 from mkdsl.consts import ConstEnv
 from mkdsl.diagnostics import NOWHERE, Reporter, Span, SpecError, did_you_mean
-from mkdsl.ir import DimRange, Graph, Model, Node, Ref, Tensor, TensorType, Value
+from mkdsl.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.ops import OPS, REQUIRED, Operand, OpError
 from mkdsl.syntax import (
     AssignStmt,
@@ -103,7 +103,7 @@ class _Elaborator:
             schedule=schedule,
             step=step,
             inputs=inputs,
-            hints=tuple(hints.items()),
+            hints=tuple(hints.values()),
         )
 
     # ------------------------------------------------------------------ declarations
@@ -202,7 +202,7 @@ class _Elaborator:
                 mesh.setdefault(a.name, size or 1)
         return mesh
 
-    def check_hints(self) -> dict[str, int]:
+    def check_hints(self) -> dict[str, Hint]:
         hints = {}
         for h in self.d.hints[:1]:
             for i, a in enumerate(h.hints):
@@ -215,7 +215,7 @@ class _Elaborator:
                     continue
                 v = self.consts.eval_int(a.value, f"hint `{a.name}`")
                 if v is not None:
-                    hints[a.name] = v
+                    hints[a.name] = Hint(a.name, v, a.span)
         return hints
 
     def check_layer_schedule(self) -> tuple[str, ...]:
@@ -513,7 +513,7 @@ class _Context:
                            f"({', '.join(op.operands)}), got {len(e.args)}")
             return None
         args = [self.expr(a, env, g, inline_stack) for a in e.args]
-        attrs = self.attributes(e, op, env)
+        attrs = self.attributes(e, op, env, g)
         if any(a is None for a in args) or attrs is None:
             return None
         refs = []
@@ -524,7 +524,7 @@ class _Context:
             refs.append(a[0])
         operands = [self.operand(r, g, _shown(a)) for r, a in zip(refs, e.args)]
         try:
-            out_types = op.infer(operands, attrs)
+            out_types = op.infer(operands, {k: v.first if isinstance(v, LayerExpr) else v for k, v in attrs.items()})
         except OpError as err:
             span = e.span
             if isinstance(err.arg, int):
@@ -549,7 +549,7 @@ class _Context:
         g.add(Node(op.name, tuple(refs), tuple(sorted(attrs.items())), outs, tuple(writes), e.span))
         return [Ref("value", v.name) for v in outs]
 
-    def attributes(self, e: Call, op, env) -> dict | None:
+    def attributes(self, e: Call, op, env, g) -> dict | None:
         attrs, ok = {}, True
         for k in e.kwargs:
             if k.name in attrs:
@@ -569,7 +569,8 @@ class _Context:
                 self.rep.error(k.span, f"`{op.name}` has no attribute `{k.name}`", hint)
                 ok = False
                 continue
-            v = self.el.consts.eval(k.value)
+            layers = [i for i, kind in enumerate(self.schedule) if kind == g.layer_kind] if g.layer_kind else []
+            v = self.el.consts.layer_attr(k.value, layers) if layers else self.el.consts.eval(k.value)
             if v is None:
                 ok = False
             attrs[k.name] = v
