@@ -1,8 +1,8 @@
 """The command line: exit codes, messages, no tracebacks."""
 
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -20,22 +20,25 @@ def test_version():
     assert r.stdout.strip() == f"mkdsl {__version__}"
 
 
-@pytest.mark.parametrize("spec", ["specs/llama3_8b.mk", "specs/tiny.mk"])
-@pytest.mark.parametrize("profile", [None, "mini"])
+@pytest.mark.parametrize(
+    "spec, profile",
+    [("specs/llama3_8b.mk", None), ("specs/llama3_8b.mk", "mini"), ("specs/tiny.mk", None)],
+)
 def test_check_committed_specs(spec, profile, capsys):
-    if profile and spec.endswith("tiny.mk"):
-        pytest.skip("tiny.mk has no profile: it is already minimal")
     args = ["check", spec] + (["--profile", profile] if profile else [])
     assert main(args) == 0
     assert ": ok: model " in capsys.readouterr().out
 
 
 def test_check_llama_under_one_second():
-    t0 = time.perf_counter()
+    """CPU time of the whole `mkdsl check` process (interpreter start included): wall time on
+    a shared 2-core machine also measures the neighbours."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = run("check", "specs/llama3_8b.mk")
-    elapsed = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert r.returncode == 0, r.stderr
-    assert elapsed < 1.0, f"mkdsl check took {elapsed:.2f} s"
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu < 1.0, f"mkdsl check used {cpu:.2f} s of CPU"
 
 
 def test_missing_file_is_a_usage_error():
