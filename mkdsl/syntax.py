@@ -346,7 +346,8 @@ class _ToAst(Transformer):
 @cache
 def _parser() -> Lark:
     grammar = (Path(__file__).parent / "grammar.lark").read_text()
-    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    # cache=True keeps the built LALR tables in the temp dir (keyed by grammar hash): fast start-up
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True, cache=True)
 
 
 # Human names for terminals in "expected ..." hints.
