@@ -6,12 +6,13 @@ power of two times an e2m1 magnitude, so it is representable in f32 (and in bf16
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
-from mkdsl.lazy import jnp
 import numpy as np
 
 from mkdsl.dtypes import DType
+from mkdsl.lazy import jax, jnp
 
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
@@ -25,6 +26,15 @@ class QTensor(NamedTuple):
     group: int
 
 
+@functools.cache
+def register_pytree() -> None:
+    """Let `jax.jit` take QTensors: codes and scales are leaves, format and group are static.
+
+    Called by whoever jits over weights (not at import: that would import jax for `check`)."""
+    jax.tree_util.register_pytree_node(
+        QTensor, lambda q: ((q.codes, q.scales), (q.fmt, q.group)), lambda aux, ch: QTensor(*ch, *aux))
+
+
 def unpack_nibbles(codes) -> jnp.ndarray:
     """uint32 [..., K/8, N] -> int32 nibbles [..., K, N], low nibble = lowest input index."""
     shifts = jnp.arange(8, dtype=jnp.uint32) * 4
@@ -33,13 +43,22 @@ def unpack_nibbles(codes) -> jnp.ndarray:
     return nib.reshape(*lead, k8 * 8, n).astype(jnp.int32)
 
 
+def e8m0_to_f32(scales) -> jnp.ndarray:
+    """E8M0 bytes -> f32 2^(byte-127), built from the exponent bits so that it is exact
+    (XLA's exp2 is off by up to ~4e-6 relative away from small exponents); 0xFF is NaN."""
+    b = scales.astype(jnp.uint32)
+    bits = jnp.where(b == 0, jnp.uint32(0x00400000), b << 23)  # 2^-127 is subnormal
+    bits = jnp.where(b == 255, jnp.uint32(0x7FC00000), bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def dequantize(w: QTensor) -> jnp.ndarray:
     """Decode a quantised weight to f32 of its logical shape [..., K, N]."""
     nib = unpack_nibbles(w.codes)
     if w.fmt == "mxfp4":
         mag = jnp.asarray(E2M1_VALUES)[nib & 7]
         vals = jnp.where(nib & 8, -mag, mag)
-        scale = jnp.exp2(w.scales.astype(jnp.float32) - 127.0)
+        scale = e8m0_to_f32(w.scales)
     else:
         vals = jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32)
         scale = w.scales.astype(jnp.float32)
