@@ -1,0 +1,193 @@
+"""The docs cannot rot: every `mk` example in docs/language.md is checked by mkdsl, and the
+manual's tables of ops, hints and constant expressions are compared with the code.
+
+Fenced blocks are told apart by their info string (documented at the end of language.md):
+`mk` a complete spec, `mk fragment` top-level items, `mk fragment body` statements, `mk error`
+a spec whose diagnostics are the `text` block after it, `mk skip` not checked.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from mkdsl.cli import main
+from mkdsl.consts import ConstEnv
+from mkdsl.diagnostics import Reporter
+from mkdsl.elaborate import HINTS
+from mkdsl.ops import OPS, REQUIRED
+from mkdsl.syntax import parse
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+LANGUAGE = DOCS / "language.md"
+KINDS = {"", "fragment", "fragment body", "error", "skip"}
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int  # of the opening fence
+    info: str  # the info string after "```"
+    text: str
+
+    @property
+    def kind(self) -> str:
+        return self.info[len("mk"):].strip() if self.info.split()[:1] == ["mk"] else ""
+
+    def __str__(self) -> str:
+        return f"docs/language.md:{self.line} ({self.info})"
+
+
+def fenced_blocks(path: Path) -> list[Block]:
+    blocks, lines, i = [], path.read_text(encoding="utf-8").splitlines(), 0
+    while i < len(lines):
+        m = re.match(r"^```(\S.*)?$", lines[i])
+        if m is None:
+            i += 1
+            continue
+        start, body = i + 1, []
+        i += 1
+        while i < len(lines) and lines[i] != "```":
+            body.append(lines[i])
+            i += 1
+        blocks.append(Block(start, (m.group(1) or "").strip(), "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+BLOCKS = fenced_blocks(LANGUAGE)
+MK = [b for b in BLOCKS if b.info.split()[:1] == ["mk"]]
+
+
+def by_kind(kind: str) -> list[Block]:
+    return [b for b in MK if b.kind == kind]
+
+
+def test_every_mk_block_has_a_known_kind():
+    assert MK, "no mk blocks found"
+    for b in MK:
+        assert b.kind in KINDS, f"{b}: unknown info string; use one of: mk, " + ", ".join(f"mk {k}" for k in sorted(KINDS) if k)
+
+
+def _check(tmp_path, monkeypatch, capsys, text: str, profile: str | None = None) -> tuple[int, str, str]:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "spec.mk").write_text(text, encoding="utf-8")
+    status = main(["check", "spec.mk"] + (["--profile", profile] if profile else []))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.mark.parametrize("block", by_kind(""), ids=str)
+def test_complete_specs_check(block, tmp_path, monkeypatch, capsys):
+    assert re.search(r"^\s*model\s+\w+", block.text, re.M), f"{block}: a complete spec needs `model NAME`"
+    assert re.search(r"^\s*step\s*\(", block.text, re.M), f"{block}: a complete spec needs a `step`"
+    profiles = [None, *re.findall(r"^\s*profile\s+(\w+)", block.text, re.M)]
+    for profile in profiles:
+        status, out, err = _check(tmp_path, monkeypatch, capsys, block.text, profile)
+        assert status == 0, f"{block} (profile {profile}) does not check:\n{err}"
+        assert ": ok: model " in out
+
+
+@pytest.mark.parametrize("block", by_kind("fragment"), ids=str)
+def test_fragments_parse(block):
+    parse(block.text)
+
+
+@pytest.mark.parametrize("block", by_kind("fragment body"), ids=str)
+def test_statement_fragments_parse(block):
+    parse("block fragment() {\n" + block.text + "}\n")
+
+
+def test_error_examples_have_their_output():
+    for b in by_kind("error"):
+        after = BLOCKS[BLOCKS.index(b) + 1 :]
+        assert after and after[0].info == "text", f"{b}: must be followed by a ```text block with the expected output"
+
+
+@pytest.mark.parametrize("block", by_kind("error"), ids=str)
+def test_error_examples_print_what_the_doc_shows(block, tmp_path, monkeypatch, capsys):
+    expected = BLOCKS[BLOCKS.index(block) + 1].text
+    status, out, err = _check(tmp_path, monkeypatch, capsys, block.text)
+    assert status == 1
+    assert out == ""
+    assert err == expected
+
+
+def table(heading: str) -> list[list[str]]:
+    """Rows (cells stripped) of the markdown table whose header row starts with `heading`."""
+    lines = LANGUAGE.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return rows
+
+
+def ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def test_op_table_matches_the_registry():
+    rows = table("| op | operands | attributes |")
+    documented = {}
+    for row in rows:
+        (name,) = ticked(row[0])
+        assert name not in documented, f"op `{name}` is listed twice"
+        documented[name] = row
+    missing, extra = sorted(set(OPS) - set(documented)), sorted(set(documented) - set(OPS))
+    assert not missing, f"ops missing from the op table in docs/language.md: {', '.join(missing)}"
+    assert not extra, f"the op table lists ops that are not registered: {', '.join(extra)}"
+    for name, row in documented.items():
+        op = OPS[name]
+        assert tuple(ticked(row[1])) == op.operands, f"`{name}`: operands"
+        attrs = {}
+        for item in ticked(row[2]):
+            key, _, value = item.partition("=")
+            if key in op.attrs:
+                attrs[key] = value
+        assert set(attrs) == set(op.attrs), f"`{name}`: attributes"
+        for key, value in attrs.items():
+            default = op.attrs[key]
+            if default is REQUIRED:
+                assert value == "" and f"`{key}` (required)" in row[2], f"`{name}`: `{key}` is required"
+            elif default is None:
+                assert value == "" and f"`{key}` (default" in row[2], f"`{name}`: `{key}` has a computed default"
+            else:
+                assert ast.literal_eval(value) == default and type(ast.literal_eval(value)) is type(default), \
+                    f"`{name}`: default of `{key}` is {default!r}, the doc says {value}"
+        if op.inout:
+            assert "in place" in row[4], f"`{name}` updates {op.inout} in place: say so"
+        if op.outputs > 1:
+            assert row[3].startswith(("two", "three")), f"`{name}` has {op.outputs} results"
+
+
+def test_hint_table_matches_the_checker():
+    rows = table("| hint | meaning |")
+    assert [ticked(r[0])[0] for r in rows] == list(HINTS)
+
+
+_LITERALS = {"true": True, "false": False}
+
+
+@pytest.mark.parametrize("row", table("| expression | value |"), ids=lambda r: r[0])
+def test_constant_expression_table(row):
+    (expr,) = ticked(row[0])
+    module = parse(f"const c = {expr}")
+    rep = Reporter()
+    env = ConstEnv({d.name: d for d in module.items}, {}, rep)
+    value = env.get("c")
+    if row[1].startswith("error:"):
+        assert value is None
+        message = row[1][len("error:"):].strip()
+        assert [d.message for d in rep.diagnostics] == [message]
+    else:
+        assert not rep.diagnostics, rep.diagnostics
+        (shown,) = ticked(row[1])
+        want = _LITERALS.get(shown, None)
+        want = ast.literal_eval(shown) if want is None else want
+        assert value == want and type(value) is type(want), f"`{expr}` is {value!r}, the doc says {shown}"
