@@ -44,3 +44,14 @@ def random_params(model: Model, sizes: dict[str, int], seed: int) -> tuple[dict,
     for t in model.tensors:
         (weights if t.kind == "weight" else state)[t.name] = random_tensor(t, sizes, rng)
     return weights, state
+
+
+def kernel_weights(weights: dict) -> dict:
+    """Weights as a generated kernel takes them: a quantised `w` becomes `w_codes`, `w_scales`."""
+    out = {}
+    for name, w in weights.items():
+        if isinstance(w, QTensor):
+            out[f"{name}_codes"], out[f"{name}_scales"] = w.codes, w.scales
+        else:
+            out[name] = w
+    return out

@@ -35,6 +35,7 @@ LAYER_KIND = np.array([0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 
 LAYER_TILE_BASE = np.array([0, 208, 416, 624, 832, 1040, 1248, 1456, 1664, 1872, 2080, 2288, 2496, 2704, 2912, 3120, 3328, 3536, 3744, 3952, 4160, 4368, 4576, 4784, 4992, 5200, 5408, 5616, 5824, 6032, 6240, 6448, 6656], np.int32)
 
 # Weight layout in HBM: name -> (shape, dtype); stacked tensors lead with their layer slice.
+# A quantised weight `w` is two arrays, `w_codes` and `w_scales` (layouts in docs/language.md).
 WEIGHTS = {
     "embed": ((128256, 4096), "bfloat16"),
     "attn_norm": ((32, 4096), "bfloat16"),
@@ -212,6 +213,57 @@ def argmax(x, out, chunk):
     out[...] = jax.lax.fori_loop(0, x.shape[1] // chunk, scan, init)[1]
 
 
+def situ(g, u, beta, linear_beta):
+    return beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * (linear_beta * jnp.tanh(u / linear_beta))
+
+
+def cast_into(src, dst):
+    dst[...] = src[...].astype(dst.dtype)
+
+
+def head_cols(h, d):
+    """Columns of head h: a static slice, or a dynamic lane-aligned one inside a loop."""
+    return pl.ds(h * d, d) if isinstance(h, int) else pl.ds(pl.multiple_of(h * d, d), d)
+
+
+def for_each_head(heads, d, body):
+    """body(h) for every head: unrolled for a few heads, a loop for many lane-aligned ones."""
+    if heads <= 8 or d % 128:
+        for h in range(heads):
+            body(h)
+    else:
+        jax.lax.fori_loop(0, heads, lambda h, c: (body(h), c)[1], 0)
+
+
+def vector_block(n_rows, block, slot):
+    """First row of the `block`-row aligned window (of `n_rows`) that holds row `slot`."""
+    return jnp.minimum(slot // block * block, n_rows - block)
+
+
+def fetch(src, dst, sem, slot, block):
+    """DMA of a weight that is not streamed through the ring, for layer slice `slot`.
+
+    block > 0: `src` is a stack of vectors [n, N]; fetch the aligned `block`-row window holding
+    row `slot` (whole tiles, no single-row DMA). block == 0: fetch the whole slice `src[slot]`.
+    """
+    if block == 0:
+        return pltpu.make_async_copy(src.at[slot], dst, sem)
+    start = vector_block(src.shape[0], block, slot)
+    return pltpu.make_async_copy(src.at[pl.ds(start, block)], dst, sem)
+
+
+def pick_row(buf, slot, n_rows):
+    """Row `slot` of a stack of vectors, from its fetched window, as f32 [1, N]."""
+    block = buf.shape[0]
+    off = slot - vector_block(n_rows, block, slot)
+    rows = jax.lax.broadcasted_iota(I32, buf.shape, 0)
+    return jnp.sum(jnp.where(rows == off, buf[...].astype(F32), 0.0), axis=0, keepdims=True)
+
+
+def lane_pick(row, i):
+    """Element i of a [1, n] row as a [1, 1] value (i may be traced)."""
+    lane = jax.lax.broadcasted_iota(I32, row.shape, 1)
+    return jnp.sum(jnp.where(lane == i, row, 0.0), axis=1, keepdims=True)
 def kv_tables(positions_ref, batch, kv_tile, kv_row, kv_t0, kv_n):
     """Flatten (row, KV tile) pairs up to each row's position into SMEM tables."""
     n = jnp.int32(0)
@@ -359,14 +411,6 @@ class Attention:
             self.m[hs, :] = m_new
 
 
-def situ(g, u, beta, linear_beta):
-    return beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * (linear_beta * jnp.tanh(u / linear_beta))
-
-
-def cast_into(src, dst):
-    dst[...] = src[...].astype(dst.dtype)
-
-
 # ---------------------------------------------------------------------------------------
 # Weight streams, per layer kind and for the epilogue (tile counts are per layer)
 # ---------------------------------------------------------------------------------------
@@ -398,17 +442,18 @@ def build_decode_step(batch, seq_len, *, interpret=None):
     rows = -(-batch // ROW_TILE) * ROW_TILE
     seq_tiles = seq_len // KV_TILE
 
-    hbm_inputs = ["embed", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", ]
-    vmem_inputs = ["attn_norm", "mlp_norm", "final_norm", ]
+    hbm_inputs = ["embed", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "final_norm", "lm_head", ]
+    vectors = ["final_norm", ]  # 1-D weights, passed as [1, N]
     state_names = list(STATE)
     outputs = ["logits", "next_tokens"] + [f"{name}_out" for name in state_names]
     scratch = {
         "ring": pltpu.VMEM((12, 2048, 512), jnp.bfloat16),
         "ring_sem": pltpu.SemaphoreType.DMA((12,)),
         "cursor": pltpu.SMEM((2,), jnp.int32),
-        "res_attn_norm": pltpu.VMEM((32, 4096), jnp.float32),
-        "res_mlp_norm": pltpu.VMEM((32, 4096), jnp.float32),
-        "res_final_norm": pltpu.VMEM((1, 4096), jnp.float32),
+        "f_attn_norm": pltpu.VMEM((16, 4096), jnp.bfloat16),
+        "f_mlp_norm": pltpu.VMEM((16, 4096), jnp.bfloat16),
+        "f_final_norm": pltpu.VMEM((1, 4096), jnp.bfloat16),
+        "fetch_sem": pltpu.SemaphoreType.DMA((3,)),
         "carry0": pltpu.VMEM((rows, 4096), jnp.float32),
         "decoder_h": pltpu.VMEM((rows, 4096), jnp.float32),
         "decoder_linear": pltpu.VMEM((rows, 4096), jnp.float32),
@@ -453,7 +498,7 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         "kv_n": pltpu.SMEM((1,), jnp.int32),
         "wb_pending": pltpu.SMEM((1,), jnp.int32),
     }
-    names = hbm_inputs + vmem_inputs + state_names + outputs + list(scratch)
+    names = hbm_inputs + state_names + outputs + list(scratch)
 
     def kernel(tokens_ref, positions_ref, layer_kind_ref, layer_base_ref, *refs):
         r = Refs(names, refs)
@@ -519,14 +564,11 @@ def build_decode_step(batch, seq_len, *, interpret=None):
 
         attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=32, kv_heads=8, dk=128, dv=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.08838834764831845, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'})
 
-        # ---- prologue: first tiles in flight, per-step tables, resident weights ----
+        # ---- prologue: first tiles in flight, per-step tables ----
         r.cursor[0] = 0
         r.cursor[1] = 0
         for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
             issue(jnp.int32(g))
-        r.res_attn_norm[...] = r.attn_norm[...].astype(F32)
-        r.res_mlp_norm[...] = r.mlp_norm[...].astype(F32)
-        r.res_final_norm[...] = r.final_norm[...].astype(F32)
         rope0_cos, rope0_sin = rope_tables(positions_ref, rows, batch, 128, 500000.0)
         kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
         for i in range(1):
@@ -543,8 +585,11 @@ def build_decode_step(batch, seq_len, *, interpret=None):
             @pl.when(layer_kind_ref[li] == 0)
             def _():
                 # layer kind `decoder` (spec line 52)
+                fetch(r.attn_norm, r.f_attn_norm, r.fetch_sem.at[0], li, 16).start()
+                fetch(r.mlp_norm, r.f_mlp_norm, r.fetch_sem.at[1], li, 16).start()
                 # spec line 53: h = rmsnorm(x, attn_norm, eps=EPS)
-                rmsnorm(r.carry0[...], r.res_attn_norm[pl.ds(li, 1), :], r.decoder_h, eps=1e-05, heads=1)
+                fetch(r.attn_norm, r.f_attn_norm, r.fetch_sem.at[0], li, 16).wait()
+                rmsnorm(r.carry0[...], pick_row(r.f_attn_norm, li, 32), r.decoder_h, eps=1e-05, heads=1)
                 # spec line 54: q = rope(linear(h, wq), positions, heads=NH, theta=THETA)
                 cast_into(r.decoder_h, r.decoder_h_bf16)
                 linear(r, issue, S_DECODER_LINEAR, li, base + S_DECODER_LINEAR.start, r.decoder_h_bf16, r.decoder_linear)
@@ -561,7 +606,8 @@ def build_decode_step(batch, seq_len, *, interpret=None):
                 linear(r, issue, S_DECODER_LINEAR_2, li, base + S_DECODER_LINEAR_2.start, r.decoder_a_bf16, r.decoder_linear_2)
                 r.decoder_x_1[...] = r.carry0[...] + r.decoder_linear_2[...]
                 # spec line 59: x = x + swiglu_mlp(rmsnorm(x, mlp_norm, eps=EPS))
-                rmsnorm(r.decoder_x_1[...], r.res_mlp_norm[pl.ds(li, 1), :], r.decoder_rmsnorm, eps=1e-05, heads=1)
+                fetch(r.mlp_norm, r.f_mlp_norm, r.fetch_sem.at[1], li, 16).wait()
+                rmsnorm(r.decoder_x_1[...], pick_row(r.f_mlp_norm, li, 32), r.decoder_rmsnorm, eps=1e-05, heads=1)
                 # spec line 47: g = linear(x, w_gate)
                 cast_into(r.decoder_rmsnorm, r.decoder_rmsnorm_bf16)
                 linear(r, issue, S_DECODER_G, li, base + S_DECODER_G.start, r.decoder_rmsnorm_bf16, r.decoder_g)
@@ -581,8 +627,10 @@ def build_decode_step(batch, seq_len, *, interpret=None):
 
         # ---- epilogue: after the last layer ----
         base = layer_base_ref[NUM_LAYERS]
+        fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[2], 0, 1).start()
         # spec line 70: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
-        rmsnorm(r.carry0[...], r.res_final_norm[pl.ds(0, 1), :], r.step_rmsnorm, eps=1e-05, heads=1)
+        fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[2], 0, 1).wait()
+        rmsnorm(r.carry0[...], pick_row(r.f_final_norm, 0, 1), r.step_rmsnorm, eps=1e-05, heads=1)
         cast_into(r.step_rmsnorm, r.step_rmsnorm_bf16)
         linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.step_rmsnorm_bf16, r.step_logits)
         # spec line 71: return logits, argmax(logits)
@@ -598,7 +646,7 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         return pl.BlockSpec(memory_space=pltpu.VMEM)
 
     n_scalars = 4
-    first_state = n_scalars + len(hbm_inputs) + len(vmem_inputs)
+    first_state = n_scalars + len(hbm_inputs)
     layout = state_layout(batch, seq_len)
     call = pl.pallas_call(
         kernel,
@@ -610,7 +658,7 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=n_scalars,
             grid=(),
-            in_specs=[hbm() for _ in hbm_inputs] + [vmem() for _ in vmem_inputs] + [hbm() for _ in state_names],
+            in_specs=[hbm() for _ in hbm_inputs] + [hbm() for _ in state_names],
             out_specs=[vmem(), vmem()] + [hbm() for _ in state_names],
             scratch_shapes=list(scratch.values()),
         ),
@@ -622,13 +670,12 @@ def build_decode_step(batch, seq_len, *, interpret=None):
 
     def step(weights, state, tokens, positions):
         tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE)]
-        vectors = [weights[name].reshape(-1, weights[name].shape[-1]) for name in vmem_inputs]
+        flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
         logits, next_tokens, *new_state = call(
             tokens.astype(I32),
             positions.astype(I32),
             *tables,
-            *[weights[name] for name in hbm_inputs],
-            *vectors,
+            *[flat[name] for name in hbm_inputs],
             *[state[name] for name in state_names],
         )
         return logits, next_tokens.reshape(batch), dict(zip(state_names, new_state, strict=True))

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
-from mkdsl.ir import Graph, Model, Node, TensorType
+from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
-from mkdsl.plan import cost_model
+from mkdsl.plan import cost_model, roles
 from mkdsl.plan.types import Alloc, Plan, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
 
@@ -65,7 +65,7 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None) -> Plan:
     for step in (pad_rows, tile_streams, size_ring, allocate_vmem, check_budget):
         step(s)
         if s.errors:
-            raise SpecError(s.errors)
+            raise SpecError(dict.fromkeys(s.errors))  # a rule broken in several kinds is said once
     traffic, flops = count_traffic(s)
     sched_bytes, dmas = schedule_traffic(s)
     timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic)
@@ -198,11 +198,12 @@ def allocate_vmem(s: _State) -> None:
     _alloc(s, "ring", (s.depth, *s.bank), "bfloat16", f"weight ring: {s.depth} banks of [{s.bank[0]}, {s.bank[1]}]", ring_span)
     _alloc(s, "ring_sem", (s.depth,), "dma", "weight ring semaphores", ring_span, "SEM")
     _alloc(s, "cursor", (2,), "int32", "tile issue cursor (layer, first tile)", NOWHERE, "SMEM")
-    for t in m.weights:
-        if len(t.type.shape) == 1:  # norm weights and other vectors stay resident in VMEM
-            shape = (t.stack if t.stacked else 1, t.type.shape[0])
-            _alloc(s, t.name, shape, "bfloat16", f"`{t.name}` (a kernel input in VMEM)", t.span, scratch=False)
-            _alloc(s, f"res_{t.name}", shape, "float32", f"`{t.name}` resident in VMEM (f32)", t.span)
+    fetched = list(dict.fromkeys(name for g in [*m.kinds, m.step] for name in roles.fetched_weights(m, g)))
+    for name in fetched:
+        t = m.tensor(name)
+        _alloc(s, f"f_{name}", roles.fetch_shape(t), t.type.dtype.numpy, f"`{name}` fetched per layer", t.span)
+    if fetched:
+        _alloc(s, "fetch_sem", (len(fetched),), "dma", "fetch semaphores", NOWHERE, "SEM")
     logits = m.step.results[0]
     vocab = _type_of(m, m.step, logits).shape[1]
     _alloc(s, "logits", ("batch", vocab), "float32", "output: logits", m.step.span, scratch=False)
@@ -213,6 +214,7 @@ def allocate_vmem(s: _State) -> None:
             _alloc(s, f"carry{i}", ("rows", v.type.shape[1]), "float32", "value carried across layers", carry.span)
     casts: set[str] = set()
     attention_ops = 0
+    counters: dict[str, int] = {}
     for g in [*m.kinds, m.step]:
         for node in g.nodes:
             if node.op == "layers":
@@ -236,11 +238,38 @@ def allocate_vmem(s: _State) -> None:
             if node.op == "attention":
                 _allocate_attention(s, attention_ops, node)
                 attention_ops += 1
+            _allocate_op_scratch(s, g, node, counters)
     if attention_ops:
         _alloc(s, "kv_row", ("batch * seq_tiles",), "int32", "KV tile table: row", NOWHERE, "SMEM")
         _alloc(s, "kv_t0", ("batch * seq_tiles",), "int32", "KV tile table: first token", NOWHERE, "SMEM")
         _alloc(s, "kv_n", (1,), "int32", "KV tile count", NOWHERE, "SMEM")
         _alloc(s, "wb_pending", (attention_ops,), "int32", "KV write-backs in flight", NOWHERE, "SMEM")
+
+
+DELTA_SLOTS = 3  # recurrent states in flight
+
+
+def _allocate_op_scratch(s: _State, g: Graph, node: Node, counters: dict[str, int]) -> None:
+    """Scratch of the ops whose lowering keeps private buffers (named <kind><n>_<part>)."""
+    m = s.model
+    i = counters.get(node.op, 0)
+    if node.op == "short_conv":
+        st = m.tensor(node.inputs[2].name)
+        _, taps, width = st.type.shape
+        _alloc(s, f"conv{i}_buf", (taps, "rows", width), "float32", "conv state window", node.span)
+        _alloc(s, f"conv{i}_sem", (2, taps), "dma", "conv state semaphores", node.span, "SEM")
+    elif node.op == "delta_rule":
+        st = m.tensor(node.inputs[5].name)
+        _, _, dk, dv = st.type.shape
+        for part in ("in", "out"):
+            _alloc(s, f"delta{i}_{part}", (DELTA_SLOTS, dk, dv), "float32", f"recurrent states {part} ({DELTA_SLOTS} slots)", node.span)
+        _alloc(s, f"delta{i}_sem", (2, DELTA_SLOTS), "dma", "recurrent state semaphores", node.span, "SEM")
+    elif node.op == "kda_gate":
+        width = node.outputs[0].type.shape[1]
+        _alloc(s, f"gate{i}_scale", (1, width), "float32", "decay scale per channel", node.span)
+    else:
+        return
+    counters[node.op] = i + 1
 
 
 def _allocate_attention(s: _State, i: int, node: Node) -> None:
@@ -319,8 +348,8 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], int]:
             op = OPS[node.op]
             types = [_type_of(m, graph, r) for r in node.inputs]
             outs = [v.type for v in node.outputs]
-            c: Cost = op.cost([_concrete(t, read_sizes) for t in types], [_concrete(t, read_sizes) for t in outs], node.attr)
-            flops += op.cost([_concrete(t, flop_sizes) for t in types], [_concrete(t, flop_sizes) for t in outs], node.attr).flops
+            c: Cost = op.cost([_concrete(t, read_sizes) for t in types], [_concrete(t, read_sizes) for t in outs], _attrs(node))
+            flops += op.cost([_concrete(t, flop_sizes) for t in types], [_concrete(t, flop_sizes) for t in outs], _attrs(node)).flops
             tensors = [r.name for r in node.inputs if r.kind == "tensor"]
             weights = [n for n in tensors if m.tensor(n).kind == "weight"]
             states = [n for n in tensors if m.tensor(n).kind == "state"]
@@ -356,7 +385,18 @@ def schedule_traffic(s: _State) -> tuple[int, int]:
     epi = per_kind["epilogue"]
     total += sum(t.k * t.n * 2 for t in epi.streams)
     dmas += epi.tiles
-    total += sum(a.bytes // 2 for a in s.vmem if a.purpose.startswith("resident vector"))  # bf16 in HBM
+    for kind in m.schedule:
+        for name in roles.fetched_weights(m, m.kind(kind)):
+            total += _fetch_bytes(m.tensor(name))
+            dmas += 1
+        for node in m.kind(kind).nodes:
+            if node.op in ("short_conv", "delta_rule"):
+                total += _state_bytes(m, m.kind(kind), node, s)
+                taps = m.tensor(node.inputs[2].name).type.shape[1] if node.op == "short_conv" else 0
+                dmas += 2 * taps if taps else 2 * s.batch * node.attr["heads"]
+    for name in roles.fetched_weights(m, m.step):
+        total += _fetch_bytes(m.tensor(name))
+        dmas += 1
     kv_tiles = -(-(s.context + 1) // s.kv_tile)
     for kind in m.schedule:
         for node in m.kind(kind).nodes:
@@ -374,3 +414,22 @@ def schedule_traffic(s: _State) -> tuple[int, int]:
         total += s.batch * 16 * t.type.shape[1] * 2
         dmas += s.batch
     return total, dmas
+
+
+def _fetch_bytes(t) -> int:
+    shape = roles.fetch_shape(t)
+    return math.prod(shape) * max(t.type.dtype.bits, 8) // 8
+
+
+def _state_bytes(m: Model, graph: Graph, node: Node, s: _State) -> int:
+    op = OPS[node.op]
+    dims = [d.name for d in m.dims]
+    sizes = {dims[0]: s.batch, **{d: s.context + 1 for d in dims[1:]}}
+    types = [_concrete(_type_of(m, graph, r), sizes) for r in node.inputs]
+    outs = [_concrete(v.type, sizes) for v in node.outputs]
+    return op.cost(types, outs, _attrs(node)).state_bytes
+
+
+def _attrs(node: Node) -> dict:
+    """Attributes for cost rules: a layer-dependent one at its first layer (costs ignore them)."""
+    return {k: v.first if isinstance(v, LayerExpr) else v for k, v in node.attrs}

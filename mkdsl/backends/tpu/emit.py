@@ -16,8 +16,10 @@ import jinja2
 
 from mkdsl import __version__
 from mkdsl.diagnostics import Diagnostic, SpecError
+from mkdsl.dtypes import storage
 from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref
 from mkdsl.ops import OPS
+from mkdsl.plan import roles
 from mkdsl.plan.planner import KV_SLOTS, ROW_TILE, buffer_of, value_buffer
 from mkdsl.plan.types import Alloc, Plan
 
@@ -63,6 +65,10 @@ class _Emitter:
         self.attentions: list[dict] = []
         self.rope_tables: dict[tuple[int, float], str] = {}
         self.casts: set[str] = set()
+        self.fetch_index: dict[str, int] = {}
+        self.counters: dict[str, int] = {}
+        self.objects: list[str] = []  # lowering objects built once at kernel entry
+        self.layer_var, self.waited = "li", set()
 
     # ------------------------------------------------------------------ names
 
@@ -81,22 +87,49 @@ class _Emitter:
 
     # ------------------------------------------------------------------ nodes
 
-    def lower_body(self, g: Graph, nodes, seq: str) -> list[dict]:
-        """Lowered nodes in order; each spec line is quoted once, above its first node."""
+    def lower_body(self, g: Graph, nodes, seq: str, layer: str = "li") -> tuple[list[str], list[dict]]:
+        """(fetch starts, lowered nodes) of one body; each spec line is quoted once, above its first node."""
+        self.layer_var, self.waited = layer, set()
+        names = roles.fetched_weights(self.m, Graph(g.name, g.params, tuple(nodes), (), g.span))
+        starts = [f"{self.fetch_copy(name)}.start()" for name in names]
         out, last = [], None
         for node in nodes:
             n = self.lower_node(g, node, seq)
             n["comment"] = node.span.line != last
             last = node.span.line
             out.append(n)
-        return out
+        return starts, out
+
+    def fetch_copy(self, name: str) -> str:
+        t = self.m.tensor(name)
+        i = self.fetch_index.setdefault(name, len(self.fetch_index))
+        return (f"fetch(r.{name}, r.f_{name}, r.fetch_sem.at[{i}], {self.slot_expr(name, self.layer_var)}, "
+                f"{roles.fetch_block(t)})")
+
+    def fetched(self, name: str, pre: list[str]) -> str:
+        """Code for a fetched weight at its use: waits on the first use in this body."""
+        if name not in self.waited:
+            self.waited.add(name)
+            pre.append(f"{self.fetch_copy(name)}.wait()")
+        t = self.m.tensor(name)
+        if len(t.type.shape) == 1:
+            return f"pick_row(r.f_{name}, {self.slot_expr(name, self.layer_var)}, {t.stack if t.stacked else 1})"
+        return f"r.f_{name}"
+
+    def instance(self, op: str) -> int:
+        i = self.counters.get(op, 0)
+        self.counters[op] = i + 1
+        return i
 
     def lower_node(self, g: Graph, node: Node, seq: str) -> dict:
-        n = {"op": node.op, "line": node.span.line, "source": self.src.line(node.span.line)}
+        pre: list[str] = []
+        n = {"op": node.op, "line": node.span.line, "source": self.src.line(node.span.line), "pre": pre}
         ins = [self.operand(g, r) for r in node.inputs]
-        out = value_buffer(g.name, node.outputs[0].name) if node.outputs else None
-        n["out"] = out
+        outs = [value_buffer(g.name, v.name) for v in node.outputs]
+        n["out"] = outs[0] if outs else None
+        n["outs"] = outs
         op = OPS[node.op]
+        attr = {k: attr_code(v) for k, v in node.attr.items()}
         if node.op == "linear":
             st = self.plan.sequence(seq).stream(node.outputs[0].name)
             xb = f"{ins[0]}_bf16"
@@ -104,8 +137,32 @@ class _Emitter:
                      slot=self.slot_expr(st.tensor, "li"), base="base")
             self.casts.add(xb)
         elif node.op == "rmsnorm":
-            n.update(x=ins[0], w=f"res_{node.inputs[1].name}", slot=self.slot_expr(node.inputs[1].name, "li"),
-                     eps=repr(float(node.attr["eps"])), heads=node.attr["heads"])
+            n.update(x=ins[0], w=self.fetched(node.inputs[1].name, pre), eps=attr["eps"], heads=node.attr["heads"])
+        elif node.op == "l2norm":
+            n.update(x=ins[0], heads=node.attr["heads"], scale=attr["scale"], eps=attr["eps"])
+        elif node.op == "short_conv":
+            i = self.instance("short_conv")
+            state = node.inputs[2].name
+            self.objects.append(f"conv{i} = ShortConv(r.{state}, r.{state}_out, r.conv{i}_buf, r.conv{i}_sem, batch)")
+            n.update(obj=f"conv{i}", slot=self.slot_expr(state, self.layer_var), x=ins[0],
+                     w=self.fetched(node.inputs[1].name, pre))
+        elif node.op == "kda_gate":
+            i = self.instance("kda_gate")
+            n.update(f=ins[0], a_log=self.fetched(node.inputs[1].name, pre), dt_bias=self.fetched(node.inputs[2].name, pre),
+                     scale=f"gate{i}_scale", heads=node.attr["heads"], lower=attr["lower"])
+        elif node.op == "delta_rule":
+            i = self.instance("delta_rule")
+            state = node.inputs[5].name
+            self.objects.append(f"delta{i} = DeltaRule(r.{state}, r.{state}_out, r.delta{i}_in, r.delta{i}_out, "
+                                f"r.delta{i}_sem, batch, {node.attr['heads']})")
+            n.update(obj=f"delta{i}", slot=self.slot_expr(state, self.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
+        elif node.op == "res_init":
+            n.update(x=ins[0])
+        elif node.op == "res_mix":
+            n.update(blocks=ins[0], prefix=ins[1], w=self.fetched(node.inputs[2].name, pre), layer=attr["layer"],
+                     block=attr["block"], after=attr["after_snapshot"], eps=attr["eps"])
+        elif node.op == "res_snapshot":
+            n.update(blocks=ins[0], prefix=ins[1], layer=attr["layer"], block=attr["block"])
         elif node.op == "rope":
             width = self.value_width(g, node.inputs[0])
             d = width // node.attr["heads"]
@@ -121,10 +178,12 @@ class _Emitter:
             width = self.value_width(g, node.inputs[0])
             n.update(x=ins[0], chunk=_chunk(width))
         elif op.kernel_expr is not None:
-            values = {name: f"r.{b}[...]" for name, b in zip(op.operands, ins, strict=True)}
-            attrs = {k: attr_code(v) for k, v in node.attr.items()}
+            values = {}
+            for name, b, ref in zip(op.operands, ins, node.inputs, strict=True):
+                is_weight = ref.kind == "tensor" and self.m.tensor(ref.name).kind == "weight"
+                values[name] = self.fetched(ref.name, pre) if is_weight else f"r.{b}[...]"
             n["op"] = "elementwise"
-            n["expr"] = op.kernel_expr.format(**values, **attrs)
+            n["expr"] = op.kernel_expr.format(**values, **attr)
         else:
             self.errors.append(Diagnostic(node.span, f"op `{node.op}` has no TPU lowering yet"))
         return n
@@ -171,16 +230,17 @@ class _Emitter:
         seqs = {s["name"]: s for s in self.sequences()}
         kinds = []
         for k in m.kinds:
-            body = self.lower_body(k, k.nodes, k.name)
+            starts, body = self.lower_body(k, k.nodes, k.name)
             results = [dict(buf=f"carry{i}", value=buffer_of(m, k, r)) for i, r in enumerate(k.results)]
             results = [r for r in results if r["buf"] != r["value"]]
-            kinds.append(dict(name=k.name, index=len(kinds), line=k.span.line, body=body, results=results, **{
+            kinds.append(dict(name=k.name, index=len(kinds), line=k.span.line, body=body, starts=starts, results=results, **{
                 key: seqs[k.name][key] for key in ("streams", "const", "tiles")}))
         cut = next(i for i, n in enumerate(m.step.nodes) if n.op == "layers")
-        prologue = self.lower_body(m.step, m.step.nodes[:cut], "epilogue")
+        prologue_starts, prologue = self.lower_body(m.step, m.step.nodes[:cut], "epilogue", layer="0")
         layers = m.step.nodes[cut]
         carries = [dict(buf=f"carry{i}", init=self.operand(m.step, r)) for i, r in enumerate(layers.inputs)]
-        epilogue = dict(seqs["epilogue"], body=self.lower_body(m.step, m.step.nodes[cut + 1 :], "epilogue"))
+        epilogue_starts, epilogue_body = self.lower_body(m.step, m.step.nodes[cut + 1 :], "epilogue", layer="0")
+        epilogue = dict(seqs["epilogue"], body=epilogue_body, starts=epilogue_starts)
         if self.errors:
             raise SpecError(self.errors)
         tiles_of_kind = self.tiles_of_kind(kinds)
@@ -198,20 +258,31 @@ class _Emitter:
             vmem_limit=vmem_limit(plan), kinds=kinds, layer_kind=repr(layer_kind), layer_base=repr(bases),
             slot_tables=[dict(name=name, values=repr(list(slots)), users=", ".join(
                 t.name for t in m.tensors if t.stacked and t.slots == slots)) for slots, name in self.slot_tables.items()],
-            weights=[dict(name=w.name, shape=repr(tuple(w.full_shape)), dtype=w.type.dtype.numpy) for w in weights],
+            weights=[dict(name=_part_name(w.name, part), shape=repr(tuple(part.shape)), dtype=part.dtype)
+                     for w in weights for part in storage(w.type.dtype, w.full_shape)],
             states=[self.state(s) for s in m.states],
             sequences=list(seqs.values()), epilogue=epilogue, tiles_of_kind=tiles_of_kind,
-            hbm_inputs=[w.name for w in weights if len(w.type.shape) >= 2],
-            vmem_inputs=[w.name for w in weights if len(w.type.shape) == 1],
+            hbm_inputs=[_part_name(w.name, part) for w in weights for part in storage(w.type.dtype, w.full_shape)],
+            vectors=[w.name for w in weights if len(w.type.shape) == 1 and not w.stacked],
             scratch=[dict(name=a.name, ctor=_ctor(a)) for a in plan.vmem if a.scratch],
-            attentions=self.attentions,
-            resident=[dict(name=w.name, scratch=f"res_{w.name}") for w in weights if len(w.type.shape) == 1],
+            attentions=self.attentions, objects=self.objects, prologue_starts=prologue_starts,
+            runtime=self.runtime_parts(),
             rope_tables=[dict(name=name, d=d, theta=repr(theta)) for (d, theta), name in self.rope_tables.items()],
             prologue=prologue, carries=carries,
             logits=self.operand(m.step, m.step.results[0]), next_tokens=self.operand(m.step, m.step.results[1]),
             vocab=_vocab(m),
         )
         return _env().get_template("module.py.jinja").render(**context)
+
+    def runtime_parts(self) -> list[str]:
+        """The runtime templates this module needs, so a dense model carries no KDA code."""
+        ops = {n.op for g in [*self.m.kinds, self.m.step] for n in g.nodes}
+        parts = ["core"]
+        for part, needs in (("attention", {"attention"}), ("kda", {"short_conv", "l2norm", "kda_gate", "delta_rule"}),
+                            ("residual", {"res_init", "res_mix", "res_snapshot"})):
+            if ops & needs:
+                parts.append(part)
+        return [f"runtime/{p}.py.jinja" for p in parts]
 
     def tiles_of_kind(self, kinds: list[dict]) -> str:
         if len(kinds) == 1:
@@ -229,6 +300,11 @@ class _Emitter:
         expr = "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
         doc = "(" + ", ".join(f'"{d}"' if isinstance(d, str) else str(d) for d in shape) + ")"
         return dict(name=t.name, shape_expr=expr, shape_doc=doc, dtype=t.type.dtype.numpy)
+
+
+def _part_name(name: str, part) -> str:
+    """Kernel input name of one storage array: `w`, or `w_codes` / `w_scales` when quantised."""
+    return f"{name}_{part.suffix}" if part.suffix else name
 
 
 def attr_code(v) -> str:

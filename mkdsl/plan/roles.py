@@ -1,0 +1,40 @@
+"""How the kernel reaches each weight operand: the one table the planner and emitter share.
+
+- streamed: cut into tiles that flow through the weight ring (matmul weights);
+- special: the op's lowering moves it itself (embedding rows, expert tiles, MLA absorption);
+- fetched: everything else (norm weights, conv taps, gate vectors) is DMA'd per layer into a
+  small VMEM buffer when the layer starts and waited for at its first use.
+"""
+
+from __future__ import annotations
+
+from mkdsl.ir import Graph, Model, Tensor
+
+STREAMED = {"linear": (1,)}
+SPECIAL = {"embedding": (1,), "moe_experts": (3, 4, 5), "mla_attention": (3,)}
+
+
+def fetched_weights(model: Model, graph: Graph) -> list[str]:
+    """Weights of `graph` that are fetched, in order of first use."""
+    out: list[str] = []
+    for node in graph.nodes:
+        skip = STREAMED.get(node.op, ()) + SPECIAL.get(node.op, ())
+        for i, ref in enumerate(node.inputs):
+            if ref.kind == "tensor" and i not in skip and model.tensor(ref.name).kind == "weight":
+                if ref.name not in out:
+                    out.append(ref.name)
+    return out
+
+
+def fetch_block(t: Tensor) -> int:
+    """Rows fetched for a stack of vectors (an aligned whole-tile window), 0 for a whole slice."""
+    if len(t.type.shape) != 1:
+        return 0
+    rows = t.stack if t.stacked else 1
+    return min(rows, 16 if t.type.dtype.bits == 16 else 8)
+
+
+def fetch_shape(t: Tensor) -> tuple[int, ...]:
+    if len(t.type.shape) == 1:
+        return (fetch_block(t), t.type.shape[0])
+    return tuple(t.type.shape)

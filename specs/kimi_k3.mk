@@ -1,0 +1,182 @@
+# Kimi K3: one greedy decode step.
+# 93 layers: Kimi Delta Attention (KDA) everywhere except MLA at l % 4 == 3 and the last layer;
+# a dense MLP at layer 0 and a latent MoE (896 MXFP4 experts, top 16, two shared experts fused)
+# after it; "attention residuals" instead of a plain residual add. Facts: ../shared/facts/kimi_k3.md
+model kimi_k3
+
+const L     = 93        # layers
+const H     = 7168      # hidden width
+const V     = 163840    # vocabulary
+const NH    = 96        # heads, KDA and MLA alike
+const D     = 128       # head dim (KDA key/value, MLA value)
+const CONV  = 4         # KDA short-conv taps
+const QR    = 1536      # MLA q rank
+const KVR   = 512       # MLA kv rank (the latent cache holds KVR + XK per token)
+const NOPE  = 128       # MLA per-head key dims from the latent
+const XK    = 64        # MLA extra key dims, shared by all heads, not rotated
+const E     = 896       # routed experts
+const TOPK  = 16        # experts per token
+const FE    = 3072      # expert width
+const LAT   = 3584      # latent expert space
+const FS    = 6144      # the two shared experts, fused
+const FD    = 33792     # dense MLP width (layer 0)
+const BLOCK = 12        # layers per attention-residual block
+const EPS   = 0.00001
+
+# Derived sizes. Narrow projections are stored padded to a multiple of 128 columns (zeros past
+# the real width, which the loader writes) and sliced after the matmul: weight tiles are lane
+# aligned and no DMA is narrower than 128 lanes.
+const NB    = 1 + (L - 1) // BLOCK          # residual blocks kept (embedding + snapshots)
+const NHP   = (NH + 127) // 128 * 128       # KDA beta projection, padded
+const KVP   = (KVR + XK + 127) // 128 * 128 # MLA kv down-projection, padded
+const EP    = (E + 127) // 128 * 128        # router, padded
+
+dim B in 1 .. 8         # rows decoded together
+dim S in 1 .. 131072    # cache length
+
+# Small enough for TPU interpret mode, with both layer kinds, the dense layer and a block boundary.
+profile mini {
+  L = 8
+  H = 256
+  V = 512
+  NH = 2
+  QR = 256
+  KVR = 128
+  E = 16
+  TOPK = 4
+  FE = 256
+  LAT = 256
+  FS = 256
+  FD = 512
+  BLOCK = 4
+}
+
+# ---- embedding, output head, residual mixing
+weight embed:       bf16[V, H]
+weight lm_head:     bf16[H, V]
+weight final_norm:  bf16[H]
+weight out_res:     bf16[H]            # residual-norm weight times residual projection, folded
+weight attn_res:    bf16[H]  per layer
+weight mlp_res:     bf16[H]  per layer
+weight input_norm:  bf16[H]  per layer
+weight post_norm:   bf16[H]  per layer
+
+# ---- KDA (layers of kinds kda_dense and kda_moe)
+weight kda_wq:      bf16[H, NH*D]      per layer(kda_dense, kda_moe)
+weight kda_wk:      bf16[H, NH*D]      per layer(kda_dense, kda_moe)
+weight kda_wv:      bf16[H, NH*D]      per layer(kda_dense, kda_moe)
+weight kda_conv_q:  bf16[CONV, NH*D]   per layer(kda_dense, kda_moe)
+weight kda_conv_k:  bf16[CONV, NH*D]   per layer(kda_dense, kda_moe)
+weight kda_conv_v:  bf16[CONV, NH*D]   per layer(kda_dense, kda_moe)
+weight kda_wfa:     bf16[H, D]         per layer(kda_dense, kda_moe)
+weight kda_wfb:     bf16[D, NH*D]      per layer(kda_dense, kda_moe)
+weight kda_a_log:   f32[NH]            per layer(kda_dense, kda_moe)
+weight kda_dt_bias: f32[NH*D]          per layer(kda_dense, kda_moe)
+weight kda_wb:      bf16[H, NHP]       per layer(kda_dense, kda_moe)
+weight kda_wg:      bf16[H, NH*D]      per layer(kda_dense, kda_moe)
+weight kda_onorm:   bf16[D]            per layer(kda_dense, kda_moe)
+weight kda_wo:      bf16[NH*D, H]      per layer(kda_dense, kda_moe)
+
+state kda_state:    f32[B, NH, D, D]        per layer(kda_dense, kda_moe)
+state kda_q_conv:   f32[B, CONV - 1, NH*D]  per layer(kda_dense, kda_moe)
+state kda_k_conv:   f32[B, CONV - 1, NH*D]  per layer(kda_dense, kda_moe)
+state kda_v_conv:   f32[B, CONV - 1, NH*D]  per layer(kda_dense, kda_moe)
+
+# ---- MLA, K3 variant: no rotary embedding, gated output, latent cache with absorption
+weight mla_wqa:     bf16[H, QR]            per layer(mla_moe)
+weight mla_qnorm:   bf16[QR]               per layer(mla_moe)
+weight mla_wqb:     bf16[QR, NH*(NOPE+XK)] per layer(mla_moe)
+weight mla_wkva:    bf16[H, KVP]           per layer(mla_moe)
+weight mla_kvnorm:  bf16[KVR]              per layer(mla_moe)
+weight mla_wkvb:    bf16[KVR, NH*(NOPE+D)] per layer(mla_moe)
+weight mla_wg:      bf16[H, NH*D]          per layer(mla_moe)
+weight mla_wo:      bf16[NH*D, H]          per layer(mla_moe)
+
+state mla_cache:    bf16[B, S, KVR + XK]   per layer(mla_moe)
+
+# ---- MLPs: dense at layer 0, latent MoE after it
+weight dense_gate:  bf16[H, FD]  per layer(kda_dense)
+weight dense_up:    bf16[H, FD]  per layer(kda_dense)
+weight dense_down:  bf16[FD, H]  per layer(kda_dense)
+
+weight moe_router:  bf16[H, EP]         per layer(kda_moe, mla_moe)
+weight moe_bias:    f32[E]              per layer(kda_moe, mla_moe)
+weight moe_down:    bf16[H, LAT]        per layer(kda_moe, mla_moe)
+weight moe_w1:      mxfp4[E, LAT, FE]   per layer(kda_moe, mla_moe)
+weight moe_w3:      mxfp4[E, LAT, FE]   per layer(kda_moe, mla_moe)
+weight moe_w2:      mxfp4[E, FE, LAT]   per layer(kda_moe, mla_moe)
+weight moe_rnorm:   bf16[LAT]           per layer(kda_moe, mla_moe)
+weight moe_up:      bf16[LAT, H]        per layer(kda_moe, mla_moe)
+weight shared_gate: bf16[H, FS]         per layer(kda_moe, mla_moe)
+weight shared_up:   bf16[H, FS]         per layer(kda_moe, mla_moe)
+weight shared_down: bf16[FS, H]         per layer(kda_moe, mla_moe)
+
+block kda(x) {
+  q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
+  k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
+  v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
+  g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
+  beta = sigmoid(slice(linear(x, kda_wb), start=0, size=NH))
+  o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
+  return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
+}
+
+block mla(x) {
+  q = linear(rmsnorm(linear(x, mla_wqa), mla_qnorm, eps=EPS), mla_wqb)
+  kv = linear(x, mla_wkva)
+  c = rmsnorm(slice(kv, start=0, size=KVR), mla_kvnorm, eps=EPS)
+  y = mla_attention(q, c, slice(kv, start=KVR, size=XK), mla_wkvb, mla_cache, positions,
+                    heads=NH, nope=NOPE, extra=XK, vdim=D)
+  return linear(y * sigmoid(linear(x, mla_wg)), mla_wo)
+}
+
+block dense_mlp(x) {
+  return linear(situ(linear(x, dense_gate), linear(x, dense_up)), dense_down)
+}
+
+block moe(x) {
+  w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
+  r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2)
+  shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
+  return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
+}
+
+# Attention residuals: mix the kept blocks and the running prefix; every BLOCK layers the
+# prefix becomes a new block.
+layer kda_dense(blocks, prefix) {
+  h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
+  blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
+  prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+  m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
+  return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
+}
+
+layer kda_moe(blocks, prefix) {
+  h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
+  blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
+  prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+  m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
+  return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+}
+
+layer mla_moe(blocks, prefix) {
+  h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
+  blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
+  prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
+  m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
+  return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+}
+
+layers L {
+  kda_dense: l == 0
+  mla_moe:   l % 4 == 3 or l == L - 1
+  kda_moe:   otherwise
+}
+
+step(tokens, positions) {
+  blocks, prefix = res_init(embedding(tokens, embed), nblocks=NB)
+  blocks, prefix = layers(blocks, prefix)
+  x = res_mix(blocks, prefix, out_res, layer=L - 1, block=BLOCK, after_snapshot=true)
+  logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
+  return logits, argmax(logits)
+}
