@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mkdsl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `mkdsl plan ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except Exception as e:  # a bug in mkdsl, never the user's fault
         if os.environ.get("MKDSL_DEBUG"):
             traceback.print_exc()
