@@ -238,6 +238,9 @@ def allocate_vmem(s: _State) -> None:
             if node.op == "attention":
                 _allocate_attention(s, attention_ops, node)
                 attention_ops += 1
+            if node.op == "mla_attention":
+                _allocate_mla(s, attention_ops, node)
+                attention_ops += 1
             _allocate_op_scratch(s, g, node, counters)
     if attention_ops:
         _alloc(s, "kv_row", ("batch * seq_tiles",), "int32", "KV tile table: row", NOWHERE, "SMEM")
@@ -270,6 +273,31 @@ def _allocate_op_scratch(s: _State, g: Graph, node: Node, counters: dict[str, in
     else:
         return
     counters[node.op] = i + 1
+
+
+W_SLOTS = 3  # MLA weight tiles in flight
+
+
+def _allocate_mla(s: _State, i: int, node: Node) -> None:
+    m = s.model
+    cache = m.tensor(node.inputs[4].name)
+    width = cache.type.shape[2]
+    a = node.attr
+    heads, nope, extra, vdim = a["heads"], a["nope"], a["extra"], a["vdim"]
+    r = width - extra
+    span = node.span
+    _alloc(s, f"att{i}_ql", (f"{heads} * rows", width), "float32", "absorbed queries, head-major", span)
+    _alloc(s, f"att{i}_ol", (f"{heads} * rows", r), "float32", "latent outputs, head-major", span)
+    _alloc(s, f"att{i}_wtiles", (W_SLOTS, r, max(nope, vdim)), "bfloat16", f"kv up-projection tiles ({W_SLOTS} in flight)", span)
+    _alloc(s, f"att{i}_w_sem", (W_SLOTS,), "dma", "kv up-projection semaphores", span, "SEM")
+    _alloc(s, f"att{i}_tiles", (KV_SLOTS, s.kv_tile, width), "bfloat16", f"latent cache tiles ({KV_SLOTS} x {s.kv_tile} tokens)", span)
+    _alloc(s, f"att{i}_m", (heads, 1), "float32", "online softmax max", span)
+    _alloc(s, f"att{i}_l", (heads, 1), "float32", "online softmax sum", span)
+    _alloc(s, f"att{i}_acc", (heads, r), "float32", "online softmax accumulator", span)
+    _alloc(s, f"att{i}_new", ("rows", width), "float32", "this token's latent cache entry", span)
+    _alloc(s, f"att{i}_wb", ("batch", 16, width), "bfloat16", "new-token blocks written back", span)
+    _alloc(s, f"att{i}_kv_sem", (KV_SLOTS,), "dma", "latent cache semaphores", span, "SEM")
+    _alloc(s, f"att{i}_wb_sem", (1,), "dma", "write-back semaphore", span, "SEM")
 
 
 def _allocate_attention(s: _State, i: int, node: Node) -> None:

@@ -172,6 +172,8 @@ class _Emitter:
             n.update(x=ins[0], table=self.rope_tables[key], heads=node.attr["heads"])
         elif node.op == "attention":
             n.update(self.attention(node, ins))
+        elif node.op == "mla_attention":
+            n.update(self.latent_attention(node, ins))
         elif node.op == "embedding":
             n.update(table=node.inputs[1].name, block="emb_block")
         elif node.op == "argmax":
@@ -208,9 +210,25 @@ class _Emitter:
                                                    "kv_sem", "wb_sem")}
         names.update(k_cache=kc.name, v_cache=vc.name, k_cache_out=f"{kc.name}_out", v_cache_out=f"{vc.name}_out")
         obj = f"attention{i}"
-        self.attentions.append(dict(obj=obj, heads=node.attr["heads"], kv_heads=kvh, dk=dk, dv=dv,
-                                    scale=repr(float(scale)), names=repr(names)))
+        self.attentions.append(dict(obj=obj, ctor=(
+            f"Attention(r, positions_ref, {i}, rows=rows, batch=batch, heads={node.attr['heads']}, kv_heads={kvh}, "
+            f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r})")))
         return dict(obj=obj, slot=self.slot_expr(kc.name, "li"), q=ins[0], k=ins[1], v=ins[2])
+
+    def latent_attention(self, node: Node, ins: list[str]) -> dict:
+        i = len(self.attentions)
+        cache = self.m.tensor(node.inputs[4].name)
+        a = node.attr
+        scale = a["scale"] if a["scale"] is not None else (a["nope"] + a["extra"]) ** -0.5
+        names = {key: f"att{i}_{key}" for key in ("ql", "ol", "wtiles", "w_sem", "tiles", "m", "l", "acc", "new", "wb",
+                                                   "kv_sem", "wb_sem")}
+        names.update(cache=cache.name, cache_out=f"{cache.name}_out", w_kvb=node.inputs[3].name)
+        obj = f"attention{i}"
+        self.attentions.append(dict(obj=obj, ctor=(
+            f"LatentAttention(r, positions_ref, {i}, rows=rows, batch=batch, heads={a['heads']}, nope={a['nope']}, "
+            f"extra={a['extra']}, vdim={a['vdim']}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, "
+            f"names={names!r})")))
+        return dict(obj=obj, slot=self.slot_expr(cache.name, "li"), q=ins[0], c=ins[1], e=ins[2])
 
     # ------------------------------------------------------------------ module
 
@@ -278,7 +296,7 @@ class _Emitter:
         """The runtime templates this module needs, so a dense model carries no KDA code."""
         ops = {n.op for g in [*self.m.kinds, self.m.step] for n in g.nodes}
         parts = ["core"]
-        for part, needs in (("attention", {"attention"}), ("kda", {"short_conv", "l2norm", "kda_gate", "delta_rule"}),
+        for part, needs in (("attention", {"attention", "mla_attention"}), ("mla", {"mla_attention"}), ("kda", {"short_conv", "l2norm", "kda_gate", "delta_rule"}),
                             ("residual", {"res_init", "res_mix", "res_snapshot"})):
             if ops & needs:
                 parts.append(part)
