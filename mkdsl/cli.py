@@ -93,6 +93,11 @@ def cmd_plan(args) -> int:
     from mkdsl.report import render_plan
 
     model, source = _load(args)
+    rows = model.dims[0]
+    if not rows.low <= args.batch <= rows.high:
+        raise UsageError(f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})")
+    if args.context is not None and args.context < 0:
+        raise UsageError(f"--context must be at least 0, got {args.context}")
     try:
         plan = make_plan(model, batch=args.batch, context=args.context)
     except SpecError as e:

@@ -27,18 +27,23 @@ class Output:
     files: dict[str, str]  # file name -> text
 
 
-def default_out_dir(spec: str, model_name: str, profile: str | None) -> Path:
-    """generated/<model>[_<profile>]/ in the project holding `spec` (the parent of specs/)."""
+def project_root(spec: str) -> Path:
+    """The project holding `spec`: the parent of specs/, else the spec's own directory."""
     spec_dir = Path(spec).resolve().parent
-    root = spec_dir.parent if spec_dir.name == "specs" else spec_dir
-    return root / "generated" / (model_name + (f"_{profile}" if profile else ""))
+    return spec_dir.parent if spec_dir.name == "specs" else spec_dir
+
+
+def default_out_dir(spec: str, model_name: str, profile: str | None) -> Path:
+    """generated/<model>[_<profile>]/ in the project holding `spec`."""
+    return project_root(spec) / "generated" / (model_name + (f"_{profile}" if profile else ""))
 
 
 def compile_source(source: str, spec_path: str, profile: str | None, out_dir: Path | None = None) -> tuple[Output, Path]:
     """Run every stage; nothing is written. Raises SpecError with all diagnostics of a stage."""
     model = elaborate(parse(source), profile, source)
     out = out_dir or default_out_dir(spec_path, model.name, profile)
-    shown = os.path.relpath(Path(spec_path).resolve(), out.resolve().parent.parent).replace(os.sep, "/")
+    # The spec as named in the output: relative to its project, so the output does not depend on `out`.
+    shown = os.path.relpath(Path(spec_path).resolve(), project_root(spec_path)).replace(os.sep, "/")
     budget = make_plan(model, batch=model.dims[0].high)  # VMEM at the largest batch
     plan = make_plan(model, batch=model.dims[0].low)  # traffic and timing at the smallest
     src = Source(shown, source, spec_sha256(source))

@@ -28,7 +28,7 @@ weight lm_head:   bf16[H, V]
 state k_cache: bf16[B, NKV, S, D] per layer
 state v_cache: bf16[B, NKV, S, D] per layer
 
-layer block(x) {
+layer decoder(x) {
   h = rmsnorm(x, norm1)
   q = rope(linear(h, wq), pos, heads=NH)
   k = rope(linear(h, wk), pos, heads=NKV)
@@ -38,7 +38,7 @@ layer block(x) {
   return x + linear(swiglu(linear(h, w_gate), linear(h, w_up)), w_down)
 }
 
-layers L { block: otherwise }
+layers L { decoder: otherwise }
 
 step(tokens, pos) {
   x = layers(embedding(tokens, embed))

@@ -74,6 +74,7 @@ def state_layout(batch, seq_len):
 # Kernel building blocks (the same in every module mkdsl generates)
 # ---------------------------------------------------------------------------------------
 F32, BF16, I32 = jnp.float32, jnp.bfloat16, jnp.int32
+HIGHEST = jax.lax.Precision.HIGHEST  # f32 x f32 products at full precision, as the reference computes them
 NEG_INF = float("-inf")
 KV_BLOCK = 16  # rows of the bf16-tile-aligned block written back for a new token
 EMB_BLOCK = 16  # rows of the aligned block fetched for one embedding row
@@ -138,7 +139,7 @@ def linear(r, issue, st: Stream, slot, base, xb, out):
                 preferred_element_type=F32,
             )
             acc = part if acc is None else acc + part
-        out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = acc
+        out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = acc[0 : out.shape[0]]  # the logits output has batch rows
         return carry
 
     jax.lax.fori_loop(0, st.nn, column_block, 0)
@@ -210,7 +211,7 @@ def argmax(x, out, chunk):
         return jnp.where(better, m, best_v), jnp.where(better, i, best_i)
 
     init = (jnp.full((rows, 1), NEG_INF, F32), jnp.zeros((rows, 1), I32))
-    out[...] = jax.lax.fori_loop(0, x.shape[1] // chunk, scan, init)[1]
+    out[...] = jax.lax.fori_loop(0, x.shape[1] // chunk, scan, init)[1][0 : out.shape[0]]
 
 
 def situ(g, u, beta, linear_beta):
@@ -400,14 +401,14 @@ class Attention:
             q = self.q2d[pl.ds(g * self.group * self.rows + b, self.group, stride=self.rows), :]
             k = self.ktiles[buf, g].astype(F32)
             v = jnp.where(valid_rows, self.vtiles[buf, g].astype(F32), 0.0)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32) * self.scale
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST) * self.scale
             s = jnp.where(valid, s, NEG_INF)
             m_prev = self.m[hs, :]
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp(m_prev - m_new)
             p = jnp.exp(s - m_new)
             self.l[hs, :] = alpha * self.l[hs, :] + jnp.sum(p, axis=1, keepdims=True)
-            self.acc[hs, :] = alpha * self.acc[hs, :] + jnp.dot(p, v, preferred_element_type=F32)
+            self.acc[hs, :] = alpha * self.acc[hs, :] + jnp.dot(p, v, preferred_element_type=F32, precision=HIGHEST)
             self.m[hs, :] = m_new
 
 
@@ -455,14 +456,16 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         "f_final_norm": pltpu.VMEM((1, 4096), jnp.bfloat16),
         "fetch_sem": pltpu.SemaphoreType.DMA((3,)),
         "carry0": pltpu.VMEM((rows, 4096), jnp.float32),
-        "decoder_h": pltpu.VMEM((rows, 4096), jnp.float32),
-        "decoder_linear": pltpu.VMEM((rows, 4096), jnp.float32),
-        "decoder_h_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
-        "decoder_q": pltpu.VMEM((rows, 4096), jnp.float32),
-        "decoder_linear_1": pltpu.VMEM((rows, 1024), jnp.float32),
-        "decoder_k": pltpu.VMEM((rows, 1024), jnp.float32),
-        "decoder_v": pltpu.VMEM((rows, 1024), jnp.float32),
-        "decoder_a": pltpu.VMEM((rows, 4096), jnp.float32),
+        "v0_4096": pltpu.VMEM((rows, 4096), jnp.float32),
+        "v1_4096": pltpu.VMEM((rows, 4096), jnp.float32),
+        "v2_4096": pltpu.VMEM((rows, 4096), jnp.float32),
+        "v3_1024": pltpu.VMEM((rows, 1024), jnp.float32),
+        "v4_1024": pltpu.VMEM((rows, 1024), jnp.float32),
+        "v5_14336": pltpu.VMEM((rows, 14336), jnp.float32),
+        "v6_14336": pltpu.VMEM((rows, 14336), jnp.float32),
+        "v7_14336": pltpu.VMEM((rows, 14336), jnp.float32),
+        "v8_4096": pltpu.VMEM((rows, 4096), jnp.float32),
+        "v0_4096_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
         "att0_q2d": pltpu.VMEM((32 * rows, 128), jnp.float32),
         "att0_k2d": pltpu.VMEM((8 * rows, 128), jnp.float32),
         "att0_v2d": pltpu.VMEM((8 * rows, 128), jnp.float32),
@@ -475,24 +478,11 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         "att0_wb": pltpu.VMEM((2, batch, 8, 16, 128), jnp.bfloat16),
         "att0_kv_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "att0_wb_sem": pltpu.SemaphoreType.DMA((1,)),
-        "decoder_linear_2": pltpu.VMEM((rows, 4096), jnp.float32),
-        "decoder_a_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
-        "decoder_x_1": pltpu.VMEM((rows, 4096), jnp.float32),
-        "decoder_rmsnorm": pltpu.VMEM((rows, 4096), jnp.float32),
-        "decoder_g": pltpu.VMEM((rows, 14336), jnp.float32),
-        "decoder_rmsnorm_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
-        "decoder_u": pltpu.VMEM((rows, 14336), jnp.float32),
-        "decoder_swiglu": pltpu.VMEM((rows, 14336), jnp.float32),
-        "decoder_linear_3": pltpu.VMEM((rows, 4096), jnp.float32),
-        "decoder_swiglu_bf16": pltpu.VMEM((rows, 14336), jnp.bfloat16),
-        "decoder_x_2": pltpu.VMEM((rows, 4096), jnp.float32),
-        "step_x": pltpu.VMEM((rows, 4096), jnp.float32),
+        "v2_4096_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
+        "v7_14336_bf16": pltpu.VMEM((rows, 14336), jnp.bfloat16),
         "emb_block": pltpu.VMEM((batch, 16, 4096), jnp.bfloat16),
         "emb_sem": pltpu.SemaphoreType.DMA((1,)),
-        "step_rmsnorm": pltpu.VMEM((rows, 4096), jnp.float32),
-        "step_logits": pltpu.VMEM((rows, 128256), jnp.float32),
-        "step_rmsnorm_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
-        "step_argmax": pltpu.VMEM((rows, 1), jnp.int32),
+        "v8_4096_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
         "kv_row": pltpu.SMEM((batch * seq_tiles,), jnp.int32),
         "kv_t0": pltpu.SMEM((batch * seq_tiles,), jnp.int32),
         "kv_n": pltpu.SMEM((1,), jnp.int32),
@@ -574,10 +564,10 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         for i in range(1):
             r.wb_pending[i] = 0
         # spec line 68: x = embedding(tokens, embed)
-        embedding(r, r.embed, tokens_ref, batch, r.step_x, r.emb_block, r.emb_sem)
+        embedding(r, r.embed, tokens_ref, batch, r.v2_4096, r.emb_block, r.emb_sem)
 
         # ---- the layer stack ----
-        r.carry0[...] = r.step_x[...]
+        r.carry0[...] = r.v2_4096[...]
 
         def layer(li, carry):
             base = layer_base_ref[li]
@@ -589,37 +579,37 @@ def build_decode_step(batch, seq_len, *, interpret=None):
                 fetch(r.mlp_norm, r.f_mlp_norm, r.fetch_sem.at[1], li, 16).start()
                 # spec line 53: h = rmsnorm(x, attn_norm, eps=EPS)
                 fetch(r.attn_norm, r.f_attn_norm, r.fetch_sem.at[0], li, 16).wait()
-                rmsnorm(r.carry0[...], pick_row(r.f_attn_norm, li, 32), r.decoder_h, eps=1e-05, heads=1)
+                rmsnorm(r.carry0[...], pick_row(r.f_attn_norm, li, 32), r.v0_4096, eps=1e-05, heads=1)
                 # spec line 54: q = rope(linear(h, wq), positions, heads=NH, theta=THETA)
-                cast_into(r.decoder_h, r.decoder_h_bf16)
-                linear(r, issue, S_DECODER_LINEAR, li, base + S_DECODER_LINEAR.start, r.decoder_h_bf16, r.decoder_linear)
-                rope(r.decoder_linear, r.decoder_q, rope0_cos, rope0_sin, heads=32)
+                cast_into(r.v0_4096, r.v0_4096_bf16)
+                linear(r, issue, S_DECODER_LINEAR, li, base + S_DECODER_LINEAR.start, r.v0_4096_bf16, r.v1_4096)
+                rope(r.v1_4096, r.v2_4096, rope0_cos, rope0_sin, heads=32)
                 # spec line 55: k = rope(linear(h, wk), positions, heads=NKV, theta=THETA)
-                linear(r, issue, S_DECODER_LINEAR_1, li, base + S_DECODER_LINEAR_1.start, r.decoder_h_bf16, r.decoder_linear_1)
-                rope(r.decoder_linear_1, r.decoder_k, rope0_cos, rope0_sin, heads=8)
+                linear(r, issue, S_DECODER_LINEAR_1, li, base + S_DECODER_LINEAR_1.start, r.v0_4096_bf16, r.v3_1024)
+                rope(r.v3_1024, r.v4_1024, rope0_cos, rope0_sin, heads=8)
                 # spec line 56: v = linear(h, wv)
-                linear(r, issue, S_DECODER_V, li, base + S_DECODER_V.start, r.decoder_h_bf16, r.decoder_v)
+                linear(r, issue, S_DECODER_V, li, base + S_DECODER_V.start, r.v0_4096_bf16, r.v3_1024)
                 # spec line 57: a = attention(q, k, v, k_cache, v_cache, positions, heads=NH, kv_heads=NKV)
-                attention0(li, r.decoder_q, r.decoder_k, r.decoder_v, r.decoder_a)
+                attention0(li, r.v2_4096, r.v4_1024, r.v3_1024, r.v0_4096)
                 # spec line 58: x = x + linear(a, wo)
-                cast_into(r.decoder_a, r.decoder_a_bf16)
-                linear(r, issue, S_DECODER_LINEAR_2, li, base + S_DECODER_LINEAR_2.start, r.decoder_a_bf16, r.decoder_linear_2)
-                r.decoder_x_1[...] = r.carry0[...] + r.decoder_linear_2[...]
+                cast_into(r.v0_4096, r.v0_4096_bf16)
+                linear(r, issue, S_DECODER_LINEAR_2, li, base + S_DECODER_LINEAR_2.start, r.v0_4096_bf16, r.v2_4096)
+                r.v0_4096[...] = r.carry0[...] + r.v2_4096[...]
                 # spec line 59: x = x + swiglu_mlp(rmsnorm(x, mlp_norm, eps=EPS))
                 fetch(r.mlp_norm, r.f_mlp_norm, r.fetch_sem.at[1], li, 16).wait()
-                rmsnorm(r.decoder_x_1[...], pick_row(r.f_mlp_norm, li, 32), r.decoder_rmsnorm, eps=1e-05, heads=1)
+                rmsnorm(r.v0_4096[...], pick_row(r.f_mlp_norm, li, 32), r.v2_4096, eps=1e-05, heads=1)
                 # spec line 47: g = linear(x, w_gate)
-                cast_into(r.decoder_rmsnorm, r.decoder_rmsnorm_bf16)
-                linear(r, issue, S_DECODER_G, li, base + S_DECODER_G.start, r.decoder_rmsnorm_bf16, r.decoder_g)
+                cast_into(r.v2_4096, r.v2_4096_bf16)
+                linear(r, issue, S_DECODER_G, li, base + S_DECODER_G.start, r.v2_4096_bf16, r.v5_14336)
                 # spec line 48: u = linear(x, w_up)
-                linear(r, issue, S_DECODER_U, li, base + S_DECODER_U.start, r.decoder_rmsnorm_bf16, r.decoder_u)
+                linear(r, issue, S_DECODER_U, li, base + S_DECODER_U.start, r.v2_4096_bf16, r.v6_14336)
                 # spec line 49: return linear(swiglu(g, u), w_down)
-                r.decoder_swiglu[...] = jax.nn.silu(r.decoder_g[...]) * r.decoder_u[...]
-                cast_into(r.decoder_swiglu, r.decoder_swiglu_bf16)
-                linear(r, issue, S_DECODER_LINEAR_3, li, base + S_DECODER_LINEAR_3.start, r.decoder_swiglu_bf16, r.decoder_linear_3)
+                r.v7_14336[...] = jax.nn.silu(r.v5_14336[...]) * r.v6_14336[...]
+                cast_into(r.v7_14336, r.v7_14336_bf16)
+                linear(r, issue, S_DECODER_LINEAR_3, li, base + S_DECODER_LINEAR_3.start, r.v7_14336_bf16, r.v2_4096)
                 # spec line 59: x = x + swiglu_mlp(rmsnorm(x, mlp_norm, eps=EPS))
-                r.decoder_x_2[...] = r.decoder_x_1[...] + r.decoder_linear_3[...]
-                r.carry0[...] = r.decoder_x_2[...]
+                r.v1_4096[...] = r.v0_4096[...] + r.v2_4096[...]
+                r.carry0[...] = r.v1_4096[...]
 
             return carry
 
@@ -630,13 +620,11 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[2], 0, 1).start()
         # spec line 70: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
         fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[2], 0, 1).wait()
-        rmsnorm(r.carry0[...], pick_row(r.f_final_norm, 0, 1), r.step_rmsnorm, eps=1e-05, heads=1)
-        cast_into(r.step_rmsnorm, r.step_rmsnorm_bf16)
-        linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.step_rmsnorm_bf16, r.step_logits)
+        rmsnorm(r.carry0[...], pick_row(r.f_final_norm, 0, 1), r.v8_4096, eps=1e-05, heads=1)
+        cast_into(r.v8_4096, r.v8_4096_bf16)
+        linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v8_4096_bf16, r.logits)
         # spec line 71: return logits, argmax(logits)
-        argmax(r.step_logits, r.step_argmax, chunk=768)
-        r.logits[...] = r.step_logits[0:batch, :]
-        r.next_tokens[...] = r.step_argmax[0:batch, :]
+        argmax(r.logits, r.next_tokens, chunk=768)
         attention0.drain()
 
     def hbm():

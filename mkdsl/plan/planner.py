@@ -1,6 +1,6 @@
 """The planner: named passes from the graph IR to a `Plan`, run in a visible sequence.
 
-    pad_rows -> tile_streams -> size_ring -> allocate_vmem -> check_budget
+    pad_rows -> tile_streams -> size_ring -> allocate_vmem -> fit_ring -> check_budget
              -> count_traffic -> model_time
 
 Every decision has a default good enough that a spec needs no `hints` section; hints
@@ -16,6 +16,7 @@ from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
 from mkdsl.plan import cost_model, roles
+from mkdsl.plan.buffers import assign_buffers, buffer_of
 from mkdsl.plan.types import Alloc, Plan, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
 
@@ -49,6 +50,8 @@ class _State:
     spans: dict[str, Span] = field(default_factory=dict)  # alloc name -> spec span to blame
     cap: int = DEFAULT_CAP
     errors: list[Diagnostic] = field(default_factory=list)
+    buffers: dict = field(default_factory=dict)  # (graph, value) -> VMEM buffer
+    scratch: dict = field(default_factory=dict)  # (graph, node index) -> prefix of the op's scratch
 
     def hint(self, name: str, default: int) -> int:
         h = self.model.hint(name)
@@ -62,7 +65,7 @@ class _State:
 def make_plan(model: Model, batch: int = 1, context: int | None = None) -> Plan:
     """Plan the decode step for `batch` rows reading `context` cached tokens each."""
     s = _State(model, batch, context if context is not None else default_context(model))
-    for step in (pad_rows, tile_streams, size_ring, allocate_vmem, check_budget):
+    for step in (pad_rows, tile_streams, size_ring, allocate_vmem, fit_ring, check_budget):
         step(s)
         if s.errors:
             raise SpecError(dict.fromkeys(s.errors))  # a rule broken in several kinds is said once
@@ -74,6 +77,8 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None) -> Plan:
         ring_depth=s.depth, bank=s.bank, kv_tile=s.kv_tile, sequences=tuple(s.sequences),
         vmem=tuple(s.vmem), vmem_cap=s.cap, traffic=traffic, schedule_bytes=sched_bytes,
         dma_count=dmas, flops=flops, timing=timing,
+        buffers=tuple(sorted((g, v, b) for (g, v), b in s.buffers.items())),
+        scratch=tuple(sorted((g, i, p) for (g, i), p in s.scratch.items())),
     )
 
 
@@ -87,6 +92,10 @@ def default_context(model: Model) -> int:
 
 
 def pad_rows(s: _State) -> None:
+    if not any(n.op == "layers" for n in s.model.step.nodes):
+        s.errors.append(Diagnostic(s.model.step.span, "the step runs no layer stack: a megakernel needs `layers(...)`",
+                                   "declare `layers N { KIND: otherwise }` and call `x = layers(x)` in the step"))
+        return
     rows = next(iter(s.model.dims))
     if not rows.low <= s.batch <= rows.high:
         s.errors.append(Diagnostic(NOWHERE, f"batch {s.batch} is outside `{rows.name}` in {rows.low} .. {rows.high}"))
@@ -121,8 +130,9 @@ def tile_streams(s: _State) -> None:
         for node in streamed_linears(g, s.model):
             t = s.model.tensor(node.inputs[1].name)
             k, n = t.type.shape
-            if t.type.dtype.quantised:
-                s.errors.append(Diagnostic(node.span, f"streaming {t.type.dtype} weight `{t.name}` is not supported yet"))
+            if t.type.dtype.name != "bf16":
+                s.errors.append(Diagnostic(t.span, f"`{t.name}` is {t.type.dtype}: only bf16 weights stream through the "
+                                           "weight ring so far", "declare it bf16, or use it through an op that takes it"))
                 continue
             tk = _divisor_tile(k, s.tile_k, 16)
             tn = _divisor_tile(n, s.tile_n, 128)
@@ -161,6 +171,9 @@ def size_ring(s: _State) -> None:
     if s.depth < 2:
         s.errors.append(Diagnostic(s.hint_span("ring_depth"), f"ring_depth must be at least 2, got {s.depth}"))
     s.kv_tile = s.hint("kv_tile", KV_TILE)
+    if s.kv_tile < 16 or s.kv_tile % 16:
+        s.errors.append(Diagnostic(s.hint_span("kv_tile"), f"kv_tile must be a positive multiple of 16 tokens, got {s.kv_tile}",
+                                   "the new token's block is written back as whole 16-row bf16 tiles"))
     cap_mib = s.hint("vmem_cap_mib", DEFAULT_CAP // MIB)
     if not 1 <= cap_mib <= VMEM_PER_CORE // MIB:
         s.errors.append(Diagnostic(s.hint_span("vmem_cap_mib"), f"vmem_cap_mib must be in 1 .. {VMEM_PER_CORE // MIB}, got {cap_mib}"))
@@ -169,7 +182,13 @@ def size_ring(s: _State) -> None:
 
 def _alloc(s: _State, name: str, shape: tuple, dtype: str, purpose: str, span: Span, memory: str = "VMEM",
            scratch: bool = True):
-    """Record one kernel buffer. Dims may be expressions in `rows` and `batch` (sized at build time)."""
+    """Record one kernel buffer. Dims may be expressions in `rows` and `batch` (sized at build time).
+
+    A name recorded again (op scratch shared between layer kinds) must have the same shape."""
+    for a in s.vmem:
+        if a.name == name:
+            assert (a.shape, a.dtype) == (tuple(shape), dtype), (name, a.shape, shape)
+            return
     seq = s.model.dims[1].high if len(s.model.dims) > 1 else 1
     concrete = tuple(eval_dim(d, rows=s.rows, batch=s.batch, seq_tiles=max(1, seq // s.kv_tile)) for d in shape)
     if memory == "VMEM":
@@ -185,10 +204,6 @@ def _alloc(s: _State, name: str, shape: tuple, dtype: str, purpose: str, span: S
 def eval_dim(d, **sizes) -> int:
     """A buffer dim: an int, or a planner-written expression such as "4 * rows"."""
     return d if isinstance(d, int) else int(eval(d, {"__builtins__": {}}, sizes))  # noqa: S307
-
-
-def value_buffer(graph: str, value: str) -> str:
-    return f"{graph}_{value}"
 
 
 def allocate_vmem(s: _State) -> None:
@@ -212,21 +227,25 @@ def allocate_vmem(s: _State) -> None:
     if carry is not None:
         for i, v in enumerate(carry.outputs):
             _alloc(s, f"carry{i}", ("rows", v.type.shape[1]), "float32", "value carried across layers", carry.span)
+    results = [r.name for r in m.step.results]
+    where, shapes = assign_buffers(m, {results[0]: "logits", results[1]: "next_tokens"})
+    s.buffers = where
+    users: dict[str, list[str]] = {}
+    for (gname, vname), name in where.items():
+        users.setdefault(name, []).append(f"{gname}.{vname}" if gname != "step" else vname)
+    for name, (width, dtype) in shapes.items():
+        shown = ", ".join(users.get(name, [])[:4]) + (", ..." if len(users.get(name, [])) > 4 else "")
+        _alloc(s, name, ("rows", width), dtype, f"values: {shown}", NOWHERE)
     casts: set[str] = set()
     attention_ops = 0
     counters: dict[str, int] = {}
     for g in [*m.kinds, m.step]:
-        for node in g.nodes:
+        counters = {}  # op scratch is shared between kinds: only one kind runs at a time
+        for idx, node in enumerate(g.nodes):
             if node.op == "layers":
                 continue
-            for v in node.outputs:
-                if len(v.type.shape) == 2:
-                    dtype = "float32" if v.type.dtype.float else "int32"
-                    _alloc(s, value_buffer(g.name, v.name), ("rows", v.type.shape[1]), dtype, f"`{v.name}` ({node.op})", node.span)
-                elif len(v.type.shape) == 1:
-                    _alloc(s, value_buffer(g.name, v.name), ("rows", 1), "int32", f"`{v.name}` ({node.op})", node.span)
             if node.op == "linear":
-                src = buffer_of(m, g, node.inputs[0])
+                src = buffer_of(where, g, node.inputs[0])
                 if src not in casts:
                     casts.add(src)
                     k = m.tensor(node.inputs[1].name).type.shape[0]
@@ -235,13 +254,21 @@ def allocate_vmem(s: _State) -> None:
                 width = m.tensor(node.inputs[1].name).type.shape[1]
                 _alloc(s, "emb_block", ("batch", 16, width), "bfloat16", "embedding row blocks", node.span)
                 _alloc(s, "emb_sem", (1,), "dma", "embedding semaphore", node.span, "SEM")
-            if node.op == "attention":
-                _allocate_attention(s, attention_ops, node)
+            if node.op in ("attention", "mla_attention"):  # own scratch: write-backs outlive the call
+                (_allocate_attention if node.op == "attention" else _allocate_mla)(s, attention_ops, node)
+                s.scratch[(g.name, idx)] = f"att{attention_ops}"
                 attention_ops += 1
-            if node.op == "mla_attention":
-                _allocate_mla(s, attention_ops, node)
-                attention_ops += 1
-            _allocate_op_scratch(s, g, node, counters)
+            parts = _op_scratch(s, node)
+            if parts:
+                base = node.op.split("_")[-1]
+                i = 0 if node.op in SYNCHRONOUS else counters.get(base, 0)
+                while any(a.name == f"{base}{i}_{part}" and (a.shape, a.dtype) != (tuple(p[0]), p[1])
+                          for a in s.vmem for part, p in parts.items()):
+                    i += 1
+                for part, (shape, dtype, purpose, memory) in parts.items():
+                    _alloc(s, f"{base}{i}_{part}", shape, dtype, purpose, node.span, memory)
+                s.scratch[(g.name, idx)] = f"{base}{i}"
+                counters[base] = i + 1
     if attention_ops:
         _alloc(s, "kv_row", ("batch * seq_tiles",), "int32", "KV tile table: row", NOWHERE, "SMEM")
         _alloc(s, "kv_t0", ("batch * seq_tiles",), "int32", "KV tile table: first token", NOWHERE, "SMEM")
@@ -250,29 +277,26 @@ def allocate_vmem(s: _State) -> None:
 
 
 DELTA_SLOTS = 3  # recurrent states in flight
+# Ops whose lowering finishes all of its DMAs before it returns: they can share one scratch.
+SYNCHRONOUS = {"short_conv", "delta_rule", "kda_gate"}
 
 
-def _allocate_op_scratch(s: _State, g: Graph, node: Node, counters: dict[str, int]) -> None:
-    """Scratch of the ops whose lowering keeps private buffers (named <kind><n>_<part>)."""
+def _op_scratch(s: _State, node: Node) -> dict[str, tuple]:
+    """Private buffers of ops that keep some: part -> (shape, dtype, purpose, memory)."""
     m = s.model
-    i = counters.get(node.op, 0)
     if node.op == "short_conv":
-        st = m.tensor(node.inputs[2].name)
-        _, taps, width = st.type.shape
-        _alloc(s, f"conv{i}_buf", (taps, "rows", width), "float32", "conv state window", node.span)
-        _alloc(s, f"conv{i}_sem", (2, taps), "dma", "conv state semaphores", node.span, "SEM")
-    elif node.op == "delta_rule":
-        st = m.tensor(node.inputs[5].name)
-        _, _, dk, dv = st.type.shape
-        for part in ("in", "out"):
-            _alloc(s, f"delta{i}_{part}", (DELTA_SLOTS, dk, dv), "float32", f"recurrent states {part} ({DELTA_SLOTS} slots)", node.span)
-        _alloc(s, f"delta{i}_sem", (2, DELTA_SLOTS), "dma", "recurrent state semaphores", node.span, "SEM")
-    elif node.op == "kda_gate":
-        width = node.outputs[0].type.shape[1]
-        _alloc(s, f"gate{i}_scale", (1, width), "float32", "decay scale per channel", node.span)
-    else:
-        return
-    counters[node.op] = i + 1
+        _, taps, width = m.tensor(node.inputs[2].name).type.shape
+        return {"buf": ((taps, "rows", width), "float32", "conv state window", "VMEM"),
+                "sem": ((2, taps), "dma", "conv state semaphores", "SEM")}
+    if node.op == "delta_rule":
+        _, _, dk, dv = m.tensor(node.inputs[5].name).type.shape
+        slots = (DELTA_SLOTS, dk, dv)
+        return {"in": (slots, "float32", f"recurrent states read ({DELTA_SLOTS} slots)", "VMEM"),
+                "out": (slots, "float32", f"recurrent states written ({DELTA_SLOTS} slots)", "VMEM"),
+                "sem": ((2, DELTA_SLOTS), "dma", "recurrent state semaphores", "SEM")}
+    if node.op == "kda_gate":
+        return {"scale": ((1, node.outputs[0].type.shape[1]), "float32", "decay scale per channel", "VMEM")}
+    return {}
 
 
 W_SLOTS = 3  # MLA weight tiles in flight
@@ -309,6 +333,9 @@ def _allocate_attention(s: _State, i: int, node: Node) -> None:
     span = node.span
     if dk != dv:
         s.errors.append(Diagnostic(span, f"attention with key width {dk} != value width {dv} has no TPU lowering yet"))
+    for c in (kc, vc):
+        if c.type.dtype.name != "bf16":
+            s.errors.append(Diagnostic(c.span, f"KV cache `{c.name}` is {c.type.dtype}: the kernel streams bf16 caches only"))
     for name, rows, d in (("q2d", heads, dk), ("k2d", kvh, dk), ("v2d", kvh, dv), ("o2d", heads, dv)):
         _alloc(s, f"att{i}_{name}", (f"{rows} * rows", d), "float32", f"attention {name[0]}, head-major", span)
     for name, d in (("ktiles", dk), ("vtiles", dv)):
@@ -322,18 +349,21 @@ def _allocate_attention(s: _State, i: int, node: Node) -> None:
     _alloc(s, f"att{i}_wb_sem", (1,), "dma", "write-back semaphore", span, "SEM")
 
 
-def buffer_of(m: Model, g: Graph, ref) -> str:
-    """The kernel buffer holding an IR value: a layer's parameters live in the carry buffers."""
-    for i, p in enumerate(g.params):
-        if p.name == ref.name:
-            return f"carry{i}"
-    if g.name == "step":
-        layers = next((n for n in g.nodes if n.op == "layers"), None)
-        if layers is not None:
-            for i, v in enumerate(layers.outputs):
-                if v.name == ref.name:
-                    return f"carry{i}"
-    return value_buffer(g.name, ref.name)
+def fit_ring(s: _State) -> None:
+    """Without a ring_depth hint, shrink the ring (to 3 banks at least) so the plan fits the cap."""
+    if s.model.hint("ring_depth"):
+        return
+    others = sum(a.bytes for a in s.vmem if a.memory == "VMEM" and a.name != "ring")
+    depth = max(3, min(s.depth, (s.cap - others) // bank_bytes(s)))
+    if depth == s.depth:
+        return
+    s.depth = depth
+    for i, a in enumerate(s.vmem):
+        if a.name in ("ring", "ring_sem"):
+            shape = (depth, *a.shape[1:])
+            size = padded_bytes(shape, a.dtype) if a.memory == "VMEM" else 0
+            purpose = f"weight ring: {depth} banks of [{s.bank[0]}, {s.bank[1]}]" if a.name == "ring" else a.purpose
+            s.vmem[i] = Alloc(a.name, shape, a.dtype, size, purpose, a.line, a.memory, a.scratch)
 
 
 def check_budget(s: _State) -> None:

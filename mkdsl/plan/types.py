@@ -112,6 +112,8 @@ class Plan:
     dma_count: int
     flops: int
     timing: Timing
+    buffers: tuple[tuple[str, str, str], ...] = ()  # (graph, value, VMEM buffer)
+    scratch: tuple[tuple[str, int, str], ...] = ()  # (graph, node index, prefix of the op's scratch)
 
     def sequence(self, name: str) -> Sequence:
         return next(s for s in self.sequences if s.name == name)

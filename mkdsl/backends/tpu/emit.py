@@ -20,11 +20,13 @@ from mkdsl.dtypes import storage
 from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref
 from mkdsl.ops import OPS
 from mkdsl.plan import roles
-from mkdsl.plan.planner import KV_SLOTS, ROW_TILE, buffer_of, value_buffer
+from mkdsl.plan.buffers import buffer_of
+from mkdsl.plan.planner import KV_SLOTS, ROW_TILE
 from mkdsl.plan.types import Alloc, Plan
 
 TEMPLATES = Path(__file__).parent / "templates"
-_MACROS = {"linear", "rmsnorm", "rope", "attention", "embedding", "argmax"}
+# Ops whose lowering takes layer-dependent attributes (`layer=l`) as traced scalars.
+DYNAMIC_ATTRS = {"res_mix", "res_snapshot"}
 
 
 @cache
@@ -64,9 +66,10 @@ class _Emitter:
         self.slot_tables: dict[tuple[int, ...], str] = {}
         self.attentions: list[dict] = []
         self.rope_tables: dict[tuple[int, float], str] = {}
-        self.casts: set[str] = set()
+        self.casts: set[tuple[str, str]] = set()  # (graph, value) already cast to bf16
+        self.where = {(g, v): b for g, v, b in plan.buffers}
+        self.scratch = {(g, i): p for g, i, p in plan.scratch}
         self.fetch_index: dict[str, int] = {}
-        self.counters: dict[str, int] = {}
         self.objects: list[str] = []  # lowering objects built once at kernel entry
         self.layer_var, self.waited = "li", set()
 
@@ -90,11 +93,11 @@ class _Emitter:
     def lower_body(self, g: Graph, nodes, seq: str, layer: str = "li") -> tuple[list[str], list[dict]]:
         """(fetch starts, lowered nodes) of one body; each spec line is quoted once, above its first node."""
         self.layer_var, self.waited = layer, set()
-        names = roles.fetched_weights(self.m, Graph(g.name, g.params, tuple(nodes), (), g.span))
+        names = roles.fetched_weights(self.m, Graph(g.name, g.params, tuple(node for _, node in nodes), (), g.span))
         starts = [f"{self.fetch_copy(name)}.start()" for name in names]
         out, last = [], None
-        for node in nodes:
-            n = self.lower_node(g, node, seq)
+        for idx, node in nodes:
+            n = self.lower_node(g, idx, node, seq)
             n["comment"] = node.span.line != last
             last = node.span.line
             out.append(n)
@@ -116,46 +119,46 @@ class _Emitter:
             return f"pick_row(r.f_{name}, {self.slot_expr(name, self.layer_var)}, {t.stack if t.stacked else 1})"
         return f"r.f_{name}"
 
-    def instance(self, op: str) -> int:
-        i = self.counters.get(op, 0)
-        self.counters[op] = i + 1
-        return i
 
-    def lower_node(self, g: Graph, node: Node, seq: str) -> dict:
+    def lower_node(self, g: Graph, idx: int, node: Node, seq: str) -> dict:
         pre: list[str] = []
         n = {"op": node.op, "line": node.span.line, "source": self.src.line(node.span.line), "pre": pre}
         ins = [self.operand(g, r) for r in node.inputs]
-        outs = [value_buffer(g.name, v.name) for v in node.outputs]
+        outs = [buffer_of(self.where, g, Ref("value", v.name)) for v in node.outputs]
+        prefix = self.scratch.get((g.name, idx))
         n["out"] = outs[0] if outs else None
         n["outs"] = outs
         op = OPS[node.op]
         attr = {k: attr_code(v) for k, v in node.attr.items()}
+        dynamic = [k for k, v in node.attr.items() if isinstance(v, LayerExpr)]
+        if dynamic and node.op not in DYNAMIC_ATTRS and op.kernel_expr is None:
+            self.errors.append(Diagnostic(node.span, f"`{node.op}` needs `{dynamic[0]}` to be the same at every layer "
+                                          "of a kind", "split the layer kind, or use a constant"))
         if node.op == "linear":
             st = self.plan.sequence(seq).stream(node.outputs[0].name)
-            xb = f"{ins[0]}_bf16"
-            n.update(x=ins[0], xb=xb, cast=xb not in self.casts, stream=self.stream_const(seq, st),
+            key = (g.name, node.inputs[0].name)
+            n.update(x=ins[0], xb=f"{ins[0]}_bf16", cast=key not in self.casts, stream=self.stream_const(seq, st),
                      slot=self.slot_expr(st.tensor, "li"), base="base")
-            self.casts.add(xb)
+            self.casts.add(key)
         elif node.op == "rmsnorm":
             n.update(x=ins[0], w=self.fetched(node.inputs[1].name, pre), eps=attr["eps"], heads=node.attr["heads"])
         elif node.op == "l2norm":
             n.update(x=ins[0], heads=node.attr["heads"], scale=attr["scale"], eps=attr["eps"])
         elif node.op == "short_conv":
-            i = self.instance("short_conv")
             state = node.inputs[2].name
-            self.objects.append(f"conv{i} = ShortConv(r.{state}, r.{state}_out, r.conv{i}_buf, r.conv{i}_sem, batch)")
-            n.update(obj=f"conv{i}", slot=self.slot_expr(state, self.layer_var), x=ins[0],
+            obj = f"{prefix}_{g.name}_{idx}"
+            self.objects.append(f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{prefix}_buf, r.{prefix}_sem, batch)")
+            n.update(obj=obj, slot=self.slot_expr(state, self.layer_var), x=ins[0],
                      w=self.fetched(node.inputs[1].name, pre))
         elif node.op == "kda_gate":
-            i = self.instance("kda_gate")
             n.update(f=ins[0], a_log=self.fetched(node.inputs[1].name, pre), dt_bias=self.fetched(node.inputs[2].name, pre),
-                     scale=f"gate{i}_scale", heads=node.attr["heads"], lower=attr["lower"])
+                     scale=f"{prefix}_scale", heads=node.attr["heads"], lower=attr["lower"])
         elif node.op == "delta_rule":
-            i = self.instance("delta_rule")
             state = node.inputs[5].name
-            self.objects.append(f"delta{i} = DeltaRule(r.{state}, r.{state}_out, r.delta{i}_in, r.delta{i}_out, "
-                                f"r.delta{i}_sem, batch, {node.attr['heads']})")
-            n.update(obj=f"delta{i}", slot=self.slot_expr(state, self.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
+            obj = f"{prefix}_{g.name}_{idx}"
+            self.objects.append(f"{obj} = DeltaRule(r.{state}, r.{state}_out, r.{prefix}_in, r.{prefix}_out, "
+                                f"r.{prefix}_sem, batch, {node.attr['heads']})")
+            n.update(obj=obj, slot=self.slot_expr(state, self.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
         elif node.op == "res_init":
             n.update(x=ins[0])
         elif node.op == "res_mix":
@@ -171,9 +174,9 @@ class _Emitter:
                 self.rope_tables[key] = f"rope{len(self.rope_tables)}"
             n.update(x=ins[0], table=self.rope_tables[key], heads=node.attr["heads"])
         elif node.op == "attention":
-            n.update(self.attention(node, ins))
+            n.update(self.attention(node, ins, prefix))
         elif node.op == "mla_attention":
-            n.update(self.latent_attention(node, ins))
+            n.update(self.latent_attention(node, ins, prefix))
         elif node.op == "embedding":
             n.update(table=node.inputs[1].name, block="emb_block")
         elif node.op == "argmax":
@@ -186,13 +189,15 @@ class _Emitter:
                 values[name] = self.fetched(ref.name, pre) if is_weight else f"r.{b}[...]"
             n["op"] = "elementwise"
             n["expr"] = op.kernel_expr.format(**values, **attr)
+            if n["out"] in ("logits", "next_tokens"):  # the outputs hold batch rows, not padded rows
+                n["expr"] = f"({n['expr']})[0:batch]"
         else:
             self.errors.append(Diagnostic(node.span, f"op `{node.op}` has no TPU lowering yet"))
         return n
 
     def operand(self, g: Graph, ref: Ref) -> str:
         if ref.kind == "value":
-            return buffer_of(self.m, g, ref)
+            return buffer_of(self.where, g, ref)
         return ref.name
 
     def value_width(self, g: Graph, ref: Ref) -> int:
@@ -200,8 +205,8 @@ class _Emitter:
 
         return graph_value_type(g, ref).shape[1]
 
-    def attention(self, node: Node, ins: list[str]) -> dict:
-        i = len(self.attentions)
+    def attention(self, node: Node, ins: list[str], prefix: str) -> dict:
+        i = int(prefix[3:])
         kc, vc = self.m.tensor(node.inputs[3].name), self.m.tensor(node.inputs[4].name)
         _, kvh, _, dk = kc.type.shape
         dv = vc.type.shape[3]
@@ -215,8 +220,8 @@ class _Emitter:
             f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r})")))
         return dict(obj=obj, slot=self.slot_expr(kc.name, "li"), q=ins[0], k=ins[1], v=ins[2])
 
-    def latent_attention(self, node: Node, ins: list[str]) -> dict:
-        i = len(self.attentions)
+    def latent_attention(self, node: Node, ins: list[str], prefix: str) -> dict:
+        i = int(prefix[3:])
         cache = self.m.tensor(node.inputs[4].name)
         a = node.attr
         scale = a["scale"] if a["scale"] is not None else (a["nope"] + a["extra"]) ** -0.5
@@ -248,16 +253,17 @@ class _Emitter:
         seqs = {s["name"]: s for s in self.sequences()}
         kinds = []
         for k in m.kinds:
-            starts, body = self.lower_body(k, k.nodes, k.name)
-            results = [dict(buf=f"carry{i}", value=buffer_of(m, k, r)) for i, r in enumerate(k.results)]
+            starts, body = self.lower_body(k, list(enumerate(k.nodes)), k.name)
+            results = [dict(buf=f"carry{i}", value=buffer_of(self.where, k, r)) for i, r in enumerate(k.results)]
             results = [r for r in results if r["buf"] != r["value"]]
             kinds.append(dict(name=k.name, index=len(kinds), line=k.span.line, body=body, starts=starts, results=results, **{
                 key: seqs[k.name][key] for key in ("streams", "const", "tiles")}))
         cut = next(i for i, n in enumerate(m.step.nodes) if n.op == "layers")
-        prologue_starts, prologue = self.lower_body(m.step, m.step.nodes[:cut], "epilogue", layer="0")
+        steps = list(enumerate(m.step.nodes))
+        prologue_starts, prologue = self.lower_body(m.step, steps[:cut], "epilogue", layer="0")
         layers = m.step.nodes[cut]
         carries = [dict(buf=f"carry{i}", init=self.operand(m.step, r)) for i, r in enumerate(layers.inputs)]
-        epilogue_starts, epilogue_body = self.lower_body(m.step, m.step.nodes[cut + 1 :], "epilogue", layer="0")
+        epilogue_starts, epilogue_body = self.lower_body(m.step, steps[cut + 1 :], "epilogue", layer="0")
         epilogue = dict(seqs["epilogue"], body=epilogue_body, starts=epilogue_starts)
         if self.errors:
             raise SpecError(self.errors)
@@ -274,7 +280,7 @@ class _Emitter:
             num_layers=len(m.schedule), ring_depth=plan.ring_depth, bank=plan.bank, kv_tile=plan.kv_tile,
             kv_slots=KV_SLOTS, row_tile=ROW_TILE, batch_range=(m.dims[0].low, m.dims[0].high),
             vmem_limit=vmem_limit(plan), kinds=kinds, layer_kind=repr(layer_kind), layer_base=repr(bases),
-            slot_tables=[dict(name=name, values=repr(list(slots)), users=", ".join(
+            slot_tables=[dict(name=name, table=repr(list(slots)), users=", ".join(
                 t.name for t in m.tensors if t.stacked and t.slots == slots)) for slots, name in self.slot_tables.items()],
             weights=[dict(name=_part_name(w.name, part), shape=repr(tuple(part.shape)), dtype=part.dtype)
                      for w in weights for part in storage(w.type.dtype, w.full_shape)],

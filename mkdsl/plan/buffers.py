@@ -1,0 +1,89 @@
+"""Buffer assignment: which VMEM buffer holds each IR value.
+
+Values of one width and dtype share physical buffers once their last use has passed, and the
+layer kinds share one pool (only one kind runs at a time). A layer's parameters live in the
+carry buffers; a step value that is still needed after the layer stack gets its own buffer.
+"""
+
+from __future__ import annotations
+
+from mkdsl.ir import Graph, Model, Ref
+
+
+def carry_of(g: Graph, name: str) -> str | None:
+    for i, p in enumerate(g.params):
+        if p.name == name:
+            return f"carry{i}"
+    layers = next((n for n in g.nodes if n.op == "layers"), None)
+    if layers is not None:
+        for i, v in enumerate(layers.outputs):
+            if v.name == name:
+                return f"carry{i}"
+    return None
+
+
+def _last_uses(g: Graph) -> dict[str, int]:
+    last: dict[str, int] = {}
+    for i, node in enumerate(g.nodes):
+        for r in node.inputs:
+            if r.kind == "value":
+                last[r.name] = i
+    for r in g.results:
+        if r.kind == "value":
+            last[r.name] = len(g.nodes)  # results are read after the last node
+    return last
+
+
+def _class(v) -> tuple[int, str]:
+    if len(v.type.shape) == 2:
+        return v.type.shape[1], "float32" if v.type.dtype.float else "int32"
+    return 1, "int32"  # a per-row scalar (token ids)
+
+
+def assign_buffers(model: Model, fixed: dict[str, str]) -> tuple[dict[tuple[str, str], str], dict[str, tuple[int, str]]]:
+    """((graph, value) -> buffer name, buffer name -> (width, dtype)). `fixed` maps step values
+    to buffers the kernel already has (its outputs)."""
+    where: dict[tuple[str, str], str] = {("step", v): name for v, name in fixed.items()}
+    pool: dict[tuple[int, str], list[str]] = {}
+    shapes: dict[str, tuple[int, str]] = {}
+
+    def new_buffer(cls) -> str:
+        name = f"v{len(shapes)}_{cls[0]}"
+        shapes[name] = cls
+        pool.setdefault(cls, []).append(name)
+        return name
+
+    for g in (*model.kinds, model.step):
+        free = {cls: list(names) for cls, names in pool.items()}
+        last = _last_uses(g)
+        cut = next((i for i, n in enumerate(g.nodes) if n.op == "layers"), None)
+        for i, node in enumerate(g.nodes):
+            if node.op == "layers":
+                free = {}  # the layer kinds use the whole pool
+                continue
+            for v in node.outputs:
+                if carry_of(g, v.name) or (g.name, v.name) in where:
+                    continue
+                cls = _class(v)
+                spans_layers = cut is not None and i < cut < last.get(v.name, i)
+                if spans_layers:
+                    name = f"{g.name}_{v.name}"
+                    shapes[name] = cls
+                else:
+                    name = free.get(cls, []).pop() if free.get(cls) else new_buffer(cls)
+                where[(g.name, v.name)] = name
+            for r in {r.name for r in node.inputs if r.kind == "value"}:
+                if last.get(r) == i and (g.name, r) in where and not carry_of(g, r):
+                    name = where[(g.name, r)]
+                    if name in pool.get(shapes[name], []):
+                        free.setdefault(shapes[name], []).append(name)
+            for v in node.outputs:  # a value nobody reads is free at once
+                if v.name not in last and (g.name, v.name) in where:
+                    name = where[(g.name, v.name)]
+                    if name in pool.get(shapes[name], []):
+                        free.setdefault(shapes[name], []).append(name)
+    return where, shapes
+
+
+def buffer_of(where: dict[tuple[str, str], str], g: Graph, ref: Ref) -> str:
+    return carry_of(g, ref.name) or where[(g.name, ref.name)]
