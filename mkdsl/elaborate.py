@@ -546,7 +546,8 @@ class _Context:
                 return None
             writes.append(refs[i].name)
         outs = tuple(Value(g.fresh(name_hint or op.name), t, e.span) for t in out_types)
-        g.add(Node(op.name, tuple(refs), tuple(sorted(attrs.items())), outs, tuple(writes), e.span))
+        block = inline_stack[-1] if inline_stack else ""
+        g.add(Node(op.name, tuple(refs), tuple(sorted(attrs.items())), outs, tuple(writes), e.span, block))
         return [Ref("value", v.name) for v in outs]
 
     def attributes(self, e: Call, op, env, g) -> dict | None:

@@ -100,6 +100,7 @@ class Node:
     outputs: tuple[Value, ...]
     writes: tuple[str, ...]  # state tensors this node updates in place
     span: Span = field(compare=False)
+    block: str = ""  # the spec block it was inlined from ("" when written in the layer or step)
 
     @property
     def attr(self) -> dict[str, object]:

@@ -80,9 +80,14 @@ def render_plan(model: Model, plan: Plan, spec_path: str) -> str:
             tile = f"[{st.tk}, {st.tn}]" if st else ""
             out.append(f"| {i} | {n.op} -> `{n.outputs[0].name}` | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |")
         out.append("")
-    out += ["## Bytes per step", "", "| tensor | kind | bytes per step |", "|---|---|---|"]
+    split = traffic_split(model, plan)
+    out += ["## Bytes per step", "", "| share | bytes per step | of all |", "|---|---|---|"]
+    total = sum(split.values()) or 1
+    for name, size in split.items():
+        out.append(f"| {name} | {_bytes(size)} | {100 * size / total:.1f}% |")
+    out += ["", "| tensor | kind | read by | bytes per step |", "|---|---|---|---|"]
     for tt in plan.traffic:
-        out.append(f"| `{tt.name}` | {tt.kind} | {_bytes(tt.bytes)} |")
+        out.append(f"| `{tt.name}` | {tt.kind} | {tt.group} | {_bytes(tt.bytes)} |")
     out += ["", "## VMEM budget", "",
             "Sizes padded to Mosaic's tiles (f32 [8,128], bf16 [16,128], 8-bit [32,128]); `rows` and `batch` "
             f"at {plan.rows} and {plan.batch}.", "",
@@ -92,3 +97,25 @@ def render_plan(model: Model, plan: Plan, spec_path: str) -> str:
         out.append(f"| `{a.name}` | {_dims(a.shape)} | {a.dtype} | {a.memory} | {size} | {a.purpose} | {a.line or ''} |")
     out += ["", f"Total VMEM: {_mib(plan.vmem_total)} of the {_mib(plan.vmem_cap)} cap.", ""]
     return "\n".join(out)
+
+
+ATTENTION_OPS = {"attention", "mla_attention", "delta_rule"}
+
+
+def traffic_split(model: Model, plan: Plan) -> dict[str, int]:
+    """Bytes per step in five shares: routed experts, attention (the blocks that attend), other
+    dense weights, the output head (and embedding rows), KV cache and recurrent state."""
+    attending = {n.block or "layer" for k in model.kinds for n in k.nodes if n.op in ATTENTION_OPS}
+    split = {"experts": 0, "attention": 0, "other dense": 0, "lm_head and embedding": 0, "KV cache and state": 0}
+    for tt in plan.traffic:
+        if tt.kind == "state":
+            split["KV cache and state"] += tt.bytes
+        elif tt.group == "experts":
+            split["experts"] += tt.bytes
+        elif tt.group in attending:
+            split["attention"] += tt.bytes
+        elif tt.group in ("output", "input"):
+            split["lm_head and embedding"] += tt.bytes
+        else:
+            split["other dense"] += tt.bytes
+    return split

@@ -6,8 +6,8 @@
     modeled = max(stream, mxu) + fixed + bubbles + issue
 
 fixed:   kernel entry and exit, plus the first tile's DMA before any compute can start.
-bubbles: one DMA latency per layer where a stream starts from data computed in the layer
-         (the KV stream starts once this token's K/V exist), which the ring cannot hide.
+bubbles: one DMA latency per op whose stream starts from data computed in the layer (KV and
+         recurrent state streams, expert weights chosen by the router): the ring cannot hide it.
 issue:   the scalar core's cost to issue each DMA descriptor.
 """
 
@@ -21,6 +21,9 @@ PEAK_BF16_FLOPS = 2307e12 / 2  # per core: half the chip's 2307 TFLOP/s
 ENTRY_US = 2.0  # kernel launch and exit (assumed)
 DMA_LATENCY_US = 1.0  # first byte of a DMA after issue (assumed)
 ISSUE_US = 0.01  # per DMA descriptor (assumed: a few dozen scalar cycles)
+# Ops whose first DMA depends on data computed in the same layer (the KV or state stream starts
+# once this token's K/V exist; expert weights once the router has chosen).
+DATA_DEPENDENT = {"attention", "mla_attention", "delta_rule", "short_conv", "moe_experts"}
 
 
 def model_time(model: Model, bank_bytes: int, schedule_bytes: int, flops: int, dmas: int,
@@ -30,8 +33,8 @@ def model_time(model: Model, bank_bytes: int, schedule_bytes: int, flops: int, d
     stream = schedule_bytes / HBM_BYTES_PER_S * 1e6
     mxu = flops / PEAK_BF16_FLOPS * 1e6
     fixed = ENTRY_US + DMA_LATENCY_US + bank_bytes / HBM_BYTES_PER_S * 1e6  # the first tile must land
-    kv_layers = sum(1 for kind in model.schedule for n in model.kind(kind).nodes if n.op == "attention")
-    bubbles = kv_layers * DMA_LATENCY_US
+    waits = sum(1 for kind in model.schedule for n in model.kind(kind).nodes if n.op in DATA_DEPENDENT)
+    bubbles = waits * DMA_LATENCY_US
     issue = dmas * ISSUE_US
     modeled = max(stream, mxu) + fixed + bubbles + issue
     return Timing(HBM_BYTES_PER_S, floor, stream, mxu, fixed, bubbles, issue, modeled)

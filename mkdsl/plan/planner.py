@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
+from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
 from mkdsl.plan import cost_model, roles
@@ -277,6 +278,7 @@ def allocate_vmem(s: _State) -> None:
 
 
 DELTA_SLOTS = 3  # recurrent states in flight
+EXPERT_OPS = {"moe_experts"}  # their weights are reported as "experts"
 # Ops whose lowering finishes all of its DMAs before it returns: they can share one scratch.
 SYNCHRONOUS = {"short_conv", "delta_rule", "kda_gate"}
 
@@ -394,15 +396,22 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], int]:
     read_sizes = {dims[0]: s.batch, **{d: s.context + 1 for d in dims[1:]}}
     flop_sizes = {dims[0]: s.rows, **{d: s.context + 1 for d in dims[1:]}}
     per_tensor: dict[str, int] = {t.name: 0 for t in m.tensors}
+    group: dict[str, str] = {t.name: "state" for t in m.states}
     flops = 0
 
     def visit(graph: Graph) -> None:
         nonlocal flops
+        after_layers = False
         for node in graph.nodes:
             if node.op == "layers":
                 for kind in m.schedule:
                     visit(m.kind(kind))
+                after_layers = True
                 continue
+            where = node.block or ("layer" if graph.name != "step" else "output" if after_layers else "input")
+            for r in node.inputs:
+                if r.kind == "tensor" and m.tensor(r.name).kind == "weight":
+                    group.setdefault(r.name, "experts" if node.op in EXPERT_OPS else where)
             op = OPS[node.op]
             types = [_type_of(m, graph, r) for r in node.inputs]
             outs = [v.type for v in node.outputs]
@@ -411,13 +420,14 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], int]:
             tensors = [r.name for r in node.inputs if r.kind == "tensor"]
             weights = [n for n in tensors if m.tensor(n).kind == "weight"]
             states = [n for n in tensors if m.tensor(n).kind == "state"]
-            if weights:
-                per_tensor[weights[0]] += c.weight_bytes
+            sizes = [storage_bytes(m.tensor(w).type.dtype, m.tensor(w).type.shape) for w in weights]
+            for w, size in zip(weights, sizes, strict=True):  # shared in proportion to their storage
+                per_tensor[w] += c.weight_bytes * size // max(1, sum(sizes))
             for n in states:
                 per_tensor[n] += c.state_bytes // len(states)
 
     visit(m.step)
-    traffic = tuple(TensorTraffic(t.name, t.kind, per_tensor[t.name]) for t in m.tensors)
+    traffic = tuple(TensorTraffic(t.name, t.kind, per_tensor[t.name], group.get(t.name, "unused")) for t in m.tensors)
     return traffic, flops
 
 
@@ -466,6 +476,18 @@ def schedule_traffic(s: _State) -> tuple[int, int]:
                 total += s.batch * kv_tiles * s.kv_tile * kvh * (dk + dv) * 2
                 total += s.batch * kvh * 16 * (dk + dv) * 2  # the new token's aligned block written back
                 dmas += s.batch * (2 * kv_tiles + 2)
+            elif node.op == "mla_attention":
+                w = m.tensor(node.inputs[3].name)
+                width = m.tensor(node.inputs[4].name).type.shape[2]
+                total += storage_bytes(w.type.dtype, w.type.shape)  # W_UK and W_UV, each byte once
+                total += s.batch * (kv_tiles * s.kv_tile + 16) * width * 2
+                dmas += 2 * node.attr["heads"] + s.batch * (kv_tiles + 1)
+            elif node.op == "moe_experts":  # the distinct experts chosen, as the op's cost counts them
+                graph = m.kind(kind)
+                types = [_concrete(_type_of(m, graph, r), {m.dims[0].name: s.batch}) for r in node.inputs]
+                total += OPS[node.op].cost(types, [], _attrs(node)).weight_bytes
+                experts = min(types[3].shape[0], s.batch * types[2].shape[1])  # ids are [B, k]
+                dmas += 6 * experts  # codes and scales of three matrices
     emb = [n for n in m.step.nodes if n.op == "embedding"]
     for node in emb:
         t = m.tensor(node.inputs[1].name)
@@ -491,3 +513,4 @@ def _state_bytes(m: Model, graph: Graph, node: Node, s: _State) -> int:
 def _attrs(node: Node) -> dict:
     """Attributes for cost rules: a layer-dependent one at its first layer (costs ignore them)."""
     return {k: v.first if isinstance(v, LayerExpr) else v for k, v in node.attrs}
+

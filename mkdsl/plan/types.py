@@ -74,6 +74,7 @@ class TensorTraffic:
     name: str
     kind: str  # weight | state
     bytes: int  # per step, as the op costs say it must move
+    group: str = ""  # the spec block that reads it ("experts" for expert weights, "state" for state)
 
 
 @dataclass(frozen=True)
