@@ -51,6 +51,12 @@ profile mini {
   BLOCK = 4
 }
 
+# Published per-layer dims, only 5 layers (dense layer 0, KDA 1-2, MLA 3-4): about 74 GB of
+# weights, within one TPU7x core's 94.7 GB of HBM, for the full-width single-core compile check.
+profile core {
+  L = 5
+}
+
 # ---- embedding, output head, residual mixing
 weight embed:       bf16[V, H]
 weight lm_head:     bf16[H, V]

@@ -259,7 +259,7 @@ def allocate_vmem(s: _State) -> None:
                 (_allocate_attention if node.op == "attention" else _allocate_mla)(s, attention_ops, node)
                 s.scratch[(g.name, idx)] = f"att{attention_ops}"
                 attention_ops += 1
-            parts = _op_scratch(s, node)
+            parts = _op_scratch(s, g, node)
             if parts:
                 base = node.op.split("_")[-1]
                 i = 0 if node.op in SYNCHRONOUS else counters.get(base, 0)
@@ -280,10 +280,10 @@ def allocate_vmem(s: _State) -> None:
 DELTA_SLOTS = 3  # recurrent states in flight
 EXPERT_OPS = {"moe_experts"}  # their weights are reported as "experts"
 # Ops whose lowering finishes all of its DMAs before it returns: they can share one scratch.
-SYNCHRONOUS = {"short_conv", "delta_rule", "kda_gate"}
+SYNCHRONOUS = {"short_conv", "delta_rule", "kda_gate", "moe_experts"}
 
 
-def _op_scratch(s: _State, node: Node) -> dict[str, tuple]:
+def _op_scratch(s: _State, g: Graph, node: Node) -> dict[str, tuple]:
     """Private buffers of ops that keep some: part -> (shape, dtype, purpose, memory)."""
     m = s.model
     if node.op == "short_conv":
@@ -298,7 +298,56 @@ def _op_scratch(s: _State, node: Node) -> dict[str, tuple]:
                 "sem": ((2, DELTA_SLOTS), "dma", "recurrent state semaphores", "SEM")}
     if node.op == "kda_gate":
         return {"scale": ((1, node.outputs[0].type.shape[1]), "float32", "decay scale per channel", "VMEM")}
+    if node.op == "moe_experts":
+        experts, d, f = m.tensor(node.inputs[3].name).type.shape
+        k = _type_of(m, g, node.inputs[2]).shape[1]  # ids are [B, k]
+        tn, slots = moe_tiling(s, node)
+        if tn is None:
+            return {}
+        tiles = (slots,)
+        return {
+            "w1c": ((*tiles, d // 8, tn), "uint32", f"expert W1 codes ({slots} tile sets)", "VMEM"),
+            "w1s": ((*tiles, d // 32, tn), "uint8", "expert W1 scales", "VMEM"),
+            "w3c": ((*tiles, d // 8, tn), "uint32", "expert W3 codes", "VMEM"),
+            "w3s": ((*tiles, d // 32, tn), "uint8", "expert W3 scales", "VMEM"),
+            "w2c": ((*tiles, tn // 8, d), "uint32", "expert W2 codes", "VMEM"),
+            "w2s": ((*tiles, tn // 32, d), "uint8", "expert W2 scales", "VMEM"),
+            "sem": ((6, slots), "dma", "expert tile semaphores", "SEM"),
+            "zb": (("rows", d), "bfloat16", "latent input (bf16)", "VMEM"),
+            "ids_stage": (("rows", 128), "int32", "routed ids, lane-dense for the copy to SMEM", "VMEM"),
+            "ids_smem": (("rows", 128), "int32", "routed ids", "SMEM"),
+            "id_sem": ((1,), "dma", "ids copy semaphore", "SEM"),
+            "list": (("batch * " + str(k),), "int32", "distinct experts of this step", "SMEM"),
+            "count": ((1,), "int32", "distinct expert count", "SMEM"),
+            "pos": ((experts,), "int32", "distinct-set positions", "SMEM"),
+        }
     return {}
+
+
+EXPERT_TILE = 512  # expert columns per tile set
+EXPERT_SLOTS = 4  # tile sets in flight (the DMA engine round-robins: 4 beat 3, 5, 6 and 8 on TPU7x)
+
+
+def moe_tiling(s: _State, node: Node) -> tuple[int | None, int]:
+    """(columns per expert tile, tile sets in flight) for a moe_experts node, or a diagnostic."""
+    w1 = s.model.tensor(node.inputs[3].name)
+    _, d, f = w1.type.shape
+    slots = s.hint("expert_slots", EXPERT_SLOTS)
+    tn = next((t for t in (EXPERT_TILE, 256, 128) if f % t == 0), None)
+    kc = min(d, 512)
+    problems = []
+    if any(s.model.tensor(r.name).type.dtype.name != "mxfp4" for r in node.inputs[3:6]):
+        problems.append("the expert weights must be mxfp4")
+    if tn is None:
+        problems.append(f"the expert width {f} must be a multiple of 128")
+    if d % kc or (kc % 512 and kc != d) or kc % 256:
+        problems.append(f"the latent width {d} must be a multiple of 512 (or 256 if smaller)")
+    if slots < 2:
+        problems.append(f"expert_slots must be at least 2, got {slots}")
+    if problems:
+        s.errors.append(Diagnostic(node.span, "moe_experts cannot be lowered: " + "; ".join(problems)))
+        return None, slots
+    return tn, slots
 
 
 W_SLOTS = 3  # MLA weight tiles in flight
@@ -487,7 +536,8 @@ def schedule_traffic(s: _State) -> tuple[int, int]:
                 types = [_concrete(_type_of(m, graph, r), {m.dims[0].name: s.batch}) for r in node.inputs]
                 total += OPS[node.op].cost(types, [], _attrs(node)).weight_bytes
                 experts = min(types[3].shape[0], s.batch * types[2].shape[1])  # ids are [B, k]
-                dmas += 6 * experts  # codes and scales of three matrices
+                tn, _ = moe_tiling(s, node)
+                dmas += 6 * experts * (types[3].shape[2] // (tn or 128)) + 1  # six pieces per tile set
     emb = [n for n in m.step.nodes if n.op == "embedding"]
     for node in emb:
         t = m.tensor(node.inputs[1].name)

@@ -71,6 +71,7 @@ class _Emitter:
         self.scratch = {(g, i): p for g, i, p in plan.scratch}
         self.fetch_index: dict[str, int] = {}
         self.objects: list[str] = []  # lowering objects built once at kernel entry
+        self.moe_objects: set[str] = set()
         self.layer_var, self.waited = "li", set()
 
     # ------------------------------------------------------------------ names
@@ -102,6 +103,35 @@ class _Emitter:
             last = node.span.line
             out.append(n)
         return starts, out
+
+    def moe_object(self, g: Graph, idx: int, node: Node) -> str | None:
+        """The MoE object of a moe_experts node (built once), or of the one a route node feeds."""
+        if node.op == "route":
+            ids = node.outputs[1].name
+            users = [(i, n) for i, n in enumerate(g.nodes) if n.op == "moe_experts" and n.inputs[2].name == ids]
+            if len(users) != 1 or any(r.name == ids for n in g.nodes if n.op != "moe_experts" for r in n.inputs):
+                self.errors.append(Diagnostic(node.span, "the kernel lowers `route` together with the one "
+                                              "`moe_experts` that uses its ids; here they are used elsewhere too"))
+                return None
+            idx, node = users[0]
+        prefix = self.scratch[(g.name, idx)]
+        obj = f"{prefix}_{g.name}_{idx}"
+        if obj not in self.moe_objects:
+            self.moe_objects.add(obj)
+            w1, w3, w2 = (r.name for r in node.inputs[3:6])
+            e, d, f = self.m.tensor(w1).type.shape
+            k = self.value_width(g, node.inputs[2])
+            slots, _, tn = self.alloc_shape(f"{prefix}_w1c")  # [slots, D/8, tn], as the planner sized it
+            names = {"w1c": f"{w1}_codes", "w1s": f"{w1}_scales", "w3c": f"{w3}_codes", "w3s": f"{w3}_scales",
+                     "w2c": f"{w2}_codes", "w2s": f"{w2}_scales"}
+            self.objects.append(
+                f"{obj} = MoE(r, rows=rows, batch=batch, E={e}, k={k}, D={d}, F={f}, tn={tn}, slots={slots}, "
+                f"names={names!r}, prefix={prefix + '_'!r}, beta={float(node.attr['beta'])!r}, "
+                f"linear_beta={float(node.attr['linear_beta'])!r})")
+        return obj
+
+    def alloc_shape(self, name: str) -> tuple:
+        return next(a.shape for a in self.plan.vmem if a.name == name)
 
     def fetch_copy(self, name: str) -> str:
         t = self.m.tensor(name)
@@ -159,6 +189,12 @@ class _Emitter:
             self.objects.append(f"{obj} = DeltaRule(r.{state}, r.{state}_out, r.{prefix}_in, r.{prefix}_out, "
                                 f"r.{prefix}_sem, batch, {node.attr['heads']})")
             n.update(obj=obj, slot=self.slot_expr(state, self.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
+        elif node.op == "route":
+            experts = self.moe_object(g, idx, node)
+            n.update(obj=experts, scores=ins[0], bias=self.fetched(node.inputs[1].name, pre))
+        elif node.op == "moe_experts":
+            n.update(obj=self.moe_object(g, idx, node), slot=self.slot_expr(node.inputs[3].name, self.layer_var),
+                     z=ins[0], weights=ins[1])
         elif node.op == "res_init":
             n.update(x=ins[0])
         elif node.op == "res_mix":
@@ -303,7 +339,7 @@ class _Emitter:
         ops = {n.op for g in [*self.m.kinds, self.m.step] for n in g.nodes}
         parts = ["core"]
         for part, needs in (("attention", {"attention", "mla_attention"}), ("mla", {"mla_attention"}), ("kda", {"short_conv", "l2norm", "kda_gate", "delta_rule"}),
-                            ("residual", {"res_init", "res_mix", "res_snapshot"})):
+                            ("residual", {"res_init", "res_mix", "res_snapshot"}), ("moe", {"moe_experts"})):
             if ops & needs:
                 parts.append(part)
         return [f"runtime/{p}.py.jinja" for p in parts]

@@ -1,0 +1,139 @@
+"""Mixture of experts: bias-corrected top-k routing and the weighted sum of the chosen experts.
+
+Expert weights are declared as one 3-D tensor per matrix, experts leading: w1/w3 [E, D, F],
+w2 [E, F, D] (mxfp4 or bf16). A quantised one reaches the reference as a `QTensor` whose codes
+and scales carry the same leading expert axis.
+"""
+
+from __future__ import annotations
+
+from mkdsl.dtypes import F32, I32
+from mkdsl.ir import TensorType
+from mkdsl.lazy import jnp
+from mkdsl.ops.elementwise import situ
+from mkdsl.ops.linear import weight_f32
+from mkdsl.ops.registry import (
+    REQUIRED,
+    Cost,
+    OpDef,
+    OpError,
+    expect_dtype,
+    expect_float,
+    expect_rank,
+    nbytes,
+    register,
+)
+from mkdsl.ops.select import topk
+from mkdsl.quant import QTensor
+
+
+def _declared_weight(w, i: int, what: str) -> None:
+    if w.kind != "tensor" or w.is_state:
+        raise OpError(f"{what} must be a declared weight, not `{w.name}`", i)
+
+
+def _route_infer(args, attrs):
+    scores, bias = args
+    expect_rank(scores, 2, 0, "the router scores")
+    expect_float(scores, 0)
+    _declared_weight(bias, 1, "the routing bias")
+    expect_rank(bias, 1, 1, "the routing bias")
+    expect_dtype(bias, ("f32", "bf16"), 1)
+    e = scores.type.shape[1]
+    if bias.type.shape[0] != e:
+        raise OpError(f"routing bias `{bias.name}` has {bias.type.shape[0]} entries but `{scores.name}` "
+                      f"scores {e} experts", 1)
+    k = attrs["k"]
+    if not isinstance(k, int) or k < 1 or (isinstance(e, int) and k > e):
+        raise OpError(f"k must be an integer in 1..{e}, got {k}", "k")
+    b = scores.type.shape[0]
+    return TensorType(F32, (b, k)), TensorType(I32, (b, k))
+
+
+def route(scores, bias, k):
+    """ids: the top k of scores + bias per row (descending, ties to the lower index); weights:
+    the chosen *unbiased* scores renormalised to sum to one. The bias only steers selection."""
+    s = scores.astype(jnp.float32)
+    _, ids = topk(s + bias.astype(jnp.float32), k)
+    chosen = jnp.take_along_axis(s, ids, axis=-1)
+    return chosen / jnp.sum(chosen, axis=-1, keepdims=True), ids
+
+
+def _route_cost(ins, outs, attrs):
+    scores, bias = ins
+    b, e = scores.shape
+    return Cost(weight_bytes=nbytes(bias), flops=b * e * (attrs["k"] + 1))
+
+
+register(OpDef(
+    "route", ("scores", "bias"), _route_infer, route, _route_cost,
+    attrs={"k": REQUIRED}, outputs=2,
+    doc="(weights, ids): top-k experts by scores + bias; weights are the unbiased scores, renormalised."))
+
+
+def _experts(w, ids):
+    """The [in, out] matrices of experts `ids` (any shape) of a stacked expert weight, as f32."""
+    if isinstance(w, QTensor):
+        w = QTensor(jnp.take(w.codes, ids, axis=0), jnp.take(w.scales, ids, axis=0), w.fmt, w.group)
+    else:
+        w = jnp.take(w, ids, axis=0)
+    return weight_f32(w)
+
+
+def moe_experts(z, weights, ids, w1, w3, w2, beta, linear_beta):
+    """r_b = Σ_i weights[b, i] · bf16(situ(bf16(z_b)·W1_e, bf16(z_b)·W3_e))·W2_e, e = ids[b, i];
+    f32 accumulation, expert weights decoded exactly."""
+    b, k = ids.shape
+    flat = ids.reshape(-1)  # row b·k + i is (row b, choice i)
+    x = jnp.repeat(z.astype(jnp.bfloat16).astype(jnp.float32), k, axis=0)
+    g = jnp.einsum("nd,ndf->nf", x, _experts(w1, flat), precision="highest")
+    u = jnp.einsum("nd,ndf->nf", x, _experts(w3, flat), precision="highest")
+    h = situ(g, u, beta, linear_beta).astype(jnp.bfloat16).astype(jnp.float32)
+    y = jnp.einsum("nf,nfd->nd", h, _experts(w2, flat), precision="highest").reshape(b, k, -1)
+    return jnp.einsum("bk,bkd->bd", weights.astype(jnp.float32), y, precision="highest")
+
+
+def _experts_infer(args, attrs):
+    z, weights, ids, w1, w3, w2 = args
+    expect_rank(z, 2, 0, "the expert input")
+    expect_float(z, 0)
+    expect_rank(weights, 2, 1, "the routing weights")
+    expect_float(weights, 1)
+    expect_rank(ids, 2, 2, "the expert ids")
+    expect_dtype(ids, ("i32",), 2)
+    b, d = z.type.shape
+    for i, a in ((1, weights), (2, ids)):
+        if a.type.shape[0] != b:
+            raise OpError(f"`{a.name}` has {a.type.shape[0]} rows, `{z.name}` has {b}", i)
+    if ids.type.shape != weights.type.shape:
+        raise OpError(f"expert ids `{ids.name}` are {ids.type} but the weights `{weights.name}` are {weights.type}", 2)
+    for i, w in ((3, w1), (4, w3), (5, w2)):
+        _declared_weight(w, i, f"operand {i + 1}")
+        expect_rank(w, 3, i, "an expert weight [experts, in, out]")
+        expect_dtype(w, ("mxfp4", "bf16"), i)
+    e, d1, f = w1.type.shape
+    if d1 != d:
+        raise OpError(f"`{z.name}` has {d} columns but w1 `{w1.name}` takes {d1} inputs "
+                      f"(expert weights are stored [experts, in, out])", 3)
+    if w3.type.shape != w1.type.shape:
+        raise OpError(f"w3 `{w3.name}` is {w3.type} but w1 `{w1.name}` is {w1.type}", 4)
+    if w2.type.shape != (e, f, d):
+        raise OpError(f"w2 `{w2.name}` is {w2.type}, expected [{e}, {f}, {d}]", 5)
+    return (TensorType(F32, (b, d)),)
+
+
+def _experts_cost(ins, outs, attrs):
+    """The experts a step uses are data-dependent; we assume the B·k choices are all distinct
+    (at most E), each distinct expert's w1, w3, w2 read once for all rows."""
+    z, weights, ids, w1, w3, w2 = ins
+    b, k = ids.shape
+    e, d, f = w1.shape
+    per_expert = sum(nbytes(TensorType(w.dtype, w.shape[1:])) for w in (w1, w3, w2))
+    return Cost(weight_bytes=min(b * k, e) * per_expert, flops=2 * b * k * 3 * d * f)
+
+
+register(OpDef(
+    "moe_experts", ("z", "weights", "ids", "w1", "w3", "w2"), _experts_infer,
+    lambda *a, beta, linear_beta: (moe_experts(*a, beta, linear_beta),), _experts_cost,
+    attrs={"beta": 4.0, "linear_beta": 25.0},
+    doc="Σ_i weights[:, i]·expert_ids[:, i](z): SiTU MLP experts w1/w3 [E, D, F], w2 [E, F, D], f32 out."))
