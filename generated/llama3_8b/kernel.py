@@ -236,27 +236,25 @@ def for_each_head(heads, d, body):
         jax.lax.fori_loop(0, heads, lambda h, c: (body(h), c)[1], 0)
 
 
-def vector_block(n_rows, block, slot):
-    """First row of the `block`-row aligned window (of `n_rows`) that holds row `slot`."""
-    return jnp.minimum(slot // block * block, n_rows - block)
-
-
 def fetch(src, dst, sem, slot, block):
     """DMA of a weight that is not streamed through the ring, for layer slice `slot`.
 
-    block > 0: `src` is a stack of vectors [n, N]; fetch the aligned `block`-row window holding
-    row `slot` (whole tiles, no single-row DMA). block == 0: fetch the whole slice `src[slot]`.
+    block > 0: `src` is a stack of vectors [n, N] (n a whole number of blocks); fetch the
+    tile-aligned `block`-row window holding row `slot`, or the whole stack when it is one
+    block. block == 0: fetch the whole slice `src[slot]`.
     """
     if block == 0:
         return pltpu.make_async_copy(src.at[slot], dst, sem)
-    start = vector_block(src.shape[0], block, slot)
+    if block == src.shape[0]:
+        return pltpu.make_async_copy(src, dst, sem)
+    start = pl.multiple_of(slot // block * block, block)
     return pltpu.make_async_copy(src.at[pl.ds(start, block)], dst, sem)
 
 
-def pick_row(buf, slot, n_rows):
+def pick_row(buf, slot):
     """Row `slot` of a stack of vectors, from its fetched window, as f32 [1, N]."""
     block = buf.shape[0]
-    off = slot - vector_block(n_rows, block, slot)
+    off = slot - slot // block * block
     rows = jax.lax.broadcasted_iota(I32, buf.shape, 0)
     return jnp.sum(jnp.where(rows == off, buf[...].astype(F32), 0.0), axis=0, keepdims=True)
 
@@ -445,6 +443,7 @@ def build_decode_step(batch, seq_len, *, interpret=None):
 
     hbm_inputs = ["embed", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "final_norm", "lm_head", ]
     vectors = ["final_norm", ]  # 1-D weights, passed as [1, N]
+    padded = {}  # vector stacks padded to whole fetch blocks
     state_names = list(STATE)
     outputs = ["logits", "next_tokens"] + [f"{name}_out" for name in state_names]
     scratch = {
@@ -579,7 +578,7 @@ def build_decode_step(batch, seq_len, *, interpret=None):
                 fetch(r.mlp_norm, r.f_mlp_norm, r.fetch_sem.at[1], li, 16).start()
                 # spec line 53: h = rmsnorm(x, attn_norm, eps=EPS)
                 fetch(r.attn_norm, r.f_attn_norm, r.fetch_sem.at[0], li, 16).wait()
-                rmsnorm(r.carry0[...], pick_row(r.f_attn_norm, li, 32), r.v0_4096, eps=1e-05, heads=1)
+                rmsnorm(r.carry0[...], pick_row(r.f_attn_norm, li), r.v0_4096, eps=1e-05, heads=1)
                 # spec line 54: q = rope(linear(h, wq), positions, heads=NH, theta=THETA)
                 cast_into(r.v0_4096, r.v0_4096_bf16)
                 linear(r, issue, S_DECODER_LINEAR, li, base + S_DECODER_LINEAR.start, r.v0_4096_bf16, r.v1_4096)
@@ -597,7 +596,7 @@ def build_decode_step(batch, seq_len, *, interpret=None):
                 r.v0_4096[...] = r.carry0[...] + r.v2_4096[...]
                 # spec line 59: x = x + swiglu_mlp(rmsnorm(x, mlp_norm, eps=EPS))
                 fetch(r.mlp_norm, r.f_mlp_norm, r.fetch_sem.at[1], li, 16).wait()
-                rmsnorm(r.v0_4096[...], pick_row(r.f_mlp_norm, li, 32), r.v2_4096, eps=1e-05, heads=1)
+                rmsnorm(r.v0_4096[...], pick_row(r.f_mlp_norm, li), r.v2_4096, eps=1e-05, heads=1)
                 # spec line 47: g = linear(x, w_gate)
                 cast_into(r.v2_4096, r.v2_4096_bf16)
                 linear(r, issue, S_DECODER_G, li, base + S_DECODER_G.start, r.v2_4096_bf16, r.v5_14336)
@@ -620,7 +619,7 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[2], 0, 1).start()
         # spec line 70: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
         fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[2], 0, 1).wait()
-        rmsnorm(r.carry0[...], pick_row(r.f_final_norm, 0, 1), r.v8_4096, eps=1e-05, heads=1)
+        rmsnorm(r.carry0[...], pick_row(r.f_final_norm, 0), r.v8_4096, eps=1e-05, heads=1)
         cast_into(r.v8_4096, r.v8_4096_bf16)
         linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v8_4096_bf16, r.logits)
         # spec line 71: return logits, argmax(logits)
@@ -659,6 +658,8 @@ def build_decode_step(batch, seq_len, *, interpret=None):
     def step(weights, state, tokens, positions):
         tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE)]
         flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
+        for name, rows in padded.items():
+            flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
         logits, next_tokens, *new_state = call(
             tokens.astype(I32),
             positions.astype(I32),

@@ -324,7 +324,7 @@ def _op_scratch(s: _State, g: Graph, node: Node) -> dict[str, tuple]:
     return {}
 
 
-EXPERT_TILE = 512  # expert columns per tile set
+EXPERT_TILE = 256  # expert columns per tile set (1.5 MB per set at K3 size: big DMAs, 5.7 MiB for 4 sets)
 EXPERT_SLOTS = 4  # tile sets in flight (the DMA engine round-robins: 4 beat 3, 5, 6 and 8 on TPU7x)
 
 
@@ -361,8 +361,11 @@ def _allocate_mla(s: _State, i: int, node: Node) -> None:
     heads, nope, extra, vdim = a["heads"], a["nope"], a["extra"], a["vdim"]
     r = width - extra
     span = node.span
-    _alloc(s, f"att{i}_ql", (f"{heads} * rows", width), "float32", "absorbed queries, head-major", span)
-    _alloc(s, f"att{i}_ol", (f"{heads} * rows", r), "float32", "latent outputs, head-major", span)
+    if r % 128:
+        s.errors.append(Diagnostic(span, f"mla_attention needs a kv rank that is a multiple of 128, got {r}"))
+    chunks = -(-width // 128)  # stored in 128-lane chunks: strided row loads need 128-wide arrays
+    _alloc(s, f"att{i}_ql", (chunks, f"{heads} * rows", 128), "float32", "absorbed queries, head-major", span)
+    _alloc(s, f"att{i}_ol", (r // 128, f"{heads} * rows", 128), "float32", "latent outputs, head-major", span)
     _alloc(s, f"att{i}_wtiles", (W_SLOTS, r, max(nope, vdim)), "bfloat16", f"kv up-projection tiles ({W_SLOTS} in flight)", span)
     _alloc(s, f"att{i}_w_sem", (W_SLOTS,), "dma", "kv up-projection semaphores", span, "SEM")
     _alloc(s, f"att{i}_tiles", (KV_SLOTS, s.kv_tile, width), "bfloat16", f"latent cache tiles ({KV_SLOTS} x {s.kv_tile} tokens)", span)

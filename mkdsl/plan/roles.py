@@ -27,11 +27,23 @@ def fetched_weights(model: Model, graph: Graph) -> list[str]:
 
 
 def fetch_block(t: Tensor) -> int:
-    """Rows fetched for a stack of vectors (an aligned whole-tile window), 0 for a whole slice."""
+    """Rows fetched for a stack of vectors, 0 for a whole slice of a bigger tensor.
+
+    HBM arrays are tiled (8 or 16 rows), and a DMA window must start on a tile: a small stack
+    is fetched whole; a big one in tile-aligned blocks, its rows padded to a whole block by the
+    step wrapper (a few MB per step at most)."""
     if len(t.type.shape) != 1:
         return 0
     rows = t.stack if t.stacked else 1
-    return min(rows, 16 if t.type.dtype.bits == 16 else 8)
+    tile = 16 if t.type.dtype.bits == 16 else 8
+    return rows if rows <= tile else tile
+
+
+def padded_rows(t: Tensor) -> int:
+    """Rows of a stack of vectors as the kernel receives it (a whole number of fetch blocks)."""
+    rows = t.stack if t.stacked else 1
+    block = fetch_block(t)
+    return -(-rows // block) * block if block else rows
 
 
 def fetch_shape(t: Tensor) -> tuple[int, ...]:

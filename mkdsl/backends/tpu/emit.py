@@ -146,7 +146,7 @@ class _Emitter:
             pre.append(f"{self.fetch_copy(name)}.wait()")
         t = self.m.tensor(name)
         if len(t.type.shape) == 1:
-            return f"pick_row(r.f_{name}, {self.slot_expr(name, self.layer_var)}, {t.stack if t.stacked else 1})"
+            return f"pick_row(r.f_{name}, {self.slot_expr(name, self.layer_var)})"
         return f"r.f_{name}"
 
 
@@ -324,6 +324,8 @@ class _Emitter:
             sequences=list(seqs.values()), epilogue=epilogue, tiles_of_kind=tiles_of_kind,
             hbm_inputs=[_part_name(w.name, part) for w in weights for part in storage(w.type.dtype, w.full_shape)],
             vectors=[w.name for w in weights if len(w.type.shape) == 1 and not w.stacked],
+            padded=[dict(name=w.name, rows=roles.padded_rows(w)) for w in weights
+                    if len(w.type.shape) == 1 and w.stacked and roles.padded_rows(w) != w.stack],
             scratch=[dict(name=a.name, ctor=_ctor(a)) for a in plan.vmem if a.scratch],
             attentions=self.attentions, objects=self.objects, prologue_starts=prologue_starts,
             runtime=self.runtime_parts(),
