@@ -3,3 +3,6 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes a machine-wide lock; compile-only use from a second process (a dev server, a
+# parallel run) must not make the compile tests fail.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
