@@ -241,10 +241,10 @@ def fetch(src, dst, sem, slot, block):
 
     block > 0: `src` is a stack of vectors [n, N] (n a whole number of blocks); fetch the
     tile-aligned `block`-row window holding row `slot`, or the whole stack when it is one
-    block. block == 0: fetch the whole slice `src[slot]`.
+    block. block == 0: fetch the whole slice `src[slot]` (slot None: all of `src`).
     """
     if block == 0:
-        return pltpu.make_async_copy(src.at[slot], dst, sem)
+        return pltpu.make_async_copy(src if slot is None else src.at[slot], dst, sem)
     if block == src.shape[0]:
         return pltpu.make_async_copy(src, dst, sem)
     start = pl.multiple_of(slot // block * block, block)
@@ -563,10 +563,9 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         for i in range(1):
             r.wb_pending[i] = 0
         # spec line 68: x = embedding(tokens, embed)
-        embedding(r, r.embed, tokens_ref, batch, r.v2_4096, r.emb_block, r.emb_sem)
+        embedding(r, r.embed, tokens_ref, batch, r.carry0, r.emb_block, r.emb_sem)
 
         # ---- the layer stack ----
-        r.carry0[...] = r.v2_4096[...]
 
         def layer(li, carry):
             base = layer_base_ref[li]

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from mkdsl.ir import Graph, Model, Ref
 
+# Ops whose lowering may write an output into the buffer of an input it has finished reading:
+# op -> ((output index, input index), ...). res_snapshot then updates the blocks in place.
+IN_PLACE = {"res_snapshot": ((0, 0), (1, 1))}
+
 
 def carry_of(g: Graph, name: str) -> str | None:
     for i, p in enumerate(g.params):
@@ -56,12 +60,24 @@ def assign_buffers(model: Model, fixed: dict[str, str]) -> tuple[dict[tuple[str,
     for g in (*model.kinds, model.step):
         free = {cls: list(names) for cls, names in pool.items()}
         last = _last_uses(g)
+        results = {r.name for r in g.results}
         cut = next((i for i, n in enumerate(g.nodes) if n.op == "layers"), None)
         for i, node in enumerate(g.nodes):
             if node.op == "layers":
                 free = {}  # the layer kinds use the whole pool
                 continue
+            for out_i, in_i in IN_PLACE.get(node.op, ()):
+                src = node.inputs[in_i]
+                v = node.outputs[out_i]
+                reads = sum(1 for r in node.inputs if r.name == src.name)
+                if src.kind == "value" and last.get(src.name) == i and reads == 1 and src.name not in results:
+                    where[(g.name, v.name)] = carry_of(g, src.name) or where[(g.name, src.name)]
             for v in node.outputs:
+                if cut is not None and i < cut and last.get(v.name) == cut:
+                    layers = g.nodes[cut]
+                    slots = [k for k, r in enumerate(layers.inputs) if r.name == v.name]
+                    if len(slots) == 1:  # only fed to the layer stack: build it in its carry buffer
+                        where[(g.name, v.name)] = f"carry{slots[0]}"
                 if carry_of(g, v.name) or (g.name, v.name) in where:
                     continue
                 cls = _class(v)
@@ -72,15 +88,16 @@ def assign_buffers(model: Model, fixed: dict[str, str]) -> tuple[dict[tuple[str,
                 else:
                     name = free.get(cls, []).pop() if free.get(cls) else new_buffer(cls)
                 where[(g.name, v.name)] = name
+            held = {where.get((g.name, v.name)) for v in node.outputs}  # in-place outputs keep their input's buffer
             for r in {r.name for r in node.inputs if r.kind == "value"}:
                 if last.get(r) == i and (g.name, r) in where and not carry_of(g, r):
                     name = where[(g.name, r)]
-                    if name in pool.get(shapes[name], []):
+                    if name in pool.get(shapes.get(name), []) and name not in held:
                         free.setdefault(shapes[name], []).append(name)
             for v in node.outputs:  # a value nobody reads is free at once
                 if v.name not in last and (g.name, v.name) in where:
                     name = where[(g.name, v.name)]
-                    if name in pool.get(shapes[name], []):
+                    if name in pool.get(shapes.get(name), []):
                         free.setdefault(shapes[name], []).append(name)
     return where, shapes
 

@@ -287,7 +287,10 @@ def _op_scratch(s: _State, g: Graph, node: Node) -> dict[str, tuple]:
     """Private buffers of ops that keep some: part -> (shape, dtype, purpose, memory)."""
     m = s.model
     if node.op == "short_conv":
-        _, taps, width = m.tensor(node.inputs[2].name).type.shape
+        st = m.tensor(node.inputs[2].name)
+        if st.type.dtype.name != "f32":
+            s.errors.append(Diagnostic(st.span, f"conv state `{st.name}` is {st.type.dtype}: the kernel keeps conv states in f32"))
+        _, taps, width = st.type.shape
         return {"buf": ((taps, "rows", width), "float32", "conv state window", "VMEM"),
                 "sem": ((2, taps), "dma", "conv state semaphores", "SEM")}
     if node.op == "delta_rule":
@@ -363,6 +366,8 @@ def _allocate_mla(s: _State, i: int, node: Node) -> None:
     span = node.span
     if r % 128:
         s.errors.append(Diagnostic(span, f"mla_attention needs a kv rank that is a multiple of 128, got {r}"))
+    if cache.type.dtype.name != "bf16":
+        s.errors.append(Diagnostic(cache.span, f"latent cache `{cache.name}` is {cache.type.dtype}: the kernel streams bf16 caches only"))
     chunks = -(-width // 128)  # stored in 128-lane chunks: strided row loads need 128-wide arrays
     _alloc(s, f"att{i}_ql", (chunks, f"{heads} * rows", 128), "float32", "absorbed queries, head-major", span)
     _alloc(s, f"att{i}_ol", (r // 128, f"{heads} * rows", 128), "float32", "latent outputs, head-major", span)

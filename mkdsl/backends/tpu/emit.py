@@ -136,8 +136,8 @@ class _Emitter:
     def fetch_copy(self, name: str) -> str:
         t = self.m.tensor(name)
         i = self.fetch_index.setdefault(name, len(self.fetch_index))
-        return (f"fetch(r.{name}, r.f_{name}, r.fetch_sem.at[{i}], {self.slot_expr(name, self.layer_var)}, "
-                f"{roles.fetch_block(t)})")
+        slot = "None" if not t.stacked and len(t.type.shape) > 1 else self.slot_expr(name, self.layer_var)
+        return f"fetch(r.{name}, r.f_{name}, r.fetch_sem.at[{i}], {slot}, {roles.fetch_block(t)})"
 
     def fetched(self, name: str, pre: list[str]) -> str:
         """Code for a fetched weight at its use: waits on the first use in this body."""
@@ -191,7 +191,9 @@ class _Emitter:
             n.update(obj=obj, slot=self.slot_expr(state, self.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
         elif node.op == "route":
             experts = self.moe_object(g, idx, node)
-            n.update(obj=experts, scores=ins[0], bias=self.fetched(node.inputs[1].name, pre))
+            w1 = next(u.inputs[3].name for u in g.nodes if u.op == "moe_experts" and u.inputs[2].name == node.outputs[1].name)
+            n.update(obj=experts, scores=ins[0], bias=self.fetched(node.inputs[1].name, pre),
+                     slot=self.slot_expr(w1, self.layer_var))
         elif node.op == "moe_experts":
             n.update(obj=self.moe_object(g, idx, node), slot=self.slot_expr(node.inputs[3].name, self.layer_var),
                      z=ins[0], weights=ins[1])
@@ -299,6 +301,7 @@ class _Emitter:
         prologue_starts, prologue = self.lower_body(m.step, steps[:cut], "epilogue", layer="0")
         layers = m.step.nodes[cut]
         carries = [dict(buf=f"carry{i}", init=self.operand(m.step, r)) for i, r in enumerate(layers.inputs)]
+        carries = [c for c in carries if c["buf"] != c["init"]]  # values built in their carry need no copy
         epilogue_starts, epilogue_body = self.lower_body(m.step, steps[cut + 1 :], "epilogue", layer="0")
         epilogue = dict(seqs["epilogue"], body=epilogue_body, starts=epilogue_starts)
         if self.errors:
