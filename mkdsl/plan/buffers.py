@@ -89,7 +89,7 @@ def assign_buffers(model: Model, fixed: dict[str, str]) -> tuple[dict[tuple[str,
                     name = free.get(cls, []).pop() if free.get(cls) else new_buffer(cls)
                 where[(g.name, v.name)] = name
             held = {where.get((g.name, v.name)) for v in node.outputs}  # in-place outputs keep their input's buffer
-            for r in {r.name for r in node.inputs if r.kind == "value"}:
+            for r in dict.fromkeys(r.name for r in node.inputs if r.kind == "value"):  # ordered: output must not depend on hashing
                 if last.get(r) == i and (g.name, r) in where and not carry_of(g, r):
                     name = where[(g.name, r)]
                     if name in pool.get(shapes.get(name), []) and name not in held:
