@@ -99,7 +99,8 @@ def cmd_plan(args) -> int:
     if args.context is not None and args.context < 0:
         raise UsageError(f"--context must be at least 0, got {args.context}")
     try:
-        plan = make_plan(model, batch=args.batch, context=args.context)
+        depth = make_plan(model, batch=rows.high).ring_depth  # the kernel's ring is sized for the largest batch
+        plan = make_plan(model, batch=args.batch, context=args.context, ring_depth=depth)
     except SpecError as e:
         e.source = source
         raise

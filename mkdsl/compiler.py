@@ -45,7 +45,7 @@ def compile_source(source: str, spec_path: str, profile: str | None, out_dir: Pa
     # The spec as named in the output: relative to its project, so the output does not depend on `out`.
     shown = os.path.relpath(Path(spec_path).resolve(), project_root(spec_path)).replace(os.sep, "/")
     budget = make_plan(model, batch=model.dims[0].high)  # VMEM at the largest batch
-    plan = make_plan(model, batch=model.dims[0].low)  # traffic and timing at the smallest
+    plan = make_plan(model, batch=model.dims[0].low, ring_depth=budget.ring_depth)  # traffic and timing at the smallest
     src = Source(shown, source, spec_sha256(source))
     files = {
         "kernel.py": emit_module(model, budget, src),

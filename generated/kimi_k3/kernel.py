@@ -645,21 +645,23 @@ class ShortConv:
     """Causal depthwise conv over each channel's last K inputs, then SiLU.
 
     The state (the previous K-1 pre-activation inputs, oldest first) lives in HBM as
-    [slots, batch, K-1, C]; one step reads it tap by tap into `buf` [K-1, rows, C], and writes
-    the shifted window back in place.
+    [slots, batch, K-1, C]; one step reads it into `buf` [K-1, rows, C] and writes the shifted
+    window back in place, one [1, C] window per row and tap (a window spanning rows would squeeze
+    the tiled tap dimension, which Mosaic rejects for more than one row).
     """
 
     def __init__(self, state, state_out, buf, sem, batch):
         self.state, self.state_out, self.buf, self.sem, self.batch = state, state_out, buf, sem, batch
 
     def copies(self, slot, out):
-        taps = self.buf.shape[0]
-        rows = pl.ds(0, self.batch)
-        if out:
-            return [pltpu.make_async_copy(self.buf.at[t, rows], self.state_out.at[slot, :, t, :], self.sem.at[1, t])
-                    for t in range(taps)]
-        return [pltpu.make_async_copy(self.state.at[slot, :, t, :], self.buf.at[t, rows], self.sem.at[0, t])
-                for t in range(taps)]
+        hbm = self.state_out if out else self.state
+        copies = []
+        for t in range(self.buf.shape[0]):
+            for b in range(self.batch):
+                vmem, row = self.buf.at[t, pl.ds(b, 1)], hbm.at[slot, b, pl.ds(t, 1), :]
+                src, dst = (vmem, row) if out else (row, vmem)
+                copies.append(pltpu.make_async_copy(src, dst, self.sem.at[int(out), t]))
+        return copies
 
     def __call__(self, slot, x, w, out):
         taps = self.buf.shape[0]

@@ -40,6 +40,7 @@ class _State:
     model: Model
     batch: int
     context: int
+    fixed_depth: int | None = None  # ring depth decided elsewhere (no hint, no fitting)
     rows: int = 0
     tile_k: int = TILE_K
     tile_n: int = TILE_N
@@ -63,9 +64,13 @@ class _State:
         return h.span if h else NOWHERE
 
 
-def make_plan(model: Model, batch: int = 1, context: int | None = None) -> Plan:
-    """Plan the decode step for `batch` rows reading `context` cached tokens each."""
-    s = _State(model, batch, context if context is not None else default_context(model))
+def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_depth: int | None = None) -> Plan:
+    """Plan the decode step for `batch` rows reading `context` cached tokens each.
+
+    `ring_depth` fixes the weight ring (the depth of a kernel planned at another batch: the emitted
+    kernel is sized for the largest batch); by default the ring is sized for this batch.
+    """
+    s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
     for step in (pad_rows, tile_streams, size_ring, allocate_vmem, fit_ring, check_budget):
         step(s)
         if s.errors:
@@ -168,7 +173,7 @@ def size_ring(s: _State) -> None:
     streams = all_streams(s)
     s.bank = (max((t.tk for t in streams), default=16), max((t.tn for t in streams), default=128))
     default = max(3, min(MAX_RING_DEPTH, RING_BYTES // bank_bytes(s)))
-    s.depth = s.hint("ring_depth", default)
+    s.depth = s.fixed_depth or s.hint("ring_depth", default)
     if s.depth < 2:
         s.errors.append(Diagnostic(s.hint_span("ring_depth"), f"ring_depth must be at least 2, got {s.depth}"))
     s.kv_tile = s.hint("kv_tile", KV_TILE)
@@ -410,7 +415,7 @@ def _allocate_attention(s: _State, i: int, node: Node) -> None:
 
 def fit_ring(s: _State) -> None:
     """Without a ring_depth hint, shrink the ring (to 3 banks at least) so the plan fits the cap."""
-    if s.model.hint("ring_depth"):
+    if s.model.hint("ring_depth") or s.fixed_depth:
         return
     others = sum(a.bytes for a in s.vmem if a.memory == "VMEM" and a.name != "ring")
     depth = max(3, min(s.depth, (s.cap - others) // bank_bytes(s)))
@@ -518,7 +523,7 @@ def schedule_traffic(s: _State) -> tuple[int, int]:
             if node.op in ("short_conv", "delta_rule"):
                 total += _state_bytes(m, m.kind(kind), node, s)
                 taps = m.tensor(node.inputs[2].name).type.shape[1] if node.op == "short_conv" else 0
-                dmas += 2 * taps if taps else 2 * s.batch * node.attr["heads"]
+                dmas += 2 * s.batch * (taps or node.attr["heads"])  # per row: each tap, or each head
     for name in roles.fetched_weights(m, m.step):
         total += _fetch_bytes(m.tensor(name))
         dmas += 1
