@@ -1,0 +1,164 @@
+"""The Kimi K3 kernel at published widths (profile `core`: the full per-layer dims, 5 layers) compiles
+with the real TPU compiler (libtpu) for a compile-only TPU7x device at batch 1 and 8, and its VMEM use
+is close to the planner's budget.
+
+No TPU is needed: `tpu7x:2x2x1` is a compile-only topology and lowering runs under an abstract
+one-core TPU7x mesh. libtpu does not report a successful kernel's VMEM use, so the figure is read
+from the error of a second compile with VMEM_LIMIT_BYTES patched to 4 MiB in the module:
+"Scoped allocation with size 44.80M and limit 4.00M exceeded ..." (M = MiB). That compile must fail
+with RESOURCE_EXHAUSTED, which also shows the limit is enforced.
+
+Planner figure: at batch 1 the plan the compiler reports (plan.md), at batch 8 the budget the
+kernel's VMEM limit is sized by; both must describe the kernel emitted (the same ring depth).
+Measured (jax 0.10.2, 2-core dev machine, SEQ_LEN 8192):
+
+    batch 1: compiler 44.80 MiB, planner 55.57 MiB (0.81); compile 104 s, 4 MiB-limit compile 135 s
+    batch 8: compiler 46.47 MiB, planner 57.24 MiB (0.81); compile 144 s, 4 MiB-limit compile 138 s
+
+The planner is 10.8 MiB above the compiler at both batches: it counts the 5 MiB logits block (an
+output in VMEM) and pads every buffer to Mosaic's tiles; libtpu's message does not break its own
+figure down. RATIO bounds the compiler/planner ratio as for Llama (tests/test_tpu_compile.py).
+
+The module takes ~9 minutes (four compiles); MKDSL_KIMI_COMPILE_BATCHES=1 compiles batch 1 only.
+Batch 8 is worth its time: it caught a Mosaic rejection batch 1 does not hit (the KDA conv state's
+per-tap DMA squeezing a tiled dimension). Compile times and VMEM figures are printed in the terminal
+summary and recorded as test properties (`--junitxml`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import topologies
+
+from mkdsl.compiler import compile_source
+from mkdsl.plan import make_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = ROOT / "specs" / "kimi_k3.mk"
+PROFILE = "core"
+BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_KIMI_COMPILE_BATCHES", "1,8").split(","))
+SEQ_LEN = 8192
+MIB = 1 << 20
+TINY_LIMIT = 4 * MIB
+RATIO = (0.7, 1.3)  # compiler / planner
+SCOPED = re.compile(r"Scoped allocation with size ([0-9.]+)([KMG]) and limit ([0-9.]+)([KMG])")
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+class _Report:
+    """Adds the compile times and VMEM figures to pytest's terminal summary."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.lines:
+            terminalreporter.section("Kimi K3 core: libtpu (TPU7x) compile times and VMEM vs the mkdsl planner")
+            for line in self.lines:
+                terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def report(pytestconfig):
+    plugin = _Report()
+    pytestconfig.pluginmanager.register(plugin, "mkdsl_kimi_vmem_report")
+    yield plugin
+    pytestconfig.pluginmanager.unregister(plugin)
+
+
+@pytest.fixture(scope="module")
+def device():
+    topo = topologies.get_topology_desc(platform="tpu", topology_name="tpu7x:2x2x1")
+    return topo.devices[0]
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    """(compiler Output, path of the generated kernel.py) for the core profile."""
+    out, _ = compile_source(SPEC.read_text(encoding="utf-8"), str(SPEC), PROFILE, None)
+    path = tmp_path_factory.mktemp("kimi_k3_core") / "kernel.py"
+    path.write_text(out.files["kernel.py"], encoding="utf-8")
+    return out, path
+
+
+def load_kernel(path: Path):
+    """A fresh import of the module (tests patch its VMEM limit)."""
+    spec = importlib.util.spec_from_file_location(f"kimi_k3_core_kernel_{id(object())}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_step(module, device, batch: int):
+    """Lower and compile one decode step; returns (compiled, seconds)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def sds(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    weights = {k: sds(v) for k, v in module.weight_layout().items()}
+    state = {k: sds(v) for k, v in module.state_layout(batch, SEQ_LEN).items()}
+    ints = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
+    step = module.build_decode_step(batch, SEQ_LEN)
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("_sim",), abstract_device=jax.sharding.AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
+    )
+    t0 = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = step.lower(weights, state, ints, ints)
+    return lowered.compile(), time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_kimi_k3_core_compiles_for_tpu7x(batch, device, generated, report, record_property):
+    out, path = generated
+    module = load_kernel(path)
+    assert module.NUM_LAYERS == 5 and module.WEIGHTS["moe_w1_codes"][0][1:] == (896, 3584 // 8, 3072), (
+        "not the published widths"
+    )
+    # The planner's figures for this batch: plan.md's at batch 1 (they must describe the kernel emitted:
+    # its ring is sized for the largest batch), the budget the kernel was sized by at batch 8.
+    plan = out.plan if batch == out.plan.batch else make_plan(out.model, batch=batch)
+    assert plan.batch == batch
+    assert plan.ring_depth == module.RING_DEPTH, (
+        f"the plan at batch {batch} has a ring of {plan.ring_depth} banks, the kernel {module.RING_DEPTH}"
+    )
+    limit = module.VMEM_LIMIT_BYTES
+    assert plan.vmem_total <= limit <= 64 * MIB
+
+    compiled, seconds = compile_step(module, device, batch)
+    assert compiled is not None
+
+    # The compiler's VMEM figure: compile again under a tiny limit and read the error.
+    module.VMEM_LIMIT_BYTES = TINY_LIMIT
+    t0 = time.perf_counter()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as e:
+        compile_step(module, device, batch)
+    tiny_seconds = time.perf_counter() - t0
+    m = SCOPED.search(str(e.value))
+    assert m, f"no scoped-allocation figure in the compiler's error:\n{str(e.value)[:2000]}"
+    used = float(m[1]) * UNITS[m[2]]
+    assert abs(float(m[3]) * UNITS[m[4]] - TINY_LIMIT) < 0.01 * MIB, "the tiny limit was not the one applied"
+
+    planned = plan.vmem_total
+    ratio = used / planned
+    line = (
+        f"batch {batch}, seq_len {SEQ_LEN}: compiler {used / MIB:.2f} MiB, planner {planned / MIB:.2f} MiB "
+        f"(ratio {ratio:.3f}); the kernel's VMEM limit {limit / MIB:.2f} MiB; compile {seconds:.0f} s "
+        f"(the 4 MiB-limit compile failed after {tiny_seconds:.0f} s)"
+    )
+    print("\n" + line)
+    report.lines.append(line)
+    record_property(f"vmem_compiler_mib_batch{batch}", round(used / MIB, 2))
+    record_property(f"vmem_planner_mib_batch{batch}", round(planned / MIB, 2))
+    record_property(f"compile_seconds_batch{batch}", round(seconds, 1))
+    assert used < 64 * MIB
+    assert RATIO[0] <= ratio <= RATIO[1], f"compiler {used / MIB:.2f} MiB vs planner {planned / MIB:.2f} MiB"

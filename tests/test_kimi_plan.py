@@ -1,0 +1,111 @@
+"""`mkdsl plan specs/kimi_k3.mk` (published dims, 93 layers): bytes per step at batch 1 split into
+experts / attention / other dense / lm_head / KV-state, the HBM floor, and the experts share
+checked against the published expert dims.
+
+The expected experts share is computed here from the published figures, not from mkdsl: at batch 1
+a token reads its TOPK = 16 routed experts in each of the 92 MoE layers (every layer but the dense
+layer 0); an expert is three [3584, 3072] MXFP4 matrices (w1, w3: LAT x FE; w2: FE x LAT) stored as
+4-bit codes plus one E8M0 scale byte per 32 values.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mkdsl.elaborate import load
+from mkdsl.plan import make_plan
+from mkdsl.report import traffic_split
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = "specs/kimi_k3.mk"
+
+# Published Kimi K3 dims (independent of the spec's constants).
+LAYERS, DENSE_LAYERS = 93, 1
+EXPERTS_PER_TOKEN = 16
+EXPERT_WIDTH, LATENT = 3072, 3584
+MXFP4_BITS, MXFP4_GROUP = 4, 32
+EXPERT_PARAMS = 3 * EXPERT_WIDTH * LATENT
+EXPERT_BYTES = EXPERT_PARAMS * MXFP4_BITS // 8 + EXPERT_PARAMS // MXFP4_GROUP  # codes + one scale byte per 32
+EXPERTS_SHARE = EXPERTS_PER_TOKEN * (LAYERS - DENSE_LAYERS) * EXPERT_BYTES  # 25,829,572,608 bytes
+
+SHARES = ("experts", "attention", "other dense", "lm_head and embedding", "KV cache and state")
+UNITS = {"GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load(str(ROOT / SPEC), None)
+
+
+@pytest.fixture(scope="module")
+def plan(model):
+    return make_plan(model, batch=1)
+
+
+@pytest.fixture(scope="module")
+def printed() -> str:
+    r = subprocess.run([sys.executable, "-m", "mkdsl", "plan", SPEC], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def parse_bytes(text: str) -> float:
+    value, unit = text.split()
+    return float(value) * UNITS[unit]
+
+
+def printed_split(printed: str) -> dict[str, tuple[float, float]]:
+    """share -> (bytes, percent) from the report's "Bytes per step" table."""
+    section = printed.split("## Bytes per step", 1)[1]
+    rows = re.findall(r"^\| ([a-zA-Z_ -]+) \| ([0-9.]+ [KMG]?B) \| ([0-9.]+)% \|$", section, re.M)
+    return {name: (parse_bytes(size), float(pct)) for name, size, pct in rows}
+
+
+def test_expert_bytes_from_published_dims():
+    assert EXPERT_BYTES == 16_515_072 + 1_032_192
+    assert EXPERTS_SHARE == 25_829_572_608
+
+
+def test_split_is_printed_at_batch_1(printed, model, plan):
+    assert "Figures for batch 1 " in printed
+    split = printed_split(printed)
+    assert tuple(split) == SHARES, f"the Bytes per step table lists {list(split)}"
+    exact = traffic_split(model, plan)
+    total = sum(exact.values())
+    for name, (size, pct) in split.items():
+        assert size == pytest.approx(exact[name], rel=0.005), name  # printed with 2 decimals of its unit
+        assert pct == pytest.approx(100 * exact[name] / total, abs=0.05), name
+    assert sum(pct for _, pct in split.values()) == pytest.approx(100, abs=0.1)
+
+
+def test_shares_sum_to_weight_and_state_bytes(model, plan):
+    split = traffic_split(model, plan)
+    assert tuple(split) == SHARES
+    assert all(v > 0 for v in split.values()), split
+    assert sum(split.values()) == plan.weight_bytes + plan.state_bytes
+    assert split["KV cache and state"] == plan.state_bytes
+
+
+def test_experts_share_matches_published_dims(model, plan, printed):
+    split = traffic_split(model, plan)
+    assert split["experts"] == EXPERTS_SHARE
+    assert printed_split(printed)["experts"][0] == pytest.approx(EXPERTS_SHARE, rel=0.005)
+
+
+def test_hbm_floor_is_the_total_over_bandwidth(plan, printed):
+    total = plan.weight_bytes + plan.state_bytes
+    t = plan.timing
+    assert t.floor_us == pytest.approx(total / t.hbm_bytes_per_s * 1e6, rel=1e-9)
+    m = re.search(r"^\| HBM floor at ([0-9.]+) TB/s \(modeled\) \| ([0-9.]+) us \|$", printed, re.M)
+    assert m, "no HBM floor in the summary"
+    assert float(m[1]) == pytest.approx(t.hbm_bytes_per_s / 1e12, abs=0.05)
+    assert float(m[2]) == pytest.approx(t.floor_us, abs=0.05)
+    m = re.search(r"^\| weight bytes per step \| ([0-9.]+ [KMG]?B) \|$", printed, re.M)
+    assert m and parse_bytes(m[1]) == pytest.approx(plan.weight_bytes, rel=0.005)
+    m = re.search(r"^\| state bytes per step \(KV read \+ written\) \| ([0-9.]+ [KMG]?B) \|$", printed, re.M)
+    assert m and parse_bytes(m[1]) == pytest.approx(plan.state_bytes, rel=0.005)
