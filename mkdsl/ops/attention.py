@@ -87,8 +87,9 @@ def _attention_infer(args, attrs):
     expect_divides(heads, kv_heads, "query heads per KV head", "kv_heads")
     b, _, s, dk = kc.type.shape
     dv = vc.type.shape[3]
-    if kc.type.shape[1] != kv_heads or vc.type.shape[1] != kv_heads:
-        raise OpError(f"caches must have {kv_heads} KV heads in dimension 2, got {kc.type}", 3)
+    for i, c in ((3, kc), (4, vc)):
+        if c.type.shape[1] != kv_heads:
+            raise OpError(f"caches must have {kv_heads} KV heads in dimension 2, got {c.type}", i)
     if vc.type.shape[:3] != kc.type.shape[:3]:
         raise OpError(f"key cache {kc.type} and value cache {vc.type} disagree", 4)
     for i, a, want, what in ((0, q, heads * dk, "q"), (1, k, kv_heads * dk, "k"), (2, v, kv_heads * dv, "v")):
