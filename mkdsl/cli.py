@@ -47,10 +47,12 @@ def cmd_check(args) -> int:
     model, _ = _load(args)
     n_layers = len(model.schedule)
     kinds = ", ".join(f"{k.name} x{model.schedule.count(k.name)}" for k in model.kinds)
-    print(f"{args.spec}: ok: model {model.name}"
-          f"{f' (profile {model.profile})' if model.profile else ''}, {n_layers} layers ({kinds}), "
-          f"{len(model.weights)} weights, {len(model.states)} state tensors "
-          f"[{time.perf_counter() - t0:.2f} s]")
+    print(
+        f"{args.spec}: ok: model {model.name}"
+        f"{f' (profile {model.profile})' if model.profile else ''}, {n_layers} layers ({kinds}), "
+        f"{len(model.weights)} weights, {len(model.states)} state tensors "
+        f"[{time.perf_counter() - t0:.2f} s]"
+    )
     return 0
 
 
@@ -71,8 +73,11 @@ def cmd_compile(args) -> int:
         stale = stale_files(out, out_dir)
         if stale:
             print("\n".join(stale), file=sys.stderr)
-            print(f"{shown} is stale: run `mkdsl compile {args.spec}"
-                  f"{f' --profile {args.profile}' if args.profile else ''}` and commit the result", file=sys.stderr)
+            print(
+                f"{shown} is stale: run `mkdsl compile {args.spec}"
+                f"{f' --profile {args.profile}' if args.profile else ''}` and commit the result",
+                file=sys.stderr,
+            )
             return 1
         print(f"{shown}: up to date [{time.perf_counter() - t0:.2f} s]")
         return 0
@@ -83,8 +88,10 @@ def cmd_compile(args) -> int:
     sizes = ", ".join(f"{name} ({len(text.encode()) / 1024:.0f} KiB)" for name, text in out.files.items())
     t = out.plan.timing
     print(f"wrote {shown}/: {sizes} [{time.perf_counter() - t0:.2f} s]")
-    print(f"  modeled step at batch {out.plan.batch}: {t.modeled_us:.1f} us, HBM floor {t.floor_us:.1f} us "
-          f"({t.modeled_us / t.floor_us:.3f} x); VMEM {out.plan.vmem_total / 2**20:.1f} of {out.plan.vmem_cap / 2**20:.0f} MiB")
+    print(
+        f"  modeled step at batch {out.plan.batch}: {t.modeled_us:.1f} us, HBM floor {t.floor_us:.1f} us "
+        f"({t.modeled_us / t.floor_us:.3f} x); VMEM {out.plan.vmem_total / 2**20:.1f} of {out.plan.vmem_cap / 2**20:.0f} MiB"
+    )
     return 0
 
 
@@ -95,7 +102,9 @@ def cmd_plan(args) -> int:
     model, source = _load(args)
     rows = model.dims[0]
     if not rows.low <= args.batch <= rows.high:
-        raise UsageError(f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})")
+        raise UsageError(
+            f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})"
+        )
     if args.context is not None and args.context < 0:
         raise UsageError(f"--context must be at least 0, got {args.context}")
     try:
@@ -123,11 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     spec_command("check", "parse and check a spec; print diagnostics only", cmd_check)
     c = spec_command("compile", "check, plan and generate the kernel module and its plan report", cmd_compile)
     c.add_argument("-o", "--output", metavar="DIR", help="output directory (default: generated/<model>[_<profile>])")
-    c.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 with a summary if the output directory is stale")
+    c.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 with a summary if the output directory is stale"
+    )
     c = spec_command("plan", "print the plan: phases, DMA schedule, VMEM table, bytes, floor, modeled time", cmd_plan)
     c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
-    c.add_argument("--context", type=int, default=None, help="cached tokens per row (default: a quarter of the cache, at most 4096)")
+    c.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="cached tokens per row (default: a quarter of the cache, at most 4096)",
+    )
     return p
 
 
@@ -150,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug in mkdsl, never the user's fault
         if os.environ.get("MKDSL_DEBUG"):
             traceback.print_exc()
-        print(f"mkdsl: internal error: {type(e).__name__}: {e}\n"
-              "This is a bug in mkdsl; rerun with MKDSL_DEBUG=1 for the traceback.", file=sys.stderr)
+        print(
+            f"mkdsl: internal error: {type(e).__name__}: {e}\n"
+            "This is a bug in mkdsl; rerun with MKDSL_DEBUG=1 for the traceback.",
+            file=sys.stderr,
+        )
         return 3
 
 

@@ -1,6 +1,6 @@
 """The whole pipeline for one spec, and writing its output atomically.
 
-    parse -> elaborate -> plan -> emit (kernel.py) + report (plan.md)
+parse -> elaborate -> plan -> emit (kernel.py) + report (plan.md)
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def default_out_dir(spec: str, model_name: str, profile: str | None) -> Path:
     return project_root(spec) / "generated" / (model_name + (f"_{profile}" if profile else ""))
 
 
-def compile_source(source: str, spec_path: str, profile: str | None, out_dir: Path | None = None) -> tuple[Output, Path]:
+def compile_source(
+    source: str, spec_path: str, profile: str | None, out_dir: Path | None = None
+) -> tuple[Output, Path]:
     """Run every stage; nothing is written. Raises SpecError with all diagnostics of a stage."""
     model = elaborate(parse(source), profile, source)
     out = out_dir or default_out_dir(spec_path, model.name, profile)

@@ -135,7 +135,9 @@ class _Elaborator:
                 self.d.meshes.append(it)
             elif isinstance(it, ProfileDecl):
                 if it.name in self.d.profiles:
-                    self.rep.error(it.span, f"profile `{it.name}` is already defined at line {self.d.profiles[it.name].span.line}")
+                    self.rep.error(
+                        it.span, f"profile `{it.name}` is already defined at line {self.d.profiles[it.name].span.line}"
+                    )
                 self.d.profiles.setdefault(it.name, it)
             elif isinstance(it, HintsDecl):
                 self.d.hints.append(it)
@@ -151,7 +153,12 @@ class _Elaborator:
                 self.d.steps.append(it)
         if self.d.model is None:
             self.rep.error(NOWHERE, "the spec has no `model NAME` declaration")
-        for extra, what in ((self.d.meshes, "mesh"), (self.d.hints, "hints"), (self.d.layers, "layers"), (self.d.steps, "step")):
+        for extra, what in (
+            (self.d.meshes, "mesh"),
+            (self.d.hints, "hints"),
+            (self.d.layers, "layers"),
+            (self.d.steps, "step"),
+        ):
             for dup in extra[1:]:
                 self.rep.error(dup.span, f"second `{what}` section (first at line {extra[0].span.line})")
         if not self.d.steps:
@@ -165,14 +172,20 @@ class _Elaborator:
                 if any(b.name == a.name for b in p.overrides[:i]):
                     self.rep.error(a.span, f"profile `{p.name}` overrides `{a.name}` twice")
                 elif a.name not in self.d.consts:
-                    self.rep.error(a.span, f"profile `{p.name}` overrides `{a.name}`, which is not a constant",
-                                   did_you_mean(a.name, self.d.consts))
+                    self.rep.error(
+                        a.span,
+                        f"profile `{p.name}` overrides `{a.name}`, which is not a constant",
+                        did_you_mean(a.name, self.d.consts),
+                    )
         if self.profile is None:
             return {}
         if self.profile not in self.d.profiles:
             known = ", ".join(sorted(self.d.profiles)) or "none"
-            self.rep.error(self.d.model.span, f"no profile named `{self.profile}` (profiles in this spec: {known})",
-                           did_you_mean(self.profile, self.d.profiles))
+            self.rep.error(
+                self.d.model.span,
+                f"no profile named `{self.profile}` (profiles in this spec: {known})",
+                did_you_mean(self.profile, self.d.profiles),
+            )
             self.rep.check()
         return {a.name: a.value for a in self.d.profiles[self.profile].overrides}
 
@@ -189,7 +202,9 @@ class _Elaborator:
                     self.rep.error(d.span, f"empty range for `{d.name}`: {lo} .. {hi}")
                 out[d.name] = DimRange(d.name, lo, hi)
         if not self.d.dims:
-            self.rep.error(NOWHERE, "the spec declares no `dim`: the first one is the row count", "add `dim B in 1 .. 8`")
+            self.rep.error(
+                NOWHERE, "the spec declares no `dim`: the first one is the row count", "add `dim B in 1 .. 8`"
+            )
         return out
 
     def check_mesh(self) -> dict[str, int]:
@@ -210,8 +225,11 @@ class _Elaborator:
                     self.rep.error(a.span, f"hint `{a.name}` is given twice")
                     continue
                 if a.name not in HINTS:
-                    self.rep.error(a.span, f"unknown schedule hint `{a.name}`",
-                                   did_you_mean(a.name, HINTS) or f"known hints: {', '.join(HINTS)}")
+                    self.rep.error(
+                        a.span,
+                        f"unknown schedule hint `{a.name}`",
+                        did_you_mean(a.name, HINTS) or f"known hints: {', '.join(HINTS)}",
+                    )
                     continue
                 v = self.consts.eval_int(a.value, f"hint `{a.name}`")
                 if v is not None:
@@ -235,7 +253,9 @@ class _Elaborator:
                 self.rep.error(r.span, "`otherwise` must be the last rule: the rules after it are never used")
         for name, f in self.d.layer_defs.items():
             if all(r.kind != name for r in decl.rules):
-                self.rep.error(f.span, f"layer kind `{name}` is never scheduled", f"add a rule `{name}: ...` to `layers`")
+                self.rep.error(
+                    f.span, f"layer kind `{name}` is never scheduled", f"add a rule `{name}: ...` to `layers`"
+                )
         if count is None:
             return ()
         schedule, uncovered, broken = [], [], set()
@@ -246,8 +266,11 @@ class _Elaborator:
                     continue
                 hit = True if r.when is None else self.consts.eval(r.when, {"l": layer})
                 if hit is not None and not isinstance(hit, bool):
-                    self.rep.error(r.when.span, f"a layer rule must be true or false, got {hit!r}",
-                                   "compare the layer index, e.g. `l % 4 == 3`")
+                    self.rep.error(
+                        r.when.span,
+                        f"a layer rule must be true or false, got {hit!r}",
+                        "compare the layer index, e.g. `l % 4 == 3`",
+                    )
                     hit = None
                 if hit is None:
                     broken.add(i)
@@ -259,8 +282,11 @@ class _Elaborator:
             schedule.append(kind or "")
         if uncovered and not broken:
             shown = ", ".join(map(str, uncovered[:8])) + (", ..." if len(uncovered) > 8 else "")
-            self.rep.error(decl.span, f"{len(uncovered)} of {count} layers match no rule (layers {shown})",
-                           "add a last rule `KIND: otherwise`")
+            self.rep.error(
+                decl.span,
+                f"{len(uncovered)} of {count} layers match no rule (layers {shown})",
+                "add a last rule `KIND: otherwise`",
+            )
         return tuple(schedule)
 
     def check_type(self, t: TypeExpr, name: str, allow_dims: bool) -> tuple[dtypes.DType | None, tuple]:
@@ -284,7 +310,10 @@ class _Elaborator:
         for i, d in enumerate(t.dims):
             if isinstance(d.size, Name) and d.size.id in self.d.dims:
                 if not allow_dims:
-                    self.rep.error(d.size.span, f"weight `{name}` cannot depend on `{d.size.id}`, which is only known when the step is built")
+                    self.rep.error(
+                        d.size.span,
+                        f"weight `{name}` cannot depend on `{d.size.id}`, which is only known when the step is built",
+                    )
                 shape.append(d.size.id if allow_dims else None)
                 continue
             shape.append(self.consts.eval_int(d.size, f"dimension {i + 1} of `{name}`"))
@@ -300,17 +329,29 @@ class _Elaborator:
                 if d.axis is None:
                     continue
                 if d.axis not in mesh:
-                    self.rep.error(d.axis_span, f"`{d.axis}` is not a mesh axis", did_you_mean(d.axis, mesh) or
-                                   ("declare it: `mesh { " + d.axis + " = N }`" if not mesh else f"mesh axes: {', '.join(mesh)}"))
+                    self.rep.error(
+                        d.axis_span,
+                        f"`{d.axis}` is not a mesh axis",
+                        did_you_mean(d.axis, mesh)
+                        or (
+                            "declare it: `mesh { " + d.axis + " = N }`" if not mesh else f"mesh axes: {', '.join(mesh)}"
+                        ),
+                    )
                 elif isinstance(size, int) and size % mesh[d.axis]:
-                    self.rep.error(d.span, f"dimension {i + 1} of `{t.name}` has size {size}, which mesh axis "
-                                   f"`{d.axis}` (size {mesh[d.axis]}) does not divide")
+                    self.rep.error(
+                        d.span,
+                        f"dimension {i + 1} of `{t.name}` has size {size}, which mesh axis "
+                        f"`{d.axis}` (size {mesh[d.axis]}) does not divide",
+                    )
             if dt is not None and dt.quantised and None not in shape:
                 if len(shape) < 2:
                     self.rep.error(t.type.span, f"a {dt} tensor needs at least 2 dimensions [.., in, out]")
                 elif isinstance(shape[-2], int) and (shape[-2] % dt.group or shape[-2] % 8):
-                    self.rep.error(t.type.dims[-2].span, f"the input dimension of {dt} weight `{t.name}` "
-                                   f"({shape[-2]}) must be a multiple of {max(dt.group, 8)}")
+                    self.rep.error(
+                        t.type.dims[-2].span,
+                        f"the input dimension of {dt} weight `{t.name}` "
+                        f"({shape[-2]}) must be a multiple of {max(dt.group, 8)}",
+                    )
                 if t.kind == "state":
                     self.rep.error(t.type.span, f"state `{t.name}` cannot be quantised ({dt})")
             kinds = t.layer_kinds
@@ -326,8 +367,16 @@ class _Elaborator:
                     slots.append(-1)
             if dt is None or None in shape:
                 continue
-            out[t.name] = Tensor(t.name, t.kind, TensorType(dt, shape), tuple(sharding), t.per_layer,
-                                 n if t.per_layer else 0, tuple(slots) if t.per_layer else (), t.span)
+            out[t.name] = Tensor(
+                t.name,
+                t.kind,
+                TensorType(dt, shape),
+                tuple(sharding),
+                t.per_layer,
+                n if t.per_layer else 0,
+                tuple(slots) if t.per_layer else (),
+                t.span,
+            )
         return out
 
     # ------------------------------------------------------------------ functions
@@ -336,8 +385,11 @@ class _Elaborator:
         step = self.d.steps[0]
         rows = next(iter(dims), None)
         if len(step.params) != 2:
-            self.rep.error(step.span, f"`step` takes 2 inputs (token ids, positions), got {len(step.params)}",
-                           "write `step(tokens, positions) { ... }`")
+            self.rep.error(
+                step.span,
+                f"`step` takes 2 inputs (token ids, positions), got {len(step.params)}",
+                "write `step(tokens, positions) { ... }`",
+            )
         inputs = tuple(Value(p, TensorType(dtypes.I32, (rows,)), step.span) for p in step.params[:2])
         ctx = _Context(self, tensors, {v.name: v for v in inputs}, schedule)
         graph = ctx.build_graph("step", step, params=(), layer_kind=None)
@@ -349,13 +401,20 @@ class _Elaborator:
 
     def check_step_results(self, graph: Graph, step: FuncDef, rows: str, ctx: _Context) -> None:
         types = [ctx.type_of(graph, r) for r in graph.results]
-        ok = (len(types) == 2 and types[0].dtype == dtypes.F32 and len(types[0].shape) == 2
-              and types[0].shape[0] == rows and types[1] == TensorType(dtypes.I32, (rows,)))
+        ok = (
+            len(types) == 2
+            and types[0].dtype == dtypes.F32
+            and len(types[0].shape) == 2
+            and types[0].shape[0] == rows
+            and types[1] == TensorType(dtypes.I32, (rows,))
+        )
         if not ok:
             got = ", ".join(str(t) for t in types)
-            self.rep.error(_return_span(step),
-                           f"`step` must return (logits f32[{rows}, V], next tokens i32[{rows}]); it returns ({got})",
-                           "end the step with `return logits, argmax(logits)`")
+            self.rep.error(
+                _return_span(step),
+                f"`step` must return (logits f32[{rows}, V], next tokens i32[{rows}]); it returns ({got})",
+                "end the step with `return logits, argmax(logits)`",
+            )
 
 
 def _return_span(f: FuncDef) -> Span:
@@ -418,8 +477,11 @@ class _Context:
             if isinstance(s, AssignStmt):
                 refs = self.expr(s.value, env, g, inline_stack, name_hint=s.targets[0])
                 if refs is not None and len(refs) != len(s.targets):
-                    self.rep.error(s.span, f"the right side gives {len(refs)} value{'s' if len(refs) != 1 else ''} "
-                                   f"but {len(s.targets)} name{'s are' if len(s.targets) != 1 else ' is'} assigned")
+                    self.rep.error(
+                        s.span,
+                        f"the right side gives {len(refs)} value{'s' if len(refs) != 1 else ''} "
+                        f"but {len(s.targets)} name{'s are' if len(s.targets) != 1 else ' is'} assigned",
+                    )
                     refs = None
                 if refs is None:
                     failed = True
@@ -454,8 +516,11 @@ class _Context:
             call = Call(e.span, _OPERATORS[e.op], e.span, (e.left, e.right), ())
             return self.call(call, env, g, inline_stack, name_hint)
         if isinstance(e, Num):
-            self.rep.error(e.span, f"expected a tensor, got the number {e.value!r}",
-                           "numbers can be passed as keyword attributes, e.g. `eps=1e-5`")
+            self.rep.error(
+                e.span,
+                f"expected a tensor, got the number {e.value!r}",
+                "numbers can be passed as keyword attributes, e.g. `eps=1e-5`",
+            )
             return None
         op = e.op if isinstance(e, (BinOp, UnOp)) else "?"
         self.rep.error(e.span, f"operator `{op}` is not defined on tensors", "tensors support `+` and `*`; use an op")
@@ -469,10 +534,17 @@ class _Context:
             if t.stacked and g.layer_kind is None:
                 self.rep.error(e.span, f"`{e.id}` is declared per layer, so it can only be used inside a layer")
                 return None
-            if t.stacked and t.slots and all(
-                    s < 0 for s, k in zip(t.slots, self.schedule) if k == g.layer_kind) and g.layer_kind in self.schedule:
-                self.rep.error(e.span, f"`{e.id}` has no slice for layer kind `{g.layer_kind}`",
-                               f"declare it `per layer({g.layer_kind}, ...)` or use it in another kind")
+            if (
+                t.stacked
+                and t.slots
+                and all(s < 0 for s, k in zip(t.slots, self.schedule) if k == g.layer_kind)
+                and g.layer_kind in self.schedule
+            ):
+                self.rep.error(
+                    e.span,
+                    f"`{e.id}` has no slice for layer kind `{g.layer_kind}`",
+                    f"declare it `per layer({g.layer_kind}, ...)` or use it in another kind",
+                )
                 return None
             return Ref("tensor", e.id)
         if e.id in self.inputs:
@@ -480,7 +552,9 @@ class _Context:
         if e.id in self.el.d.tensors:
             return None  # the declaration itself was already reported
         if e.id in self.el.d.consts:
-            self.rep.error(e.span, f"`{e.id}` is a constant, not a tensor", "pass constants as attributes, e.g. `eps=EPS`")
+            self.rep.error(
+                e.span, f"`{e.id}` is a constant, not a tensor", "pass constants as attributes, e.g. `eps=EPS`"
+            )
             return None
         known = [*env, *self.tensors, *self.inputs]
         self.rep.error(e.span, f"unknown name `{e.id}`", did_you_mean(e.id, known))
@@ -509,8 +583,11 @@ class _Context:
             return None
         op = OPS[e.func]
         if len(e.args) != len(op.operands):
-            self.rep.error(e.span, f"`{op.name}` takes {len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
-                           f"({', '.join(op.operands)}), got {len(e.args)}")
+            self.rep.error(
+                e.span,
+                f"`{op.name}` takes {len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
+                f"({', '.join(op.operands)}), got {len(e.args)}",
+            )
             return None
         args = [self.expr(a, env, g, inline_stack) for a in e.args]
         attrs = self.attributes(e, op, env, g)
@@ -537,12 +614,18 @@ class _Context:
         for name in op.inout:
             i = op.operands.index(name)
             if refs[i].kind != "tensor" or not operands[i].is_state:
-                self.rep.error(e.args[i].span, f"{op.name}: operand `{name}` is updated in place, so it must be a declared state tensor")
+                self.rep.error(
+                    e.args[i].span,
+                    f"{op.name}: operand `{name}` is updated in place, so it must be a declared state tensor",
+                )
                 return None
             if refs[i].name in writes:
                 first = op.inout[writes.index(refs[i].name)]
-                self.rep.error(e.args[i].span, f"{op.name}: `{refs[i].name}` is passed as both `{first}` and `{name}`, "
-                               "which are updated in place", "give each its own state tensor")
+                self.rep.error(
+                    e.args[i].span,
+                    f"{op.name}: `{refs[i].name}` is passed as both `{first}` and `{name}`, which are updated in place",
+                    "give each its own state tensor",
+                )
                 return None
             writes.append(refs[i].name)
         outs = tuple(Value(g.fresh(name_hint or op.name), t, e.span) for t in out_types)
@@ -558,15 +641,22 @@ class _Context:
                 ok = False
                 continue
             v = k.value
-            if isinstance(v, Name) and v.id not in self.el.d.consts and (
-                    v.id in env or v.id in self.el.d.tensors or v.id in self.inputs):
-                self.rep.error(v.span, f"attribute `{k.name}` must be a constant, but `{v.id}` is a tensor",
-                               "tensors are operands: pass them before the attributes")
+            if (
+                isinstance(v, Name)
+                and v.id not in self.el.d.consts
+                and (v.id in env or v.id in self.el.d.tensors or v.id in self.inputs)
+            ):
+                self.rep.error(
+                    v.span,
+                    f"attribute `{k.name}` must be a constant, but `{v.id}` is a tensor",
+                    "tensors are operands: pass them before the attributes",
+                )
                 attrs[k.name], ok = None, False
                 continue
             if k.name not in op.attrs:
                 hint = did_you_mean(k.name, op.attrs) or (
-                    f"`{op.name}` takes: {', '.join(op.attrs)}" if op.attrs else f"`{op.name}` takes no attributes")
+                    f"`{op.name}` takes: {', '.join(op.attrs)}" if op.attrs else f"`{op.name}` takes no attributes"
+                )
                 self.rep.error(k.span, f"`{op.name}` has no attribute `{k.name}`", hint)
                 ok = False
                 continue
@@ -586,15 +676,20 @@ class _Context:
     def inline_block(self, e: Call, env, g, inline_stack) -> list[Ref] | None:
         f = self.el.d.blocks[e.func]
         if e.func in inline_stack:
-            chain = " -> ".join((*inline_stack[inline_stack.index(e.func):], e.func))
-            self.rep.error(e.func_span, f"block `{e.func}` calls itself ({chain}); blocks are inlined, so recursion is not allowed")
+            chain = " -> ".join((*inline_stack[inline_stack.index(e.func) :], e.func))
+            self.rep.error(
+                e.func_span, f"block `{e.func}` calls itself ({chain}); blocks are inlined, so recursion is not allowed"
+            )
             return None
         if e.kwargs:
             self.rep.error(e.kwargs[0].span, f"block `{e.func}` takes no keyword attributes")
             return None
         if len(e.args) != len(f.params):
-            self.rep.error(e.span, f"block `{f.name}` takes {len(f.params)} argument{'s' if len(f.params) != 1 else ''} "
-                           f"({', '.join(f.params)}), got {len(e.args)}")
+            self.rep.error(
+                e.span,
+                f"block `{f.name}` takes {len(f.params)} argument{'s' if len(f.params) != 1 else ''} "
+                f"({', '.join(f.params)}), got {len(e.args)}",
+            )
             return None
         inner, ok = {}, True
         for p, a in zip(f.params, e.args):
@@ -626,8 +721,11 @@ class _Context:
         for kind in used:
             f = self.el.d.layer_defs[kind]
             if len(f.params) != len(carries):
-                self.rep.error(f.span, f"layer `{kind}` takes {len(f.params)} carried value{'s' if len(f.params) != 1 else ''} "
-                               f"but `layers(...)` at line {e.span.line} passes {len(carries)}")
+                self.rep.error(
+                    f.span,
+                    f"layer `{kind}` takes {len(f.params)} carried value{'s' if len(f.params) != 1 else ''} "
+                    f"but `layers(...)` at line {e.span.line} passes {len(carries)}",
+                )
                 ok = False
                 continue
             params = tuple(Value(p, c.type, f.span) for p, c in zip(f.params, carries))
@@ -638,9 +736,11 @@ class _Context:
             got = [self.type_of(graph, r) for r in graph.results]
             want = [c.type for c in carries]
             if got != want:
-                self.rep.error(_return_span(f),
-                               f"layer `{kind}` must return what it carries ({', '.join(map(str, want))}), "
-                               f"but returns ({', '.join(map(str, got))})")
+                self.rep.error(
+                    _return_span(f),
+                    f"layer `{kind}` must return what it carries ({', '.join(map(str, want))}), "
+                    f"but returns ({', '.join(map(str, got))})",
+                )
                 ok = False
                 continue
             self.kind_graphs[kind] = graph

@@ -32,7 +32,8 @@ def register_pytree() -> None:
 
     Called by whoever jits over weights (not at import: that would import jax for `check`)."""
     jax.tree_util.register_pytree_node(
-        QTensor, lambda q: ((q.codes, q.scales), (q.fmt, q.group)), lambda aux, ch: QTensor(*ch, *aux))
+        QTensor, lambda q: ((q.codes, q.scales), (q.fmt, q.group)), lambda aux, ch: QTensor(*ch, *aux)
+    )
 
 
 def unpack_nibbles(codes) -> jnp.ndarray:
@@ -86,7 +87,7 @@ def quantize(dtype: DType, w: np.ndarray) -> QTensor:
         scale = np.maximum(amax, 1e-30) / 7.0
         scales = scale.astype(ml_dtypes.bfloat16)
         q = np.clip(np.round(blocks / scales.astype(np.float32)[..., None, :]), -8, 7)
-        nib = (q.astype(np.int32) & 0xF)
+        nib = q.astype(np.int32) & 0xF
     return QTensor(pack_nibbles(nib.reshape(*lead, k, n)), scales, dtype.name, g)
 
 

@@ -59,14 +59,23 @@ def render_plan(model: Model, plan: Plan, spec_path: str) -> str:
         idx = [i for i, name in enumerate(model.schedule) if name == k.name]
         shown = ", ".join(map(str, idx[:12])) + (", ..." if len(idx) > 12 else "")
         out.append(f"| {k.name} | {shown} | {len(idx)} |")
-    out += ["", "## Phases and weight streams", "",
-            f"One ring of {plan.ring_depth} VMEM banks of [{plan.bank[0]}, {plan.bank[1]}] bf16; "
-            f"{plan.ring_depth - 1} tiles stay in flight across op and layer boundaries and into the epilogue. "
-            f"KV caches stream in {plan.kv_tile}-token tiles.", ""]
+    out += [
+        "",
+        "## Phases and weight streams",
+        "",
+        f"One ring of {plan.ring_depth} VMEM banks of [{plan.bank[0]}, {plan.bank[1]}] bf16; "
+        f"{plan.ring_depth - 1} tiles stay in flight across op and layer boundaries and into the epilogue. "
+        f"KV caches stream in {plan.kv_tile}-token tiles.",
+        "",
+    ]
     for seq in plan.sequences:
         g = model.step if seq.name == "epilogue" else model.kind(seq.name)
-        out += [f"### {seq.name} ({seq.tiles} weight tiles{' per layer' if seq.name != 'epilogue' else ''})", "",
-                "| phase | op | spec line | weight | tile | tiles |", "|---|---|---|---|---|---|"]
+        out += [
+            f"### {seq.name} ({seq.tiles} weight tiles{' per layer' if seq.name != 'epilogue' else ''})",
+            "",
+            "| phase | op | spec line | weight | tile | tiles |",
+            "|---|---|---|---|---|---|",
+        ]
         streams = {st.node: st for st in seq.streams}
         nodes = g.nodes
         if seq.name == "epilogue":
@@ -78,7 +87,9 @@ def render_plan(model: Model, plan: Plan, spec_path: str) -> str:
             st = streams.get(n.outputs[0].name) if n.outputs else None
             w = f"`{st.tensor}` [{st.k}, {st.n}]" if st else ""
             tile = f"[{st.tk}, {st.tn}]" if st else ""
-            out.append(f"| {i} | {n.op} -> `{n.outputs[0].name}` | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |")
+            out.append(
+                f"| {i} | {n.op} -> `{n.outputs[0].name}` | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |"
+            )
         out.append("")
     split = traffic_split(model, plan)
     out += ["## Bytes per step", "", "| share | bytes per step | of all |", "|---|---|---|"]
@@ -88,13 +99,21 @@ def render_plan(model: Model, plan: Plan, spec_path: str) -> str:
     out += ["", "| tensor | kind | read by | bytes per step |", "|---|---|---|---|"]
     for tt in plan.traffic:
         out.append(f"| `{tt.name}` | {tt.kind} | {tt.group} | {_bytes(tt.bytes)} |")
-    out += ["", "## VMEM budget", "",
-            "Sizes padded to Mosaic's tiles (f32 [8,128], bf16 [16,128], 8-bit [32,128]); `rows` and `batch` "
-            f"at {plan.rows} and {plan.batch}.", "",
-            "| buffer | shape | dtype | memory | bytes | purpose | spec line |", "|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "## VMEM budget",
+        "",
+        "Sizes padded to Mosaic's tiles (f32 [8,128], bf16 [16,128], 8-bit [32,128]); `rows` and `batch` "
+        f"at {plan.rows} and {plan.batch}.",
+        "",
+        "| buffer | shape | dtype | memory | bytes | purpose | spec line |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for a in plan.vmem:
         size = _mib(a.bytes) if a.memory == "VMEM" else (f"{a.bytes} B" if a.memory == "SMEM" else "")
-        out.append(f"| `{a.name}` | {_dims(a.shape)} | {a.dtype} | {a.memory} | {size} | {a.purpose} | {a.line or ''} |")
+        out.append(
+            f"| `{a.name}` | {_dims(a.shape)} | {a.dtype} | {a.memory} | {size} | {a.purpose} | {a.line or ''} |"
+        )
     out += ["", f"Total VMEM: {_mib(plan.vmem_total)} of the {_mib(plan.vmem_cap)} cap.", ""]
     return "\n".join(out)
 

@@ -35,7 +35,7 @@ class Block:
 
     @property
     def kind(self) -> str:
-        return self.info[len("mk"):].strip() if self.info.split()[:1] == ["mk"] else ""
+        return self.info[len("mk") :].strip() if self.info.split()[:1] == ["mk"] else ""
 
     def __str__(self) -> str:
         return f"docs/language.md:{self.line} ({self.info})"
@@ -69,7 +69,9 @@ def by_kind(kind: str) -> list[Block]:
 def test_every_mk_block_has_a_known_kind():
     assert MK, "no mk blocks found"
     for b in MK:
-        assert b.kind in KINDS, f"{b}: unknown info string; use one of: mk, " + ", ".join(f"mk {k}" for k in sorted(KINDS) if k)
+        assert b.kind in KINDS, f"{b}: unknown info string; use one of: mk, " + ", ".join(
+            f"mk {k}" for k in sorted(KINDS) if k
+        )
 
 
 def _check(tmp_path, monkeypatch, capsys, text: str, profile: str | None = None) -> tuple[int, str, str]:
@@ -158,8 +160,9 @@ def test_op_table_matches_the_registry():
             elif default is None:
                 assert value == "" and f"`{key}` (default" in row[2], f"`{name}`: `{key}` has a computed default"
             else:
-                assert ast.literal_eval(value) == default and type(ast.literal_eval(value)) is type(default), \
+                assert ast.literal_eval(value) == default and type(ast.literal_eval(value)) is type(default), (
                     f"`{name}`: default of `{key}` is {default!r}, the doc says {value}"
+                )
         if op.inout:
             assert "in place" in row[4], f"`{name}` updates {op.inout} in place: say so"
         if op.outputs > 1:
@@ -183,7 +186,7 @@ def test_constant_expression_table(row):
     value = env.get("c")
     if row[1].startswith("error:"):
         assert value is None
-        message = row[1][len("error:"):].strip()
+        message = row[1][len("error:") :].strip()
         assert [d.message for d in rep.diagnostics] == [message]
     else:
         assert not rep.diagnostics, rep.diagnostics

@@ -42,8 +42,12 @@ SOME = settings(max_examples=15, deadline=None)
 
 ORACLES: dict[str, list[str]] = {}  # op name -> tests comparing it with an oracle
 KNOWN_ATTRS = {  # the attributes the oracles below pass by name
-    "short_conv": set(), "l2norm": {"heads", "scale", "eps"}, "kda_gate": {"heads", "lower"},
-    "delta_rule": {"heads"}, "res_init": {"nblocks"}, "res_mix": {"layer", "block", "after_snapshot", "eps"},
+    "short_conv": set(),
+    "l2norm": {"heads", "scale", "eps"},
+    "kda_gate": {"heads", "lower"},
+    "delta_rule": {"heads"},
+    "res_init": {"nblocks"},
+    "res_mix": {"layer", "block", "after_snapshot", "eps"},
     "res_snapshot": {"layer", "block"},
 }
 
@@ -84,8 +88,10 @@ def close(got, want, atol, rtol=RTOL, what=""):
     bound = np.broadcast_to(atol + rtol * np.abs(want), err.shape)
     bad = err > bound
     i = np.unravel_index(np.argmax(err - bound), err.shape)
-    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outside tolerance; worst at {i}: "
-                           f"got {got[i]!r}, want {want[i]!r}, bound {bound[i]:.3g}")
+    assert not bad.any(), (
+        f"{what}: {bad.sum()} of {bad.size} outside tolerance; worst at {i}: "
+        f"got {got[i]!r}, want {want[i]!r}, bound {bound[i]:.3g}"
+    )
 
 
 def exact(got, want, what=""):
@@ -145,9 +151,9 @@ def l2norm_oracle(x, heads, scale, eps):
     out = np.empty((b, n))
     for r in range(b):
         for h in range(heads):
-            seg = x[r, h * d:(h + 1) * d]
+            seg = x[r, h * d : (h + 1) * d]
             norm2 = sum(float(v) ** 2 for v in seg)
-            out[r, h * d:(h + 1) * d] = seg / np.sqrt(norm2 + eps) * scale
+            out[r, h * d : (h + 1) * d] = seg / np.sqrt(norm2 + eps) * scale
     return out
 
 
@@ -173,8 +179,8 @@ def delta_rule_oracle(q, k, v, g, beta, state, heads, magnitudes=False):
     new, new_mag = np.empty(state.shape), np.empty(state.shape)
     for r in range(b):
         for h in range(heads):
-            kh, qh, gh = (a[r, h * dk:(h + 1) * dk] for a in (k, q, g))
-            vh = v[r, h * dv:(h + 1) * dv]
+            kh, qh, gh = (a[r, h * dk : (h + 1) * dk] for a in (k, q, g))
+            vh = v[r, h * dv : (h + 1) * dv]
             s, mag = np.empty((dk, dv)), np.empty((dk, dv))
             for i in range(dk):
                 for j in range(dv):
@@ -208,8 +214,14 @@ def mix_oracle(entries, w, eps):
 
 @oracle_for("short_conv")
 @SOME
-@given(seed=SEEDS, b=ROWS, c=st.sampled_from([1, 8, 48]), taps=st.sampled_from([2, 4]),
-       scale=st.sampled_from([1e-2, 1.0, 6.0]), state_dtype=st.sampled_from(["f32", "bf16"]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    c=st.sampled_from([1, 8, 48]),
+    taps=st.sampled_from([2, 4]),
+    scale=st.sampled_from([1e-2, 1.0, 6.0]),
+    state_dtype=st.sampled_from(["f32", "bf16"]),
+)
 def test_short_conv(seed, b, c, taps, scale, state_dtype):
     rng = np.random.default_rng(seed)
     x = f32(rng, (b, c), scale)
@@ -228,8 +240,14 @@ def test_short_conv(seed, b, c, taps, scale, state_dtype):
 
 @oracle_for("l2norm")
 @SOME
-@given(seed=SEEDS, b=ROWS, heads=st.sampled_from([1, 2, 4]), d=st.sampled_from([1, 8, 64]),
-       scale=st.sampled_from([1e-3, 1.0, 8.0]), attrs=st.sampled_from(["default", "q", "eps"]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    heads=st.sampled_from([1, 2, 4]),
+    d=st.sampled_from([1, 8, 64]),
+    scale=st.sampled_from([1e-3, 1.0, 8.0]),
+    attrs=st.sampled_from(["default", "q", "eps"]),
+)
 def test_l2norm(seed, b, heads, d, scale, attrs):
     rng = np.random.default_rng(seed)
     x = f32(rng, (b, heads * d), scale)
@@ -241,9 +259,15 @@ def test_l2norm(seed, b, heads, d, scale, attrs):
 
 @oracle_for("kda_gate")
 @SOME
-@given(seed=SEEDS, b=ROWS, heads=st.sampled_from([1, 3]), d=st.sampled_from([1, 16]),
-       scale=st.sampled_from([0.1, 1.0, 4.0]), lower=st.sampled_from([None, -5.0, -1.0]),
-       adt=st.sampled_from(["f32", "bf16"]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    heads=st.sampled_from([1, 3]),
+    d=st.sampled_from([1, 16]),
+    scale=st.sampled_from([0.1, 1.0, 4.0]),
+    lower=st.sampled_from([None, -5.0, -1.0]),
+    adt=st.sampled_from(["f32", "bf16"]),
+)
 def test_kda_gate(seed, b, heads, d, scale, lower, adt):
     rng = np.random.default_rng(seed)
     f = f32(rng, (b, heads * d), scale)
@@ -279,8 +303,15 @@ def kda_inputs(rng, b, heads, dk, dv, normalise: bool):
 
 @oracle_for("delta_rule")
 @SOME
-@given(seed=SEEDS, b=ROWS, heads=st.sampled_from([1, 2]), dk=st.sampled_from([1, 8, 16]),
-       dv=st.sampled_from([1, 8, 16]), normalise=st.booleans(), sscale=st.sampled_from([1e-2, 1.0, 5.0]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    heads=st.sampled_from([1, 2]),
+    dk=st.sampled_from([1, 8, 16]),
+    dv=st.sampled_from([1, 8, 16]),
+    normalise=st.booleans(),
+    sscale=st.sampled_from([1e-2, 1.0, 5.0]),
+)
 def test_delta_rule(seed, b, heads, dk, dv, normalise, sscale):
     rng = np.random.default_rng(seed)
     q, k, v, g, beta = kda_inputs(rng, b, heads, dk, dv, normalise)
@@ -299,8 +330,13 @@ def test_delta_rule(seed, b, heads, dk, dv, normalise, sscale):
 
 @oracle_for("short_conv", "l2norm", "kda_gate", "delta_rule")
 @FEW
-@given(seed=SEEDS, b=st.sampled_from([1, 3]), heads=st.sampled_from([1, 2]), d=st.sampled_from([4, 16]),
-       taps=st.sampled_from([2, 4]))
+@given(
+    seed=SEEDS,
+    b=st.sampled_from([1, 3]),
+    heads=st.sampled_from([1, 2]),
+    d=st.sampled_from([4, 16]),
+    taps=st.sampled_from([2, 4]),
+)
 def test_kda_several_steps(seed, b, heads, d, taps):
     """A KDA layer's recurrent core for 4 decode steps, each op's state fed back: q/k/v through
     their own short convs, q and k L2-normalised per head (q scaled by d^-0.5), the gate from
@@ -370,9 +406,17 @@ def test_res_init(seed, b, h, nblocks):
 
 @oracle_for("res_mix")
 @settings(max_examples=25, deadline=None)
-@given(seed=SEEDS, b=ROWS, h=st.sampled_from([1, 8, 32]), layer=st.integers(0, 30), block=st.sampled_from([1, 4, 12]),
-       after=st.booleans(), wscale=st.sampled_from([0.1, 1.0, 3.0]), wdt=st.sampled_from(["f32", "bf16"]),
-       eps=st.sampled_from([None, 1e-6, 0.5]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    h=st.sampled_from([1, 8, 32]),
+    layer=st.integers(0, 30),
+    block=st.sampled_from([1, 4, 12]),
+    after=st.booleans(),
+    wscale=st.sampled_from([0.1, 1.0, 3.0]),
+    wdt=st.sampled_from(["f32", "bf16"]),
+    eps=st.sampled_from([None, 1e-6, 0.5]),
+)
 def test_res_mix(seed, b, h, layer, block, after, wscale, wdt, eps):
     """Every block holds random data, so mixing a block that is not valid yet (or the prefix at
     layer 0's attention input) changes the result."""
@@ -385,15 +429,18 @@ def test_res_mix(seed, b, h, layer, block, after, wscale, wdt, eps):
     else:
         w = f32(rng, (h,), wscale / np.sqrt(h))
         wv = w.astype(np.float64)
-    kw = {"layer": layer, "block": block} | ({"after_snapshot": True} if after else {}) | (
-        {} if eps is None else {"eps": eps})
+    kw = (
+        {"layer": layer, "block": block}
+        | ({"after_snapshot": True} if after else {})
+        | ({} if eps is None else {"eps": eps})
+    )
     (out,) = run("res_mix", blocks, prefix, w, **kw)
     e = 1e-5 if eps is None else eps  # the documented default
     valid = 1 + snapshots_before(layer, block, after)
     with_prefix = after or layer > 0
     want = np.empty((b, h))
     for r in range(b):
-        entries = [blocks[r, i * h:(i + 1) * h].astype(np.float64) for i in range(valid)]
+        entries = [blocks[r, i * h : (i + 1) * h].astype(np.float64) for i in range(valid)]
         if with_prefix:
             entries.append(prefix[r].astype(np.float64))
         want[r] = mix_oracle(entries, wv, e)
@@ -413,7 +460,7 @@ def test_res_snapshot(seed, b, h, layer, block):
     want_blocks, want_prefix = blocks.copy(), prefix.copy()
     if layer > 0 and layer % block == 0:  # a block boundary: the prefix becomes block number layer // block
         j = snapshots_before(layer, block, True)
-        want_blocks[:, j * h:(j + 1) * h] = prefix
+        want_blocks[:, j * h : (j + 1) * h] = prefix
         want_prefix[:] = 0.0
     exact(new_blocks, want_blocks, f"blocks after layer {layer}'s snapshot")
     exact(new_prefix, want_prefix, f"prefix after layer {layer}'s snapshot")
@@ -496,8 +543,13 @@ def test_residual_stream_toy_model(seed):
         assert len(stream) == nblocks
         close(blocks[r], np.concatenate(stream), ATOL * scale, RTOL, f"row {r}: final blocks")
         close(prefix[r], pre, ATOL * scale, RTOL, f"row {r}: final prefix")
-        close(out[r], mix_oracle(stream + [pre], w_out.astype(np.float64), 1e-5), ATOL * scale, RTOL,
-              f"row {r}: output mix")
+        close(
+            out[r],
+            mix_oracle(stream + [pre], w_out.astype(np.float64), 1e-5),
+            ATOL * scale,
+            RTOL,
+            f"row {r}: output mix",
+        )
 
 
 # ---------------------------------------------------------------- shape rules
@@ -524,15 +576,22 @@ def test_shape_rules_accept_kimi_shapes():
     assert infer("short_conv", [val((b, n)), weight((4, n)), state((b, 3, n))]) == (TensorType(F32, (b, n)),)
     assert infer("l2norm", [val((b, n))], heads=96, scale=128**-0.5) == (TensorType(F32, (b, n)),)
     assert infer("kda_gate", [val((b, n)), weight((96,), F32), weight((n,), F32)], heads=96) == (
-        TensorType(F32, (b, n)),)
+        TensorType(F32, (b, n)),
+    )
     st4 = state((b, 96, 128, 128))
     assert infer("delta_rule", [val((b, n))] * 4 + [val((b, 96)), st4], heads=96) == (TensorType(F32, (b, n)),)
-    assert infer("res_init", [val((b, 7168))], nblocks=8) == (TensorType(F32, (b, 8 * 7168)), TensorType(F32, (b, 7168)))
+    assert infer("res_init", [val((b, 7168))], nblocks=8) == (
+        TensorType(F32, (b, 8 * 7168)),
+        TensorType(F32, (b, 7168)),
+    )
     stream = [val((b, 8 * 7168), name="blocks"), val((b, 7168), name="prefix")]
     assert infer("res_mix", [*stream, weight((7168,))], layer=92, block=12, after_snapshot=True) == (
-        TensorType(F32, (b, 7168)),)
+        TensorType(F32, (b, 7168)),
+    )
     assert infer("res_snapshot", stream, layer=84, block=12) == (
-        TensorType(F32, (b, 8 * 7168)), TensorType(F32, (b, 7168)))
+        TensorType(F32, (b, 8 * 7168)),
+        TensorType(F32, (b, 7168)),
+    )
 
 
 BAD = [
@@ -550,28 +609,68 @@ BAD = [
     ("kda_gate", [val(("B", 8)), weight((3,)), weight((8,))], {"heads": 2}, 1, "a_log (one per head, heads=2)"),
     ("kda_gate", [val(("B", 8)), weight((2,)), weight((4,))], {"heads": 2}, 2, "dt_bias (one per channel"),
     ("kda_gate", [val(("B", 8)), weight((2,), MXFP4), weight((8,))], {"heads": 2}, 1, "must not be quantised"),
-    ("delta_rule", [val(("B", 8))] * 4 + [val(("B", 2)), state(("B", 2, 4, 4), name="S")], {"heads": 1}, 5,
-     "heads=1: dimension 2 must be 1"),
-    ("delta_rule", [val(("B", 8)), val(("B", 6)), val(("B", 8)), val(("B", 8)), val(("B", 2)),
-                    state(("B", 2, 4, 4))], {"heads": 2}, 1, "k `x` has 6 columns, expected 8"),
-    ("delta_rule", [val(("B", 8))] * 4 + [val(("B", 3)), state(("B", 2, 4, 4))], {"heads": 2}, 4,
-     "beta `x` has 3 columns, expected 2"),
-    ("delta_rule", [val(("B", 8))] * 4 + [val(("B", 2)), state(("B", 2, 4, 4), BF16)], {"heads": 2}, 5,
-     "expected one of: f32"),
+    (
+        "delta_rule",
+        [val(("B", 8))] * 4 + [val(("B", 2)), state(("B", 2, 4, 4), name="S")],
+        {"heads": 1},
+        5,
+        "heads=1: dimension 2 must be 1",
+    ),
+    (
+        "delta_rule",
+        [val(("B", 8)), val(("B", 6)), val(("B", 8)), val(("B", 8)), val(("B", 2)), state(("B", 2, 4, 4))],
+        {"heads": 2},
+        1,
+        "k `x` has 6 columns, expected 8",
+    ),
+    (
+        "delta_rule",
+        [val(("B", 8))] * 4 + [val(("B", 3)), state(("B", 2, 4, 4))],
+        {"heads": 2},
+        4,
+        "beta `x` has 3 columns, expected 2",
+    ),
+    (
+        "delta_rule",
+        [val(("B", 8))] * 4 + [val(("B", 2)), state(("B", 2, 4, 4), BF16)],
+        {"heads": 2},
+        5,
+        "expected one of: f32",
+    ),
     ("delta_rule", [val(("B", 8))] * 4 + [val(("C", 2)), state(("B", 2, 4, 4))], {"heads": 2}, 4, "has C rows"),
     ("res_init", [val(("B", 8))], {"nblocks": 0}, "nblocks", "integer >= 1"),
-    ("res_mix", [val(("B", 20)), val(("B", 8)), weight((8,))], {"layer": 1, "block": 4}, 0,
-     "not a whole number of blocks of the prefix width 8"),
-    ("res_mix", [val(("B", 16)), val(("B", 8)), weight((8,))], {"layer": 9, "block": 4}, "layer",
-     "mixes 3 blocks, but `x` holds only 2"),
+    (
+        "res_mix",
+        [val(("B", 20)), val(("B", 8)), weight((8,))],
+        {"layer": 1, "block": 4},
+        0,
+        "not a whole number of blocks of the prefix width 8",
+    ),
+    (
+        "res_mix",
+        [val(("B", 16)), val(("B", 8)), weight((8,))],
+        {"layer": 9, "block": 4},
+        "layer",
+        "mixes 3 blocks, but `x` holds only 2",
+    ),
     ("res_mix", [val(("B", 16)), val(("B", 8)), weight((4,))], {"layer": 1, "block": 4}, 2, "the prefix is 8 wide"),
-    ("res_mix", [val(("B", 16)), val(("B", 8)), val((8,), name="w")], {"layer": 1, "block": 4}, 2,
-     "must be a declared weight"),
+    (
+        "res_mix",
+        [val(("B", 16)), val(("B", 8)), val((8,), name="w")],
+        {"layer": 1, "block": 4},
+        2,
+        "must be a declared weight",
+    ),
     ("res_mix", [val(("B", 16)), val(("C", 8)), weight((8,))], {"layer": 1, "block": 4}, 1, "has C rows"),
     ("res_mix", [val(("B", 16)), val(("B", 8)), weight((8,))], {"layer": -1, "block": 4}, "layer", "integer >= 0"),
     ("res_mix", [val(("B", 16)), val(("B", 8)), weight((8,))], {"layer": 1, "block": 0}, "block", "integer >= 1"),
-    ("res_snapshot", [val(("B", 16)), val(("B", 8))], {"layer": 8, "block": 4}, "layer",
-     "writes block 2, but `x` holds only 2 blocks"),
+    (
+        "res_snapshot",
+        [val(("B", 16)), val(("B", 8))],
+        {"layer": 8, "block": 4},
+        "layer",
+        "writes block 2, but `x` holds only 2 blocks",
+    ),
 ]
 
 
@@ -586,15 +685,17 @@ def test_shape_rules_reject_bad_operands(op, args, attrs, arg, message):
 def test_costs():
     b, heads, dk, dv, n = 2, 3, 16, 8, 48
     t = lambda *s, dt=F32: TensorType(dt, s)  # noqa: E731
-    c = OPS["delta_rule"].cost([t(b, heads * dk)] * 4 + [t(b, heads), t(b, heads, dk, dv)], [t(b, heads * dv)],
-                               {"heads": heads})
+    c = OPS["delta_rule"].cost(
+        [t(b, heads * dk)] * 4 + [t(b, heads), t(b, heads, dk, dv)], [t(b, heads * dv)], {"heads": heads}
+    )
     assert c.state_bytes == 2 * b * heads * dk * dv * 4 and c.weight_bytes == 0 and c.flops == 7 * b * heads * dk * dv
     c = OPS["short_conv"].cost([t(b, n), t(4, n, dt=BF16), t(b, 3, n)], [t(b, n)], {})
     assert c.weight_bytes == 4 * n * 2 and c.state_bytes == 2 * b * 3 * n * 4
     c = OPS["kda_gate"].cost([t(b, n), t(heads), t(n)], [t(b, n)], {"heads": heads, "lower": -5.0})
     assert c.weight_bytes == (heads + n) * 4 and c.state_bytes == 0
-    c = OPS["res_mix"].cost([t(b, 4 * n), t(b, n), t(n, dt=BF16)], [t(b, n)],
-                            {"layer": 5, "block": 4, "after_snapshot": False, "eps": 1e-5})
+    c = OPS["res_mix"].cost(
+        [t(b, 4 * n), t(b, n), t(n, dt=BF16)], [t(b, n)], {"layer": 5, "block": 4, "after_snapshot": False, "eps": 1e-5}
+    )
     assert c.weight_bytes == n * 2 and c.state_bytes == 0 and c.flops == 6 * 3 * b * n  # blocks 0, 1 and the prefix
     for op in ("l2norm", "res_init", "res_snapshot"):
         assert OPS[op].cost([t(b, 2 * n), t(b, n)], [t(b, n)], {"heads": 1, "layer": 4, "block": 4}).weight_bytes == 0

@@ -54,8 +54,10 @@ SOME = settings(max_examples=15, deadline=None)
 
 ORACLES: dict[str, list[str]] = {}  # op name -> tests comparing it with an oracle
 KNOWN_ATTRS = {  # the attributes the oracles below pass by name
-    "slice": {"start", "size"}, "mla_attention": {"heads", "nope", "extra", "vdim", "scale"},
-    "route": {"k"}, "moe_experts": {"beta", "linear_beta"},
+    "slice": {"start", "size"},
+    "mla_attention": {"heads", "nope", "extra", "vdim", "scale"},
+    "route": {"k"},
+    "moe_experts": {"beta", "linear_beta"},
 }
 
 
@@ -208,8 +210,10 @@ def close(got, want, atol, what=""):
     err = np.abs(got - want)
     bound = np.broadcast_to(atol, err.shape)
     i = np.unravel_index(np.argmax(err - bound), err.shape)
-    assert not (err > bound).any(), (f"{what}: {(err > bound).sum()} of {err.size} outside tolerance; worst at "
-                                     f"{i}: got {got[i]!r}, want {want[i]!r}, bound {bound[i]:.3g}")
+    assert not (err > bound).any(), (
+        f"{what}: {(err > bound).sum()} of {err.size} outside tolerance; worst at "
+        f"{i}: got {got[i]!r}, want {want[i]!r}, bound {bound[i]:.3g}"
+    )
 
 
 def exact(got, want, what=""):
@@ -229,8 +233,14 @@ def nonzero_normal(rng, shape, scale=1.0) -> np.ndarray:
 
 @oracle_for("slice")
 @SOME
-@given(seed=SEEDS, b=st.sampled_from([1, 3, 8]), n=st.sampled_from([1, 7, 64]), frac=st.floats(0, 1),
-       sfrac=st.floats(0, 1), dt=st.sampled_from(["f32", "bf16"]))
+@given(
+    seed=SEEDS,
+    b=st.sampled_from([1, 3, 8]),
+    n=st.sampled_from([1, 7, 64]),
+    frac=st.floats(0, 1),
+    sfrac=st.floats(0, 1),
+    dt=st.sampled_from(["f32", "bf16"]),
+)
 def test_slice(seed, b, n, frac, sfrac, dt):
     rng = np.random.default_rng(seed)
     start = int(frac * (n - 1))
@@ -262,8 +272,8 @@ def mla_oracle(q, c_kv, k_extra, w, cache, positions, heads, nope, extra, vdim, 
         lat, ext = cache[row, : p + 1, :r], cache[row, : p + 1, r:]
         for h in range(heads):
             base = h * (nope + vdim)
-            w_uk, w_uv = w[:, base:base + nope], w[:, base + nope:base + nope + vdim]
-            qh = q[row, h * (nope + extra):(h + 1) * (nope + extra)]
+            w_uk, w_uv = w[:, base : base + nope], w[:, base + nope : base + nope + vdim]
+            qh = q[row, h * (nope + extra) : (h + 1) * (nope + extra)]
             q_nope, q_ext = bf16(qh[:nope]), qh[nope:]
             keys = np.array([lat[t] @ w_uk for t in range(p + 1)])  # [t, nope]
             values = np.array([lat[t] @ w_uv for t in range(p + 1)])  # [t, vdim]
@@ -288,11 +298,21 @@ def mla_oracle(q, c_kv, k_extra, w, cache, positions, heads, nope, extra, vdim, 
 
 @oracle_for("mla_attention")
 @settings(max_examples=12, deadline=None)
-@given(seed=SEEDS, b=st.sampled_from([1, 3]), heads=st.sampled_from([1, 3]), defaults=st.booleans(),
-       s=st.sampled_from([4, 9]), cache_dt=st.sampled_from(["bf16", "f32"]), wdt=st.sampled_from(["bf16", "f32"]),
-       scale=st.sampled_from([None, 0.3]), qscale=st.sampled_from([0.5, 3.0]), on_grid=st.booleans())
-def test_mla_attention_matches_expanded_form_over_decode_steps(seed, b, heads, defaults, s, cache_dt, wdt, scale,
-                                                              qscale, on_grid):
+@given(
+    seed=SEEDS,
+    b=st.sampled_from([1, 3]),
+    heads=st.sampled_from([1, 3]),
+    defaults=st.booleans(),
+    s=st.sampled_from([4, 9]),
+    cache_dt=st.sampled_from(["bf16", "f32"]),
+    wdt=st.sampled_from(["bf16", "f32"]),
+    scale=st.sampled_from([None, 0.3]),
+    qscale=st.sampled_from([0.5, 3.0]),
+    on_grid=st.booleans(),
+)
+def test_mla_attention_matches_expanded_form_over_decode_steps(
+    seed, b, heads, defaults, s, cache_dt, wdt, scale, qscale, on_grid
+):
     """Three decode steps; each row starts at its own position and the cache grows by one
     token per step. The cache starts full of other tokens' entries: everything after each
     row's position must be masked, and only the row's own slot written. `on_grid`: inputs
@@ -327,8 +347,19 @@ def test_mla_attention_matches_expanded_form_over_decode_steps(seed, b, heads, d
         k_extra = draw((b, extra), 1.0, jitter=bf16_cache).astype(np.float32)
         out, new_cache = run("mla_attention", q, c_kv, k_extra, w, cache, positions, **attrs)
         want, cache_v, atol = mla_oracle(
-            q.astype(np.float64), c_kv.astype(np.float64), k_extra.astype(np.float64), wv, cache_v, positions,
-            heads, nope, extra, vdim, (nope + extra) ** -0.5 if scale is None else scale, store)
+            q.astype(np.float64),
+            c_kv.astype(np.float64),
+            k_extra.astype(np.float64),
+            wv,
+            cache_v,
+            positions,
+            heads,
+            nope,
+            extra,
+            vdim,
+            (nope + extra) ** -0.5 if scale is None else scale,
+            store,
+        )
         assert out.dtype == np.float32 and new_cache.dtype == cache.dtype
         exact(new_cache, cache_v, f"step {step}: latent cache (row written at each position, nothing else)")
         close(out, want, atol, f"step {step}: mla_attention {attrs}")
@@ -360,8 +391,13 @@ def check_route(scores, bias, k):
 
 @oracle_for("route")
 @SOME
-@given(seed=SEEDS, b=st.sampled_from([1, 3, 8]), e=st.sampled_from([4, 16, 40]), kfrac=st.floats(0, 1),
-       bdt=st.sampled_from(["f32", "bf16"]))
+@given(
+    seed=SEEDS,
+    b=st.sampled_from([1, 3, 8]),
+    e=st.sampled_from([4, 16, 40]),
+    kfrac=st.floats(0, 1),
+    bdt=st.sampled_from(["f32", "bf16"]),
+)
 def test_route_bias_steers_selection_but_not_weights(seed, b, e, kfrac, bdt):
     """A large bias on k experts outside the unbiased top k of some row selects exactly those
     experts; their weights still come from the unbiased scores and sum to one."""
@@ -386,8 +422,14 @@ def test_route_bias_steers_selection_but_not_weights(seed, b, e, kfrac, bdt):
 
 @oracle_for("route")
 @SOME
-@given(seed=SEEDS, b=st.sampled_from([1, 3, 8]), e=st.sampled_from([1, 5, 33]), kfrac=st.floats(0, 1),
-       ties=st.booleans(), bdt=st.sampled_from(["f32", "bf16"]))
+@given(
+    seed=SEEDS,
+    b=st.sampled_from([1, 3, 8]),
+    e=st.sampled_from([1, 5, 33]),
+    kfrac=st.floats(0, 1),
+    ties=st.booleans(),
+    bdt=st.sampled_from(["f32", "bf16"]),
+)
 def test_route_random_and_tied(seed, b, e, kfrac, ties, bdt):
     rng = np.random.default_rng(seed)
     k = 1 + int(kfrac * (e - 1))
@@ -497,10 +539,19 @@ def moe_oracle(z, weights, ids, w1, w3, w2, beta, lb):
 
 @oracle_for("moe_experts")
 @settings(max_examples=12, deadline=None)
-@given(seed=SEEDS, b=st.sampled_from([1, 3]), experts=st.sampled_from([2, 5]), k=st.sampled_from([1, 2]),
-       d=st.sampled_from([32, 64]), f=st.sampled_from([32, 64]), fmt=st.sampled_from(["mxfp4", "bf16"]),
-       zscale=st.sampled_from([0.1, 1.0, 4.0]), byte=st.sampled_from([120, 123, 126]),
-       betas=st.sampled_from([None, (1.0, 2.0)]), on_grid=st.booleans())
+@given(
+    seed=SEEDS,
+    b=st.sampled_from([1, 3]),
+    experts=st.sampled_from([2, 5]),
+    k=st.sampled_from([1, 2]),
+    d=st.sampled_from([32, 64]),
+    f=st.sampled_from([32, 64]),
+    fmt=st.sampled_from(["mxfp4", "bf16"]),
+    zscale=st.sampled_from([0.1, 1.0, 4.0]),
+    byte=st.sampled_from([120, 123, 126]),
+    betas=st.sampled_from([None, (1.0, 2.0)]),
+    on_grid=st.booleans(),
+)
 def test_moe_experts(seed, b, experts, k, d, f, fmt, zscale, byte, betas, on_grid):
     """`on_grid`: z has 8 significant bits (jittered off the bf16 grid, so its rounding is
     checked) and the weights few, so the f32 sums z·W1 and z·W3 are exact and the bf16
@@ -516,9 +567,12 @@ def test_moe_experts(seed, b, experts, k, d, f, fmt, zscale, byte, betas, on_gri
     mats = []
     for shape in ((experts, d, f), (experts, d, f), (experts, f, d)):
         if fmt == "mxfp4":  # all codes; scales around 2^(byte-127)
-            w = QTensor(rng.integers(0, 2**32, (shape[0], shape[1] // 8, shape[2]), dtype=np.uint32),
-                        rng.integers(byte - 2, byte + 3, (shape[0], shape[1] // 32, shape[2])).astype(np.uint8),
-                        "mxfp4", 32)
+            w = QTensor(
+                rng.integers(0, 2**32, (shape[0], shape[1] // 8, shape[2]), dtype=np.uint32),
+                rng.integers(byte - 2, byte + 3, (shape[0], shape[1] // 32, shape[2])).astype(np.uint8),
+                "mxfp4",
+                32,
+            )
             mats.append((w, mxfp4_decode(w.codes, w.scales)))
         else:
             wv = grid(rng, shape, 4, -5) if on_grid else nonzero_normal(rng, shape, shape[1] ** -0.5)
@@ -550,19 +604,34 @@ def state(*shape, dtype=BF16, name="cache"):
 
 MLA = {"heads": 3, "nope": 8, "extra": 4, "vdim": 6, "scale": None}
 MLA_ARGS = (val("B", 36), val("B", 16), val("B", 4), weight(16, 42), state("B", "S", 20), val("B", dtype=I32))
-MOE_ARGS = (val("B", 64), val("B", 2), val("B", 2, dtype=I32), weight(5, 64, 32, dtype=MXFP4),
-            weight(5, 64, 32, dtype=MXFP4), weight(5, 32, 64, dtype=MXFP4))
+MOE_ARGS = (
+    val("B", 64),
+    val("B", 2),
+    val("B", 2, dtype=I32),
+    weight(5, 64, 32, dtype=MXFP4),
+    weight(5, 64, 32, dtype=MXFP4),
+    weight(5, 32, 64, dtype=MXFP4),
+)
 
 
 def test_shape_rules_accept_kimi_shapes():
     assert OPS["slice"].infer([val("B", 576)], {"start": 512, "size": 64}) == (TensorType(F32, ("B", 64)),)
     assert OPS["mla_attention"].infer(list(MLA_ARGS), MLA) == (TensorType(F32, ("B", 18)),)
-    k3 = [val("B", 96 * 192), val("B", 512), val("B", 64), weight(512, 96 * 256), state("B", "S", 576),
-          val("B", dtype=I32)]
+    k3 = [
+        val("B", 96 * 192),
+        val("B", 512),
+        val("B", 64),
+        weight(512, 96 * 256),
+        state("B", "S", 576),
+        val("B", dtype=I32),
+    ]
     assert OPS["mla_attention"].infer(k3, {**MLA, "heads": 96, "nope": 128, "extra": 64, "vdim": 128}) == (
-        TensorType(F32, ("B", 96 * 128)),)
+        TensorType(F32, ("B", 96 * 128)),
+    )
     assert OPS["route"].infer([val("B", 896), weight(896, dtype=F32)], {"k": 16}) == (
-        TensorType(F32, ("B", 16)), TensorType(I32, ("B", 16)))
+        TensorType(F32, ("B", 16)),
+        TensorType(I32, ("B", 16)),
+    )
     assert OPS["moe_experts"].infer(list(MOE_ARGS), {}) == (TensorType(F32, ("B", 64)),)
     bf = [*MOE_ARGS[:3], weight(5, 64, 32), weight(5, 64, 32), weight(5, 32, 64)]
     assert OPS["moe_experts"].infer(bf, {}) == (TensorType(F32, ("B", 64)),)
@@ -572,32 +641,35 @@ def _with(args, i, new):
     return [new if j == i else a for j, a in enumerate(args)]
 
 
-@pytest.mark.parametrize("op,args,attrs,arg,message", [
-    ("slice", [val("B", 10)], {"start": 8, "size": 3}, "size", "out of range"),
-    ("slice", [val("B", 10)], {"start": -1, "size": 3}, "start", "non-negative"),
-    ("slice", [val("B", 10, 2)], {"start": 0, "size": 3}, 0, "rank 2"),
-    ("mla_attention", _with(MLA_ARGS, 0, val("B", 35)), MLA, 0, "columns"),
-    ("mla_attention", _with(MLA_ARGS, 2, val("B", 5)), MLA, 2, "columns"),
-    ("mla_attention", _with(MLA_ARGS, 3, weight(16, 36)), MLA, 3, "expected [16, 42]"),
-    ("mla_attention", _with(MLA_ARGS, 3, val(16, 42)), MLA, 3, "declared weight"),
-    ("mla_attention", _with(MLA_ARGS, 4, state("B", "S", 21)), MLA, 4, "R + extra"),
-    ("mla_attention", _with(MLA_ARGS, 4, weight("B", "S", 20)), MLA, 4, "state tensor"),
-    ("mla_attention", _with(MLA_ARGS, 5, val("B", dtype=F32)), MLA, 5, "i32"),
-    ("mla_attention", MLA_ARGS, {**MLA, "heads": 0}, "heads", "positive"),
-    ("route", [val("B", 8), weight(7, dtype=F32)], {"k": 2}, 1, "8 experts"),
-    ("route", [val("B", 8), val(8)], {"k": 2}, 1, "declared weight"),
-    ("route", [val("B", 8), weight(8, dtype=I32)], {"k": 2}, 1, "dtype"),
-    ("route", [val("B", 8), weight(8, dtype=F32)], {"k": 9}, "k", "1..8"),
-    ("moe_experts", _with(MOE_ARGS, 3, weight(64, 32, dtype=MXFP4)), {}, 3, "rank 3"),
-    ("moe_experts", _with(MOE_ARGS, 3, weight(5, 64, 32, dtype=int4(32))), {}, 3, "dtype"),
-    ("moe_experts", _with(MOE_ARGS, 0, val("B", 32)), {}, 3, "64 inputs"),
-    ("moe_experts", _with(MOE_ARGS, 4, weight(5, 64, 64, dtype=MXFP4)), {}, 4, "w3"),
-    ("moe_experts", _with(MOE_ARGS, 5, weight(5, 64, 32, dtype=MXFP4)), {}, 5, "expected [5, 32, 64]"),
-    ("moe_experts", _with(MOE_ARGS, 2, val("B", 2)), {}, 2, "i32"),
-    ("moe_experts", _with(MOE_ARGS, 2, val("B", 3, dtype=I32)), {}, 2, "expert ids"),
-    ("moe_experts", _with(MOE_ARGS, 5, state(5, 32, 64)), {}, 5, "declared weight"),
-    ("linear", [val("B", 64), weight(5, 64, 32)], {}, 1, "rank 2"),  # experts are not a linear weight
-])
+@pytest.mark.parametrize(
+    "op,args,attrs,arg,message",
+    [
+        ("slice", [val("B", 10)], {"start": 8, "size": 3}, "size", "out of range"),
+        ("slice", [val("B", 10)], {"start": -1, "size": 3}, "start", "non-negative"),
+        ("slice", [val("B", 10, 2)], {"start": 0, "size": 3}, 0, "rank 2"),
+        ("mla_attention", _with(MLA_ARGS, 0, val("B", 35)), MLA, 0, "columns"),
+        ("mla_attention", _with(MLA_ARGS, 2, val("B", 5)), MLA, 2, "columns"),
+        ("mla_attention", _with(MLA_ARGS, 3, weight(16, 36)), MLA, 3, "expected [16, 42]"),
+        ("mla_attention", _with(MLA_ARGS, 3, val(16, 42)), MLA, 3, "declared weight"),
+        ("mla_attention", _with(MLA_ARGS, 4, state("B", "S", 21)), MLA, 4, "R + extra"),
+        ("mla_attention", _with(MLA_ARGS, 4, weight("B", "S", 20)), MLA, 4, "state tensor"),
+        ("mla_attention", _with(MLA_ARGS, 5, val("B", dtype=F32)), MLA, 5, "i32"),
+        ("mla_attention", MLA_ARGS, {**MLA, "heads": 0}, "heads", "positive"),
+        ("route", [val("B", 8), weight(7, dtype=F32)], {"k": 2}, 1, "8 experts"),
+        ("route", [val("B", 8), val(8)], {"k": 2}, 1, "declared weight"),
+        ("route", [val("B", 8), weight(8, dtype=I32)], {"k": 2}, 1, "dtype"),
+        ("route", [val("B", 8), weight(8, dtype=F32)], {"k": 9}, "k", "1..8"),
+        ("moe_experts", _with(MOE_ARGS, 3, weight(64, 32, dtype=MXFP4)), {}, 3, "rank 3"),
+        ("moe_experts", _with(MOE_ARGS, 3, weight(5, 64, 32, dtype=int4(32))), {}, 3, "dtype"),
+        ("moe_experts", _with(MOE_ARGS, 0, val("B", 32)), {}, 3, "64 inputs"),
+        ("moe_experts", _with(MOE_ARGS, 4, weight(5, 64, 64, dtype=MXFP4)), {}, 4, "w3"),
+        ("moe_experts", _with(MOE_ARGS, 5, weight(5, 64, 32, dtype=MXFP4)), {}, 5, "expected [5, 32, 64]"),
+        ("moe_experts", _with(MOE_ARGS, 2, val("B", 2)), {}, 2, "i32"),
+        ("moe_experts", _with(MOE_ARGS, 2, val("B", 3, dtype=I32)), {}, 2, "expert ids"),
+        ("moe_experts", _with(MOE_ARGS, 5, state(5, 32, 64)), {}, 5, "declared weight"),
+        ("linear", [val("B", 64), weight(5, 64, 32)], {}, 1, "rank 2"),  # experts are not a linear weight
+    ],
+)
 def test_shape_rules_reject_bad_operands(op, args, attrs, arg, message):
     with pytest.raises(OpError) as err:
         OPS[op].infer(args, attrs)
@@ -607,8 +679,14 @@ def test_shape_rules_reject_bad_operands(op, args, attrs, arg, message):
 def test_costs():
     t = lambda *s, dt=F32: TensorType(dt, s)  # noqa: E731
     b, s, r, extra, heads, nope, vdim = 2, 10, 16, 4, 3, 8, 6
-    ins = [t(b, heads * (nope + extra)), t(b, r), t(b, extra), t(r, heads * (nope + vdim), dt=BF16),
-           t(b, s, r + extra, dt=BF16), t(b, dt=I32)]
+    ins = [
+        t(b, heads * (nope + extra)),
+        t(b, r),
+        t(b, extra),
+        t(r, heads * (nope + vdim), dt=BF16),
+        t(b, s, r + extra, dt=BF16),
+        t(b, dt=I32),
+    ]
     c = OPS["mla_attention"].cost(ins, [t(b, heads * vdim)], MLA)
     assert c.state_bytes == b * s * (r + extra) * 2 + b * (r + extra) * 2  # tokens read + the row written
     assert c.weight_bytes == r * heads * (nope + vdim) * 2
@@ -618,8 +696,14 @@ def test_costs():
     # mxfp4 expert [64, 32]: 8·32 uint32 codes + 2·32 scale bytes = 1088 bytes; [32, 64]: 4·64·4 + 64
     per_expert = 2 * (8 * 32 * 4 + 2 * 32) + (4 * 64 * 4 + 64)
     for rows, k, experts in ((1, 2, 5), (2, 2, 5), (4, 2, 5), (8, 4, 5)):
-        ins = [t(rows, 64), t(rows, k), t(rows, k, dt=I32), t(experts, 64, 32, dt=MXFP4),
-               t(experts, 64, 32, dt=MXFP4), t(experts, 32, 64, dt=MXFP4)]
+        ins = [
+            t(rows, 64),
+            t(rows, k),
+            t(rows, k, dt=I32),
+            t(experts, 64, 32, dt=MXFP4),
+            t(experts, 64, 32, dt=MXFP4),
+            t(experts, 32, 64, dt=MXFP4),
+        ]
         c = OPS["moe_experts"].cost(ins, [t(rows, 64)], {"beta": 4.0, "linear_beta": 25.0})
         assert c.weight_bytes == min(rows * k, experts) * per_expert, (rows, k)  # distinct experts, at most E
         assert c.flops == 2 * rows * k * 3 * 64 * 32 and c.state_bytes == 0

@@ -189,7 +189,8 @@ def close(got, want, atol=0.0, rtol=0.0, what=""):
     assert not bad.any(), (
         f"{what}: {bad.sum()} of {bad.size} outside tolerance; worst err {err.max():.3g}, "
         f"at {np.unravel_index(np.argmax(err - bound), err.shape)}: got {got.flat[np.argmax(err - bound)]!r}, "
-        f"want {want.flat[np.argmax(err - bound)]!r}")
+        f"want {want.flat[np.argmax(err - bound)]!r}"
+    )
 
 
 def exact(got, want, what=""):
@@ -241,8 +242,14 @@ def sigmoid64(x):
 @oracle_for("silu")
 @oracle_for("softcap")
 @MANY
-@given(seed=SEEDS, b=ROWS, n=COLS, scale=st.sampled_from([1e-3, 1.0, 8.0, 40.0]), dt=ACT_DTYPES,
-       cap=st.sampled_from([1.0, 30.0, 50.0]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    n=COLS,
+    scale=st.sampled_from([1e-3, 1.0, 8.0, 40.0]),
+    dt=ACT_DTYPES,
+    cap=st.sampled_from([1.0, 30.0, 50.0]),
+)
 def test_unary_activations(seed, b, n, scale, dt, cap):
     x, xv = activation(np.random.default_rng(seed), (b, n), scale, dt)
     close(run("sigmoid", x)[0], sigmoid64(xv), TINY, F32_RTOL, "sigmoid")
@@ -253,8 +260,15 @@ def test_unary_activations(seed, b, n, scale, dt, cap):
 @oracle_for("swiglu")
 @oracle_for("situ")
 @MANY
-@given(seed=SEEDS, b=ROWS, n=COLS, scale=st.sampled_from([1e-3, 1.0, 8.0, 40.0]), dt=ACT_DTYPES,
-       beta=st.sampled_from([None, 1.0, 4.0]), linear_beta=st.sampled_from([None, 2.0, 25.0]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    n=COLS,
+    scale=st.sampled_from([1e-3, 1.0, 8.0, 40.0]),
+    dt=ACT_DTYPES,
+    beta=st.sampled_from([None, 1.0, 4.0]),
+    linear_beta=st.sampled_from([None, 2.0, 25.0]),
+)
 def test_gated_activations(seed, b, n, scale, dt, beta, linear_beta):
     rng = np.random.default_rng(seed)
     (g, gv), (u, uv) = activation(rng, (b, n), scale, dt), activation(rng, (b, n), scale, dt)
@@ -284,8 +298,16 @@ def test_softmax(seed, b, n, scale, dt):
 
 @oracle_for("rmsnorm")
 @MANY
-@given(seed=SEEDS, b=ROWS, heads=st.sampled_from([1, 2, 4]), width=st.sampled_from([8, 64]),
-       scale=SCALES, dt=ACT_DTYPES, wdt=ACT_DTYPES, eps=st.sampled_from([1e-6, 1e-5, 0.1]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    heads=st.sampled_from([1, 2, 4]),
+    width=st.sampled_from([8, 64]),
+    scale=SCALES,
+    dt=ACT_DTYPES,
+    wdt=ACT_DTYPES,
+    eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+)
 def test_rmsnorm(seed, b, heads, width, scale, dt, wdt, eps):
     rng = np.random.default_rng(seed)
     x, xv = activation(rng, (b, heads * width), scale, dt)
@@ -324,8 +346,15 @@ def fp8_array(rng, shape, fmt: str):
 
 @oracle_for("linear", "bf16", "f32", "fp8_e4m3", "fp8_e5m2")
 @settings(max_examples=20, deadline=None)
-@given(seed=SEEDS, b=ROWS, k=st.sampled_from([8, 64, 256]), n=st.sampled_from([1, 24]), scale=SCALES,
-       dt=ACT_DTYPES, fmt=st.sampled_from(["bf16", "f32", "fp8_e4m3", "fp8_e5m2"]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    k=st.sampled_from([8, 64, 256]),
+    n=st.sampled_from([1, 24]),
+    scale=SCALES,
+    dt=ACT_DTYPES,
+    fmt=st.sampled_from(["bf16", "f32", "fp8_e4m3", "fp8_e5m2"]),
+)
 def test_linear_plain_weights(seed, b, k, n, scale, dt, fmt):
     rng = np.random.default_rng(seed)
     x, xv = activation(rng, (b, k), scale, dt)
@@ -354,8 +383,15 @@ def test_linear_mxfp4(seed, b, k, n, scale, dt):
 
 @oracle_for("linear", "int4")
 @FEW
-@given(seed=SEEDS, b=ROWS, k=st.sampled_from([64, 128]), n=st.sampled_from([1, 24]),
-       group=st.sampled_from([8, 32, 64]), scale=SCALES, dt=ACT_DTYPES)
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    k=st.sampled_from([64, 128]),
+    n=st.sampled_from([1, 24]),
+    group=st.sampled_from([8, 32, 64]),
+    scale=SCALES,
+    dt=ACT_DTYPES,
+)
 def test_linear_int4(seed, b, k, n, group, scale, dt):
     rng = np.random.default_rng(seed)
     x, xv = activation(rng, (b, k), scale, dt)
@@ -367,8 +403,13 @@ def test_linear_int4(seed, b, k, n, group, scale, dt):
 
 @oracle_for("embedding")
 @MANY
-@given(seed=SEEDS, b=ROWS, vocab=st.sampled_from([1, 5, 300]), h=st.sampled_from([8, 64]),
-       fmt=st.sampled_from(["bf16", "f32", "fp8_e4m3"]))
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    vocab=st.sampled_from([1, 5, 300]),
+    h=st.sampled_from([8, 64]),
+    fmt=st.sampled_from(["bf16", "f32", "fp8_e4m3"]),
+)
 def test_embedding(seed, b, vocab, h, fmt):
     rng = np.random.default_rng(seed)
     if fmt == "fp8_e4m3":
@@ -410,8 +451,16 @@ def draw_positions(rng, b, kind, high=None):
 
 @oracle_for("rope")
 @MANY
-@given(seed=SEEDS, b=ROWS, heads=st.sampled_from([1, 2, 4]), d=st.sampled_from([2, 8, 64]),
-       theta=st.sampled_from([10000.0, 500000.0]), scale=SCALES, dt=ACT_DTYPES, pos=POSITIONS)
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    heads=st.sampled_from([1, 2, 4]),
+    d=st.sampled_from([2, 8, 64]),
+    theta=st.sampled_from([10000.0, 500000.0]),
+    scale=SCALES,
+    dt=ACT_DTYPES,
+    pos=POSITIONS,
+)
 def test_rope(seed, b, heads, d, theta, scale, dt, pos):
     rng = np.random.default_rng(seed)
     x, xv = activation(rng, (b, heads * d), scale, dt)
@@ -437,26 +486,35 @@ def attention_oracle(qv, kv, vv, kc, vc, positions, heads, kv_heads, scale, cach
     for r in range(b):
         p = int(positions[r])
         for j in range(kv_heads):
-            kc[r, j, p] = cache_round(kv[r, j * dk:(j + 1) * dk])
-            vc[r, j, p] = cache_round(vv[r, j * dv:(j + 1) * dv])
+            kc[r, j, p] = cache_round(kv[r, j * dk : (j + 1) * dk])
+            vc[r, j, p] = cache_round(vv[r, j * dv : (j + 1) * dv])
         for h in range(heads):
             j = h // group  # grouped-query: this head's KV head
-            q = qv[r, h * dk:(h + 1) * dk]
+            q = qv[r, h * dk : (h + 1) * dk]
             keys, values = kc[r, j, : p + 1], vc[r, j, : p + 1]
             s = keys @ q * scale
             w = np.exp(s - s.max())
             w /= w.sum()
-            out[r, h * dv:(h + 1) * dv] = w @ values
+            out[r, h * dv : (h + 1) * dv] = w @ values
             score_err = (dk + 2) * U * scale * (np.abs(keys) @ np.abs(q)).max()
-            atol[r, h * dv:(h + 1) * dv] = np.abs(values).max() * (4 * score_err + (p + 10) * U) + TINY
+            atol[r, h * dv : (h + 1) * dv] = np.abs(values).max() * (4 * score_err + (p + 10) * U) + TINY
     return out, kc, vc, atol
 
 
 @oracle_for("attention")
 @settings(max_examples=20, deadline=None)
-@given(seed=SEEDS, b=st.sampled_from([1, 3]), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 4]),
-       dk=st.sampled_from([8, 64]), dv_same=st.booleans(), s=st.sampled_from([1, 5, 16]),
-       cache=st.sampled_from(["bf16", "f32"]), scale=st.sampled_from([None, 0.3]), qscale=st.sampled_from([0.5, 3.0]))
+@given(
+    seed=SEEDS,
+    b=st.sampled_from([1, 3]),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4]),
+    dk=st.sampled_from([8, 64]),
+    dv_same=st.booleans(),
+    s=st.sampled_from([1, 5, 16]),
+    cache=st.sampled_from(["bf16", "f32"]),
+    scale=st.sampled_from([None, 0.3]),
+    qscale=st.sampled_from([0.5, 3.0]),
+)
 def test_attention(seed, b, kv_heads, group, dk, dv_same, s, cache, scale, qscale):
     rng = np.random.default_rng(seed)
     heads, dv = kv_heads * group, dk if dv_same else 16
@@ -473,7 +531,8 @@ def test_attention(seed, b, kv_heads, group, dk, dv_same, s, cache, scale, qscal
     out, new_kc, new_vc = run("attention", q, k, v, kc, vc, positions, **attrs)
     rnd = (lambda a: bf16_round(a.astype(np.float32))) if cache == "bf16" else (lambda a: a.astype(np.float32))
     want, want_kc, want_vc, atol = attention_oracle(
-        qv, kv, vv, kcv, vcv, positions, heads, kv_heads, dk**-0.5 if scale is None else scale, rnd)
+        qv, kv, vv, kcv, vcv, positions, heads, kv_heads, dk**-0.5 if scale is None else scale, rnd
+    )
     assert new_kc.dtype == kc.dtype and new_vc.dtype == vc.dtype
     exact(new_kc, want_kc, "key cache (written at each row's position, untouched elsewhere)")
     exact(new_vc, want_vc, "value cache")
@@ -609,8 +668,13 @@ def test_mxfp4_quantize_rounds_to_nearest_with_smallest_unclipped_scale(seed, k,
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=SEEDS, k=st.sampled_from([32, 128]), n=st.sampled_from([1, 6]), group=st.sampled_from([8, 32, 128]),
-       lead=st.sampled_from([(), (2,)]))
+@given(
+    seed=SEEDS,
+    k=st.sampled_from([32, 128]),
+    n=st.sampled_from([1, 6]),
+    group=st.sampled_from([8, 32, 128]),
+    lead=st.sampled_from([(), (2,)]),
+)
 def test_int4_quantize_error_within_half_a_step(seed, k, n, group, lead):
     group = min(group, k)
     rng = np.random.default_rng(seed)
@@ -646,10 +710,21 @@ def test_qtensor_passes_through_jit():
 # ---------------------------------------------------------------- coverage
 
 KNOWN_ATTRS = {  # the attributes the oracles above pass by name (ops not listed take none)
-    "add": set(), "mul": set(), "sigmoid": set(), "silu": set(), "swiglu": set(), "softmax": set(),
-    "embedding": set(), "linear": set(), "argmax": set(),
-    "softcap": {"cap"}, "situ": {"beta", "linear_beta"}, "rmsnorm": {"eps", "heads"},
-    "rope": {"heads", "theta"}, "attention": {"heads", "kv_heads", "scale"}, "topk": {"k"},
+    "add": set(),
+    "mul": set(),
+    "sigmoid": set(),
+    "silu": set(),
+    "swiglu": set(),
+    "softmax": set(),
+    "embedding": set(),
+    "linear": set(),
+    "argmax": set(),
+    "softcap": {"cap"},
+    "situ": {"beta", "linear_beta"},
+    "rmsnorm": {"eps", "heads"},
+    "rope": {"heads", "theta"},
+    "attention": {"heads", "kv_heads", "scale"},
+    "topk": {"k"},
 }
 
 

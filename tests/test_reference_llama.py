@@ -165,13 +165,14 @@ def run_and_compare(model, batch: int, seed: int):
         for r in np.nonzero(next_tokens != want_tokens)[0]:
             top2 = np.sort(logits[r])[-2:]
             assert top2[1] - top2[0] <= 2 * LOGIT_ATOL, (
-                f"step {step} row {r}: token {next_tokens[r]} vs {want_tokens[r]}, top-2 gap {top2[1] - top2[0]:.3g}")
+                f"step {step} row {r}: token {next_tokens[r]} vs {want_tokens[r]}, top-2 gap {top2[1] - top2[0]:.3g}"
+            )
             near_ties += 1
         tokens = next_tokens  # both sides continue from the reference's tokens
 
     written = np.zeros((batch, S), bool)  # [B, S]: slots some step wrote
     for r in range(batch):
-        written[r, start[r]:start[r] + STEPS] = True
+        written[r, start[r] : start[r] + STEPS] = True
     for name, my_cache in (("k_cache", my_k), ("v_cache", my_v)):
         init, got, here = bits(state[name]), bits(ref_state[name]), bits(my_cache)
         assert got.shape == init.shape == (cfg["L"], batch, cfg["NKV"], S, cfg["D"])

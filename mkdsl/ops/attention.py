@@ -29,7 +29,7 @@ def rope(x, positions, heads, theta):
     cos = jnp.concatenate([jnp.cos(angle)] * 2, axis=-1)[:, None, :]
     sin = jnp.concatenate([jnp.sin(angle)] * 2, axis=-1)[:, None, :]
     xh = x.reshape(b, heads, d)
-    rotated = jnp.concatenate([-xh[..., d // 2:], xh[..., : d // 2]], axis=-1)
+    rotated = jnp.concatenate([-xh[..., d // 2 :], xh[..., : d // 2]], axis=-1)
     return (xh * cos + rotated * sin).reshape(b, n)
 
 
@@ -44,12 +44,17 @@ def _rope_infer(args, attrs):
     return (TensorType(F32, x.type.shape),)
 
 
-register(OpDef(
-    "rope", ("x", "positions"), _rope_infer,
-    lambda x, p, heads, theta: (rope(x, p, heads, theta),),
-    lambda ins, outs, a: Cost(flops=6 * numel(outs[0])),
-    attrs={"heads": 1, "theta": 10000.0},
-    doc="Rotary position embedding (rotate-half pairs) of each head at each row's position."))
+register(
+    OpDef(
+        "rope",
+        ("x", "positions"),
+        _rope_infer,
+        lambda x, p, heads, theta: (rope(x, p, heads, theta),),
+        lambda ins, outs, a: Cost(flops=6 * numel(outs[0])),
+        attrs={"heads": 1, "theta": 10000.0},
+        doc="Rotary position embedding (rotate-half pairs) of each head at each row's position.",
+    )
+)
 
 
 def attention(q, k, v, k_cache, v_cache, positions, heads, kv_heads, scale=None):
@@ -109,8 +114,15 @@ def _attention_cost(ins, outs, attrs):
     return Cost(state_bytes=cache_read + written, flops=2 * b * attrs["heads"] * s * (dk + dv))
 
 
-register(OpDef(
-    "attention", ("q", "k", "v", "k_cache", "v_cache", "positions"), _attention_infer,
-    attention, _attention_cost,
-    attrs={"heads": 1, "kv_heads": 1, "scale": None}, inout=("k_cache", "v_cache"),
-    doc="Grouped-query decode attention; writes k/v at each row's position in place."))
+register(
+    OpDef(
+        "attention",
+        ("q", "k", "v", "k_cache", "v_cache", "positions"),
+        _attention_infer,
+        attention,
+        _attention_cost,
+        attrs={"heads": 1, "kv_heads": 1, "scale": None},
+        inout=("k_cache", "v_cache"),
+        doc="Grouped-query decode attention; writes k/v at each row's position in place.",
+    )
+)

@@ -44,52 +44,100 @@ def situ(g, u, beta=4.0, linear_beta=25.0):
     return beta * jnp.tanh(g / beta) * jax.nn.sigmoid(g) * (linear_beta * jnp.tanh(u / linear_beta))
 
 
-register(OpDef(
-    "add", ("a", "b"), _same_shape,
-    lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32),),
-    _cost(1), doc="a + b in f32 (the `+` operator).",
-    kernel_expr="{a} + {b}"))
+register(
+    OpDef(
+        "add",
+        ("a", "b"),
+        _same_shape,
+        lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32),),
+        _cost(1),
+        doc="a + b in f32 (the `+` operator).",
+        kernel_expr="{a} + {b}",
+    )
+)
 
-register(OpDef(
-    "mul", ("a", "b"), _same_shape,
-    lambda a, b: (a.astype(jnp.float32) * b.astype(jnp.float32),),
-    _cost(1), doc="a * b in f32 (the `*` operator).",
-    kernel_expr="{a} * {b}"))
+register(
+    OpDef(
+        "mul",
+        ("a", "b"),
+        _same_shape,
+        lambda a, b: (a.astype(jnp.float32) * b.astype(jnp.float32),),
+        _cost(1),
+        doc="a * b in f32 (the `*` operator).",
+        kernel_expr="{a} * {b}",
+    )
+)
 
-register(OpDef(
-    "sigmoid", ("x",), _unary,
-    lambda x: (jax.nn.sigmoid(x.astype(jnp.float32)),),
-    _cost(4), doc="Logistic sigmoid in f32.",
-    kernel_expr="jax.nn.sigmoid({x})"))
+register(
+    OpDef(
+        "sigmoid",
+        ("x",),
+        _unary,
+        lambda x: (jax.nn.sigmoid(x.astype(jnp.float32)),),
+        _cost(4),
+        doc="Logistic sigmoid in f32.",
+        kernel_expr="jax.nn.sigmoid({x})",
+    )
+)
 
-register(OpDef(
-    "silu", ("x",), _unary,
-    lambda x: (jax.nn.silu(x.astype(jnp.float32)),),
-    _cost(5), doc="x·sigmoid(x) in f32.",
-    kernel_expr="jax.nn.silu({x})"))
+register(
+    OpDef(
+        "silu",
+        ("x",),
+        _unary,
+        lambda x: (jax.nn.silu(x.astype(jnp.float32)),),
+        _cost(5),
+        doc="x·sigmoid(x) in f32.",
+        kernel_expr="jax.nn.silu({x})",
+    )
+)
 
-register(OpDef(
-    "swiglu", ("gate", "up"), _same_shape,
-    lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32),),
-    _cost(6), doc="silu(gate)·up: the SwiGLU MLP's activation.",
-    kernel_expr="jax.nn.silu({gate}) * {up}"))
+register(
+    OpDef(
+        "swiglu",
+        ("gate", "up"),
+        _same_shape,
+        lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32),),
+        _cost(6),
+        doc="silu(gate)·up: the SwiGLU MLP's activation.",
+        kernel_expr="jax.nn.silu({gate}) * {up}",
+    )
+)
 
-register(OpDef(
-    "situ", ("gate", "up"), _same_shape,
-    lambda g, u, beta, linear_beta: (situ(g, u, beta, linear_beta),),
-    _cost(12), attrs={"beta": 4.0, "linear_beta": 25.0},
-    doc="SiTU: beta·tanh(gate/beta)·sigmoid(gate) · linear_beta·tanh(up/linear_beta).",
-    kernel_expr="situ({gate}, {up}, {beta}, {linear_beta})"))
+register(
+    OpDef(
+        "situ",
+        ("gate", "up"),
+        _same_shape,
+        lambda g, u, beta, linear_beta: (situ(g, u, beta, linear_beta),),
+        _cost(12),
+        attrs={"beta": 4.0, "linear_beta": 25.0},
+        doc="SiTU: beta·tanh(gate/beta)·sigmoid(gate) · linear_beta·tanh(up/linear_beta).",
+        kernel_expr="situ({gate}, {up}, {beta}, {linear_beta})",
+    )
+)
 
-register(OpDef(
-    "softcap", ("x",), _unary,
-    lambda x, cap: (cap * jnp.tanh(x.astype(jnp.float32) / cap),),
-    _cost(3), attrs={"cap": REQUIRED},
-    doc="Logit soft-cap: cap·tanh(x/cap).",
-    kernel_expr="{cap} * jnp.tanh({x} / {cap})"))
+register(
+    OpDef(
+        "softcap",
+        ("x",),
+        _unary,
+        lambda x, cap: (cap * jnp.tanh(x.astype(jnp.float32) / cap),),
+        _cost(3),
+        attrs={"cap": REQUIRED},
+        doc="Logit soft-cap: cap·tanh(x/cap).",
+        kernel_expr="{cap} * jnp.tanh({x} / {cap})",
+    )
+)
 
-register(OpDef(
-    "softmax", ("x",), _unary,
-    lambda x: (jax.nn.softmax(x.astype(jnp.float32), axis=-1),),
-    _cost(5), doc="Softmax over the last axis, in f32.",
-    kernel_expr="jax.nn.softmax({x}, axis=-1)"))
+register(
+    OpDef(
+        "softmax",
+        ("x",),
+        _unary,
+        lambda x: (jax.nn.softmax(x.astype(jnp.float32), axis=-1),),
+        _cost(5),
+        doc="Softmax over the last axis, in f32.",
+        kernel_expr="jax.nn.softmax({x}, axis=-1)",
+    )
+)

@@ -93,8 +93,11 @@ def _short_conv_infer(args, attrs):
         raise OpError(f"conv weight `{w.name}` is {w.type} but `{x.name}` has {c} channels", 1)
     prev = taps - 1 if isinstance(taps, int) else f"{taps}-1"
     if s.type.shape[0] != b or s.type.shape[2] != c or (isinstance(taps, int) and s.type.shape[1] != prev):
-        raise OpError(f"conv state `{s.name}` is {s.type}, expected [{b}, {prev}, {c}]: "
-                      f"the previous {prev} inputs of `{x.name}` for a {taps}-tap weight", 2)
+        raise OpError(
+            f"conv state `{s.name}` is {s.type}, expected [{b}, {prev}, {c}]: "
+            f"the previous {prev} inputs of `{x.name}` for a {taps}-tap weight",
+            2,
+        )
     return (TensorType(F32, (b, c)),)
 
 
@@ -104,11 +107,18 @@ def _short_conv_cost(ins, outs, attrs):
     return Cost(weight_bytes=nbytes(w), state_bytes=2 * nbytes(s), flops=(2 * taps + 5) * numel(outs[0]))
 
 
-register(OpDef(
-    "short_conv", ("x", "weight", "conv_state"), _short_conv_infer, short_conv, _short_conv_cost,
-    inout=("conv_state",),
-    doc="Depthwise causal conv of x with the previous K-1 inputs (state, oldest first) then SiLU; "
-        "weight [K, C], its last tap on x; the state shifts in x."))
+register(
+    OpDef(
+        "short_conv",
+        ("x", "weight", "conv_state"),
+        _short_conv_infer,
+        short_conv,
+        _short_conv_cost,
+        inout=("conv_state",),
+        doc="Depthwise causal conv of x with the previous K-1 inputs (state, oldest first) then SiLU; "
+        "weight [K, C], its last tap on x; the state shifts in x.",
+    )
+)
 
 
 # ---------------------------------------------------------------- per-head L2 norm
@@ -130,12 +140,17 @@ def _l2norm_infer(args, attrs):
     return (TensorType(F32, x.type.shape),)
 
 
-register(OpDef(
-    "l2norm", ("x",), _l2norm_infer,
-    lambda x, heads, scale, eps: (l2norm(x, heads, scale, eps),),
-    lambda ins, outs, a: Cost(flops=4 * numel(outs[0])),
-    attrs={"heads": 1, "scale": 1.0, "eps": 1e-6},
-    doc="Per-head L2 norm: x_h·rsqrt(sum(x_h²)+eps)·scale, f32."))
+register(
+    OpDef(
+        "l2norm",
+        ("x",),
+        _l2norm_infer,
+        lambda x, heads, scale, eps: (l2norm(x, heads, scale, eps),),
+        lambda ins, outs, a: Cost(flops=4 * numel(outs[0])),
+        attrs={"heads": 1, "scale": 1.0, "eps": 1e-6},
+        doc="Per-head L2 norm: x_h·rsqrt(sum(x_h²)+eps)·scale, f32.",
+    )
+)
 
 
 # ---------------------------------------------------------------- decay gate
@@ -163,12 +178,17 @@ def _kda_gate_infer(args, attrs):
     return (TensorType(F32, f.type.shape),)
 
 
-register(OpDef(
-    "kda_gate", ("f", "a_log", "dt_bias"), _kda_gate_infer,
-    lambda f, a, d, heads, lower: (kda_gate(f, a, d, heads, lower),),
-    lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]) + nbytes(ins[2]), flops=8 * numel(outs[0])),
-    attrs={"heads": 1, "lower": -5.0},
-    doc="KDA decay gate (log space): lower·sigmoid(exp(a_log[head])·(f + dt_bias)), per channel."))
+register(
+    OpDef(
+        "kda_gate",
+        ("f", "a_log", "dt_bias"),
+        _kda_gate_infer,
+        lambda f, a, d, heads, lower: (kda_gate(f, a, d, heads, lower),),
+        lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]) + nbytes(ins[2]), flops=8 * numel(outs[0])),
+        attrs={"heads": 1, "lower": -5.0},
+        doc="KDA decay gate (log space): lower·sigmoid(exp(a_log[head])·(f + dt_bias)), per channel.",
+    )
+)
 
 
 # ---------------------------------------------------------------- gated delta rule
@@ -202,13 +222,21 @@ def _delta_rule_infer(args, attrs):
     b, sh, dk, dv = s.type.shape
     if sh != heads:
         raise OpError(f"the state `{s.name}` is {s.type}, but heads={heads}: dimension 2 must be {heads}", 5)
-    for i, a, want, what in ((0, q, heads * dk, "q"), (1, k, heads * dk, "k"), (2, v, heads * dv, "v"),
-                             (3, g, heads * dk, "g"), (4, beta, heads, "beta")):
+    for i, a, want, what in (
+        (0, q, heads * dk, "q"),
+        (1, k, heads * dk, "k"),
+        (2, v, heads * dv, "v"),
+        (3, g, heads * dk, "g"),
+        (4, beta, heads, "beta"),
+    ):
         if a.type.shape[0] != b:
             raise OpError(f"{what} `{a.name}` has {a.type.shape[0]} rows, the state has {b}", i)
         if a.type.shape[1] != want:
-            raise OpError(f"{what} `{a.name}` has {a.type.shape[1]} columns, expected {want} "
-                          f"for {heads} heads and state {s.type}", i)
+            raise OpError(
+                f"{what} `{a.name}` has {a.type.shape[1]} columns, expected {want} "
+                f"for {heads} heads and state {s.type}",
+                i,
+            )
     return (TensorType(F32, (b, heads * dv)),)
 
 
@@ -218,8 +246,16 @@ def _delta_rule_cost(ins, outs, attrs):
     return Cost(state_bytes=2 * nbytes(s), flops=7 * numel(s))
 
 
-register(OpDef(
-    "delta_rule", ("q", "k", "v", "g", "beta", "state"), _delta_rule_infer, delta_rule, _delta_rule_cost,
-    attrs={"heads": 1}, inout=("state",),
-    doc="Gated delta rule, one token: S' = diag(exp(g))·S; S = S' + k⊗(beta·(v - S'ᵀk)); o = Sᵀq. "
-        "State [B, heads, dk, dv] f32, updated in place."))
+register(
+    OpDef(
+        "delta_rule",
+        ("q", "k", "v", "g", "beta", "state"),
+        _delta_rule_infer,
+        delta_rule,
+        _delta_rule_cost,
+        attrs={"heads": 1},
+        inout=("state",),
+        doc="Gated delta rule, one token: S' = diag(exp(g))·S; S = S' + k⊗(beta·(v - S'ᵀk)); o = Sᵀq. "
+        "State [B, heads, dk, dv] f32, updated in place.",
+    )
+)

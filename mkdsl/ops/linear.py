@@ -40,7 +40,9 @@ def _linear_infer(args, attrs):
     if x.type.shape[1] != k:
         raise OpError(
             f"`{x.name}` has {x.type.shape[1]} columns but weight `{w.name}` has {k} input rows "
-            f"(weights are stored [in, out])", 1)
+            f"(weights are stored [in, out])",
+            1,
+        )
     return (TensorType(F32, (x.type.shape[0], n)),)
 
 
@@ -50,10 +52,16 @@ def _linear_cost(ins, outs, attrs):
     return Cost(weight_bytes=nbytes(w), flops=2 * x.shape[0] * k * n)
 
 
-register(OpDef(
-    "linear", ("x", "weight"), _linear_infer,
-    lambda x, w: (linear(x, w),), _linear_cost,
-    doc="x @ weight, f32 out; x is rounded to bf16, weights of any format are decoded exactly."))
+register(
+    OpDef(
+        "linear",
+        ("x", "weight"),
+        _linear_infer,
+        lambda x, w: (linear(x, w),),
+        _linear_cost,
+        doc="x @ weight, f32 out; x is rounded to bf16, weights of any format are decoded exactly.",
+    )
+)
 
 
 def _embedding_infer(args, attrs):
@@ -72,7 +80,13 @@ def _embedding_cost(ins, outs, attrs):
     return Cost(weight_bytes=tokens.shape[0] * row)
 
 
-register(OpDef(
-    "embedding", ("tokens", "table"), _embedding_infer,
-    lambda t, table: (jnp.take(table, t, axis=0).astype(jnp.float32),), _embedding_cost,
-    doc="Rows of `table` gathered by token id, as f32."))
+register(
+    OpDef(
+        "embedding",
+        ("tokens", "table"),
+        _embedding_infer,
+        lambda t, table: (jnp.take(table, t, axis=0).astype(jnp.float32),),
+        _embedding_cost,
+        doc="Rows of `table` gathered by token id, as f32.",
+    )
+)

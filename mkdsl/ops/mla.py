@@ -43,13 +43,18 @@ def _slice_infer(args, attrs):
     return (TensorType(F32, (x.type.shape[0], size)),)
 
 
-register(OpDef(
-    "slice", ("x",), _slice_infer,
-    lambda x, start, size: (x[:, start:start + size].astype(jnp.float32),),
-    lambda ins, outs, a: Cost(),
-    attrs={"start": REQUIRED, "size": REQUIRED},
-    doc="Columns start..start+size-1 of each row, as f32.",
-    kernel_expr="{x}[:, {start} : {start} + {size}]"))
+register(
+    OpDef(
+        "slice",
+        ("x",),
+        _slice_infer,
+        lambda x, start, size: (x[:, start : start + size].astype(jnp.float32),),
+        lambda ins, outs, a: Cost(),
+        attrs={"start": REQUIRED, "size": REQUIRED},
+        doc="Columns start..start+size-1 of each row, as f32.",
+        kernel_expr="{x}[:, {start} : {start} + {size}]",
+    )
+)
 
 
 def mla_attention(q, c_kv, k_extra, w_kvb, cache, positions, heads, nope, extra, vdim, scale=None):
@@ -108,8 +113,11 @@ def _mla_infer(args, attrs):
         if a.type.shape[1] != want:
             raise OpError(f"{what} `{a.name}` has {a.type.shape[1]} columns, expected {want}", i)
     if w.type.shape != (r, heads * (nope + vdim)):
-        raise OpError(f"w_kvb `{w.name}` is {w.type}, expected [{r}, {heads * (nope + vdim)}] "
-                      f"(R rows; per head {nope} key then {vdim} value columns)", 3)
+        raise OpError(
+            f"w_kvb `{w.name}` is {w.type}, expected [{r}, {heads * (nope + vdim)}] "
+            f"(R rows; per head {nope} key then {vdim} value columns)",
+            3,
+        )
     for i, a in ((0, q), (1, c_kv), (2, k_extra), (5, pos)):
         if a.type.shape[0] != b:
             raise OpError(f"`{a.name}` has {a.type.shape[0]} rows, the cache has {b}", i)
@@ -127,8 +135,15 @@ def _mla_cost(ins, outs, attrs):
     return Cost(weight_bytes=nbytes(w), state_bytes=read + written, flops=flops)
 
 
-register(OpDef(
-    "mla_attention", ("q", "c_kv", "k_extra", "w_kvb", "cache", "positions"), _mla_infer,
-    mla_attention, _mla_cost,
-    attrs={"heads": REQUIRED, "nope": 128, "extra": 64, "vdim": 128, "scale": None}, inout=("cache",),
-    doc="Decode MLA over a latent [c_kv | k_extra] cache with absorbed W_UK/W_UV; writes the row in place."))
+register(
+    OpDef(
+        "mla_attention",
+        ("q", "c_kv", "k_extra", "w_kvb", "cache", "positions"),
+        _mla_infer,
+        mla_attention,
+        _mla_cost,
+        attrs={"heads": REQUIRED, "nope": 128, "extra": 64, "vdim": 128, "scale": None},
+        inout=("cache",),
+        doc="Decode MLA over a latent [c_kv | k_extra] cache with absorbed W_UK/W_UV; writes the row in place.",
+    )
+)

@@ -41,8 +41,9 @@ def _route_infer(args, attrs):
     expect_dtype(bias, ("f32", "bf16"), 1)
     e = scores.type.shape[1]
     if bias.type.shape[0] != e:
-        raise OpError(f"routing bias `{bias.name}` has {bias.type.shape[0]} entries but `{scores.name}` "
-                      f"scores {e} experts", 1)
+        raise OpError(
+            f"routing bias `{bias.name}` has {bias.type.shape[0]} entries but `{scores.name}` scores {e} experts", 1
+        )
     k = attrs["k"]
     if not isinstance(k, int) or k < 1 or (isinstance(e, int) and k > e):
         raise OpError(f"k must be an integer in 1..{e}, got {k}", "k")
@@ -65,10 +66,18 @@ def _route_cost(ins, outs, attrs):
     return Cost(weight_bytes=nbytes(bias), flops=b * e * (attrs["k"] + 1))
 
 
-register(OpDef(
-    "route", ("scores", "bias"), _route_infer, route, _route_cost,
-    attrs={"k": REQUIRED}, outputs=2,
-    doc="(weights, ids): top-k experts by scores + bias; weights are the unbiased scores, renormalised."))
+register(
+    OpDef(
+        "route",
+        ("scores", "bias"),
+        _route_infer,
+        route,
+        _route_cost,
+        attrs={"k": REQUIRED},
+        outputs=2,
+        doc="(weights, ids): top-k experts by scores + bias; weights are the unbiased scores, renormalised.",
+    )
+)
 
 
 def _experts(w, ids):
@@ -113,8 +122,11 @@ def _experts_infer(args, attrs):
         expect_dtype(w, ("mxfp4", "bf16"), i)
     e, d1, f = w1.type.shape
     if d1 != d:
-        raise OpError(f"`{z.name}` has {d} columns but w1 `{w1.name}` takes {d1} inputs "
-                      f"(expert weights are stored [experts, in, out])", 3)
+        raise OpError(
+            f"`{z.name}` has {d} columns but w1 `{w1.name}` takes {d1} inputs "
+            f"(expert weights are stored [experts, in, out])",
+            3,
+        )
     if w3.type.shape != w1.type.shape:
         raise OpError(f"w3 `{w3.name}` is {w3.type} but w1 `{w1.name}` is {w1.type}", 4)
     if w2.type.shape != (e, f, d):
@@ -132,8 +144,14 @@ def _experts_cost(ins, outs, attrs):
     return Cost(weight_bytes=min(b * k, e) * per_expert, flops=2 * b * k * 3 * d * f)
 
 
-register(OpDef(
-    "moe_experts", ("z", "weights", "ids", "w1", "w3", "w2"), _experts_infer,
-    lambda *a, beta, linear_beta: (moe_experts(*a, beta, linear_beta),), _experts_cost,
-    attrs={"beta": 4.0, "linear_beta": 25.0},
-    doc="Σ_i weights[:, i]·expert_ids[:, i](z): SiTU MLP experts w1/w3 [E, D, F], w2 [E, F, D], f32 out."))
+register(
+    OpDef(
+        "moe_experts",
+        ("z", "weights", "ids", "w1", "w3", "w2"),
+        _experts_infer,
+        lambda *a, beta, linear_beta: (moe_experts(*a, beta, linear_beta),),
+        _experts_cost,
+        attrs={"beta": 4.0, "linear_beta": 25.0},
+        doc="Σ_i weights[:, i]·expert_ids[:, i](z): SiTU MLP experts w1/w3 [E, D, F], w2 [E, F, D], f32 out.",
+    )
+)

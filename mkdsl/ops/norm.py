@@ -28,7 +28,9 @@ def _infer(args, attrs):
     if w.type.shape[0] != width:
         raise OpError(
             f"norm weight `{w.name}` has {w.type.shape[0]} elements but each "
-            f"{'head' if heads > 1 else 'row'} of `{x.name}` has {width}", 1)
+            f"{'head' if heads > 1 else 'row'} of `{x.name}` has {width}",
+            1,
+        )
     return (TensorType(F32, x.type.shape),)
 
 
@@ -41,9 +43,14 @@ def rmsnorm(x, w, eps, heads=1):
     return (y * w.astype(jnp.float32)).reshape(b, n)
 
 
-register(OpDef(
-    "rmsnorm", ("x", "weight"), _infer,
-    lambda x, w, eps, heads: (rmsnorm(x, w, eps, heads),),
-    lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]), flops=4 * numel(outs[0])),
-    attrs={"eps": 1e-5, "heads": 1},
-    doc="RMSNorm: x·rsqrt(mean(x²)+eps)·weight, f32; `heads=n` normalises n equal slices."))
+register(
+    OpDef(
+        "rmsnorm",
+        ("x", "weight"),
+        _infer,
+        lambda x, w, eps, heads: (rmsnorm(x, w, eps, heads),),
+        lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]), flops=4 * numel(outs[0])),
+        attrs={"eps": 1e-5, "heads": 1},
+        doc="RMSNorm: x·rsqrt(mean(x²)+eps)·weight, f32; `heads=n` normalises n equal slices.",
+    )
+)

@@ -85,8 +85,10 @@ def _stream(args, attrs):
         return b, None, h
     if h <= 0 or width <= 0 or width % h:
         raise OpError(
-            f"blocks `{blocks.name}` are {width} wide, which is not a whole number of blocks of the prefix "
-            f"width {h}", 0, "the stream is blocks [B, nblocks·H] and prefix [B, H], as res_init makes them")
+            f"blocks `{blocks.name}` are {width} wide, which is not a whole number of blocks of the prefix width {h}",
+            0,
+            "the stream is blocks [B, nblocks·H] and prefix [B, H], as res_init makes them",
+        )
     return b, width // h, h
 
 
@@ -111,11 +113,18 @@ def _res_init_infer(args, attrs):
     return TensorType(F32, (b, nblocks * h)), TensorType(F32, (b, h))
 
 
-register(OpDef(
-    "res_init", ("x",), _res_init_infer, res_init,
-    lambda ins, outs, a: Cost(),
-    attrs={"nblocks": REQUIRED}, outputs=2,
-    doc="Start the block residual stream: (blocks [B, nblocks·H] with x in block 0, zero prefix [B, H])."))
+register(
+    OpDef(
+        "res_init",
+        ("x",),
+        _res_init_infer,
+        res_init,
+        lambda ins, outs, a: Cost(),
+        attrs={"nblocks": REQUIRED},
+        outputs=2,
+        doc="Start the block residual stream: (blocks [B, nblocks·H] with x in block 0, zero prefix [B, H]).",
+    )
+)
 
 
 # ---------------------------------------------------------------- res_mix
@@ -151,8 +160,11 @@ def _res_mix_infer(args, attrs):
         raise OpError(f"after_snapshot must be true or false, got {attrs['after_snapshot']!r}", "after_snapshot")
     n, _ = mixed_entries(layer, block, attrs["after_snapshot"])
     if nb is not None and n > nb:
-        raise OpError(f"layer {layer} with block={block} mixes {n} blocks, but `{args[0].name}` holds only {nb}",
-                      "layer", f"res_init needs nblocks >= {n}")
+        raise OpError(
+            f"layer {layer} with block={block} mixes {n} blocks, but `{args[0].name}` holds only {nb}",
+            "layer",
+            f"res_init needs nblocks >= {n}",
+        )
     return (TensorType(F32, (b, h)),)
 
 
@@ -163,12 +175,18 @@ def _res_mix_cost(ins, outs, attrs):
     return Cost(weight_bytes=nbytes(w), flops=6 * (n + with_prefix) * prefix.shape[0] * prefix.shape[1])
 
 
-register(OpDef(
-    "res_mix", ("blocks", "prefix", "w"), _res_mix_infer,
-    lambda blocks, prefix, w, **a: (res_mix(blocks, prefix, w, **a),), _res_mix_cost,
-    attrs={"layer": REQUIRED, "block": REQUIRED, "after_snapshot": False, "eps": 1e-5},
-    doc="Attention-residual mix of the blocks valid at `layer` (and the prefix): "
-        "Σ softmax((v·w)·rsqrt(mean(v²)+eps))·v, f32; after_snapshot selects the MLP input."))
+register(
+    OpDef(
+        "res_mix",
+        ("blocks", "prefix", "w"),
+        _res_mix_infer,
+        lambda blocks, prefix, w, **a: (res_mix(blocks, prefix, w, **a),),
+        _res_mix_cost,
+        attrs={"layer": REQUIRED, "block": REQUIRED, "after_snapshot": False, "eps": 1e-5},
+        doc="Attention-residual mix of the blocks valid at `layer` (and the prefix): "
+        "Σ softmax((v·w)·rsqrt(mean(v²)+eps))·v, f32; after_snapshot selects the MLP input.",
+    )
+)
 
 
 # ---------------------------------------------------------------- res_snapshot
@@ -181,7 +199,7 @@ def res_snapshot(blocks, prefix, layer, block):
         return blocks, prefix
     h = prefix.shape[1]
     j = layer // block
-    blocks = blocks.at[:, j * h:(j + 1) * h].set(prefix)
+    blocks = blocks.at[:, j * h : (j + 1) * h].set(prefix)
     return blocks, jnp.zeros_like(prefix)
 
 
@@ -189,14 +207,25 @@ def _res_snapshot_infer(args, attrs):
     b, nb, h = _stream(args, attrs)
     layer, block = _int_attr(attrs, "layer", 0), _int_attr(attrs, "block", 1)
     if layer > 0 and layer % block == 0 and nb is not None and layer // block >= nb:
-        raise OpError(f"layer {layer} with block={block} writes block {layer // block}, but `{args[0].name}` "
-                      f"holds only {nb} blocks", "layer", f"res_init needs nblocks >= {layer // block + 1}")
+        raise OpError(
+            f"layer {layer} with block={block} writes block {layer // block}, but `{args[0].name}` "
+            f"holds only {nb} blocks",
+            "layer",
+            f"res_init needs nblocks >= {layer // block + 1}",
+        )
     return TensorType(F32, args[0].type.shape), TensorType(F32, args[1].type.shape)
 
 
-register(OpDef(
-    "res_snapshot", ("blocks", "prefix"), _res_snapshot_infer, res_snapshot,
-    lambda ins, outs, a: Cost(),
-    attrs={"layer": REQUIRED, "block": REQUIRED}, outputs=2,
-    doc="At a residual-block boundary (layer % block == 0, layer > 0) store the prefix as block "
-        "layer // block and restart the prefix at zero; otherwise pass both through."))
+register(
+    OpDef(
+        "res_snapshot",
+        ("blocks", "prefix"),
+        _res_snapshot_infer,
+        res_snapshot,
+        lambda ins, outs, a: Cost(),
+        attrs={"layer": REQUIRED, "block": REQUIRED},
+        outputs=2,
+        doc="At a residual-block boundary (layer % block == 0, layer > 0) store the prefix as block "
+        "layer // block and restart the prefix at zero; otherwise pass both through.",
+    )
+)

@@ -34,11 +34,18 @@ def topk(x, k):
     return values, indices.astype(jnp.int32)
 
 
-register(OpDef(
-    "topk", ("x",), _topk_infer, topk,
-    lambda ins, outs, a: Cost(flops=ins[0].shape[0] * ins[0].shape[1] * a["k"]),
-    attrs={"k": REQUIRED}, outputs=2,
-    doc="(values, indices) of the k largest entries of each row; ties to the lower index."))
+register(
+    OpDef(
+        "topk",
+        ("x",),
+        _topk_infer,
+        topk,
+        lambda ins, outs, a: Cost(flops=ins[0].shape[0] * ins[0].shape[1] * a["k"]),
+        attrs={"k": REQUIRED},
+        outputs=2,
+        doc="(values, indices) of the k largest entries of each row; ties to the lower index.",
+    )
+)
 
 
 def _argmax_infer(args, attrs):
@@ -48,8 +55,13 @@ def _argmax_infer(args, attrs):
     return (TensorType(I32, (x.type.shape[0],)),)
 
 
-register(OpDef(
-    "argmax", ("x",), _argmax_infer,
-    lambda x: (jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32),),
-    lambda ins, outs, a: Cost(flops=ins[0].shape[0] * ins[0].shape[1]),
-    doc="Index of each row's largest entry (the first on ties): greedy next token."))
+register(
+    OpDef(
+        "argmax",
+        ("x",),
+        _argmax_infer,
+        lambda x: (jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32),),
+        lambda ins, outs, a: Cost(flops=ins[0].shape[0] * ins[0].shape[1]),
+        doc="Index of each row's largest entry (the first on ties): greedy next token.",
+    )
+)

@@ -44,7 +44,9 @@ def _class(v) -> tuple[int, str]:
     return 1, "int32"  # a per-row scalar (token ids)
 
 
-def assign_buffers(model: Model, fixed: dict[str, str]) -> tuple[dict[tuple[str, str], str], dict[str, tuple[int, str]]]:
+def assign_buffers(
+    model: Model, fixed: dict[str, str]
+) -> tuple[dict[tuple[str, str], str], dict[str, tuple[int, str]]]:
     """((graph, value) -> buffer name, buffer name -> (width, dtype)). `fixed` maps step values
     to buffers the kernel already has (its outputs)."""
     where: dict[tuple[str, str], str] = {("step", v): name for v, name in fixed.items()}
@@ -89,7 +91,9 @@ def assign_buffers(model: Model, fixed: dict[str, str]) -> tuple[dict[tuple[str,
                     name = free.get(cls, []).pop() if free.get(cls) else new_buffer(cls)
                 where[(g.name, v.name)] = name
             held = {where.get((g.name, v.name)) for v in node.outputs}  # in-place outputs keep their input's buffer
-            for r in dict.fromkeys(r.name for r in node.inputs if r.kind == "value"):  # ordered: output must not depend on hashing
+            for r in dict.fromkeys(
+                r.name for r in node.inputs if r.kind == "value"
+            ):  # ordered: output must not depend on hashing
                 if last.get(r) == i and (g.name, r) in where and not carry_of(g, r):
                     name = where[(g.name, r)]
                     if name in pool.get(shapes.get(name), []) and name not in held:

@@ -26,8 +26,9 @@ ISSUE_US = 0.01  # per DMA descriptor (assumed: a few dozen scalar cycles)
 DATA_DEPENDENT = {"attention", "mla_attention", "delta_rule", "short_conv", "moe_experts"}
 
 
-def model_time(model: Model, bank_bytes: int, schedule_bytes: int, flops: int, dmas: int,
-               traffic: tuple[TensorTraffic, ...]) -> Timing:
+def model_time(
+    model: Model, bank_bytes: int, schedule_bytes: int, flops: int, dmas: int, traffic: tuple[TensorTraffic, ...]
+) -> Timing:
     must_move = sum(t.bytes for t in traffic)
     floor = must_move / HBM_BYTES_PER_S * 1e6
     stream = schedule_bytes / HBM_BYTES_PER_S * 1e6
@@ -38,4 +39,3 @@ def model_time(model: Model, bank_bytes: int, schedule_bytes: int, flops: int, d
     issue = dmas * ISSUE_US
     modeled = max(stream, mxu) + fixed + bubbles + issue
     return Timing(HBM_BYTES_PER_S, floor, stream, mxu, fixed, bubbles, issue, modeled)
-

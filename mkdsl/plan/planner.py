@@ -29,8 +29,7 @@ KV_TILE = 256  # tokens per KV tile (256-token tiles beat 128 on TPU7x, per a pu
 KV_SLOTS = 3  # KV tiles in flight
 MAX_RING_DEPTH = 16
 
-_NUMPY = {"f32": "float32", "bf16": "bfloat16", "i32": "int32", "fp8_e4m3": "float8_e4m3fn",
-          "fp8_e5m2": "float8_e5m2"}
+_NUMPY = {"f32": "float32", "bf16": "bfloat16", "i32": "int32", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 @dataclass
@@ -79,10 +78,22 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
     sched_bytes, dmas = schedule_traffic(s)
     timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic)
     return Plan(
-        model=model.name, profile=model.profile, batch=batch, rows=s.rows, context=s.context,
-        ring_depth=s.depth, bank=s.bank, kv_tile=s.kv_tile, sequences=tuple(s.sequences),
-        vmem=tuple(s.vmem), vmem_cap=s.cap, traffic=traffic, schedule_bytes=sched_bytes,
-        dma_count=dmas, flops=flops, timing=timing,
+        model=model.name,
+        profile=model.profile,
+        batch=batch,
+        rows=s.rows,
+        context=s.context,
+        ring_depth=s.depth,
+        bank=s.bank,
+        kv_tile=s.kv_tile,
+        sequences=tuple(s.sequences),
+        vmem=tuple(s.vmem),
+        vmem_cap=s.cap,
+        traffic=traffic,
+        schedule_bytes=sched_bytes,
+        dma_count=dmas,
+        flops=flops,
+        timing=timing,
         buffers=tuple(sorted((g, v, b) for (g, v), b in s.buffers.items())),
         scratch=tuple(sorted((g, i, p) for (g, i), p in s.scratch.items())),
     )
@@ -99,8 +110,13 @@ def default_context(model: Model) -> int:
 
 def pad_rows(s: _State) -> None:
     if not any(n.op == "layers" for n in s.model.step.nodes):
-        s.errors.append(Diagnostic(s.model.step.span, "the step runs no layer stack: a megakernel needs `layers(...)`",
-                                   "declare `layers N { KIND: otherwise }` and call `x = layers(x)` in the step"))
+        s.errors.append(
+            Diagnostic(
+                s.model.step.span,
+                "the step runs no layer stack: a megakernel needs `layers(...)`",
+                "declare `layers N { KIND: otherwise }` and call `x = layers(x)` in the step",
+            )
+        )
         return
     rows = next(iter(s.model.dims))
     if not rows.low <= s.batch <= rows.high:
@@ -137,8 +153,13 @@ def tile_streams(s: _State) -> None:
             t = s.model.tensor(node.inputs[1].name)
             k, n = t.type.shape
             if t.type.dtype.name != "bf16":
-                s.errors.append(Diagnostic(t.span, f"`{t.name}` is {t.type.dtype}: only bf16 weights stream through the "
-                                           "weight ring so far", "declare it bf16, or use it through an op that takes it"))
+                s.errors.append(
+                    Diagnostic(
+                        t.span,
+                        f"`{t.name}` is {t.type.dtype}: only bf16 weights stream through the weight ring so far",
+                        "declare it bf16, or use it through an op that takes it",
+                    )
+                )
                 continue
             tk = _divisor_tile(k, s.tile_k, 16)
             tn = _divisor_tile(n, s.tile_n, 128)
@@ -178,16 +199,26 @@ def size_ring(s: _State) -> None:
         s.errors.append(Diagnostic(s.hint_span("ring_depth"), f"ring_depth must be at least 2, got {s.depth}"))
     s.kv_tile = s.hint("kv_tile", KV_TILE)
     if s.kv_tile < 16 or s.kv_tile % 16:
-        s.errors.append(Diagnostic(s.hint_span("kv_tile"), f"kv_tile must be a positive multiple of 16 tokens, got {s.kv_tile}",
-                                   "the new token's block is written back as whole 16-row bf16 tiles"))
+        s.errors.append(
+            Diagnostic(
+                s.hint_span("kv_tile"),
+                f"kv_tile must be a positive multiple of 16 tokens, got {s.kv_tile}",
+                "the new token's block is written back as whole 16-row bf16 tiles",
+            )
+        )
     cap_mib = s.hint("vmem_cap_mib", DEFAULT_CAP // MIB)
     if not 1 <= cap_mib <= VMEM_PER_CORE // MIB:
-        s.errors.append(Diagnostic(s.hint_span("vmem_cap_mib"), f"vmem_cap_mib must be in 1 .. {VMEM_PER_CORE // MIB}, got {cap_mib}"))
+        s.errors.append(
+            Diagnostic(
+                s.hint_span("vmem_cap_mib"), f"vmem_cap_mib must be in 1 .. {VMEM_PER_CORE // MIB}, got {cap_mib}"
+            )
+        )
     s.cap = cap_mib * MIB
 
 
-def _alloc(s: _State, name: str, shape: tuple, dtype: str, purpose: str, span: Span, memory: str = "VMEM",
-           scratch: bool = True):
+def _alloc(
+    s: _State, name: str, shape: tuple, dtype: str, purpose: str, span: Span, memory: str = "VMEM", scratch: bool = True
+):
     """Record one kernel buffer. Dims may be expressions in `rows` and `batch` (sized at build time).
 
     A name recorded again (op scratch shared between layer kinds) must have the same shape."""
@@ -216,7 +247,14 @@ def allocate_vmem(s: _State) -> None:
     """Every buffer and semaphore the kernel uses, named as the emitter names them."""
     m = s.model
     ring_span = s.hint_span("ring_depth") if m.hint("ring_depth") else NOWHERE
-    _alloc(s, "ring", (s.depth, *s.bank), "bfloat16", f"weight ring: {s.depth} banks of [{s.bank[0]}, {s.bank[1]}]", ring_span)
+    _alloc(
+        s,
+        "ring",
+        (s.depth, *s.bank),
+        "bfloat16",
+        f"weight ring: {s.depth} banks of [{s.bank[0]}, {s.bank[1]}]",
+        ring_span,
+    )
     _alloc(s, "ring_sem", (s.depth,), "dma", "weight ring semaphores", ring_span, "SEM")
     _alloc(s, "cursor", (2,), "int32", "tile issue cursor (layer, first tile)", NOWHERE, "SMEM")
     fetched = list(dict.fromkeys(name for g in [*m.kinds, m.step] for name in roles.fetched_weights(m, g)))
@@ -268,8 +306,11 @@ def allocate_vmem(s: _State) -> None:
             if parts:
                 base = node.op.split("_")[-1]
                 i = 0 if node.op in SYNCHRONOUS else counters.get(base, 0)
-                while any(a.name == f"{base}{i}_{part}" and (a.shape, a.dtype) != (tuple(p[0]), p[1])
-                          for a in s.vmem for part, p in parts.items()):
+                while any(
+                    a.name == f"{base}{i}_{part}" and (a.shape, a.dtype) != (tuple(p[0]), p[1])
+                    for a in s.vmem
+                    for part, p in parts.items()
+                ):
                     i += 1
                 for part, (shape, dtype, purpose, memory) in parts.items():
                     _alloc(s, f"{base}{i}_{part}", shape, dtype, purpose, node.span, memory)
@@ -294,16 +335,22 @@ def _op_scratch(s: _State, g: Graph, node: Node) -> dict[str, tuple]:
     if node.op == "short_conv":
         st = m.tensor(node.inputs[2].name)
         if st.type.dtype.name != "f32":
-            s.errors.append(Diagnostic(st.span, f"conv state `{st.name}` is {st.type.dtype}: the kernel keeps conv states in f32"))
+            s.errors.append(
+                Diagnostic(st.span, f"conv state `{st.name}` is {st.type.dtype}: the kernel keeps conv states in f32")
+            )
         _, taps, width = st.type.shape
-        return {"buf": ((taps, "rows", width), "float32", "conv state window", "VMEM"),
-                "sem": ((2, taps), "dma", "conv state semaphores", "SEM")}
+        return {
+            "buf": ((taps, "rows", width), "float32", "conv state window", "VMEM"),
+            "sem": ((2, taps), "dma", "conv state semaphores", "SEM"),
+        }
     if node.op == "delta_rule":
         _, _, dk, dv = m.tensor(node.inputs[5].name).type.shape
         slots = (DELTA_SLOTS, dk, dv)
-        return {"in": (slots, "float32", f"recurrent states read ({DELTA_SLOTS} slots)", "VMEM"),
-                "out": (slots, "float32", f"recurrent states written ({DELTA_SLOTS} slots)", "VMEM"),
-                "sem": ((2, DELTA_SLOTS), "dma", "recurrent state semaphores", "SEM")}
+        return {
+            "in": (slots, "float32", f"recurrent states read ({DELTA_SLOTS} slots)", "VMEM"),
+            "out": (slots, "float32", f"recurrent states written ({DELTA_SLOTS} slots)", "VMEM"),
+            "sem": ((2, DELTA_SLOTS), "dma", "recurrent state semaphores", "SEM"),
+        }
     if node.op == "kda_gate":
         return {"scale": ((1, node.outputs[0].type.shape[1]), "float32", "decay scale per channel", "VMEM")}
     if node.op == "moe_experts":
@@ -372,13 +419,31 @@ def _allocate_mla(s: _State, i: int, node: Node) -> None:
     if r % 128:
         s.errors.append(Diagnostic(span, f"mla_attention needs a kv rank that is a multiple of 128, got {r}"))
     if cache.type.dtype.name != "bf16":
-        s.errors.append(Diagnostic(cache.span, f"latent cache `{cache.name}` is {cache.type.dtype}: the kernel streams bf16 caches only"))
+        s.errors.append(
+            Diagnostic(
+                cache.span, f"latent cache `{cache.name}` is {cache.type.dtype}: the kernel streams bf16 caches only"
+            )
+        )
     chunks = -(-width // 128)  # stored in 128-lane chunks: strided row loads need 128-wide arrays
     _alloc(s, f"att{i}_ql", (chunks, f"{heads} * rows", 128), "float32", "absorbed queries, head-major", span)
     _alloc(s, f"att{i}_ol", (r // 128, f"{heads} * rows", 128), "float32", "latent outputs, head-major", span)
-    _alloc(s, f"att{i}_wtiles", (W_SLOTS, r, max(nope, vdim)), "bfloat16", f"kv up-projection tiles ({W_SLOTS} in flight)", span)
+    _alloc(
+        s,
+        f"att{i}_wtiles",
+        (W_SLOTS, r, max(nope, vdim)),
+        "bfloat16",
+        f"kv up-projection tiles ({W_SLOTS} in flight)",
+        span,
+    )
     _alloc(s, f"att{i}_w_sem", (W_SLOTS,), "dma", "kv up-projection semaphores", span, "SEM")
-    _alloc(s, f"att{i}_tiles", (KV_SLOTS, s.kv_tile, width), "bfloat16", f"latent cache tiles ({KV_SLOTS} x {s.kv_tile} tokens)", span)
+    _alloc(
+        s,
+        f"att{i}_tiles",
+        (KV_SLOTS, s.kv_tile, width),
+        "bfloat16",
+        f"latent cache tiles ({KV_SLOTS} x {s.kv_tile} tokens)",
+        span,
+    )
     _alloc(s, f"att{i}_m", (heads, 1), "float32", "online softmax max", span)
     _alloc(s, f"att{i}_l", (heads, 1), "float32", "online softmax sum", span)
     _alloc(s, f"att{i}_acc", (heads, r), "float32", "online softmax accumulator", span)
@@ -399,12 +464,20 @@ def _allocate_attention(s: _State, i: int, node: Node) -> None:
         s.errors.append(Diagnostic(span, f"attention with key width {dk} != value width {dv} has no TPU lowering yet"))
     for c in (kc, vc):
         if c.type.dtype.name != "bf16":
-            s.errors.append(Diagnostic(c.span, f"KV cache `{c.name}` is {c.type.dtype}: the kernel streams bf16 caches only"))
+            s.errors.append(
+                Diagnostic(c.span, f"KV cache `{c.name}` is {c.type.dtype}: the kernel streams bf16 caches only")
+            )
     for name, rows, d in (("q2d", heads, dk), ("k2d", kvh, dk), ("v2d", kvh, dv), ("o2d", heads, dv)):
         _alloc(s, f"att{i}_{name}", (f"{rows} * rows", d), "float32", f"attention {name[0]}, head-major", span)
     for name, d in (("ktiles", dk), ("vtiles", dv)):
-        _alloc(s, f"att{i}_{name}", (KV_SLOTS, kvh, s.kv_tile, d), "bfloat16",
-               f"KV tiles in flight ({KV_SLOTS} x {s.kv_tile} tokens)", span)
+        _alloc(
+            s,
+            f"att{i}_{name}",
+            (KV_SLOTS, kvh, s.kv_tile, d),
+            "bfloat16",
+            f"KV tiles in flight ({KV_SLOTS} x {s.kv_tile} tokens)",
+            span,
+        )
     _alloc(s, f"att{i}_m", (heads, 1), "float32", "online softmax max", span)
     _alloc(s, f"att{i}_l", (heads, 1), "float32", "online softmax sum", span)
     _alloc(s, f"att{i}_acc", (heads, dv), "float32", "online softmax accumulator", span)
@@ -436,12 +509,14 @@ def check_budget(s: _State) -> None:
         return
     worst = max((a for a in s.vmem if a.memory == "VMEM"), key=lambda a: a.bytes)
     span = s.spans[worst.name]
-    s.errors.append(Diagnostic(
-        span,
-        f"VMEM budget exceeded: the plan needs {mib(total)} of the {mib(s.cap)} cap; the largest allocation is "
-        f"{worst.purpose} `{worst.name}` {list(worst.shape)} {worst.dtype} = {mib(worst.bytes)}",
-        "lower `ring_depth` or `tile_n` in `hints`, or raise `vmem_cap_mib` (at most 64)",
-    ))
+    s.errors.append(
+        Diagnostic(
+            span,
+            f"VMEM budget exceeded: the plan needs {mib(total)} of the {mib(s.cap)} cap; the largest allocation is "
+            f"{worst.purpose} `{worst.name}` {list(worst.shape)} {worst.dtype} = {mib(worst.bytes)}",
+            "lower `ring_depth` or `tile_n` in `hints`, or raise `vmem_cap_mib` (at most 64)",
+        )
+    )
 
 
 # ---------------------------------------------------------------------------- traffic
@@ -477,8 +552,12 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], int]:
             op = OPS[node.op]
             types = [_type_of(m, graph, r) for r in node.inputs]
             outs = [v.type for v in node.outputs]
-            c: Cost = op.cost([_concrete(t, read_sizes) for t in types], [_concrete(t, read_sizes) for t in outs], _attrs(node))
-            flops += op.cost([_concrete(t, flop_sizes) for t in types], [_concrete(t, flop_sizes) for t in outs], _attrs(node)).flops
+            c: Cost = op.cost(
+                [_concrete(t, read_sizes) for t in types], [_concrete(t, read_sizes) for t in outs], _attrs(node)
+            )
+            flops += op.cost(
+                [_concrete(t, flop_sizes) for t in types], [_concrete(t, flop_sizes) for t in outs], _attrs(node)
+            ).flops
             tensors = [r.name for r in node.inputs if r.kind == "tensor"]
             weights = [n for n in tensors if m.tensor(n).kind == "weight"]
             states = [n for n in tensors if m.tensor(n).kind == "state"]
@@ -576,4 +655,3 @@ def _state_bytes(m: Model, graph: Graph, node: Node, s: _State) -> int:
 def _attrs(node: Node) -> dict:
     """Attributes for cost rules: a layer-dependent one at its first layer (costs ignore them)."""
     return {k: v.first if isinstance(v, LayerExpr) else v for k, v in node.attrs}
-

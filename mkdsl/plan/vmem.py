@@ -12,8 +12,17 @@ MIB = 1 << 20
 VMEM_PER_CORE = 64 * MIB  # TPU7x
 DEFAULT_CAP = 58 * MIB  # leaves room for the compiler's internal scratch (~2.7 MiB seen)
 
-_BITS = {"float32": 32, "int32": 32, "uint32": 32, "bfloat16": 16, "float16": 16,
-         "float8_e4m3fn": 8, "float8_e5m2": 8, "int8": 8, "uint8": 8}
+_BITS = {
+    "float32": 32,
+    "int32": 32,
+    "uint32": 32,
+    "bfloat16": 16,
+    "float16": 16,
+    "float8_e4m3fn": 8,
+    "float8_e5m2": 8,
+    "int8": 8,
+    "uint8": 8,
+}
 
 
 def padded_bytes(shape: tuple[int, ...], dtype: str) -> int:

@@ -110,8 +110,13 @@ class _Emitter:
             ids = node.outputs[1].name
             users = [(i, n) for i, n in enumerate(g.nodes) if n.op == "moe_experts" and n.inputs[2].name == ids]
             if len(users) != 1 or any(r.name == ids for n in g.nodes if n.op != "moe_experts" for r in n.inputs):
-                self.errors.append(Diagnostic(node.span, "the kernel lowers `route` together with the one "
-                                              "`moe_experts` that uses its ids; here they are used elsewhere too"))
+                self.errors.append(
+                    Diagnostic(
+                        node.span,
+                        "the kernel lowers `route` together with the one "
+                        "`moe_experts` that uses its ids; here they are used elsewhere too",
+                    )
+                )
                 return None
             idx, node = users[0]
         prefix = self.scratch[(g.name, idx)]
@@ -122,12 +127,19 @@ class _Emitter:
             e, d, f = self.m.tensor(w1).type.shape
             k = self.value_width(g, node.inputs[2])
             slots, _, tn = self.alloc_shape(f"{prefix}_w1c")  # [slots, D/8, tn], as the planner sized it
-            names = {"w1c": f"{w1}_codes", "w1s": f"{w1}_scales", "w3c": f"{w3}_codes", "w3s": f"{w3}_scales",
-                     "w2c": f"{w2}_codes", "w2s": f"{w2}_scales"}
+            names = {
+                "w1c": f"{w1}_codes",
+                "w1s": f"{w1}_scales",
+                "w3c": f"{w3}_codes",
+                "w3s": f"{w3}_scales",
+                "w2c": f"{w2}_codes",
+                "w2s": f"{w2}_scales",
+            }
             self.objects.append(
                 f"{obj} = MoE(r, rows=rows, batch=batch, E={e}, k={k}, D={d}, F={f}, tn={tn}, slots={slots}, "
                 f"names={names!r}, prefix={prefix + '_'!r}, beta={float(node.attr['beta'])!r}, "
-                f"linear_beta={float(node.attr['linear_beta'])!r})")
+                f"linear_beta={float(node.attr['linear_beta'])!r})"
+            )
         return obj
 
     def alloc_shape(self, name: str) -> tuple:
@@ -149,7 +161,6 @@ class _Emitter:
             return f"pick_row(r.f_{name}, {self.slot_expr(name, self.layer_var)})"
         return f"r.f_{name}"
 
-
     def lower_node(self, g: Graph, idx: int, node: Node, seq: str) -> dict:
         pre: list[str] = []
         n = {"op": node.op, "line": node.span.line, "source": self.src.line(node.span.line), "pre": pre}
@@ -162,13 +173,24 @@ class _Emitter:
         attr = {k: attr_code(v) for k, v in node.attr.items()}
         dynamic = [k for k, v in node.attr.items() if isinstance(v, LayerExpr)]
         if dynamic and node.op not in DYNAMIC_ATTRS and op.kernel_expr is None:
-            self.errors.append(Diagnostic(node.span, f"`{node.op}` needs `{dynamic[0]}` to be the same at every layer "
-                                          "of a kind", "split the layer kind, or use a constant"))
+            self.errors.append(
+                Diagnostic(
+                    node.span,
+                    f"`{node.op}` needs `{dynamic[0]}` to be the same at every layer of a kind",
+                    "split the layer kind, or use a constant",
+                )
+            )
         if node.op == "linear":
             st = self.plan.sequence(seq).stream(node.outputs[0].name)
             key = (g.name, node.inputs[0].name)
-            n.update(x=ins[0], xb=f"{ins[0]}_bf16", cast=key not in self.casts, stream=self.stream_const(seq, st),
-                     slot=self.slot_expr(st.tensor, "li"), base="base")
+            n.update(
+                x=ins[0],
+                xb=f"{ins[0]}_bf16",
+                cast=key not in self.casts,
+                stream=self.stream_const(seq, st),
+                slot=self.slot_expr(st.tensor, "li"),
+                base="base",
+            )
             self.casts.add(key)
         elif node.op == "rmsnorm":
             n.update(x=ins[0], w=self.fetched(node.inputs[1].name, pre), eps=attr["eps"], heads=node.attr["heads"])
@@ -178,30 +200,56 @@ class _Emitter:
             state = node.inputs[2].name
             obj = f"{prefix}_{g.name}_{idx}"
             self.objects.append(f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{prefix}_buf, r.{prefix}_sem, batch)")
-            n.update(obj=obj, slot=self.slot_expr(state, self.layer_var), x=ins[0],
-                     w=self.fetched(node.inputs[1].name, pre))
+            n.update(
+                obj=obj, slot=self.slot_expr(state, self.layer_var), x=ins[0], w=self.fetched(node.inputs[1].name, pre)
+            )
         elif node.op == "kda_gate":
-            n.update(f=ins[0], a_log=self.fetched(node.inputs[1].name, pre), dt_bias=self.fetched(node.inputs[2].name, pre),
-                     scale=f"{prefix}_scale", heads=node.attr["heads"], lower=attr["lower"])
+            n.update(
+                f=ins[0],
+                a_log=self.fetched(node.inputs[1].name, pre),
+                dt_bias=self.fetched(node.inputs[2].name, pre),
+                scale=f"{prefix}_scale",
+                heads=node.attr["heads"],
+                lower=attr["lower"],
+            )
         elif node.op == "delta_rule":
             state = node.inputs[5].name
             obj = f"{prefix}_{g.name}_{idx}"
-            self.objects.append(f"{obj} = DeltaRule(r.{state}, r.{state}_out, r.{prefix}_in, r.{prefix}_out, "
-                                f"r.{prefix}_sem, batch, {node.attr['heads']})")
+            self.objects.append(
+                f"{obj} = DeltaRule(r.{state}, r.{state}_out, r.{prefix}_in, r.{prefix}_out, "
+                f"r.{prefix}_sem, batch, {node.attr['heads']})"
+            )
             n.update(obj=obj, slot=self.slot_expr(state, self.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
         elif node.op == "route":
             experts = self.moe_object(g, idx, node)
-            w1 = next(u.inputs[3].name for u in g.nodes if u.op == "moe_experts" and u.inputs[2].name == node.outputs[1].name)
-            n.update(obj=experts, scores=ins[0], bias=self.fetched(node.inputs[1].name, pre),
-                     slot=self.slot_expr(w1, self.layer_var))
+            w1 = next(
+                u.inputs[3].name for u in g.nodes if u.op == "moe_experts" and u.inputs[2].name == node.outputs[1].name
+            )
+            n.update(
+                obj=experts,
+                scores=ins[0],
+                bias=self.fetched(node.inputs[1].name, pre),
+                slot=self.slot_expr(w1, self.layer_var),
+            )
         elif node.op == "moe_experts":
-            n.update(obj=self.moe_object(g, idx, node), slot=self.slot_expr(node.inputs[3].name, self.layer_var),
-                     z=ins[0], weights=ins[1])
+            n.update(
+                obj=self.moe_object(g, idx, node),
+                slot=self.slot_expr(node.inputs[3].name, self.layer_var),
+                z=ins[0],
+                weights=ins[1],
+            )
         elif node.op == "res_init":
             n.update(x=ins[0])
         elif node.op == "res_mix":
-            n.update(blocks=ins[0], prefix=ins[1], w=self.fetched(node.inputs[2].name, pre), layer=attr["layer"],
-                     block=attr["block"], after=attr["after_snapshot"], eps=attr["eps"])
+            n.update(
+                blocks=ins[0],
+                prefix=ins[1],
+                w=self.fetched(node.inputs[2].name, pre),
+                layer=attr["layer"],
+                block=attr["block"],
+                after=attr["after_snapshot"],
+                eps=attr["eps"],
+            )
         elif node.op == "res_snapshot":
             n.update(blocks=ins[0], prefix=ins[1], layer=attr["layer"], block=attr["block"])
         elif node.op == "rope":
@@ -249,13 +297,21 @@ class _Emitter:
         _, kvh, _, dk = kc.type.shape
         dv = vc.type.shape[3]
         scale = node.attr["scale"] if node.attr["scale"] is not None else dk**-0.5
-        names = {key: f"att{i}_{key}" for key in ("q2d", "k2d", "v2d", "o2d", "ktiles", "vtiles", "m", "l", "acc", "wb",
-                                                   "kv_sem", "wb_sem")}
+        names = {
+            key: f"att{i}_{key}"
+            for key in ("q2d", "k2d", "v2d", "o2d", "ktiles", "vtiles", "m", "l", "acc", "wb", "kv_sem", "wb_sem")
+        }
         names.update(k_cache=kc.name, v_cache=vc.name, k_cache_out=f"{kc.name}_out", v_cache_out=f"{vc.name}_out")
         obj = f"attention{i}"
-        self.attentions.append(dict(obj=obj, ctor=(
-            f"Attention(r, positions_ref, {i}, rows=rows, batch=batch, heads={node.attr['heads']}, kv_heads={kvh}, "
-            f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r})")))
+        self.attentions.append(
+            dict(
+                obj=obj,
+                ctor=(
+                    f"Attention(r, positions_ref, {i}, rows=rows, batch=batch, heads={node.attr['heads']}, kv_heads={kvh}, "
+                    f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r})"
+                ),
+            )
+        )
         return dict(obj=obj, slot=self.slot_expr(kc.name, "li"), q=ins[0], k=ins[1], v=ins[2])
 
     def latent_attention(self, node: Node, ins: list[str], prefix: str) -> dict:
@@ -263,14 +319,22 @@ class _Emitter:
         cache = self.m.tensor(node.inputs[4].name)
         a = node.attr
         scale = a["scale"] if a["scale"] is not None else (a["nope"] + a["extra"]) ** -0.5
-        names = {key: f"att{i}_{key}" for key in ("ql", "ol", "wtiles", "w_sem", "tiles", "m", "l", "acc", "new", "wb",
-                                                   "kv_sem", "wb_sem")}
+        names = {
+            key: f"att{i}_{key}"
+            for key in ("ql", "ol", "wtiles", "w_sem", "tiles", "m", "l", "acc", "new", "wb", "kv_sem", "wb_sem")
+        }
         names.update(cache=cache.name, cache_out=f"{cache.name}_out", w_kvb=node.inputs[3].name)
         obj = f"attention{i}"
-        self.attentions.append(dict(obj=obj, ctor=(
-            f"LatentAttention(r, positions_ref, {i}, rows=rows, batch=batch, heads={a['heads']}, nope={a['nope']}, "
-            f"extra={a['extra']}, vdim={a['vdim']}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, "
-            f"names={names!r})")))
+        self.attentions.append(
+            dict(
+                obj=obj,
+                ctor=(
+                    f"LatentAttention(r, positions_ref, {i}, rows=rows, batch=batch, heads={a['heads']}, nope={a['nope']}, "
+                    f"extra={a['extra']}, vdim={a['vdim']}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, "
+                    f"names={names!r})"
+                ),
+            )
+        )
         return dict(obj=obj, slot=self.slot_expr(cache.name, "li"), q=ins[0], c=ins[1], e=ins[2])
 
     # ------------------------------------------------------------------ module
@@ -280,9 +344,20 @@ class _Emitter:
         for seq in self.plan.sequences:
             streams = []
             for st in seq.streams:
-                streams.append(dict(const=self.stream_const(seq.name, st), ref=st.tensor, k=st.k, n=st.n, tk=st.tk,
-                                    tn=st.tn, start=st.start, stacked=st.stacked, line=st.line,
-                                    slot_expr_issue=self.slot_expr(st.tensor, "layer")))
+                streams.append(
+                    dict(
+                        const=self.stream_const(seq.name, st),
+                        ref=st.tensor,
+                        k=st.k,
+                        n=st.n,
+                        tk=st.tk,
+                        tn=st.tn,
+                        start=st.start,
+                        stacked=st.stacked,
+                        line=st.line,
+                        slot_expr_issue=self.slot_expr(st.tensor, "layer"),
+                    )
+                )
             out.append(dict(name=seq.name, const=f"{seq.name.upper()}_TILES", tiles=seq.tiles, streams=streams))
         return out
 
@@ -294,8 +369,17 @@ class _Emitter:
             starts, body = self.lower_body(k, list(enumerate(k.nodes)), k.name)
             results = [dict(buf=f"carry{i}", value=buffer_of(self.where, k, r)) for i, r in enumerate(k.results)]
             results = [r for r in results if r["buf"] != r["value"]]
-            kinds.append(dict(name=k.name, index=len(kinds), line=k.span.line, body=body, starts=starts, results=results, **{
-                key: seqs[k.name][key] for key in ("streams", "const", "tiles")}))
+            kinds.append(
+                dict(
+                    name=k.name,
+                    index=len(kinds),
+                    line=k.span.line,
+                    body=body,
+                    starts=starts,
+                    results=results,
+                    **{key: seqs[k.name][key] for key in ("streams", "const", "tiles")},
+                )
+            )
         cut = next(i for i, n in enumerate(m.step.nodes) if n.op == "layers")
         steps = list(enumerate(m.step.nodes))
         prologue_starts, prologue = self.lower_body(m.step, steps[:cut], "epilogue", layer="0")
@@ -315,26 +399,56 @@ class _Emitter:
         bases.append(base)
         weights = [w for w in m.weights]
         context = dict(
-            version=__version__, spec_path=self.src.path, spec_sha=self.src.sha256, profile=m.profile, model=m.name,
-            num_layers=len(m.schedule), ring_depth=plan.ring_depth, bank=plan.bank, kv_tile=plan.kv_tile,
-            kv_slots=KV_SLOTS, row_tile=ROW_TILE, batch_range=(m.dims[0].low, m.dims[0].high),
-            vmem_limit=vmem_limit(plan), kinds=kinds, layer_kind=repr(layer_kind), layer_base=repr(bases),
-            slot_tables=[dict(name=name, table=repr(list(slots)), users=", ".join(
-                t.name for t in m.tensors if t.stacked and t.slots == slots)) for slots, name in self.slot_tables.items()],
-            weights=[dict(name=_part_name(w.name, part), shape=repr(tuple(part.shape)), dtype=part.dtype)
-                     for w in weights for part in storage(w.type.dtype, w.full_shape)],
+            version=__version__,
+            spec_path=self.src.path,
+            spec_sha=self.src.sha256,
+            profile=m.profile,
+            model=m.name,
+            num_layers=len(m.schedule),
+            ring_depth=plan.ring_depth,
+            bank=plan.bank,
+            kv_tile=plan.kv_tile,
+            kv_slots=KV_SLOTS,
+            row_tile=ROW_TILE,
+            batch_range=(m.dims[0].low, m.dims[0].high),
+            vmem_limit=vmem_limit(plan),
+            kinds=kinds,
+            layer_kind=repr(layer_kind),
+            layer_base=repr(bases),
+            slot_tables=[
+                dict(
+                    name=name,
+                    table=repr(list(slots)),
+                    users=", ".join(t.name for t in m.tensors if t.stacked and t.slots == slots),
+                )
+                for slots, name in self.slot_tables.items()
+            ],
+            weights=[
+                dict(name=_part_name(w.name, part), shape=repr(tuple(part.shape)), dtype=part.dtype)
+                for w in weights
+                for part in storage(w.type.dtype, w.full_shape)
+            ],
             states=[self.state(s) for s in m.states],
-            sequences=list(seqs.values()), epilogue=epilogue, tiles_of_kind=tiles_of_kind,
+            sequences=list(seqs.values()),
+            epilogue=epilogue,
+            tiles_of_kind=tiles_of_kind,
             hbm_inputs=[_part_name(w.name, part) for w in weights for part in storage(w.type.dtype, w.full_shape)],
             vectors=[w.name for w in weights if len(w.type.shape) == 1 and not w.stacked],
-            padded=[dict(name=w.name, rows=roles.padded_rows(w)) for w in weights
-                    if len(w.type.shape) == 1 and w.stacked and roles.padded_rows(w) != w.stack],
+            padded=[
+                dict(name=w.name, rows=roles.padded_rows(w))
+                for w in weights
+                if len(w.type.shape) == 1 and w.stacked and roles.padded_rows(w) != w.stack
+            ],
             scratch=[dict(name=a.name, ctor=_ctor(a)) for a in plan.vmem if a.scratch],
-            attentions=self.attentions, objects=self.objects, prologue_starts=prologue_starts,
+            attentions=self.attentions,
+            objects=self.objects,
+            prologue_starts=prologue_starts,
             runtime=self.runtime_parts(),
             rope_tables=[dict(name=name, d=d, theta=repr(theta)) for (d, theta), name in self.rope_tables.items()],
-            prologue=prologue, carries=carries,
-            logits=self.operand(m.step, m.step.results[0]), next_tokens=self.operand(m.step, m.step.results[1]),
+            prologue=prologue,
+            carries=carries,
+            logits=self.operand(m.step, m.step.results[0]),
+            next_tokens=self.operand(m.step, m.step.results[1]),
             vocab=_vocab(m),
         )
         return _env().get_template("module.py.jinja").render(**context)
@@ -343,8 +457,13 @@ class _Emitter:
         """The runtime templates this module needs, so a dense model carries no KDA code."""
         ops = {n.op for g in [*self.m.kinds, self.m.step] for n in g.nodes}
         parts = ["core"]
-        for part, needs in (("attention", {"attention", "mla_attention"}), ("mla", {"mla_attention"}), ("kda", {"short_conv", "l2norm", "kda_gate", "delta_rule"}),
-                            ("residual", {"res_init", "res_mix", "res_snapshot"}), ("moe", {"moe_experts"})):
+        for part, needs in (
+            ("attention", {"attention", "mla_attention"}),
+            ("mla", {"mla_attention"}),
+            ("kda", {"short_conv", "l2norm", "kda_gate", "delta_rule"}),
+            ("residual", {"res_init", "res_mix", "res_snapshot"}),
+            ("moe", {"moe_experts"}),
+        ):
             if ops & needs:
                 parts.append(part)
         return [f"runtime/{p}.py.jinja" for p in parts]
