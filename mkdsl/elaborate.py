@@ -8,6 +8,7 @@ parameters and results are the values carried from layer to layer.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 from mkdsl import dtypes
@@ -214,8 +215,43 @@ class _Elaborator:
                 if a.name in mesh:
                     self.rep.error(a.span, f"mesh axis `{a.name}` is declared twice")
                 size = self.consts.eval_int(a.value, f"mesh axis `{a.name}`")
+                if size is not None and (size < 1 or size & (size - 1)):
+                    self.rep.error(
+                        a.value.span,
+                        f"mesh axis `{a.name}` has size {size}; it must be a power of two",
+                        "in-kernel collectives pair devices by XOR of their mesh coordinates",
+                    )
+                    size = None
                 mesh.setdefault(a.name, size or 1)
         return mesh
+
+    def check_dim_axes(self, name: str, i: int, d, size, mesh: dict[str, int]) -> tuple[str, ...]:
+        """The mesh axes dimension i of `name` is split over, checked: declared, not repeated, dividing."""
+        axes: list[str] = []
+        for axis, span in zip(d.axes, d.axis_spans, strict=True):
+            if axis not in mesh:
+                self.rep.error(
+                    span,
+                    f"`{axis}` is not a mesh axis",
+                    did_you_mean(axis, mesh)
+                    or ("declare it: `mesh { " + axis + " = N }`" if not mesh else f"mesh axes: {', '.join(mesh)}"),
+                )
+            elif axis in axes:
+                self.rep.error(span, f"dimension {i + 1} of `{name}` is split over mesh axis `{axis}` twice")
+            else:
+                axes.append(axis)
+        if len(axes) != len(d.axes) or not axes:
+            return tuple(axes)
+        ways = math.prod(mesh[a] for a in axes)
+        if isinstance(size, int) and size % ways:
+            over = (
+                f"mesh axis `{axes[0]}` (size {ways}) does not divide"
+                if len(axes) == 1
+                else f"mesh axes {' x '.join(f'`{a}`' for a in axes)} ({' x '.join(str(mesh[a]) for a in axes)} = {ways}) "
+                "do not divide"
+            )
+            self.rep.error(d.span, f"dimension {i + 1} of `{name}` has size {size}, which {over}")
+        return tuple(axes)
 
     def check_hints(self) -> dict[str, Hint]:
         hints = {}
@@ -324,25 +360,8 @@ class _Elaborator:
         for t in self.d.tensors.values():
             dt, shape = self.check_type(t.type, t.name, allow_dims=t.kind == "state")
             sharding = []
-            for i, (d, size) in enumerate(zip(t.type.dims, shape)):
-                sharding.append(d.axis)
-                if d.axis is None:
-                    continue
-                if d.axis not in mesh:
-                    self.rep.error(
-                        d.axis_span,
-                        f"`{d.axis}` is not a mesh axis",
-                        did_you_mean(d.axis, mesh)
-                        or (
-                            "declare it: `mesh { " + d.axis + " = N }`" if not mesh else f"mesh axes: {', '.join(mesh)}"
-                        ),
-                    )
-                elif isinstance(size, int) and size % mesh[d.axis]:
-                    self.rep.error(
-                        d.span,
-                        f"dimension {i + 1} of `{t.name}` has size {size}, which mesh axis "
-                        f"`{d.axis}` (size {mesh[d.axis]}) does not divide",
-                    )
+            for i, (d, size) in enumerate(zip(t.type.dims, shape, strict=True)):
+                sharding.append(self.check_dim_axes(t.name, i, d, size, mesh))
             if dt is not None and dt.quantised and None not in shape:
                 if len(shape) < 2:
                     self.rep.error(t.type.span, f"a {dt} tensor needs at least 2 dimensions [.., in, out]")

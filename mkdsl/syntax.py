@@ -117,8 +117,8 @@ class HintsDecl:
 class ShapeDim:
     span: Span
     size: Expr
-    axis: str | None  # mesh axis this dimension is sharded over
-    axis_span: Span | None = None
+    axes: tuple[str, ...] = ()  # mesh axes this dimension is split over (their product)
+    axis_spans: tuple[Span, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,9 +243,8 @@ class _ToAst(Transformer):
         return tuple(c)
 
     def sdim(self, meta, c):
-        if len(c) > 1:
-            return ShapeDim(_span(meta), c[0], str(c[1]), Span.of(c[1]))
-        return ShapeDim(_span(meta), c[0], None)
+        axes = c[1:]  # NAME tokens after `@`: one, or a parenthesised list
+        return ShapeDim(_span(meta), c[0], tuple(str(a) for a in axes), tuple(Span.of(a) for a in axes))
 
     def stacking(self, meta, c):
         return (tuple(c[0]) if c else (), _span(meta))

@@ -336,9 +336,39 @@ CASES = [
     ),
     case(
         "indivisible-sharding",
+        edit("mesh { tp = 1 }", "mesh { tp = 256 }"),
+        Err(24, 26, "NH*D @tp", "dimension 2 of `wq` has size 128, which mesh axis `tp` (size 256) does not divide"),
+        Err(27, 23, "NH*D @tp", "dimension 1 of `wo` has size 128, which mesh axis `tp` (size 256) does not divide"),
+    ),
+    case(
+        "indivisible-over-two-axes",
+        edit(
+            "weight wo:       bf16[NH*D @tp, H]",
+            "weight wo:       bf16[NH*D @(tp, ep), H]",
+            spec=edit("mesh { tp = 1 }", "mesh { tp = 16  ep = 16 }"),
+        ),
+        Err(
+            27,
+            23,
+            "NH*D @(tp, ep)",
+            "dimension 1 of `wo` has size 128, which mesh axes `tp` x `ep` (16 x 16 = 256) do not divide",
+        ),
+    ),
+    case(
+        "mesh-axis-not-a-power-of-two",
         edit("mesh { tp = 1 }", "mesh { tp = 3 }"),
-        Err(24, 26, "NH*D @tp", "dimension 2 of `wq` has size 128, which mesh axis `tp` (size 3) does not divide"),
-        Err(27, 23, "NH*D @tp", "dimension 1 of `wo` has size 128, which mesh axis `tp` (size 3) does not divide"),
+        Err(
+            18,
+            13,
+            "3",
+            "mesh axis `tp` has size 3; it must be a power of two",
+            "in-kernel collectives pair devices by XOR of their mesh coordinates",
+        ),
+    ),
+    case(
+        "axis-repeated-in-a-dimension",
+        edit("bf16[NH*D @tp, H]", "bf16[NH*D @(tp, tp), H]"),
+        Err(27, 34, "tp", "dimension 1 of `wo` is split over mesh axis `tp` twice"),
     ),
     # ------------------------------------------------------------------ layer schedule
     case(
@@ -724,16 +754,16 @@ spec.mk:52:29: error: unknown layer kind `decodr`
         id="unknown-layer-kind",
     ),
     pytest.param(
-        edit("const V = 256", "const V = 256 // (NH - 2)", spec=edit("mesh { tp = 1 }", "mesh { tp = 3 }")),
+        edit("const V = 256", "const V = 256 // (NH - 2)", spec=edit("mesh { tp = 1 }", "mesh { tp = 256 }")),
         [],
         """\
 spec.mk:10:15: error: division by zero
    10 | const V = 256 // (NH - 2)
                       ^^
-spec.mk:24:26: error: dimension 2 of `wq` has size 128, which mesh axis `tp` (size 3) does not divide
+spec.mk:24:26: error: dimension 2 of `wq` has size 128, which mesh axis `tp` (size 256) does not divide
    24 | weight wq:       bf16[H, NH*D @tp]  per layer
                                  ^^^^^^^^
-spec.mk:27:23: error: dimension 1 of `wo` has size 128, which mesh axis `tp` (size 3) does not divide
+spec.mk:27:23: error: dimension 1 of `wo` has size 128, which mesh axis `tp` (size 256) does not divide
    27 | weight wo:       bf16[NH*D @tp, H]  per layer
                               ^^^^^^^^
 3 errors in spec.mk
