@@ -596,8 +596,8 @@ class _Context:
             return self.call_layers(e, env, g, inline_stack)
         if e.func in self.el.d.blocks:
             return self.inline_block(e, env, g, inline_stack)
-        if e.func not in OPS:
-            known = [*OPS, *self.el.d.blocks, "layers"]
+        if e.func not in OPS or OPS[e.func].internal:
+            known = [*(k for k, o in OPS.items() if not o.internal), *self.el.d.blocks, "layers"]
             self.rep.error(e.func_span, f"unknown op or block `{e.func}`", did_you_mean(e.func, known))
             return None
         op = OPS[e.func]

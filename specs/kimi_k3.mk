@@ -23,13 +23,28 @@ const FD    = 33792     # dense MLP width (layer 0)
 const BLOCK = 12        # layers per attention-residual block
 const EPS   = 0.00001
 
-# Derived sizes. Narrow projections are stored padded to a multiple of 128 columns (zeros past
-# the real width, which the loader writes) and sliced after the matmul: weight tiles are lane
-# aligned and no DMA is narrower than 128 lanes.
-const NB    = 1 + (L - 1) // BLOCK          # residual blocks kept (embedding + snapshots)
-const NHP   = (NH + 127) // 128 * 128       # KDA beta projection, padded
-const KVP   = (KVR + XK + 127) // 128 * 128 # MLA kv down-projection, padded
-const EP    = (E + 127) // 128 * 128        # router, padded
+# Devices: 16 TPU7x chips = 32 cores (one JAX device each). Experts are split 8 ways by owner
+# (expert parallel) and 4 ways by columns inside each expert; everything split by heads,
+# columns or vocabulary uses all 32 devices (ep x tp). Axis sizes are powers of two.
+const EPN   = 8
+const TPN   = 4
+const DEV   = EPN * TPN
+mesh { ep = EPN  tp = TPN }
+
+# Derived sizes. Every device's slice of a weight is a whole number of 128-lane columns, so
+# weight tiles are lane aligned and no DMA is narrower than 128 lanes. Narrow projections are
+# stored padded (zeros, which the loader writes): per device for the head-split ones (device
+# i's block of columns holds its heads first, then zeros; `compact` drops the zeros), at the
+# end for the others (`slice` drops them). Zero-padded MLP columns contribute exactly zero.
+const NB    = 1 + (L - 1) // BLOCK                        # residual blocks kept (embedding + snapshots)
+const HD    = NH // DEV                                   # heads per device
+const NHB   = (HD + 127) // 128 * 128                     # KDA beta columns per device, padded
+const QH    = HD * (NOPE + XK)                            # MLA query columns per device
+const QB    = (QH + 127) // 128 * 128                     # ... padded
+const KVP   = (KVR + XK + 127) // 128 * 128               # MLA kv down-projection, padded
+const EP    = (E + EPN * 128 - 1) // (EPN * 128) * (EPN * 128)      # router columns, padded
+const FDP   = (FD + DEV * 128 - 1) // (DEV * 128) * (DEV * 128)    # dense MLP width, padded
+const FSP   = (FS + DEV * 128 - 1) // (DEV * 128) * (DEV * 128)    # shared experts, padded
 
 dim B in 1 .. 8         # rows decoded together
 dim S in 1 .. 131072    # cache length
@@ -38,8 +53,8 @@ dim S in 1 .. 131072    # cache length
 profile mini {
   L = 8
   H = 256
-  V = 512
-  NH = 2
+  V = 1024
+  NH = 8
   QR = 256
   KVR = 128
   E = 16
@@ -49,17 +64,21 @@ profile mini {
   FS = 256
   FD = 512
   BLOCK = 4
+  EPN = 4
+  TPN = 2
 }
 
-# Published per-layer dims, only 5 layers (dense layer 0, KDA 1-2, MLA 3-4): about 74 GB of
-# weights, within one TPU7x core's 94.7 GB of HBM, for the full-width single-core compile check.
+# Published per-layer dims, only 5 layers (dense layer 0, KDA 1-2, MLA 3-4), on one device:
+# about 74 GB of weights, within one TPU7x core's 94.7 GB of HBM (single-core compile check).
 profile core {
   L = 5
+  EPN = 1
+  TPN = 1
 }
 
 # ---- embedding, output head, residual mixing
-weight embed:       bf16[V, H]
-weight lm_head:     bf16[H, V]
+weight embed:       bf16[V @(ep, tp), H]
+weight lm_head:     bf16[H, V @(ep, tp)]
 weight final_norm:  bf16[H]
 weight out_res:     bf16[H]            # residual-norm weight times residual projection, folded
 weight attn_res:    bf16[H]  per layer
@@ -68,67 +87,67 @@ weight input_norm:  bf16[H]  per layer
 weight post_norm:   bf16[H]  per layer
 
 # ---- KDA (layers of kinds kda_dense and kda_moe)
-weight kda_wq:      bf16[H, NH*D]      per layer(kda_dense, kda_moe)
-weight kda_wk:      bf16[H, NH*D]      per layer(kda_dense, kda_moe)
-weight kda_wv:      bf16[H, NH*D]      per layer(kda_dense, kda_moe)
-weight kda_conv_q:  bf16[CONV, NH*D]   per layer(kda_dense, kda_moe)
-weight kda_conv_k:  bf16[CONV, NH*D]   per layer(kda_dense, kda_moe)
-weight kda_conv_v:  bf16[CONV, NH*D]   per layer(kda_dense, kda_moe)
+weight kda_wq:      bf16[H, NH*D @(ep, tp)]      per layer(kda_dense, kda_moe)
+weight kda_wk:      bf16[H, NH*D @(ep, tp)]      per layer(kda_dense, kda_moe)
+weight kda_wv:      bf16[H, NH*D @(ep, tp)]      per layer(kda_dense, kda_moe)
+weight kda_conv_q:  bf16[CONV, NH*D @(ep, tp)]   per layer(kda_dense, kda_moe)
+weight kda_conv_k:  bf16[CONV, NH*D @(ep, tp)]   per layer(kda_dense, kda_moe)
+weight kda_conv_v:  bf16[CONV, NH*D @(ep, tp)]   per layer(kda_dense, kda_moe)
 weight kda_wfa:     bf16[H, D]         per layer(kda_dense, kda_moe)
-weight kda_wfb:     bf16[D, NH*D]      per layer(kda_dense, kda_moe)
-weight kda_a_log:   f32[NH]            per layer(kda_dense, kda_moe)
-weight kda_dt_bias: f32[NH*D]          per layer(kda_dense, kda_moe)
-weight kda_wb:      bf16[H, NHP]       per layer(kda_dense, kda_moe)
-weight kda_wg:      bf16[H, NH*D]      per layer(kda_dense, kda_moe)
+weight kda_wfb:     bf16[D, NH*D @(ep, tp)]      per layer(kda_dense, kda_moe)
+weight kda_a_log:   f32[NH @(ep, tp)]            per layer(kda_dense, kda_moe)
+weight kda_dt_bias: f32[NH*D @(ep, tp)]          per layer(kda_dense, kda_moe)
+weight kda_wb:      bf16[H, DEV*NHB @(ep, tp)]       per layer(kda_dense, kda_moe)
+weight kda_wg:      bf16[H, NH*D @(ep, tp)]      per layer(kda_dense, kda_moe)
 weight kda_onorm:   bf16[D]            per layer(kda_dense, kda_moe)
-weight kda_wo:      bf16[NH*D, H]      per layer(kda_dense, kda_moe)
+weight kda_wo:      bf16[NH*D @(ep, tp), H]      per layer(kda_dense, kda_moe)
 
-state kda_state:    f32[B, NH, D, D]        per layer(kda_dense, kda_moe)
-state kda_q_conv:   f32[B, CONV - 1, NH*D]  per layer(kda_dense, kda_moe)
-state kda_k_conv:   f32[B, CONV - 1, NH*D]  per layer(kda_dense, kda_moe)
-state kda_v_conv:   f32[B, CONV - 1, NH*D]  per layer(kda_dense, kda_moe)
+state kda_state:    f32[B, NH @(ep, tp), D, D]        per layer(kda_dense, kda_moe)
+state kda_q_conv:   f32[B, CONV - 1, NH*D @(ep, tp)]  per layer(kda_dense, kda_moe)
+state kda_k_conv:   f32[B, CONV - 1, NH*D @(ep, tp)]  per layer(kda_dense, kda_moe)
+state kda_v_conv:   f32[B, CONV - 1, NH*D @(ep, tp)]  per layer(kda_dense, kda_moe)
 
 # ---- MLA, K3 variant: no rotary embedding, gated output, latent cache with absorption
 weight mla_wqa:     bf16[H, QR]            per layer(mla_moe)
 weight mla_qnorm:   bf16[QR]               per layer(mla_moe)
-weight mla_wqb:     bf16[QR, NH*(NOPE+XK)] per layer(mla_moe)
+weight mla_wqb:     bf16[QR, DEV*QB @(ep, tp)] per layer(mla_moe)
 weight mla_wkva:    bf16[H, KVP]           per layer(mla_moe)
 weight mla_kvnorm:  bf16[KVR]              per layer(mla_moe)
-weight mla_wkvb:    bf16[KVR, NH*(NOPE+D)] per layer(mla_moe)
-weight mla_wg:      bf16[H, NH*D]          per layer(mla_moe)
-weight mla_wo:      bf16[NH*D, H]          per layer(mla_moe)
+weight mla_wkvb:    bf16[KVR, NH*(NOPE+D) @(ep, tp)] per layer(mla_moe)
+weight mla_wg:      bf16[H, NH*D @(ep, tp)]          per layer(mla_moe)
+weight mla_wo:      bf16[NH*D @(ep, tp), H]          per layer(mla_moe)
 
 state mla_cache:    bf16[B, S, KVR + XK]   per layer(mla_moe)
 
 # ---- MLPs: dense at layer 0, latent MoE after it
-weight dense_gate:  bf16[H, FD]  per layer(kda_dense)
-weight dense_up:    bf16[H, FD]  per layer(kda_dense)
-weight dense_down:  bf16[FD, H]  per layer(kda_dense)
+weight dense_gate:  bf16[H, FDP @(ep, tp)]  per layer(kda_dense)
+weight dense_up:    bf16[H, FDP @(ep, tp)]  per layer(kda_dense)
+weight dense_down:  bf16[FDP @(ep, tp), H]  per layer(kda_dense)
 
-weight moe_router:  bf16[H, EP]         per layer(kda_moe, mla_moe)
+weight moe_router:  bf16[H, EP @ep]         per layer(kda_moe, mla_moe)
 weight moe_bias:    f32[E]              per layer(kda_moe, mla_moe)
-weight moe_down:    bf16[H, LAT]        per layer(kda_moe, mla_moe)
-weight moe_w1:      mxfp4[E, LAT, FE]   per layer(kda_moe, mla_moe)
-weight moe_w3:      mxfp4[E, LAT, FE]   per layer(kda_moe, mla_moe)
-weight moe_w2:      mxfp4[E, FE, LAT]   per layer(kda_moe, mla_moe)
+weight moe_down:    bf16[H, LAT @tp]        per layer(kda_moe, mla_moe)
+weight moe_w1:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
+weight moe_w3:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
+weight moe_w2:      mxfp4[E @ep, FE @tp, LAT]   per layer(kda_moe, mla_moe)
 weight moe_rnorm:   bf16[LAT]           per layer(kda_moe, mla_moe)
-weight moe_up:      bf16[LAT, H]        per layer(kda_moe, mla_moe)
-weight shared_gate: bf16[H, FS]         per layer(kda_moe, mla_moe)
-weight shared_up:   bf16[H, FS]         per layer(kda_moe, mla_moe)
-weight shared_down: bf16[FS, H]         per layer(kda_moe, mla_moe)
+weight moe_up:      bf16[LAT @(ep, tp), H]        per layer(kda_moe, mla_moe)
+weight shared_gate: bf16[H, FSP @(ep, tp)]  per layer(kda_moe, mla_moe)
+weight shared_up:   bf16[H, FSP @(ep, tp)]  per layer(kda_moe, mla_moe)
+weight shared_down: bf16[FSP @(ep, tp), H]  per layer(kda_moe, mla_moe)
 
 block kda(x) {
   q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
   k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
   v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
   g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
-  beta = sigmoid(slice(linear(x, kda_wb), start=0, size=NH))
+  beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
   o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
   return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
 }
 
 block mla(x) {
-  q = linear(rmsnorm(linear(x, mla_wqa), mla_qnorm, eps=EPS), mla_wqb)
+  q = compact(linear(rmsnorm(linear(x, mla_wqa), mla_qnorm, eps=EPS), mla_wqb), block=QB, keep=QH)
   kv = linear(x, mla_wkva)
   c = rmsnorm(slice(kv, start=0, size=KVR), mla_kvnorm, eps=EPS)
   y = mla_attention(q, c, slice(kv, start=KVR, size=XK), mla_wkvb, mla_cache, positions,

@@ -57,6 +57,40 @@ register(
 )
 
 
+def _compact_infer(args, attrs):
+    (x,) = args
+    expect_rank(x, 2, 0, "the input")
+    expect_float(x, 0)
+    block, keep = attrs["block"], attrs["keep"]
+    if not isinstance(block, int) or block < 1:
+        raise OpError(f"block must be a positive integer, got {block}", "block")
+    if not isinstance(keep, int) or not 1 <= keep <= block:
+        raise OpError(f"keep must be an integer in 1..{block} (the block), got {keep}", "keep")
+    n = x.type.shape[1]
+    if isinstance(n, int) and n % block:
+        raise OpError(f"`{x.name}` has {n} columns, not a whole number of {block}-column blocks", 0)
+    return (TensorType(F32, (x.type.shape[0], n // block * keep if isinstance(n, int) else n)),)
+
+
+def compact(x, block, keep):
+    rows, n = x.shape
+    return (x.reshape(rows, n // block, block)[:, :, :keep].reshape(rows, n // block * keep).astype(jnp.float32),)
+
+
+register(
+    OpDef(
+        "compact",
+        ("x",),
+        _compact_infer,
+        compact,
+        lambda ins, outs, a: Cost(),
+        attrs={"block": REQUIRED, "keep": REQUIRED},
+        doc="The first `keep` columns of every `block` columns, concatenated, as f32 (undoes per-block padding).",
+        kernel_expr="compact_columns({x}, {block}, {keep})",
+    )
+)
+
+
 def mla_attention(q, c_kv, k_extra, w_kvb, cache, positions, heads, nope, extra, vdim, scale=None):
     """Decode MLA with weight absorption over a latent cache [B, S, R + extra].
 

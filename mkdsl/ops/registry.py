@@ -71,6 +71,7 @@ class OpDef:
     # TPU lowering of an elementwise op: a jnp expression over `{operand}` values (f32 arrays)
     # and `{attr}` literals. Ops with more structure have a macro in backends/tpu/templates/ops.jinja.
     kernel_expr: str | None = None
+    internal: bool = False  # inserted by the compiler; specs cannot call it
 
 
 OPS: dict[str, OpDef] = {}

@@ -1,0 +1,376 @@
+"""Shard a checked model over its mesh: the per-device model that every device runs.
+
+Runs between the checker and the planner. Each value gets a placement — whole on every device
+(`R`), split along its last dimension over some mesh axes (`S`), or a partial sum over some
+axes (`P`) — propagated through each graph by one rule per op. Where an op needs an operand in
+another placement the pass inserts the collective that makes it so: `all_reduce` right after a
+row-parallel projection, an expert-parallel MoE or a vocabulary-split embedding, `all_gather`
+before an op that needs the whole value. Tensor shapes and per-head attributes become
+per-device. A one-device mesh returns the model unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from mkdsl.diagnostics import Diagnostic, SpecError
+from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
+from mkdsl.ops import OPS, Operand, OpError
+
+ELEMENTWISE = {"add", "mul", "sigmoid", "silu", "swiglu", "situ", "softcap"}
+WHOLE_ONLY = {"slice", "softmax", "topk", "route", "res_init", "res_mix", "res_snapshot"}
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a value lives: `R` whole everywhere, `S` split (last dim) or `P` partial over `axes`."""
+
+    kind: str
+    axes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return "whole on every device" if self.kind == "R" else f"{self.kind}({', '.join(self.axes)})"
+
+
+WHOLE = Place("R")
+
+
+class ShardError(Exception):
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+def devices(model: Model) -> int:
+    return math.prod(size for _, size in model.mesh)
+
+
+def is_sharded(model: Model) -> bool:
+    return devices(model) > 1 and any(any(axes) for t in model.tensors for axes in t.sharding)
+
+
+def shard(model: Model) -> Model:
+    """The per-device model: local shapes and attributes, collectives inserted."""
+    if not is_sharded(model):
+        return model
+    return _Sharder(model).run()
+
+
+class _Sharder:
+    def __init__(self, model: Model):
+        self.m = model
+        self.mesh = dict(model.mesh)
+        self.order = [name for name, _ in model.mesh]
+        self.errors: list[Diagnostic] = []
+        self.tensors = {t.name: self.local_tensor(t) for t in model.tensors}
+
+    def ways(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.mesh[a] for a in axes)
+
+    def sorted_axes(self, axes) -> tuple[str, ...]:
+        return tuple(a for a in self.order if a in set(axes))
+
+    def local_tensor(self, t: Tensor) -> Tensor:
+        shape = tuple(
+            d // self.ways(axes) if axes and isinstance(d, int) else d
+            for d, axes in zip(t.type.shape, t.sharding, strict=True)
+        )
+        return dataclasses.replace(t, type=TensorType(t.type.dtype, shape))
+
+    def run(self) -> Model:
+        kinds = tuple(self.graph(k, carried=True) for k in self.m.kinds)
+        step = self.graph(self.m.step, carried=False)
+        if self.errors:
+            raise SpecError(self.errors)
+        return dataclasses.replace(self.m, tensors=tuple(self.tensors.values()), kinds=kinds, step=step)
+
+    # ------------------------------------------------------------------ one graph
+
+    def graph(self, g: Graph, carried: bool) -> Graph:
+        place: dict[str, Place] = {v.name: WHOLE for v in g.params}
+        types: dict[str, TensorType] = {v.name: v.type for v in g.params}
+        converted: dict[tuple[str, Place], str] = {}
+        out: list[Node] = []
+        for node in g.nodes:
+            try:
+                out.extend(self.node(g, node, place, types, converted))
+            except ShardError as e:
+                self.errors.append(Diagnostic(node.span, f"{node.op}: {e}", e.hint))
+        results = list(g.results)
+        for i, r in enumerate(g.results):
+            if r.kind != "value" or place.get(r.name, WHOLE).kind == "R":
+                continue
+            if not carried and i == 0 and place[r.name].kind == "S":
+                continue  # the logits may stay split over the vocabulary: the caller sees one array
+            pre: list[Node] = []
+            results[i] = self.convert(g, 0, place[r.name], WHOLE, types, converted, pre, ref=r)
+            out.extend(pre)
+        return dataclasses.replace(g, nodes=tuple(out), results=tuple(results))
+
+    def operand_place(self, ref: Ref, place) -> Place:
+        if ref.kind == "value":
+            return place[ref.name]
+        if ref.kind == "tensor":
+            axes = self.tensors[ref.name].sharding[-1]
+            return Place("S", axes) if axes else WHOLE
+        return WHOLE
+
+    def node(self, g: Graph, node: Node, place, types, converted) -> list[Node]:
+        if node.op == "layers":
+            for r in node.inputs:
+                if r.kind == "value" and place[r.name].kind != "R":
+                    raise ShardError(f"the layer stack's carried `{r.name}` must be whole on every device")
+            for v in node.outputs:
+                place[v.name], types[v.name] = WHOLE, v.type
+            return [node]
+        places = [self.operand_place(r, place) for r in node.inputs]
+        rule = RULES.get(node.op, _rule_whole if node.op in WHOLE_ONLY else None)
+        if rule is None:
+            raise ShardError("no sharding rule for this op yet")
+        need, outs, attrs = rule(self, node, places)
+        pre: list[Node] = []
+        inputs = list(node.inputs)
+        for i, want in need.items():
+            if places[i] != want:
+                inputs[i] = self.convert(node, i, places[i], want, types, converted, pre)
+        attr = dict(node.attrs) | attrs
+        operands = [self.operand(r, types) for r in inputs]
+        try:
+            out_types = OPS[node.op].infer(
+                operands, {k: v.first if isinstance(v, LayerExpr) else v for k, v in attr.items()}
+            )
+        except OpError as e:
+            raise ShardError(f"per device: {e}", e.hint) from None
+        outputs = []
+        for v, t, p in zip(node.outputs, out_types, outs, strict=True):
+            outputs.append(Value(v.name, t, v.span))
+            place[v.name], types[v.name] = p, t
+        new = dataclasses.replace(node, inputs=tuple(inputs), attrs=tuple(attr.items()), outputs=tuple(outputs))
+        return [*pre, new]
+
+    def operand(self, ref: Ref, types) -> Operand:
+        if ref.kind == "tensor":
+            t = self.tensors[ref.name]
+            return Operand(t.type, "tensor", ref.name, t.kind == "state")
+        if ref.kind == "input":
+            return Operand(next(v.type for v in self.m.inputs if v.name == ref.name), "input", ref.name)
+        return Operand(types[ref.name], "value", ref.name)
+
+    def convert(self, at, i: int, have: Place, want: Place, types, converted, pre: list[Node], ref=None) -> Ref:
+        """A ref to operand i of `at` in placement `want`, inserting the collective that makes it."""
+        ref = ref or at.inputs[i]
+        if ref.kind != "value":
+            raise ShardError(
+                f"operand {i + 1} (`{ref.name}`) is {have} but this op needs it {want}",
+                "split the tensors that meet in this op alike, or leave them whole",
+            )
+        key = (ref.name, want)
+        if key in converted:
+            return Ref("value", converted[key])
+        name, t = ref.name, types[ref.name]
+        if have.kind == "P":  # partial sums: add them up first
+            name, t = self.emit(pre, at, "all_reduce", name, t, f"{ref.name}__sum", t, axes=have.axes)
+            converted[(ref.name, WHOLE)] = name
+            have = WHOLE
+        if have == want:
+            pass
+        elif have.kind == "S" and want.kind == "R":
+            ways = self.ways(have.axes)
+            whole = TensorType(t.dtype, (*t.shape[:-1], t.shape[-1] * ways))
+            name, t = self.emit(pre, at, "all_gather", name, t, f"{ref.name}__whole", whole, axes=have.axes, ways=ways)
+        elif have.kind == "R" and want.kind == "S":
+            ways = self.ways(want.axes)
+            if not isinstance(t.shape[-1], int) or t.shape[-1] % ways:
+                raise ShardError(f"`{ref.name}` has {t.shape[-1]} columns, which do not split {ways} ways")
+            part = TensorType(t.dtype, (*t.shape[:-1], t.shape[-1] // ways))
+            name, t = self.emit(pre, at, "shard_slice", name, t, f"{ref.name}__mine", part, axes=want.axes, ways=ways)
+        else:
+            raise ShardError(
+                f"operand {i + 1} (`{ref.name}`) is {have} but this op needs it {want}",
+                "split the tensors that meet in this op alike, or leave them whole",
+            )
+        converted[key] = name
+        for n in pre:
+            for v in n.outputs:
+                types[v.name] = v.type
+        return Ref("value", name)
+
+    def emit(self, pre: list[Node], at, op: str, src: str, t, name: str, out_t, **attrs):
+        span = at.span
+        pre.append(Node(op, (Ref("value", src),), tuple(attrs.items()), (Value(name, out_t, span),), (), span,
+                        getattr(at, "block", "")))
+        return name, out_t
+
+    def tensor_axes(self, ref: Ref) -> tuple[tuple[str, ...], ...]:
+        return self.tensors[ref.name].sharding if ref.kind == "tensor" else ()
+
+
+# ---------------------------------------------------------------------- rules
+# rule(sharder, node, operand places) -> (needed places by operand index, output places, attr updates)
+
+
+def _rule_whole(s: _Sharder, node: Node, places):
+    for i, r in enumerate(node.inputs):
+        if r.kind == "tensor" and any(s.tensors[r.name].sharding):
+            raise ShardError(f"`{r.name}` is split over the mesh, but this op needs it whole", "leave it unsplit")
+    return {i: WHOLE for i in range(len(places))}, [WHOLE] * OPS[node.op].outputs, {}
+
+
+def _common_split(places, partial_ok: bool) -> Place:
+    """The placement shared by all operands (partial sums only where they may be added as they
+    are), else WHOLE: everything is gathered or summed first."""
+    kinds = set(places)
+    if len(kinds) == 1:
+        (p,) = kinds
+        if p.kind == "S" or (p.kind == "P" and partial_ok):
+            return p
+    return WHOLE
+
+
+def _rule_elementwise(s: _Sharder, node: Node, places):
+    target = _common_split(places, partial_ok=node.op == "add")
+    for i, r in enumerate(node.inputs):
+        if r.kind == "tensor" and places[i] != target:
+            raise ShardError(f"`{r.name}` is {places[i]} but the other operands are {target}")
+    return {i: target for i in range(len(places))}, [target], {}
+
+
+def _per_head(s: _Sharder, node: Node, x: Place, heads_attr: str = "heads"):
+    """Local head count when x is split over whole heads; None when x must be gathered."""
+    heads = node.attr.get(heads_attr, 1)
+    if x.kind != "S" or not isinstance(heads, int) or heads % s.ways(x.axes):
+        return None
+    return heads // s.ways(x.axes)
+
+
+def _rule_norm(s: _Sharder, node: Node, places):
+    x = places[0]
+    local = _per_head(s, node, x)
+    if local is None or node.attr.get("heads", 1) == 1:
+        return _rule_whole(s, node, places)
+    need = {0: x} | {i: WHOLE for i in range(1, len(places))}
+    return need, [x], {"heads": local}
+
+
+def _rule_same_split(s: _Sharder, node: Node, places, heads: bool):
+    """Channel-wise ops (short_conv, kda_gate, delta_rule, rope): every operand split the same way."""
+    target = places[0]
+    if target.kind != "S":
+        return _rule_whole(s, node, places)
+    need = {}
+    for i, r in enumerate(node.inputs):
+        if r.kind == "input":
+            need[i] = places[i]
+            continue
+        if r.kind == "tensor":
+            t = s.tensors[r.name]
+            split = next((axes for axes in t.sharding if axes), ())
+            if split != target.axes:
+                raise ShardError(
+                    f"`{r.name}` must be split over {', '.join(target.axes)} like `{node.inputs[0].name}`, "
+                    f"but it is {'split over ' + ', '.join(split) if split else 'whole'}"
+                )
+            need[i] = places[i]
+        else:
+            need[i] = target
+    attrs = {}
+    if heads:
+        local = _per_head(s, node, target)
+        if local is None:
+            raise ShardError(f"{node.attr.get('heads')} heads do not split {s.ways(target.axes)} ways")
+        attrs["heads"] = local
+    return need, [target] * OPS[node.op].outputs, attrs
+
+
+def _rule_linear(s: _Sharder, node: Node, places):
+    k_axes, n_axes = s.tensor_axes(node.inputs[1])
+    w = node.inputs[1].name
+    if not k_axes:
+        return {0: WHOLE}, [Place("S", n_axes) if n_axes else WHOLE], {}
+    if n_axes:
+        raise ShardError(f"`{w}` is split along both dimensions; split its rows or its columns")
+    return {0: Place("S", k_axes)}, [Place("P", k_axes)], {}  # row-parallel: partial sums
+
+
+def _rule_embedding(s: _Sharder, node: Node, places):
+    v_axes, h_axes = s.tensor_axes(node.inputs[1])
+    if h_axes:
+        raise ShardError(f"`{node.inputs[1].name}` may be split by vocabulary rows only")
+    if not v_axes:
+        return {0: WHOLE}, [WHOLE], {}
+    return {0: WHOLE}, [Place("P", v_axes)], {"shard_axes": v_axes}
+
+
+def _rule_argmax(s: _Sharder, node: Node, places):
+    x = places[0]
+    if x.kind == "S":
+        return {0: x}, [WHOLE], {"shard_axes": x.axes}
+    return {0: WHOLE}, [WHOLE], {}
+
+
+def _rule_compact(s: _Sharder, node: Node, places):
+    x = places[0]
+    return {0: x}, [x], {}
+
+
+def _rule_attention(s: _Sharder, node: Node, places):
+    need, outs, attrs = _rule_same_split(s, node, places, heads=True)
+    if places[0].kind == "S":
+        kv = node.attr.get("kv_heads", 1)
+        ways = s.ways(places[0].axes)
+        if kv % ways:
+            raise ShardError(f"{kv} KV heads do not split {ways} ways")
+        attrs["kv_heads"] = kv // ways
+    return need, outs, attrs
+
+
+def _rule_mla(s: _Sharder, node: Node, places):
+    q = places[0]
+    w_axes = s.tensor_axes(node.inputs[3])
+    cache_axes = s.tensor_axes(node.inputs[4])
+    if any(cache_axes):
+        raise ShardError("the latent cache is shared by all heads: leave it whole on every device")
+    if q.kind != "S":
+        if any(w_axes):
+            raise ShardError(f"`{node.inputs[3].name}` is split but the queries are whole")
+        return _rule_whole(s, node, places)
+    if w_axes[0] or w_axes[1] != q.axes:
+        raise ShardError(f"`{node.inputs[3].name}` must be split by columns (heads) over {', '.join(q.axes)}")
+    local = _per_head(s, node, q)
+    if local is None:
+        raise ShardError(f"{node.attr['heads']} heads do not split {s.ways(q.axes)} ways")
+    need = {0: q, 1: WHOLE, 2: WHOLE, 3: places[3], 4: places[4], 5: places[5]}
+    return need, [q], {"heads": local}
+
+
+def _rule_moe(s: _Sharder, node: Node, places):
+    w1, w3, w2 = (s.tensor_axes(r) for r in node.inputs[3:6])
+    e_axes, in_axes, f_axes = w1
+    if w3 != w1 or w2 != (e_axes, f_axes, in_axes) or in_axes:
+        raise ShardError(
+            "split the experts' weights alike: w1 and w3 as [E @experts, D, F @columns], w2 as [E @experts, F @columns, D]"
+        )
+    need = {i: WHOLE for i in range(3)}
+    if not e_axes and not f_axes:
+        return need, [WHOLE], {}
+    return need, [Place("P", s.sorted_axes(e_axes + f_axes))], {"expert_axes": e_axes}
+
+
+RULES = {
+    **{op: _rule_elementwise for op in ELEMENTWISE},
+    "rmsnorm": _rule_norm,
+    "l2norm": _rule_norm,
+    "short_conv": lambda s, n, p: _rule_same_split(s, n, p, heads=False),
+    "kda_gate": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
+    "delta_rule": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
+    "rope": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
+    "attention": _rule_attention,
+    "mla_attention": _rule_mla,
+    "linear": _rule_linear,
+    "embedding": _rule_embedding,
+    "argmax": _rule_argmax,
+    "compact": _rule_compact,
+    "moe_experts": _rule_moe,
+}
