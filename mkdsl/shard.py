@@ -212,7 +212,7 @@ class _Sharder:
 
 
 def _rule_whole(s: _Sharder, node: Node, places):
-    for i, r in enumerate(node.inputs):
+    for r in node.inputs:
         if r.kind == "tensor" and any(s.tensors[r.name].sharding):
             raise ShardError(f"`{r.name}` is split over the mesh, but this op needs it whole", "leave it unsplit")
     return {i: WHOLE for i in range(len(places))}, [WHOLE] * OPS[node.op].outputs, {}
