@@ -108,12 +108,16 @@ def cmd_plan(args) -> int:
     if args.context is not None and args.context < 0:
         raise UsageError(f"--context must be at least 0, got {args.context}")
     try:
-        depth = make_plan(model, batch=rows.high).ring_depth  # the kernel's ring is sized for the largest batch
+        from mkdsl.shard import shard
+
+        model = shard(model)  # the per-device model: plans and figures are per device (core)
+        wide = make_plan(model, batch=rows.high, context=args.context)
+        depth = wide.ring_depth  # the kernel's ring is sized for the largest batch
         plan = make_plan(model, batch=args.batch, context=args.context, ring_depth=depth)
     except SpecError as e:
         e.source = source
         raise
-    print(render_plan(model, plan, args.spec))
+    print(render_plan(model, plan, args.spec, wide=wide))
     return 0
 
 

@@ -1,6 +1,6 @@
 """The whole pipeline for one spec, and writing its output atomically.
 
-parse -> elaborate -> plan -> emit (kernel.py) + report (plan.md)
+parse -> elaborate -> shard -> plan -> emit (kernel.py) + report (plan.md)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from mkdsl.backends.tpu.emit import Source, emit_module
 from mkdsl.elaborate import elaborate, spec_sha256
 from mkdsl.ir import Model
 from mkdsl.plan import Plan, make_plan
+from mkdsl.shard import shard
 from mkdsl.report import render_plan
 from mkdsl.syntax import parse
 
@@ -46,12 +47,13 @@ def compile_source(
     out = out_dir or default_out_dir(spec_path, model.name, profile)
     # The spec as named in the output: relative to its project, so the output does not depend on `out`.
     shown = os.path.relpath(Path(spec_path).resolve(), project_root(spec_path)).replace(os.sep, "/")
-    budget = make_plan(model, batch=model.dims[0].high)  # VMEM at the largest batch
-    plan = make_plan(model, batch=model.dims[0].low, ring_depth=budget.ring_depth)  # traffic and timing at the smallest
+    local = shard(model)  # what one device runs (the model itself on a one-device mesh)
+    budget = make_plan(local, batch=model.dims[0].high)  # VMEM at the largest batch
+    plan = make_plan(local, batch=model.dims[0].low, ring_depth=budget.ring_depth)  # traffic and timing at the smallest
     src = Source(shown, source, spec_sha256(source))
     files = {
-        "kernel.py": emit_module(model, budget, src),
-        "plan.md": render_plan(model, plan, shown),
+        "kernel.py": emit_module(model, local, budget, src),
+        "plan.md": render_plan(local, plan, shown, wide=budget),
     }
     return Output(model, plan, files), out
 

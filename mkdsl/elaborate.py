@@ -46,6 +46,7 @@ HINTS = {
     "kv_tile": "KV cache tile in tokens",
     "expert_slots": "expert weight slots in flight",
     "vmem_cap_mib": "VMEM budget cap in MiB",
+    "wire_bf16": "1: all-reduces send bf16 partial sums between devices (half the bytes); 0: f32",
 }
 _OPERATORS = {"+": "add", "*": "mul"}
 

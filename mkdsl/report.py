@@ -4,6 +4,7 @@ the VMEM table, bytes per step, the HBM floor and the modeled time. Every time i
 from __future__ import annotations
 
 from mkdsl.ir import Model
+from mkdsl.plan import collectives
 from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB
 
@@ -23,8 +24,20 @@ def _dims(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def render_plan(model: Model, plan: Plan, spec_path: str) -> str:
-    """Markdown; deterministic for the same model and plan."""
+# Public figures for comparison, measured on hardware by others (not by mkdsl).
+PUBLIC = {
+    "kimi_k3": (
+        "709 accepted tokens/s: a hand-written Pallas megakernel on 16 TPU7x chips (32 cores), speculative "
+        "decoding with 8 rows per step and acceptance length 6",
+        "452 tokens/s on 16 GB200 GPUs",
+    ),
+}
+SPECULATIVE_ROWS, ACCEPTED = 8, 6  # the public speculative setting: rows verified per step, tokens accepted
+
+
+def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = None) -> str:
+    """Markdown; deterministic for the same model and plan. `wide`: the plan at the largest batch,
+    for the speculative-decoding comparison of sharded models."""
     t = plan.timing
     out = [
         f"# {model.name}: decode step plan",
@@ -46,10 +59,12 @@ def render_plan(model: Model, plan: Plan, spec_path: str) -> str:
         f"| DMAs per step | {plan.dma_count} |",
         f"| VMEM planned (explicit) | {_mib(plan.vmem_total)} of {_mib(plan.vmem_cap)} cap |",
         "",
-        "Modeled time = max(stream, MXU) + fixed + bubbles + issue:",
+        "Modeled time = max(stream, MXU) + fixed + bubbles + issue" + (" + collectives:" if plan.mesh else ":"),
         f"stream {t.stream_us:.1f} us, MXU {t.mxu_us:.1f} us, fixed {t.fixed_us:.1f} us, "
-        f"bubbles {t.bubble_us:.1f} us, DMA issue {t.issue_us:.1f} us.",
+        f"bubbles {t.bubble_us:.1f} us, DMA issue {t.issue_us:.1f} us"
+        + (f", collectives {t.comm_us:.1f} us." if plan.mesh else "."),
         "",
+        *(_devices(model, plan, wide) if plan.mesh else []),
         "## Layers",
         "",
         "| kind | layers | count |",
@@ -116,6 +131,60 @@ def render_plan(model: Model, plan: Plan, spec_path: str) -> str:
         )
     out += ["", f"Total VMEM: {_mib(plan.vmem_total)} of the {_mib(plan.vmem_cap)} cap.", ""]
     return "\n".join(out)
+
+
+def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
+    """The sharded step: mesh, per-core figures, collectives and the modeled tokens/s of the whole mesh."""
+    t = plan.timing
+    mesh = " x ".join(f"{name} {size}" for name, size in plan.mesh)
+    chips = plan.devices / 2
+    out = [
+        "## Devices and collectives (modeled)",
+        "",
+        f"Mesh {mesh} = {plan.devices} devices (TPU7x cores; {chips:g} chips of 2 cores). Every byte, VMEM "
+        "and time figure in this report is **per core**: each device runs the per-device model; the step "
+        "time is the same on every core (they exchange values every layer).",
+        "",
+        "| figure (modeled) | value |",
+        "|---|---|",
+        f"| weight + state bytes per core per step | {_bytes(plan.weight_bytes + plan.state_bytes)} |",
+        f"| HBM floor per core at {t.hbm_bytes_per_s / 1e12:.1f} TB/s | {t.floor_us:.1f} us |",
+        f"| exchange phases per step | {plan.exchange_phases} |",
+        f"| collectives per step | {t.comm_us:.1f} us |",
+        f"| modeled step time | {t.modeled_us:.1f} us |",
+        f"| modeled tokens/s, {plan.devices} cores ({chips:g} chips), batch {plan.batch} | "
+        f"{plan.batch * 1e6 / t.modeled_us:.1f} |",
+    ]
+    if wide is not None and wide.batch >= SPECULATIVE_ROWS:
+        w = wide.timing
+        out.append(
+            f"| modeled step time at batch {wide.batch} | {w.modeled_us:.1f} us |",
+        )
+        out.append(
+            f"| modeled accepted tokens/s if each step verified {SPECULATIVE_ROWS} draft rows and accepted "
+            f"{ACCEPTED} (the public setting; mkdsl has no speculative verify yet) | {ACCEPTED * 1e6 / w.modeled_us:.1f} |"
+        )
+    out.append(f"| collectives' wire type (all-reduce partial sums) | {plan.wire} |")
+    for line in PUBLIC.get(model.name, ()):
+        out.append(f"| public, measured (not mkdsl) | {line} |")
+    out += [
+        "",
+        "Collectives exchange with XOR peers of the linear device index (row-major over the mesh axes), one "
+        "phase per index bit, lowest bit first: bit 0 pairs the two cores of a chip "
+        f"({collectives.SIBLING_PHASE_US} us + bytes at {collectives.SIBLING_BYTES_PER_S / 1e9:g} GB/s per phase), "
+        f"the other bits cross chips ({collectives.CHIP_PHASE_US} us + bytes at "
+        f"{collectives.CHIP_BYTES_PER_S / 1e9:g} GB/s). Receive slots alternate by parity per bit.",
+        "",
+        "| graph | collective | value | axes | phases (index bits) | bytes per phase | modeled us | spec line |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in plan.collectives:
+        out.append(
+            f"| {c.graph} | {c.op} | `{c.value}` | {', '.join(c.axes)} | {len(c.bits)} ({', '.join(map(str, c.bits))}) "
+            f"| {_bytes(c.phase_bytes[0])}{' ...' if len(set(c.phase_bytes)) > 1 else ''} | {c.time_us():.1f} | {c.line} |"
+        )
+    out.append("")
+    return out
 
 
 ATTENTION_OPS = {"attention", "mla_attention", "delta_rule"}

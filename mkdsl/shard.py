@@ -199,8 +199,17 @@ class _Sharder:
 
     def emit(self, pre: list[Node], at, op: str, src: str, t, name: str, out_t, **attrs):
         span = at.span
-        pre.append(Node(op, (Ref("value", src),), tuple(attrs.items()), (Value(name, out_t, span),), (), span,
-                        getattr(at, "block", "")))
+        pre.append(
+            Node(
+                op,
+                (Ref("value", src),),
+                tuple(attrs.items()),
+                (Value(name, out_t, span),),
+                (),
+                span,
+                getattr(at, "block", ""),
+            )
+        )
         return name, out_t
 
     def tensor_axes(self, ref: Ref) -> tuple[tuple[str, ...], ...]:
@@ -355,7 +364,8 @@ def _rule_moe(s: _Sharder, node: Node, places):
     need = {i: WHOLE for i in range(3)}
     if not e_axes and not f_axes:
         return need, [WHOLE], {}
-    return need, [Place("P", s.sorted_axes(e_axes + f_axes))], {"expert_axes": e_axes}
+    total = s.m.tensor(node.inputs[3].name).type.shape[0]
+    return need, [Place("P", s.sorted_axes(e_axes + f_axes))], {"expert_axes": e_axes, "experts_total": total}
 
 
 RULES = {

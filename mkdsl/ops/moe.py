@@ -136,12 +136,16 @@ def _experts_infer(args, attrs):
 
 def _experts_cost(ins, outs, attrs):
     """The experts a step uses are data-dependent; we assume the B·k choices are all distinct
-    (at most E), each distinct expert's w1, w3, w2 read once for all rows."""
+    (at most E), each distinct expert's w1, w3, w2 read once for all rows. Expert parallel
+    (`experts_total`, set by mkdsl.shard): this device holds e of them, and gets its share of
+    the choices on average (rounded up)."""
     z, weights, ids, w1, w3, w2 = ins
     b, k = ids.shape
     e, d, f = w1.shape
+    total = attrs.get("experts_total", e)
+    chosen = -(-min(b * k, total) * e // total)
     per_expert = sum(nbytes(TensorType(w.dtype, w.shape[1:])) for w in (w1, w3, w2))
-    return Cost(weight_bytes=min(b * k, e) * per_expert, flops=2 * b * k * 3 * d * f)
+    return Cost(weight_bytes=chosen * per_expert, flops=2 * b * k * e // total * 3 * d * f)
 
 
 register(

@@ -3,8 +3,10 @@
     floor   = bytes that must move (weights read + state read/written) / HBM bandwidth
     stream  = bytes the schedule moves (whole tiles, KV tiles, resident vectors) / bandwidth
     mxu     = flops at the padded row count / peak bf16 rate of one core
-    modeled = max(stream, mxu) + fixed + bubbles + issue
+    modeled = max(stream, mxu) + fixed + bubbles + issue + comm
 
+comm:    sharded models only: every exchange phase of the in-kernel collectives, one after the
+         other (plan/collectives.py); counted as not overlapping the weight stream.
 fixed:   kernel entry and exit, plus the first tile's DMA before any compute can start.
 bubbles: one DMA latency per op whose stream starts from data computed in the layer (KV and
          recurrent state streams, expert weights chosen by the router): the ring cannot hide it.
@@ -27,7 +29,13 @@ DATA_DEPENDENT = {"attention", "mla_attention", "delta_rule", "short_conv", "moe
 
 
 def model_time(
-    model: Model, bank_bytes: int, schedule_bytes: int, flops: int, dmas: int, traffic: tuple[TensorTraffic, ...]
+    model: Model,
+    bank_bytes: int,
+    schedule_bytes: int,
+    flops: int,
+    dmas: int,
+    traffic: tuple[TensorTraffic, ...],
+    comm_us: float = 0.0,
 ) -> Timing:
     must_move = sum(t.bytes for t in traffic)
     floor = must_move / HBM_BYTES_PER_S * 1e6
@@ -37,5 +45,5 @@ def model_time(
     waits = sum(1 for kind in model.schedule for n in model.kind(kind).nodes if n.op in DATA_DEPENDENT)
     bubbles = waits * DMA_LATENCY_US
     issue = dmas * ISSUE_US
-    modeled = max(stream, mxu) + fixed + bubbles + issue
-    return Timing(HBM_BYTES_PER_S, floor, stream, mxu, fixed, bubbles, issue, modeled)
+    modeled = max(stream, mxu) + fixed + bubbles + issue + comm_us
+    return Timing(HBM_BYTES_PER_S, floor, stream, mxu, fixed, bubbles, issue, modeled, comm_us)

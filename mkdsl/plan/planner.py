@@ -16,7 +16,7 @@ from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
-from mkdsl.plan import cost_model, roles
+from mkdsl.plan import collectives, cost_model, roles
 from mkdsl.plan.buffers import assign_buffers, buffer_of
 from mkdsl.plan.types import Alloc, Plan, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
@@ -76,7 +76,8 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
             raise SpecError(dict.fromkeys(s.errors))  # a rule broken in several kinds is said once
     traffic, flops = count_traffic(s)
     sched_bytes, dmas = schedule_traffic(s)
-    timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic)
+    found, phases, comm_us = collectives.step_collectives(model, s.rows, wire(model))
+    timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic, comm_us)
     return Plan(
         model=model.name,
         profile=model.profile,
@@ -96,7 +97,22 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         timing=timing,
         buffers=tuple(sorted((g, v, b) for (g, v), b in s.buffers.items())),
         scratch=tuple(sorted((g, i, p) for (g, i), p in s.scratch.items())),
+        mesh=model.mesh if sharded(model) else (),
+        wire=wire(model),
+        collectives=tuple(found),
+        exchange_phases=phases,
+        collective_id=0 if found else None,
     )
+
+
+def sharded(model: Model) -> bool:
+    """A per-device model (after mkdsl.shard): it exchanges values with its peers."""
+    return any(n.op in collectives.COLLECTIVE_OPS for g in [*model.kinds, model.step] for n in g.nodes)
+
+
+def wire(model: Model) -> str:
+    h = model.hint("wire_bf16")
+    return "bf16" if h is not None and h.value else "f32"
 
 
 def default_context(model: Model) -> int:
@@ -263,6 +279,8 @@ def allocate_vmem(s: _State) -> None:
         _alloc(s, f"f_{name}", roles.fetch_shape(t), t.type.dtype.numpy, f"`{name}` fetched per layer", t.span)
     if fetched:
         _alloc(s, "fetch_sem", (len(fetched),), "dma", "fetch semaphores", NOWHERE, "SEM")
+    if sharded(m):
+        _allocate_comm(s)
     logits = m.step.results[0]
     vocab = _type_of(m, m.step, logits).shape[1]
     _alloc(s, "logits", ("batch", vocab), "float32", "output: logits", m.step.span, scratch=False)
@@ -486,6 +504,25 @@ def _allocate_attention(s: _State, i: int, node: Node) -> None:
     _alloc(s, f"att{i}_wb_sem", (1,), "dma", "write-back semaphore", span, "SEM")
 
 
+def _allocate_comm(s: _State) -> None:
+    """Receive slots (two per index bit, alternating), staging and semaphores of the collectives."""
+    m = s.model
+    bits = max(collectives.index_bits(m.mesh), 1)
+    f32w, bf16w = collectives.comm_widths(m, wire(m))
+    span = m.hint("wire_bf16").span if m.hint("wire_bf16") else NOWHERE
+    _alloc(
+        s, "comm_recv", (2 * bits, "rows", f32w), "float32", "collectives: f32 receive slots, 2 per index bit", NOWHERE
+    )
+    _alloc(s, "comm_stage", ("rows", 2 * collectives.PAIR_LANES), "float32", "collectives: argmax message", NOWHERE)
+    if bf16w:
+        _alloc(s, "comm_recv_bf16", (2 * bits, "rows", bf16w), "bfloat16", "collectives: bf16 receive slots", span)
+        _alloc(s, "comm_stage_bf16", ("rows", bf16w), "bfloat16", "collectives: outgoing bf16 partial", span)
+    _alloc(s, "comm_send_sem", (1,), "dma", "collectives: outgoing DMA", NOWHERE, "SEM")
+    _alloc(s, "comm_recv_sem", (2 * bits,), "dma", "collectives: incoming DMA per slot", NOWHERE, "SEM")
+    _alloc(s, "comm_local_sem", (1,), "dma", "collectives: local copies", NOWHERE, "SEM")
+    _alloc(s, "comm_count", (bits,), "int32", "collectives: exchanges done per index bit", NOWHERE, "SMEM")
+
+
 def fit_ring(s: _State) -> None:
     """Without a ring_depth hint, shrink the ring (to 3 banks at least) so the plan fits the cap."""
     if s.model.hint("ring_depth") or s.fixed_depth:
@@ -627,7 +664,8 @@ def schedule_traffic(s: _State) -> tuple[int, int]:
                 graph = m.kind(kind)
                 types = [_concrete(_type_of(m, graph, r), {m.dims[0].name: s.batch}) for r in node.inputs]
                 total += OPS[node.op].cost(types, [], _attrs(node)).weight_bytes
-                experts = min(types[3].shape[0], s.batch * types[2].shape[1])  # ids are [B, k]
+                e, total_e = types[3].shape[0], node.attr.get("experts_total", types[3].shape[0])
+                experts = -(-min(total_e, s.batch * types[2].shape[1]) * e // total_e)  # ids are [B, k]
                 tn, _ = moe_tiling(s, node)
                 dmas += 6 * experts * (types[3].shape[2] // (tn or 128)) + 1  # six pieces per tile set
     emb = [n for n in m.step.nodes if n.op == "embedding"]

@@ -89,6 +89,7 @@ class Timing:
     bubble_us: float  # per-layer waits the schedule cannot hide (data-dependent DMAs)
     issue_us: float  # DMA descriptor issue cost
     modeled_us: float
+    comm_us: float = 0.0  # exchange phases of the in-kernel collectives (sharded models)
 
     @property
     def tokens_per_s(self) -> float:
@@ -115,6 +116,18 @@ class Plan:
     timing: Timing
     buffers: tuple[tuple[str, str, str], ...] = ()  # (graph, value, VMEM buffer)
     scratch: tuple[tuple[str, int, str], ...] = ()  # (graph, node index, prefix of the op's scratch)
+    mesh: tuple[tuple[str, int], ...] = ()  # (axis, size); the plan is per device when it has several
+    wire: str = "f32"  # what all-reduces send between devices
+    collectives: tuple = ()  # collectives.Collective per graph
+    exchange_phases: int = 0  # per step
+    collective_id: int | None = None  # the barrier semaphore's id (sharded kernels)
+
+    @property
+    def devices(self) -> int:
+        n = 1
+        for _, size in self.mesh:
+            n *= size
+        return n
 
     def sequence(self, name: str) -> Sequence:
         return next(s for s in self.sequences if s.name == name)

@@ -54,14 +54,18 @@ class Source:
         return lines[n - 1].strip() if 1 <= n <= len(lines) else ""
 
 
-def emit_module(model: Model, plan: Plan, source: Source) -> str:
-    """The generated kernel module's text (deterministic: same inputs, same bytes)."""
-    return _Emitter(model, plan, source).render()
+def emit_module(model: Model, local: Model, plan: Plan, source: Source) -> str:
+    """The generated kernel module's text (deterministic: same inputs, same bytes).
+
+    `model` is the spec's model (the layouts a loader sees), `local` what one device runs
+    (mkdsl.shard; the same model on a one-device mesh), `plan` the plan of `local`."""
+    return _Emitter(model, local, plan, source).render()
 
 
 class _Emitter:
-    def __init__(self, model: Model, plan: Plan, source: Source):
-        self.m, self.plan, self.src = model, plan, source
+    def __init__(self, model: Model, local: Model, plan: Plan, source: Source):
+        self.whole, self.m, self.plan, self.src = model, local, plan, source
+        self.sharded = bool(plan.collectives)
         self.errors: list[Diagnostic] = []
         self.slot_tables: dict[tuple[int, ...], str] = {}
         self.attentions: list[dict] = []
@@ -135,12 +139,25 @@ class _Emitter:
                 "w2c": f"{w2}_codes",
                 "w2s": f"{w2}_scales",
             }
+            route = next(n for n in g.nodes if n.op == "route" and n.outputs[1].name == node.inputs[2].name)
+            e_route = self.value_width(g, route.inputs[0])
+            expert_axes = node.attr.get("expert_axes", ())
+            lo = f", E_route={e_route}, lo={self.group_index(expert_axes)} * {e}" if expert_axes else ""
             self.objects.append(
                 f"{obj} = MoE(r, rows=rows, batch=batch, E={e}, k={k}, D={d}, F={f}, tn={tn}, slots={slots}, "
                 f"names={names!r}, prefix={prefix + '_'!r}, beta={float(node.attr['beta'])!r}, "
-                f"linear_beta={float(node.attr['linear_beta'])!r})"
+                f"linear_beta={float(node.attr['linear_beta'])!r}{lo})"
             )
         return obj
+
+    def mask(self, axes) -> int:
+        from mkdsl.plan.collectives import mask_of
+
+        return mask_of(self.m.mesh, axes)
+
+    def group_index(self, axes) -> str:
+        """Kernel code for this device's index among the shards over `axes`."""
+        return f"comm.group_index({self.mask(axes)})"
 
     def alloc_shape(self, name: str) -> tuple:
         return next(a.shape for a in self.plan.vmem if a.name == name)
@@ -264,10 +281,25 @@ class _Emitter:
         elif node.op == "mla_attention":
             n.update(self.latent_attention(node, ins, prefix))
         elif node.op == "embedding":
-            n.update(table=node.inputs[1].name, block="emb_block")
+            axes = node.attr.get("shard_axes", ())
+            rows = self.m.tensor(node.inputs[1].name).type.shape[0]
+            n.update(
+                table=node.inputs[1].name,
+                block="emb_block",
+                offset=f"{self.group_index(axes)} * {rows}" if axes else "0",
+            )
         elif node.op == "argmax":
             width = self.value_width(g, node.inputs[0])
-            n.update(x=ins[0], chunk=_chunk(width))
+            axes = node.attr.get("shard_axes", ())
+            n.update(x=ins[0], chunk=_chunk(width), mask=self.mask(axes) if axes else None)
+            if axes:
+                n.update(offset=f"{self.group_index(axes)} * {width}")
+        elif node.op == "all_reduce":
+            n.update(x=ins[0], mask=self.mask(node.attr["axes"]), wire="BF16" if self.plan.wire == "bf16" else "F32")
+        elif node.op == "all_gather":
+            n.update(x=ins[0], mask=self.mask(node.attr["axes"]))
+        elif node.op == "shard_slice":
+            n.update(x=ins[0], index=self.group_index(node.attr["axes"]), ways=node.attr["ways"])
         elif op.kernel_expr is not None:
             values = {}
             for name, b, ref in zip(op.operands, ins, node.inputs, strict=True):
@@ -424,11 +456,27 @@ class _Emitter:
                 for slots, name in self.slot_tables.items()
             ],
             weights=[
-                dict(name=_part_name(w.name, part), shape=repr(tuple(part.shape)), dtype=part.dtype)
-                for w in weights
-                for part in storage(w.type.dtype, w.full_shape)
+                dict(
+                    name=_part_name(w.name, part),
+                    shape=repr(tuple(part.shape)),
+                    dtype=part.dtype,
+                    local=repr(tuple(local.shape)),
+                    split=_split(w),
+                )
+                for w in self.whole.weights
+                for part, local in zip(
+                    storage(w.type.dtype, w.full_shape),
+                    storage(w.type.dtype, m.tensor(w.name).full_shape),
+                    strict=True,
+                )
             ],
-            states=[self.state(s) for s in m.states],
+            states=[self.state(s) | {"split": _split(s)} for s in self.whole.states],
+            local_states=[self.state(s) for s in m.states],
+            sharded=self.sharded,
+            mesh_axes=repr(tuple(a for a, _ in m.mesh)),
+            mesh_shape=repr(tuple(n for _, n in m.mesh)),
+            logits_split=repr(_logits_axes(m)),
+            collective_id=self.plan.collective_id,
             sequences=list(seqs.values()),
             epilogue=epilogue,
             tiles_of_kind=tiles_of_kind,
@@ -456,7 +504,7 @@ class _Emitter:
     def runtime_parts(self) -> list[str]:
         """The runtime templates this module needs, so a dense model carries no KDA code."""
         ops = {n.op for g in [*self.m.kinds, self.m.step] for n in g.nodes}
-        parts = ["core"]
+        parts = ["core"] + (["comm", "sharded"] if self.sharded else [])
         for part, needs in (
             ("attention", {"attention", "mla_attention"}),
             ("mla", {"mla_attention"}),
@@ -484,6 +532,21 @@ class _Emitter:
         expr = "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
         doc = "(" + ", ".join(f'"{d}"' if isinstance(d, str) else str(d) for d in shape) + ")"
         return dict(name=t.name, shape_expr=expr, shape_doc=doc, dtype=t.type.dtype.numpy)
+
+
+def _split(t) -> str:
+    """PartitionSpec entries of a tensor's stored dims: None (whole) or the mesh axes it splits over."""
+    dims = ((),) * t.stacked + tuple(t.sharding)
+    return repr(tuple(None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in dims))
+
+
+def _logits_axes(m: Model):
+    """The mesh axes the step's logits are split over (by vocabulary), or None."""
+    for node in m.step.nodes:
+        if node.op == "argmax" and node.attr.get("shard_axes"):
+            axes = node.attr["shard_axes"]
+            return axes[0] if len(axes) == 1 else tuple(axes)
+    return None
 
 
 def _part_name(name: str, part) -> str:
