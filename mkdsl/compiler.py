@@ -16,8 +16,8 @@ from mkdsl.backends.tpu.emit import Source, emit_module
 from mkdsl.elaborate import elaborate, spec_sha256
 from mkdsl.ir import Model
 from mkdsl.plan import Plan, make_plan
-from mkdsl.shard import shard
 from mkdsl.report import render_plan
+from mkdsl.shard import shard
 from mkdsl.syntax import parse
 
 
