@@ -43,15 +43,22 @@ def _load(args):
 
 
 def cmd_check(args) -> int:
+    from mkdsl.shard import devices, shard
+
     t0 = time.perf_counter()
-    model, _ = _load(args)
+    model, source = _load(args)
+    try:
+        shard(model)  # shardings must also agree where tensors meet in an op
+    except SpecError as e:
+        e.source = source
+        raise
     n_layers = len(model.schedule)
     kinds = ", ".join(f"{k.name} x{model.schedule.count(k.name)}" for k in model.kinds)
     print(
         f"{args.spec}: ok: model {model.name}"
         f"{f' (profile {model.profile})' if model.profile else ''}, {n_layers} layers ({kinds}), "
-        f"{len(model.weights)} weights, {len(model.states)} state tensors "
-        f"[{time.perf_counter() - t0:.2f} s]"
+        f"{len(model.weights)} weights, {len(model.states)} state tensors"
+        f"{f', {devices(model)} devices' if devices(model) > 1 else ''} [{time.perf_counter() - t0:.2f} s]"
     )
     return 0
 

@@ -98,6 +98,8 @@ class _Sharder:
                 out.extend(self.node(g, node, place, types, converted))
             except ShardError as e:
                 self.errors.append(Diagnostic(node.span, f"{node.op}: {e}", e.hint))
+                for v in node.outputs:  # carry on as if whole, to report independent errors too
+                    place[v.name], types[v.name] = WHOLE, v.type
         results = list(g.results)
         for i, r in enumerate(g.results):
             if r.kind != "value" or place.get(r.name, WHOLE).kind == "R":

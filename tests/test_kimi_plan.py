@@ -1,6 +1,6 @@
-"""`mkdsl plan specs/kimi_k3.mk` (published dims, 93 layers): bytes per step at batch 1 split into
-experts / attention / other dense / lm_head / KV-state, the HBM floor, and the experts share
-checked against the published expert dims.
+"""`mkdsl plan specs/kimi_k3.mk` (published dims, 93 layers, 32 devices): bytes per step per core at
+batch 1 split into experts / attention / other dense / lm_head / KV-state, the HBM floor, the experts
+share checked against the published expert dims, and the 16-chip modeled figures beside the public ones.
 
 The expected experts share is computed here from the published figures, not from mkdsl: at batch 1
 a token reads its TOPK = 16 routed experts in each of the 92 MoE layers (every layer but the dense
@@ -20,6 +20,7 @@ import pytest
 from mkdsl.elaborate import load
 from mkdsl.plan import make_plan
 from mkdsl.report import traffic_split
+from mkdsl.shard import shard
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "specs/kimi_k3.mk"
@@ -32,6 +33,10 @@ MXFP4_BITS, MXFP4_GROUP = 4, 32
 EXPERT_PARAMS = 3 * EXPERT_WIDTH * LATENT
 EXPERT_BYTES = EXPERT_PARAMS * MXFP4_BITS // 8 + EXPERT_PARAMS // MXFP4_GROUP  # codes + one scale byte per 32
 EXPERTS_SHARE = EXPERTS_PER_TOKEN * (LAYERS - DENSE_LAYERS) * EXPERT_BYTES  # 25,829,572,608 bytes
+# The published sharded layout: 8 expert-parallel groups x 4 column splits inside each expert. A core
+# holds 1/8 of the experts, so on average 16 / 8 = 2 of a token's experts, and 1/4 of their columns.
+EP_GROUPS, EXPERT_SPLITS = 8, 4
+EXPERTS_SHARE_PER_CORE = EXPERTS_SHARE // (EP_GROUPS * EXPERT_SPLITS)
 
 SHARES = ("experts", "attention", "other dense", "lm_head and embedding", "KV cache and state")
 UNITS = {"GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1}
@@ -39,7 +44,7 @@ UNITS = {"GB": 1e9, "MB": 1e6, "KB": 1e3, "B": 1}
 
 @pytest.fixture(scope="module")
 def model():
-    return load(str(ROOT / SPEC), None)
+    return shard(load(str(ROOT / SPEC), None))  # what one core runs
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +98,33 @@ def test_shares_sum_to_weight_and_state_bytes(model, plan):
 
 def test_experts_share_matches_published_dims(model, plan, printed):
     split = traffic_split(model, plan)
-    assert split["experts"] == EXPERTS_SHARE
-    assert printed_split(printed)["experts"][0] == pytest.approx(EXPERTS_SHARE, rel=0.005)
+    assert split["experts"] == EXPERTS_SHARE_PER_CORE
+    assert printed_split(printed)["experts"][0] == pytest.approx(EXPERTS_SHARE_PER_CORE, rel=0.005)
+
+
+def test_sixteen_chip_figures_beside_the_public_ones(plan, printed):
+    """Per-core bytes, floor, modeled step and the 32-core tokens/s, each labelled modeled, next to
+    the public measurements (709 on 16 TPU7x chips with speculation, 452 on 16 GB200)."""
+    section = printed.split("## Devices and collectives (modeled)", 1)[1].split("\n## ", 1)[0]
+    assert "Mesh ep 8 x tp 4 = 32 devices (TPU7x cores; 16 chips of 2 cores)" in section
+    t = plan.timing
+    m = re.search(r"^\| modeled tokens/s, 32 cores \(16 chips\), batch 1 \| ([0-9.]+) \|$", section, re.M)
+    assert m and float(m[1]) == pytest.approx(1e6 / t.modeled_us, rel=1e-3)
+    m = re.search(r"^\| modeled step time \| ([0-9.]+) us \|$", section, re.M)
+    assert m and float(m[1]) == pytest.approx(t.modeled_us, abs=0.05)
+    assert t.comm_us > 0 and plan.exchange_phases > 0
+    assert t.modeled_us == pytest.approx(
+        max(t.stream_us, t.mxu_us) + t.fixed_us + t.bubble_us + t.issue_us + t.comm_us, rel=1e-9
+    )
+    m = re.search(r"^\| weight \+ state bytes per core per step \| ([0-9.]+ [KMG]?B) \|$", section, re.M)
+    assert m and parse_bytes(m[1]) == pytest.approx(plan.weight_bytes + plan.state_bytes, rel=0.005)
+    assert "| public, measured (not mkdsl) | 709 accepted tokens/s" in section
+    assert "| public, measured (not mkdsl) | 452 tokens/s on 16 GB200 GPUs |" in section
+    assert re.search(
+        r"^\| modeled accepted tokens/s if each step verified 8 draft rows and accepted 6 .*\| [0-9.]+ \|$",
+        section,
+        re.M,
+    )
 
 
 def test_hbm_floor_is_the_total_over_bandwidth(plan, printed):
