@@ -23,9 +23,10 @@ from mkdsl.syntax import parse
 
 @dataclass(frozen=True)
 class Output:
-    model: Model
-    plan: Plan
+    model: Model  # the spec's model
+    plan: Plan  # of `local`, at the smallest batch
     files: dict[str, str]  # file name -> text
+    local: Model | None = None  # what one device runs (the model itself on a one-device mesh)
 
 
 def project_root(spec: str) -> Path:
@@ -55,7 +56,7 @@ def compile_source(
         "kernel.py": emit_module(model, local, budget, src),
         "plan.md": render_plan(local, plan, shown, wide=budget),
     }
-    return Output(model, plan, files), out
+    return Output(model, plan, files, local), out
 
 
 def stale_files(out: Output, out_dir: Path) -> list[str]:
