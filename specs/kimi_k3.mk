@@ -31,6 +31,10 @@ const TPN   = 4
 const DEV   = EPN * TPN
 mesh { ep = EPN  tp = TPN }
 
+# All-reduces send bf16 partial sums between devices (half the bytes of f32), as the fastest
+# known Kimi K3 kernel does; they are added in f32.
+hints { wire_bf16 = 1 }
+
 # Derived sizes. Every device's slice of a weight is a whole number of 128-lane columns, so
 # weight tiles are lane aligned and no DMA is narrower than 128 lanes. Narrow projections are
 # stored padded (zeros, which the loader writes): per device for the head-split ones (device

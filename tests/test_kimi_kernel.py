@@ -1,6 +1,13 @@
 """The generated Kimi K3 megakernel (profile `mini`: 8 layers with the dense KDA layer 0, KDA + MoE
 layers, MLA + MoE at layers 3 and 7 and a residual-block boundary at layer 4) against the unfused
-reference, in TPU interpret mode on the CPU, at batch 1, 2, 4 and 8, three decode steps each.
+single-device reference, in TPU interpret mode on the CPU, at batch 1 and 4, three decode steps each.
+
+The mini profile is sharded like the full model, over 8 devices (ep 4 x tp 2: 1 head per device,
+4 local experts of 16 with half their columns, vocabulary 128 per device): the kernel runs once per
+virtual CPU device (tests/conftest.py asks XLA for 8) inside shard_map, exchanging values with its
+peers by remote DMAs in the interpreter. Values the design keeps whole on every device (the greedy
+tokens, the MLA latent cache) must be bit-identical on all 8 devices. A deadlock fails the test by
+its timeout instead of hanging CI.
 
 The spec is compiled once, with `hints { kv_tile = 16 }` added so that three steps cross latent-cache
 tile boundaries cheaply (the cache holds SEQ_LEN = 4 tiles); `build_decode_step` is called per batch
@@ -69,6 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import time
 from collections.abc import Callable
@@ -79,6 +87,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from interpret_hosts import host_callbacks
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
 from jax.experimental.pallas import tpu as pltpu
 
@@ -97,7 +106,7 @@ KV_TILE = 16
 SEQ_LEN = 4 * KV_TILE
 STEPS = 3
 # MKDSL_KIMI_BATCHES=1,8 runs fewer batches (each costs 1-2 minutes).
-BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_KIMI_BATCHES", "1,2,4,8").split(","))
+BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_KIMI_BATCHES", "1,4").split(","))
 REF_BATCH = max(BATCHES)  # one compiled reference for every batch: rows are independent, smaller batches are padded
 # First positions: a row crossing a tile boundary comes first, so batch 1 crosses one too.
 STARTS = (KV_TILE - 2, 0, SEQ_LEN - STEPS, 2 * KV_TILE - 1, KV_TILE - 1, 5, 3 * KV_TILE - 1, 2 * KV_TILE - 3)
@@ -120,9 +129,9 @@ STATE_KINDS = {
 
 def spec_text() -> str:
     text = SPEC.read_text(encoding="utf-8")
-    anchor = "\nprofile mini {"
-    assert anchor in text and "hints" not in text, "update the kv_tile override"
-    return text.replace(anchor, f"\nhints {{ kv_tile = {KV_TILE} }}\n{anchor}", 1)
+    anchor = "\nhints { "
+    assert text.count(anchor) == 1 and "kv_tile" not in text, "update the kv_tile override"
+    return text.replace(anchor, f"{anchor}kv_tile = {KV_TILE}  ", 1)
 
 
 # ---------------------------------------------------------------------------- compile once
@@ -270,6 +279,21 @@ def state_error(name: str, new: np.ndarray, want: np.ndarray, positions: np.ndar
     return np.moveaxis(err, 1, 0).reshape(batch, -1).max(axis=1) / STATE_RTOL
 
 
+def check_replicated(module, next_tokens, new_state, where: str) -> None:
+    """Each device's own copy of what the design keeps whole everywhere must be the same bits."""
+    if not hasattr(module, "MESH_SHAPE"):
+        return
+    whole = {"next tokens": next_tokens} | {
+        name: a for name, a in new_state.items() if not any(module.STATE_SPLIT[name])
+    }
+    assert "mla_cache" in whole, "the latent cache should be whole on every device"
+    for name, a in whole.items():
+        shards = [np.asarray(s.data) for s in a.addressable_shards]
+        assert len(shards) == math.prod(module.MESH_SHAPE), f"{where}: {name}: {len(shards)} device copies"
+        for i, s in enumerate(shards[1:], 1):
+            assert np.array_equal(bits(s), bits(shards[0])), f"{where}: {name} differs between device 0 and device {i}"
+
+
 def logit_tolerance(ref_logits: np.ndarray) -> np.ndarray:
     return LOGIT_ATOL + LOGIT_RTOL * np.abs(ref_logits)
 
@@ -333,15 +357,21 @@ def run_and_check(c: Compiled, batch: int, seed: int) -> dict:
             candidates.append(run_reference(c, ref_in, swap, batch)[0])
 
         t0 = time.perf_counter()
-        logits, next_tokens, new_state = step(
-            kernel_w, {k: jnp.asarray(v) for k, v in kernel_state.items()}, jnp.asarray(tokens), jnp.asarray(positions)
-        )
-        logits = np.asarray(jax.block_until_ready(logits))
+        with host_callbacks():  # see tests/interpret_hosts.py: avoids an interpreter deadlock on 8 devices
+            logits, next_tokens, new_state = step(
+                kernel_w,
+                {k: jnp.asarray(v) for k, v in kernel_state.items()},
+                jnp.asarray(tokens),
+                jnp.asarray(positions),
+            )
+            logits = np.asarray(jax.block_until_ready(logits))
+        raw_tokens, raw_state = next_tokens, new_state
         worst["seconds"].append(time.perf_counter() - t0)
         next_tokens = np.asarray(next_tokens)
         new_state = {k: np.asarray(v) for k, v in new_state.items()}
 
         assert not races_found(), f"{where}: the interpreter's race detector reported a race"
+        check_replicated(module, raw_tokens, raw_state, where)
         assert logits.shape == base[0].shape and not np.isnan(logits).any(), f"{where}: NaN in logits"
         np.testing.assert_array_equal(next_tokens, logits.argmax(axis=1), err_msg=f"{where}: in-kernel argmax")
         for name, new in new_state.items():
@@ -379,6 +409,7 @@ def run_and_check(c: Compiled, batch: int, seed: int) -> dict:
     return worst
 
 
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("batch", BATCHES)
 def test_kimi_k3_mini_matches_reference(batch, compiled, record_property):
     t0 = time.perf_counter()
