@@ -175,12 +175,15 @@ def rope(x, out, cos, sin, heads):
         out[:, h * d : (h + 1) * d] = xs * cos + pltpu.roll(xs, d // 2, 1) * sin
 
 
-def embedding(r, table, tokens_ref, batch, out, block, sem):
-    """Gather rows by DMA of the aligned EMB_BLOCK-row block holding each token's row."""
+def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
+    """Gather rows by DMA of the aligned EMB_BLOCK-row block holding each token's row.
+
+    With the table split by vocabulary, this device holds rows offset.. of it: tokens outside
+    give a zero row (the all-reduce after this op adds the owner's row)."""
     vocab = table.shape[0]
 
     def start(b):
-        return pl.multiple_of(jnp.minimum(tokens_ref[b] // EMB_BLOCK * EMB_BLOCK, vocab - EMB_BLOCK), 8)
+        return pl.multiple_of(jnp.clip((tokens_ref[b] - offset) // EMB_BLOCK * EMB_BLOCK, 0, vocab - EMB_BLOCK), 8)
 
     for b in range(batch):
         pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start()
@@ -191,13 +194,13 @@ def embedding(r, table, tokens_ref, batch, out, block, sem):
     out_row = jax.lax.broadcasted_iota(I32, out.shape, 0)
     x = jnp.zeros(out.shape, F32)
     for b in range(batch):
-        picked = jnp.where(lane_row == tokens_ref[b] - start(b), block[b].astype(F32), 0.0)
+        picked = jnp.where(lane_row == tokens_ref[b] - offset - start(b), block[b].astype(F32), 0.0)
         x = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), x)
     out[...] = x
 
 
-def argmax(x, out, chunk):
-    """Index of each row's largest entry (first on ties), scanning `chunk` columns at a time."""
+def row_argmax(x, chunk):
+    """(largest entry, its index: first on ties) of each row, scanning `chunk` columns at a time."""
     rows = x.shape[0]
 
     def scan(c, best):
@@ -211,7 +214,18 @@ def argmax(x, out, chunk):
         return jnp.where(better, m, best_v), jnp.where(better, i, best_i)
 
     init = (jnp.full((rows, 1), NEG_INF, F32), jnp.zeros((rows, 1), I32))
-    out[...] = jax.lax.fori_loop(0, x.shape[1] // chunk, scan, init)[1][0 : out.shape[0]]
+    return jax.lax.fori_loop(0, x.shape[1] // chunk, scan, init)
+
+
+def argmax(x, out, chunk):
+    """Index of each row's largest entry (first on ties)."""
+    out[...] = row_argmax(x, chunk)[1][0 : out.shape[0]]
+
+
+def compact_columns(x, block, keep):
+    """The first `keep` of every `block` columns, side by side (drops per-block padding)."""
+    parts = [x[:, i * block : i * block + keep] for i in range(x.shape[1] // block)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
 def situ(g, u, beta, linear_beta):
@@ -432,8 +446,7 @@ def build_decode_step(batch, seq_len, *, interpret=None):
 
     Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`;
     `state` buffers are donated and updated in place. `interpret`: a `pltpu.InterpretParams`
-    to run on the CPU in TPU interpret mode, or None to compile for a TPU.
-    """
+    to run on the CPU in TPU interpret mode, or None to compile for a TPU.    """
     if not BATCH_RANGE[0] <= batch <= BATCH_RANGE[1]:
         raise ValueError(f"batch must be in {BATCH_RANGE[0]}..{BATCH_RANGE[1]}, got {batch}")
     if seq_len % KV_TILE:
@@ -648,6 +661,7 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         interpret=interpret if interpret is not None else False,
         name="tiny_decode_step",
     )
+
 
     def step(weights, state, tokens, positions):
         tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE)]

@@ -66,6 +66,14 @@ def mask_of(mesh, axes) -> int:
     return sum(1 << b for a in axes for b in bits[a])
 
 
+def exchange_rows(model: Model) -> int | None:
+    """Rows an all-reduce exchanges: the largest batch rounded up to 8 (whole f32 sublane tiles)
+    when that is fewer than the padded rows; None: all padded rows."""
+    high = model.dims[0].high
+    rows = -(-high // 8) * 8
+    return rows if rows < -(-high // 16) * 16 else None
+
+
 def wire_bytes(dtype: str) -> int:
     return 2 if dtype == "bf16" else 4
 
@@ -82,7 +90,7 @@ def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Coll
         bits = tuple(sorted(b for a in axes for b in bits_of[a]))
         n = graph_value_type(g, node.inputs[0]).shape[-1]
         if node.op == "all_reduce":
-            sizes = [rows * n * wire_bytes(wire)] * len(bits)
+            sizes = [min(rows, exchange_rows(model) or rows) * n * wire_bytes(wire)] * len(bits)
         elif node.op == "all_gather":
             sizes = [rows * n * 4 << i for i in range(len(bits))]
         else:

@@ -515,8 +515,9 @@ def _allocate_comm(s: _State) -> None:
     )
     _alloc(s, "comm_stage", ("rows", 2 * collectives.PAIR_LANES), "float32", "collectives: argmax message", NOWHERE)
     if bf16w:
-        _alloc(s, "comm_recv_bf16", (2 * bits, "rows", bf16w), "bfloat16", "collectives: bf16 receive slots", span)
-        _alloc(s, "comm_stage_bf16", ("rows", bf16w), "bfloat16", "collectives: outgoing bf16 partial", span)
+        rows = collectives.exchange_rows(m) or "rows"  # all-reduces exchange the batch's rows only
+        _alloc(s, "comm_recv_bf16", (2 * bits, rows, bf16w), "bfloat16", "collectives: bf16 receive slots", span)
+        _alloc(s, "comm_stage_bf16", (rows, bf16w), "bfloat16", "collectives: outgoing bf16 partial", span)
     _alloc(s, "comm_send_sem", (1,), "dma", "collectives: outgoing DMA", NOWHERE, "SEM")
     _alloc(s, "comm_recv_sem", (2 * bits,), "dma", "collectives: incoming DMA per slot", NOWHERE, "SEM")
     _alloc(s, "comm_local_sem", (1,), "dma", "collectives: local copies", NOWHERE, "SEM")

@@ -295,7 +295,14 @@ class _Emitter:
             if axes:
                 n.update(offset=f"{self.group_index(axes)} * {width}")
         elif node.op == "all_reduce":
-            n.update(x=ins[0], mask=self.mask(node.attr["axes"]), wire="BF16" if self.plan.wire == "bf16" else "F32")
+            from mkdsl.plan.collectives import exchange_rows
+
+            n.update(
+                x=ins[0],
+                mask=self.mask(node.attr["axes"]),
+                wire="BF16" if self.plan.wire == "bf16" else "F32",
+                rows=exchange_rows(self.m),
+            )
         elif node.op == "all_gather":
             n.update(x=ins[0], mask=self.mask(node.attr["axes"]))
         elif node.op == "shard_slice":
