@@ -173,14 +173,16 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         "phase per index bit, lowest bit first: bit 0 pairs the two cores of a chip "
         f"({collectives.SIBLING_PHASE_US} us + bytes at {collectives.SIBLING_BYTES_PER_S / 1e9:g} GB/s per phase), "
         f"the other bits cross chips ({collectives.CHIP_PHASE_US} us + bytes at "
-        f"{collectives.CHIP_BYTES_PER_S / 1e9:g} GB/s). Receive slots alternate by parity per bit.",
+        f"{collectives.CHIP_BYTES_PER_S / 1e9:g} GB/s). Receive slots alternate by parity per bit. An all-reduce runs "
+        "two-level where the model says it is faster: the two cores of a chip swap and add halves, the cross-chip "
+        "phases move half the bytes, and a last sibling exchange joins the halves.",
         "",
         "| graph | collective | value | axes | phases (index bits) | bytes per phase | modeled us | spec line |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in plan.collectives:
         out.append(
-            f"| {c.graph} | {c.op} | `{c.value}` | {', '.join(c.axes)} | {len(c.bits)} ({', '.join(map(str, c.bits))}) "
+            f"| {c.graph} | {c.op}{' (two-level)' if c.two_level else ''} | `{c.value}` | {', '.join(c.axes)} | {len(c.bits)} ({', '.join(map(str, c.bits))}) "
             f"| {_bytes(c.phase_bytes[0])}{' ...' if len(set(c.phase_bytes)) > 1 else ''} | {c.time_us():.1f} | {c.line} |"
         )
     out.append("")

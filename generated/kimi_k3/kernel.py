@@ -489,7 +489,7 @@ def lane_pick(row, i):
 # receive semaphore has at most one DMA in flight for the same reason; a device waits for its
 # own send before returning, so it never overwrites a message its DMA still reads and no DMA
 # is in flight at kernel exit. Across kernel calls the counters restart at 0: see enter().
-COMM_SCRATCH = ("recv", "recv_bf16", "stage_bf16", "stage", "send_sem", "recv_sem", "local_sem", "count")
+COMM_SCRATCH = ("recv", "recv_bf16", "stage_bf16", "stage", "send_sem", "recv_sem", "local_sem", "count", "half")
 COMM_PAIR_LANES = 128  # argmax exchanges [value x 128 | index x 128] f32 rows (DMAs need >= 128 lanes)
 
 
@@ -681,6 +681,42 @@ class Comm:
                 stage[...] = x_ref[...].astype(BF16)
                 got = self._exchange(k, stage, self.recv_bf16, n)
                 x_ref[...] = stage[...].astype(F32) + got[...].astype(F32)
+
+    def all_reduce_two_level(self, x_ref, mask, wire=F32, rows=None):
+        """all_reduce with the chip's two cores (the lowest bit of `mask`) first: they swap the
+        halves of the columns the other keeps and add (reduce-scatter), the cross-chip phases
+        then move half the bytes each, and a last sibling exchange puts the halves back together
+        (all-gather, exact f32). Needs the `half` scratch [rows, >= n / 2] f32 and n / 2 a
+        multiple of 128. The planner picks it where its model says it is faster.
+
+        Every device of the group ends with the same bits: the sibling that keeps half j and the
+        one that receives it hold the same values, and the cross-chip phases pair devices that
+        keep the same half (their lowest bits agree)."""
+        if rows is not None and rows < x_ref.shape[0]:
+            x_ref = x_ref.at[pl.ds(0, rows)]
+        rows, n = x_ref.shape
+        h = n // 2
+        k0, *others = mask_bits(mask)
+        first = ((self.idx >> k0) & 1) == 0  # I keep the first half; my sibling the second
+        half = self.half.at[pl.ds(0, rows), pl.ds(0, h)]
+        lo, hi = x_ref[:, 0:h], x_ref[:, h:n]
+        keep, give = jnp.where(first, lo, hi), jnp.where(first, hi, lo)
+        if wire == F32:
+            half[...] = give
+            got = self._exchange(k0, half, self.recv, h)
+            half[...] = keep + got[...]
+        else:
+            stage = self.stage_bf16.at[:, pl.ds(0, h)]
+            stage[...] = give.astype(BF16)
+            got = self._exchange(k0, stage, self.recv_bf16, h)
+            half[...] = keep.astype(BF16).astype(F32) + got[...].astype(F32)
+        rest = sum(1 << k for k in others)
+        if rest:
+            self.all_reduce(half, rest, wire=wire)
+        got = self._exchange(k0, half, self.recv, h)  # my sibling's finished half
+        mine, theirs = half[...], got[...]
+        x_ref[:, 0:h] = jnp.where(first, mine, theirs)
+        x_ref[:, h:n] = jnp.where(first, theirs, mine)
 
     def group_index(self, mask):
         """This device's index within its group of `mask`: the masked bits of its linear index,
@@ -1551,8 +1587,9 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
         "f_out_res": pltpu.VMEM((1, 7168), jnp.bfloat16),
         "f_final_norm": pltpu.VMEM((1, 7168), jnp.bfloat16),
         "fetch_sem": pltpu.SemaphoreType.DMA((16,)),
-        "comm_recv": pltpu.VMEM((10, rows, 1792), jnp.float32),
+        "comm_recv": pltpu.VMEM((10, rows, 3584), jnp.float32),
         "comm_stage": pltpu.VMEM((rows, 256), jnp.float32),
+        "comm_half": pltpu.VMEM((8, 3584), jnp.float32),
         "comm_recv_bf16": pltpu.VMEM((10, 8, 7168), jnp.bfloat16),
         "comm_stage_bf16": pltpu.VMEM((8, 7168), jnp.bfloat16),
         "comm_send_sem": pltpu.SemaphoreType.DMA((1,)),
@@ -1858,7 +1895,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
         # spec line 206: blocks, prefix = res_init(embedding(tokens, embed), nblocks=NB)
         embedding(r, r.embed, tokens_ref, batch, r.v25_7168, r.emb_block, r.emb_sem, offset=comm.group_index(31) * 5120)
         r.v10_7168[...] = r.v25_7168[...]
-        comm.all_reduce(r.v10_7168, 31, wire=BF16, rows=8)
+        comm.all_reduce_two_level(r.v10_7168, 31, wire=BF16, rows=8)
         res_init(r.v10_7168, r.carry0, r.carry1)
 
         # ---- the layer stack ----
@@ -1925,7 +1962,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
                 linear(r, issue, S_KDA_DENSE_LINEAR_7, slots0_ref[li], base + S_KDA_DENSE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
                 # spec line 178: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
                 r.v0_7168[...] = r.v1_7168[...]
-                comm.all_reduce(r.v0_7168, 31, wire=BF16, rows=8)
+                comm.all_reduce_two_level(r.v0_7168, 31, wire=BF16, rows=8)
                 r.v1_7168[...] = r.carry1[...] + r.v0_7168[...]
                 # spec line 179: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
                 fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
@@ -1942,7 +1979,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
                 linear(r, issue, S_KDA_DENSE_LINEAR_10, slots1_ref[li], base + S_KDA_DENSE_LINEAR_10.start, r.v13_1152_bf16, r.v10_7168)
                 # spec line 180: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
                 r.v0_7168[...] = r.v10_7168[...]
-                comm.all_reduce(r.v0_7168, 31, wire=BF16, rows=8)
+                comm.all_reduce_two_level(r.v0_7168, 31, wire=BF16, rows=8)
                 r.v10_7168[...] = r.v1_7168[...] + r.v0_7168[...]
                 r.carry1[...] = r.v10_7168[...]
 
@@ -2007,7 +2044,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
                 linear(r, issue, S_KDA_MOE_LINEAR_7, slots0_ref[li], base + S_KDA_MOE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
                 # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
                 r.v10_7168[...] = r.v1_7168[...]
-                comm.all_reduce(r.v10_7168, 31, wire=BF16, rows=8)
+                comm.all_reduce_two_level(r.v10_7168, 31, wire=BF16, rows=8)
                 r.v1_7168[...] = r.carry1[...] + r.v10_7168[...]
                 # spec line 187: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
                 fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
@@ -2045,7 +2082,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
                 r.v25_7168[...] = r.v10_7168[...] + r.v0_7168[...]
                 # spec line 188: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
                 r.v0_7168[...] = r.v25_7168[...]
-                comm.all_reduce(r.v0_7168, 31, wire=BF16, rows=8)
+                comm.all_reduce_two_level(r.v0_7168, 31, wire=BF16, rows=8)
                 r.v25_7168[...] = r.v1_7168[...] + r.v0_7168[...]
                 r.carry1[...] = r.v25_7168[...]
 
@@ -2093,7 +2130,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
                 linear(r, issue, S_MLA_MOE_LINEAR_3, slots3_ref[li], base + S_MLA_MOE_LINEAR_3.start, r.v5_384_bf16, r.v10_7168)
                 # spec line 194: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
                 r.v25_7168[...] = r.v10_7168[...]
-                comm.all_reduce(r.v25_7168, 31, wire=BF16, rows=8)
+                comm.all_reduce_two_level(r.v25_7168, 31, wire=BF16, rows=8)
                 r.v10_7168[...] = r.carry1[...] + r.v25_7168[...]
                 # spec line 195: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
                 fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
@@ -2131,7 +2168,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
                 r.v0_7168[...] = r.v25_7168[...] + r.v1_7168[...]
                 # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
                 r.v1_7168[...] = r.v0_7168[...]
-                comm.all_reduce(r.v1_7168, 31, wire=BF16, rows=8)
+                comm.all_reduce_two_level(r.v1_7168, 31, wire=BF16, rows=8)
                 r.v0_7168[...] = r.v10_7168[...] + r.v1_7168[...]
                 r.carry1[...] = r.v0_7168[...]
 

@@ -35,6 +35,7 @@ class Collective:
     bits: tuple[int, ...]  # exchange phases, in order
     phase_bytes: tuple[int, ...]  # bytes one device sends in each phase
     line: int
+    two_level: bool = False  # an all-reduce run as sibling reduce-scatter, cross-chip phases, sibling gather
 
     def time_us(self) -> float:
         return sum(phase_us(bit, b) for bit, b in zip(self.bits, self.phase_bytes, strict=True))
@@ -90,13 +91,35 @@ def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Coll
         bits = tuple(sorted(b for a in axes for b in bits_of[a]))
         n = graph_value_type(g, node.inputs[0]).shape[-1]
         if node.op == "all_reduce":
-            sizes = [min(rows, exchange_rows(model) or rows) * n * wire_bytes(wire)] * len(bits)
+            r = min(rows, exchange_rows(model) or rows)
+            flat = [r * n * wire_bytes(wire)] * len(bits)
+            two = two_level_phases(bits, r, n, wire)
+            if two and _cost(*two) < _cost(bits, flat):
+                out.append(
+                    Collective(g.name, node.op, node.outputs[0].name, tuple(axes), *two, node.span.line, two_level=True)
+                )
+                continue
+            sizes = flat
         elif node.op == "all_gather":
             sizes = [rows * n * 4 << i for i in range(len(bits))]
         else:
             sizes = [rows * 2 * PAIR_LANES * 4] * len(bits)
         out.append(Collective(g.name, node.op, node.outputs[0].name, tuple(axes), bits, tuple(sizes), node.span.line))
     return out
+
+
+def two_level_phases(bits, rows: int, n: int, wire: str):
+    """(bits, bytes) of the two-level all-reduce, or None where it does not apply: the mask must
+    hold bit 0 (the chip's two cores) and others, and half the columns be lane aligned."""
+    if 0 not in bits or len(bits) < 2 or n % 256:
+        return None
+    h = n // 2
+    cross = tuple(b for b in bits if b)
+    return (0, *cross, 0), (rows * h * wire_bytes(wire), *[rows * h * wire_bytes(wire)] * len(cross), rows * h * 4)
+
+
+def _cost(bits, sizes) -> float:
+    return sum(phase_us(b, n) for b, n in zip(bits, sizes, strict=True))
 
 
 def step_collectives(model: Model, rows: int, wire: str) -> tuple[list[Collective], int, float]:
@@ -108,8 +131,9 @@ def step_collectives(model: Model, rows: int, wire: str) -> tuple[list[Collectiv
     return [c for cs in per_graph.values() for c in cs], phases, time
 
 
-def comm_widths(model: Model, wire: str) -> tuple[int, int]:
-    """(widest f32 message, widest bf16 message) in columns, for the receive slots."""
+def comm_widths(model: Model, wire: str, two_level=()) -> tuple[int, int]:
+    """(widest f32 message, widest bf16 message) in columns, for the receive slots. `two_level`:
+    the (graph, value) of the all-reduces run two-level (their halves travel in f32 at the end)."""
     from mkdsl.elaborate import graph_value_type
 
     f32, bf16 = 2 * PAIR_LANES, 0
@@ -118,6 +142,8 @@ def comm_widths(model: Model, wire: str) -> tuple[int, int]:
             if node.op not in COLLECTIVE_OPS:
                 continue
             n = graph_value_type(g, node.inputs[0]).shape[-1]
+            if (g.name, node.outputs[0].name) in two_level:
+                f32 = max(f32, n // 2)
             if node.op == "all_gather":
                 f32 = max(f32, n * node.attr["ways"] // 2)
             elif wire == "bf16":

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
-from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
+from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref, TensorType
 from mkdsl.ops import OPS, Cost
 from mkdsl.plan import collectives, cost_model, roles
 from mkdsl.plan.buffers import assign_buffers, buffer_of
@@ -508,12 +508,26 @@ def _allocate_comm(s: _State) -> None:
     """Receive slots (two per index bit, alternating), staging and semaphores of the collectives."""
     m = s.model
     bits = max(collectives.index_bits(m.mesh), 1)
-    f32w, bf16w = collectives.comm_widths(m, wire(m))
+    rows = s.rows if s.rows else 16
+    found = [c for g in [*m.kinds, m.step] for c in collectives.graph_collectives(m, g, rows, wire(m)) if c.two_level]
+    two = {(c.graph, c.value) for c in found}
+    f32w, bf16w = collectives.comm_widths(m, wire(m), two)
     span = m.hint("wire_bf16").span if m.hint("wire_bf16") else NOWHERE
     _alloc(
         s, "comm_recv", (2 * bits, "rows", f32w), "float32", "collectives: f32 receive slots, 2 per index bit", NOWHERE
     )
     _alloc(s, "comm_stage", ("rows", 2 * collectives.PAIR_LANES), "float32", "collectives: argmax message", NOWHERE)
+    if two:
+        half = max(m_type_width(m, c) for c in found) // 2
+        xr = collectives.exchange_rows(m) or "rows"
+        _alloc(
+            s,
+            "comm_half",
+            (xr, collectives._lanes(half)),
+            "float32",
+            "collectives: the half a core keeps (two-level)",
+            NOWHERE,
+        )
     if bf16w:
         rows = collectives.exchange_rows(m) or "rows"  # all-reduces exchange the batch's rows only
         _alloc(s, "comm_recv_bf16", (2 * bits, rows, bf16w), "bfloat16", "collectives: bf16 receive slots", span)
@@ -522,6 +536,12 @@ def _allocate_comm(s: _State) -> None:
     _alloc(s, "comm_recv_sem", (2 * bits,), "dma", "collectives: incoming DMA per slot", NOWHERE, "SEM")
     _alloc(s, "comm_local_sem", (1,), "dma", "collectives: local copies", NOWHERE, "SEM")
     _alloc(s, "comm_count", (bits,), "int32", "collectives: exchanges done per index bit", NOWHERE, "SMEM")
+
+
+def m_type_width(m: Model, c) -> int:
+    """Columns of the value a collective produces."""
+    g = m.step if c.graph == m.step.name else m.kind(c.graph)
+    return _type_of(m, g, Ref("value", c.value)).shape[-1]
 
 
 def fit_ring(s: _State) -> None:

@@ -297,11 +297,15 @@ class _Emitter:
         elif node.op == "all_reduce":
             from mkdsl.plan.collectives import exchange_rows
 
+            two = any(
+                c.two_level and (c.graph, c.value) == (g.name, node.outputs[0].name) for c in self.plan.collectives
+            )
             n.update(
                 x=ins[0],
                 mask=self.mask(node.attr["axes"]),
                 wire="BF16" if self.plan.wire == "bf16" else "F32",
                 rows=exchange_rows(self.m),
+                method="all_reduce_two_level" if two else "all_reduce",
             )
         elif node.op == "all_gather":
             n.update(x=ins[0], mask=self.mask(node.attr["axes"]))
