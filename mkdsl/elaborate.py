@@ -48,6 +48,7 @@ HINTS = {
     "vmem_cap_mib": "VMEM budget cap in MiB",
     "wire_bf16": "1: all-reduces send bf16 partial sums between devices (half the bytes); 0: f32",
 }
+HINT_MINIMUM = {"wire_bf16": 0}  # a 0/1 switch; the others are sizes and counts
 _OPERATORS = {"+": "add", "*": "mul"}
 
 
@@ -268,7 +269,7 @@ class _Elaborator:
                         did_you_mean(a.name, HINTS) or f"known hints: {', '.join(HINTS)}",
                     )
                     continue
-                v = self.consts.eval_int(a.value, f"hint `{a.name}`")
+                v = self.consts.eval_int(a.value, f"hint `{a.name}`", minimum=HINT_MINIMUM.get(a.name, 1))
                 if v is not None:
                     hints[a.name] = Hint(a.name, v, a.span)
         return hints

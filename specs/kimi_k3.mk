@@ -32,8 +32,10 @@ const DEV   = EPN * TPN
 mesh { ep = EPN  tp = TPN }
 
 # All-reduces send bf16 partial sums between devices (half the bytes of f32), as the fastest
-# known Kimi K3 kernel does; they are added in f32.
-hints { wire_bf16 = 1 }
+# known Kimi K3 kernel does; they are added in f32. The mini profile keeps f32 partial sums, so
+# its kernel can be held to the f32 reference (the bf16 wire is checked by tests/test_comm.py).
+const WIRE  = 1
+hints { wire_bf16 = WIRE }
 
 # Derived sizes. Every device's slice of a weight is a whole number of 128-lane columns, so
 # weight tiles are lane aligned and no DMA is narrower than 128 lanes. Narrow projections are
@@ -70,6 +72,7 @@ profile mini {
   BLOCK = 4
   EPN = 4
   TPN = 2
+  WIRE = 0
 }
 
 # Published per-layer dims, only 5 layers (dense layer 0, KDA 1-2, MLA 3-4), on one device:
