@@ -259,6 +259,17 @@ def state_shardings(mesh):
     return {name: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*STATE_SPLIT[name])) for name in STATE}
 
 
+def local_weight_layout():
+    """ShapeDtypeStructs of one device's slice of every weight (what each core holds)."""
+    return {name: jax.ShapeDtypeStruct(LOCAL_WEIGHTS[name], jnp.dtype(WEIGHTS[name][1])) for name in WEIGHTS}
+
+
+def place_weights(weights, mesh):
+    """Global weight arrays -> arrays split over `mesh` as WEIGHT_SPLIT says (done once, at load)."""
+    shardings = weight_shardings(mesh)
+    return {name: jax.device_put(weights[name], shardings[name]) for name in WEIGHTS}
+
+
 # ---------------------------------------------------------------------------------------
 # Kernel building blocks (the same in every module mkdsl generates)
 # ---------------------------------------------------------------------------------------
