@@ -57,8 +57,11 @@ at most 1/2 of each (printed per batch with -s, recorded as test properties).
 * greedy tokens: the kernel's token is the first argmax of its own logits (exact) and equals the
   reference's unless that is a near tie (the kernel's token then scores within 2 * tolerance of the
   reference's maximum).
-* KDA recurrent state (f32 [B, NH, D, D], every entry written each step): within STATE_RTOL = 2^-5
-  of the largest |ref| entry of that row's head matrix.
+* KDA recurrent state (f32 [B, NH, D, D], every entry written each step): within RECURRENT_RTOL =
+  2^-4 of the largest |ref| entry of that row's head matrix. (2^-5 on one device. Sharding alone
+  moves it further: the per-device models of tests/test_shard.py, run in lockstep with the
+  reference ops, so no kernel involved, are 1.08 x 2^-5 off the single-device reference on batch 4's
+  first step here, from the row-parallel partial sums' order and the bf16 roundings it flips.)
 * KDA conv states (f32 [B, CONV-1, NH*D]): the step shifts in the new projection x.W; the shifted
   taps must be bit-identical to the input state's, the new tap within STATE_RTOL of that vector's
   largest entry.
@@ -67,9 +70,12 @@ at most 1/2 of each (printed per batch with -s, recorded as test properties).
   kernel's input cache.
 * no NaN anywhere; no race reported by the interpreter's race detector.
 
-Cost: the interpreter traces and compiles each batch's kernel in 60-90 s, then runs a step in 5 s
-(batch 1) to 15 s (batch 8): 6.3 minutes for the module on the 2-core dev machine (batch 1 72 s,
-2 77 s, 4 95 s, 8 123 s). MKDSL_KIMI_BATCHES=1,8 runs a subset.
+Cost, 8 interpreted devices on the 2-core dev machine: the first step of a batch (tracing, compiling,
+running) takes ~2 minutes, later steps 30 s (batch 1) to 50 s (batch 4): 7.5 minutes for the module
+(batch 1 185 s, batch 4 231 s). Measured worst error / tolerance: logits 50%, KDA state 23% (batch 1)
+and 45% (batch 4) of RECURRENT_RTOL, conv states <= 40%, latent cache <= 29%; no runner-up routing
+needed.
+MKDSL_KIMI_BATCHES=1,2,4,8 runs more batches.
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ STARTS = (KV_TILE - 2, 0, SEQ_LEN - STEPS, 2 * KV_TILE - 1, KV_TILE - 1, 5, 3 * 
 LOGIT_ATOL = 2.0**-4
 LOGIT_RTOL = 2.0**-5
 STATE_RTOL = 2.0**-5
+RECURRENT_RTOL = 2.0**-4
 ROUTE_TIE = 2.0**-5
 
 INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
@@ -268,7 +275,7 @@ def state_error(name: str, new: np.ndarray, want: np.ndarray, positions: np.ndar
     """Each row's worst error in what this step wrote into a state tensor ([slot, row, ...]), in STATE_RTOLs."""
     batch = new.shape[1]
     if STATE_KINDS[name] == RECURRENT:  # [slot, row, head, dk, dv], all written; per head matrix
-        err = np.abs(new - want) / np.abs(want).max(axis=(-2, -1), keepdims=True)
+        err = np.abs(new - want) / np.abs(want).max(axis=(-2, -1), keepdims=True) * (STATE_RTOL / RECURRENT_RTOL)
     elif STATE_KINDS[name] == CONV:  # the new tap; per vector
         got, ref = new[:, :, -1], want[:, :, -1]
         err = np.abs(got - ref) / np.abs(ref).max(axis=-1, keepdims=True)
