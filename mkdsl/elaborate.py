@@ -244,6 +244,20 @@ class _Elaborator:
                 axes.append(axis)
         if len(axes) != len(d.axes) or not axes:
             return tuple(axes)
+        order = sorted(axes, key=list(mesh).index)
+        if axes != order:  # blocks are numbered row-major in mesh order, by the kernel and by shard_map alike
+            self.rep.error(
+                d.axis_spans[0],
+                f"dimension {i + 1} of `{name}` lists mesh axes out of mesh order",
+                f"write @({', '.join(order)}): blocks are numbered row-major in the order of `mesh`",
+            )
+            return tuple(order)
+        if isinstance(size, str):
+            self.rep.error(
+                d.span,
+                f"dimension {i + 1} of `{name}` is `{size}`, a size given when the step is built; it cannot be split",
+            )
+            return ()
         ways = math.prod(mesh[a] for a in axes)
         if isinstance(size, int) and size % ways:
             over = (

@@ -66,7 +66,7 @@ class Tensor:
     name: str
     kind: str  # "weight" | "state"
     type: TensorType
-    sharding: tuple[str | None, ...]  # mesh axis per dimension of `type`
+    sharding: tuple[tuple[str, ...], ...]  # per dimension of `type`: the mesh axes it is split over (mesh order)
     stacked: bool
     stack: int
     slots: tuple[int, ...]

@@ -120,13 +120,18 @@ class _Sharder:
         return WHOLE
 
     def node(self, g: Graph, node: Node, place, types, converted) -> list[Node]:
-        if node.op == "layers":
-            for r in node.inputs:
-                if r.kind == "value" and place[r.name].kind != "R":
-                    raise ShardError(f"the layer stack's carried `{r.name}` must be whole on every device")
+        if node.op == "layers":  # carried values are whole on every device: gather or sum them first
+            pre: list[Node] = []
+            inputs = [
+                self.convert(node, i, place[r.name], WHOLE, types, converted, pre)
+                if r.kind == "value" and place[r.name].kind != "R"
+                else r
+                for i, r in enumerate(node.inputs)
+            ]
+            node = dataclasses.replace(node, inputs=tuple(inputs))
             for v in node.outputs:
                 place[v.name], types[v.name] = WHOLE, v.type
-            return [node]
+            return [*pre, node]
         places = [self.operand_place(r, place) for r in node.inputs]
         rule = RULES.get(node.op, _rule_whole if node.op in WHOLE_ONLY else None)
         if rule is None:

@@ -366,6 +366,24 @@ CASES = [
         ),
     ),
     case(
+        "axes-out-of-mesh-order",
+        edit("bf16[NH*D @tp, H]", "bf16[NH*D @(ep, tp), H]", spec=edit("mesh { tp = 1 }", "mesh { tp = 1  ep = 1 }")),
+        Err(
+            27,
+            30,
+            "ep",
+            "dimension 1 of `wo` lists mesh axes out of mesh order",
+            "write @(tp, ep): blocks are numbered row-major in the order of `mesh`",
+        ),
+    ),
+    case(
+        "build-time-dim-split",
+        edit("state k_cache: bf16[B, NKV, S, D]", "state k_cache: bf16[B @tp, NKV, S, D]"),
+        Err(
+            35, 21, "B @tp", "dimension 1 of `k_cache` is `B`, a size given when the step is built; it cannot be split"
+        ),
+    ),
+    case(
         "axis-repeated-in-a-dimension",
         edit("bf16[NH*D @tp, H]", "bf16[NH*D @(tp, tp), H]"),
         Err(27, 34, "tp", "dimension 1 of `wo` is split over mesh axis `tp` twice"),
