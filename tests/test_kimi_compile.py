@@ -27,16 +27,14 @@ summary and recorded as test properties (`--junitxml`).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental import topologies
+from compile_helpers import MIB, compiler_vmem, load_module, summary_fixture, tpu7x_devices
 
 from mkdsl.compiler import compile_source
 from mkdsl.plan import make_plan
@@ -47,38 +45,14 @@ PROFILE = "core"
 # Batch 8 by default (batch 1 at full size is compiled, sharded, by tests/test_kimi_sharded_compile.py).
 BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_KIMI_COMPILE_BATCHES", "8").split(","))
 SEQ_LEN = 8192
-MIB = 1 << 20
-TINY_LIMIT = 4 * MIB
 RATIO = (0.7, 1.3)  # compiler / planner
-SCOPED = re.compile(r"Scoped allocation with size ([0-9.]+)([KMG]) and limit ([0-9.]+)([KMG])")
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
-
-class _Report:
-    """Adds the compile times and VMEM figures to pytest's terminal summary."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def pytest_terminal_summary(self, terminalreporter):
-        if self.lines:
-            terminalreporter.section("Kimi K3 core: libtpu (TPU7x) compile times and VMEM vs the mkdsl planner")
-            for line in self.lines:
-                terminalreporter.write_line(line)
-
-
-@pytest.fixture(scope="module")
-def report(pytestconfig):
-    plugin = _Report()
-    pytestconfig.pluginmanager.register(plugin, "mkdsl_kimi_vmem_report")
-    yield plugin
-    pytestconfig.pluginmanager.unregister(plugin)
+report = summary_fixture("Kimi K3 core: libtpu (TPU7x) compile times and VMEM vs the mkdsl planner")
 
 
 @pytest.fixture(scope="module")
 def device():
-    topo = topologies.get_topology_desc(platform="tpu", topology_name="tpu7x:2x2x1")
-    return topo.devices[0]
+    return tpu7x_devices("tpu7x:2x2x1")[0]
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +62,6 @@ def generated(tmp_path_factory):
     path = tmp_path_factory.mktemp("kimi_k3_core") / "kernel.py"
     path.write_text(out.files["kernel.py"], encoding="utf-8")
     return out, path
-
-
-def load_kernel(path: Path):
-    """A fresh import of the module (tests patch its VMEM limit)."""
-    spec = importlib.util.spec_from_file_location(f"kimi_k3_core_kernel_{id(object())}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def compile_step(module, device, batch: int):
@@ -121,7 +87,7 @@ def compile_step(module, device, batch: int):
 @pytest.mark.parametrize("batch", BATCHES)
 def test_kimi_k3_core_compiles_for_tpu7x(batch, device, generated, report, record_property):
     out, path = generated
-    module = load_kernel(path)
+    module = load_module(path, "kimi_k3_core_kernel")
     assert module.NUM_LAYERS == 5 and module.WEIGHTS["moe_w1_codes"][0][1:] == (896, 3584 // 8, 3072), (
         "not the published widths"
     )
@@ -139,15 +105,7 @@ def test_kimi_k3_core_compiles_for_tpu7x(batch, device, generated, report, recor
     assert compiled is not None
 
     # The compiler's VMEM figure: compile again under a tiny limit and read the error.
-    module.VMEM_LIMIT_BYTES = TINY_LIMIT
-    t0 = time.perf_counter()
-    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as e:
-        compile_step(module, device, batch)
-    tiny_seconds = time.perf_counter() - t0
-    m = SCOPED.search(str(e.value))
-    assert m, f"no scoped-allocation figure in the compiler's error:\n{str(e.value)[:2000]}"
-    used = float(m[1]) * UNITS[m[2]]
-    assert abs(float(m[3]) * UNITS[m[4]] - TINY_LIMIT) < 0.01 * MIB, "the tiny limit was not the one applied"
+    used, tiny_seconds = compiler_vmem(module, lambda m: compile_step(m, device, batch))
 
     planned = plan.vmem_total
     ratio = used / planned
@@ -156,8 +114,7 @@ def test_kimi_k3_core_compiles_for_tpu7x(batch, device, generated, report, recor
         f"(ratio {ratio:.3f}); the kernel's VMEM limit {limit / MIB:.2f} MiB; compile {seconds:.0f} s "
         f"(the 4 MiB-limit compile failed after {tiny_seconds:.0f} s)"
     )
-    print("\n" + line)
-    report.lines.append(line)
+    report.add(line)
     record_property(f"vmem_compiler_mib_batch{batch}", round(used / MIB, 2))
     record_property(f"vmem_planner_mib_batch{batch}", round(planned / MIB, 2))
     record_property(f"compile_seconds_batch{batch}", round(seconds, 1))

@@ -16,16 +16,14 @@ Cost: two compiles at batch 1, about 4 minutes. MKDSL_KIMI_SHARDED_BATCHES=1,8 a
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental import topologies
+from compile_helpers import MIB, compiler_vmem, load_module, summary_fixture, tpu7x_devices
 
 from mkdsl.compiler import compile_source
 from mkdsl.plan import make_plan
@@ -35,36 +33,15 @@ SPEC = ROOT / "specs" / "kimi_k3.mk"
 TOPOLOGY = "tpu7x:4x4x1"
 BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_KIMI_SHARDED_BATCHES", "1").split(","))
 SEQ_LEN = 8192
-MIB = 1 << 20
-TINY_LIMIT = 4 * MIB
 RATIO = (0.5, 1.3)  # compiler / planner
-SCOPED = re.compile(r"Scoped allocation with size ([0-9.]+)([KMG]) and limit ([0-9.]+)([KMG])")
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 HBM_PER_CORE = 94.7e9  # usable HBM per TPU7x core
 
-
-class _Report:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def pytest_terminal_summary(self, terminalreporter):
-        if self.lines:
-            terminalreporter.section("Kimi K3 on 32 TPU7x cores: libtpu compile and VMEM vs the mkdsl planner")
-            for line in self.lines:
-                terminalreporter.write_line(line)
-
-
-@pytest.fixture(scope="module")
-def report(pytestconfig):
-    plugin = _Report()
-    pytestconfig.pluginmanager.register(plugin, "mkdsl_kimi_sharded_report")
-    yield plugin
-    pytestconfig.pluginmanager.unregister(plugin)
+report = summary_fixture("Kimi K3 on 32 TPU7x cores: libtpu compile and VMEM vs the mkdsl planner")
 
 
 @pytest.fixture(scope="module")
 def devices():
-    return topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGY).devices
+    return tpu7x_devices(TOPOLOGY)
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +50,6 @@ def generated(tmp_path_factory):
     path = tmp_path_factory.mktemp("kimi_k3") / "kernel.py"
     path.write_text(out.files["kernel.py"], encoding="utf-8")
     return out, path
-
-
-def load_kernel(path: Path):
-    spec = importlib.util.spec_from_file_location(f"kimi_k3_kernel_{id(object())}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def compile_step(module, devices, batch: int):
@@ -103,7 +73,7 @@ def compile_step(module, devices, batch: int):
 @pytest.mark.parametrize("batch", BATCHES)
 def test_kimi_k3_compiles_for_32_tpu7x_cores(batch, devices, generated, report, record_property):
     out, path = generated
-    module = load_kernel(path)
+    module = load_module(path, "kimi_k3_kernel")
     assert len(devices) == 32 and devices[0].device_kind == "TPU7x"
     assert module.NUM_LAYERS == 93 and module.MESH_SHAPE == (8, 4), "not the published model and layout"
     assert module.WEIGHTS["moe_w1_codes"][0][1:] == (896, 3584 // 8, 3072)
@@ -118,15 +88,7 @@ def test_kimi_k3_compiles_for_32_tpu7x_cores(batch, devices, generated, report, 
     memory = compiled.memory_analysis()
     assert memory.argument_size_in_bytes < HBM_PER_CORE, "a core's weights and state must fit its HBM"
 
-    module.VMEM_LIMIT_BYTES = TINY_LIMIT
-    t0 = time.perf_counter()
-    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED") as e:
-        compile_step(module, devices, batch)
-    tiny_seconds = time.perf_counter() - t0
-    m = SCOPED.search(str(e.value))
-    assert m, f"no scoped-allocation figure in the compiler's error:\n{str(e.value)[:2000]}"
-    used = float(m[1]) * UNITS[m[2]]
-    assert abs(float(m[3]) * UNITS[m[4]] - TINY_LIMIT) < 0.01 * MIB
+    used, tiny_seconds = compiler_vmem(module, lambda m: compile_step(m, devices, batch))
 
     planned = plan.vmem_total
     line = (
@@ -135,8 +97,7 @@ def test_kimi_k3_compiles_for_32_tpu7x_cores(batch, devices, generated, report, 
         f"per-core arguments {memory.argument_size_in_bytes / 1e9:.2f} GB; code {memory.generated_code_size_in_bytes / 1e6:.1f} MB; "
         f"lower+compile {seconds:.0f} s (4 MiB-limit compile failed after {tiny_seconds:.0f} s)"
     )
-    print("\n" + line)
-    report.lines.append(line)
+    report.add(line)
     record_property(f"vmem_compiler_mib_batch{batch}", round(used / MIB, 2))
     record_property(f"vmem_planner_mib_batch{batch}", round(planned / MIB, 2))
     record_property(f"compile_seconds_batch{batch}", round(seconds, 1))
