@@ -55,6 +55,7 @@ SOME = settings(max_examples=15, deadline=None)
 ORACLES: dict[str, list[str]] = {}  # op name -> tests comparing it with an oracle
 KNOWN_ATTRS = {  # the attributes the oracles below pass by name
     "slice": {"start", "size"},
+    "compact": {"block", "keep"},
     "mla_attention": {"heads", "nope", "extra", "vdim", "scale"},
     "route": {"k"},
     "moe_experts": {"beta", "linear_beta"},
@@ -251,6 +252,28 @@ def test_slice(seed, b, n, frac, sfrac, dt):
     assert out.dtype == np.float32
     want = np.array([[bits_f64(x)[r, start + j] for j in range(size)] for r in range(b)])
     exact(out, want, f"slice start={start} size={size} of {n}")
+
+
+@oracle_for("compact")
+@SOME
+@given(
+    seed=SEEDS,
+    b=st.integers(1, 8),
+    blocks=st.integers(1, 6),
+    block=st.sampled_from([1, 3, 128, 256]),
+    kfrac=st.floats(0, 1),
+    dt=st.sampled_from(["f32", "bf16"]),
+)
+def test_compact(seed, b, blocks, block, kfrac, dt):
+    """Column j of block i of the output is column i·block + j of the input, for j < keep."""
+    rng = np.random.default_rng(seed)
+    keep = 1 + int(kfrac * (block - 1))
+    xv = nonzero_normal(rng, (b, blocks * block)).astype(np.float64)
+    x = as_bf16(bf16(xv)) if dt == "bf16" else xv.astype(np.float32)
+    (out,) = run("compact", x, block=block, keep=keep)
+    assert out.dtype == np.float32
+    want = np.array([[bits_f64(x)[r, i * block + j] for i in range(blocks) for j in range(keep)] for r in range(b)])
+    exact(out, want, f"compact block={block} keep={keep} of {blocks} blocks")
 
 
 # ---------------------------------------------------------------- MLA

@@ -754,7 +754,9 @@ def test_every_op_has_an_oracle():
             for name in tests:
                 assert name.startswith("test_") and callable(getattr(mod, name, None)), (mod.__name__, name)
             covered.setdefault(op, []).extend(tests)
-    missing = sorted(set(OPS) - set(covered))
+    # Internal ops (collectives the shard pass inserts) are the identity on the whole-model values the
+    # reference sees; their exchanges are checked by tests/test_comm.py and tests/test_shard.py.
+    missing = sorted(op for op in set(OPS) - set(covered) if not OPS[op].internal)
     assert not missing, f"ops without an oracle test in tests/test_ops_*.py: {missing}"
     assert set(ORACLES) >= set(KNOWN_ATTRS), "this module's ops must all be covered here"
 
@@ -765,6 +767,8 @@ def test_every_op_attribute_is_known_to_its_oracle():
     for mod in oracle_modules():
         known.update(getattr(mod, "KNOWN_ATTRS", {}))
     for op, opdef in OPS.items():
+        if opdef.internal:
+            continue
         assert op in known, f"no oracle module lists the attributes of `{op}` in KNOWN_ATTRS"
         assert set(opdef.attrs) == known[op], f"{op} attributes changed: update its oracle"
 
