@@ -8,8 +8,8 @@ VMEM: as in tests/test_kimi_compile.py, libtpu does not report a successful kern
 the figure is read from the error of a second compile with the module's VMEM limit patched to
 4 MiB ("Scoped allocation with size X and limit 4.00M exceeded"). Both figures are printed in the
 terminal summary and recorded as test properties. Measured (jax 0.10.2, 2-core dev machine):
-batch 1: compiler 44.10 MiB per core vs planner 46.14 MiB (0.956); 51.40 GB of arguments per core; 13.8 MB
-of code; lower + compile 89 s, the 4 MiB-limit compile 90 s.
+batch 1: compiler 43.22 MiB per core vs planner 46.46 MiB (0.930); 51.40 GB of arguments per core; 13.7 MB
+of code; lower + compile 101 s, the 4 MiB-limit compile 89 s.
 
 Cost: two compiles at batch 1, about 4 minutes. MKDSL_KIMI_SHARDED_BATCHES=1,8 adds batch 8.
 """
