@@ -35,6 +35,7 @@ class Collective:
     bits: tuple[int, ...]  # exchange phases, in order
     phase_bytes: tuple[int, ...]  # bytes one device sends in each phase
     line: int
+    width: int  # columns of the value each device contributes
     two_level: bool = False  # an all-reduce run as sibling reduce-scatter, cross-chip phases, sibling gather
 
     def time_us(self) -> float:
@@ -96,7 +97,7 @@ def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Coll
             two = two_level_phases(bits, r, n, wire)
             if two and _cost(*two) < _cost(bits, flat):
                 out.append(
-                    Collective(g.name, node.op, node.outputs[0].name, tuple(axes), *two, node.span.line, two_level=True)
+                    Collective(g.name, node.op, node.outputs[0].name, tuple(axes), *two, node.span.line, n, True)
                 )
                 continue
             sizes = flat
@@ -104,7 +105,9 @@ def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Coll
             sizes = [rows * n * 4 << i for i in range(len(bits))]
         else:
             sizes = [rows * 2 * PAIR_LANES * 4] * len(bits)
-        out.append(Collective(g.name, node.op, node.outputs[0].name, tuple(axes), bits, tuple(sizes), node.span.line))
+        out.append(
+            Collective(g.name, node.op, node.outputs[0].name, tuple(axes), bits, tuple(sizes), node.span.line, n)
+        )
     return out
 
 
@@ -122,36 +125,32 @@ def _cost(bits, sizes) -> float:
     return sum(phase_us(b, n) for b, n in zip(bits, sizes, strict=True))
 
 
-def step_collectives(model: Model, rows: int, wire: str) -> tuple[list[Collective], int, float]:
-    """(collectives per graph, exchange phases per step, modeled us per step)."""
-    per_graph = {g.name: graph_collectives(model, g, rows, wire) for g in [*model.kinds, model.step]}
+def step_totals(model: Model, found: list[Collective]) -> tuple[int, float]:
+    """(exchange phases per step, modeled us per step): each layer runs its kind's collectives."""
     runs = [*model.schedule, model.step.name]
-    phases = sum(len(c.bits) for name in runs for c in per_graph[name])
-    time = sum(c.time_us() for name in runs for c in per_graph[name])
-    return [c for cs in per_graph.values() for c in cs], phases, time
+    return (
+        sum(len(c.bits) * runs.count(c.graph) for c in found),
+        sum(c.time_us() * runs.count(c.graph) for c in found),
+    )
 
 
-def comm_widths(model: Model, wire: str, two_level=()) -> tuple[int, int]:
-    """(widest f32 message, widest bf16 message) in columns, for the receive slots. `two_level`:
-    the (graph, value) of the all-reduces run two-level (their halves travel in f32 at the end)."""
-    from mkdsl.elaborate import graph_value_type
-
-    f32, bf16 = 2 * PAIR_LANES, 0
-    for g in [*model.kinds, model.step]:
-        for node in g.nodes:
-            if node.op not in COLLECTIVE_OPS:
-                continue
-            n = graph_value_type(g, node.inputs[0]).shape[-1]
-            if (g.name, node.outputs[0].name) in two_level:
-                f32 = max(f32, n // 2)
-            if node.op == "all_gather":
-                f32 = max(f32, n * node.attr["ways"] // 2)
-            elif wire == "bf16":
-                bf16 = max(bf16, n)
+def comm_widths(found: list[Collective], wire: str) -> tuple[int, int]:
+    """(widest f32 message, widest bf16 message) in columns, for the receive slots: all-gathers
+    send up to half the gathered value, two-level all-reduces their finished half in f32."""
+    f32, bf16 = 2 * PAIR_LANES, 0  # the argmax message
+    for c in found:
+        if c.op == "all_gather":
+            f32 = max(f32, c.width * 2 ** len(c.bits) // 2)
+        elif c.op == "all_reduce":
+            if c.two_level:
+                f32 = max(f32, c.width // 2)
+            if wire == "bf16":
+                bf16 = max(bf16, c.width)
             else:
-                f32 = max(f32, n)
-    return _lanes(f32), _lanes(bf16)
+                f32 = max(f32, c.width)
+    return lanes(f32), lanes(bf16)
 
 
-def _lanes(n: int) -> int:
+def lanes(n: int) -> int:
+    """n rounded up to whole 128-lane vregs."""
     return math.ceil(n / 128) * 128

@@ -1,7 +1,7 @@
 """The planner: named passes from the graph IR to a `Plan`, run in a visible sequence.
 
-    pad_rows -> tile_streams -> size_ring -> allocate_vmem -> fit_ring -> check_budget
-             -> count_traffic -> model_time
+    pad_rows -> tile_streams -> size_ring -> plan_collectives -> allocate_vmem -> fit_ring
+             -> check_budget -> count_traffic -> model_time
 
 Every decision has a default good enough that a spec needs no `hints` section; hints
 override them and are checked here, with diagnostics that point at the hint's line.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
-from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref, TensorType
+from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
 from mkdsl.plan import collectives, cost_model, roles
 from mkdsl.plan.buffers import assign_buffers, buffer_of
@@ -53,6 +53,7 @@ class _State:
     errors: list[Diagnostic] = field(default_factory=list)
     buffers: dict = field(default_factory=dict)  # (graph, value) -> VMEM buffer
     scratch: dict = field(default_factory=dict)  # (graph, node index) -> prefix of the op's scratch
+    collectives: list = field(default_factory=list)  # collectives.Collective of every graph (sharded models)
 
     def hint(self, name: str, default: int) -> int:
         h = self.model.hint(name)
@@ -70,13 +71,13 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
     kernel is sized for the largest batch); by default the ring is sized for this batch.
     """
     s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
-    for step in (pad_rows, tile_streams, size_ring, allocate_vmem, fit_ring, check_budget):
+    for step in (pad_rows, tile_streams, size_ring, plan_collectives, allocate_vmem, fit_ring, check_budget):
         step(s)
         if s.errors:
             raise SpecError(dict.fromkeys(s.errors))  # a rule broken in several kinds is said once
     traffic, flops = count_traffic(s)
     sched_bytes, dmas = schedule_traffic(s)
-    found, phases, comm_us = collectives.step_collectives(model, s.rows, wire(model))
+    phases, comm_us = collectives.step_totals(model, s.collectives)
     timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic, comm_us)
     return Plan(
         model=model.name,
@@ -97,17 +98,12 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         timing=timing,
         buffers=tuple(sorted((g, v, b) for (g, v), b in s.buffers.items())),
         scratch=tuple(sorted((g, i, p) for (g, i), p in s.scratch.items())),
-        mesh=model.mesh if sharded(model) else (),
+        mesh=model.mesh if s.collectives else (),
         wire=wire(model),
-        collectives=tuple(found),
+        collectives=tuple(s.collectives),
         exchange_phases=phases,
-        collective_id=0 if found else None,
+        collective_id=0 if s.collectives else None,
     )
-
-
-def sharded(model: Model) -> bool:
-    """A per-device model (after mkdsl.shard): it exchanges values with its peers."""
-    return any(n.op in collectives.COLLECTIVE_OPS for g in [*model.kinds, model.step] for n in g.nodes)
 
 
 def wire(model: Model) -> str:
@@ -279,7 +275,7 @@ def allocate_vmem(s: _State) -> None:
         _alloc(s, f"f_{name}", roles.fetch_shape(t), t.type.dtype.numpy, f"`{name}` fetched per layer", t.span)
     if fetched:
         _alloc(s, "fetch_sem", (len(fetched),), "dma", "fetch semaphores", NOWHERE, "SEM")
-    if sharded(m):
+    if s.collectives:
         _allocate_comm(s)
     logits = m.step.results[0]
     vocab = _type_of(m, m.step, logits).shape[1]
@@ -504,26 +500,30 @@ def _allocate_attention(s: _State, i: int, node: Node) -> None:
     _alloc(s, f"att{i}_wb_sem", (1,), "dma", "write-back semaphore", span, "SEM")
 
 
+def plan_collectives(s: _State) -> None:
+    """The exchanges of a per-device model (after mkdsl.shard), each with its phases and bytes."""
+    m = s.model
+    s.collectives = [c for g in [*m.kinds, m.step] for c in collectives.graph_collectives(m, g, s.rows, wire(m))]
+
+
 def _allocate_comm(s: _State) -> None:
     """Receive slots (two per index bit, alternating), staging and semaphores of the collectives."""
     m = s.model
     bits = max(collectives.index_bits(m.mesh), 1)
-    rows = s.rows if s.rows else 16
-    found = [c for g in [*m.kinds, m.step] for c in collectives.graph_collectives(m, g, rows, wire(m)) if c.two_level]
-    two = {(c.graph, c.value) for c in found}
-    f32w, bf16w = collectives.comm_widths(m, wire(m), two)
+    two_level = [c for c in s.collectives if c.two_level]
+    f32w, bf16w = collectives.comm_widths(s.collectives, wire(m))
     span = m.hint("wire_bf16").span if m.hint("wire_bf16") else NOWHERE
     _alloc(
         s, "comm_recv", (2 * bits, "rows", f32w), "float32", "collectives: f32 receive slots, 2 per index bit", NOWHERE
     )
     _alloc(s, "comm_stage", ("rows", 2 * collectives.PAIR_LANES), "float32", "collectives: argmax message", NOWHERE)
-    if two:
-        half = max(m_type_width(m, c) for c in found) // 2
+    if two_level:
+        half = max(c.width for c in two_level) // 2
         xr = collectives.exchange_rows(m) or "rows"
         _alloc(
             s,
             "comm_half",
-            (xr, collectives._lanes(half)),
+            (xr, collectives.lanes(half)),
             "float32",
             "collectives: the half a core keeps (two-level)",
             NOWHERE,
@@ -536,12 +536,6 @@ def _allocate_comm(s: _State) -> None:
     _alloc(s, "comm_recv_sem", (2 * bits,), "dma", "collectives: incoming DMA per slot", NOWHERE, "SEM")
     _alloc(s, "comm_local_sem", (1,), "dma", "collectives: local copies", NOWHERE, "SEM")
     _alloc(s, "comm_count", (bits,), "int32", "collectives: exchanges done per index bit", NOWHERE, "SMEM")
-
-
-def m_type_width(m: Model, c) -> int:
-    """Columns of the value a collective produces."""
-    g = m.step if c.graph == m.step.name else m.kind(c.graph)
-    return _type_of(m, g, Ref("value", c.value)).shape[-1]
 
 
 def fit_ring(s: _State) -> None:
