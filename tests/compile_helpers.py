@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.experimental import topologies
 
@@ -38,6 +39,28 @@ def load_module(path: Path, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def compile_one_core(module: ModuleType, device, batch: int, seq_len: int):
+    """Lower and compile one decode step of a one-device module for `device`; returns (compiled,
+    seconds). Lowering runs under an abstract one-core TPU7x mesh: some Pallas lowerings ask for
+    the TPU's parameters, which a CPU process has no device to give."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def sds(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    weights = {k: sds(v) for k, v in module.weight_layout().items()}
+    state = {k: sds(v) for k, v in module.state_layout(batch, seq_len).items()}
+    ints = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
+    step = module.build_decode_step(batch, seq_len)
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("_sim",), abstract_device=jax.sharding.AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
+    )
+    t0 = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = step.lower(weights, state, ints, ints)
+    return lowered.compile(), time.perf_counter() - t0
 
 
 def compiler_vmem(module: ModuleType, compile_step: Callable[[ModuleType], object]) -> tuple[float, float]:

@@ -28,13 +28,10 @@ summary and recorded as test properties (`--junitxml`).
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import pytest
-from compile_helpers import MIB, compiler_vmem, load_module, summary_fixture, tpu7x_devices
+from compile_helpers import MIB, compile_one_core, compiler_vmem, load_module, summary_fixture, tpu7x_devices
 
 from mkdsl.compiler import compile_source
 from mkdsl.plan import make_plan
@@ -64,26 +61,6 @@ def generated(tmp_path_factory):
     return out, path
 
 
-def compile_step(module, device, batch: int):
-    """Lower and compile one decode step; returns (compiled, seconds)."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-
-    def sds(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    weights = {k: sds(v) for k, v in module.weight_layout().items()}
-    state = {k: sds(v) for k, v in module.state_layout(batch, SEQ_LEN).items()}
-    ints = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
-    step = module.build_decode_step(batch, SEQ_LEN)
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("_sim",), abstract_device=jax.sharding.AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
-    )
-    t0 = time.perf_counter()
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = step.lower(weights, state, ints, ints)
-    return lowered.compile(), time.perf_counter() - t0
-
-
 @pytest.mark.parametrize("batch", BATCHES)
 def test_kimi_k3_core_compiles_for_tpu7x(batch, device, generated, report, record_property):
     out, path = generated
@@ -101,11 +78,11 @@ def test_kimi_k3_core_compiles_for_tpu7x(batch, device, generated, report, recor
     limit = module.VMEM_LIMIT_BYTES
     assert plan.vmem_total <= limit <= 64 * MIB
 
-    compiled, seconds = compile_step(module, device, batch)
+    compiled, seconds = compile_one_core(module, device, batch, SEQ_LEN)
     assert compiled is not None
 
     # The compiler's VMEM figure: compile again under a tiny limit and read the error.
-    used, tiny_seconds = compiler_vmem(module, lambda m: compile_step(m, device, batch))
+    used, tiny_seconds = compiler_vmem(module, lambda m: compile_one_core(m, device, batch, SEQ_LEN))
 
     planned = plan.vmem_total
     ratio = used / planned

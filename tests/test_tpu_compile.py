@@ -15,10 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import pytest
-from compile_helpers import MIB, compiler_vmem, load_module, summary_fixture, tpu7x_devices
+from compile_helpers import MIB, compile_one_core, compiler_vmem, load_module, summary_fixture, tpu7x_devices
 
 from mkdsl.elaborate import load
 from mkdsl.plan import make_plan
@@ -38,24 +36,6 @@ def device():
     return tpu7x_devices("tpu7x:2x2x1")[0]
 
 
-def compile_step(module, device, batch: int):
-    sharding = jax.sharding.SingleDeviceSharding(device)
-
-    def sds(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    weights = {k: sds(v) for k, v in module.weight_layout().items()}
-    state = {k: sds(v) for k, v in module.state_layout(batch, SEQ_LEN).items()}
-    ints = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
-    step = module.build_decode_step(batch, SEQ_LEN)
-    mesh = jax.sharding.AbstractMesh(
-        (1,), ("_sim",), abstract_device=jax.sharding.AbstractDevice(device_kind="TPU7x", num_cores=1, platform="tpu")
-    )
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = step.lower(weights, state, ints, ints)
-    return lowered.compile()
-
-
 @pytest.fixture(scope="module")
 def planned():
     model = load(str(ROOT / "specs" / "llama3_8b.mk"), None)
@@ -67,11 +47,11 @@ def test_llama3_8b_compiles_for_tpu7x(batch, device, planned, report, record_pro
     module = load_module(KERNEL, "llama3_8b_kernel")
     limit = module.VMEM_LIMIT_BYTES
     assert planned[batch].vmem_total <= limit <= 64 * MIB
-    compiled = compile_step(module, device, batch)
+    compiled, _ = compile_one_core(module, device, batch, SEQ_LEN)
     assert compiled is not None
 
     # The compiler's VMEM figure: compile again under a tiny limit and read the error.
-    used, _ = compiler_vmem(module, lambda m: compile_step(m, device, batch))
+    used, _ = compiler_vmem(module, lambda m: compile_one_core(m, device, batch, SEQ_LEN))
 
     assert (planned[batch].ring_depth, planned[batch].kv_tile) == (module.RING_DEPTH, module.KV_TILE), (
         "the planner's plan at this batch does not describe the committed kernel"
