@@ -1,6 +1,18 @@
-"""Shared test setup: JAX on the CPU (libtpu's compile-only TPU7x devices still work)."""
+"""Shared test setup: JAX on the CPU (libtpu's compile-only TPU7x devices still work), and the
+Hypothesis profile.
+
+Hypothesis profiles (MKDSL_HYPOTHESIS_PROFILE):
+* `ci` (the default, what `python -m pytest` and `.ci/run` use): derandomised — every run draws
+  the same examples from a seed derived from each test, with no example database — so a CI run is
+  reproducible on any machine.
+* `dev`: a random search (new examples every run, the local example database replaying failures),
+  for developers hunting bugs: `MKDSL_HYPOTHESIS_PROFILE=dev python -m pytest tests/test_ops_oracle.py`.
+Tests keep their own `max_examples` and `deadline`; the profile decides only where examples come from.
+"""
 
 import os
+
+from hypothesis import settings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu takes a machine-wide lock; compile-only use from a second process (a dev server, a
@@ -10,3 +22,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # one-device kernels use the first). Must be set before JAX initialises its CPU backend.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("MKDSL_HYPOTHESIS_PROFILE", "ci"))
