@@ -7,18 +7,23 @@ every matmul rounded to bf16, f32 accumulation, caches stored in bf16. Both run 
 consecutive greedy decode steps from random weights (mkdsl.random_params) and a random cache,
 each row starting at its own position, feeding back the reference's next tokens.
 
-Tolerances. Both sides compute in f32 in different orders, so their f32 values differ by a few
-ulps, and now and then a value lands on the other side of a bf16 rounding boundary when it is
-rounded for a matmul or the cache: one bf16 ulp (2^-8 relative) in one element, which moves
-the logits by up to ~1e-2 (measured: 80% of rows agree to < 1e-5, the worst of ~800 rows
-differs by 1.3e-2, on logits of magnitude ~4). Hence:
-* logits: |ref - here| <= LOGIT_ATOL = 3e-2, and (batch >= 3) at least half of all rows over
-  all steps agree to TIGHT = 1e-5, so that a systematic error of any size cannot hide below
-  LOGIT_ATOL;
-* next tokens: equal, except in rows whose two largest logits are within 2·LOGIT_ATOL (near ties);
-* caches: bitwise equal to the initial cache wherever no step wrote; where a step wrote,
-  >= 99% of entries bitwise equal to this decode's and all within one bf16 ulp (2^-7·|v|)
-  + CACHE_ATOL = 2e-2 (entries are O(1); a layer-1 flip moves layer-2 entries slightly).
+Tolerances. Each step is compared layer by layer: both sides get the reference's input to the
+layer (the embedding, then the reference's own output of the layer before) and the step's caches,
+so only one layer's arithmetic is compared and nothing compounds over layers or steps. Within a
+layer both compute in f32 in different orders (XLA picks accumulation orders per processor), so
+their f32 values differ by a few ulps, and now and then a value lands on the other side of a bf16
+rounding boundary when it is rounded for a matmul or the cache: one bf16 ulp (2^-8 relative) in one
+element, which moves the matmul's outputs by ~2^-8 |x_i| |w| (w ~ N(0, 1/fan_in)). Hence (the
+constants below carry the same one-line derivations):
+* a layer's output: per row within LAYER_RTOL = 2^-5 of the layer's largest update |out - in| plus
+  an f32 floor F32_RTOL = 2^-16 of the output's largest entry;
+* logits (the head fed the same final residual): within LOGIT_RTOL = 2^-6 of the row's largest;
+* next tokens: equal, except in rows whose two largest logits are within the logit bound (near ties);
+* caches: bitwise equal to the initial cache wherever no step wrote (pure data movement, exact on
+  any machine); the layer's new entries within one bf16 ulp (2^-7·|v| covers the rounding of either
+  side) + CACHE_ATOL = 2^-6.
+Observed worst error / bound (AMD EPYC, -s prints it): layers 5.7% (seeds 101, 103, 108) and 4.1%
+(seeds 901, 903, 908); logits and caches below 0.1%.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ import pytest
 from mkdsl.elaborate import load
 from mkdsl.quant import QTensor
 from mkdsl.random_params import random_params
-from mkdsl.reference import build_reference
+from mkdsl.reference import build_layered_reference, build_reference
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "llama3_8b.mk"
-LOGIT_ATOL = 3e-2
-TIGHT = 1e-5
-CACHE_ATOL = 2e-2
+LAYER_RTOL = 2.0**-5  # 8 bf16 ulps of the layer's largest update: several bf16 flips inside one layer
+F32_RTOL = 2.0**-16  # f32 accumulation-order noise floor (a few ulps of 2^-24 times sqrt(terms))
+LOGIT_RTOL = 2.0**-6  # 4 bf16 ulps of the row's largest logit: flips in the head's input only
+CACHE_ATOL = 2.0**-6  # O(1) entries: a flip in the layer's input moves K/V by ~2^-8 / sqrt(H) per flip
 STEPS = 4
 S = 32  # KV cache length
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -75,34 +81,35 @@ def apply_rope(x, positions, heads, theta):
     return (xh * jnp.cos(emb) + rotate_half(xh) * jnp.sin(emb)).reshape(b, width)
 
 
-def llama_step(w, k_cache, v_cache, tokens, positions, cfg):
-    """One greedy decode step. k_cache/v_cache: bf16 [L, B, NKV, S, D]."""
-    L, NH, NKV, D, eps, theta = (cfg[k] for k in ("L", "NH", "NKV", "D", "EPS", "THETA"))
-    b, s = tokens.shape[0], k_cache.shape[3]
-    x = w["embed"][tokens].astype(jnp.float32)
+def llama_layer(w, layer, x, k_cache, v_cache, positions, cfg):
+    """One decoder layer. x: f32 [B, H]; k_cache/v_cache: this layer's bf16 [B, NKV, S, D]."""
+    NH, NKV, D, eps, theta = (cfg[k] for k in ("NH", "NKV", "D", "EPS", "THETA"))
+    b, s = x.shape[0], k_cache.shape[2]
     slot = jnp.arange(s)[None, :] == positions[:, None]  # [B, S]: this step's cache slot
     visible = jnp.arange(s)[None, None, :] <= positions[:, None, None]  # [B, 1, S]
-    for layer in range(L):
-        h = rms_norm(x, w["attn_norm"][layer], eps)
-        q = apply_rope(matmul(h, w["wq"][layer]), positions, NH, theta)
-        k = apply_rope(matmul(h, w["wk"][layer]), positions, NKV, theta)
-        v = matmul(h, w["wv"][layer])
-        new_k = jnp.where(slot[:, None, :, None], k.astype(jnp.bfloat16).reshape(b, NKV, 1, D), k_cache[layer])
-        new_v = jnp.where(slot[:, None, :, None], v.astype(jnp.bfloat16).reshape(b, NKV, 1, D), v_cache[layer])
-        k_cache, v_cache = k_cache.at[layer].set(new_k), v_cache.at[layer].set(new_v)
-        keys = jnp.repeat(new_k, NH // NKV, axis=1).astype(jnp.float32)  # query head h reads KV head h // (NH/NKV)
-        values = jnp.repeat(new_v, NH // NKV, axis=1).astype(jnp.float32)
-        scores = jnp.einsum("bhd,bhsd->bhs", q.reshape(b, NH, D), keys, precision=HIGHEST) / np.sqrt(D)
-        scores = jnp.where(visible, scores, -jnp.inf)
-        e = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
-        p = e / e.sum(axis=-1, keepdims=True)
-        attn = jnp.einsum("bhs,bhsd->bhd", p, values, precision=HIGHEST).reshape(b, NH * D)
-        x = x + matmul(attn, w["wo"][layer])
-        h = rms_norm(x, w["mlp_norm"][layer], eps)
-        gate, up = matmul(h, w["w_gate"][layer]), matmul(h, w["w_up"][layer])
-        x = x + matmul(gate / (1.0 + jnp.exp(-gate)) * up, w["w_down"][layer])
-    logits = matmul(rms_norm(x, w["final_norm"], eps), w["lm_head"])
-    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32), k_cache, v_cache
+    h = rms_norm(x, w["attn_norm"][layer], eps)
+    q = apply_rope(matmul(h, w["wq"][layer]), positions, NH, theta)
+    k = apply_rope(matmul(h, w["wk"][layer]), positions, NKV, theta)
+    v = matmul(h, w["wv"][layer])
+    new_k = jnp.where(slot[:, None, :, None], k.astype(jnp.bfloat16).reshape(b, NKV, 1, D), k_cache)
+    new_v = jnp.where(slot[:, None, :, None], v.astype(jnp.bfloat16).reshape(b, NKV, 1, D), v_cache)
+    keys = jnp.repeat(new_k, NH // NKV, axis=1).astype(jnp.float32)  # query head h reads KV head h // (NH/NKV)
+    values = jnp.repeat(new_v, NH // NKV, axis=1).astype(jnp.float32)
+    scores = jnp.einsum("bhd,bhsd->bhs", q.reshape(b, NH, D), keys, precision=HIGHEST) / np.sqrt(D)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    e = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
+    p = e / e.sum(axis=-1, keepdims=True)
+    attn = jnp.einsum("bhs,bhsd->bhd", p, values, precision=HIGHEST).reshape(b, NH * D)
+    x = x + matmul(attn, w["wo"][layer])
+    h = rms_norm(x, w["mlp_norm"][layer], eps)
+    gate, up = matmul(h, w["w_gate"][layer]), matmul(h, w["w_up"][layer])
+    x = x + matmul(gate / (1.0 + jnp.exp(-gate)) * up, w["w_down"][layer])
+    return x, new_k, new_v
+
+
+def llama_head(w, x, cfg):
+    logits = matmul(rms_norm(x, w["final_norm"], cfg["EPS"]), w["lm_head"])
+    return logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------- weights for it
@@ -135,6 +142,15 @@ def bits(a) -> np.ndarray:
     return np.asarray(a).view(np.uint16)
 
 
+def update_ratio(got, want, x_in) -> float:
+    """Worst row error of a layer's output in units of its bound (see the module docstring)."""
+    got, want, x_in = (np.asarray(a, np.float64) for a in (got, want, x_in))
+    bound = LAYER_RTOL * np.abs(want - x_in).max(axis=-1) + F32_RTOL * np.abs(want).max(axis=-1)
+    ratio = np.abs(got - want).max(axis=-1) / bound
+    assert np.isfinite(ratio).all(), "NaN in a layer's output"
+    return float(ratio.max())
+
+
 def run_and_compare(model, batch: int, seed: int):
     cfg = model.const
     assert model.tensor("k_cache").full_shape == (cfg["L"], "B", cfg["NKV"], "S", cfg["D"])
@@ -146,47 +162,60 @@ def run_and_compare(model, batch: int, seed: int):
     if batch > 1:
         start[0] = 0
 
+    ref = build_layered_reference(model)
     ref_step = build_reference(model)
-    my_step = jax.jit(lambda w, kc, vc, t, p: llama_step(w, kc, vc, t, p, cfg))
-    ref_state = dict(state)
-    my_k, my_v = jnp.asarray(state["k_cache"]), jnp.asarray(state["v_cache"])
-    near_ties, row_errors = 0, []
+    my_layer = jax.jit(lambda w, i, x, kc, vc, p: llama_layer(w, i, x, kc, vc, p, cfg), static_argnums=1)
+    my_head = jax.jit(lambda w, x: llama_head(w, x, cfg))
+    ref_state = {k: jnp.asarray(v) for k, v in state.items()}
+    near_ties, worst = 0, {"layers": 0.0, "logits": 0.0, "k_cache": 0.0, "v_cache": 0.0}
+    written = np.zeros((batch, S), bool)  # [B, S]: slots some step wrote
     for step in range(STEPS):
         positions = start + step
-        logits, next_tokens, ref_state = ref_step(weights, ref_state, tokens, positions)
-        want, want_tokens, my_k, my_v = my_step(mine, my_k, my_v, tokens, positions)
-        logits, want = np.asarray(logits), np.asarray(want)
+        written[np.arange(batch), positions] = True
+        args = (weights, ref_state, jnp.asarray(tokens), jnp.asarray(positions))
+        (x,) = ref.prologue(*args)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(mine["embed"][tokens].astype(jnp.float32)))
+        for layer in range(cfg["L"]):  # both sides get the reference's input to the layer and the step's caches
+            (ref_x,), layer_state = ref.layer(layer, *args, [x])
+            my_x, my_k, my_v = my_layer(
+                mine, layer, x, ref_state["k_cache"][layer], ref_state["v_cache"][layer], jnp.asarray(positions)
+            )
+            worst["layers"] = max(worst["layers"], update_ratio(my_x, ref_x, x))
+            assert worst["layers"] <= 1, f"step {step} layer {layer}: output off by {worst['layers']:.2f}x the bound"
+            for name, my_cache in (("k_cache", my_k), ("v_cache", my_v)):
+                g = np.asarray(layer_state[name][layer]).astype(np.float64)
+                h = np.asarray(my_cache).astype(np.float64)
+                excess = float(np.max(np.abs(g - h) - 2.0**-7 * np.abs(h)))
+                worst[name] = max(worst[name], excess / CACHE_ATOL)
+                assert excess <= CACHE_ATOL, f"step {step} layer {layer}: {name} differs by {excess:.3g} beyond 1 ulp"
+            x = ref_x
+        logits, next_tokens = (np.asarray(a) for a in ref.epilogue(*args, [x]))
+        want, want_tokens = (np.asarray(a) for a in my_head(mine, x))
         assert logits.shape == (batch, cfg["V"]) and logits.dtype == np.float32
-        assert np.isfinite(logits).all()
-        err = np.abs(logits - want)
-        row_errors.extend(err.max(axis=1))
-        assert err.max() <= LOGIT_ATOL, f"step {step}: logits differ by {err.max():.3g} (row {err.max(1).argmax()})"
-        next_tokens, want_tokens = np.asarray(next_tokens), np.asarray(want_tokens)
+        assert np.isfinite(logits).all() and np.isfinite(want).all()
+        err = np.abs(logits - want).max(axis=-1) / (LOGIT_RTOL * np.abs(want).max(axis=-1))
+        worst["logits"] = max(worst["logits"], float(err.max()))
+        assert err.max() <= 1, f"step {step}: logits off by {err.max():.2f}x the bound (row {err.argmax()})"
         for r in np.nonzero(next_tokens != want_tokens)[0]:
             top2 = np.sort(logits[r])[-2:]
-            assert top2[1] - top2[0] <= 2 * LOGIT_ATOL, (
+            assert top2[1] - top2[0] <= 2 * LOGIT_RTOL * np.abs(want[r]).max(), (
                 f"step {step} row {r}: token {next_tokens[r]} vs {want_tokens[r]}, top-2 gap {top2[1] - top2[0]:.3g}"
             )
             near_ties += 1
-        tokens = next_tokens  # both sides continue from the reference's tokens
+        # the whole reference step agrees with its pieces (the same program order: exact)
+        whole_logits, whole_next, ref_state = ref_step(*args)
+        assert np.isfinite(np.asarray(whole_logits)).all()
+        tokens = np.asarray(whole_next)
 
-    written = np.zeros((batch, S), bool)  # [B, S]: slots some step wrote
-    for r in range(batch):
-        written[r, start[r] : start[r] + STEPS] = True
-    for name, my_cache in (("k_cache", my_k), ("v_cache", my_v)):
-        init, got, here = bits(state[name]), bits(ref_state[name]), bits(my_cache)
+    for name in ("k_cache", "v_cache"):  # pure data movement: exact on any machine
+        init, got = bits(state[name]), bits(ref_state[name])
         assert got.shape == init.shape == (cfg["L"], batch, cfg["NKV"], S, cfg["D"])
         w = np.broadcast_to(written[None, :, None, :, None], init.shape)
         assert np.array_equal(got[~w], init[~w]), f"{name}: entries no step wrote changed"
         assert np.mean(got[w] != init[w]) > 0.9, f"{name}: written slots still hold the old entries"
-        g, h = np.asarray(ref_state[name])[w].astype(np.float64), np.asarray(my_cache)[w].astype(np.float64)
-        worst = np.max(np.abs(g - h) - 2.0**-7 * np.abs(h))
-        assert worst <= CACHE_ATOL, f"{name}: written entries differ by {worst:.3g} beyond one bf16 ulp"
-        assert np.mean(got[w] == here[w]) >= 0.99, f"{name}: {np.mean(got[w] != here[w]):.2%} of written entries differ"
     assert near_ties <= max(1, batch * STEPS // 4), f"{near_ties} near-tie token mismatches: suspicious"
-    if batch >= 3:
-        agree = np.mean(np.array(row_errors) <= TIGHT)
-        assert agree >= 0.5, f"only {agree:.0%} of rows agree to {TIGHT}: a systematic difference?"
+    print(f"\nbatch {batch}, seed {seed}: worst error / bound " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()))
+    return worst
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,9 @@ WEIGHTS = {
     "shared_up": ((92, 7168, 8192), "bfloat16"),
     "shared_down": ((92, 8192, 7168), "bfloat16"),
 }
+# Values carried from layer to layer (the layer kinds' parameters): name -> width per row.
+# `build_decode_step(..., layer_trace=True)` returns each one before and after every layer.
+LAYER_CARRIES = {"blocks": 57344, "prefix": 7168}
 # State layout: name -> (shape with "batch"/"seq_len" for build-time sizes, dtype). Aliased in place.
 STATE = {
     "kda_state": ((69, "batch", 96, 128, 128), "float32"),
@@ -1558,13 +1561,20 @@ S_EPILOGUE_LOGITS = Stream("lm_head", k=7168, n=5120, tk=1792, tn=512, start=0, 
 EPILOGUE_TILES = 40
 
 
-def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
+def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
 
     Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`;
     `state` buffers are donated and updated in place. `interpret`: a `pltpu.InterpretParams`
-    to run on the CPU in TPU interpret mode, or None to compile for a TPU.    Arrays are global (split over `mesh` as WEIGHT_SPLIT / STATE_SPLIT say; default
-    make_mesh()); one kernel runs per device inside shard_map and exchanges values in-kernel.    """
+    to run on the CPU in TPU interpret mode, or None to compile for a TPU.
+    Arrays are global (split over `mesh` as WEIGHT_SPLIT / STATE_SPLIT say; default
+    make_mesh()); one kernel runs per device inside shard_map and exchanges values in-kernel.
+
+    `layer_trace=True` (a debug build, for checking a kernel layer by layer against a reference)
+    makes `step` return a fourth value: name -> f32 [NUM_LAYERS + 1, batch, width] for each of
+    LAYER_CARRIES, entry 0 as the layer stack receives it and entry l + 1 after layer l. The default
+    build has no trace output and no trace copies.
+    """
     if not BATCH_RANGE[0] <= batch <= BATCH_RANGE[1]:
         raise ValueError(f"batch must be in {BATCH_RANGE[0]}..{BATCH_RANGE[1]}, got {batch}")
     if seq_len % KV_TILE:
@@ -1577,6 +1587,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
     padded = {"attn_res": 96, "mlp_res": 96, "input_norm": 96, "post_norm": 96, "kda_a_log": 72, "kda_dt_bias": 72, "kda_onorm": 80, "mla_qnorm": 32, "mla_kvnorm": 32, "moe_bias": 96, "moe_rnorm": 96, }  # vector stacks padded to whole fetch blocks
     state_names = list(STATE)
     outputs = ["logits", "next_tokens"] + [f"{name}_out" for name in state_names]
+    traces = [f"{name}_trace" for name in LAYER_CARRIES] if layer_trace else []
+    outputs += traces
     scratch = {
         "ring": pltpu.VMEM((13, 1792, 512), jnp.bfloat16),
         "ring_sem": pltpu.SemaphoreType.DMA((13,)),
@@ -1910,6 +1922,9 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
         res_init(r.v10_7168, r.carry0, r.carry1)
 
         # ---- the layer stack ----
+        if layer_trace:
+            pltpu.sync_copy(r.carry0, r.blocks_trace.at[0])
+            pltpu.sync_copy(r.carry1, r.prefix_trace.at[0])
 
         def layer(li, carry):
             base = layer_base_ref[li]
@@ -2182,6 +2197,9 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
                 comm.all_reduce_two_level(r.v1_7168, 31, wire=BF16, rows=8)
                 r.v0_7168[...] = r.v10_7168[...] + r.v1_7168[...]
                 r.carry1[...] = r.v0_7168[...]
+            if layer_trace:
+                pltpu.sync_copy(r.carry0, r.blocks_trace.at[li + 1])
+                pltpu.sync_copy(r.carry1, r.prefix_trace.at[li + 1])
 
             return carry
 
@@ -2218,12 +2236,13 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
             jax.ShapeDtypeStruct((batch, 5120), F32),
             jax.ShapeDtypeStruct((batch, 1), I32),
             *[layout[name] for name in state_names],
+            *[jax.ShapeDtypeStruct((NUM_LAYERS + 1, rows, width), F32) for width in LAYER_CARRIES.values() if layer_trace],
         ],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=n_scalars,
             grid=(),
             in_specs=[hbm() for _ in hbm_inputs] + [hbm() for _ in state_names],
-            out_specs=[vmem(), vmem()] + [hbm() for _ in state_names],
+            out_specs=[vmem(), vmem()] + [hbm() for _ in state_names] + [hbm() for _ in traces],
             scratch_shapes=list(scratch.values()),
         ),
         input_output_aliases={first_state + i: 2 + i for i in range(len(state_names))},
@@ -2247,7 +2266,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
         per_device,
         mesh=mesh,
         in_specs=(P(), P(), *[P(*split_of(name)) for name in hbm_inputs], *state_specs),
-        out_specs=(P(None, LOGITS_SPLIT), P(), *state_specs),
+        out_specs=(P(None, LOGITS_SPLIT), P(), *state_specs, *[P() for _ in traces]),
         check_vma=False,
     )
 
@@ -2261,6 +2280,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
             *[flat[name] for name in hbm_inputs],
             *[state[name] for name in state_names],
         )
-        return logits, next_tokens.reshape(batch), dict(zip(state_names, new_state, strict=True))
+        new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
+        new_state = dict(zip(state_names, new_state, strict=True))
+        if layer_trace:
+            trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)}
+            return logits, next_tokens.reshape(batch), new_state, trace
+        return logits, next_tokens.reshape(batch), new_state
 
     return jax.jit(step, donate_argnums=(1,))

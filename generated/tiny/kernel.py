@@ -50,6 +50,9 @@ WEIGHTS = {
     "out_norm": ((128,), "bfloat16"),
     "lm_head": ((128, 256), "bfloat16"),
 }
+# Values carried from layer to layer (the layer kinds' parameters): name -> width per row.
+# `build_decode_step(..., layer_trace=True)` returns each one before and after every layer.
+LAYER_CARRIES = {"x": 128}
 # State layout: name -> (shape with "batch"/"seq_len" for build-time sizes, dtype). Aliased in place.
 STATE = {
     "k_cache": ((2, "batch", 1, "seq_len", 128), "bfloat16"),
@@ -441,12 +444,18 @@ S_EPILOGUE_LOGITS = Stream("lm_head", k=128, n=256, tk=128, tn=256, start=0, sta
 EPILOGUE_TILES = 1
 
 
-def build_decode_step(batch, seq_len, *, interpret=None):
+def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
 
     Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`;
     `state` buffers are donated and updated in place. `interpret`: a `pltpu.InterpretParams`
-    to run on the CPU in TPU interpret mode, or None to compile for a TPU.    """
+    to run on the CPU in TPU interpret mode, or None to compile for a TPU.
+
+    `layer_trace=True` (a debug build, for checking a kernel layer by layer against a reference)
+    makes `step` return a fourth value: name -> f32 [NUM_LAYERS + 1, batch, width] for each of
+    LAYER_CARRIES, entry 0 as the layer stack receives it and entry l + 1 after layer l. The default
+    build has no trace output and no trace copies.
+    """
     if not BATCH_RANGE[0] <= batch <= BATCH_RANGE[1]:
         raise ValueError(f"batch must be in {BATCH_RANGE[0]}..{BATCH_RANGE[1]}, got {batch}")
     if seq_len % KV_TILE:
@@ -459,6 +468,8 @@ def build_decode_step(batch, seq_len, *, interpret=None):
     padded = {}  # vector stacks padded to whole fetch blocks
     state_names = list(STATE)
     outputs = ["logits", "next_tokens"] + [f"{name}_out" for name in state_names]
+    traces = [f"{name}_trace" for name in LAYER_CARRIES] if layer_trace else []
+    outputs += traces
     scratch = {
         "ring": pltpu.VMEM((16, 256, 256), jnp.bfloat16),
         "ring_sem": pltpu.SemaphoreType.DMA((16,)),
@@ -578,6 +589,8 @@ def build_decode_step(batch, seq_len, *, interpret=None):
         embedding(r, r.embed, tokens_ref, batch, r.carry0, r.emb_block, r.emb_sem)
 
         # ---- the layer stack ----
+        if layer_trace:
+            pltpu.sync_copy(r.carry0, r.x_trace.at[0])
 
         def layer(li, carry):
             base = layer_base_ref[li]
@@ -616,6 +629,8 @@ def build_decode_step(batch, seq_len, *, interpret=None):
                 linear(r, issue, S_DECODER_LINEAR_6, li, base + S_DECODER_LINEAR_6.start, r.v5_256_bf16, r.v3_128)
                 r.v0_128[...] = r.v4_128[...] + r.v3_128[...]
                 r.carry0[...] = r.v0_128[...]
+            if layer_trace:
+                pltpu.sync_copy(r.carry0, r.x_trace.at[li + 1])
 
             return carry
 
@@ -648,12 +663,13 @@ def build_decode_step(batch, seq_len, *, interpret=None):
             jax.ShapeDtypeStruct((batch, 256), F32),
             jax.ShapeDtypeStruct((batch, 1), I32),
             *[layout[name] for name in state_names],
+            *[jax.ShapeDtypeStruct((NUM_LAYERS + 1, rows, width), F32) for width in LAYER_CARRIES.values() if layer_trace],
         ],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=n_scalars,
             grid=(),
             in_specs=[hbm() for _ in hbm_inputs] + [hbm() for _ in state_names],
-            out_specs=[vmem(), vmem()] + [hbm() for _ in state_names],
+            out_specs=[vmem(), vmem()] + [hbm() for _ in state_names] + [hbm() for _ in traces],
             scratch_shapes=list(scratch.values()),
         ),
         input_output_aliases={first_state + i: 2 + i for i in range(len(state_names))},
@@ -675,6 +691,11 @@ def build_decode_step(batch, seq_len, *, interpret=None):
             *[flat[name] for name in hbm_inputs],
             *[state[name] for name in state_names],
         )
-        return logits, next_tokens.reshape(batch), dict(zip(state_names, new_state, strict=True))
+        new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
+        new_state = dict(zip(state_names, new_state, strict=True))
+        if layer_trace:
+            trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)}
+            return logits, next_tokens.reshape(batch), new_state, trace
+        return logits, next_tokens.reshape(batch), new_state
 
     return jax.jit(step, donate_argnums=(1,))

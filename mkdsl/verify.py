@@ -1,0 +1,292 @@
+"""A generated kernel against the unfused reference, one decode step and one layer at a time.
+
+The kernel runs (in TPU interpret mode on a CPU, or on a TPU) as a debug build that also returns
+the values it carries from layer to layer (`build_decode_step(..., layer_trace=True)`). Each layer
+of the reference is then fed the *kernel's* carries entering that layer, and the state the kernel
+started the step from, so every comparison covers one layer's arithmetic: rounding differences
+cannot compound through the stack, and the bounds below hold on any IEEE machine whatever
+accumulation order its XLA backend picks.
+
+Numeric contract on both sides: every matmul input rounded to bf16, f32 accumulation, f32
+elementwise math. From the same input they agree to f32 rounding (~1e-6 relative) until an f32
+difference flips the bf16 rounding of one matmul input: that input moves by one bf16 ulp
+(2^-8 relative) and each output of the matmul by ~2^-8 |x_i| |w_ij| (w ~ N(0, 1/fan_in)), a
+relative change of ~2^-8 / sqrt(fan_in) of the output's scale per flip. A layer holds up to ~20
+bf16-input matmuls in a chain (Kimi K3's KDA + MoE layer), so a flip early in the layer reaches
+its output scaled by at most a few units. Hence the bounds, each relative to a scale the layer
+itself produces (never to an output that can cancel):
+
+* carries: per row, max |kernel - ref| <= CARRY_RTOL x (the row's largest |update| = |ref out -
+  carry in| over all carries) + F32_RTOL x (the row's largest |ref out|). CARRY_RTOL = 2^-5: 8
+  bf16 ulps of the update's largest entry, room for several flips each amplified a few times.
+* state written by a layer: per entry, |kernel - ref| <= 1 ulp of the state's storage type at |ref|
+  + STATE_RTOL x (largest |ref| of that vector, the last axis). STATE_RTOL = 2^-5 likewise.
+* logits (the epilogue fed the kernel's final carries): per row, max |kernel - ref| <= LOGIT_RTOL
+  x (the row's largest |ref logit|) + F32_RTOL x the same. LOGIT_RTOL = 2^-6: the epilogue is one
+  norm and one matmul, so only the flips of the head's input count.
+* F32_RTOL = 2^-16: a floor of f32 accumulation-order noise (~sqrt(n) ulps of 2^-24 for n <= 10^5
+  terms is < 2^-15 at worst; 2^-16 covers the typical case and is far below every bound above),
+  needed where an update is exactly zero (a carry a layer passes through unchanged).
+* greedy tokens: the kernel's token is the first argmax of its own logits (exact), and equals the
+  reference's unless the two are a near tie: the reference scores the kernel's token within
+  2 x the logit bound of its maximum.
+
+Discrete choices. A top-k routing (`route`) whose k-th choice and runner-up differ by less than
+ROUTE_TIE may go either way under the rounding differences above; a row that fails a bound in a
+layer with such a near tie is compared again with the reference taking the runner-up there
+(ROUTE_TIE = 2^-8: router scores from the same input differ by ~2^-8 / sqrt(fan_in) per flip, far
+below it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from mkdsl.ir import Model
+from mkdsl.lazy import jax, jnp
+from mkdsl.ops import OPS
+from mkdsl.ops.moe import route
+from mkdsl.quant import QTensor
+from mkdsl.reference import LayeredReference, build_layered_reference, run_layer
+
+CARRY_RTOL = 2.0**-5
+STATE_RTOL = 2.0**-5
+LOGIT_RTOL = 2.0**-6
+F32_RTOL = 2.0**-16
+ROUTE_TIE = 2.0**-8
+
+
+def interpret_params():
+    """TPU interpret mode with the race detector on, NaN-filled fresh memory, OOB reads raising."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
+
+
+def races_found() -> bool:
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+
+    return bool(ipc.races is not None and ipc.races.races_found)
+
+
+@contextlib.contextmanager
+def host_callbacks() -> Iterator[None]:
+    """Within: the interpreter's io_callbacks run on host arrays as they come.
+
+    jax 0.10.2's io_callback first `device_put`s its arguments on the first CPU device; over
+    several virtual devices, once an argument is large (~100 KiB) that copy waits behind the device
+    threads, which are blocked in the interpreter waiting for each other's semaphores: a deadlock.
+    The interpreter's callbacks take numpy arrays anyway.
+    """
+    from jax._src import callback
+    from jax._src import tree_util
+
+    def on_host(*args, result_avals, callback, sharding, ordered):
+        del result_avals, sharding, ordered
+        return tree_util.tree_map(np.asarray, callback(*args))
+
+    original = callback.io_callback_impl
+    callback.io_callback_impl = on_host
+    try:
+        yield
+    finally:
+        callback.io_callback_impl = original
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class StepCheck:
+    """What one checked step found: worst error / bound per item, failures, routings taken."""
+
+    worst: dict[str, float] = dataclasses.field(default_factory=dict)
+    failures: list[str] = dataclasses.field(default_factory=list)
+    runner_ups: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (layer, row)
+
+    def note(self, item: str, ratio: float) -> None:
+        self.worst[item] = max(self.worst.get(item, 0.0), float(ratio))
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+@dataclasses.dataclass
+class KernelOutput:
+    logits: np.ndarray
+    next_tokens: np.ndarray
+    state: dict[str, np.ndarray]
+    trace: dict[str, np.ndarray]  # carry name -> [layers + 1, batch, width]
+
+
+def storage_ulp(x: np.ndarray, dtype) -> np.ndarray:
+    """The spacing of `dtype` numbers at |x| (bf16: 8 significant bits, f32: 24)."""
+    bits = 8 if np.dtype(dtype).itemsize == 2 else 24
+    e = np.floor(np.log2(np.maximum(np.abs(x), np.finfo(np.float32).tiny)))
+    return np.exp2(e - (bits - 1))
+
+
+def _f32(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------- the checker
+
+
+class LayerChecker:
+    """Checks kernel outputs of one model layer by layer against its reference."""
+
+    def __init__(self, model: Model, reference: LayeredReference | None = None):
+        self.model = model
+        self.ref = reference or build_layered_reference(model)
+        self.carry_names = [v.name for v in model.kinds[0].params]
+
+    def check(self, weights: dict, state: dict, tokens, positions, out: KernelOutput) -> StepCheck:
+        """Compare one kernel step (`out`) with the reference fed the same state and carries."""
+        result = StepCheck()
+        ref_w = {k: v if isinstance(v, QTensor) else jnp.asarray(v) for k, v in weights.items()}
+        ref_s = {k: jnp.asarray(v) for k, v in state.items()}
+        args = (ref_w, ref_s, jnp.asarray(tokens), jnp.asarray(positions))
+        batch = len(tokens)
+        for name, t in out.trace.items():
+            if not np.isfinite(t).all():
+                result.failures.append(f"non-finite values in the `{name}` the kernel carries between layers")
+        if result.failures:
+            return result
+        first = [_f32(c) for c in self.ref.prologue(*args)]
+        carries_in = self._kernel_carries(out, 0)
+        self._check_carries(result, "prologue", first, carries_in, [np.zeros_like(c) for c in first])
+        for index in range(len(self.model.schedule)):
+            self._check_layer(result, index, args, out, batch)
+        logits, next_tokens = self.ref.epilogue(*args, self._kernel_carries(out, len(self.model.schedule)))
+        self._check_logits(result, np.asarray(logits), np.asarray(next_tokens), out)
+        return result
+
+    def _kernel_carries(self, out: KernelOutput, entry: int) -> list[np.ndarray]:
+        return [out.trace[name][entry] for name in self.carry_names]
+
+    def _check_layer(self, result: StepCheck, index: int, args, out: KernelOutput, batch: int) -> None:
+        where = f"layer {index} ({self.model.schedule[index]})"
+        carries_in = self._kernel_carries(out, index)
+        carries_out, ref_state = self.ref.layer(index, *args, [jnp.asarray(c) for c in carries_in])
+        want = self._kernel_carries(out, index + 1)
+        bad = self._row_errors(index, [_f32(c) for c in carries_out], want, carries_in, ref_state, out)
+        for b in np.flatnonzero(bad.max(axis=0) > 1):
+            alt = self._runner_up(index, args, carries_in, b)
+            if alt is not None:
+                alt_bad = self._row_errors(index, alt[0], want, carries_in, alt[1], out)
+                if alt_bad[:, b].max() <= 1:
+                    result.runner_ups.append((index, int(b)))
+                    bad[:, b] = alt_bad[:, b]
+        items = ["carries", *self._states_of(index)]
+        for item, ratios in zip(items, bad, strict=True):
+            result.note(item if item == "carries" else f"state {item}", ratios.max())
+            for b in np.flatnonzero(ratios > 1):
+                result.failures.append(f"{where}: row {b}: {item} off by {ratios[b]:.2f}x the bound")
+        del batch
+
+    def _states_of(self, index: int) -> list[str]:
+        return [t.name for t in self.model.states if t.stacked and t.slots[index] >= 0]
+
+    def _row_errors(self, index, ref_carries, want, carries_in, ref_state, out) -> np.ndarray:
+        """[1 + states, batch]: each row's worst error / bound in the carries and each state written."""
+        rows = [self._carry_ratio(ref_carries, want, carries_in)]
+        for name in self._states_of(index):
+            slot = self.model.tensor(name).slots[index]
+            rows.append(state_ratio(_f32(ref_state[name][slot]), _f32(out.state[name][slot]), out.state[name].dtype))
+        return np.stack(rows)
+
+    @staticmethod
+    def _carry_ratio(ref: list, got: list, carries_in: list) -> np.ndarray:
+        update = np.max([np.abs(r - i).max(axis=-1) for r, i in zip(ref, carries_in)], axis=0)
+        scale = np.max([np.abs(r).max(axis=-1) for r in ref], axis=0)
+        err = np.max([np.abs(g - r).max(axis=-1) for g, r in zip(got, ref)], axis=0)
+        return err / (CARRY_RTOL * update + F32_RTOL * scale + np.finfo(np.float32).tiny)
+
+    def _check_carries(self, result: StepCheck, where: str, ref, got, carries_in) -> None:
+        ratios = self._carry_ratio(ref, got, carries_in)
+        result.note("carries", ratios.max())
+        for b in np.flatnonzero(~(ratios <= 1)):
+            result.failures.append(f"{where}: row {b}: carries off by {ratios[b]:.2f}x the bound")
+
+    def _runner_up(self, index: int, args, carries_in, row: int):
+        """The layer with `row` taking the runner-up at its nearest routing tie, if one is < ROUTE_TIE."""
+        graph = self.model.kind(self.model.schedule[index])
+        if not any(n.op == "route" for n in graph.nodes):
+            return None
+        flipped = {"done": False}
+
+        def routed(scores, bias, k):
+            weights, ids = route(scores, bias, k)
+            s = scores.astype(jnp.float32)
+            key = np.asarray(s + bias.astype(jnp.float32))
+            taken = np.zeros(key.shape, bool)
+            np.put_along_axis(taken, np.asarray(ids), True, axis=-1)
+            runner = np.argmax(np.where(taken, -np.inf, key), axis=-1)
+            margin = key[row, np.asarray(ids)[row, -1]] - key[row, runner[row]]
+            if flipped["done"] or margin >= ROUTE_TIE:
+                return weights, ids
+            flipped["done"] = True
+            ids = ids.at[row, -1].set(int(runner[row]))
+            chosen = jnp.take_along_axis(s, ids, axis=-1)
+            return chosen / jnp.sum(chosen, axis=-1, keepdims=True), ids
+
+        original = OPS["route"]
+        OPS["route"] = dataclasses.replace(original, reference=routed)
+        try:
+            carries, state = run_layer(self.model, index, *args, [jnp.asarray(c) for c in carries_in])
+        finally:
+            OPS["route"] = original
+        return ([_f32(c) for c in carries], state) if flipped["done"] else None
+
+    def _check_logits(self, result: StepCheck, ref_logits, ref_next, out: KernelOutput) -> None:
+        logits = out.logits
+        if logits.shape != ref_logits.shape or not np.isfinite(logits).all():
+            result.failures.append(f"logits: shape {logits.shape} or non-finite values")
+            return
+        scale = np.abs(ref_logits).max(axis=-1)
+        bound = (LOGIT_RTOL + F32_RTOL) * scale
+        ratios = np.abs(logits - ref_logits).max(axis=-1) / bound
+        result.note("logits", ratios.max())
+        for b in np.flatnonzero(~(ratios <= 1)):
+            result.failures.append(f"epilogue: row {b}: logits off by {ratios[b]:.2f}x the bound")
+        if not np.array_equal(out.next_tokens, logits.argmax(axis=-1)):
+            result.failures.append("next tokens are not the first argmax of the kernel's own logits")
+        for b in np.flatnonzero(out.next_tokens != ref_next):
+            got, best = ref_logits[b, out.next_tokens[b]], ref_logits[b].max()
+            if got < best - 2 * bound[b]:
+                result.failures.append(
+                    f"row {b}: kernel token {out.next_tokens[b]} but the reference's {ref_next[b]} is no near tie"
+                )
+
+
+def state_ratio(ref: np.ndarray, got: np.ndarray, dtype) -> np.ndarray:
+    """Each row's worst error / bound in one layer slot of a state tensor ([batch, ..., vector])."""
+    scale = np.abs(ref).max(axis=-1, keepdims=True)
+    bound = storage_ulp(ref, dtype) + STATE_RTOL * scale + np.finfo(np.float32).tiny
+    ratio = np.abs(got - ref) / bound
+    ratio = np.where(np.isfinite(got), ratio, np.inf)
+    return ratio.reshape(ratio.shape[0], -1).max(axis=1)
+
+
+def run_kernel(step: Callable, weights: dict, state: dict, tokens, positions, sharded: bool) -> KernelOutput:
+    """One step of a `layer_trace=True` build, on host copies (the kernel donates its state)."""
+    from mkdsl.random_params import kernel_weights
+
+    kw = {k: jnp.asarray(v) for k, v in kernel_weights(weights).items()}
+    ks = {k: jnp.asarray(v) for k, v in state.items()}
+    guard = host_callbacks() if sharded else contextlib.nullcontext()
+    with guard:
+        logits, next_tokens, new_state, trace = step(kw, ks, jnp.asarray(tokens), jnp.asarray(positions))
+        logits = np.asarray(jax.block_until_ready(logits))
+    return KernelOutput(
+        logits,
+        np.asarray(next_tokens),
+        {k: np.asarray(v) for k, v in new_state.items()},
+        {k: np.asarray(v) for k, v in trace.items()},
+    )
