@@ -82,19 +82,19 @@ def host_callbacks() -> Iterator[None]:
     threads, which are blocked in the interpreter waiting for each other's semaphores: a deadlock.
     The interpreter's callbacks take numpy arrays anyway.
     """
-    from jax._src import callback
+    from jax._src import callback as jax_callback
     from jax._src import tree_util
 
     def on_host(*args, result_avals, callback, sharding, ordered):
         del result_avals, sharding, ordered
         return tree_util.tree_map(np.asarray, callback(*args))
 
-    original = callback.io_callback_impl
-    callback.io_callback_impl = on_host
+    original = jax_callback.io_callback_impl
+    jax_callback.io_callback_impl = on_host
     try:
         yield
     finally:
-        callback.io_callback_impl = original
+        jax_callback.io_callback_impl = original
 
 
 # ---------------------------------------------------------------------------- results
