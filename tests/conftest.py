@@ -26,3 +26,32 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("MKDSL_HYPOTHESIS_PROFILE", "ci"))
+
+
+# The slow tests (each a minute or more on 2 cores: interpret-mode megakernels, libtpu compiles of
+# full-size kernels, the sharded lockstep models). `python -m pytest -m "not slow"` is the fast
+# subset; CI runs everything. Marked here, in one place, by module or by test name.
+SLOW_MODULES = {
+    "test_kimi_kernel.py",
+    "test_kimi_compile.py",
+    "test_kimi_sharded_compile.py",
+    "test_tpu_compile.py",
+    "test_kernel_interpret.py",
+}
+SLOW_TESTS = {
+    "test_comm.py": ("test_collectives_interpret_8_devices", "test_collectives_compile_tpu7x"),
+    "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test of a minute or more (deselect with -m 'not slow')")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        module = item.path.name
+        if module in SLOW_MODULES or item.originalname in SLOW_TESTS.get(module, ()):
+            item.add_marker(pytest.mark.slow)
