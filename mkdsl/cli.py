@@ -128,6 +128,66 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _host_devices(n: int) -> None:
+    """Ask XLA for `n` virtual CPU devices (sharded kernels run one per device in interpret mode).
+    Must happen before jax starts its CPU backend; libtpu's compile-only devices still work."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def cmd_verify(args) -> int:
+    import math
+    import tempfile
+
+    from mkdsl.compiler import compile_source
+
+    source = _read(args.spec)
+    try:
+        out, _ = compile_source(source, args.spec, args.profile, None)
+    except SpecError as e:
+        e.source = source
+        raise
+    devices = math.prod(n for _, n in out.model.mesh) if out.model.mesh else 1
+    if args.devices is not None and args.devices < devices:
+        raise UsageError(f"--devices {args.devices}: the spec's mesh needs {devices} devices")
+    _host_devices(args.devices or max(devices, 1))
+    rows = out.model.dims[0]
+    batches = args.batch or [rows.low]
+    for b in batches:
+        if not rows.low <= b <= rows.high:
+            raise UsageError(f"--batch {b} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    return _run_verify(args, out, batches, tempfile)
+
+
+def _run_verify(args, out, batches, tempfile) -> int:
+    from tqdm import tqdm
+
+    from mkdsl import verify
+
+    with tempfile.TemporaryDirectory(prefix="mkdsl-verify-") as tmp:
+        text = out.files["kernel.py"]
+        module = verify.import_generated(text, tmp, "kernel")
+        checker = verify.LayerChecker(out.model)
+        results = []
+        with tqdm(total=len(batches) * args.steps, desc="interpret steps", unit="step", file=sys.stderr) as bar:
+            for b in batches:
+                results.append(verify.check_batch(out.model, module, checker, b, args.steps, seed=b, progress=bar))
+        compiled = None
+        if not args.no_compile:
+            print("compiling with libtpu ...", file=sys.stderr)
+            compiled = verify.compile_check(
+                module, out.plan.vmem_total, batches[0], lambda: verify.import_generated(text, tmp, "kernel_vmem")
+            )
+    print(verify.summary_table(results, compiled))
+    failed = any(r.failures for r in results) or (compiled is not None and compiled.error is not None)
+    print(f"{args.spec}: {'FAILED' if failed else 'verified'}")
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mkdsl", description="Compile model decode specs (.mk) to Pallas TPU megakernels.")
     p.add_argument("--version", action="version", version=f"mkdsl {__version__}")
@@ -146,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 with a summary if the output directory is stale"
     )
+    c = spec_command(
+        "verify",
+        "run the kernel in TPU interpret mode against the reference, layer by layer, and compile it",
+        cmd_verify,
+    )
+    c.add_argument("--batch", type=int, action="append", help="rows decoded together; repeat for several (default: 1)")
+    c.add_argument("--steps", type=int, default=2, help="decode steps per batch (default 2)")
+    c.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the spec's mesh size)")
+    c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
     c = spec_command("plan", "print the plan: phases, DMA schedule, VMEM table, bytes, floor, modeled time", cmd_plan)
     c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     c.add_argument(

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
+from types import ModuleType
 
 import numpy as np
 
@@ -290,3 +291,114 @@ def run_kernel(step: Callable, weights: dict, state: dict, tokens, positions, sh
         {k: np.asarray(v) for k, v in new_state.items()},
         {k: np.asarray(v) for k, v in trace.items()},
     )
+
+
+# ---------------------------------------------------------------------------- `mkdsl verify`
+
+
+@dataclasses.dataclass
+class BatchResult:
+    batch: int
+    steps: int
+    worst: dict[str, float]
+    failures: list[str]
+    seconds: float
+
+
+@dataclasses.dataclass
+class CompileResult:
+    topology: str
+    batch: int
+    compiler_vmem: float | None  # bytes, None when not measured
+    planner_vmem: int
+    seconds: float
+    error: str | None = None
+
+
+def import_generated(text: str, directory, name: str) -> ModuleType:
+    """Write a generated module's text into `directory` and import it under `name`."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(directory) / f"{name}.py"
+    path.write_text(text, encoding="utf-8")
+    spec = importlib.util.spec_from_file_location(f"{name}_{id(path)}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_batch(model, module, checker, batch: int, steps: int, seed: int, progress=None) -> BatchResult:
+    """`steps` decode steps of the kernel in TPU interpret mode, each checked layer by layer."""
+    import time
+
+    from mkdsl.random_params import random_params
+
+    seq_len = 2 * module.KV_TILE
+    weights, state = random_params(model, {"B": batch, "S": seq_len}, seed)
+    from mkdsl.elaborate import graph_value_type
+
+    vocab = graph_value_type(model.step, model.step.results[0]).shape[1]  # the logits' width
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, batch).astype(np.int32)
+    positions = (np.arange(batch) * 3 % (seq_len - steps)).astype(np.int32)
+    step = module.build_decode_step(batch, seq_len, interpret=interpret_params(), layer_trace=True)
+    result = BatchResult(batch, steps, {}, [], 0.0)
+    from jax.experimental.pallas import tpu as pltpu
+
+    pltpu.reset_tpu_interpret_mode_state()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        out = run_kernel(step, weights, state, tokens, positions, hasattr(module, "MESH_SHAPE"))
+        if races_found():
+            result.failures.append(f"step {i}: the interpreter's race detector reported a race")
+        check = checker.check(weights, state, tokens, positions, out)
+        for item, ratio in check.worst.items():
+            result.worst[item] = max(result.worst.get(item, 0.0), ratio)
+        result.failures += [f"step {i}: {f}" for f in check.failures]
+        state, tokens, positions = out.state, out.next_tokens.astype(np.int32), positions + 1
+        if progress is not None:
+            progress.update(1)
+        if result.failures:
+            break
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def compile_check(module, plan_vmem: int, batch: int, fresh: Callable[[], ModuleType]) -> CompileResult:
+    """The kernel compiled by libtpu for its TPU7x topology, and the compiler's VMEM beside the plan's."""
+    from mkdsl import tpu_compile
+
+    topology = tpu_compile.topology_for(module)
+    seq_len = 2 * module.KV_TILE
+    try:
+        devices = tpu_compile.tpu7x_devices(topology)
+        _, seconds = tpu_compile.compile_module(module, devices, batch, seq_len)
+        limit = min(tpu_compile.TINY_LIMIT, plan_vmem // 4 // 4096 * 4096)  # well below what the kernel needs
+        used, _ = tpu_compile.compiler_vmem(
+            fresh(), lambda m: tpu_compile.compile_module(m, devices, batch, seq_len), limit
+        )
+    except Exception as e:  # the compiler's verdict, reported as the check's result
+        return CompileResult(topology, batch, None, plan_vmem, 0.0, f"{type(e).__name__}: {str(e)[:2000]}")
+    return CompileResult(topology, batch, used, plan_vmem, seconds)
+
+
+def summary_table(batches: list[BatchResult], compiled: CompileResult | None) -> str:
+    """The plain-text summary `mkdsl verify` prints."""
+    lines = ["check                      result  worst error / bound"]
+    for b in batches:
+        worst = ", ".join(f"{k} {v:.1%}" for k, v in sorted(b.worst.items()))
+        verdict = "FAIL" if b.failures else "ok"
+        lines.append(f"interpret batch {b.batch}, {b.steps} steps  {verdict:<6}  {worst} ({b.seconds:.0f} s)")
+        lines += [f"    {f}" for f in b.failures[:10]]
+    if compiled is not None:
+        if compiled.error:
+            lines.append(f"libtpu {compiled.topology} batch {compiled.batch}  FAIL    {compiled.error.splitlines()[0]}")
+        else:
+            used = compiled.compiler_vmem / 2**20
+            plan = compiled.planner_vmem / 2**20
+            lines.append(
+                f"libtpu {compiled.topology} batch {compiled.batch}  ok      compiler VMEM {used:.2f} MiB per core, "
+                f"planner {plan:.2f} MiB ({compiled.seconds:.0f} s)"
+            )
+    return "\n".join(lines)

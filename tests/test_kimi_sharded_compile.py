@@ -17,13 +17,10 @@ Cost: two compiles at batch 1, about 4 minutes. MKDSL_KIMI_SHARDED_BATCHES=1,8 a
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import pytest
-from compile_helpers import MIB, compiler_vmem, load_module, summary_fixture, tpu7x_devices
+from compile_helpers import MIB, compile_sharded, compiler_vmem, load_module, summary_fixture, tpu7x_devices
 
 from mkdsl.compiler import compile_source
 from mkdsl.plan import make_plan
@@ -54,19 +51,7 @@ def generated(tmp_path_factory):
 
 def compile_step(module, devices, batch: int):
     """Lower and compile one sharded decode step for the topology; returns (compiled, seconds)."""
-    mesh = module.make_mesh(devices)
-    ws, ss = module.weight_shardings(mesh), module.state_shardings(mesh)
-    weights = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=ws[k]) for k, v in module.weight_layout().items()}
-    state = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=ss[k])
-        for k, v in module.state_layout(batch, SEQ_LEN).items()
-    }
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    ints = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=whole)
-    step = module.build_decode_step(batch, SEQ_LEN, mesh=mesh)
-    t0 = time.perf_counter()
-    compiled = step.lower(weights, state, ints, ints).compile()
-    return compiled, time.perf_counter() - t0
+    return compile_sharded(module, devices, batch, SEQ_LEN)
 
 
 @pytest.mark.timeout(1800)

@@ -429,9 +429,7 @@ class _Emitter:
         layers = m.step.nodes[cut]
         carries = [dict(buf=f"carry{i}", init=self.operand(m.step, r)) for i, r in enumerate(layers.inputs)]
         carries = [c for c in carries if c["buf"] != c["init"]]  # values built in their carry need no copy
-        traced = [
-            dict(name=v.name, buf=f"carry{i}", width=v.type.shape[1]) for i, v in enumerate(m.kinds[0].params)
-        ]
+        traced = [dict(name=v.name, buf=f"carry{i}", width=v.type.shape[1]) for i, v in enumerate(m.kinds[0].params)]
         epilogue_starts, epilogue_body = self.lower_body(m.step, steps[cut + 1 :], "epilogue", layer="0")
         epilogue = dict(seqs["epilogue"], body=epilogue_body, starts=epilogue_starts)
         if self.errors:
