@@ -17,16 +17,19 @@ its output scaled by at most a few units. Hence the bounds, each relative to a s
 itself produces (never to an output that can cancel):
 
 * carries: per row, max |kernel - ref| <= CARRY_RTOL x (the row's largest |update| = |ref out -
-  carry in| over all carries) + F32_RTOL x (the row's largest |ref out|). CARRY_RTOL = 2^-5: 8
-  bf16 ulps of the update's largest entry, room for several flips each amplified a few times.
+  carry in| over all carries) + F32_RTOL x (the row's largest |ref out|). CARRY_RTOL = 2^-6: 4
+  bf16 ulps of the update's largest entry, room for a few flips each amplified a few times.
 * state written by a layer: per entry, |kernel - ref| <= 1 ulp of the state's storage type at |ref|
-  + STATE_RTOL x (largest |ref| of that vector, the last axis). STATE_RTOL = 2^-5 likewise.
+  + STATE_RTOL x (largest |ref| of that vector, the last axis). STATE_RTOL = 2^-6 likewise.
 * logits (the epilogue fed the kernel's final carries): per row, max |kernel - ref| <= LOGIT_RTOL
-  x (the row's largest |ref logit|) + F32_RTOL x the same. LOGIT_RTOL = 2^-6: the epilogue is one
+  x (the row's largest |ref logit|) + F32_RTOL x the same. LOGIT_RTOL = 2^-7: the epilogue is one
   norm and one matmul, so only the flips of the head's input count.
 * F32_RTOL = 2^-16: a floor of f32 accumulation-order noise (~sqrt(n) ulps of 2^-24 for n <= 10^5
   terms is < 2^-15 at worst; 2^-16 covers the typical case and is far below every bound above),
   needed where an update is exactly zero (a carry a layer passes through unchanged).
+* Observed (AMD EPYC, tests/test_kernel_interpret.py's 10 Hypothesis models and Llama mini, Kimi
+  K3 mini sharded at batch 1 and 4): worst carries 19% of the bound (Kimi, batch 4; 14% in the
+  Hypothesis models), states 12%, logits < 1%: a margin of 5x. A bug of 5% in one sublayer (tests/test_verify.py) exceeds the bound 2-3x.
 * greedy tokens: the kernel's token is the first argmax of its own logits (exact), and equals the
   reference's unless the two are a near tie: the reference scores the kernel's token within
   2 x the logit bound of its maximum.
@@ -54,9 +57,9 @@ from mkdsl.ops.moe import route
 from mkdsl.quant import QTensor
 from mkdsl.reference import LayeredReference, build_layered_reference, run_layer
 
-CARRY_RTOL = 2.0**-5
-STATE_RTOL = 2.0**-5
-LOGIT_RTOL = 2.0**-6
+CARRY_RTOL = 2.0**-6
+STATE_RTOL = 2.0**-6
+LOGIT_RTOL = 2.0**-7
 F32_RTOL = 2.0**-16
 ROUTE_TIE = 2.0**-8
 
