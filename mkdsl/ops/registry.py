@@ -72,6 +72,24 @@ class OpDef:
     # and `{attr}` literals. Ops with more structure have a macro in backends/tpu/templates/ops.jinja.
     kernel_expr: str | None = None
     internal: bool = False  # inserted by the compiler; specs cannot call it
+    # ---- traits: what later stages ask of the op instead of keeping lists of op names
+    # The shard pass's rule family (mkdsl/shard.py RULES): "elementwise", "sum" (elementwise that
+    # may add partial sums), "whole", "norm", "channels", "heads", "attention", "latent_attention",
+    # "linear", "vocab_rows", "argmax", "any", "experts"; "" = no sharding rule yet.
+    shard: str = ""
+    # How each weight operand is reached: "stream" (tiles through the weight ring) or "own" (the op's
+    # lowering moves it itself). Weight operands not named here are fetched per layer.
+    reach: tuple[tuple[str, str], ...] = ()
+    traffic_group: str = ""  # bytes-per-step group of its weights ("" = the block it was inlined from)
+    attends: bool = False  # its block counts as attention in the bytes-per-step split
+    data_dependent: bool = False  # its first DMA waits for data computed in the same layer
+    in_place: tuple[tuple[int, int], ...] = ()  # (output, operand) pairs that may share a buffer
+    exchange: str = ""  # devices exchange its value: "sum", "gather" or "best" (an argmax)
+    exchange_axes: str = "axes"  # the attribute holding the mesh axes of the exchange
+
+    def reached(self, operand: str) -> str:
+        """How the kernel reaches a weight operand: "stream", "own" or "fetch"."""
+        return dict(self.reach).get(operand, "fetch")
 
 
 OPS: dict[str, OpDef] = {}
