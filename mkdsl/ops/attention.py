@@ -125,7 +125,7 @@ register(
         attrs={"heads": 1, "kv_heads": 1, "scale": None},
         inout=("k_cache", "v_cache"),
         doc="Grouped-query decode attention; writes k/v at each row's position in place.",
-        shard="attention",
+        shard="kv_heads",
         attends=True,
         data_dependent=True,
     )

@@ -60,7 +60,7 @@ register(
         lambda x, w: (linear(x, w),),
         _linear_cost,
         doc="x @ weight, f32 out; x is rounded to bf16, weights of any format are decoded exactly.",
-        shard="linear",
+        shard="matmul",
         reach=(("weight", "stream"),),
     )
 )
