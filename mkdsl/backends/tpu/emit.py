@@ -195,14 +195,13 @@ class _Emitter:
             out.append(dict(name=seq.name, const=f"{seq.name.upper()}_TILES", tiles=seq.tiles, streams=streams))
         return out
 
-    def render(self) -> str:
-        m, plan = self.m, self.plan
-        seqs = {s["name"]: s for s in self.sequences()}
+    def bodies(self, seqs: dict) -> dict:
+        """The lowered layer kinds, prologue, carries and epilogue (lowered in that order)."""
+        m = self.m
         kinds = []
         for k in m.kinds:
             starts, body = self.lower_body(k, list(enumerate(k.nodes)), k.name)
             results = [dict(buf=f"carry{i}", value=buffer_of(self.where, k, r)) for i, r in enumerate(k.results)]
-            results = [r for r in results if r["buf"] != r["value"]]
             kinds.append(
                 dict(
                     name=k.name,
@@ -210,51 +209,47 @@ class _Emitter:
                     line=k.span.line,
                     body=body,
                     starts=starts,
-                    results=results,
+                    results=[r for r in results if r["buf"] != r["value"]],
                     **{key: seqs[k.name][key] for key in ("streams", "const", "tiles")},
                 )
             )
         cut = next(i for i, n in enumerate(m.step.nodes) if n.op == "layers")
         steps = list(enumerate(m.step.nodes))
         prologue_starts, prologue = self.lower_body(m.step, steps[:cut], "epilogue", layer="0")
-        layers = m.step.nodes[cut]
-        carries = [dict(buf=f"carry{i}", init=self.operand(m.step, r)) for i, r in enumerate(layers.inputs)]
-        carries = [c for c in carries if c["buf"] != c["init"]]  # values built in their carry need no copy
+        carries = [dict(buf=f"carry{i}", init=self.operand(m.step, r)) for i, r in enumerate(m.step.nodes[cut].inputs)]
         epilogue_starts, epilogue_body = self.lower_body(m.step, steps[cut + 1 :], "epilogue", layer="0")
-        epilogue = dict(seqs["epilogue"], body=epilogue_body, starts=epilogue_starts)
-        tiles_of_kind = self.tiles_of_kind(kinds)
-        layer_kind = [[k.name for k in m.kinds].index(name) for name in m.schedule]
+        return dict(
+            kinds=kinds,
+            prologue_starts=prologue_starts,
+            prologue=prologue,
+            carries=[c for c in carries if c["buf"] != c["init"]],  # values built in their carry need no copy
+            epilogue=dict(seqs["epilogue"], body=epilogue_body, starts=epilogue_starts),
+            tiles_of_kind=self.tiles_of_kind(kinds),
+        )
+
+    def layer_tables(self, seqs: dict) -> dict:
+        """Kind index and first global tile of each layer (and the epilogue's first tile)."""
+        m = self.m
         base, bases = 0, []
         for name in m.schedule:
             bases.append(base)
             base += seqs[name]["tiles"]
         bases.append(base)
-        weights = [w for w in m.weights]
-        context = dict(
-            version=__version__,
-            spec_path=self.src.path,
-            spec_sha=self.src.sha256,
-            profile=m.profile,
-            model=m.name,
-            num_layers=len(m.schedule),
-            ring_depth=plan.ring_depth,
-            bank=plan.bank,
-            kv_tile=plan.kv_tile,
-            kv_slots=KV_SLOTS,
-            row_tile=ROW_TILE,
-            batch_range=(m.dims[0].low, m.dims[0].high),
-            vmem_limit=vmem_limit(plan),
-            kinds=kinds,
-            layer_kind=repr(layer_kind),
-            layer_base=repr(bases),
-            slot_tables=[
-                dict(
-                    name=name,
-                    table=repr(list(slots)),
-                    users=", ".join(t.name for t in m.tensors if t.stacked and t.slots == slots),
-                )
-                for slots, name in self.slot_tables.items()
-            ],
+        layer_kind = [[k.name for k in m.kinds].index(name) for name in m.schedule]
+        slot_tables = [
+            dict(
+                name=name,
+                table=repr(list(slots)),
+                users=", ".join(t.name for t in m.tensors if t.stacked and t.slots == slots),
+            )
+            for slots, name in self.slot_tables.items()
+        ]
+        return dict(layer_kind=repr(layer_kind), layer_base=repr(bases), slot_tables=slot_tables)
+
+    def arrays(self) -> dict:
+        """The kernel's weight and state arrays: global and per-device layouts, splits, fetch padding."""
+        m, weights = self.m, list(self.m.weights)
+        return dict(
             weights=[
                 dict(
                     name=_part_name(w.name, part),
@@ -272,14 +267,6 @@ class _Emitter:
             ],
             states=[self.state(s) | {"split": _split(s)} for s in self.whole.states],
             local_states=[self.state(s) for s in m.states],
-            sharded=self.sharded,
-            mesh_axes=repr(tuple(a for a, _ in m.mesh)),
-            mesh_shape=repr(tuple(n for _, n in m.mesh)),
-            logits_split=repr(_logits_axes(m)),
-            collective_id=self.plan.collective_id,
-            sequences=list(seqs.values()),
-            epilogue=epilogue,
-            tiles_of_kind=tiles_of_kind,
             hbm_inputs=[_part_name(w.name, part) for w in weights for part in storage(w.type.dtype, w.full_shape)],
             vectors=[w.name for w in weights if len(w.type.shape) == 1 and not w.stacked],
             padded=[
@@ -287,17 +274,43 @@ class _Emitter:
                 for w in weights
                 if len(w.type.shape) == 1 and w.stacked and roles.padded_rows(w) != w.stack
             ],
+        )
+
+    def render(self) -> str:
+        m, plan = self.m, self.plan
+        seqs = {s["name"]: s for s in self.sequences()}
+        bodies = self.bodies(seqs)
+        context = dict(
+            version=__version__,
+            spec_path=self.src.path,
+            spec_sha=self.src.sha256,
+            profile=m.profile,
+            model=m.name,
+            num_layers=len(m.schedule),
+            ring_depth=plan.ring_depth,
+            bank=plan.bank,
+            kv_tile=plan.kv_tile,
+            kv_slots=KV_SLOTS,
+            row_tile=ROW_TILE,
+            batch_range=(m.dims[0].low, m.dims[0].high),
+            vmem_limit=vmem_limit(plan),
+            sharded=self.sharded,
+            mesh_axes=repr(tuple(a for a, _ in m.mesh)),
+            mesh_shape=repr(tuple(n for _, n in m.mesh)),
+            logits_split=repr(_logits_axes(m)),
+            collective_id=self.plan.collective_id,
+            sequences=list(seqs.values()),
             scratch=[dict(name=a.name, ctor=_ctor(a)) for a in plan.vmem if a.scratch],
             attentions=self.attentions,
             objects=self.objects,
-            prologue_starts=prologue_starts,
             runtime=self.runtime_parts(),
             rope_tables=[dict(name=name, d=d, theta=repr(theta)) for (d, theta), name in self.rope_tables.items()],
-            prologue=prologue,
-            carries=carries,
             logits=self.operand(m.step, m.step.results[0]),
             next_tokens=self.operand(m.step, m.step.results[1]),
             vocab=_vocab(m),
+            **bodies,
+            **self.layer_tables(seqs),
+            **self.arrays(),
         )
         return _env().get_template("module.py.jinja").render(**context)
 
