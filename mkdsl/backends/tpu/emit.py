@@ -26,8 +26,14 @@ from mkdsl.plan.planner import ROW_TILE
 from mkdsl.plan.types import Alloc, OpScratch, Plan
 
 TEMPLATES = Path(__file__).parent / "templates"
-# Optional runtime parts (templates/runtime/), in the order a module carries them.
-RUNTIME_PARTS = ("attention", "mla", "kda", "residual", "moe")
+# The runtime parts lowerings may ask for (`Lowering.runtime`), in the order a module carries them.
+RUNTIME_PARTS = (
+    "runtime/attention.py.jinja",
+    "runtime/mla.py.jinja",
+    "runtime/kda.py.jinja",
+    "runtime/residual.py.jinja",
+    "runtime/moe.py.jinja",
+)
 
 
 @cache
@@ -319,8 +325,7 @@ class _Emitter:
         carries no KDA code."""
         needed = {p for at in sites(self.m) for p in lowering_for(at.node.op).runtime}
         parts = ["core"] + (["comm", "sharded"] if self.sharded else [])
-        parts += [p for p in RUNTIME_PARTS if p in needed]
-        return [f"runtime/{p}.py.jinja" for p in parts]
+        return [f"runtime/{p}.py.jinja" for p in parts] + [p for p in RUNTIME_PARTS if p in needed]
 
     def tiles_of_kind(self, kinds: list[dict]) -> str:
         if len(kinds) == 1:

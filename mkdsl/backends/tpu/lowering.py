@@ -71,7 +71,7 @@ class Lowering:
     synchronous: bool = False  # all DMAs done on return: every instance may share one scratch set
     after_all: Callable[[Any, int], None] | None = None  # once, with the count of this base's instances
     traffic: Callable[[Any, Site], Traffic] = _no_traffic  # per layer (or step) the node runs in
-    runtime: tuple[str, ...] = ()  # runtime templates it needs (templates/runtime/<part>.py.jinja)
+    runtime: tuple[str, ...] = ()  # runtime parts it needs, as templates ("runtime/<part>.py.jinja")
     layer_attrs: bool = False  # takes layer-dependent attributes as traced scalars
 
 

@@ -11,7 +11,7 @@ from mkdsl.diagnostics import NOWHERE, Diagnostic
 from mkdsl.ir import Model
 
 KV_SLOTS = 3  # KV tiles in flight
-ATTENTION = ("attention",)
+ATTENTION = ("runtime/attention.py.jinja",)
 
 
 def _rope_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:

@@ -10,7 +10,7 @@ from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import Model
 
 DELTA_SLOTS = 3  # recurrent states in flight
-KDA = ("kda",)  # the runtime part holding ShortConv, l2norm, kda_gate and DeltaRule
+KDA = ("runtime/kda.py.jinja",)  # the runtime part holding ShortConv, l2norm, kda_gate and DeltaRule
 
 
 def _check_conv(model: Model, at: Site) -> list[Diagnostic]:

@@ -98,6 +98,6 @@ register_lowering(
         scratch_base="att",
         after_all=kv_tables,
         traffic=_traffic,
-        runtime=("attention", "mla"),
+        runtime=("runtime/attention.py.jinja", "runtime/mla.py.jinja"),
     )
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import Lowering, Site, register_lowering
 
-RESIDUAL = ("residual",)
+RESIDUAL = ("runtime/residual.py.jinja",)
 
 
 def _init_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
