@@ -1,7 +1,9 @@
-"""The op registry: everything mkdsl knows about an op lives in one `OpDef`.
+"""The op registry: what mkdsl knows about an op, apart from its TPU lowering, is one `OpDef`.
 
-An op declares its operands and attributes, a shape rule, a plain-jnp reference and its cost.
-Adding an op means writing one `OpDef` in one module of this package.
+An op declares its operands and attributes, a shape rule, a plain-jnp reference, its cost and
+the traits later stages ask of it (how it shards, how its weights are reached, ...). Adding an
+elementwise op means writing one `OpDef` in one module of this package; a structured op also
+has a TPU lowering in mkdsl/backends/tpu/lowerings/.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class OpDef:
     outputs: int = 1
     doc: str = ""
     # TPU lowering of an elementwise op: a jnp expression over `{operand}` values (f32 arrays)
-    # and `{attr}` literals. Ops with more structure have a macro in backends/tpu/templates/ops.jinja.
+    # and `{attr}` literals. Ops with more structure have a Lowering in backends/tpu/lowerings/.
     kernel_expr: str | None = None
     internal: bool = False  # inserted by the compiler; specs cannot call it
     # ---- traits: what later stages ask of the op instead of keeping lists of op names

@@ -1,8 +1,9 @@
 """Emit the Pallas TPU megakernel module for a planned model, through Jinja2 templates.
 
-emit.py decides names and prepares one small record per IR node; the templates hold all the
-code text (module.py.jinja: the module and kernel skeleton; ops.jinja: one macro per op;
-runtime.py.jinja: the building blocks every generated module carries).
+emit.py decides names and, for each IR node, asks the op's lowering (lowering.py, lowerings/)
+for the record its macro renders; it names no op. The templates hold all the code text
+(module.py.jinja: the module and kernel skeleton; lowerings/*.jinja: one macro per op;
+runtime/*.py.jinja: the building blocks the generated module carries).
 """
 
 from __future__ import annotations
