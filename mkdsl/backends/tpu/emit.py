@@ -71,6 +71,12 @@ def emit_module(model: Model, local: Model, plan: Plan, source: Source) -> str:
 
 
 class _Emitter:
+    """Renders the module; also the services a lowering's `record` uses: `m` (the per-device
+    model), `plan`, `seq` and `layer_var` (the body being lowered), `operand`, `output`,
+    `fetched`, `slot_expr`, `value_width`, `attr_codes`, `scratch_of`, `stream_const`, `mask`,
+    `group_index`, and what the module builds once at kernel entry (`objects`, `attentions`,
+    `rope_tables`)."""
+
     def __init__(self, model: Model, local: Model, plan: Plan, source: Source):
         self.whole, self.m, self.plan, self.src = model, local, plan, source
         self.sharded = bool(plan.collectives)
@@ -124,9 +130,6 @@ class _Emitter:
     def group_index(self, axes) -> str:
         """Kernel code for this device's index among the shards over `axes`."""
         return f"comm.group_index({self.mask(axes)})"
-
-    def alloc_shape(self, name: str) -> tuple:
-        return next(a.shape for a in self.plan.vmem if a.name == name)
 
     def fetch_copy(self, name: str) -> str:
         t = self.m.tensor(name)
