@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import Graph, LayerExpr, Model, Node
@@ -47,30 +47,65 @@ class Traffic:
 Part = tuple[tuple, str, str, str]  # (shape, dtype, purpose, memory) of one scratch buffer
 
 
+class PlanContext(Protocol):
+    """What a lowering may ask of the planner (mkdsl.plan.planner._State)."""
+
+    model: Model
+    batch: int
+    rows: int
+    context: int
+    kv_tile: int
+
+    def alloc(self, name: str, shape: tuple, dtype: str, purpose: str, span, memory: str = "VMEM") -> None: ...
+    def buffer(self, graph: Graph, ref) -> str: ...
+    def type_of(self, graph: Graph, ref): ...
+    def cost(self, at: Site): ...
+    def stream_of(self, at: Site): ...
+
+
+class EmitContext(Protocol):
+    """What a lowering may ask of the emitter (mkdsl.backends.tpu.emit._Emitter)."""
+
+    m: Model
+    plan: Any
+    seq: str
+    layer_var: str
+    objects: list[str]
+
+    def output(self, at: Site) -> str | None: ...
+    def fetched(self, name: str, pre: list[str]) -> str: ...
+    def slot_expr(self, tensor: str, layer: str) -> str: ...
+    def value_width(self, g: Graph, ref) -> int: ...
+    def attr_codes(self, node: Node) -> dict[str, str]: ...
+    def scratch_of(self, at: Site): ...
+    def mask(self, axes) -> int: ...
+    def group_index(self, axes) -> str: ...
+
+
 def _no_check(model: Model, at: Site) -> list[Diagnostic]:
     return []
 
 
-def _no_traffic(s: Any, at: Site) -> Traffic:
+def _no_traffic(s: PlanContext, at: Site) -> Traffic:
     return Traffic()
 
 
 @dataclass(frozen=True)
 class Lowering:
-    """How one op becomes kernel code. The callables receive the planner's state (`s`: the model,
-    batch, rows, context, hints, `alloc`) or the emitter (`em`), and the node's `Site`."""
+    """How one op becomes kernel code. The callables receive the planner (`s`, a `PlanContext`)
+    or the emitter (`em`, an `EmitContext`), and the node's `Site`."""
 
     op: str
     template: str  # under templates/, holding the macro
     macro: str  # renders the record: `{{ macro(n) }}`
-    record: Callable[[Any, Site, list[str], list[str]], dict]  # (em, at, operand codes, pre-lines) -> fields
+    record: Callable[[EmitContext, Site, list[str], list[str]], dict]  # (em, at, operand buffers, pre-lines)
     check: Callable[[Model, Site], list[Diagnostic]] = _no_check  # what the kernel cannot lower
-    allocate: Callable[[Any, Site], None] | None = None  # named buffers (s.alloc), not numbered scratch
-    scratch: Callable[[Any, Site], dict[str, Part]] | None = None  # numbered scratch parts
+    allocate: Callable[[PlanContext, Site], None] | None = None  # named buffers (s.alloc), not numbered scratch
+    scratch: Callable[[PlanContext, Site], dict[str, Part]] | None = None  # numbered scratch parts
     scratch_base: str = ""  # scratch names are `<base><i>_<part>`
     synchronous: bool = False  # all DMAs done on return: every instance may share one scratch set
-    after_all: Callable[[Any, int], None] | None = None  # once, with the count of this base's instances
-    traffic: Callable[[Any, Site], Traffic] = _no_traffic  # per layer (or step) the node runs in
+    after_all: Callable[[PlanContext, int], None] | None = None  # once, with the count of this base's instances
+    traffic: Callable[[PlanContext, Site], Traffic] = _no_traffic  # per layer (or step) the node runs in
     runtime: tuple[str, ...] = ()  # runtime parts it needs, as templates ("runtime/<part>.py.jinja")
     layer_attrs: bool = False  # takes layer-dependent attributes as traced scalars
 
@@ -117,7 +152,7 @@ def check_lowerable(model: Model) -> list[Diagnostic]:
     return out
 
 
-def _elementwise_record(em: Any, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _elementwise_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     op, node = OPS[at.node.op], at.node
     values = {}
     for name, b, ref in zip(op.operands, ins, node.inputs, strict=True):

@@ -6,7 +6,7 @@ write-backs are still in flight when it returns. All attention ops share the SME
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import Lowering, Site, Traffic, register_lowering
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import NOWHERE, Diagnostic
 from mkdsl.ir import Model
 
@@ -14,7 +14,7 @@ KV_SLOTS = 3  # KV tiles in flight
 ATTENTION = ("runtime/attention.py.jinja",)
 
 
-def _rope_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _rope_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node = at.node
     d = em.value_width(at.graph, node.arg("x")) // node.attr["heads"]
     key = (d, float(node.attr["theta"]))
@@ -26,7 +26,7 @@ def _rope_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
 register_lowering(Lowering("rope", "lowerings/attention.jinja", "rope", _rope_record))
 
 
-def kv_tables(s, count: int) -> None:
+def kv_tables(s: PlanContext, count: int) -> None:
     """The KV tile tables every attention op reads, and one write-back flag per op."""
     s.alloc("kv_row", ("batch * seq_tiles",), "int32", "KV tile table: row", NOWHERE, "SMEM")
     s.alloc("kv_t0", ("batch * seq_tiles",), "int32", "KV tile table: first token", NOWHERE, "SMEM")
@@ -54,7 +54,7 @@ def _check(model: Model, at: Site) -> list[Diagnostic]:
     return out
 
 
-def _scratch(s, at: Site) -> dict:
+def _scratch(s: PlanContext, at: Site) -> dict:
     kc, vc = _caches(s.model, at)
     _, kvh, _, dk = kc.type.shape
     dv = vc.type.shape[3]
@@ -79,7 +79,7 @@ def _scratch(s, at: Site) -> dict:
     }
 
 
-def _traffic(s, at: Site) -> Traffic:
+def _traffic(s: PlanContext, at: Site) -> Traffic:
     """Whole KV tiles up to the context, and the new token's aligned block written back."""
     kc, vc = _caches(s.model, at)
     _, kvh, _, dk = kc.type.shape
@@ -90,7 +90,7 @@ def _traffic(s, at: Site) -> Traffic:
     return Traffic(read + written, s.batch * (2 * kv_tiles + 2))
 
 
-def _record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node, sc = at.node, em.scratch_of(at)
     i = sc.index
     kc, vc = _caches(em.m, at)

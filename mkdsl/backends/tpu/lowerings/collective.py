@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import Lowering, Site, register_lowering
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
 from mkdsl.ops.collective import GATHER_SPLITS, SUM_PARTIALS, TAKE_MINE
 from mkdsl.plan.collectives import exchange_rows
 
 
-def _reduce_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _reduce_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node = at.node
     two = any(c.two_level and (c.graph, c.value) == (at.graph.name, node.outputs[0].name) for c in em.plan.collectives)
     return dict(
@@ -19,11 +19,11 @@ def _reduce_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
     )
 
 
-def _gather_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _gather_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     return dict(x=ins[0], mask=em.mask(at.node.attr["axes"]))
 
 
-def _mine_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _mine_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     return dict(x=ins[0], index=em.group_index(at.node.attr["axes"]), ways=at.node.attr["ways"])
 
 

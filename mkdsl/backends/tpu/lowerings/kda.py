@@ -5,7 +5,7 @@ their DMAs before they return, so every instance shares one scratch set (`synchr
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import Lowering, Site, Traffic, register_lowering
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import Model
 
@@ -20,7 +20,7 @@ def _check_conv(model: Model, at: Site) -> list[Diagnostic]:
     return []
 
 
-def _conv_scratch(s, at: Site) -> dict:
+def _conv_scratch(s: PlanContext, at: Site) -> dict:
     _, taps, width = s.model.tensor(at.node.arg("conv_state").name).type.shape
     return {
         "buf": ((taps, "rows", width), "float32", "conv state window", "VMEM"),
@@ -28,13 +28,13 @@ def _conv_scratch(s, at: Site) -> dict:
     }
 
 
-def _conv_traffic(s, at: Site) -> Traffic:
+def _conv_traffic(s: PlanContext, at: Site) -> Traffic:
     """The state window read and written, two DMAs per row and tap."""
     taps = s.model.tensor(at.node.arg("conv_state").name).type.shape[1]
     return Traffic(s.cost(at).state_bytes, 2 * s.batch * taps)
 
 
-def _conv_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _conv_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node, sc = at.node, em.scratch_of(at)
     state = node.arg("conv_state").name
     obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
@@ -58,7 +58,7 @@ register_lowering(
 )
 
 
-def _l2norm_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _l2norm_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     attr = em.attr_codes(at.node)
     return dict(x=ins[0], heads=at.node.attr["heads"], scale=attr["scale"], eps=attr["eps"])
 
@@ -66,11 +66,11 @@ def _l2norm_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
 register_lowering(Lowering("l2norm", "lowerings/kda.jinja", "l2norm", _l2norm_record, runtime=KDA))
 
 
-def _gate_scratch(s, at: Site) -> dict:
+def _gate_scratch(s: PlanContext, at: Site) -> dict:
     return {"scale": ((1, at.node.outputs[0].type.shape[1]), "float32", "decay scale per channel", "VMEM")}
 
 
-def _gate_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _gate_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node = at.node
     return dict(
         f=ins[0],
@@ -96,7 +96,7 @@ register_lowering(
 )
 
 
-def _rule_scratch(s, at: Site) -> dict:
+def _rule_scratch(s: PlanContext, at: Site) -> dict:
     _, _, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
     slots = (DELTA_SLOTS, dk, dv)
     return {
@@ -106,12 +106,12 @@ def _rule_scratch(s, at: Site) -> dict:
     }
 
 
-def _rule_traffic(s, at: Site) -> Traffic:
+def _rule_traffic(s: PlanContext, at: Site) -> Traffic:
     """Each head's state read and written, two DMAs per row and head."""
     return Traffic(s.cost(at).state_bytes, 2 * s.batch * at.node.attr["heads"])
 
 
-def _rule_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _rule_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node, sc = at.node, em.scratch_of(at)
     state = node.arg("state").name
     obj = f"{sc.prefix}_{at.graph.name}_{at.index}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import Lowering, Site, Traffic, register_lowering
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import Model, Tensor
 
@@ -58,7 +58,7 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
     return []
 
 
-def _allocate_linear(s, at: Site) -> None:
+def _allocate_linear(s: PlanContext, at: Site) -> None:
     """The bf16 copy of the matmul input, once per source buffer."""
     if at.node.arg("weight").kind != "tensor":
         return
@@ -67,13 +67,13 @@ def _allocate_linear(s, at: Site) -> None:
     s.alloc(f"{src}_bf16", ("rows", k), "bfloat16", "matmul input (bf16)", at.node.span)
 
 
-def _linear_traffic(s, at: Site) -> Traffic:
+def _linear_traffic(s: PlanContext, at: Site) -> Traffic:
     """Its stream's whole tiles, one DMA each."""
     st = s.stream_of(at)
     return Traffic(st.k * st.n * 2, st.tiles) if st else Traffic()
 
 
-def _linear_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node = at.node
     st = em.plan.sequence(em.seq).stream(node.outputs[0].name)
     key = (at.graph.name, node.arg("x").name)
@@ -102,19 +102,19 @@ register_lowering(
 )
 
 
-def _allocate_embedding(s, at: Site) -> None:
+def _allocate_embedding(s: PlanContext, at: Site) -> None:
     width = s.model.tensor(at.node.arg("table").name).type.shape[1]
     s.alloc("emb_block", ("batch", 16, width), "bfloat16", "embedding row blocks", at.node.span)
     s.alloc("emb_sem", (1,), "dma", "embedding semaphore", at.node.span, "SEM")
 
 
-def _embedding_traffic(s, at: Site) -> Traffic:
+def _embedding_traffic(s: PlanContext, at: Site) -> Traffic:
     """A tile-aligned block of 16 rows per token, one DMA each."""
     t = s.model.tensor(at.node.arg("table").name)
     return Traffic(s.batch * 16 * t.type.shape[1] * 2, s.batch)
 
 
-def _embedding_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _embedding_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node = at.node
     axes = node.attr.get("shard_axes", ())
     rows = em.m.tensor(node.arg("table").name).type.shape[0]

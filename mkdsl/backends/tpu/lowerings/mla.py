@@ -5,7 +5,7 @@ Shares the attention ops' numbering (`att<i>_*`) and KV tile tables."""
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import Lowering, Site, Traffic, register_lowering
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.backends.tpu.lowerings.attention import KV_SLOTS, kv_tables
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.dtypes import storage_bytes
@@ -29,7 +29,7 @@ def _check(model: Model, at: Site) -> list[Diagnostic]:
     return out
 
 
-def _scratch(s, at: Site) -> dict:
+def _scratch(s: PlanContext, at: Site) -> dict:
     width = s.model.tensor(at.node.arg("cache").name).type.shape[2]
     a = at.node.attr
     heads, nope, extra, vdim = a["heads"], a["nope"], a["extra"], a["vdim"]
@@ -56,7 +56,7 @@ def _scratch(s, at: Site) -> dict:
     }
 
 
-def _traffic(s, at: Site) -> Traffic:
+def _traffic(s: PlanContext, at: Site) -> Traffic:
     """`w_kvb` once (W_UK and W_UV), whole latent tiles and the new token's block."""
     w = s.model.tensor(at.node.arg("w_kvb").name)
     width = s.model.tensor(at.node.arg("cache").name).type.shape[2]
@@ -65,7 +65,7 @@ def _traffic(s, at: Site) -> Traffic:
     return Traffic(moved, 2 * at.node.attr["heads"] + s.batch * (kv_tiles + 1))
 
 
-def _record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node, sc = at.node, em.scratch_of(at)
     i = sc.index
     cache = em.m.tensor(node.arg("cache").name)

@@ -6,7 +6,7 @@ its own tile sets. Both ops' lowering-time checks live here."""
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import Lowering, Site, Traffic, register_lowering
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import Graph, Model, Node
 
@@ -67,7 +67,7 @@ def _check_route(model: Model, at: Site) -> list[Diagnostic]:
     return []
 
 
-def _scratch(s, at: Site) -> dict:
+def _scratch(s: PlanContext, at: Site) -> dict:
     node = at.node
     experts, d, f = s.model.tensor(node.arg("w1").name).type.shape
     k = s.type_of(at.graph, node.arg("ids")).shape[1]  # ids are [B, k]
@@ -93,7 +93,7 @@ def _scratch(s, at: Site) -> dict:
     }
 
 
-def _traffic(s, at: Site) -> Traffic:
+def _traffic(s: PlanContext, at: Site) -> Traffic:
     """The distinct experts chosen (as the op's cost counts them), in tile sets of six DMAs."""
     node = at.node
     e, _, f = s.model.tensor(node.arg("w1").name).type.shape
@@ -104,7 +104,7 @@ def _traffic(s, at: Site) -> Traffic:
     return Traffic(s.cost(at).weight_bytes, 6 * experts * (f // (tn or 128)) + 1)
 
 
-def _moe_object(em, g: Graph, idx: int, node: Node) -> str:
+def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
     """The MoE object of a moe_experts node, built once at kernel entry."""
     sc = em.scratch_of(Site(g, idx, node))
     obj = f"{sc.prefix}_{g.name}_{idx}"
@@ -131,7 +131,7 @@ def _moe_object(em, g: Graph, idx: int, node: Node) -> str:
     return obj
 
 
-def _route_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _route_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     idx, experts = _experts_of(at.graph, at.node)[0]
     return dict(
         obj=_moe_object(em, at.graph, idx, experts),
@@ -141,7 +141,7 @@ def _route_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
     )
 
 
-def _experts_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _experts_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     return dict(
         obj=_moe_object(em, at.graph, at.index, at.node),
         slot=em.slot_expr(at.node.arg("w1").name, em.layer_var),

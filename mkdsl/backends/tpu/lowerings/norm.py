@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import Lowering, Site, register_lowering
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
 
 
-def _rmsnorm_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _rmsnorm_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node = at.node
     w = em.fetched(node.arg("weight").name, pre)
     return dict(x=ins[0], w=w, eps=em.attr_codes(node)["eps"], heads=node.attr["heads"])

@@ -5,16 +5,16 @@ scalars, so one layer kind serves every layer."""
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import Lowering, Site, register_lowering
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
 
 RESIDUAL = ("runtime/residual.py.jinja",)
 
 
-def _init_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _init_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     return dict(x=ins[0])
 
 
-def _mix_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _mix_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     attr = em.attr_codes(at.node)
     return dict(
         blocks=ins[0],
@@ -27,7 +27,7 @@ def _mix_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
     )
 
 
-def _snapshot_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _snapshot_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     attr = em.attr_codes(at.node)
     return dict(blocks=ins[0], prefix=ins[1], layer=attr["layer"], block=attr["block"])
 

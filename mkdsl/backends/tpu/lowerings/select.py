@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import Lowering, Site, register_lowering
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
 
 
 def chunk(width: int) -> int:
@@ -16,7 +16,7 @@ def chunk(width: int) -> int:
     return best
 
 
-def _argmax_record(em, at: Site, ins: list[str], pre: list[str]) -> dict:
+def _argmax_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     width = em.value_width(at.graph, at.node.arg("x"))
     axes = at.node.attr.get("shard_axes", ())
     n = dict(x=ins[0], chunk=chunk(width), mask=em.mask(axes) if axes else None)
