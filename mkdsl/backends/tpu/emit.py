@@ -74,21 +74,22 @@ class _Emitter:
     """Renders the module; also the services a lowering's `record` uses: `m` (the per-device
     model), `plan`, `seq` and `layer_var` (the body being lowered), `operand`, `output`,
     `fetched`, `slot_expr`, `value_width`, `attr_codes`, `scratch_of`, `stream_const`, `mask`,
-    `group_index`, and what the module builds once at kernel entry (`objects`, `attentions`,
-    `rope_tables`)."""
+    `group_index`; what the kernel builds once at entry (`objects`; `drained`: objects with DMAs
+    still in flight when their call returns, built first and drained at the end), per-step setup
+    code (`setup_once`), and `shared`, state a lowering keeps across the nodes of a module."""
 
     def __init__(self, model: Model, local: Model, plan: Plan, source: Source):
         self.whole, self.m, self.plan, self.src = model, local, plan, source
         self.sharded = bool(plan.collectives)
         self.slot_tables: dict[tuple[int, ...], str] = {}
-        self.attentions: list[dict] = []
-        self.rope_tables: dict[tuple[int, float], str] = {}
+        self.drained: list[dict] = []  # dict(obj, ctor)
+        self.setup: dict = {}  # setup function -> None, in order of first use
+        self.shared: dict[str, object] = {}
         self.casts: set[tuple[str, str]] = set()  # (graph, value) already cast to bf16
         self.where = {(g, v): b for g, v, b in plan.buffers}
         self.scratch = {(sc.graph, sc.node): sc for sc in plan.scratch}
         self.fetch_index: dict[str, int] = {}
         self.objects: list[str] = []  # lowering objects built once at kernel entry
-        self.moe_objects: set[str] = set()
         self.layer_var, self.waited = "li", set()
         self.seq = ""  # the tile sequence of the body being lowered
 
@@ -167,6 +168,10 @@ class _Emitter:
 
     def scratch_of(self, at: Site) -> OpScratch:
         return self.scratch[(at.graph.name, at.index)]
+
+    def setup_once(self, fn) -> None:
+        """Run `fn(em) -> lines` once, after every node is lowered, for the kernel's per-step setup."""
+        self.setup.setdefault(fn, None)
 
     def attr_codes(self, node: Node) -> dict[str, str]:
         return {k: attr_code(v) for k, v in node.attr.items()}
@@ -311,10 +316,11 @@ class _Emitter:
             collective_id=self.plan.collective_id,
             sequences=list(seqs.values()),
             scratch=[dict(name=a.name, ctor=_ctor(a)) for a in plan.vmem if a.scratch],
-            attentions=self.attentions,
+            drained=self.drained,
             objects=self.objects,
+            setup=[line for fn in self.setup for line in fn(self)],
+            seq_tiles=any("seq_tiles" in str(d) for a in plan.vmem for d in a.shape),
             runtime=self.runtime_parts(),
-            rope_tables=[dict(name=name, d=d, theta=repr(theta)) for (d, theta), name in self.rope_tables.items()],
             logits=self.operand(m.step, m.step.results[0]),
             next_tokens=self.operand(m.step, m.step.results[1]),
             vocab=_vocab(m),

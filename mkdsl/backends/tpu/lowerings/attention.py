@@ -18,9 +18,29 @@ def _rope_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     node = at.node
     d = em.value_width(at.graph, node.arg("x")) // node.attr["heads"]
     key = (d, float(node.attr["theta"]))
-    if key not in em.rope_tables:
-        em.rope_tables[key] = f"rope{len(em.rope_tables)}"
-    return dict(x=ins[0], table=em.rope_tables[key], heads=node.attr["heads"])
+    tables = em.shared.setdefault("rope_tables", {})  # (head width, theta) -> name, one per module
+    if key not in tables:
+        tables[key] = f"rope{len(tables)}"
+    em.setup_once(_rope_setup)
+    return dict(x=ins[0], table=tables[key], heads=node.attr["heads"])
+
+
+def _rope_setup(em: EmitContext) -> list[str]:
+    """This step's cos and sin tables, once per head width and theta."""
+    return [
+        f"{name}_cos, {name}_sin = rope_tables(positions_ref, rows, batch, {d}, {theta!r})"
+        for (d, theta), name in em.shared["rope_tables"].items()
+    ]
+
+
+def kv_setup(em: EmitContext) -> list[str]:
+    """The step's KV tile tables, and no write-back pending yet for any attention op."""
+    count = sum(1 for sc in em.plan.scratch if sc.base == "att")
+    return [
+        "kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)",
+        f"for i in range({count}):",
+        "    r.wb_pending[i] = 0",
+    ]
 
 
 register_lowering(Lowering("rope", "lowerings/attention.jinja", "rope", _rope_record))
@@ -100,7 +120,8 @@ def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     names = {key: sc.name(key) for key in sc.parts}
     names.update(k_cache=kc.name, v_cache=vc.name, k_cache_out=f"{kc.name}_out", v_cache_out=f"{vc.name}_out")
     obj = f"attention{i}"
-    em.attentions.append(
+    em.setup_once(kv_setup)
+    em.drained.append(
         dict(
             obj=obj,
             ctor=(

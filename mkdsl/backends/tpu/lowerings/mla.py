@@ -6,7 +6,7 @@ Shares the attention ops' numbering (`att<i>_*`) and KV tile tables."""
 from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
-from mkdsl.backends.tpu.lowerings.attention import KV_SLOTS, kv_tables
+from mkdsl.backends.tpu.lowerings.attention import KV_SLOTS, kv_setup, kv_tables
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Model
@@ -74,7 +74,8 @@ def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     names = {key: sc.name(key) for key in sc.parts}
     names.update(cache=cache.name, cache_out=f"{cache.name}_out", w_kvb=node.arg("w_kvb").name)
     obj = f"attention{i}"
-    em.attentions.append(
+    em.setup_once(kv_setup)
+    em.drained.append(
         dict(
             obj=obj,
             ctor=(

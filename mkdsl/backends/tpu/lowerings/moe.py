@@ -108,9 +108,10 @@ def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
     """The MoE object of a moe_experts node, built once at kernel entry."""
     sc = em.scratch_of(Site(g, idx, node))
     obj = f"{sc.prefix}_{g.name}_{idx}"
-    if obj in em.moe_objects:
+    built = em.shared.setdefault("moe_objects", set())
+    if obj in built:
         return obj
-    em.moe_objects.add(obj)
+    built.add(obj)
     w1, w3, w2 = (node.arg(w).name for w in WEIGHTS)
     e, d, f = em.m.tensor(w1).type.shape
     k = em.value_width(g, node.arg("ids"))
