@@ -43,15 +43,22 @@ def _load(args):
 
 
 def cmd_check(args) -> int:
+    from mkdsl.plan import make_plan
     from mkdsl.shard import devices, shard
 
     t0 = time.perf_counter()
     model, source = _load(args)
     try:
-        shard(model)  # shardings must also agree where tensors meet in an op
+        local = shard(model)  # shardings must also agree where tensors meet in an op
+        make_plan(local, batch=model.dims[0].high)  # what `compile` checks: lowerability, hints, VMEM budget
     except SpecError as e:
         e.source = source
         raise
+    if args.dump:
+        from mkdsl.ir_text import dump_ir
+
+        sys.stdout.write(dump_ir(model if args.dump == "ir" else local))
+        return 0
     n_layers = len(model.schedule)
     kinds = ", ".join(f"{k.name} x{model.schedule.count(k.name)}" for k in model.kinds)
     print(
@@ -200,7 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(fn=fn)
         return c
 
-    spec_command("check", "parse and check a spec; print diagnostics only", cmd_check)
+    c = spec_command("check", "parse and check a spec; print diagnostics only", cmd_check)
+    c.add_argument(
+        "--dump",
+        choices=("ir", "local-ir"),
+        help="print the graph IR (local-ir: what one device runs, after sharding) instead of the summary",
+    )
     c = spec_command("compile", "check, plan and generate the kernel module and its plan report", cmd_compile)
     c.add_argument("-o", "--output", metavar="DIR", help="output directory (default: generated/<model>[_<profile>])")
     c.add_argument(

@@ -106,6 +106,12 @@ class Node:
     def attr(self) -> dict[str, object]:
         return dict(self.attrs)
 
+    def arg(self, name: str) -> Ref:
+        """The operand the op names `name` (its `OpDef.operands`), so stages need not count positions."""
+        from mkdsl.ops.registry import OPS  # the registry's modules import this one
+
+        return self.inputs[OPS[self.op].operands.index(name)]
+
 
 @dataclass(frozen=True)
 class Graph:

@@ -83,29 +83,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         f"KV caches stream in {plan.kv_tile}-token tiles.",
         "",
     ]
-    for seq in plan.sequences:
-        g = model.step if seq.name == "epilogue" else model.kind(seq.name)
-        out += [
-            f"### {seq.name} ({seq.tiles} weight tiles{' per layer' if seq.name != 'epilogue' else ''})",
-            "",
-            "| phase | op | spec line | weight | tile | tiles |",
-            "|---|---|---|---|---|---|",
-        ]
-        streams = {st.node: st for st in seq.streams}
-        nodes = g.nodes
-        if seq.name == "epilogue":
-            cut = next((i for i, n in enumerate(nodes) if n.op == "layers"), -1)
-            nodes = nodes[cut + 1 :]
-        for i, n in enumerate(nodes):
-            if n.op == "layers":
-                continue
-            st = streams.get(n.outputs[0].name) if n.outputs else None
-            w = f"`{st.tensor}` [{st.k}, {st.n}]" if st else ""
-            tile = f"[{st.tk}, {st.tn}]" if st else ""
-            out.append(
-                f"| {i} | {n.op} -> `{n.outputs[0].name}` | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |"
-            )
-        out.append("")
+    out += _phases(model, plan)
     split = traffic_split(model, plan)
     out += ["## Bytes per step", "", "| share | bytes per step | of all |", "|---|---|---|"]
     total = sum(split.values()) or 1
@@ -131,6 +109,35 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         )
     out += ["", f"Total VMEM: {_mib(plan.vmem_total)} of the {_mib(plan.vmem_cap)} cap.", ""]
     return "\n".join(out)
+
+
+def _phases(model: Model, plan: Plan) -> list[str]:
+    """One table per tile sequence: each op of the kind (or epilogue) and the stream it consumes."""
+    out: list[str] = []
+    for seq in plan.sequences:
+        g = model.step if seq.name == "epilogue" else model.kind(seq.name)
+        out += [
+            f"### {seq.name} ({seq.tiles} weight tiles{' per layer' if seq.name != 'epilogue' else ''})",
+            "",
+            "| phase | op | spec line | weight | tile | tiles |",
+            "|---|---|---|---|---|---|",
+        ]
+        streams = {st.node: st for st in seq.streams}
+        nodes = g.nodes
+        if seq.name == "epilogue":
+            cut = next((i for i, n in enumerate(nodes) if n.op == "layers"), -1)
+            nodes = nodes[cut + 1 :]
+        for i, n in enumerate(nodes):
+            if n.op == "layers":
+                continue
+            st = streams.get(n.outputs[0].name) if n.outputs else None
+            w = f"`{st.tensor}` [{st.k}, {st.n}]" if st else ""
+            tile = f"[{st.tk}, {st.tn}]" if st else ""
+            out.append(
+                f"| {i} | {n.op} -> `{n.outputs[0].name}` | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |"
+            )
+        out.append("")
+    return out
 
 
 def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
@@ -189,13 +196,12 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
     return out
 
 
-ATTENTION_OPS = {"attention", "mla_attention", "delta_rule"}
-
-
 def traffic_split(model: Model, plan: Plan) -> dict[str, int]:
     """Bytes per step in five shares: routed experts, attention (the blocks that attend), other
     dense weights, the output head (and embedding rows), KV cache and recurrent state."""
-    attending = {n.block or "layer" for k in model.kinds for n in k.nodes if n.op in ATTENTION_OPS}
+    from mkdsl.ops import OPS
+
+    attending = {n.block or "layer" for k in model.kinds for n in k.nodes if OPS[n.op].attends}
     split = {"experts": 0, "attention": 0, "other dense": 0, "lm_head and embedding": 0, "KV cache and state": 0}
     for tt in plan.traffic:
         if tt.kind == "state":

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from mkdsl.diagnostics import Diagnostic, SpecError
 from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.ops import OPS, Operand, OpError
-
-ELEMENTWISE = {"add", "mul", "sigmoid", "silu", "swiglu", "situ", "softcap"}
-WHOLE_ONLY = {"slice", "softmax", "topk", "route", "res_init", "res_mix", "res_snapshot"}
+from mkdsl.ops.collective import GATHER_SPLITS, SUM_PARTIALS, TAKE_MINE
 
 
 @dataclass(frozen=True)
@@ -120,7 +118,7 @@ class _Sharder:
         return WHOLE
 
     def node(self, g: Graph, node: Node, place, types, converted) -> list[Node]:
-        if node.op == "layers":  # carried values are whole on every device: gather or sum them first
+        if node.op not in OPS:  # the layer stack: carried values are whole on every device: gather or sum them first
             pre: list[Node] = []
             inputs = [
                 self.convert(node, i, place[r.name], WHOLE, types, converted, pre)
@@ -133,7 +131,7 @@ class _Sharder:
                 place[v.name], types[v.name] = WHOLE, v.type
             return [*pre, node]
         places = [self.operand_place(r, place) for r in node.inputs]
-        rule = RULES.get(node.op, _rule_whole if node.op in WHOLE_ONLY else None)
+        rule = RULES.get(OPS[node.op].shard)  # the op's rule family (OpDef.shard)
         if rule is None:
             raise ShardError("no sharding rule for this op yet")
         need, outs, attrs = rule(self, node, places)
@@ -178,7 +176,7 @@ class _Sharder:
             return Ref("value", converted[key])
         name, t = ref.name, types[ref.name]
         if have.kind == "P":  # partial sums: add them up first
-            name, t = self.emit(pre, at, "all_reduce", name, t, f"{ref.name}__sum", t, axes=have.axes)
+            name, t = self.emit(pre, at, SUM_PARTIALS, name, t, f"{ref.name}__sum", t, axes=have.axes)
             converted[(ref.name, WHOLE)] = name
             have = WHOLE
         if have == want:
@@ -186,13 +184,13 @@ class _Sharder:
         elif have.kind == "S" and want.kind == "R":
             ways = self.ways(have.axes)
             whole = TensorType(t.dtype, (*t.shape[:-1], t.shape[-1] * ways))
-            name, t = self.emit(pre, at, "all_gather", name, t, f"{ref.name}__whole", whole, axes=have.axes, ways=ways)
+            name, t = self.emit(pre, at, GATHER_SPLITS, name, t, f"{ref.name}__whole", whole, axes=have.axes, ways=ways)
         elif have.kind == "R" and want.kind == "S":
             ways = self.ways(want.axes)
             if not isinstance(t.shape[-1], int) or t.shape[-1] % ways:
                 raise ShardError(f"`{ref.name}` has {t.shape[-1]} columns, which do not split {ways} ways")
             part = TensorType(t.dtype, (*t.shape[:-1], t.shape[-1] // ways))
-            name, t = self.emit(pre, at, "shard_slice", name, t, f"{ref.name}__mine", part, axes=want.axes, ways=ways)
+            name, t = self.emit(pre, at, TAKE_MINE, name, t, f"{ref.name}__mine", part, axes=want.axes, ways=ways)
         else:
             raise ShardError(
                 f"operand {i + 1} (`{ref.name}`) is {have} but this op needs it {want}",
@@ -245,8 +243,8 @@ def _common_split(places, partial_ok: bool) -> Place:
     return WHOLE
 
 
-def _rule_elementwise(s: _Sharder, node: Node, places):
-    target = _common_split(places, partial_ok=node.op == "add")
+def _rule_elementwise(s: _Sharder, node: Node, places, partial_ok: bool = False):
+    target = _common_split(places, partial_ok=partial_ok)
     for i, r in enumerate(node.inputs):
         if r.kind == "tensor" and places[i] != target:
             raise ShardError(f"`{r.name}` is {places[i]} but the other operands are {target}")
@@ -301,8 +299,8 @@ def _rule_same_split(s: _Sharder, node: Node, places, heads: bool):
 
 
 def _rule_linear(s: _Sharder, node: Node, places):
-    k_axes, n_axes = s.tensor_axes(node.inputs[1])
-    w = node.inputs[1].name
+    k_axes, n_axes = s.tensor_axes(node.arg("weight"))
+    w = node.arg("weight").name
     if not k_axes:
         return {0: WHOLE}, [Place("S", n_axes) if n_axes else WHOLE], {}
     if n_axes:
@@ -311,9 +309,9 @@ def _rule_linear(s: _Sharder, node: Node, places):
 
 
 def _rule_embedding(s: _Sharder, node: Node, places):
-    v_axes, h_axes = s.tensor_axes(node.inputs[1])
+    v_axes, h_axes = s.tensor_axes(node.arg("table"))
     if h_axes:
-        raise ShardError(f"`{node.inputs[1].name}` may be split by vocabulary rows only")
+        raise ShardError(f"`{node.arg('table').name}` may be split by vocabulary rows only")
     if not v_axes:
         return {0: WHOLE}, [WHOLE], {}
     return {0: WHOLE}, [Place("P", v_axes)], {"shard_axes": v_axes}
@@ -344,16 +342,16 @@ def _rule_attention(s: _Sharder, node: Node, places):
 
 def _rule_mla(s: _Sharder, node: Node, places):
     q = places[0]
-    w_axes = s.tensor_axes(node.inputs[3])
-    cache_axes = s.tensor_axes(node.inputs[4])
+    w_axes = s.tensor_axes(node.arg("w_kvb"))
+    cache_axes = s.tensor_axes(node.arg("cache"))
     if any(cache_axes):
         raise ShardError("the latent cache is shared by all heads: leave it whole on every device")
     if q.kind != "S":
         if any(w_axes):
-            raise ShardError(f"`{node.inputs[3].name}` is split but the queries are whole")
+            raise ShardError(f"`{node.arg('w_kvb').name}` is split but the queries are whole")
         return _rule_whole(s, node, places)
     if w_axes[0] or w_axes[1] != q.axes:
-        raise ShardError(f"`{node.inputs[3].name}` must be split by columns (heads) over {', '.join(q.axes)}")
+        raise ShardError(f"`{node.arg('w_kvb').name}` must be split by columns (heads) over {', '.join(q.axes)}")
     local = _per_head(s, node, q)
     if local is None:
         raise ShardError(f"{node.attr['heads']} heads do not split {s.ways(q.axes)} ways")
@@ -362,7 +360,7 @@ def _rule_mla(s: _Sharder, node: Node, places):
 
 
 def _rule_moe(s: _Sharder, node: Node, places):
-    w1, w3, w2 = (s.tensor_axes(r) for r in node.inputs[3:6])
+    w1, w3, w2 = (s.tensor_axes(node.arg(w)) for w in ("w1", "w3", "w2"))
     e_axes, in_axes, f_axes = w1
     if w3 != w1 or w2 != (e_axes, f_axes, in_axes) or in_axes:
         raise ShardError(
@@ -371,23 +369,23 @@ def _rule_moe(s: _Sharder, node: Node, places):
     need = {i: WHOLE for i in range(3)}
     if not e_axes and not f_axes:
         return need, [WHOLE], {}
-    total = s.m.tensor(node.inputs[3].name).type.shape[0]
+    total = s.m.tensor(node.arg("w1").name).type.shape[0]
     return need, [Place("P", s.sorted_axes(e_axes + f_axes))], {"expert_axes": e_axes, "experts_total": total}
 
 
+# Rule families, named by `OpDef.shard`: the pass asks the op which one applies.
 RULES = {
-    **{op: _rule_elementwise for op in ELEMENTWISE},
-    "rmsnorm": _rule_norm,
-    "l2norm": _rule_norm,
-    "short_conv": lambda s, n, p: _rule_same_split(s, n, p, heads=False),
-    "kda_gate": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
-    "delta_rule": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
-    "rope": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
-    "attention": _rule_attention,
-    "mla_attention": _rule_mla,
-    "linear": _rule_linear,
-    "embedding": _rule_embedding,
-    "argmax": _rule_argmax,
-    "compact": _rule_compact,
-    "moe_experts": _rule_moe,
+    "elementwise": _rule_elementwise,
+    "sum": lambda s, n, p: _rule_elementwise(s, n, p, partial_ok=True),  # may add partial sums as they are
+    "whole": _rule_whole,
+    "norm": _rule_norm,
+    "channels": lambda s, n, p: _rule_same_split(s, n, p, heads=False),
+    "heads": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
+    "kv_heads": _rule_attention,
+    "latent_attention": _rule_mla,
+    "matmul": _rule_linear,
+    "vocab_rows": _rule_embedding,
+    "pick": _rule_argmax,
+    "any": _rule_compact,
+    "experts": _rule_moe,
 }

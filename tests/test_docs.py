@@ -4,7 +4,8 @@ inserts, are left out), hints and constant expressions are compared with the cod
 
 Fenced blocks are told apart by their info string (documented at the end of language.md):
 `mk` a complete spec, `mk fragment` top-level items, `mk fragment body` statements, `mk error`
-a spec whose diagnostics are the `text` block after it, `mk skip` not checked.
+a spec whose diagnostics are the `text` block after it, `mk reference` a spec the reference runs
+but the kernel cannot lower yet, `mk skip` not checked.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from mkdsl.syntax import parse
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 LANGUAGE = DOCS / "language.md"
-KINDS = {"", "fragment", "fragment body", "error", "skip"}
+KINDS = {"", "fragment", "fragment body", "error", "reference", "skip"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,15 @@ def test_complete_specs_check(block, tmp_path, monkeypatch, capsys):
         status, out, err = _check(tmp_path, monkeypatch, capsys, block.text, profile)
         assert status == 0, f"{block} (profile {profile}) does not check:\n{err}"
         assert ": ok: model " in out
+
+
+@pytest.mark.parametrize("block", by_kind("reference"), ids=str)
+def test_reference_only_specs_elaborate_and_do_not_check(block, tmp_path, monkeypatch, capsys):
+    from mkdsl.elaborate import elaborate
+
+    elaborate(parse(block.text), None, block.text)  # the reference can be built from it
+    status, out, err = _check(tmp_path, monkeypatch, capsys, block.text)
+    assert status == 1 and "error:" in err, f"{block}: `mkdsl check` should say why the kernel cannot lower it"
 
 
 @pytest.mark.parametrize("block", by_kind("fragment"), ids=str)
@@ -204,3 +214,64 @@ def test_constant_expression_table(row):
         want = _LITERALS.get(shown, None)
         want = ast.literal_eval(shown) if want is None else want
         assert value == want and type(value) is type(want), f"`{expr}` is {value!r}, the doc says {shown}"
+
+
+# ---------------------------------------------------------------- the worked examples of adding-an-op.md
+
+ADDING = DOCS / "adding-an-op.md"
+ROOT = DOCS.parent
+# example -> (the files its diffs may touch, the spec edit that uses it in specs/tiny.mk)
+EXAMPLES = {
+    "leaky_relu": (
+        {"mkdsl/ops/elementwise.py", "tests/test_ops_oracle.py"},
+        ("  x = x + linear(a, wo)", "  x = x + linear(leaky_relu(a, slope=0.1), wo)"),
+    ),
+    "offset": (
+        {"mkdsl/ops/norm.py", "mkdsl/backends/tpu/lowerings/norm.py", "tests/test_ops_oracle.py"},
+        ("  h = rmsnorm(x, norm2)", "  h = rmsnorm(x, norm2, offset=1.0)"),
+    ),
+}
+# In the patched copy: the spec compiles, and the op's reference matches a float64 formula.
+PROBE = """
+import sys, numpy as np
+from mkdsl.compiler import compile_source
+from mkdsl.ops import OPS
+out, _ = compile_source(open("spec.mk").read(), "spec.mk", None)
+sys.stdout.write(out.files["kernel.py"])
+x = np.linspace(-2, 2, 32, dtype=np.float32).reshape(2, 16)
+w = np.linspace(0.5, 1.5, 16, dtype=np.float32)
+if sys.argv[1] == "leaky_relu":
+    got, want = OPS["leaky_relu"].reference(x, slope=0.1)[0], np.where(x >= 0, x, 0.1 * x)
+else:
+    got = OPS["rmsnorm"].reference(x, w, eps=1e-5, heads=1, offset=1.0)[0]
+    want = x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-5) * (1.0 + w)
+assert np.allclose(np.asarray(got), want, rtol=1e-5, atol=0), (got, want)  # f32 arithmetic: a few ulps
+"""
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_adding_an_op_example_touches_only_its_files_and_compiles(example, tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    blocks = fenced_blocks(ADDING)
+    diffs = [b.text for b in blocks if b.info == f"diff {example}"]
+    files, (old, new) = EXAMPLES[example]
+    assert diffs and set(re.findall(r"^\+\+\+ b/(\S+)$", "".join(diffs), re.M)) == files
+    shutil.copytree(ROOT / "mkdsl", tmp_path / "mkdsl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "tests", tmp_path / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    for d in diffs:
+        subprocess.run(["git", "apply", "-"], input=d, text=True, cwd=tmp_path, check=True)
+    spec = (ROOT / "specs/tiny.mk").read_text(encoding="utf-8")
+    assert spec.count(old) == 1
+    (tmp_path / "spec.mk").write_text(spec.replace(old, new), encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", PROBE, example], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (shown,) = [b.text.strip() for b in blocks if b.info == f"python {example} kernel"]
+    assert shown in r.stdout, f"adding-an-op.md shows `{shown}`, which the compiled kernel does not contain"
+    for path in files:
+        if path.startswith("tests/"):
+            compile((tmp_path / path).read_text(encoding="utf-8"), path, "exec")  # the test diff applies and parses

@@ -53,6 +53,7 @@ register(
         lambda ins, outs, a: Cost(flops=6 * numel(outs[0])),
         attrs={"heads": 1, "theta": 10000.0},
         doc="Rotary position embedding (rotate-half pairs) of each head at each row's position.",
+        shard="heads",
     )
 )
 
@@ -124,5 +125,8 @@ register(
         attrs={"heads": 1, "kv_heads": 1, "scale": None},
         inout=("k_cache", "v_cache"),
         doc="Grouped-query decode attention; writes k/v at each row's position in place.",
+        shard="kv_heads",
+        attends=True,
+        data_dependent=True,
     )
 )

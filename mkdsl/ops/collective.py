@@ -10,6 +10,9 @@ from __future__ import annotations
 from mkdsl.ir import TensorType
 from mkdsl.ops.registry import REQUIRED, Cost, OpDef, register
 
+# The conversions the shard pass inserts: partial sums to whole, split to whole, whole to split.
+SUM_PARTIALS, GATHER_SPLITS, TAKE_MINE = "all_reduce", "all_gather", "shard_slice"
+
 
 def _same(args, attrs):
     return (args[0].type,)
@@ -27,7 +30,7 @@ def _mine(args, attrs):
 
 register(
     OpDef(
-        "all_reduce",
+        SUM_PARTIALS,
         ("x",),
         _same,
         lambda x, axes: (x,),
@@ -35,12 +38,13 @@ register(
         attrs={"axes": REQUIRED},
         doc="Sum of the devices' partial values over mesh `axes` (after row-parallel projections).",
         internal=True,
+        exchange="sum",
     )
 )
 
 register(
     OpDef(
-        "all_gather",
+        GATHER_SPLITS,
         ("x",),
         _gathered,
         lambda x, axes, ways: (x,),
@@ -48,12 +52,13 @@ register(
         attrs={"axes": REQUIRED, "ways": REQUIRED},
         doc="The devices' column slices over mesh `axes`, concatenated in mesh order.",
         internal=True,
+        exchange="gather",
     )
 )
 
 register(
     OpDef(
-        "shard_slice",
+        TAKE_MINE,
         ("x",),
         _mine,
         lambda x, axes, ways: (x,),

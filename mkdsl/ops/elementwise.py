@@ -53,6 +53,7 @@ register(
         _cost(1),
         doc="a + b in f32 (the `+` operator).",
         kernel_expr="{a} + {b}",
+        shard="sum",
     )
 )
 
@@ -65,6 +66,7 @@ register(
         _cost(1),
         doc="a * b in f32 (the `*` operator).",
         kernel_expr="{a} * {b}",
+        shard="elementwise",
     )
 )
 
@@ -77,6 +79,7 @@ register(
         _cost(4),
         doc="Logistic sigmoid in f32.",
         kernel_expr="jax.nn.sigmoid({x})",
+        shard="elementwise",
     )
 )
 
@@ -89,6 +92,7 @@ register(
         _cost(5),
         doc="x·sigmoid(x) in f32.",
         kernel_expr="jax.nn.silu({x})",
+        shard="elementwise",
     )
 )
 
@@ -101,6 +105,7 @@ register(
         _cost(6),
         doc="silu(gate)·up: the SwiGLU MLP's activation.",
         kernel_expr="jax.nn.silu({gate}) * {up}",
+        shard="elementwise",
     )
 )
 
@@ -114,6 +119,7 @@ register(
         attrs={"beta": 4.0, "linear_beta": 25.0},
         doc="SiTU: beta·tanh(gate/beta)·sigmoid(gate) · linear_beta·tanh(up/linear_beta).",
         kernel_expr="situ({gate}, {up}, {beta}, {linear_beta})",
+        shard="elementwise",
     )
 )
 
@@ -127,6 +133,7 @@ register(
         attrs={"cap": REQUIRED},
         doc="Logit soft-cap: cap·tanh(x/cap).",
         kernel_expr="{cap} * jnp.tanh({x} / {cap})",
+        shard="elementwise",
     )
 )
 
@@ -139,5 +146,6 @@ register(
         _cost(5),
         doc="Softmax over the last axis, in f32.",
         kernel_expr="jax.nn.softmax({x}, axis=-1)",
+        shard="whole",
     )
 )

@@ -117,6 +117,8 @@ register(
         inout=("conv_state",),
         doc="Depthwise causal conv of x with the previous K-1 inputs (state, oldest first) then SiLU; "
         "weight [K, C], its last tap on x; the state shifts in x.",
+        shard="channels",
+        data_dependent=True,
     )
 )
 
@@ -149,6 +151,7 @@ register(
         lambda ins, outs, a: Cost(flops=4 * numel(outs[0])),
         attrs={"heads": 1, "scale": 1.0, "eps": 1e-6},
         doc="Per-head L2 norm: x_h·rsqrt(sum(x_h²)+eps)·scale, f32.",
+        shard="norm",
     )
 )
 
@@ -187,6 +190,7 @@ register(
         lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]) + nbytes(ins[2]), flops=8 * numel(outs[0])),
         attrs={"heads": 1, "lower": -5.0},
         doc="KDA decay gate (log space): lower·sigmoid(exp(a_log[head])·(f + dt_bias)), per channel.",
+        shard="heads",
     )
 )
 
@@ -257,5 +261,8 @@ register(
         inout=("state",),
         doc="Gated delta rule, one token: S' = diag(exp(g))·S; S = S' + k⊗(beta·(v - S'ᵀk)); o = Sᵀq. "
         "State [B, heads, dk, dv] f32, updated in place.",
+        shard="heads",
+        attends=True,
+        data_dependent=True,
     )
 )

@@ -60,6 +60,8 @@ register(
         lambda x, w: (linear(x, w),),
         _linear_cost,
         doc="x @ weight, f32 out; x is rounded to bf16, weights of any format are decoded exactly.",
+        shard="matmul",
+        reach=(("weight", "stream"),),
     )
 )
 
@@ -88,5 +90,7 @@ register(
         lambda t, table: (jnp.take(table, t, axis=0).astype(jnp.float32),),
         _embedding_cost,
         doc="Rows of `table` gathered by token id, as f32.",
+        shard="vocab_rows",
+        reach=(("table", "own"),),
     )
 )

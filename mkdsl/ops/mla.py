@@ -53,6 +53,7 @@ register(
         attrs={"start": REQUIRED, "size": REQUIRED},
         doc="Columns start..start+size-1 of each row, as f32.",
         kernel_expr="{x}[:, {start} : {start} + {size}]",
+        shard="whole",
     )
 )
 
@@ -87,6 +88,7 @@ register(
         attrs={"block": REQUIRED, "keep": REQUIRED},
         doc="The first `keep` columns of every `block` columns, concatenated, as f32 (undoes per-block padding).",
         kernel_expr="compact_columns({x}, {block}, {keep})",
+        shard="any",
     )
 )
 
@@ -179,5 +181,9 @@ register(
         attrs={"heads": REQUIRED, "nope": 128, "extra": 64, "vdim": 128, "scale": None},
         inout=("cache",),
         doc="Decode MLA over a latent [c_kv | k_extra] cache with absorbed W_UK/W_UV; writes the row in place.",
+        shard="latent_attention",
+        reach=(("w_kvb", "own"),),
+        attends=True,
+        data_dependent=True,
     )
 )

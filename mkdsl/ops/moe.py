@@ -76,6 +76,7 @@ register(
         attrs={"k": REQUIRED},
         outputs=2,
         doc="(weights, ids): top-k experts by scores + bias; weights are the unbiased scores, renormalised.",
+        shard="whole",
     )
 )
 
@@ -157,5 +158,9 @@ register(
         _experts_cost,
         attrs={"beta": 4.0, "linear_beta": 25.0},
         doc="Σ_i weights[:, i]·expert_ids[:, i](z): SiTU MLP experts w1/w3 [E, D, F], w2 [E, F, D], f32 out.",
+        shard="experts",
+        reach=(("w1", "own"), ("w3", "own"), ("w2", "own")),
+        traffic_group="experts",
+        data_dependent=True,
     )
 )

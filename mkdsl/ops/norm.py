@@ -52,5 +52,6 @@ register(
         lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]), flops=4 * numel(outs[0])),
         attrs={"eps": 1e-5, "heads": 1},
         doc="RMSNorm: x·rsqrt(mean(x²)+eps)·weight, f32; `heads=n` normalises n equal slices.",
+        shard="norm",
     )
 )

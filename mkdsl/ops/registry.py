@@ -1,7 +1,9 @@
-"""The op registry: everything mkdsl knows about an op lives in one `OpDef`.
+"""The op registry: what mkdsl knows about an op, apart from its TPU lowering, is one `OpDef`.
 
-An op declares its operands and attributes, a shape rule, a plain-jnp reference and its cost.
-Adding an op means writing one `OpDef` in one module of this package.
+An op declares its operands and attributes, a shape rule, a plain-jnp reference, its cost and
+the traits later stages ask of it (how it shards, how its weights are reached, ...). Adding an
+elementwise op means writing one `OpDef` in one module of this package; a structured op also
+has a TPU lowering in mkdsl/backends/tpu/lowerings/.
 """
 
 from __future__ import annotations
@@ -69,9 +71,27 @@ class OpDef:
     outputs: int = 1
     doc: str = ""
     # TPU lowering of an elementwise op: a jnp expression over `{operand}` values (f32 arrays)
-    # and `{attr}` literals. Ops with more structure have a macro in backends/tpu/templates/ops.jinja.
+    # and `{attr}` literals. Ops with more structure have a Lowering in backends/tpu/lowerings/.
     kernel_expr: str | None = None
     internal: bool = False  # inserted by the compiler; specs cannot call it
+    # ---- traits: what later stages ask of the op instead of keeping lists of op names
+    # The shard pass's rule family (mkdsl/shard.py RULES): "elementwise", "sum" (elementwise that
+    # may add partial sums), "whole", "norm", "channels", "heads", "kv_heads", "latent_attention",
+    # "matmul", "vocab_rows", "pick", "any", "experts"; "" = no sharding rule yet.
+    shard: str = ""
+    # How each weight operand is reached: "stream" (tiles through the weight ring) or "own" (the op's
+    # lowering moves it itself). Weight operands not named here are fetched per layer.
+    reach: tuple[tuple[str, str], ...] = ()
+    traffic_group: str = ""  # bytes-per-step group of its weights ("" = the block it was inlined from)
+    attends: bool = False  # its block counts as attention in the bytes-per-step split
+    data_dependent: bool = False  # its first DMA waits for data computed in the same layer
+    in_place: tuple[tuple[int, int], ...] = ()  # (output, operand) pairs that may share a buffer
+    exchange: str = ""  # devices exchange its value: "sum", "gather" or "best" (an argmax)
+    exchange_axes: str = "axes"  # the attribute holding the mesh axes of the exchange
+
+    def reached(self, operand: str) -> str:
+        """How the kernel reaches a weight operand: "stream", "own" or "fetch"."""
+        return dict(self.reach).get(operand, "fetch")
 
 
 OPS: dict[str, OpDef] = {}

@@ -123,6 +123,7 @@ register(
         attrs={"nblocks": REQUIRED},
         outputs=2,
         doc="Start the block residual stream: (blocks [B, nblocks·H] with x in block 0, zero prefix [B, H]).",
+        shard="whole",
     )
 )
 
@@ -185,6 +186,7 @@ register(
         attrs={"layer": REQUIRED, "block": REQUIRED, "after_snapshot": False, "eps": 1e-5},
         doc="Attention-residual mix of the blocks valid at `layer` (and the prefix): "
         "Σ softmax((v·w)·rsqrt(mean(v²)+eps))·v, f32; after_snapshot selects the MLP input.",
+        shard="whole",
     )
 )
 
@@ -227,5 +229,7 @@ register(
         outputs=2,
         doc="At a residual-block boundary (layer % block == 0, layer > 0) store the prefix as block "
         "layer // block and restart the prefix at zero; otherwise pass both through.",
+        shard="whole",
+        in_place=((0, 0), (1, 1)),
     )
 )

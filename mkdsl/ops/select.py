@@ -44,6 +44,7 @@ register(
         attrs={"k": REQUIRED},
         outputs=2,
         doc="(values, indices) of the k largest entries of each row; ties to the lower index.",
+        shard="whole",
     )
 )
 
@@ -63,5 +64,8 @@ register(
         lambda x: (jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32),),
         lambda ins, outs, a: Cost(flops=ins[0].shape[0] * ins[0].shape[1]),
         doc="Index of each row's largest entry (the first on ties): greedy next token.",
+        shard="pick",
+        exchange="best",
+        exchange_axes="shard_axes",
     )
 )

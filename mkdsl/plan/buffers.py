@@ -8,10 +8,9 @@ carry buffers; a step value that is still needed after the layer stack gets its 
 from __future__ import annotations
 
 from mkdsl.ir import Graph, Model, Ref
+from mkdsl.ops import OPS
 
 # Ops whose lowering may write an output into the buffer of an input it has finished reading:
-# op -> ((output index, input index), ...). res_snapshot then updates the blocks in place.
-IN_PLACE = {"res_snapshot": ((0, 0), (1, 1))}
 
 
 def carry_of(g: Graph, name: str) -> str | None:
@@ -68,7 +67,7 @@ def assign_buffers(
             if node.op == "layers":
                 free = {}  # the layer kinds use the whole pool
                 continue
-            for out_i, in_i in IN_PLACE.get(node.op, ()):
+            for out_i, in_i in OPS[node.op].in_place:  # (output, operand) the op updates in place
                 src = node.inputs[in_i]
                 v = node.outputs[out_i]
                 reads = sum(1 for r in node.inputs if r.name == src.name)

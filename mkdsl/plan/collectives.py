@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from mkdsl.ir import Graph, Model
+from mkdsl.ops import OPS
 
 # Per exchange phase at decode sizes (public measurements: a small all-reduce phase costs
 # 3.5-4.7 us; sibling-core copies ~101 GB/s at 256 KiB, cross-chip ~45 GB/s per core per direction).
@@ -20,7 +21,6 @@ SIBLING_PHASE_US = 3.5
 CHIP_PHASE_US = 4.7
 SIBLING_BYTES_PER_S = 101e9
 CHIP_BYTES_PER_S = 45e9
-COLLECTIVE_OPS = ("all_reduce", "all_gather")
 PAIR_LANES = 128  # an argmax exchange carries [value x 128 | index x 128] f32 per row
 
 
@@ -29,7 +29,7 @@ class Collective:
     """One collective of one graph (a layer kind or the step): its phases and bytes per phase."""
 
     graph: str
-    op: str  # all_reduce | all_gather | argmax
+    op: str  # the op that exchanges (an internal collective, or a split argmax)
     value: str  # the IR value it produces
     axes: tuple[str, ...]
     bits: tuple[int, ...]  # exchange phases, in order
@@ -37,6 +37,7 @@ class Collective:
     line: int
     width: int  # columns of the value each device contributes
     two_level: bool = False  # an all-reduce run as sibling reduce-scatter, cross-chip phases, sibling gather
+    exchange: str = ""  # the op's `exchange` trait: "sum", "gather" or "best"
 
     def time_us(self) -> float:
         return sum(phase_us(bit, b) for bit, b in zip(self.bits, self.phase_bytes, strict=True))
@@ -86,27 +87,30 @@ def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Coll
     bits_of = axis_bits(model.mesh)
     out = []
     for node in g.nodes:
-        axes = node.attr.get("axes") if node.op in COLLECTIVE_OPS else node.attr.get("shard_axes")
-        if node.op not in (*COLLECTIVE_OPS, "argmax") or not axes:
+        kind = OPS[node.op].exchange if node.op in OPS else ""
+        axes = node.attr.get(OPS[node.op].exchange_axes) if kind else None
+        if not axes:
             continue
         bits = tuple(sorted(b for a in axes for b in bits_of[a]))
         n = graph_value_type(g, node.inputs[0]).shape[-1]
-        if node.op == "all_reduce":
+        if kind == "sum":
             r = min(rows, exchange_rows(model) or rows)
             flat = [r * n * wire_bytes(wire)] * len(bits)
             two = two_level_phases(bits, r, n, wire)
             if two and _cost(*two) < _cost(bits, flat):
                 out.append(
-                    Collective(g.name, node.op, node.outputs[0].name, tuple(axes), *two, node.span.line, n, True)
+                    Collective(g.name, node.op, node.outputs[0].name, tuple(axes), *two, node.span.line, n, True, kind)
                 )
                 continue
             sizes = flat
-        elif node.op == "all_gather":
+        elif kind == "gather":
             sizes = [rows * n * 4 << i for i in range(len(bits))]
         else:
             sizes = [rows * 2 * PAIR_LANES * 4] * len(bits)
         out.append(
-            Collective(g.name, node.op, node.outputs[0].name, tuple(axes), bits, tuple(sizes), node.span.line, n)
+            Collective(
+                g.name, node.op, node.outputs[0].name, tuple(axes), bits, tuple(sizes), node.span.line, n, exchange=kind
+            )
         )
     return out
 
@@ -139,9 +143,9 @@ def comm_widths(found: list[Collective], wire: str) -> tuple[int, int]:
     send up to half the gathered value, two-level all-reduces their finished half in f32."""
     f32, bf16 = 2 * PAIR_LANES, 0  # the argmax message
     for c in found:
-        if c.op == "all_gather":
+        if c.exchange == "gather":
             f32 = max(f32, c.width * 2 ** len(c.bits) // 2)
-        elif c.op == "all_reduce":
+        elif c.exchange == "sum":
             if c.two_level:
                 f32 = max(f32, c.width // 2)
             if wire == "bf16":

@@ -16,6 +16,7 @@ issue:   the scalar core's cost to issue each DMA descriptor.
 from __future__ import annotations
 
 from mkdsl.ir import Model
+from mkdsl.ops import OPS
 from mkdsl.plan.types import TensorTraffic, Timing
 
 HBM_BYTES_PER_S = 3.2e12  # achievable HBM read per TPU7x core (measured by a public kernel)
@@ -23,9 +24,6 @@ PEAK_BF16_FLOPS = 2307e12 / 2  # per core: half the chip's 2307 TFLOP/s
 ENTRY_US = 2.0  # kernel launch and exit (assumed)
 DMA_LATENCY_US = 1.0  # first byte of a DMA after issue (assumed)
 ISSUE_US = 0.01  # per DMA descriptor (assumed: a few dozen scalar cycles)
-# Ops whose first DMA depends on data computed in the same layer (the KV or state stream starts
-# once this token's K/V exist; expert weights once the router has chosen).
-DATA_DEPENDENT = {"attention", "mla_attention", "delta_rule", "short_conv", "moe_experts"}
 
 
 def model_time(
@@ -42,7 +40,7 @@ def model_time(
     stream = schedule_bytes / HBM_BYTES_PER_S * 1e6
     mxu = flops / PEAK_BF16_FLOPS * 1e6
     fixed = ENTRY_US + DMA_LATENCY_US + bank_bytes / HBM_BYTES_PER_S * 1e6  # the first tile must land
-    waits = sum(1 for kind in model.schedule for n in model.kind(kind).nodes if n.op in DATA_DEPENDENT)
+    waits = sum(1 for kind in model.schedule for n in model.kind(kind).nodes if OPS[n.op].data_dependent)
     bubbles = waits * DMA_LATENCY_US
     issue = dmas * ISSUE_US
     modeled = max(stream, mxu) + fixed + bubbles + issue + comm_us

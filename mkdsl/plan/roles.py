@@ -1,26 +1,28 @@
 """How the kernel reaches each weight operand: the one table the planner and emitter share.
 
-- streamed: cut into tiles that flow through the weight ring (matmul weights);
-- special: the op's lowering moves it itself (embedding rows, expert tiles, MLA absorption);
-- fetched: everything else (norm weights, conv taps, gate vectors) is DMA'd per layer into a
+- "stream": cut into tiles that flow through the weight ring (matmul weights);
+- "own": the op's lowering moves it itself (embedding rows, expert tiles, MLA absorption);
+- "fetch": everything else (norm weights, conv taps, gate vectors) is DMA'd per layer into a
   small VMEM buffer when the layer starts and waited for at its first use.
+
+Each op says which of its operands are streamed or its own (`OpDef.reach`).
 """
 
 from __future__ import annotations
 
 from mkdsl.ir import Graph, Model, Tensor
-
-STREAMED = {"linear": (1,)}
-SPECIAL = {"embedding": (1,), "moe_experts": (3, 4, 5), "mla_attention": (3,)}
+from mkdsl.ops import OPS
 
 
 def fetched_weights(model: Model, graph: Graph) -> list[str]:
     """Weights of `graph` that are fetched, in order of first use."""
     out: list[str] = []
     for node in graph.nodes:
-        skip = STREAMED.get(node.op, ()) + SPECIAL.get(node.op, ())
-        for i, ref in enumerate(node.inputs):
-            if ref.kind == "tensor" and i not in skip and model.tensor(ref.name).kind == "weight":
+        if node.op not in OPS:  # the layer stack
+            continue
+        op = OPS[node.op]
+        for operand, ref in zip(op.operands, node.inputs, strict=True):
+            if ref.kind == "tensor" and op.reached(operand) == "fetch" and model.tensor(ref.name).kind == "weight":
                 if ref.name not in out:
                     out.append(ref.name)
     return out

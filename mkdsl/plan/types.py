@@ -70,6 +70,25 @@ class Alloc:
 
 
 @dataclass(frozen=True)
+class OpScratch:
+    """The scratch set one op instance uses: allocations `<base><index>_<part>` for each part."""
+
+    graph: str
+    node: int  # index of the node in its graph
+    base: str
+    index: int
+    parts: tuple[str, ...]
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.base}{self.index}"
+
+    def name(self, part: str) -> str:
+        assert part in self.parts, (self.prefix, part)
+        return f"{self.prefix}_{part}"
+
+
+@dataclass(frozen=True)
 class TensorTraffic:
     name: str
     kind: str  # weight | state
@@ -115,7 +134,7 @@ class Plan:
     flops: int
     timing: Timing
     buffers: tuple[tuple[str, str, str], ...] = ()  # (graph, value, VMEM buffer)
-    scratch: tuple[tuple[str, int, str], ...] = ()  # (graph, node index, prefix of the op's scratch)
+    scratch: tuple[OpScratch, ...] = ()  # per op instance that keeps scratch, by (graph, node index)
     mesh: tuple[tuple[str, int], ...] = ()  # (axis, size); the plan is per device when it has several
     wire: str = "f32"  # what all-reduces send between devices
     collectives: tuple = ()  # collectives.Collective per graph

@@ -1,0 +1,149 @@
+"""`rope` and grouped-query `attention` (runtime part `attention`).
+
+Each attention op keeps its own scratch (`att<i>_*`, numbered across the graphs): its cache
+write-backs are still in flight when it returns. All attention ops share the SMEM KV tile tables
+(`kv_tables`, allocated once after every op)."""
+
+from __future__ import annotations
+
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
+from mkdsl.diagnostics import NOWHERE, Diagnostic
+from mkdsl.ir import Model
+
+KV_SLOTS = 3  # KV tiles in flight
+ATTENTION = ("runtime/attention.py.jinja",)
+
+
+def _rope_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    node = at.node
+    d = em.value_width(at.graph, node.arg("x")) // node.attr["heads"]
+    key = (d, float(node.attr["theta"]))
+    tables = em.shared.setdefault("rope_tables", {})  # (head width, theta) -> name, one per module
+    if key not in tables:
+        tables[key] = f"rope{len(tables)}"
+    em.setup_once(_rope_setup)
+    return dict(x=ins[0], table=tables[key], heads=node.attr["heads"])
+
+
+def _rope_setup(em: EmitContext) -> list[str]:
+    """This step's cos and sin tables, once per head width and theta."""
+    return [
+        f"{name}_cos, {name}_sin = rope_tables(positions_ref, rows, batch, {d}, {theta!r})"
+        for (d, theta), name in em.shared["rope_tables"].items()
+    ]
+
+
+def kv_setup(em: EmitContext) -> list[str]:
+    """The step's KV tile tables, and no write-back pending yet for any attention op."""
+    count = sum(1 for sc in em.plan.scratch if sc.base == "att")
+    return [
+        "kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)",
+        f"for i in range({count}):",
+        "    r.wb_pending[i] = 0",
+    ]
+
+
+register_lowering(Lowering("rope", "lowerings/attention.jinja", "rope", _rope_record))
+
+
+def kv_tables(s: PlanContext, count: int) -> None:
+    """The KV tile tables every attention op reads, and one write-back flag per op."""
+    s.alloc("kv_row", ("batch * seq_tiles",), "int32", "KV tile table: row", NOWHERE, "SMEM")
+    s.alloc("kv_t0", ("batch * seq_tiles",), "int32", "KV tile table: first token", NOWHERE, "SMEM")
+    s.alloc("kv_n", (1,), "int32", "KV tile count", NOWHERE, "SMEM")
+    s.alloc("wb_pending", (count,), "int32", "KV write-backs in flight", NOWHERE, "SMEM")
+
+
+def _caches(model: Model, at: Site):
+    return model.tensor(at.node.arg("k_cache").name), model.tensor(at.node.arg("v_cache").name)
+
+
+def _check(model: Model, at: Site) -> list[Diagnostic]:
+    kc, vc = _caches(model, at)
+    dk, dv = kc.type.shape[3], vc.type.shape[3]
+    out = []
+    if dk != dv:
+        out.append(
+            Diagnostic(at.node.span, f"attention with key width {dk} != value width {dv} has no TPU lowering yet")
+        )
+    for c in (kc, vc):
+        if c.type.dtype.name != "bf16":
+            out.append(
+                Diagnostic(c.span, f"KV cache `{c.name}` is {c.type.dtype}: the kernel streams bf16 caches only")
+            )
+    return out
+
+
+def _scratch(s: PlanContext, at: Site) -> dict:
+    kc, vc = _caches(s.model, at)
+    _, kvh, _, dk = kc.type.shape
+    dv = vc.type.shape[3]
+    heads = at.node.attr["heads"]
+    parts = {}
+    for name, rows, d in (("q2d", heads, dk), ("k2d", kvh, dk), ("v2d", kvh, dv), ("o2d", heads, dv)):
+        parts[name] = ((f"{rows} * rows", d), "float32", f"attention {name[0]}, head-major", "VMEM")
+    for name, d in (("ktiles", dk), ("vtiles", dv)):
+        parts[name] = (
+            (KV_SLOTS, kvh, s.kv_tile, d),
+            "bfloat16",
+            f"KV tiles in flight ({KV_SLOTS} x {s.kv_tile} tokens)",
+            "VMEM",
+        )
+    return parts | {
+        "m": ((heads, 1), "float32", "online softmax max", "VMEM"),
+        "l": ((heads, 1), "float32", "online softmax sum", "VMEM"),
+        "acc": ((heads, dv), "float32", "online softmax accumulator", "VMEM"),
+        "wb": ((2, "batch", kvh, 16, dk), "bfloat16", "new-token blocks written back", "VMEM"),
+        "kv_sem": ((2, KV_SLOTS), "dma", "KV tile semaphores", "SEM"),
+        "wb_sem": ((1,), "dma", "write-back semaphore", "SEM"),
+    }
+
+
+def _traffic(s: PlanContext, at: Site) -> Traffic:
+    """Whole KV tiles up to the context, and the new token's aligned block written back."""
+    kc, vc = _caches(s.model, at)
+    _, kvh, _, dk = kc.type.shape
+    dv = vc.type.shape[3]
+    kv_tiles = -(-(s.context + 1) // s.kv_tile)
+    read = s.batch * kv_tiles * s.kv_tile * kvh * (dk + dv) * 2
+    written = s.batch * kvh * 16 * (dk + dv) * 2
+    return Traffic(read + written, s.batch * (2 * kv_tiles + 2))
+
+
+def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    node, sc = at.node, em.scratch_of(at)
+    i = sc.index
+    kc, vc = _caches(em.m, at)
+    _, kvh, _, dk = kc.type.shape
+    dv = vc.type.shape[3]
+    scale = node.attr["scale"] if node.attr["scale"] is not None else dk**-0.5
+    names = {key: sc.name(key) for key in sc.parts}
+    names.update(k_cache=kc.name, v_cache=vc.name, k_cache_out=f"{kc.name}_out", v_cache_out=f"{vc.name}_out")
+    obj = f"attention{i}"
+    em.setup_once(kv_setup)
+    em.drained.append(
+        dict(
+            obj=obj,
+            ctor=(
+                f"Attention(r, positions_ref, {i}, rows=rows, batch=batch, heads={node.attr['heads']}, kv_heads={kvh}, "
+                f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r})"
+            ),
+        )
+    )
+    return dict(obj=obj, slot=em.slot_expr(kc.name, "li"), q=ins[0], k=ins[1], v=ins[2])
+
+
+register_lowering(
+    Lowering(
+        "attention",
+        "lowerings/attention.jinja",
+        "attention",
+        _record,
+        check=_check,
+        scratch=_scratch,
+        scratch_base="att",
+        after_all=kv_tables,
+        traffic=_traffic,
+        runtime=ATTENTION,
+    )
+)

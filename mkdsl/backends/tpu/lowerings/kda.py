@@ -1,0 +1,137 @@
+"""Kimi Delta Attention's ops: `short_conv`, `l2norm`, `kda_gate`, `delta_rule`.
+
+`short_conv` and `delta_rule` stream their recurrent state in and out themselves; all four finish
+their DMAs before they return, so every instance shares one scratch set (`synchronous`)."""
+
+from __future__ import annotations
+
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
+from mkdsl.diagnostics import Diagnostic
+from mkdsl.ir import Model
+
+DELTA_SLOTS = 3  # recurrent states in flight
+KDA = ("runtime/kda.py.jinja",)  # the runtime part holding ShortConv, l2norm, kda_gate and DeltaRule
+
+
+def _check_conv(model: Model, at: Site) -> list[Diagnostic]:
+    st = model.tensor(at.node.arg("conv_state").name)
+    if st.type.dtype.name != "f32":
+        return [Diagnostic(st.span, f"conv state `{st.name}` is {st.type.dtype}: the kernel keeps conv states in f32")]
+    return []
+
+
+def _conv_scratch(s: PlanContext, at: Site) -> dict:
+    _, taps, width = s.model.tensor(at.node.arg("conv_state").name).type.shape
+    return {
+        "buf": ((taps, "rows", width), "float32", "conv state window", "VMEM"),
+        "sem": ((2, taps), "dma", "conv state semaphores", "SEM"),
+    }
+
+
+def _conv_traffic(s: PlanContext, at: Site) -> Traffic:
+    """The state window read and written, two DMAs per row and tap."""
+    taps = s.model.tensor(at.node.arg("conv_state").name).type.shape[1]
+    return Traffic(s.cost(at).state_bytes, 2 * s.batch * taps)
+
+
+def _conv_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    node, sc = at.node, em.scratch_of(at)
+    state = node.arg("conv_state").name
+    obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
+    em.objects.append(f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{sc.name('buf')}, r.{sc.name('sem')}, batch)")
+    return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), x=ins[0], w=em.fetched(node.arg("weight").name, pre))
+
+
+register_lowering(
+    Lowering(
+        "short_conv",
+        "lowerings/kda.jinja",
+        "short_conv",
+        _conv_record,
+        check=_check_conv,
+        scratch=_conv_scratch,
+        scratch_base="conv",
+        synchronous=True,
+        traffic=_conv_traffic,
+        runtime=KDA,
+    )
+)
+
+
+def _l2norm_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    attr = em.attr_codes(at.node)
+    return dict(x=ins[0], heads=at.node.attr["heads"], scale=attr["scale"], eps=attr["eps"])
+
+
+register_lowering(Lowering("l2norm", "lowerings/kda.jinja", "l2norm", _l2norm_record, runtime=KDA))
+
+
+def _gate_scratch(s: PlanContext, at: Site) -> dict:
+    return {"scale": ((1, at.node.outputs[0].type.shape[1]), "float32", "decay scale per channel", "VMEM")}
+
+
+def _gate_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    node = at.node
+    return dict(
+        f=ins[0],
+        a_log=em.fetched(node.arg("a_log").name, pre),
+        dt_bias=em.fetched(node.arg("dt_bias").name, pre),
+        scale=em.scratch_of(at).name("scale"),
+        heads=node.attr["heads"],
+        lower=em.attr_codes(node)["lower"],
+    )
+
+
+register_lowering(
+    Lowering(
+        "kda_gate",
+        "lowerings/kda.jinja",
+        "kda_gate",
+        _gate_record,
+        scratch=_gate_scratch,
+        scratch_base="gate",
+        synchronous=True,
+        runtime=KDA,
+    )
+)
+
+
+def _rule_scratch(s: PlanContext, at: Site) -> dict:
+    _, _, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
+    slots = (DELTA_SLOTS, dk, dv)
+    return {
+        "in": (slots, "float32", f"recurrent states read ({DELTA_SLOTS} slots)", "VMEM"),
+        "out": (slots, "float32", f"recurrent states written ({DELTA_SLOTS} slots)", "VMEM"),
+        "sem": ((2, DELTA_SLOTS), "dma", "recurrent state semaphores", "SEM"),
+    }
+
+
+def _rule_traffic(s: PlanContext, at: Site) -> Traffic:
+    """Each head's state read and written, two DMAs per row and head."""
+    return Traffic(s.cost(at).state_bytes, 2 * s.batch * at.node.attr["heads"])
+
+
+def _rule_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    node, sc = at.node, em.scratch_of(at)
+    state = node.arg("state").name
+    obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
+    em.objects.append(
+        f"{obj} = DeltaRule(r.{state}, r.{state}_out, r.{sc.name('in')}, r.{sc.name('out')}, "
+        f"r.{sc.name('sem')}, batch, {node.attr['heads']})"
+    )
+    return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
+
+
+register_lowering(
+    Lowering(
+        "delta_rule",
+        "lowerings/kda.jinja",
+        "delta_rule",
+        _rule_record,
+        scratch=_rule_scratch,
+        scratch_base="rule",
+        synchronous=True,
+        traffic=_rule_traffic,
+        runtime=KDA,
+    )
+)

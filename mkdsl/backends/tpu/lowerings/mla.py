@@ -1,0 +1,104 @@
+"""`mla_attention`: decode attention over a compressed latent cache, with the kv up-projection
+`w_kvb` absorbed into queries and outputs and streamed by the op (runtime parts `attention`, `mla`).
+
+Shares the attention ops' numbering (`att<i>_*`) and KV tile tables."""
+
+from __future__ import annotations
+
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
+from mkdsl.backends.tpu.lowerings.attention import KV_SLOTS, kv_setup, kv_tables
+from mkdsl.diagnostics import Diagnostic
+from mkdsl.dtypes import storage_bytes
+from mkdsl.ir import Model
+
+W_SLOTS = 3  # MLA weight tiles in flight
+
+
+def _check(model: Model, at: Site) -> list[Diagnostic]:
+    cache = model.tensor(at.node.arg("cache").name)
+    r = cache.type.shape[2] - at.node.attr["extra"]
+    out = []
+    if r % 128:
+        out.append(Diagnostic(at.node.span, f"mla_attention needs a kv rank that is a multiple of 128, got {r}"))
+    if cache.type.dtype.name != "bf16":
+        out.append(
+            Diagnostic(
+                cache.span, f"latent cache `{cache.name}` is {cache.type.dtype}: the kernel streams bf16 caches only"
+            )
+        )
+    return out
+
+
+def _scratch(s: PlanContext, at: Site) -> dict:
+    width = s.model.tensor(at.node.arg("cache").name).type.shape[2]
+    a = at.node.attr
+    heads, nope, extra, vdim = a["heads"], a["nope"], a["extra"], a["vdim"]
+    r = width - extra
+    chunks = -(-width // 128)  # stored in 128-lane chunks: strided row loads need 128-wide arrays
+    return {
+        "ql": ((chunks, f"{heads} * rows", 128), "float32", "absorbed queries, head-major", "VMEM"),
+        "ol": ((r // 128, f"{heads} * rows", 128), "float32", "latent outputs, head-major", "VMEM"),
+        "wtiles": ((W_SLOTS, r, max(nope, vdim)), "bfloat16", f"kv up-projection tiles ({W_SLOTS} in flight)", "VMEM"),
+        "w_sem": ((W_SLOTS,), "dma", "kv up-projection semaphores", "SEM"),
+        "tiles": (
+            (KV_SLOTS, s.kv_tile, width),
+            "bfloat16",
+            f"latent cache tiles ({KV_SLOTS} x {s.kv_tile} tokens)",
+            "VMEM",
+        ),
+        "m": ((heads, 1), "float32", "online softmax max", "VMEM"),
+        "l": ((heads, 1), "float32", "online softmax sum", "VMEM"),
+        "acc": ((heads, r), "float32", "online softmax accumulator", "VMEM"),
+        "new": (("rows", width), "float32", "this token's latent cache entry", "VMEM"),
+        "wb": (("batch", 16, width), "bfloat16", "new-token blocks written back", "VMEM"),
+        "kv_sem": ((KV_SLOTS,), "dma", "latent cache semaphores", "SEM"),
+        "wb_sem": ((1,), "dma", "write-back semaphore", "SEM"),
+    }
+
+
+def _traffic(s: PlanContext, at: Site) -> Traffic:
+    """`w_kvb` once (W_UK and W_UV), whole latent tiles and the new token's block."""
+    w = s.model.tensor(at.node.arg("w_kvb").name)
+    width = s.model.tensor(at.node.arg("cache").name).type.shape[2]
+    kv_tiles = -(-(s.context + 1) // s.kv_tile)
+    moved = storage_bytes(w.type.dtype, w.type.shape) + s.batch * (kv_tiles * s.kv_tile + 16) * width * 2
+    return Traffic(moved, 2 * at.node.attr["heads"] + s.batch * (kv_tiles + 1))
+
+
+def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    node, sc = at.node, em.scratch_of(at)
+    i = sc.index
+    cache = em.m.tensor(node.arg("cache").name)
+    a = node.attr
+    scale = a["scale"] if a["scale"] is not None else (a["nope"] + a["extra"]) ** -0.5
+    names = {key: sc.name(key) for key in sc.parts}
+    names.update(cache=cache.name, cache_out=f"{cache.name}_out", w_kvb=node.arg("w_kvb").name)
+    obj = f"attention{i}"
+    em.setup_once(kv_setup)
+    em.drained.append(
+        dict(
+            obj=obj,
+            ctor=(
+                f"LatentAttention(r, positions_ref, {i}, rows=rows, batch=batch, heads={a['heads']}, nope={a['nope']}, "
+                f"extra={a['extra']}, vdim={a['vdim']}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, "
+                f"names={names!r})"
+            ),
+        )
+    )
+    return dict(obj=obj, slot=em.slot_expr(cache.name, "li"), q=ins[0], c=ins[1], e=ins[2])
+
+
+register_lowering(
+    Lowering(
+        "mla_attention",
+        "lowerings/mla.jinja",
+        "mla_attention",
+        _record,
+        check=_check,
+        scratch=_scratch,
+        scratch_base="att",
+        after_all=kv_tables,
+        traffic=_traffic,
+        runtime=("runtime/attention.py.jinja", "runtime/mla.py.jinja"),
+    )
+)

@@ -1,0 +1,169 @@
+"""`route` and `moe_experts`, lowered together onto one `MoE` runtime object (part `moe`).
+
+`route` picks the experts and starts their first tile DMAs at once (`prefetch`), so they load
+while the rest of the layer runs; `moe_experts` streams the chosen experts' MXFP4 tiles through
+its own tile sets. Both ops' lowering-time checks live here."""
+
+from __future__ import annotations
+
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
+from mkdsl.diagnostics import Diagnostic
+from mkdsl.ir import Graph, Model, Node
+
+EXPERT_TILE = 256  # expert columns per tile set (1.5 MB per set at K3 size: big DMAs, 5.7 MiB for 4 sets)
+EXPERT_SLOTS = 4  # tile sets in flight (the DMA engine round-robins: 4 beat 3, 5, 6 and 8 on TPU7x)
+MOE = ("runtime/moe.py.jinja",)
+WEIGHTS = ("w1", "w3", "w2")
+
+
+def moe_tiling(model: Model, node: Node) -> tuple[int | None, int, list[str]]:
+    """(columns per expert tile, tile sets in flight, what prevents lowering) of a moe_experts node."""
+    _, d, f = model.tensor(node.arg("w1").name).type.shape
+    h = model.hint("expert_slots")
+    slots = EXPERT_SLOTS if h is None else h.value
+    tn = next((t for t in (EXPERT_TILE, 256, 128) if f % t == 0), None)
+    kc = min(d, 512)
+    problems = []
+    if any(model.tensor(node.arg(w).name).type.dtype.name != "mxfp4" for w in WEIGHTS):
+        problems.append("the expert weights must be mxfp4")
+    if tn is None:
+        problems.append(f"the expert width {f} must be a multiple of 128")
+    if d % kc or (kc % 512 and kc != d) or kc % 256:
+        problems.append(f"the latent width {d} must be a multiple of 512 (or 256 if smaller)")
+    if slots < 2:
+        problems.append(f"expert_slots must be at least 2, got {slots}")
+    return (None if problems else tn), slots, problems
+
+
+def _router(g: Graph, experts: Node) -> Node | None:
+    ids = experts.arg("ids")
+    return next((n for n in g.nodes if n.op == "route" and n.outputs[1].name == ids.name), None)
+
+
+def _experts_of(g: Graph, route: Node) -> list[tuple[int, Node]]:
+    ids = route.outputs[1].name
+    return [(i, n) for i, n in enumerate(g.nodes) if n.op == "moe_experts" and n.arg("ids").name == ids]
+
+
+def _check_experts(model: Model, at: Site) -> list[Diagnostic]:
+    _, _, problems = moe_tiling(model, at.node)
+    if _router(at.graph, at.node) is None:
+        problems.append("its ids must come from a `route` in the same layer")
+    return [Diagnostic(at.node.span, "moe_experts cannot be lowered: " + "; ".join(problems))] if problems else []
+
+
+def _check_route(model: Model, at: Site) -> list[Diagnostic]:
+    ids = at.node.outputs[1].name
+    g = at.graph
+    users = _experts_of(g, at.node)
+    if len(users) != 1 or any(r.name == ids for n in g.nodes if n.op != "moe_experts" for r in n.inputs):
+        return [
+            Diagnostic(
+                at.node.span,
+                "the kernel lowers `route` together with the one "
+                "`moe_experts` that uses its ids; here they are used elsewhere too",
+            )
+        ]
+    return []
+
+
+def _scratch(s: PlanContext, at: Site) -> dict:
+    node = at.node
+    experts, d, f = s.model.tensor(node.arg("w1").name).type.shape
+    k = s.type_of(at.graph, node.arg("ids")).shape[1]  # ids are [B, k]
+    tn, slots, _ = moe_tiling(s.model, node)
+    if tn is None:
+        return {}
+    tiles = (slots,)
+    return {
+        "w1c": ((*tiles, d // 8, tn), "uint32", f"expert W1 codes ({slots} tile sets)", "VMEM"),
+        "w1s": ((*tiles, d // 32, tn), "uint8", "expert W1 scales", "VMEM"),
+        "w3c": ((*tiles, d // 8, tn), "uint32", "expert W3 codes", "VMEM"),
+        "w3s": ((*tiles, d // 32, tn), "uint8", "expert W3 scales", "VMEM"),
+        "w2c": ((*tiles, tn // 8, d), "uint32", "expert W2 codes", "VMEM"),
+        "w2s": ((*tiles, tn // 32, d), "uint8", "expert W2 scales", "VMEM"),
+        "sem": ((6, slots), "dma", "expert tile semaphores", "SEM"),
+        "zb": (("rows", d), "bfloat16", "latent input (bf16)", "VMEM"),
+        "ids_stage": (("rows", 128), "int32", "routed ids, lane-dense for the copy to SMEM", "VMEM"),
+        "ids_smem": (("rows", 128), "int32", "routed ids", "SMEM"),
+        "id_sem": ((1,), "dma", "ids copy semaphore", "SEM"),
+        "list": (("batch * " + str(k),), "int32", "distinct experts of this step", "SMEM"),
+        "count": ((1,), "int32", "distinct expert count", "SMEM"),
+        "pos": ((experts,), "int32", "distinct-set positions", "SMEM"),
+    }
+
+
+def _traffic(s: PlanContext, at: Site) -> Traffic:
+    """The distinct experts chosen (as the op's cost counts them), in tile sets of six DMAs."""
+    node = at.node
+    e, _, f = s.model.tensor(node.arg("w1").name).type.shape
+    total_e = node.attr.get("experts_total", e)
+    k = s.type_of(at.graph, node.arg("ids")).shape[1]  # ids are [B, k]
+    experts = -(-min(total_e, s.batch * k) * e // total_e)
+    tn, _, _ = moe_tiling(s.model, node)
+    return Traffic(s.cost(at).weight_bytes, 6 * experts * (f // (tn or 128)) + 1)
+
+
+def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
+    """The MoE object of a moe_experts node, built once at kernel entry."""
+    sc = em.scratch_of(Site(g, idx, node))
+    obj = f"{sc.prefix}_{g.name}_{idx}"
+    built = em.shared.setdefault("moe_objects", set())
+    if obj in built:
+        return obj
+    built.add(obj)
+    w1, w3, w2 = (node.arg(w).name for w in WEIGHTS)
+    e, d, f = em.m.tensor(w1).type.shape
+    k = em.value_width(g, node.arg("ids"))
+    tn, slots, _ = moe_tiling(em.m, node)  # as the planner sized the tile sets
+    names = {
+        f"{key}{part[0]}": f"{w}_{part}"
+        for key, w in zip(WEIGHTS, (w1, w3, w2), strict=True)
+        for part in ("codes", "scales")
+    }
+    e_route = em.value_width(g, _router(g, node).arg("scores"))
+    expert_axes = node.attr.get("expert_axes", ())
+    lo = f", E_route={e_route}, lo={em.group_index(expert_axes)} * {e}" if expert_axes else ""
+    em.objects.append(
+        f"{obj} = MoE(r, rows=rows, batch=batch, E={e}, k={k}, D={d}, F={f}, tn={tn}, slots={slots}, "
+        f"names={names!r}, prefix={sc.prefix + '_'!r}, beta={float(node.attr['beta'])!r}, "
+        f"linear_beta={float(node.attr['linear_beta'])!r}{lo})"
+    )
+    return obj
+
+
+def _route_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    idx, experts = _experts_of(at.graph, at.node)[0]
+    return dict(
+        obj=_moe_object(em, at.graph, idx, experts),
+        scores=ins[0],
+        bias=em.fetched(at.node.arg("bias").name, pre),
+        slot=em.slot_expr(experts.arg("w1").name, em.layer_var),
+    )
+
+
+def _experts_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    return dict(
+        obj=_moe_object(em, at.graph, at.index, at.node),
+        slot=em.slot_expr(at.node.arg("w1").name, em.layer_var),
+        z=ins[0],
+        weights=ins[1],
+    )
+
+
+T = "lowerings/moe.jinja"
+register_lowering(Lowering("route", T, "route", _route_record, check=_check_route, runtime=MOE))
+register_lowering(
+    Lowering(
+        "moe_experts",
+        T,
+        "moe_experts",
+        _experts_record,
+        check=_check_experts,
+        scratch=_scratch,
+        scratch_base="experts",
+        synchronous=True,
+        traffic=_traffic,
+        runtime=MOE,
+    )
+)

@@ -1,0 +1,14 @@
+"""`rmsnorm`: one fused pass over a row (or each head of it), weight fetched per layer."""
+
+from __future__ import annotations
+
+from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
+
+
+def _rmsnorm_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    node = at.node
+    w = em.fetched(node.arg("weight").name, pre)
+    return dict(x=ins[0], w=w, eps=em.attr_codes(node)["eps"], heads=node.attr["heads"])
+
+
+register_lowering(Lowering("rmsnorm", "lowerings/norm.jinja", "rmsnorm", _rmsnorm_record))
