@@ -30,23 +30,53 @@ def _read(path: str) -> str:
         raise UsageError(f"cannot read {path}: not UTF-8 text") from None
 
 
-def _load(args):
-    from mkdsl.elaborate import elaborate
+def _parse(args, source: str):
+    """The spec's AST, once its profile is known to exist (an unknown one is a usage error)."""
+    from mkdsl.api import ProfileError, check_profile
     from mkdsl.syntax import parse
 
-    source = _read(args.spec)
     try:
-        return elaborate(parse(source), args.profile, source), source
+        module = parse(source)
+        check_profile(module, args.profile, args.spec)
+        return module
     except SpecError as e:
         e.source = source
         raise
+    except ProfileError as e:
+        raise UsageError(str(e)) from None
+
+
+def _load(args):
+    from mkdsl.elaborate import elaborate
+
+    source = _read(args.spec)
+    module = _parse(args, source)
+    try:
+        return elaborate(module, args.profile, source), source, module
+    except SpecError as e:
+        e.source = source
+        raise
+
+
+def _out_shown(args, out_dir) -> str:
+    """The output directory as the user named it: absolute if they gave an absolute `-o` (or,
+    without one, an absolute spec path), else relative to the working directory."""
+    return str(out_dir) if os.path.isabs(args.output or args.spec) else os.path.relpath(out_dir)
+
+
+def regenerate_command(args, shown: str) -> str:
+    """The command that rewrites the output directory `shown` from the spec."""
+    profile = f" --profile {args.profile}" if args.profile else ""
+    return f"mkdsl compile {args.spec}{profile} -o {shown}"
 
 
 def cmd_check(args) -> int:
     from mkdsl.shard import devices, shard
 
     t0 = time.perf_counter()
-    model, source = _load(args)
+    from mkdsl.api import spec_profiles
+
+    model, source, module = _load(args)
     try:
         shard(model)  # shardings must also agree where tensors meet in an op
     except SpecError as e:
@@ -54,11 +84,13 @@ def cmd_check(args) -> int:
         raise
     n_layers = len(model.schedule)
     kinds = ", ".join(f"{k.name} x{model.schedule.count(k.name)}" for k in model.kinds)
+    profiles = ", ".join(spec_profiles(module)) or "none"
     print(
         f"{args.spec}: ok: model {model.name}"
         f"{f' (profile {model.profile})' if model.profile else ''}, {n_layers} layers ({kinds}), "
         f"{len(model.weights)} weights, {len(model.states)} state tensors"
-        f"{f', {devices(model)} devices' if devices(model) > 1 else ''} [{time.perf_counter() - t0:.2f} s]"
+        f"{f', {devices(model)} devices' if devices(model) > 1 else ''}; profiles: {profiles}"
+        f" [{time.perf_counter() - t0:.2f} s]"
     )
     return 0
 
@@ -70,21 +102,18 @@ def cmd_compile(args) -> int:
 
     t0 = time.perf_counter()
     source = _read(args.spec)
+    _parse(args, source)
     try:
         out, out_dir = compile_source(source, args.spec, args.profile, Path(args.output) if args.output else None)
     except SpecError as e:
         e.source = source
         raise
-    shown = os.path.relpath(out_dir)
+    shown = _out_shown(args, out_dir)
     if args.check:
         stale = stale_files(out, out_dir)
         if stale:
             print("\n".join(stale), file=sys.stderr)
-            print(
-                f"{shown} is stale: run `mkdsl compile {args.spec}"
-                f"{f' --profile {args.profile}' if args.profile else ''}` and commit the result",
-                file=sys.stderr,
-            )
+            print(f"{shown} is stale: run `{regenerate_command(args, shown)}` and commit the result", file=sys.stderr)
             return 1
         print(f"{shown}: up to date [{time.perf_counter() - t0:.2f} s]")
         return 0
@@ -106,7 +135,7 @@ def cmd_plan(args) -> int:
     from mkdsl.plan import make_plan
     from mkdsl.report import render_plan
 
-    model, source = _load(args)
+    model, source, _ = _load(args)
     rows = model.dims[0]
     if not rows.low <= args.batch <= rows.high:
         raise UsageError(
@@ -137,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help)
         c.add_argument("spec", metavar="SPEC", help="path to a .mk spec")
         c.add_argument("--profile", "-p", help="apply a named profile's constant overrides (e.g. mini)")
-        c.set_defaults(fn=fn)
+        c.set_defaults(fn=fn, parser=c)
         return c
 
     spec_command("check", "parse and check a spec; print diagnostics only", cmd_check)
@@ -158,7 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # reported with the subcommand's usage, not the top-level one
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except SpecError as e:

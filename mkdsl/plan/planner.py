@@ -20,6 +20,7 @@ from mkdsl.plan import collectives, cost_model, roles
 from mkdsl.plan.buffers import assign_buffers, buffer_of
 from mkdsl.plan.types import Alloc, Plan, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
+from mkdsl.shard import devices, split_note
 
 ROW_TILE = 16  # rows padded to the bf16 sublane tile, so matmul inputs are tile-aligned
 TILE_K = 2048  # weight tile rows (a multiple of 16, the bf16 sublane tile)
@@ -177,6 +178,7 @@ def tile_streams(s: _State) -> None:
             tn = _divisor_tile(n, s.tile_n, 128)
             if tk is None or tn is None:
                 what = f"{k} rows" if tk is None else f"{n} columns"
+                what += split_note(s.model, t, 0 if tk is None else 1)
                 need = "a multiple of 16" if tk is None else "a multiple of 128"
                 s.errors.append(Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}"))
                 continue
@@ -564,7 +566,7 @@ def check_budget(s: _State) -> None:
     s.errors.append(
         Diagnostic(
             span,
-            f"VMEM budget exceeded: the plan needs {mib(total)} of the {mib(s.cap)} cap; the largest allocation is "
+            f"VMEM budget exceeded{' per device' if devices(s.model) > 1 else ''}: the plan needs {mib(total)} of the {mib(s.cap)} cap; the largest allocation is "
             f"{worst.purpose} `{worst.name}` {list(worst.shape)} {worst.dtype} = {mib(worst.bytes)}",
             "lower `ring_depth` or `tile_n` in `hints`, or raise `vmem_cap_mib` (at most 64)",
         )

@@ -48,6 +48,7 @@ class Source:
     path: str
     text: str
     sha256: str
+    command: str  # the command that regenerates the output, for the header
 
     def line(self, n: int) -> str:
         lines = self.text.splitlines()
@@ -445,6 +446,7 @@ class _Emitter:
             version=__version__,
             spec_path=self.src.path,
             spec_sha=self.src.sha256,
+            command=self.src.command,
             profile=m.profile,
             model=m.name,
             num_layers=len(m.schedule),
