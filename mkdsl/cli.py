@@ -132,8 +132,12 @@ def cmd_compile(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    import json
+
     from mkdsl.plan import make_plan
+    from mkdsl.plan.breakdown import breakdown
     from mkdsl.report import render_plan
+    from mkdsl.report_time import plan_data, render_summary
 
     model, source, _ = _load(args)
     rows = model.dims[0]
@@ -153,7 +157,12 @@ def cmd_plan(args) -> int:
     except SpecError as e:
         e.source = source
         raise
-    print(render_plan(model, plan, args.spec, wide=wide))
+    if args.full:
+        print(render_plan(model, plan, args.spec, wide=wide))
+    elif args.json:
+        print(json.dumps(plan_data(model, plan, args.spec, breakdown(model, plan)), indent=1))
+    else:
+        print(render_summary(model, plan, args.spec, breakdown(model, plan)))
     return 0
 
 
@@ -175,7 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 with a summary if the output directory is stale"
     )
-    c = spec_command("plan", "print the plan: phases, DMA schedule, VMEM table, bytes, floor, modeled time", cmd_plan)
+    c = spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan)
+    shown = c.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
+    )
+    shown.add_argument("--json", action="store_true", help="the plan as JSON (schema: docs/plan-schema.json)")
     c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     c.add_argument(
         "--context",

@@ -16,7 +16,7 @@ from mkdsl.backends.tpu.emit import Source, emit_module
 from mkdsl.elaborate import elaborate, spec_sha256
 from mkdsl.ir import Model
 from mkdsl.plan import Plan, make_plan
-from mkdsl.report import render_plan
+from mkdsl.report import render_picture, render_plan
 from mkdsl.shard import shard
 from mkdsl.syntax import parse
 
@@ -57,6 +57,7 @@ def compile_source(
     files = {
         "kernel.py": emit_module(model, local, budget, src),
         "plan.md": render_plan(local, plan, shown, wide=budget),
+        "plan.svg": render_picture(local, plan),
     }
     return Output(model, plan, files, local), out
 

@@ -1,12 +1,16 @@
-"""The plan report (`plan.md` beside each kernel, and `mkdsl plan`): phases, the DMA schedule,
-the VMEM table, bytes per step, the HBM floor and the modeled time. Every time is modeled."""
+"""The plan report (`plan.md` beside each kernel, and `mkdsl plan --full`): where the time goes
+(report_time.py, with the picture of report_svg.py), phases, the DMA schedule, the VMEM table,
+bytes per step, the HBM floor and the modeled time. Every time is modeled."""
 
 from __future__ import annotations
 
 from mkdsl.ir import Model
 from mkdsl.plan import collectives
+from mkdsl.plan.breakdown import breakdown
 from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB
+from mkdsl.report_svg import render_svg
+from mkdsl.report_time import time_section, verdict
 
 
 def _bytes(n: int) -> str:
@@ -46,6 +50,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         f"(rows padded to {plan.rows}) with {plan.context} cached tokens per row.",
         "No TPU measured anything here: every time below is **modeled** (see docs/performance.md).",
         "",
+        *time_section(model, plan, breakdown(model, plan)),
         "## Summary (modeled)",
         "",
         "| figure | value |",
@@ -83,29 +88,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         f"KV caches stream in {plan.kv_tile}-token tiles.",
         "",
     ]
-    for seq in plan.sequences:
-        g = model.step if seq.name == "epilogue" else model.kind(seq.name)
-        out += [
-            f"### {seq.name} ({seq.tiles} weight tiles{' per layer' if seq.name != 'epilogue' else ''})",
-            "",
-            "| phase | op | spec line | weight | tile | tiles |",
-            "|---|---|---|---|---|---|",
-        ]
-        streams = {st.node: st for st in seq.streams}
-        nodes = g.nodes
-        if seq.name == "epilogue":
-            cut = next((i for i, n in enumerate(nodes) if n.op == "layers"), -1)
-            nodes = nodes[cut + 1 :]
-        for i, n in enumerate(nodes):
-            if n.op == "layers":
-                continue
-            st = streams.get(n.outputs[0].name) if n.outputs else None
-            w = f"`{st.tensor}` [{st.k}, {st.n}]" if st else ""
-            tile = f"[{st.tk}, {st.tn}]" if st else ""
-            out.append(
-                f"| {i} | {n.op} -> `{n.outputs[0].name}` | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |"
-            )
-        out.append("")
+    out += _phases(model, plan)
     split = traffic_split(model, plan)
     out += ["## Bytes per step", "", "| share | bytes per step | of all |", "|---|---|---|"]
     total = sum(split.values()) or 1
@@ -131,6 +114,41 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         )
     out += ["", f"Total VMEM: {_mib(plan.vmem_total)} of the {_mib(plan.vmem_cap)} cap.", ""]
     return "\n".join(out)
+
+
+def _phases(model: Model, plan: Plan) -> list[str]:
+    """One table per tile sequence: each op of the layer kind (or the epilogue) and its stream."""
+    out: list[str] = []
+    for seq in plan.sequences:
+        g = model.step if seq.name == "epilogue" else model.kind(seq.name)
+        out += [
+            f"### {seq.name} ({seq.tiles} weight tiles{' per layer' if seq.name != 'epilogue' else ''})",
+            "",
+            "| phase | op | spec line | weight | tile | tiles |",
+            "|---|---|---|---|---|---|",
+        ]
+        streams = {st.node: st for st in seq.streams}
+        nodes = g.nodes
+        if seq.name == "epilogue":
+            cut = next((i for i, n in enumerate(nodes) if n.op == "layers"), -1)
+            nodes = nodes[cut + 1 :]
+        for i, n in enumerate(nodes):
+            if n.op == "layers":
+                continue
+            st = streams.get(n.outputs[0].name) if n.outputs else None
+            w = f"`{st.tensor}` [{st.k}, {st.n}]" if st else ""
+            tile = f"[{st.tk}, {st.tn}]" if st else ""
+            out.append(
+                f"| {i} | {n.op} -> `{n.outputs[0].name}` | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |"
+            )
+        out.append("")
+    return out
+
+
+def render_picture(model: Model, plan: Plan) -> str:
+    """plan.svg, the picture plan.md links: the step by layer kind and cost kind, and VMEM."""
+    b = breakdown(model, plan)
+    return render_svg(model, plan, b, verdict(model, b, plan))
 
 
 def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:

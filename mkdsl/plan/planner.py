@@ -18,7 +18,7 @@ from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
 from mkdsl.plan import collectives, cost_model, roles
 from mkdsl.plan.buffers import assign_buffers, buffer_of
-from mkdsl.plan.types import Alloc, Plan, Sequence, Stream, TensorTraffic
+from mkdsl.plan.types import Alloc, Plan, ScheduleItem, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
 from mkdsl.shard import devices, split_note
 
@@ -76,8 +76,10 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         step(s)
         if s.errors:
             raise SpecError(dict.fromkeys(s.errors))  # a rule broken in several kinds is said once
-    traffic, flops = count_traffic(s)
-    sched_bytes, dmas = schedule_traffic(s)
+    traffic, graph_flops = count_traffic(s)
+    flops = sum(graph_flops.values())
+    items = tuple(schedule_items(s))
+    sched_bytes, dmas = schedule_traffic(model, items)
     phases, comm_us = collectives.step_totals(model, s.collectives)
     timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic, comm_us)
     return Plan(
@@ -97,6 +99,8 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         dma_count=dmas,
         flops=flops,
         timing=timing,
+        schedule_items=items,
+        graph_flops=tuple(graph_flops.items()),
         buffers=tuple(sorted((g, v, b) for (g, v), b in s.buffers.items())),
         scratch=tuple(sorted((g, i, p) for (g, i), p in s.scratch.items())),
         mesh=model.mesh if s.collectives else (),
@@ -580,18 +584,18 @@ def _concrete(t: TensorType, sizes: dict[str, int]) -> TensorType:
     return TensorType(t.dtype, tuple(sizes.get(d, d) if isinstance(d, str) else d for d in t.shape))
 
 
-def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], int]:
-    """Bytes each declared tensor must move per step, and the flops, from the op costs."""
+def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], dict[str, int]]:
+    """Bytes each declared tensor must move per step, and the flops per graph (all its runs in a
+    step), from the op costs."""
     m = s.model
     dims = [d.name for d in m.dims]
     read_sizes = {dims[0]: s.batch, **{d: s.context + 1 for d in dims[1:]}}
     flop_sizes = {dims[0]: s.rows, **{d: s.context + 1 for d in dims[1:]}}
     per_tensor: dict[str, int] = {t.name: 0 for t in m.tensors}
     group: dict[str, str] = {t.name: "state" for t in m.states}
-    flops = 0
+    flops = dict.fromkeys([*(k.name for k in m.kinds), m.step.name], 0)
 
     def visit(graph: Graph) -> None:
-        nonlocal flops
         after_layers = False
         for node in graph.nodes:
             if node.op == "layers":
@@ -609,7 +613,7 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], int]:
             c: Cost = op.cost(
                 [_concrete(t, read_sizes) for t in types], [_concrete(t, read_sizes) for t in outs], _attrs(node)
             )
-            flops += op.cost(
+            flops[graph.name] += op.cost(
                 [_concrete(t, flop_sizes) for t in types], [_concrete(t, flop_sizes) for t in outs], _attrs(node)
             ).flops
             tensors = [r.name for r in node.inputs if r.kind == "tensor"]
@@ -636,61 +640,75 @@ def _type_of(m: Model, graph: Graph, ref) -> TensorType:
     return graph_value_type(graph, ref)
 
 
-def schedule_traffic(s: _State) -> tuple[int, int]:
+def schedule_traffic(m: Model, items) -> tuple[int, int]:
     """Bytes the schedule moves per step (tiles, KV tiles, resident vectors, gathers) and DMAs."""
+    runs = graph_runs(m)
+    return sum(i.bytes * runs[i.graph] for i in items), sum(i.dmas * runs[i.graph] for i in items)
+
+
+def graph_runs(m: Model) -> dict[str, int]:
+    """How often each graph runs per step: a layer kind once per layer of it, the step once."""
+    return {**{k.name: m.schedule.count(k.name) for k in m.kinds}, m.step.name: 1}
+
+
+def schedule_items(s: _State) -> list[ScheduleItem]:
+    """What the schedule moves each time a graph runs, piece by piece (the step's pieces are
+    its embedding rows and the epilogue after the layer stack)."""
     m = s.model
-    total, dmas = 0, 0
-    per_kind = {seq.name: seq for seq in s.sequences}
-    for kind in m.schedule:
-        seq = per_kind[kind]
-        total += sum(t.k * t.n * 2 for t in seq.streams)
-        dmas += seq.tiles
-    epi = per_kind["epilogue"]
-    total += sum(t.k * t.n * 2 for t in epi.streams)
-    dmas += epi.tiles
-    for kind in m.schedule:
-        for name in roles.fetched_weights(m, m.kind(kind)):
-            total += _fetch_bytes(m.tensor(name))
-            dmas += 1
-        for node in m.kind(kind).nodes:
-            if node.op in ("short_conv", "delta_rule"):
-                total += _state_bytes(m, m.kind(kind), node, s)
-                taps = m.tensor(node.inputs[2].name).type.shape[1] if node.op == "short_conv" else 0
-                dmas += 2 * s.batch * (taps or node.attr["heads"])  # per row: each tap, or each head
-    for name in roles.fetched_weights(m, m.step):
-        total += _fetch_bytes(m.tensor(name))
-        dmas += 1
+    items = []
+    for seq in s.sequences:
+        graph = m.step.name if seq.name == "epilogue" else seq.name
+        for t in seq.streams:
+            items.append(ScheduleItem(graph, f"`{t.tensor}` tiles", t.line, t.k * t.n * 2, t.tiles))
+    for g in [*m.kinds, m.step]:
+        for name in roles.fetched_weights(m, g):
+            items.append(
+                ScheduleItem(g.name, f"`{name}` fetch", m.tensor(name).span.line, _fetch_bytes(m.tensor(name)), 1)
+            )
+    for k in m.kinds:
+        items += [ScheduleItem(k.name, *piece) for node in k.nodes if (piece := _op_stream(s, k, node))]
+    for node in m.step.nodes:
+        if node.op == "embedding":
+            t = m.tensor(node.inputs[1].name)
+            items.append(
+                ScheduleItem(
+                    m.step.name, f"`{t.name}` rows", node.span.line, s.batch * 16 * t.type.shape[1] * 2, s.batch
+                )
+            )
+    return items
+
+
+def _op_stream(s: _State, graph: Graph, node: Node) -> tuple[str, int, int, int] | None:
+    """(what, line, bytes, DMAs) an op of a layer kind streams itself (state, KV, experts)."""
+    m = s.model
     kv_tiles = -(-(s.context + 1) // s.kv_tile)
-    for kind in m.schedule:
-        for node in m.kind(kind).nodes:
-            if node.op == "attention":
-                kc = m.tensor(node.inputs[3].name)
-                vc = m.tensor(node.inputs[4].name)
-                _, kvh, _, dk = kc.type.shape
-                dv = vc.type.shape[3]
-                total += s.batch * kv_tiles * s.kv_tile * kvh * (dk + dv) * 2
-                total += s.batch * kvh * 16 * (dk + dv) * 2  # the new token's aligned block written back
-                dmas += s.batch * (2 * kv_tiles + 2)
-            elif node.op == "mla_attention":
-                w = m.tensor(node.inputs[3].name)
-                width = m.tensor(node.inputs[4].name).type.shape[2]
-                total += storage_bytes(w.type.dtype, w.type.shape)  # W_UK and W_UV, each byte once
-                total += s.batch * (kv_tiles * s.kv_tile + 16) * width * 2
-                dmas += 2 * node.attr["heads"] + s.batch * (kv_tiles + 1)
-            elif node.op == "moe_experts":  # the distinct experts chosen, as the op's cost counts them
-                graph = m.kind(kind)
-                types = [_concrete(_type_of(m, graph, r), {m.dims[0].name: s.batch}) for r in node.inputs]
-                total += OPS[node.op].cost(types, [], _attrs(node)).weight_bytes
-                e, total_e = types[3].shape[0], node.attr.get("experts_total", types[3].shape[0])
-                experts = -(-min(total_e, s.batch * types[2].shape[1]) * e // total_e)  # ids are [B, k]
-                tn, _ = moe_tiling(s, node)
-                dmas += 6 * experts * (types[3].shape[2] // (tn or 128)) + 1  # six pieces per tile set
-    emb = [n for n in m.step.nodes if n.op == "embedding"]
-    for node in emb:
-        t = m.tensor(node.inputs[1].name)
-        total += s.batch * 16 * t.type.shape[1] * 2
-        dmas += s.batch
-    return total, dmas
+    if node.op in ("short_conv", "delta_rule"):
+        taps = m.tensor(node.inputs[2].name).type.shape[1] if node.op == "short_conv" else 0
+        dmas = 2 * s.batch * (taps or node.attr["heads"])  # per row: each tap, or each head
+        return f"{node.op} state", node.span.line, _state_bytes(m, graph, node, s), dmas
+    if node.op == "attention":
+        kc = m.tensor(node.inputs[3].name)
+        vc = m.tensor(node.inputs[4].name)
+        _, kvh, _, dk = kc.type.shape
+        dv = vc.type.shape[3]
+        total = s.batch * kv_tiles * s.kv_tile * kvh * (dk + dv) * 2
+        total += s.batch * kvh * 16 * (dk + dv) * 2  # the new token's aligned block written back
+        return "attention KV cache", node.span.line, total, s.batch * (2 * kv_tiles + 2)
+    if node.op == "mla_attention":
+        w = m.tensor(node.inputs[3].name)
+        width = m.tensor(node.inputs[4].name).type.shape[2]
+        total = storage_bytes(w.type.dtype, w.type.shape)  # W_UK and W_UV, each byte once
+        total += s.batch * (kv_tiles * s.kv_tile + 16) * width * 2
+        return "mla_attention latent cache", node.span.line, total, 2 * node.attr["heads"] + s.batch * (kv_tiles + 1)
+    if node.op == "moe_experts":  # the distinct experts chosen, as the op's cost counts them
+        types = [_concrete(_type_of(m, graph, r), {m.dims[0].name: s.batch}) for r in node.inputs]
+        total = OPS[node.op].cost(types, [], _attrs(node)).weight_bytes
+        e, total_e = types[3].shape[0], node.attr.get("experts_total", types[3].shape[0])
+        experts = -(-min(total_e, s.batch * types[2].shape[1]) * e // total_e)  # ids are [B, k]
+        tn, _ = moe_tiling(s, node)
+        dmas = 6 * experts * (types[3].shape[2] // (tn or 128)) + 1  # six pieces per tile set
+        return "routed experts", node.span.line, total, dmas
+    return None
 
 
 def _fetch_bytes(t) -> int:
