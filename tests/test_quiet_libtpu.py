@@ -81,7 +81,8 @@ def test_a_tpu_machine_is_left_alone():
     assert env == {}
 
 
-def test_no_tpu_chooses_cpu_and_hints_libtpu():
+def test_no_tpu_chooses_cpu_and_hints_libtpu(monkeypatch):
+    monkeypatch.delitem(sys.modules, "jax", raising=False)  # as before JAX is imported
     env: dict[str, str] = {"TPU_WORKER_HOSTNAMES": "mine"}
     assert quiet_libtpu(env, tpu=False) == "cpu"
     assert env == {**NO_TPU_HINTS, "JAX_PLATFORMS": "cpu", "TPU_WORKER_HOSTNAMES": "mine"}

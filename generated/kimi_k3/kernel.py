@@ -7,6 +7,17 @@ Weights stay in HBM and stream through a ring of 13 VMEM banks of [1792, 512] bf
 12 tiles in flight across op and layer boundaries and into the output head.
 KV caches stream in 256-token tiles with an online softmax; the new token is written in place.
 Plan, VMEM budget and modeled timing: plan.md beside this file.
+
+Use (with this file importable as `kernel`; zeros stand in for real weights):
+
+    import jax.numpy as jnp, kernel
+    weights = {n: jnp.zeros(s.shape, s.dtype) for n, s in kernel.weight_layout().items()}
+    state = {n: jnp.zeros(s.shape, s.dtype) for n, s in kernel.state_layout(1, 256).items()}
+    step = kernel.build_decode_step(1, 256)  # on 32 TPU7x cores (make_mesh)
+    logits, next_tokens, state = step(weights, state, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32))
+
+The step checks its inputs first (names, shapes, dtypes, token and position ranges) and raises
+ValueError for a wrong one; `build_decode_step` checks the batch and the cache length.
 """
 
 import dataclasses
@@ -268,6 +279,88 @@ def place_weights(weights, mesh):
     """Global weight arrays -> arrays split over `mesh` as WEIGHT_SPLIT says (done once, at load)."""
     shardings = weight_shardings(mesh)
     return {name: jax.device_put(weights[name], shardings[name]) for name in WEIGHTS}
+
+
+# ---------------------------------------------------------------------------------------
+# Input checks: a wrong name, shape, dtype, size or id is a plain ValueError before tracing
+# ---------------------------------------------------------------------------------------
+
+SEQ_RANGE = (1, 131072)  # cache lengths the spec allows: `S` in 1 .. 131072
+VOCAB_SIZE = 163840  # token ids index the embedding's rows
+
+
+def check_sizes(batch, seq_len):
+    """Raise ValueError unless `batch` and `seq_len` are sizes this kernel is built for."""
+    if not isinstance(batch, int) or not BATCH_RANGE[0] <= batch <= BATCH_RANGE[1]:
+        raise ValueError(f"batch must be an int in {BATCH_RANGE[0]}..{BATCH_RANGE[1]}, got {batch!r}")
+    if not isinstance(seq_len, int) or not SEQ_RANGE[0] <= seq_len <= SEQ_RANGE[1]:
+        raise ValueError(f"seq_len must be an int in {SEQ_RANGE[0]}..{SEQ_RANGE[1]}, got {seq_len!r}")
+    if seq_len % KV_TILE:
+        raise ValueError(f"seq_len must be a multiple of the KV tile ({KV_TILE}), got {seq_len}")
+
+
+def _described(x):
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def _check_arrays(kind, given, expected):
+    """`given` must hold exactly the names of `expected`, each with its shape and dtype."""
+    if not isinstance(given, dict):
+        raise ValueError(f"{kind} must be a dict of arrays by name, got {type(given).__name__}")
+    missing = [name for name in expected if name not in given]
+    unexpected = [name for name in given if name not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {', '.join(map(str, unexpected))}")
+        raise ValueError(f"{kind}: " + "; ".join(parts))
+    for name, want in expected.items():
+        x = given[name]
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{kind} `{name}` is a {type(x).__name__}, not an array")
+        if tuple(x.shape) != tuple(want.shape) or jnp.dtype(x.dtype) != want.dtype:
+            raise ValueError(f"{kind} `{name}` is {_described(x)}, expected {_described(want)}")
+
+
+def _check_ids(name, x, batch, size, what):
+    """One integer id per row, each in 0..size-1 (values are checked when they are known)."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an integer array of shape ({batch},), got a {type(x).__name__}")
+    if tuple(x.shape) != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of shape ({batch},), got {_described(x)}")
+    if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        return  # traced or abstract: no values to check
+    values = np.asarray(x)
+    bad = np.flatnonzero((values < 0) | (values >= size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i}] = {int(values[i])} is outside 0..{size - 1} ({what})")
+
+
+def check_inputs(weights, state, tokens, positions, batch, seq_len):
+    """Raise ValueError unless the inputs are what the step for (batch, seq_len) takes."""
+    _check_arrays("weights", weights, weight_layout())
+    _check_arrays("state", state, state_layout(batch, seq_len))
+    _check_ids("tokens", tokens, batch, VOCAB_SIZE, f"the vocabulary has {VOCAB_SIZE} tokens")
+    _check_ids("positions", positions, batch, seq_len, f"the cache holds {seq_len} tokens")
+
+
+class CheckedStep:
+    """The jitted decode step behind a check of its inputs; `jitted` is the step itself."""
+
+    def __init__(self, jitted, batch, seq_len):
+        self.jitted, self.batch, self.seq_len = jitted, batch, seq_len
+
+    def __call__(self, weights, state, tokens, positions):
+        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len)
+        return self.jitted(weights, state, tokens, positions)
+
+    def lower(self, weights, state, tokens, positions):
+        """As `jax.jit(...).lower`, for ahead-of-time compiles (abstract inputs are checked too)."""
+        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len)
+        return self.jitted.lower(weights, state, tokens, positions)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1561,14 +1654,12 @@ EPILOGUE_TILES = 40
 def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
 
-    Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`;
-    `state` buffers are donated and updated in place. `interpret`: a `pltpu.InterpretParams`
-    to run on the CPU in TPU interpret mode, or None to compile for a TPU.    Arrays are global (split over `mesh` as WEIGHT_SPLIT / STATE_SPLIT say; default
+    Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`, which
+    checks its inputs (ValueError) before tracing; `state` buffers are donated and updated in
+    place. `interpret`: a `pltpu.InterpretParams` to run on the CPU in TPU interpret mode, or
+    None to compile for a TPU.    Arrays are global (split over `mesh` as WEIGHT_SPLIT / STATE_SPLIT say; default
     make_mesh()); one kernel runs per device inside shard_map and exchanges values in-kernel.    """
-    if not BATCH_RANGE[0] <= batch <= BATCH_RANGE[1]:
-        raise ValueError(f"batch must be in {BATCH_RANGE[0]}..{BATCH_RANGE[1]}, got {batch}")
-    if seq_len % KV_TILE:
-        raise ValueError(f"seq_len must be a multiple of the KV tile ({KV_TILE}), got {seq_len}")
+    check_sizes(batch, seq_len)
     rows = -(-batch // ROW_TILE) * ROW_TILE
     seq_tiles = seq_len // KV_TILE
 
@@ -2263,4 +2354,4 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None):
         )
         return logits, next_tokens.reshape(batch), dict(zip(state_names, new_state, strict=True))
 
-    return jax.jit(step, donate_argnums=(1,))
+    return CheckedStep(jax.jit(step, donate_argnums=(1,)), batch, seq_len)

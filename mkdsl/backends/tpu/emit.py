@@ -15,6 +15,7 @@ from pathlib import Path
 import jinja2
 
 from mkdsl import __version__
+from mkdsl.backends.tpu.wrapper import wrapper_context
 from mkdsl.diagnostics import Diagnostic, SpecError
 from mkdsl.dtypes import storage
 from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref
@@ -511,6 +512,7 @@ class _Emitter:
             logits=self.operand(m.step, m.step.results[0]),
             next_tokens=self.operand(m.step, m.step.results[1]),
             vocab=_vocab(m),
+            wrapper=wrapper_context(self.whole, self.plan.kv_tile),
         )
         return _env().get_template("module.py.jinja").render(**context)
 
