@@ -136,6 +136,7 @@ def _vmem_bar(plan: Plan, y: int) -> list[str]:
         "</g>",
         f'<line x1="{cap:.2f}" y1="{y - 4}" x2="{cap:.2f}" y2="{y + 28}" stroke="#000" stroke-dasharray="4 2"/>',
     ]
+    out.append(_text(cap - 4, y - 8, f"cap {plan.vmem_cap / MIB:.0f} MiB", text_anchor="end"))
     for i, (colour, text) in enumerate(legend):
         lx, ly = LEFT + 215 * (i % 4), y + 40 + 18 * (i // 4)
         out += [f'<rect x="{lx}" y="{ly}" width="12" height="12" fill="{colour}"/>', _text(lx + 16, ly + 10, text)]

@@ -64,6 +64,17 @@ def test_planner_diagnostic_gives_per_device_and_global_size(tmp_path):
     )
 
 
+def test_vmem_budget_of_a_sharded_spec_is_per_device(tmp_path):
+    spec = sharded_tiny(tmp_path, 256)
+    spec.write_text(spec.read_text().replace("mesh { tp = 2 }", "mesh { tp = 2 }\nhints { vmem_cap_mib = 1 }"))
+    r = mkdsl("plan", spec)
+    assert r.returncode == 1
+    assert "error: VMEM budget exceeded per device: the plan needs " in r.stderr
+    spec.with_name("one.mk").write_text(TINY.replace("const F = 256", "const F = 256\nhints { vmem_cap_mib = 1 }"))
+    r = mkdsl("plan", spec.with_name("one.mk"))
+    assert "error: VMEM budget exceeded: the plan needs " in r.stderr
+
+
 def test_shape_rule_per_device_gives_both_types(tmp_path):
     spec = tmp_path / "pd.mk"
     spec.write_text(
