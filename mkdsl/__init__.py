@@ -1,4 +1,41 @@
 """mkdsl: a model's decode step, written once in a small language, compiled to a Pallas TPU
-megakernel with an unfused JAX reference to test it against."""
+megakernel with an unfused JAX reference to test it against.
+
+The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to` it, the
+`reference_step`, `random_inputs` and `kernel_weights`, and the kernel's step (`build_step`,
+from the module `load_kernel` imports).
+"""
+
+from mkdsl.jax_setup import quiet_libtpu
 
 __version__ = "0.1.0"
+
+quiet_libtpu()  # before anything imports jax: no libtpu start-up noise on a machine without a TPU
+
+from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
+    ProfileError,
+    Spec,
+    build_step,
+    compile_text,
+    compile_to,
+    kernel_weights,
+    load,
+    load_kernel,
+    random_inputs,
+    reference_step,
+)
+from mkdsl.diagnostics import SpecError  # noqa: E402
+
+__all__ = [
+    "ProfileError",
+    "Spec",
+    "SpecError",
+    "build_step",
+    "compile_text",
+    "compile_to",
+    "kernel_weights",
+    "load",
+    "load_kernel",
+    "random_inputs",
+    "reference_step",
+]

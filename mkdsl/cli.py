@@ -30,16 +30,44 @@ def _read(path: str) -> str:
         raise UsageError(f"cannot read {path}: not UTF-8 text") from None
 
 
-def _load(args):
-    from mkdsl.elaborate import elaborate
+def _parse(args, source: str):
+    """The spec's AST, once its profile is known to exist (an unknown one is a usage error)."""
+    from mkdsl.api import ProfileError, check_profile
     from mkdsl.syntax import parse
 
-    source = _read(args.spec)
     try:
-        return elaborate(parse(source), args.profile, source), source
+        module = parse(source)
+        check_profile(module, args.profile, args.spec)
+        return module
     except SpecError as e:
         e.source = source
         raise
+    except ProfileError as e:
+        raise UsageError(str(e)) from None
+
+
+def _load(args):
+    from mkdsl.elaborate import elaborate
+
+    source = _read(args.spec)
+    module = _parse(args, source)
+    try:
+        return elaborate(module, args.profile, source), source, module
+    except SpecError as e:
+        e.source = source
+        raise
+
+
+def _out_shown(args, out_dir) -> str:
+    """The output directory as the user named it: absolute if they gave an absolute `-o` (or,
+    without one, an absolute spec path), else relative to the working directory."""
+    return str(out_dir) if os.path.isabs(args.output or args.spec) else os.path.relpath(out_dir)
+
+
+def regenerate_command(args, shown: str) -> str:
+    """The command that rewrites the output directory `shown` from the spec."""
+    profile = f" --profile {args.profile}" if args.profile else ""
+    return f"mkdsl compile {args.spec}{profile} -o {shown}"
 
 
 def cmd_check(args) -> int:
@@ -47,7 +75,9 @@ def cmd_check(args) -> int:
     from mkdsl.shard import devices, shard
 
     t0 = time.perf_counter()
-    model, source = _load(args)
+    from mkdsl.api import spec_profiles
+
+    model, source, module = _load(args)
     try:
         local = shard(model)  # shardings must also agree where tensors meet in an op
         make_plan(local, batch=model.dims[0].high)  # what `compile` checks: lowerability, hints, VMEM budget
@@ -61,11 +91,13 @@ def cmd_check(args) -> int:
         return 0
     n_layers = len(model.schedule)
     kinds = ", ".join(f"{k.name} x{model.schedule.count(k.name)}" for k in model.kinds)
+    profiles = ", ".join(spec_profiles(module)) or "none"
     print(
         f"{args.spec}: ok: model {model.name}"
         f"{f' (profile {model.profile})' if model.profile else ''}, {n_layers} layers ({kinds}), "
         f"{len(model.weights)} weights, {len(model.states)} state tensors"
-        f"{f', {devices(model)} devices' if devices(model) > 1 else ''} [{time.perf_counter() - t0:.2f} s]"
+        f"{f', {devices(model)} devices' if devices(model) > 1 else ''}; profiles: {profiles}"
+        f" [{time.perf_counter() - t0:.2f} s]"
     )
     return 0
 
@@ -77,21 +109,18 @@ def cmd_compile(args) -> int:
 
     t0 = time.perf_counter()
     source = _read(args.spec)
+    _parse(args, source)
     try:
         out, out_dir = compile_source(source, args.spec, args.profile, Path(args.output) if args.output else None)
     except SpecError as e:
         e.source = source
         raise
-    shown = os.path.relpath(out_dir)
+    shown = _out_shown(args, out_dir)
     if args.check:
         stale = stale_files(out, out_dir)
         if stale:
             print("\n".join(stale), file=sys.stderr)
-            print(
-                f"{shown} is stale: run `mkdsl compile {args.spec}"
-                f"{f' --profile {args.profile}' if args.profile else ''}` and commit the result",
-                file=sys.stderr,
-            )
+            print(f"{shown} is stale: run `{regenerate_command(args, shown)}` and commit the result", file=sys.stderr)
             return 1
         print(f"{shown}: up to date [{time.perf_counter() - t0:.2f} s]")
         return 0
@@ -110,10 +139,14 @@ def cmd_compile(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from mkdsl.plan import make_plan
-    from mkdsl.report import render_plan
+    import json
 
-    model, source = _load(args)
+    from mkdsl.plan import make_plan
+    from mkdsl.plan.breakdown import breakdown
+    from mkdsl.report import render_plan
+    from mkdsl.report_time import plan_data, render_summary
+
+    model, source, _ = _load(args)
     rows = model.dims[0]
     if not rows.low <= args.batch <= rows.high:
         raise UsageError(
@@ -131,7 +164,12 @@ def cmd_plan(args) -> int:
     except SpecError as e:
         e.source = source
         raise
-    print(render_plan(model, plan, args.spec, wide=wide))
+    if args.full:
+        print(render_plan(model, plan, args.spec, wide=wide))
+    elif args.json:
+        print(json.dumps(plan_data(model, plan, args.spec, breakdown(model, plan)), indent=1))
+    else:
+        print(render_summary(model, plan, args.spec, breakdown(model, plan)))
     return 0
 
 
@@ -204,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help)
         c.add_argument("spec", metavar="SPEC", help="path to a .mk spec")
         c.add_argument("--profile", "-p", help="apply a named profile's constant overrides (e.g. mini)")
-        c.set_defaults(fn=fn)
+        c.set_defaults(fn=fn, parser=c)
         return c
 
     c = spec_command("check", "parse and check a spec; print diagnostics only", cmd_check)
@@ -227,7 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=2, help="decode steps per batch (default 2)")
     c.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the spec's mesh size)")
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
-    c = spec_command("plan", "print the plan: phases, DMA schedule, VMEM table, bytes, floor, modeled time", cmd_plan)
+    c = spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan)
+    shown = c.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
+    )
+    shown.add_argument("--json", action="store_true", help="the plan as JSON (schema: docs/plan-schema.json)")
     c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     c.add_argument(
         "--context",
@@ -239,7 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # reported with the subcommand's usage, not the top-level one
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except SpecError as e:

@@ -16,7 +16,7 @@ from mkdsl.backends.tpu.emit import Source, emit_module
 from mkdsl.elaborate import elaborate, spec_sha256
 from mkdsl.ir import Model
 from mkdsl.plan import Plan, make_plan
-from mkdsl.report import render_plan
+from mkdsl.report import render_picture, render_plan
 from mkdsl.shard import shard
 from mkdsl.syntax import parse
 
@@ -51,10 +51,13 @@ def compile_source(
     local = shard(model)  # what one device runs (the model itself on a one-device mesh)
     budget = make_plan(local, batch=model.dims[0].high)  # VMEM at the largest batch
     plan = make_plan(local, batch=model.dims[0].low, ring_depth=budget.ring_depth)  # traffic and timing at the smallest
-    src = Source(shown, source, spec_sha256(source))
+    default = os.path.relpath(default_out_dir(spec_path, model.name, profile), project_root(spec_path))
+    command = f"mkdsl compile {shown}{f' --profile {profile}' if profile else ''} -o {default.replace(os.sep, '/')}"
+    src = Source(shown, source, spec_sha256(source), command)
     files = {
         "kernel.py": emit_module(model, local, budget, src),
         "plan.md": render_plan(local, plan, shown, wide=budget),
+        "plan.svg": render_picture(local, plan),
     }
     return Output(model, plan, files, local), out
 

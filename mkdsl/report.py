@@ -1,12 +1,16 @@
-"""The plan report (`plan.md` beside each kernel, and `mkdsl plan`): phases, the DMA schedule,
-the VMEM table, bytes per step, the HBM floor and the modeled time. Every time is modeled."""
+"""The plan report (`plan.md` beside each kernel, and `mkdsl plan --full`): where the time goes
+(report_time.py, with the picture of report_svg.py), phases, the DMA schedule, the VMEM table,
+bytes per step, the HBM floor and the modeled time. Every time is modeled."""
 
 from __future__ import annotations
 
 from mkdsl.ir import Model
 from mkdsl.plan import collectives
+from mkdsl.plan.breakdown import breakdown
 from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB
+from mkdsl.report_svg import render_svg
+from mkdsl.report_time import time_section, verdict
 
 
 def _bytes(n: int) -> str:
@@ -46,6 +50,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         f"(rows padded to {plan.rows}) with {plan.context} cached tokens per row.",
         "No TPU measured anything here: every time below is **modeled** (see docs/performance.md).",
         "",
+        *time_section(model, plan, breakdown(model, plan)),
         "## Summary (modeled)",
         "",
         "| figure | value |",
@@ -112,7 +117,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
 
 
 def _phases(model: Model, plan: Plan) -> list[str]:
-    """One table per tile sequence: each op of the kind (or epilogue) and the stream it consumes."""
+    """One table per tile sequence: each op of the layer kind (or the epilogue) and its stream."""
     out: list[str] = []
     for seq in plan.sequences:
         g = model.step if seq.name == "epilogue" else model.kind(seq.name)
@@ -138,6 +143,12 @@ def _phases(model: Model, plan: Plan) -> list[str]:
             )
         out.append("")
     return out
+
+
+def render_picture(model: Model, plan: Plan) -> str:
+    """plan.svg, the picture plan.md links: the step by layer kind and cost kind, and VMEM."""
+    b = breakdown(model, plan)
+    return render_svg(model, plan, b, verdict(model, b, plan))
 
 
 def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:

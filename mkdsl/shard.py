@@ -45,6 +45,16 @@ def devices(model: Model) -> int:
     return math.prod(size for _, size in model.mesh)
 
 
+def split_note(model: Model, t: Tensor, dim: int) -> str:
+    """For dimension `dim` of a per-device tensor that is split: " per device (N in all, split W
+    ways over AXES)", so a diagnostic about a device's slice also gives the whole size."""
+    axes = t.sharding[dim]
+    if not axes or not isinstance(t.type.shape[dim], int):
+        return ""
+    ways = math.prod(dict(model.mesh)[a] for a in axes)
+    return f" per device ({t.type.shape[dim] * ways} in all, split {ways} ways over {', '.join(axes)})"
+
+
 def is_sharded(model: Model) -> bool:
     return devices(model) > 1 and any(any(axes) for t in model.tensors for axes in t.sharding)
 
@@ -147,13 +157,26 @@ class _Sharder:
                 operands, {k: v.first if isinstance(v, LayerExpr) else v for k, v in attr.items()}
             )
         except OpError as e:
-            raise ShardError(f"per device: {e}", e.hint) from None
+            raise ShardError(f"per device: {e}{self.whole_note(g, node, operands)}", e.hint) from None
         outputs = []
         for v, t, p in zip(node.outputs, out_types, outs, strict=True):
             outputs.append(Value(v.name, t, v.span))
             place[v.name], types[v.name] = p, t
         new = dataclasses.replace(node, inputs=tuple(inputs), attrs=tuple(attr.items()), outputs=tuple(outputs))
         return [*pre, new]
+
+    def whole_note(self, g: Graph, node: Node, operands: list[Operand]) -> str:
+        """The operands whose per-device type differs from the whole one, with both types."""
+        from mkdsl.elaborate import graph_value_type
+
+        parts = []
+        for ref, local in zip(node.inputs, operands, strict=True):
+            whole = self.m.tensor(ref.name).type if ref.kind == "tensor" else local.type
+            if ref.kind == "value":
+                whole = graph_value_type(g, ref)
+            if whole != local.type:
+                parts.append(f"`{ref.name}` is {local.type} per device, {whole} whole")
+        return f" ({'; '.join(parts)})" if parts else ""
 
     def operand(self, ref: Ref, types) -> Operand:
         if ref.kind == "tensor":

@@ -55,7 +55,7 @@ def test_bad_arguments_exit_2():
 
 def test_unknown_profile(tmp_path):
     r = run("check", "specs/llama3_8b.mk", "--profile", "minii")
-    assert r.returncode == 1
-    assert "no profile named `minii` (profiles in this spec: mini)" in r.stderr
+    assert r.returncode == 2  # a usage error (issue 13): the spec is fine, the argument is not
+    assert "no profile named `minii` in specs/llama3_8b.mk; its profiles: mini" in r.stderr
     assert "did you mean `mini`?" in r.stderr
     assert "Traceback" not in r.stderr

@@ -106,7 +106,7 @@ def test_output_is_deterministic(tmp_path):
         r = mkdsl("compile", LLAMA, "-o", out, env={"PYTHONHASHSEED": seed})
         assert r.returncode == 0, r.stderr
         outputs.append({p.name: p.read_bytes() for p in sorted(out.iterdir())})
-    assert set(outputs[0]) == {"kernel.py", "plan.md"}
+    assert set(outputs[0]) == {"kernel.py", "plan.md", "plan.svg"}
     assert outputs[0] == outputs[1] == outputs[2]
     committed = {p.name: p.read_bytes() for p in sorted((ROOT / "generated" / "llama3_8b").iterdir())}
     assert outputs[0] == committed

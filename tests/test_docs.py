@@ -275,3 +275,65 @@ def test_adding_an_op_example_touches_only_its_files_and_compiles(example, tmp_p
     for path in files:
         if path.startswith("tests/"):
             compile((tmp_path / path).read_text(encoding="utf-8"), path, "exec")  # the test diff applies and parses
+
+
+# ---------------------------------------------------------------- the Python API and the README's quickstart
+
+ROOT = DOCS.parent
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
+SH_BLOCK = re.compile(r"^```sh\n(.*?)^```$", re.S | re.M)
+# What libtpu and JAX's TPU plugin print when they look for a TPU that is not there.
+TPU_NOISE = ("libtpu", "TPU_", "InitGoogle", "accelerator type", "E0000")
+
+
+def user_env() -> dict[str, str]:
+    """A user's environment: nothing set for JAX, XLA or libtpu (this worktree's mkdsl importable)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "TPU_", "XLA_"))}
+    return {**env, "PYTHONPATH": str(ROOT)}
+
+
+def run_python(code: str, cwd: Path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=user_env())
+    assert r.returncode == 0, f"the example failed:\n{r.stderr[-3000:]}"
+    assert not [line for line in r.stderr.splitlines() if any(w in line for w in TPU_NOISE)], r.stderr
+    return r
+
+
+def test_python_api_examples_run():
+    """Every python block of docs/python-api.md, in order, as one script from the project root."""
+    blocks = PYTHON_BLOCK.findall((DOCS / "python-api.md").read_text(encoding="utf-8"))
+    assert len(blocks) >= 4
+    r = run_python("\n".join(blocks), ROOT)
+    assert "no profile named `minii` in specs/llama3_8b.mk; its profiles: mini" in r.stdout
+    assert "tokens[1] = 256 is outside 0..255 (the vocabulary has 256 tokens)" in r.stdout
+    assert "seq_len must be an int in 1..256, got 512" in r.stdout
+    assert "['kernel.py', 'plan.md', 'plan.svg']" in r.stdout
+
+
+def test_readme_quickstart_runs_as_written(tmp_path):
+    """The quickstart's mkdsl commands and its Python, as written, in a directory holding the
+    specs (the venv and pip line sets up what this test already runs in)."""
+    import shlex
+    import shutil
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    (sh,) = SH_BLOCK.findall(section)
+    (py,) = PYTHON_BLOCK.findall(section)
+    shutil.copytree(ROOT / "specs", tmp_path / "specs")
+    commands = [line.split("#")[0] for line in sh.splitlines() if line.startswith("mkdsl ")]
+    assert len(commands) == 3
+    for command in commands:
+        args = shlex.split(command)[1:]
+        run_python(f"import sys; from mkdsl.cli import main; sys.exit(main({args!r}))", tmp_path)
+    assert sorted(p.name for p in (tmp_path / "out" / "tiny").iterdir()) == ["kernel.py", "plan.md", "plan.svg"]
+    r = run_python(py, tmp_path)
+    m = re.fullmatch(r"\[ *\d+ +\d+\] ([0-9.e-]+)\n", r.stdout)
+    assert m, r.stdout
+    # Kernel and reference round matmul inputs to bf16 and accumulate in f32 (docs/python-api.md).
+    assert float(m[1]) <= 2**-5

@@ -1,4 +1,4 @@
-"""`mkdsl plan specs/kimi_k3.mk` (published dims, 93 layers, 32 devices): bytes per step per core at
+"""`mkdsl plan specs/kimi_k3.mk --full` (published dims, 93 layers, 32 devices): bytes per step per core at
 batch 1 split into experts / attention / other dense / lm_head / KV-state, the HBM floor, the experts
 share checked against the published expert dims, and the 16-chip modeled figures beside the public ones.
 
@@ -54,7 +54,9 @@ def plan(model):
 
 @pytest.fixture(scope="module")
 def printed() -> str:
-    r = subprocess.run([sys.executable, "-m", "mkdsl", "plan", SPEC], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdsl", "plan", SPEC, "--full"], capture_output=True, text=True, cwd=ROOT
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mkdsl.backends.tpu.lowering import Site, Traffic, check_lowerable, lowering_for, sites
+from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites
 from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, stream_tiles
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
@@ -25,8 +25,9 @@ from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
 from mkdsl.plan import collectives, cost_model, roles
 from mkdsl.plan.buffers import assign_buffers, buffer_of
-from mkdsl.plan.types import Alloc, OpScratch, Plan, Sequence, Stream, TensorTraffic
+from mkdsl.plan.types import Alloc, OpScratch, Plan, ScheduleItem, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
+from mkdsl.shard import devices
 
 ROW_TILE = 16  # rows padded to the bf16 sublane tile, so matmul inputs are tile-aligned
 RING_BYTES = 24 * MIB  # default share of VMEM for weight tiles in flight
@@ -105,8 +106,10 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         step(s)
     if s.errors:
         raise SpecError(list(dict.fromkeys(s.errors)))  # a rule broken in several kinds is said once
-    traffic, flops = count_traffic(s)
-    sched_bytes, dmas = schedule_traffic(s)
+    traffic, graph_flops = count_traffic(s)
+    flops = sum(graph_flops.values())
+    items = tuple(schedule_items(s))
+    sched_bytes, dmas = schedule_traffic(model, items)
     phases, comm_us = collectives.step_totals(model, s.collectives)
     timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic, comm_us)
     return Plan(
@@ -126,6 +129,8 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         dma_count=dmas,
         flops=flops,
         timing=timing,
+        schedule_items=items,
+        graph_flops=tuple(graph_flops.items()),
         buffers=tuple(sorted((g, v, b) for (g, v), b in s.buffers.items())),
         scratch=tuple(s.scratch[key] for key in sorted(s.scratch)),
         mesh=model.mesh if s.collectives else (),
@@ -418,7 +423,7 @@ def check_budget(s: _State) -> None:
     s.errors.append(
         Diagnostic(
             span,
-            f"VMEM budget exceeded: the plan needs {mib(total)} of the {mib(s.cap)} cap; the largest allocation is "
+            f"VMEM budget exceeded{' per device' if devices(s.model) > 1 else ''}: the plan needs {mib(total)} of the {mib(s.cap)} cap; the largest allocation is "
             f"{worst.purpose} `{worst.name}` {list(worst.shape)} {worst.dtype} = {mib(worst.bytes)}",
             "lower `ring_depth` or `tile_n` in `hints`, or raise `vmem_cap_mib` (at most 64)",
         )
@@ -435,18 +440,18 @@ def _concrete(t: TensorType, sizes: dict[str, int]) -> TensorType:
     return TensorType(t.dtype, tuple(sizes.get(d, d) if isinstance(d, str) else d for d in t.shape))
 
 
-def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], int]:
-    """Bytes each declared tensor must move per step, and the flops, from the op costs."""
+def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], dict[str, int]]:
+    """Bytes each declared tensor must move per step, and the flops per graph (all its runs in a
+    step), from the op costs."""
     m = s.model
     dims = [d.name for d in m.dims]
     read_sizes = {dims[0]: s.batch, **{d: s.context + 1 for d in dims[1:]}}
     flop_sizes = {dims[0]: s.rows, **{d: s.context + 1 for d in dims[1:]}}
     per_tensor: dict[str, int] = {t.name: 0 for t in m.tensors}
     group: dict[str, str] = {t.name: "state" for t in m.states}
-    flops = 0
+    flops = dict.fromkeys([*(k.name for k in m.kinds), m.step.name], 0)
 
     def visit(graph: Graph) -> None:
-        nonlocal flops
         after_layers = False
         for node in graph.nodes:
             if node.op == "layers":
@@ -464,7 +469,7 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], int]:
             c: Cost = op.cost(
                 [_concrete(t, read_sizes) for t in types], [_concrete(t, read_sizes) for t in outs], _attrs(node)
             )
-            flops += op.cost(
+            flops[graph.name] += op.cost(
                 [_concrete(t, flop_sizes) for t in types], [_concrete(t, flop_sizes) for t in outs], _attrs(node)
             ).flops
             tensors = [r.name for r in node.inputs if r.kind == "tensor"]
@@ -491,20 +496,38 @@ def _type_of(m: Model, graph: Graph, ref) -> TensorType:
     return graph_value_type(graph, ref)
 
 
-def schedule_traffic(s: _State) -> tuple[int, int]:
-    """Bytes the schedule moves per step and its DMAs: the weights fetched per layer, plus what
-    each op's lowering says it moves (`Lowering.traffic`), per layer of the schedule."""
+def schedule_traffic(m: Model, items) -> tuple[int, int]:
+    """Bytes the schedule moves per step and its DMAs: every item times the runs of its graph."""
+    runs = graph_runs(m)
+    return sum(i.bytes * runs[i.graph] for i in items), sum(i.dmas * runs[i.graph] for i in items)
+
+
+def graph_runs(m: Model) -> dict[str, int]:
+    """How often each graph runs per step: a layer kind once per layer of it, the step once."""
+    return {**{k.name: m.schedule.count(k.name) for k in m.kinds}, m.step.name: 1}
+
+
+def schedule_items(s: _State) -> list[ScheduleItem]:
+    """What the schedule moves each time a graph runs, piece by piece: the weights fetched whole,
+    and what each op's lowering says it moves (`Lowering.traffic`)."""
     m = s.model
-    total = Traffic()
-    runs = [*(m.kind(kind) for kind in m.schedule), m.step]
-    for g in runs:
+    items = []
+    for g in [*m.kinds, m.step]:
         for name in roles.fetched_weights(m, g):
-            total += Traffic(_fetch_bytes(m.tensor(name)), 1)
+            t = m.tensor(name)
+            items.append(ScheduleItem(g.name, f"`{name}` fetch", t.span.line, _fetch_bytes(t), 1))
         for i, node in enumerate(g.nodes):
             lw = lowering_for(node.op)
-            if lw is not None:
-                total += lw.traffic(s, Site(g, i, node))
-    return total.bytes, total.dmas
+            moved = lw.traffic(s, Site(g, i, node)) if lw is not None else None
+            if moved is not None and (moved.bytes or moved.dmas):
+                items.append(ScheduleItem(g.name, _what(node), node.span.line, moved.bytes, moved.dmas))
+    return items
+
+
+def _what(node: Node) -> str:
+    """How the report names what a node moves: its op and the first tensor it reads."""
+    tensors = [r.name for r in node.inputs if r.kind == "tensor"]
+    return f"{node.op} `{tensors[0]}`" if tensors else node.op
 
 
 def _fetch_bytes(t) -> int:

@@ -97,6 +97,19 @@ class TensorTraffic:
 
 
 @dataclass(frozen=True)
+class ScheduleItem:
+    """One piece of what the schedule moves each time its graph runs (a layer kind runs once per
+    layer of that kind, the step once): a matrix's tiles, a fetched vector, a KV or state stream,
+    the routed experts, embedding rows. The report attributes the modeled time with these."""
+
+    graph: str
+    what: str
+    line: int  # spec line of the op or declaration
+    bytes: int
+    dmas: int
+
+
+@dataclass(frozen=True)
 class Timing:
     """Modeled figures (no TPU measured them): the HBM floor and the schedule's time."""
 
@@ -140,6 +153,8 @@ class Plan:
     collectives: tuple = ()  # collectives.Collective per graph
     exchange_phases: int = 0  # per step
     collective_id: int | None = None  # the barrier semaphore's id (sharded kernels)
+    schedule_items: tuple[ScheduleItem, ...] = ()  # per run of their graph; they sum to schedule_bytes
+    graph_flops: tuple[tuple[str, int], ...] = ()  # (graph, flops of all its runs per step); they sum to flops
 
     @property
     def devices(self) -> int:

@@ -18,6 +18,7 @@ import jinja2
 from mkdsl import __version__
 from mkdsl.backends.tpu.lowering import Site, lowering_for, sites
 from mkdsl.backends.tpu.lowerings.attention import KV_SLOTS
+from mkdsl.backends.tpu.wrapper import wrapper_context
 from mkdsl.dtypes import storage
 from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref
 from mkdsl.ops import OPS
@@ -56,6 +57,7 @@ class Source:
     path: str
     text: str
     sha256: str
+    command: str  # the command that regenerates the output, for the header
 
     def line(self, n: int) -> str:
         lines = self.text.splitlines()
@@ -300,6 +302,7 @@ class _Emitter:
             version=__version__,
             spec_path=self.src.path,
             spec_sha=self.src.sha256,
+            command=self.src.command,
             profile=m.profile,
             model=m.name,
             num_layers=len(m.schedule),
@@ -328,6 +331,7 @@ class _Emitter:
             **bodies,
             **self.layer_tables(seqs),
             **self.arrays(),
+            wrapper=wrapper_context(self.whole, self.plan.kv_tile),
         )
         return _env().get_template("module.py.jinja").render(**context)
 

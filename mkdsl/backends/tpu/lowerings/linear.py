@@ -5,6 +5,7 @@ from __future__ import annotations
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import Model, Tensor
+from mkdsl.shard import split_note
 
 TILE_K = 2048  # weight tile rows (a multiple of 16, the bf16 sublane tile)
 TILE_N = 512  # weight tile columns (a multiple of 128 lanes)
@@ -53,6 +54,7 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
     if tk is None or tn is None:
         k, n = t.type.shape
         what = f"{k} rows" if tk is None else f"{n} columns"
+        what += split_note(model, t, 0 if tk is None else 1)
         need = "a multiple of 16" if tk is None else "a multiple of 128"
         return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}")]
     return []

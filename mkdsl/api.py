@@ -1,0 +1,155 @@
+"""The Python API (`import mkdsl`): load a spec, compile it, and run what it describes, the
+unfused reference and the generated kernel. See docs/python-api.md.
+
+    spec = mkdsl.load("specs/tiny.mk")                 # parsed, checked, sharded
+    files = mkdsl.compile_text(spec)                   # {"kernel.py": ..., "plan.md": ..., "plan.svg": ...}
+    weights, state = mkdsl.random_inputs(spec, batch=1, seq_len=256)
+    step = mkdsl.build_step(spec, batch=1, seq_len=256)  # TPU interpret mode on a CPU
+    ref = mkdsl.reference_step(spec)
+
+Spec mistakes raise `SpecError` (its `render()` gives the CLI's diagnostics); an unknown profile
+raises `ProfileError`, a `ValueError`. Nothing here imports jax until it is needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from mkdsl.diagnostics import SpecError, did_you_mean
+from mkdsl.ir import Model
+from mkdsl.syntax import Module, ProfileDecl
+
+
+class ProfileError(ValueError):
+    """A profile the spec does not declare (the CLI reports it as a usage error)."""
+
+
+def spec_profiles(module: Module) -> list[str]:
+    """The profiles a parsed spec declares, in order."""
+    return list(dict.fromkeys(it.name for it in module.items if isinstance(it, ProfileDecl)))
+
+
+def check_profile(module: Module, profile: str | None, path: str) -> None:
+    """Raise ProfileError unless `profile` is None or one the spec declares."""
+    names = spec_profiles(module)
+    if profile is None or profile in names:
+        return
+    known = f"its profiles: {', '.join(names)}" if names else "it declares no profiles"
+    hint = did_you_mean(profile, names)
+    raise ProfileError(f"no profile named `{profile}` in {path}; {known}{f' ({hint})' if hint else ''}")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A checked spec: its text, the whole model (the reference's view) and what one device runs."""
+
+    path: str
+    profile: str | None
+    source: str
+    model: Model
+    local: Model  # the per-device model (the model itself on a one-device mesh)
+    profiles: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def batch_range(self) -> tuple[int, int]:
+        return self.model.dims[0].low, self.model.dims[0].high
+
+
+def load(path: str | Path, profile: str | None = None) -> Spec:
+    """Read, parse, check and shard a spec (with `profile`'s overrides)."""
+    from mkdsl.elaborate import elaborate
+    from mkdsl.shard import shard
+    from mkdsl.syntax import parse
+
+    path = str(path)
+    source = Path(path).read_text(encoding="utf-8")
+    try:
+        module = parse(source)
+        check_profile(module, profile, path)
+        model = elaborate(module, profile, source)
+        local = shard(model)
+    except SpecError as e:
+        e.source = source
+        e.path = path
+        raise
+    return Spec(path, profile, source, model, local, tuple(spec_profiles(module)))
+
+
+def compile_text(spec: Spec) -> dict[str, str]:
+    """The files `mkdsl compile` writes, by name (kernel.py, plan.md, plan.svg); nothing is written."""
+    from mkdsl.compiler import compile_source
+
+    out, _ = compile_source(spec.source, spec.path, spec.profile)
+    return dict(out.files)
+
+
+def compile_to(spec: Spec, out_dir: str | Path | None = None) -> Path:
+    """Compile and write the files atomically into `out_dir` (default: generated/<model>[_<profile>]
+    in the spec's project, as `mkdsl compile`); returns the directory."""
+    from mkdsl.compiler import compile_source, write_atomically
+
+    out, where = compile_source(spec.source, spec.path, spec.profile, Path(out_dir) if out_dir else None)
+    write_atomically(out, where)
+    return where
+
+
+def reference_step(spec: Spec, jit: bool = True):
+    """The unfused JAX step, `step(weights, state, tokens, positions) -> (logits, next_tokens,
+    new_state)`, on the whole model; quantised weights are `QTensor`s (as `random_inputs` gives)."""
+    from mkdsl.reference import build_reference
+
+    return build_reference(spec.model, jit=jit)
+
+
+def random_inputs(spec: Spec, batch: int, seq_len: int, seed: int = 0) -> tuple[dict, dict]:
+    """Well-scaled random (weights, state) for `batch` rows and caches of `seq_len` tokens, as the
+    reference takes them; `kernel_weights(weights)` gives the kernel's layout."""
+    from mkdsl.random_params import random_params as draw
+
+    sizes = {spec.model.dims[0].name: batch, **{d.name: seq_len for d in spec.model.dims[1:]}}
+    return draw(spec.model, sizes, seed)
+
+
+def kernel_weights(weights: dict) -> dict:
+    """Weights as the generated kernel takes them: a quantised `w` becomes `w_codes`, `w_scales`."""
+    from mkdsl.random_params import kernel_weights as split
+
+    return split(weights)
+
+
+_loaded = itertools.count()
+
+
+def load_kernel(spec: Spec) -> ModuleType:
+    """The generated kernel module, imported from the compiled text (the same code `mkdsl
+    compile` writes to kernel.py): its layouts, constants and `build_decode_step`."""
+    text = compile_text(spec)["kernel.py"]
+    name = f"mkdsl_kernel_{spec.name}_{next(_loaded)}"
+    module = ModuleType(name)
+    module.__file__ = f"<mkdsl kernel of {spec.path}>"
+    sys.modules[name] = module  # dataclasses in the module look their module up by name
+    exec(compile(text, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def build_step(spec: Spec, batch: int, seq_len: int, *, interpret=True, mesh=None):
+    """The kernel's decode step, `step(weights, state, tokens, positions)`, for `batch` rows and
+    caches of `seq_len` tokens. `interpret`: True for TPU interpret mode on a CPU (or a
+    `pltpu.InterpretParams`), False to compile for the TPU. `mesh`: for sharded specs."""
+    module = load_kernel(spec)
+    if interpret is True:
+        from jax.experimental.pallas import tpu as pltpu
+
+        interpret = pltpu.InterpretParams()
+    options = {"interpret": interpret or None}
+    if mesh is not None:
+        options["mesh"] = mesh
+    return module.build_decode_step(batch, seq_len, **options)
