@@ -331,13 +331,19 @@ def import_generated(text: str, directory, name: str) -> ModuleType:
     return module
 
 
+def check_seq_len(module) -> int:
+    """A cache of two KV tiles (a step can cross a tile boundary), or one if the spec allows no more."""
+    tile, high = module.KV_TILE, module.SEQ_RANGE[1]
+    return max(tile, min(2 * tile, high // tile * tile))
+
+
 def check_batch(model, module, checker, batch: int, steps: int, seed: int, progress=None) -> BatchResult:
     """`steps` decode steps of the kernel in TPU interpret mode, each checked layer by layer."""
     import time
 
     from mkdsl.random_params import random_params
 
-    seq_len = 2 * module.KV_TILE
+    seq_len = check_seq_len(module)
     weights, state = random_params(model, {"B": batch, "S": seq_len}, seed)
     from mkdsl.elaborate import graph_value_type
 
@@ -373,7 +379,7 @@ def compile_check(module, plan_vmem: int, batch: int, fresh: Callable[[], Module
     from mkdsl import tpu_compile
 
     topology = tpu_compile.topology_for(module)
-    seq_len = 2 * module.KV_TILE
+    seq_len = check_seq_len(module)
     try:
         devices = tpu_compile.tpu7x_devices(topology)
         _, seconds = tpu_compile.compile_module(module, devices, batch, seq_len)

@@ -16,9 +16,16 @@ def wrapper_context(model: Model, kv_tile: int) -> dict:
 
     seq = model.dims[1:]
     low, high = max((d.low for d in seq), default=1), min((d.high for d in seq), default=2**31 - 1)
-    embeddings = [n for n in model.step.nodes if n.op == "embedding"]
-    if embeddings:
-        vocab = model.tensor(embeddings[0].inputs[1].name).type.shape[0]
+    tokens = model.inputs[0].name  # the step's first input: the token ids
+    tables = [  # declared tensors that a node reading the token ids takes: the table they index
+        r.name
+        for n in model.step.nodes
+        if any(i.kind == "input" and i.name == tokens for i in n.inputs)
+        for r in n.inputs
+        if r.kind == "tensor"
+    ]
+    if tables:
+        vocab = model.tensor(tables[0]).type.shape[0]
     else:
         vocab = graph_value_type(model.step, model.step.results[0]).shape[1]
     example = max(kv_tile, -(-low // kv_tile) * kv_tile)
