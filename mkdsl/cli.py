@@ -67,11 +67,16 @@ def cmd_compile(args) -> int:
     from pathlib import Path
 
     from mkdsl.compiler import compile_source, stale_files, write_atomically
+    from mkdsl.output import OutputError
 
     t0 = time.perf_counter()
+    if args.output is not None and not args.output.strip():
+        raise UsageError("-o/--output needs a directory name, got an empty one")
     source = _read(args.spec)
     try:
-        out, out_dir = compile_source(source, args.spec, args.profile, Path(args.output) if args.output else None)
+        out, out_dir = compile_source(
+            source, args.spec, args.profile, None if args.output is None else Path(args.output)
+        )
     except SpecError as e:
         e.source = source
         raise
@@ -90,6 +95,8 @@ def cmd_compile(args) -> int:
         return 0
     try:
         write_atomically(out, out_dir)
+    except OutputError as e:
+        raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"cannot write {shown}: {e.strerror or e}") from None
     sizes = ", ".join(f"{name} ({len(text.encode()) / 1024:.0f} KiB)" for name, text in out.files.items())

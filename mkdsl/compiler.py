@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import difflib
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from mkdsl.backends.tpu.emit import Source, emit_module
 from mkdsl.elaborate import elaborate, spec_sha256
 from mkdsl.ir import Model
+from mkdsl.output import write_output
 from mkdsl.plan import Plan, make_plan
 from mkdsl.report import render_plan
 from mkdsl.shard import shard
@@ -81,21 +80,5 @@ def stale_files(out: Output, out_dir: Path) -> list[str]:
 
 
 def write_atomically(out: Output, out_dir: Path) -> None:
-    """Write every file into a fresh sibling directory, then swap it in with renames."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        for name, text in out.files.items():
-            (tmp / name).write_text(text, encoding="utf-8")
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """Replace `out_dir` by the output, whole; refuse (OutputError) a path holding anything else."""
+    write_output(out.files, out_dir)
