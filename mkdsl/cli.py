@@ -7,6 +7,7 @@ Exit status: 0 success, 1 errors in the spec (or stale output with --check), 2 u
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import time
@@ -20,12 +21,19 @@ class UsageError(Exception):
     pass
 
 
+MAX_SPEC_BYTES = 4 * 2**20  # a spec is text a person writes (kimi_k3.mk is 14 KB): more is a mistake
+
+
 def _read(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)  # bounded: the path may be /dev/zero or a huge file
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise UsageError(f"cannot read {path}: more than {MAX_SPEC_BYTES // 2**20} MiB, too large for a spec")
+    try:
+        return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()  # universal newlines, as open()
     except UnicodeDecodeError:
         raise UsageError(f"cannot read {path}: not UTF-8 text") from None
 

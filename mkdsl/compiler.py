@@ -61,14 +61,16 @@ def compile_source(
 def stale_files(out: Output, out_dir: Path) -> list[str]:
     """Summary lines for every file that differs from what is on disk (empty: up to date)."""
     lines = []
-    existing = {p.name for p in out_dir.iterdir() if p.is_file()} if out_dir.is_dir() else set()
+    try:
+        existing = {p.name for p in out_dir.iterdir() if p.is_file()} if out_dir.is_dir() else set()
+    except OSError as e:
+        return [f"{out_dir}: cannot be listed ({e.strerror or e})"]
     for name, text in out.files.items():
         path = out_dir / name
-        if not path.exists():
-            lines.append(f"{path}: missing")
-            continue
-        old = path.read_text(encoding="utf-8")
-        if old != text:
+        old, problem = _read_generated(path)
+        if problem:
+            lines.append(f"{path}: {problem}")
+        elif old != text:
             diff = list(difflib.unified_diff(old.splitlines(), text.splitlines(), lineterm="", n=0))
             plus = sum(1 for d in diff if d.startswith("+") and not d.startswith("+++"))
             minus = sum(1 for d in diff if d.startswith("-") and not d.startswith("---"))
@@ -77,6 +79,20 @@ def stale_files(out: Output, out_dir: Path) -> list[str]:
     for name in sorted(existing - set(out.files)):
         lines.append(f"{out_dir / name}: not produced by the compiler")
     return lines
+
+
+def _read_generated(path: Path) -> tuple[str, str | None]:
+    """The text of a file --check compares, or why it cannot be compared."""
+    if not path.exists():
+        return "", "missing"
+    if not path.is_file():
+        return "", "not a regular file"
+    try:
+        return path.read_text(encoding="utf-8"), None
+    except OSError as e:
+        return "", f"unreadable ({e.strerror or e})"
+    except UnicodeDecodeError:
+        return "", "differs (not UTF-8 text)"
 
 
 def write_atomically(out: Output, out_dir: Path) -> None:
