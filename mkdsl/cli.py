@@ -21,7 +21,7 @@ class UsageError(Exception):
     pass
 
 
-MAX_SPEC_BYTES = 4 * 2**20  # a spec is text a person writes (kimi_k3.mk is 14 KB): more is a mistake
+MAX_SPEC_BYTES = 2**20  # a spec is text a person writes (kimi_k3.mk is 10 KB): more is a mistake, slow to parse
 
 
 def _read(path: str) -> str:

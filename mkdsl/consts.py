@@ -114,8 +114,8 @@ class ConstEnv:
         if e.id in self.dims:
             self.rep.error(e.span, f"`{e.id}` is a `dim`, known only when the step is built: not a constant")
             return None
-        hint = did_you_mean(e.id, [*self.decls, *local])
-        self.rep.error(e.span, f"unknown constant `{e.id}`", hint)
+        # The hint, costly with many names, is computed only if the error is kept.
+        self.rep.error(e.span, f"unknown constant `{e.id}`", lambda: did_you_mean(e.id, [*self.decls, *local]))
         return None
 
     def _unop(self, e: UnOp, v: Scalar | None) -> Scalar | None:

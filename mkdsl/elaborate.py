@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 from mkdsl import dtypes
 from mkdsl.consts import ConstEnv
@@ -71,6 +72,7 @@ class _Decls:
     layer_defs: dict[str, FuncDef] = field(default_factory=dict)
     layers: list[LayersDecl] = field(default_factory=list)
     steps: list[FuncDef] = field(default_factory=list)
+    redefined: set[str] = field(default_factory=set)  # names defined twice: reported once, not as unknown
 
 
 def load(path: str, profile: str | None = None) -> Model:
@@ -124,6 +126,7 @@ class _Elaborator:
         def define(name: str, span: Span, table: dict, item) -> None:
             if name in seen:
                 self.rep.error(span, f"`{name}` is already defined at line {seen[name].line}")
+                self.d.redefined.add(name)
                 return
             seen[name] = span
             table[name] = item
@@ -184,7 +187,7 @@ class _Elaborator:
                     self.rep.error(
                         a.span,
                         f"profile `{p.name}` overrides `{a.name}`, which is not a constant",
-                        did_you_mean(a.name, self.d.consts),
+                        partial(did_you_mean, a.name, self.d.consts),
                     )
         if self.profile is None:
             return {}
@@ -311,8 +314,10 @@ class _Elaborator:
         decl = self.d.layers[0]
         count = self.consts.eval_int(decl.count, "the layer count", maximum=MAX_LAYERS)
         for r in decl.rules:
-            if r.kind not in self.d.layer_defs:
-                self.rep.error(r.span, f"unknown layer kind `{r.kind}`", did_you_mean(r.kind, self.d.layer_defs))
+            if r.kind not in self.d.layer_defs and r.kind not in self.d.redefined:
+                self.rep.error(
+                    r.span, f"unknown layer kind `{r.kind}`", partial(did_you_mean, r.kind, self.d.layer_defs)
+                )
         for r in decl.rules[:-1]:
             if r.when is None:
                 self.rep.error(r.span, "`otherwise` must be the last rule: the rules after it are never used")
@@ -404,8 +409,10 @@ class _Elaborator:
                     self.rep.error(t.type.span, f"state `{t.name}` cannot be quantised ({dt})")
             kinds = t.layer_kinds
             for k in kinds:
-                if k not in self.d.layer_defs:
-                    self.rep.error(t.stacking_span, f"unknown layer kind `{k}`", did_you_mean(k, self.d.layer_defs))
+                if k not in self.d.layer_defs and k not in self.d.redefined:
+                    self.rep.error(
+                        t.stacking_span, f"unknown layer kind `{k}`", partial(did_you_mean, k, self.d.layer_defs)
+                    )
             slots, n = [], 0
             for kind in schedule:
                 if t.per_layer and (not kinds or kind in kinds):
@@ -615,7 +622,7 @@ class _Context:
             return Ref("tensor", e.id)
         if e.id in self.inputs:
             return Ref("input", e.id)
-        if e.id in self.el.d.tensors:
+        if e.id in self.el.d.tensors or e.id in self.el.d.redefined:
             return None  # the declaration itself was already reported
         if e.id in self.el.d.consts:
             self.rep.error(
@@ -623,7 +630,7 @@ class _Context:
             )
             return None
         known = [*env, *self.tensors, *self.inputs]
-        self.rep.error(e.span, f"unknown name `{e.id}`", did_you_mean(e.id, known))
+        self.rep.error(e.span, f"unknown name `{e.id}`", partial(did_you_mean, e.id, known))
         return None
 
     def operand(self, ref: Ref, g, shown: str | None = None) -> Operand:
@@ -643,9 +650,11 @@ class _Context:
             return self.call_layers(e, env, g, inline_stack)
         if e.func in self.el.d.blocks:
             return self.inline_block(e, env, g, inline_stack)
+        if e.func in self.el.d.redefined and e.func not in OPS:
+            return None  # a block defined twice (reported), or its name taken by another item
         if e.func not in OPS or OPS[e.func].internal:
             known = [*(k for k, o in OPS.items() if not o.internal), *self.el.d.blocks, "layers"]
-            self.rep.error(e.func_span, f"unknown op or block `{e.func}`", did_you_mean(e.func, known))
+            self.rep.error(e.func_span, f"unknown op or block `{e.func}`", partial(did_you_mean, e.func, known))
             return None
         op = OPS[e.func]
         if len(e.args) != len(op.operands):

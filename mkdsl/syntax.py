@@ -13,7 +13,7 @@ from pathlib import Path
 import lark
 from lark import Lark, Transformer_NonRecursive, v_args
 
-from mkdsl.diagnostics import Diagnostic, Span, SpecError
+from mkdsl.diagnostics import Diagnostic, Span, SpecError, source_lines, visible
 
 # ---------------------------------------------------------------------------- expressions
 
@@ -396,16 +396,18 @@ def parse(source: str) -> Module:
     except lark.exceptions.UnexpectedToken as e:
         tok = e.token
         if tok.type == "$END":
-            lines = source.splitlines() or [""]
+            lines = source_lines(source.rstrip("\n")) if source.strip() else [""]
             span = Span(len(lines), len(lines[-1]) + 1, 1)
             msg = "unexpected end of file"
         else:
             span = Span(tok.line, tok.column, max(1, len(str(tok))))
-            msg = f"unexpected `{tok}`"
+            text = str(tok)
+            msg = f"unexpected `{text}`" if len(text) <= 40 else f"unexpected `{text[:20]}...` ({len(text)} characters)"
         raise SpecError([Diagnostic(span, msg, f"expected {_describe(e.expected)}")]) from None
     except lark.exceptions.UnexpectedCharacters as e:
         span = Span(e.line, e.column, 1)
-        raise SpecError([Diagnostic(span, f"unexpected character `{e.char}`")]) from None
+        shown = f"`{e.char}`" if e.char.isprintable() else f"U+{ord(e.char):04X} ({visible(e.char)})"
+        raise SpecError([Diagnostic(span, f"unexpected character {shown}")]) from None
     try:
         return _ToAst().transform(tree)  # not recursive: any nesting depth parses
     except lark.exceptions.VisitError as e:

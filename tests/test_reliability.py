@@ -50,7 +50,7 @@ def diagnosed(tmp_path, capsys, text, message, command="check", line=None):
 
 
 def line_of(text: str, needle: str) -> int:
-    return next(i for i, s in enumerate(text.splitlines(), 1) if needle in s)
+    return next(i for i, s in enumerate(text.split("\n"), 1) if needle in s)  # as the parser counts
 
 
 # ---------------------------------------------------------------- constants a kernel can hold
@@ -164,7 +164,7 @@ def test_reading_dev_zero_is_a_usage_error(capsys):
 
 def test_a_huge_spec_is_a_usage_error(tmp_path, capsys):
     spec = tmp_path / "huge.mk"
-    spec.write_text(TINY + "#" * (5 * 2**20), encoding="utf-8")
+    spec.write_text(TINY + "#" * 2**20, encoding="utf-8")
     assert main(["check", str(spec)]) == 2
     assert "too large for a spec" in capsys.readouterr().err
 
@@ -204,3 +204,61 @@ def test_check_of_an_unreadable_file(current_output, capsys, monkeypatch):
 
     monkeypatch.setattr(Path, "read_text", read_text)
     check_fails(current_output, capsys, "kernel.py: unreadable (Permission denied)")
+
+
+# ---------------------------------------------------------------- diagnostics that mislead
+
+
+@pytest.mark.parametrize("char", ["\f", "\v", "\u2028", "\x85"], ids=["form-feed", "vertical-tab", "U+2028", "NEL"])
+def test_odd_line_breaks_do_not_shift_line_numbers(tmp_path, capsys, char):
+    """Lines are counted at `\\n` only, as the parser counts them, and shown that way
+    (the character, in a comment, would make Python's `splitlines` start a new line)."""
+    text = tiny("# The smallest", f"#{char}The smallest").replace("const V = 256", "const V = zzz")
+    err = diagnosed(tmp_path, capsys, text, "unknown constant `zzz`", line=line_of(text, "const V ="))
+    assert f"{line_of(text, 'const V ='):>5} | const V = zzz\n" in err
+    assert char not in err
+
+
+def test_a_control_character_is_shown_visibly(tmp_path, capsys):
+    text = tiny("const L = 2", "const L = 2 \v")
+    err = diagnosed(tmp_path, capsys, text, "unexpected character U+000B", line=line_of(text, "const L"))
+    assert "\v" not in err and "\u240b" in err
+
+
+def test_a_duplicate_name_has_no_follow_on_errors(tmp_path, capsys):
+    text = (
+        (ROOT / "specs" / "kimi_k3.mk").read_text().replace("const L     = 93", "const L     = 93\nconst kda_moe = 1")
+    )
+    err = diagnosed(tmp_path, capsys, text, "`kda_moe` is already defined at line")
+    assert err.count("error:") == 1, err
+
+
+def test_vmem_budget_points_at_the_largest_allocation(tmp_path, capsys):
+    """Not at 1:1 (a comment), and no advice about hints that cannot help."""
+    text = tiny("const F = 256", "const F = 2 ** 22")
+    err = diagnosed(tmp_path, capsys, text, "VMEM budget exceeded", "compile", line=line_of(text, "w_down)"))
+    assert "ring_depth" not in err and "the spec's shapes" in err
+
+
+def test_error_reporting_is_linear(tmp_path, capsys):
+    """10,000 errors: the first 200 are shown in full, the rest counted (it once took minutes)."""
+    text = TINY + "".join(f"const Z{i} = zzz\n" for i in range(10000))
+    t0 = time.perf_counter()
+    err = diagnosed(tmp_path, capsys, text, "unknown constant `zzz`")
+    assert time.perf_counter() - t0 < 15
+    assert err.count("error:") == 200 and err.endswith(
+        "10000 errors in " + str(tmp_path / "spec.mk") + " (the first 200 found are shown)\n"
+    )
+
+
+def test_a_long_line_is_shown_around_the_caret(tmp_path, capsys):
+    text = "model x const A = " + "1 + " * 100_000 + "$ + 1\n"
+    err = diagnosed(tmp_path, capsys, text, "unexpected character `$`", line=1)
+    assert len(err) < 1000
+    shown, caret = err.splitlines()[1:3]
+    assert shown[caret.index("^")] == "$"
+
+
+def test_a_long_token_is_shortened_in_the_message(tmp_path, capsys):
+    err = diagnosed(tmp_path, capsys, "model x const A = 1 " + "b" * 100_000, "(100000 characters)", line=1)
+    assert len(err) < 1000
