@@ -7,6 +7,7 @@ Exit status: 0 success, 1 errors in the spec (or stale output with --check), 2 u
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import time
@@ -20,12 +21,19 @@ class UsageError(Exception):
     pass
 
 
+MAX_SPEC_BYTES = 2**20  # a spec is text a person writes (kimi_k3.mk is 10 KB): more is a mistake, slow to parse
+
+
 def _read(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        with open(path, "rb") as f:
+            data = f.read(MAX_SPEC_BYTES + 1)  # bounded: the path may be /dev/zero or a huge file
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise UsageError(f"cannot read {path}: more than {MAX_SPEC_BYTES // 2**20} MiB, too large for a spec")
+    try:
+        return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()  # universal newlines, as open()
     except UnicodeDecodeError:
         raise UsageError(f"cannot read {path}: not UTF-8 text") from None
 
@@ -106,12 +114,17 @@ def cmd_compile(args) -> int:
     from pathlib import Path
 
     from mkdsl.compiler import compile_source, stale_files, write_atomically
+    from mkdsl.output import OutputError
 
     t0 = time.perf_counter()
+    if args.output is not None and not args.output.strip():
+        raise UsageError("-o/--output needs a directory name, got an empty one")
     source = _read(args.spec)
     _parse(args, source)
     try:
-        out, out_dir = compile_source(source, args.spec, args.profile, Path(args.output) if args.output else None)
+        out, out_dir = compile_source(
+            source, args.spec, args.profile, None if args.output is None else Path(args.output)
+        )
     except SpecError as e:
         e.source = source
         raise
@@ -126,6 +139,8 @@ def cmd_compile(args) -> int:
         return 0
     try:
         write_atomically(out, out_dir)
+    except OutputError as e:
+        raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"cannot write {shown}: {e.strerror or e}") from None
     sizes = ", ".join(f"{name} ({len(text.encode()) / 1024:.0f} KiB)" for name, text in out.files.items())

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import difflib
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from mkdsl.backends.tpu.emit import Source, emit_module
 from mkdsl.elaborate import elaborate, spec_sha256
 from mkdsl.ir import Model
+from mkdsl.output import write_output
 from mkdsl.plan import Plan, make_plan
 from mkdsl.report import render_picture, render_plan
 from mkdsl.shard import shard
@@ -65,14 +64,16 @@ def compile_source(
 def stale_files(out: Output, out_dir: Path) -> list[str]:
     """Summary lines for every file that differs from what is on disk (empty: up to date)."""
     lines = []
-    existing = {p.name for p in out_dir.iterdir() if p.is_file()} if out_dir.is_dir() else set()
+    try:
+        existing = {p.name for p in out_dir.iterdir() if p.is_file()} if out_dir.is_dir() else set()
+    except OSError as e:
+        return [f"{out_dir}: cannot be listed ({e.strerror or e})"]
     for name, text in out.files.items():
         path = out_dir / name
-        if not path.exists():
-            lines.append(f"{path}: missing")
-            continue
-        old = path.read_text(encoding="utf-8")
-        if old != text:
+        old, problem = _read_generated(path)
+        if problem:
+            lines.append(f"{path}: {problem}")
+        elif old != text:
             diff = list(difflib.unified_diff(old.splitlines(), text.splitlines(), lineterm="", n=0))
             plus = sum(1 for d in diff if d.startswith("+") and not d.startswith("+++"))
             minus = sum(1 for d in diff if d.startswith("-") and not d.startswith("---"))
@@ -83,22 +84,20 @@ def stale_files(out: Output, out_dir: Path) -> list[str]:
     return lines
 
 
-def write_atomically(out: Output, out_dir: Path) -> None:
-    """Write every file into a fresh sibling directory, then swap it in with renames."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+def _read_generated(path: Path) -> tuple[str, str | None]:
+    """The text of a file --check compares, or why it cannot be compared."""
+    if not path.exists():
+        return "", "missing"
+    if not path.is_file():
+        return "", "not a regular file"
     try:
-        for name, text in out.files.items():
-            (tmp / name).write_text(text, encoding="utf-8")
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return path.read_text(encoding="utf-8"), None
+    except OSError as e:
+        return "", f"unreadable ({e.strerror or e})"
+    except UnicodeDecodeError:
+        return "", "differs (not UTF-8 text)"
+
+
+def write_atomically(out: Output, out_dir: Path) -> None:
+    """Replace `out_dir` by the output, whole; refuse (OutputError) a path holding anything else."""
+    write_output(out.files, out_dir)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import operator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from mkdsl.diagnostics import Reporter, Span, did_you_mean
 from mkdsl.syntax import BinOp, Call, ConstDecl, Expr, Name, Num, UnOp
 
 Scalar = int | float | bool
+T = TypeVar("T")
 
 _ARITH = {
     "+": operator.add,
@@ -18,7 +22,7 @@ _ARITH = {
     "%": operator.mod,
     "**": operator.pow,
 }
-_MAX_BITS = 1 << 16  # integer results of `**` beyond this are mistakes, and slow to compute
+INT_LIMIT = 2**63  # integer constants lie in -2**63 .. 2**63 - 1: what a kernel's int64 can hold
 _CMP = {
     "==": operator.eq,
     "!=": operator.ne,
@@ -40,55 +44,106 @@ class ConstEnv:
         self.decls, self.overrides, self.rep = decls, overrides, rep
         self.dims = frozenset(dims)  # sizes known only when the step is built: never constant
         self.values: dict[str, Scalar | None] = {}
-        self._active: list[str] = []
+        self._broken: set[str] = set()  # constants on a dependency cycle being resolved
 
     def get(self, name: str) -> Scalar | None:
+        """The value of constant `name`, evaluating what it depends on first (without recursion:
+        a chain of thousands of constants is as legal as a short one)."""
         if name in self.values:
             return self.values[name]
-        decl = self.decls[name]
-        if name in self._active:
-            chain = " -> ".join(self._active[self._active.index(name) :] + [name])
-            self.rep.error(decl.span, f"constant `{name}` depends on itself: {chain}")
-            return None
-        self._active.append(name)
-        value = self.eval(self.overrides.get(name, decl.value))
-        self._active.pop()
-        self.values[name] = value
-        return value
+        stack = [(name, iter(self._needs(name)))]
+        path = [name]
+        while stack:
+            current, needs = stack[-1]
+            for dep in needs:
+                if dep in self.values or dep in self._broken:
+                    continue
+                if dep in path:
+                    chain = " -> ".join(path[path.index(dep) :] + [dep])
+                    self.rep.error(self.decls[dep].span, f"constant `{dep}` depends on itself: {chain}")
+                    self._broken.add(dep)  # reads of it give None until its own value is known
+                    continue
+                stack.append((dep, iter(self._needs(dep))))
+                path.append(dep)
+                break
+            else:
+                stack.pop()
+                path.pop()
+                self.values[current] = self._fold(self.overrides.get(current, self.decls[current].value), {})
+                self._broken.discard(current)
+        return self.values[name]
+
+    def _needs(self, name: str) -> list[str]:
+        """The constants the (possibly overridden) definition of `name` reads."""
+        return [n for n in _names(self.overrides.get(name, self.decls[name].value)) if n in self.decls]
 
     def eval(self, e: Expr, local: dict[str, Scalar] | None = None) -> Scalar | None:
         """Value of a constant expression; `local` binds extra names such as the layer index."""
         local = local or {}
-        if isinstance(e, Num):
-            return e.value
-        if isinstance(e, Name):
-            if e.id in local:
-                return local[e.id]
-            if e.id in self.decls:
-                return self.get(e.id)
-            if e.id in self.dims:
-                self.rep.error(e.span, f"`{e.id}` is a `dim`, known only when the step is built: not a constant")
+        for n in _names(e):
+            if n not in local and n in self.decls:
+                self.get(n)
+        return self._fold(e, local)
+
+    def _fold(self, e: Expr, local: dict[str, Scalar]) -> Scalar | None:
+        """Bottom-up evaluation; every constant `e` reads is already evaluated (see `eval`)."""
+
+        def visit(node: Expr, args: list) -> Scalar | None:
+            if isinstance(node, Num):
+                return self._checked(node.value, node.span, "this number")
+            if isinstance(node, Name):
+                return self._name(node, local)
+            if isinstance(node, UnOp):
+                return self._unop(node, args[0])
+            if isinstance(node, BinOp):
+                return self._binop(node, args[0], args[1])
+            if isinstance(node, Call):
+                self.rep.error(
+                    node.func_span, f"`{node.func}(...)` is not a constant: calls are only allowed in blocks"
+                )
                 return None
-            hint = did_you_mean(e.id, [*self.decls, *local])
-            self.rep.error(e.span, f"unknown constant `{e.id}`", hint)
+            raise AssertionError(node)
+
+        return postorder(e, visit)
+
+    def _name(self, e: Name, local: dict[str, Scalar]) -> Scalar | None:
+        if e.id in local:
+            return local[e.id]
+        if e.id in self.decls:
+            return self.values.get(e.id)  # None while it is broken (a cycle)
+        if e.id in self.dims:
+            self.rep.error(e.span, f"`{e.id}` is a `dim`, known only when the step is built: not a constant")
             return None
-        if isinstance(e, UnOp):
-            v = self.eval(e.operand, local)
-            if v is None:
-                return None
-            if e.op == "not":
-                b = self._bool(v, e.operand.span)
-                return None if b is None else not b
-            if isinstance(v, bool):
-                self.rep.error(e.span, "cannot negate a boolean")
-                return None
-            return -v
-        if isinstance(e, BinOp):
-            return self._binop(e, local)
-        if isinstance(e, Call):
-            self.rep.error(e.func_span, f"`{e.func}(...)` is not a constant: calls are only allowed in blocks")
+        # The hint, costly with many names, is computed only if the error is kept.
+        self.rep.error(e.span, f"unknown constant `{e.id}`", lambda: did_you_mean(e.id, [*self.decls, *local]))
+        return None
+
+    def _unop(self, e: UnOp, v: Scalar | None) -> Scalar | None:
+        if v is None:
             return None
-        raise AssertionError(e)
+        if e.op == "not":
+            b = self._bool(v, e.operand.span)
+            return None if b is None else not b
+        if isinstance(v, bool):
+            self.rep.error(e.span, "cannot negate a boolean")
+            return None
+        return self._checked(-v, e.span, "the result of `-`")
+
+    def _checked(self, v: Scalar, span: Span, what: str) -> Scalar | None:
+        """`v` if a kernel can hold it: an int64 integer or a finite number."""
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, int) and not -INT_LIMIT <= v < INT_LIMIT:
+            self.rep.error(
+                span,
+                f"{what} is out of range: integer constants must lie in -2**63 .. 2**63 - 1",
+                "a kernel holds sizes and attributes in 64 bits",
+            )
+            return None
+        if isinstance(v, float) and not math.isfinite(v):
+            self.rep.error(span, f"{what} is out of range: it is {v} as a 64-bit float", "constants must be finite")
+            return None
+        return v
 
     def _bool(self, v: Scalar, span: Span) -> bool | None:
         if not isinstance(v, bool):
@@ -96,9 +151,7 @@ class ConstEnv:
             return None
         return v
 
-    def _binop(self, e: BinOp, local) -> Scalar | None:
-        a = self.eval(e.left, local)
-        b = self.eval(e.right, local)
+    def _binop(self, e: BinOp, a: Scalar | None, b: Scalar | None) -> Scalar | None:
         if a is None or b is None:
             return None
         if e.op in ("and", "or"):
@@ -119,9 +172,8 @@ class ConstEnv:
             return None
         if e.op == "**" and isinstance(b, int) and b < 0 and isinstance(a, int):
             a = float(a)
-        if e.op == "**" and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b * a.bit_length() > _MAX_BITS:
-            self.rep.error(e.span, f"`{a} ** {b}` is too large")
-            return None
+        if e.op == "**" and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b > 64:
+            return self._checked(INT_LIMIT, e.span, f"`{a} ** {b}`")  # reported without computing it
         try:
             v = _ARITH[e.op](a, b)
         except ZeroDivisionError:  # 0 ** -1
@@ -133,10 +185,13 @@ class ConstEnv:
         if isinstance(v, complex):
             self.rep.error(e.span, "a negative number to a fractional power is not a real number")
             return None
-        return v
+        return self._checked(v, e.span, f"the result of `{e.op}`")
 
-    def eval_int(self, e: Expr, what: str, minimum: int | None = 1) -> int | None:
-        """Evaluate `e` as an integer (>= minimum), reporting `what` it was meant to be."""
+    def eval_int(
+        self, e: Expr, what: str, minimum: int | None = 1, maximum: tuple[int, str] | None = None
+    ) -> int | None:
+        """Evaluate `e` as an integer (>= minimum; <= maximum[0], which maximum[1] explains),
+        reporting `what` it was meant to be."""
         v = self.eval(e)
         if v is None:
             return None
@@ -145,6 +200,9 @@ class ConstEnv:
             return None
         if minimum is not None and v < minimum:
             self.rep.error(e.span, f"{what} must be at least {minimum}, got {v}")
+            return None
+        if maximum is not None and v > maximum[0]:
+            self.rep.error(e.span, f"{what} must be at most {maximum[0]}, got {v}", maximum[1])
             return None
         return v
 
@@ -166,24 +224,59 @@ class ConstEnv:
         return LayerExpr(self._render(e, python=True), self._render(e, python=False), values[0])
 
     def _render(self, e: Expr, python: bool) -> str:
-        if isinstance(e, Num):
-            return repr(e.value)
-        if isinstance(e, Name):
-            return ("l" if python else "li") if e.id == "l" else repr(self.get(e.id))
-        if isinstance(e, UnOp):
-            inner = self._render(e.operand, python)
-            if e.op == "-":
-                return f"(-{inner})"
-            return f"(not {inner})" if python else f"jnp.logical_not({inner})"
-        op = e.op if python or e.op not in ("and", "or") else {"and": "&", "or": "|"}[e.op]
-        return f"({self._render(e.left, python)} {op} {self._render(e.right, python)})"
+        def visit(node: Expr, args: list[str]) -> str:
+            if isinstance(node, Num):
+                return repr(node.value)
+            if isinstance(node, Name):
+                return ("l" if python else "li") if node.id == "l" else repr(self.get(node.id))
+            if isinstance(node, UnOp):
+                if node.op == "-":
+                    return f"(-{args[0]})"
+                return f"(not {args[0]})" if python else f"jnp.logical_not({args[0]})"
+            op = node.op if python or node.op not in ("and", "or") else {"and": "&", "or": "|"}[node.op]
+            return f"({args[0]} {op} {args[1]})"
+
+        return postorder(e, visit)
+
+
+def _children(e: Expr) -> tuple[Expr, ...]:
+    if isinstance(e, BinOp):
+        return (e.left, e.right)
+    if isinstance(e, UnOp):
+        return (e.operand,)
+    return ()
+
+
+def walk(e: Expr) -> Iterator[Expr]:
+    """Every node of a constant expression, without recursion."""
+    todo = [e]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(reversed(_children(node)))
+
+
+def postorder(e: Expr, visit: Callable[[Expr, list], T]) -> T:
+    """`visit(node, its children's results)` bottom-up, left to right, without recursion:
+    expressions such as a 500-term `or` nest deeper than Python's call stack allows."""
+    results: list = []
+    todo: list[tuple[Expr, bool]] = [(e, False)]
+    while todo:
+        node, ready = todo.pop()
+        kids = _children(node)
+        if kids and not ready:
+            todo.append((node, True))
+            todo.extend((k, False) for k in reversed(kids))
+            continue
+        args = results[len(results) - len(kids) :] if kids else []
+        del results[len(results) - len(kids) :]
+        results.append(visit(node, args))
+    return results[0]
+
+
+def _names(e: Expr) -> list[str]:
+    return list(dict.fromkeys(n.id for n in walk(e) if isinstance(n, Name)))
 
 
 def _mentions(e: Expr, name: str) -> bool:
-    if isinstance(e, Name):
-        return e.id == name
-    if isinstance(e, UnOp):
-        return _mentions(e.operand, name)
-    if isinstance(e, BinOp):
-        return _mentions(e.left, name) or _mentions(e.right, name)
-    return False
+    return name in _names(e)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 from mkdsl import dtypes
 from mkdsl.consts import ConstEnv
@@ -50,6 +51,12 @@ HINTS = {
 }
 HINT_MINIMUM = {"wire_bf16": 0}  # a 0/1 switch; the others are sizes and counts
 _OPERATORS = {"+": "add", "*": "mul"}
+MAX_NESTING = 100  # tensor expressions and block calls nested deeper are reported, not recursed into
+F32_MAX, F32_TINY = 3.4028234663852886e38, 1.401298464324817e-45  # largest and smallest float32
+# Bounds on what a kernel can use (beyond them a spec is a mistake, and slow to check):
+MAX_LAYERS = (4096, "every layer index is checked and scheduled one by one")
+MAX_SIZE = (2**31 - 1, "kernels index dimensions with 32-bit integers")
+MAX_DEVICES = (2**16, "collectives run one exchange phase per bit of the device index")
 
 
 @dataclass
@@ -65,6 +72,7 @@ class _Decls:
     layer_defs: dict[str, FuncDef] = field(default_factory=dict)
     layers: list[LayersDecl] = field(default_factory=list)
     steps: list[FuncDef] = field(default_factory=list)
+    redefined: set[str] = field(default_factory=set)  # names defined twice: reported once, not as unknown
 
 
 def load(path: str, profile: str | None = None) -> Model:
@@ -118,6 +126,7 @@ class _Elaborator:
         def define(name: str, span: Span, table: dict, item) -> None:
             if name in seen:
                 self.rep.error(span, f"`{name}` is already defined at line {seen[name].line}")
+                self.d.redefined.add(name)
                 return
             seen[name] = span
             table[name] = item
@@ -178,7 +187,7 @@ class _Elaborator:
                     self.rep.error(
                         a.span,
                         f"profile `{p.name}` overrides `{a.name}`, which is not a constant",
-                        did_you_mean(a.name, self.d.consts),
+                        partial(did_you_mean, a.name, self.d.consts),
                     )
         if self.profile is None:
             return {}
@@ -198,8 +207,8 @@ class _Elaborator:
     def check_dims(self) -> dict[str, DimRange]:
         out = {}
         for d in self.d.dims.values():
-            lo = self.consts.eval_int(d.low, f"the lower bound of `{d.name}`")
-            hi = self.consts.eval_int(d.high, f"the upper bound of `{d.name}`")
+            lo = self.consts.eval_int(d.low, f"the lower bound of `{d.name}`", maximum=MAX_SIZE)
+            hi = self.consts.eval_int(d.high, f"the upper bound of `{d.name}`", maximum=MAX_SIZE)
             if lo is not None and hi is not None:
                 if lo > hi:
                     self.rep.error(d.span, f"empty range for `{d.name}`: {lo} .. {hi}")
@@ -216,7 +225,7 @@ class _Elaborator:
             for a in m.axes:
                 if a.name in mesh:
                     self.rep.error(a.span, f"mesh axis `{a.name}` is declared twice")
-                size = self.consts.eval_int(a.value, f"mesh axis `{a.name}`")
+                size = self.consts.eval_int(a.value, f"mesh axis `{a.name}`", maximum=MAX_DEVICES)
                 if size is not None and (size < 1 or size & (size - 1)):
                     self.rep.error(
                         a.value.span,
@@ -225,6 +234,13 @@ class _Elaborator:
                     )
                     size = None
                 mesh.setdefault(a.name, size or 1)
+            if math.prod(mesh.values()) > MAX_DEVICES[0]:
+                self.rep.error(
+                    m.span,
+                    f"the mesh has {math.prod(mesh.values())} devices, more than {MAX_DEVICES[0]}",
+                    MAX_DEVICES[1],
+                )
+                mesh = dict.fromkeys(mesh, 1)
         return mesh
 
     def check_dim_axes(self, name: str, i: int, d, size, mesh: dict[str, int]) -> tuple[str, ...]:
@@ -267,7 +283,7 @@ class _Elaborator:
                 "do not divide"
             )
             self.rep.error(d.span, f"dimension {i + 1} of `{name}` has size {size}, which {over}")
-        return tuple(axes)
+        return tuple(a for a in axes if mesh[a] > 1)  # a split over a size-1 axis keeps the whole dimension
 
     def check_hints(self) -> dict[str, Hint]:
         hints = {}
@@ -296,10 +312,12 @@ class _Elaborator:
                 self.rep.error(first.span, "layer kinds are defined but there is no `layers N { ... }` schedule")
             return ()
         decl = self.d.layers[0]
-        count = self.consts.eval_int(decl.count, "the layer count")
+        count = self.consts.eval_int(decl.count, "the layer count", maximum=MAX_LAYERS)
         for r in decl.rules:
-            if r.kind not in self.d.layer_defs:
-                self.rep.error(r.span, f"unknown layer kind `{r.kind}`", did_you_mean(r.kind, self.d.layer_defs))
+            if r.kind not in self.d.layer_defs and r.kind not in self.d.redefined:
+                self.rep.error(
+                    r.span, f"unknown layer kind `{r.kind}`", partial(did_you_mean, r.kind, self.d.layer_defs)
+                )
         for r in decl.rules[:-1]:
             if r.when is None:
                 self.rep.error(r.span, "`otherwise` must be the last rule: the rules after it are never used")
@@ -368,7 +386,7 @@ class _Elaborator:
                     )
                 shape.append(d.size.id if allow_dims else None)
                 continue
-            shape.append(self.consts.eval_int(d.size, f"dimension {i + 1} of `{name}`"))
+            shape.append(self.consts.eval_int(d.size, f"dimension {i + 1} of `{name}`", maximum=MAX_SIZE))
         return dt, tuple(shape)
 
     def check_tensors(self, mesh: dict[str, int], schedule: tuple[str, ...]) -> dict[str, Tensor]:
@@ -391,8 +409,10 @@ class _Elaborator:
                     self.rep.error(t.type.span, f"state `{t.name}` cannot be quantised ({dt})")
             kinds = t.layer_kinds
             for k in kinds:
-                if k not in self.d.layer_defs:
-                    self.rep.error(t.stacking_span, f"unknown layer kind `{k}`", did_you_mean(k, self.d.layer_defs))
+                if k not in self.d.layer_defs and k not in self.d.redefined:
+                    self.rep.error(
+                        t.stacking_span, f"unknown layer kind `{k}`", partial(did_you_mean, k, self.d.layer_defs)
+                    )
             slots, n = [], 0
             for kind in schedule:
                 if t.per_layer and (not kinds or kind in kinds):
@@ -486,6 +506,7 @@ class _Context:
         self.el, self.rep, self.tensors, self.inputs, self.schedule = el, el.rep, tensors, inputs, schedule
         self.kind_graphs: dict[str, Graph] = {}
         self.layers_node: Node | None = None
+        self.depth, self.too_deep = 0, False  # nesting of tensor expressions and block calls
 
     def build_graph(self, name: str, f: FuncDef, params: tuple[Value, ...], layer_kind: str | None) -> Graph | None:
         g = _GraphBuilder(name, layer_kind)
@@ -542,6 +563,23 @@ class _Context:
     # ---------------------------------------------------------------- expressions
 
     def expr(self, e: Expr, env, g, inline_stack, name_hint: str | None = None) -> list[Ref] | None:
+        """The values of a tensor expression (None after reporting an error)."""
+        if self.depth >= MAX_NESTING:  # bounded: elaboration recurses through expressions and blocks
+            if not self.too_deep:
+                self.rep.error(
+                    e.span,
+                    f"expressions and block calls nest more than {MAX_NESTING} deep here",
+                    "name intermediate values (`y = ...`) or inline some blocks",
+                )
+            self.too_deep = True
+            return None
+        self.depth += 1
+        try:
+            return self._expr(e, env, g, inline_stack, name_hint)
+        finally:
+            self.depth -= 1
+
+    def _expr(self, e: Expr, env, g, inline_stack, name_hint: str | None) -> list[Ref] | None:
         if isinstance(e, Name):
             r = self.lookup(e, env, g)
             return None if r is None else [r]
@@ -584,7 +622,7 @@ class _Context:
             return Ref("tensor", e.id)
         if e.id in self.inputs:
             return Ref("input", e.id)
-        if e.id in self.el.d.tensors:
+        if e.id in self.el.d.tensors or e.id in self.el.d.redefined:
             return None  # the declaration itself was already reported
         if e.id in self.el.d.consts:
             self.rep.error(
@@ -592,7 +630,7 @@ class _Context:
             )
             return None
         known = [*env, *self.tensors, *self.inputs]
-        self.rep.error(e.span, f"unknown name `{e.id}`", did_you_mean(e.id, known))
+        self.rep.error(e.span, f"unknown name `{e.id}`", partial(did_you_mean, e.id, known))
         return None
 
     def operand(self, ref: Ref, g, shown: str | None = None) -> Operand:
@@ -612,9 +650,11 @@ class _Context:
             return self.call_layers(e, env, g, inline_stack)
         if e.func in self.el.d.blocks:
             return self.inline_block(e, env, g, inline_stack)
+        if e.func in self.el.d.redefined and e.func not in OPS:
+            return None  # a block defined twice (reported), or its name taken by another item
         if e.func not in OPS or OPS[e.func].internal:
             known = [*(k for k, o in OPS.items() if not o.internal), *self.el.d.blocks, "layers"]
-            self.rep.error(e.func_span, f"unknown op or block `{e.func}`", did_you_mean(e.func, known))
+            self.rep.error(e.func_span, f"unknown op or block `{e.func}`", partial(did_you_mean, e.func, known))
             return None
         op = OPS[e.func]
         if len(e.args) != len(op.operands):
@@ -697,7 +737,7 @@ class _Context:
                 continue
             layers = [i for i, kind in enumerate(self.schedule) if kind == g.layer_kind] if g.layer_kind else []
             v = self.el.consts.layer_attr(k.value, layers) if layers else self.el.consts.eval(k.value)
-            if v is None:
+            if v is None or not self.representable(k, v.first if isinstance(v, LayerExpr) else v):
                 ok = False
             attrs[k.name] = v
         for name, default in op.attrs.items():
@@ -707,6 +747,14 @@ class _Context:
                     ok = False
                 attrs[name] = default
         return attrs if ok else None
+
+    def representable(self, k, v) -> bool:
+        """A real-valued attribute must survive the kernel's float32 (the reference's too)."""
+        if not isinstance(v, float) or v == 0 or F32_TINY <= abs(v) <= F32_MAX:
+            return True
+        what = "beyond float32's range" if abs(v) > F32_MAX else "rounds to 0 in float32"
+        self.rep.error(k.value.span, f"attribute `{k.name}` = {v!r} is {what}", "kernels compute in float32")
+        return False
 
     def inline_block(self, e: Call, env, g, inline_stack) -> list[Ref] | None:
         f = self.el.d.blocks[e.func]

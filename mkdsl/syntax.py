@@ -11,9 +11,9 @@ from functools import cache
 from pathlib import Path
 
 import lark
-from lark import Lark, Transformer, v_args
+from lark import Lark, Transformer_NonRecursive, v_args
 
-from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
+from mkdsl.diagnostics import Diagnostic, Span, SpecError, source_lines, visible
 
 # ---------------------------------------------------------------------------- expressions
 
@@ -194,7 +194,7 @@ def _span(meta) -> Span:
 
 
 @v_args(meta=True)
-class _ToAst(Transformer):
+class _ToAst(Transformer_NonRecursive):
     """Tree -> AST. One method per grammar rule, in grammar order."""
 
     def start(self, meta, items):
@@ -396,28 +396,21 @@ def parse(source: str) -> Module:
     except lark.exceptions.UnexpectedToken as e:
         tok = e.token
         if tok.type == "$END":
-            lines = source.splitlines() or [""]
+            lines = source_lines(source.rstrip("\n")) if source.strip() else [""]
             span = Span(len(lines), len(lines[-1]) + 1, 1)
             msg = "unexpected end of file"
         else:
             span = Span(tok.line, tok.column, max(1, len(str(tok))))
-            msg = f"unexpected `{tok}`"
+            text = str(tok)
+            msg = f"unexpected `{text}`" if len(text) <= 40 else f"unexpected `{text[:20]}...` ({len(text)} characters)"
         raise SpecError([Diagnostic(span, msg, f"expected {_describe(e.expected)}")]) from None
     except lark.exceptions.UnexpectedCharacters as e:
         span = Span(e.line, e.column, 1)
-        raise SpecError([Diagnostic(span, f"unexpected character `{e.char}`")]) from None
+        shown = f"`{e.char}`" if e.char.isprintable() else f"U+{ord(e.char):04X} ({visible(e.char)})"
+        raise SpecError([Diagnostic(span, f"unexpected character {shown}")]) from None
     try:
-        return _ToAst().transform(tree)
+        return _ToAst().transform(tree)  # not recursive: any nesting depth parses
     except lark.exceptions.VisitError as e:
         if isinstance(e.orig_exc, SpecError):
             raise e.orig_exc from None
-        if isinstance(e.orig_exc, RecursionError):
-            raise _too_deep() from None
         raise
-    except RecursionError:
-        raise _too_deep() from None
-
-
-def _too_deep() -> SpecError:
-    hint = "split long expressions into several constants"
-    return SpecError([Diagnostic(NOWHERE, "expressions in this spec are nested too deeply to parse", hint)])

@@ -157,17 +157,6 @@ CASES = [
         edit("const V = 256", "const V = " + "9" * 5000),
         Err(10, 11, "9" * 5000, "integer literal of 5000 digits is too long"),
     ),
-    case(
-        "syntax-nested-too-deeply",
-        edit("const V = 256", "const V = " + " + ".join(["1"] * 3000)),
-        Err(
-            1,
-            1,
-            "#",
-            "expressions in this spec are nested too deeply to parse",
-            "split long expressions into several constants",
-        ),
-    ),
     # ------------------------------------------------------------------ unknown names
     case(
         "unknown-constant",

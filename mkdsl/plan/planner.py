@@ -419,13 +419,28 @@ def check_budget(s: _State) -> None:
     if total <= s.cap:
         return
     worst = max((a for a in s.vmem if a.memory == "VMEM"), key=lambda a: a.bytes)
-    span = s.spans[worst.name]
+    span = (
+        s.spans[worst.name]
+        if s.spans[worst.name] != NOWHERE
+        else next(
+            (
+                v.span
+                for g in (*s.model.kinds, s.model.step)
+                for n in g.nodes
+                for v in n.outputs
+                if s.buffers.get((g.name, v.name)) == worst.name
+            ),
+            s.model.step.span,
+        )
+    )
     s.errors.append(
         Diagnostic(
             span,
             f"VMEM budget exceeded{' per device' if devices(s.model) > 1 else ''}: the plan needs {mib(total)} of the {mib(s.cap)} cap; the largest allocation is "
             f"{worst.purpose} `{worst.name}` {list(worst.shape)} {worst.dtype} = {mib(worst.bytes)}",
-            "lower `ring_depth` or `tile_n` in `hints`, or raise `vmem_cap_mib` (at most 64)",
+            "lower `ring_depth` or `tile_n` in `hints`, or raise `vmem_cap_mib` (at most 64)"
+            if worst.name == "ring"
+            else f"its size follows from the spec's shapes and the largest batch ({s.model.dims[0].high} rows): make those smaller",
         )
     )
 

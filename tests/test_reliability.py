@@ -1,0 +1,264 @@
+"""No input makes mkdsl fail internally (exit 3) or run without bound.
+
+Each case is a minimal spec (tiny.mk with one edit) or command that once crashed, hung or ran
+out of memory; now it is a positioned diagnostic (exit 1), a usage error (exit 2) or accepted.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from mkdsl.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = (ROOT / "specs" / "tiny.mk").read_text(encoding="utf-8")
+LAST = "  return x + linear(swiglu(linear(h, w_gate), linear(h, w_up)), w_down)"
+
+
+def tiny(old: str, new: str) -> str:
+    assert old in TINY, old
+    return TINY.replace(old, new, 1)
+
+
+def run(tmp_path: Path, capsys, text: str, command: str = "check", *extra: str) -> tuple[int, str, Path]:
+    spec = tmp_path / "spec.mk"
+    spec.write_text(text, encoding="utf-8")
+    args = [command, str(spec), *extra]
+    if command == "compile" and "-o" not in extra:
+        args += ["-o", str(tmp_path / "out")]
+    t0 = time.perf_counter()
+    code = main(args)
+    assert time.perf_counter() - t0 < 20, "took too long"
+    return code, capsys.readouterr().err, spec
+
+
+def diagnosed(tmp_path, capsys, text, message, command="check", line=None):
+    """Exit 1 with a positioned first diagnostic containing `message`; nothing written."""
+    code, err, spec = run(tmp_path, capsys, text, command)
+    assert code == 1, err
+    m = re.match(rf"{re.escape(str(spec))}:(\d+):(\d+): error: (.*)", err)
+    assert m, err
+    assert message in m[3], err
+    if line is not None:
+        assert int(m[1]) == line, err
+    assert not (tmp_path / "out").exists()
+    return err
+
+
+def line_of(text: str, needle: str) -> int:
+    return next(i for i, s in enumerate(text.split("\n"), 1) if needle in s)  # as the parser counts
+
+
+# ---------------------------------------------------------------- constants a kernel can hold
+
+# name: (text replaced in tiny.mk, replacement, message, text of the line the first error is on)
+BIG_CONSTANTS = {
+    "over-4300-digits": (
+        "const V = 256",
+        "const V = 256\nconst BIG = 10 ** 5000\ndim Q in BIG .. 1",
+        "`10 ** 5000` is out of range",
+        "BIG =",
+    ),
+    "a-long-literal": (
+        "const V = 256",
+        "const V = 99999999999999999999999",
+        "this number is out of range",
+        "const V =",
+    ),
+    "theta-10-400": ("heads=NH)\n  k", "heads=NH, theta=10 ** 400)\n  k", "10 ** 400", "theta="),
+    "vocabulary-2e400": ("const V = 256", "const V = 2 * 10 ** 400", "10 ** 400", "const V ="),
+    "repeated-squaring": (  # 3 ** 2 ** k: A6 = 3 ** 64 is the first beyond int64
+        "const V = 256",
+        "const V = 256\nconst A0 = 3\n" + "".join(f"const A{i + 1} = A{i} * A{i}\n" for i in range(40)),
+        "the result of `*` is out of range",
+        "const A6 =",
+    ),
+    "layers-2-64": ("layers L {", "layers 2 ** 64 {", "the result of `**` is out of range", "layers 2"),
+    "layers-2-40": ("layers L {", "layers 2 ** 40 {", "the layer count must be at most 4096", "layers 2"),
+    "cache-2-60": ("dim S in 1 .. 256", "dim S in 1 .. 2 ** 60", "the upper bound of `S` must be at most", "dim S"),
+    "hidden-2-40": ("const H = 128", "const H = 2 ** 40", "must be at most 2147483647", "weight embed"),
+    "mesh-2-40": (
+        "dim B in 1 .. 8",
+        "dim B in 1 .. 8\nmesh { tp = 2 ** 40 }",
+        "mesh axis `tp` must be at most",
+        "mesh",
+    ),
+    "mesh-product": ("dim B in 1 .. 8", "dim B in 1 .. 8\nmesh { a = 2 ** 16  b = 2 }", "devices, more than", "mesh"),
+}
+
+
+@pytest.mark.parametrize("old, new, message, at", BIG_CONSTANTS.values(), ids=BIG_CONSTANTS)
+def test_constants_are_bounded(tmp_path, capsys, old, new, message, at):
+    text = tiny(old, new)
+    diagnosed(tmp_path, capsys, text, message, command="compile", line=line_of(text, at))
+
+
+ATTRIBUTES = {
+    "inf": ("theta=1e400", "out of range: it is inf"),
+    "nan": ("theta=1e400 - 1e400", "out of range: it is inf"),
+    "beyond-float32": ("theta=1e300", "beyond float32's range"),
+    "rounds-to-zero": ("theta=1e-50", "rounds to 0 in float32"),
+}
+
+
+@pytest.mark.parametrize("attr, message", ATTRIBUTES.values(), ids=ATTRIBUTES)
+def test_attributes_are_finite_and_representable(tmp_path, capsys, attr, message):
+    text = tiny("heads=NH)\n  k", f"heads=NH, {attr})\n  k")
+    diagnosed(tmp_path, capsys, text, message, command="compile", line=line_of(text, attr))
+
+
+def test_a_split_over_a_size_one_axis_of_a_multi_device_mesh(tmp_path, capsys):
+    """Splitting over a size-1 axis is no split (it crashed the plan report)."""
+    text = tiny("dim B in 1 .. 8", "dim B in 1 .. 8\nmesh { tp = 2  dp = 1 }").replace("bf16[H, V]", "bf16[H, V @dp]")
+    code, err, _ = run(tmp_path, capsys, text, "compile")
+    assert code == 0, err
+    assert (tmp_path / "out" / "plan.md").is_file()
+
+
+# ---------------------------------------------------------------- depth: no RecursionError
+
+
+def test_long_constant_chains_and_expressions_evaluate(tmp_path, capsys):
+    chain = "".join(f"const C{i + 1} = C{i} + 1\n" for i in range(3000))
+    text = tiny("const L = 2", "const C0 = 0\n" + chain + "const L = C3000 - 2998")
+    text = text.replace("decoder: otherwise", "decoder: " + " or ".join(f"l == {i}" for i in range(500)))
+    text = text.replace("const V = 256", "const V = " + "(" * 5000 + "256" + ")" * 5000)
+    code, err, _ = run(tmp_path, capsys, text, "compile")
+    assert code == 0, err
+
+
+def test_nesting_up_to_the_bound_is_accepted(tmp_path, capsys):
+    """Blocks and tensor expressions nest up to 100 deep (even under pytest's deep stack)."""
+    blocks = "".join(f"block b{i}(x) {{ return b{i + 1}(x) }}\n" for i in range(45)) + "block b45(x) { return x }\n"
+    text = tiny("layer decoder", blocks + "layer decoder").replace("h = rmsnorm(x, norm1)", "h = rmsnorm(b0(x), norm1)")
+    text = text.replace(
+        LAST, "  return x" + " + x" * 90 + " + linear(swiglu(linear(h, w_gate), linear(h, w_up)), w_down)"
+    )
+    code, err, _ = run(tmp_path, capsys, text)
+    assert code == 0, err
+
+
+def test_chained_blocks_are_bounded(tmp_path, capsys):
+    blocks = "".join(f"block b{i}(x) {{ return b{i + 1}(x) }}\n" for i in range(300)) + "block b300(x) { return x }\n"
+    text = tiny("layer decoder", blocks + "layer decoder").replace("h = rmsnorm(x, norm1)", "h = rmsnorm(b0(x), norm1)")
+    err = diagnosed(tmp_path, capsys, text, "nest more than 100 deep")
+    assert err.count("error:") == 1
+
+
+def test_deep_tensor_expressions_are_bounded(tmp_path, capsys):
+    text = tiny(LAST, "  return x" + " + x" * 500 + " + linear(swiglu(linear(h, w_gate), linear(h, w_up)), w_down)")
+    diagnosed(tmp_path, capsys, text, "nest more than 100 deep", line=line_of(text, "return x + x"))
+
+
+# ---------------------------------------------------------------- input files
+
+
+def test_reading_dev_zero_is_a_usage_error(capsys):
+    assert main(["check", "/dev/zero"]) == 2
+    assert "too large for a spec" in capsys.readouterr().err
+
+
+def test_a_huge_spec_is_a_usage_error(tmp_path, capsys):
+    spec = tmp_path / "huge.mk"
+    spec.write_text(TINY + "#" * 2**20, encoding="utf-8")
+    assert main(["check", str(spec)]) == 2
+    assert "too large for a spec" in capsys.readouterr().err
+
+
+@pytest.fixture
+def current_output(tmp_path, capsys) -> Path:
+    out = tmp_path / "gen"
+    assert main(["compile", str(ROOT / "specs" / "tiny.mk"), "-o", str(out)]) == 0
+    capsys.readouterr()
+    return out
+
+
+def check_fails(out: Path, capsys, message: str) -> None:
+    assert main(["compile", str(ROOT / "specs" / "tiny.mk"), "--check", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "internal error" not in err, err
+
+
+def test_check_of_a_non_utf8_file(current_output, capsys):
+    (current_output / "kernel.py").write_bytes(b"\xff\xfe")
+    check_fails(current_output, capsys, "kernel.py: differs (not UTF-8 text)")
+
+
+def test_check_of_a_directory_in_place_of_a_file(current_output, capsys):
+    (current_output / "plan.md").unlink()
+    (current_output / "plan.md").mkdir()
+    check_fails(current_output, capsys, "plan.md: not a regular file")
+
+
+def test_check_of_an_unreadable_file(current_output, capsys, monkeypatch):
+    real = Path.read_text
+
+    def read_text(self, *args, **kwargs):  # as chmod 000 would for a user other than root
+        if self.name == "kernel.py":
+            raise PermissionError(13, "Permission denied")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    check_fails(current_output, capsys, "kernel.py: unreadable (Permission denied)")
+
+
+# ---------------------------------------------------------------- diagnostics that mislead
+
+
+@pytest.mark.parametrize("char", ["\f", "\v", "\u2028", "\x85"], ids=["form-feed", "vertical-tab", "U+2028", "NEL"])
+def test_odd_line_breaks_do_not_shift_line_numbers(tmp_path, capsys, char):
+    """Lines are counted at `\\n` only, as the parser counts them, and shown that way
+    (the character, in a comment, would make Python's `splitlines` start a new line)."""
+    text = tiny("# The smallest", f"#{char}The smallest").replace("const V = 256", "const V = zzz")
+    err = diagnosed(tmp_path, capsys, text, "unknown constant `zzz`", line=line_of(text, "const V ="))
+    assert f"{line_of(text, 'const V ='):>5} | const V = zzz\n" in err
+    assert char not in err
+
+
+def test_a_control_character_is_shown_visibly(tmp_path, capsys):
+    text = tiny("const L = 2", "const L = 2 \v")
+    err = diagnosed(tmp_path, capsys, text, "unexpected character U+000B", line=line_of(text, "const L"))
+    assert "\v" not in err and "\u240b" in err
+
+
+def test_a_duplicate_name_has_no_follow_on_errors(tmp_path, capsys):
+    text = (
+        (ROOT / "specs" / "kimi_k3.mk").read_text().replace("const L     = 93", "const L     = 93\nconst kda_moe = 1")
+    )
+    err = diagnosed(tmp_path, capsys, text, "`kda_moe` is already defined at line")
+    assert err.count("error:") == 1, err
+
+
+def test_vmem_budget_points_at_the_largest_allocation(tmp_path, capsys):
+    """Not at 1:1 (a comment), and no advice about hints that cannot help."""
+    text = tiny("const F = 256", "const F = 2 ** 22")
+    err = diagnosed(tmp_path, capsys, text, "VMEM budget exceeded", "compile", line=line_of(text, "w_down)"))
+    assert "ring_depth" not in err and "the spec's shapes" in err
+
+
+def test_error_reporting_is_linear(tmp_path, capsys):
+    """10,000 errors: the first 200 are shown in full, the rest counted (it once took minutes)."""
+    text = TINY + "".join(f"const Z{i} = zzz\n" for i in range(10000))
+    t0 = time.perf_counter()
+    err = diagnosed(tmp_path, capsys, text, "unknown constant `zzz`")
+    assert time.perf_counter() - t0 < 15
+    assert err.count("error:") == 200 and err.endswith(
+        "10000 errors in " + str(tmp_path / "spec.mk") + " (the first 200 found are shown)\n"
+    )
+
+
+def test_a_long_line_is_shown_around_the_caret(tmp_path, capsys):
+    text = "model x const A = " + "1 + " * 100_000 + "$ + 1\n"
+    err = diagnosed(tmp_path, capsys, text, "unexpected character `$`", line=1)
+    assert len(err) < 1000
+    shown, caret = err.splitlines()[1:3]
+    assert shown[caret.index("^")] == "$"
+
+
+def test_a_long_token_is_shortened_in_the_message(tmp_path, capsys):
+    err = diagnosed(tmp_path, capsys, "model x const A = 1 " + "b" * 100_000, "(100000 characters)", line=1)
+    assert len(err) < 1000
