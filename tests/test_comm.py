@@ -14,13 +14,16 @@ the next), all through the same scratch.
   previous step's use of that scratch: a peer's write not ordered after it by the barrier is a
   race. Checks against numpy: all-reduces equal an exact emulation of the recursive doubling
   (same pairing, same order, bf16 rounding of the partials) bit for bit, and are close to the
-  float64 sum (f32 wire: 2^-20 of the sum of |x|; bf16 wire: phases * 2^-8 of it, the bf16
+  float64 sum (f32 wire: 2^-20 of the sum of |x|; bf16 wire: phases * 2^-6 of it, 4x the bf16
   rounding of each phase's two partials); every device of a group holds the same bits;
   all-gathers are exact, in group-index order; argmax returns the first maximum of the
   concatenated row (half the rows are drawn from 4 integers, so ties across devices are
   common); no NaN; no race; no semaphore left non-zero at kernel exit. A deadlock fails on the
-  subprocess timeout. Fresh draws every run (the seed is in the failure message;
-  MKDSL_COMM_SEED=n repeats one).
+  subprocess timeout. The bit-for-bit check holds on any IEEE machine: each exchange phase is one
+  two-operand f32 add (commutative, correctly rounded) or a bf16 cast, in the same order on both
+  sides, with no sum whose order XLA could choose. Draws: seed 0 by default (reproducible, like the
+  Hypothesis profile `ci`); fresh ones with MKDSL_HYPOTHESIS_PROFILE=dev (the seed is in the
+  failure message); MKDSL_COMM_SEED=n repeats one.
 * Compile: the same kernel through libtpu for the compile-only TPU7x topologies tpu7x:2x2x1
   (8 devices, mesh (4, 2)) and tpu7x:4x4x1 (32 devices, mesh (8, 4)).
 
@@ -272,7 +275,13 @@ def check_all_reduce(got, x, mask, bf16, what, emulate=None):
         group = group_members(d, mask)
         exact = x[group].astype(np.float64).sum(0)
         scale = np.abs(x[group]).astype(np.float64).sum(0)
-        tol = (phases * 2.0**-8 if bf16 else 2.0**-20) * scale
+        # f32 wire: each phase's add rounds once (2^-24 of the |x| summed so far): <= phases·2^-24·scale
+        # <= 2^-22.4·scale, and 2^-20 is 5x that. bf16 wire: each phase also rounds both partials to
+        # bf16 (2^-8 relative each, so 2^-8 of scale for the two), compounding to
+        # <= phases·(2^-8 + 2^-16)·scale (two-level: its first rounding stands for the lowest bit's
+        # phase); 2^-6 per phase is 4x that (the bit-exact emulation below is the strict check).
+        # Observed: worst 0.13x (f32) and 0.18x (bf16) of these over seeds 0 and 123456789.
+        tol = (phases * 2.0**-6 if bf16 else 2.0**-20) * scale
         err = np.abs(got[d] - exact)
         assert (err <= tol).all(), f"{what}: device {d} off by {err.max()} (tolerance {tol[err > tol].min()})"
         for e in group:
@@ -314,7 +323,8 @@ def test_runtime_is_plain_python():
 
 @pytest.mark.timeout(200)
 def test_collectives_interpret_8_devices(tmp_path):
-    seed = int(os.environ.get("MKDSL_COMM_SEED", np.random.SeedSequence().entropy % 2**31))
+    fresh = os.environ.get("MKDSL_HYPOTHESIS_PROFILE") == "dev"
+    seed = int(os.environ.get("MKDSL_COMM_SEED", np.random.SeedSequence().entropy % 2**31 if fresh else 0))
     out = tmp_path / "run.npz"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     run = subprocess.run(

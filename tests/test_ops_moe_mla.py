@@ -11,8 +11,9 @@ Tolerances:
 * exact: slice; the cache row mla_attention writes (and the rows it must not touch); route's
   ids; MXFP4 decoding, through `quant.dequantize` and through moe_experts with one-hot inputs,
   where every product is exact in f32;
-* route's weights: (k + 2)·2^-24 relative (an f32 sum of k positive terms and a division),
-  and so is the distance of their sum from 1;
+* route's weights: 4·(k + 1)·2^-24 relative, 4x the worst case of an f32 sum of k positive
+  terms and a division (or a reciprocal and a product), and so is the distance of their sum
+  from 1 (observed: worst 0.08x);
 * mla_attention and moe_experts round one intermediate to bf16 (the latent output o_lat, the
   SiTU output). The oracle rounds its exact value the same way. The reference rounds its own
   f32 value, which lies within a derived bound e of the exact one, so where [v - e, v + e]
@@ -27,6 +28,10 @@ Tolerances:
   and then contributes zero), and inputs the op must round to bf16 jittered off the bf16 grid.
   There the gap is allowed for ~1-2% of the elements and the rest is f32-tight, so an omitted
   bf16 rounding, a wrong head or expert slice, or a wrong scale fails.
+  The gap allowance is two-valued, not a margin: where the reference lands on the neighbouring
+  bf16 value its error is that step through the next matmul, up to ~1.0x of the bound by
+  construction. The rest of the bound is f32 arithmetic: observed worst 0.053x (mla_attention)
+  and 0.029x (moe_experts) of it over a `ci` and a `dev` draw.
 """
 
 from __future__ import annotations
@@ -407,8 +412,9 @@ def check_route(scores, bias, k):
     assert weights.dtype == np.float32 and ids.dtype == np.int32
     want_w, want_ids = route_oracle(scores, bits_f64(bias), k)
     exact(ids, want_ids, "route ids")
-    close(weights, want_w, (k + 2) * U * want_w, "route weights")
-    close(weights.astype(np.float64).sum(axis=1), np.ones(len(ids)), (k + 2) * U, "route weights sum to 1")
+    rel = 4 * (k + 1) * U  # 4x the worst case: k - 1 adds and a division (or 1/sum and a product)
+    close(weights, want_w, rel * want_w, "route weights")
+    close(weights.astype(np.float64).sum(axis=1), np.ones(len(ids)), rel, "route weights sum to 1")
     return weights, ids
 
 
@@ -437,8 +443,8 @@ def test_route_bias_steers_selection_but_not_weights(seed, b, e, kfrac, bdt):
         assert set(ids[r]) == set(favoured.tolist()), "the bias decides the selection"
         biased = bits_f64(bias)[ids[r]] + scores[r, ids[r]]
         chosen = scores[r, ids[r]].astype(np.float64)
-        # the two candidate answers differ far beyond the tolerance, so the check above tells them apart
-        assert k == 1 or np.abs(biased / biased.sum() - chosen / chosen.sum()).max() > 100 * (k + 2) * U
+        # the two candidate answers differ 25x beyond the tolerance, so the check above tells them apart
+        assert k == 1 or np.abs(biased / biased.sum() - chosen / chosen.sum()).max() > 100 * (k + 1) * U
     unbiased = route_oracle(scores, np.zeros(e), k)[1]
     assert set(unbiased[0]) != set(ids[0]), "without the bias row 0 would choose differently"
 
@@ -532,7 +538,8 @@ def test_moe_experts_decodes_mxfp4_exactly(seed, experts, f, b):
         x = ids[r, 0]
         v = float(out[r, ref_col[x]])
         g, u = w1v[x, dims[r], f0[x]], w3v[x, dims[r], f0[x]]
-        assert v != 0 and bf16(v) == v and abs(v - situ(g, u, 4.0, 25.0)) <= 2.0**-8 * abs(v), (v, g, u)
+        # v is bf16 of the f32 SiTU: half a bf16 step (<= 2^-8·|v|) from a value within RHO of it
+        assert v != 0 and bf16(v) == v and abs(v - situ(g, u, 4.0, 25.0)) <= (2.0**-8 + 2 * RHO) * abs(v), (v, g, u)
         exact(out[r], v * w2v[x, f0[x]], f"moe_experts row {r}: expert {x}'s W2 row {f0[x]} decoded exactly")
 
 

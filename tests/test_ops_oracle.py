@@ -8,10 +8,17 @@ tolerances stay tight. Tolerances, stated per test:
   and nibble packing;
 * `F32_RTOL` = 1e-5 relative, elementwise: f32 transcendental ops (sigmoid, silu, swiglu,
   situ, softcap, softmax, rmsnorm), whose XLA versions are a few ulps from correctly rounded;
-* linear: the f32 dot-product bound (K + 2)·2^-24·(|x| @ |w|) per output;
+* linear: twice the f32 dot-product bound, 2·(K + 2)·2^-24·(|x| @ |w|) per output (the worst
+  case of any summation order is (K + 2)·2^-24; observed up to 0.28 of it at K = 8, so twice it
+  keeps the 4x margin), while an omitted bf16 rounding of x is off by ~2^-9 relative;
 * rope: 2·max|x|·(1e-6 + p·2^-22) per row: the angle p·θ^(-2i/d) is formed in f32, so its
   absolute error grows with the position p;
 * attention: max|v|·(4·e_s + (S + 8)·2^-24) per head, where e_s bounds the f32 score error.
+
+Observed worst error / tolerance over two draws (the `ci` profile and a `dev` run): linear
+0.14x, softmax 0.13x, rope 0.09x, situ/swiglu 0.05x, softcap/silu/sigmoid 0.03x, rmsnorm 0.02x,
+attention 0.03x. The quantiser tests check properties (nearest code, scale = bf16(amax / 7)
+exactly: numpy's f32 division and the bf16 cast are IEEE-defined), not tolerances.
 
 Every example also asserts that the reference produced no NaN. Shapes come from small sets
 (jit compiles dominate the run time); values from Hypothesis-drawn seeds.
@@ -40,7 +47,7 @@ from mkdsl.ops import OPS, REQUIRED
 from mkdsl.quant import QTensor, dequantize, pack_nibbles, quantize, unpack_nibbles
 
 U = 2.0**-24  # f32 unit roundoff
-F32_RTOL = 1e-5
+F32_RTOL = 1e-5  # ~170 f32 ulps: XLA's f32 exp/tanh/rsqrt are within a few ulps, then <= 8 roundings
 TINY = 1e-30  # absolute slack for results XLA flushes from subnormal to zero
 
 SEEDS = st.integers(0, 2**32 - 1)
@@ -329,7 +336,7 @@ def check_linear(out, xv, wv, what):
     want = xb @ wv
     k = wv.shape[0]
     assert out.shape == want.shape and out.dtype == np.float32, (out.shape, want.shape)
-    close(out, want, (k + 2) * U * (np.abs(xb) @ np.abs(wv)) + TINY, 0, what)
+    close(out, want, 2 * (k + 2) * U * (np.abs(xb) @ np.abs(wv)) + TINY, 0, what)  # 2x the any-order f32 bound
 
 
 def fp8_array(rng, shape, fmt: str):
@@ -656,6 +663,7 @@ def test_mxfp4_quantize_rounds_to_nearest_with_smallest_unclipped_scale(seed, k,
         err = np.abs(wv - deq)
         # nearest representable value of the block's grid, same sign
         nearest = np.abs(np.abs(wv)[..., None] - grid * s[..., None]).min(-1)
+        # slack 1e-6: the quantiser's f32 |w| / s is off by <= 2^-24 relative, ~16x below it
         close(err, nearest, 1e-6 * s, 1e-6, "mxfp4 quantize picks the nearest code")
         assert np.all((deq == 0) | (np.sign(deq) == np.sign(wv))), "sign"
         # the gaps of e2m1 (0.5 below 2, 1 below 4, 2 below 6) bound the error
@@ -663,6 +671,7 @@ def test_mxfp4_quantize_rounds_to_nearest_with_smallest_unclipped_scale(seed, k,
         amax = np.abs(wv.reshape(k // 32, 32, n)).max(1)
         s_block = 2.0 ** (q.scales[idx].astype(np.float64) - 127)
         live = amax > 0
+        # slack 2^-20: the f32 log2 may misjudge an exact power of two by a few 2^-24
         assert np.all(amax[live] <= 6 * s_block[live] * (1 + 2**-20)), "no clipping"
         assert np.all(amax[live] > 3 * s_block[live] * (1 - 2**-20)), "smallest scale that does not clip"
 
@@ -689,9 +698,12 @@ def test_int4_quantize_error_within_half_a_step(seed, k, n, group, lead):
         sc = bf16_decode(q.scales[idx])
         amax = np.abs(wv.reshape(k // group, group, n)).max(1)
         live = amax > 0
-        close(sc[live], amax[live] / 7, 0, 2.0**-8, "int4 scale = bf16(amax / 7)")
+        # f32 division and round-to-nearest-even to bf16 are IEEE-defined: exact on any machine
+        f32_amax = np.abs(w[idx]).reshape(k // group, group, n).max(1)
+        exact(sc[live], bf16_round(f32_amax / np.float32(7))[live], "int4 scale = bf16(f32(amax) / 7)")
         step = np.repeat(np.abs(sc), group, axis=0)
         err = np.abs(wv - deq)
+        # property: the nearest code; slack 1e-6 for the f32 quotient w / s (<= 8·2^-24 steps off)
         assert np.all(err <= 0.5 * step * (1 + 1e-6)), f"int4 error {err.max()} above half a step"
 
 
