@@ -93,7 +93,7 @@ def compile_mutant(text: str, where: Path, capsys) -> None:
     OUTCOMES[code] += 1
     assert code in (0, 1, 2), f"exit {code}:\n{captured.err}\n--- mutant:\n{text}"
     if code == 0:
-        assert sorted(os.listdir(out)) == ["kernel.py", "plan.md"]
+        assert sorted(os.listdir(out)) == ["kernel.py", "plan.md", "plan.svg"]
         return
     assert not out.exists(), "a failed compile wrote output"
     if code == 1:

@@ -147,7 +147,7 @@ def test_own_output_is_replaced(project, capsys):
     (out / "__pycache__").mkdir()
     (out / "__pycache__" / "kernel.cpython-311.pyc").write_bytes(b"\0")
     assert run("compile", project / "specs" / "tiny.mk", "-o", out) == 0
-    assert sorted(os.listdir(out)) == ["kernel.py", "plan.md"]
+    assert sorted(os.listdir(out)) == ["kernel.py", "plan.md", "plan.svg"]
     assert "from specs/tiny.mk" in (out / "kernel.py").read_text().splitlines()[0]
     assert sorted(os.listdir(project)) == ["README.md", "docs", "gen", "specs", "src"]  # no litter
 
@@ -156,7 +156,7 @@ def test_an_empty_directory_is_filled(project):
     out = project / "empty"
     out.mkdir()
     assert run("compile", project / "specs" / "tiny.mk", "-o", out) == 0
-    assert sorted(os.listdir(out)) == ["kernel.py", "plan.md"]
+    assert sorted(os.listdir(out)) == ["kernel.py", "plan.md", "plan.svg"]
 
 
 def test_output_respects_the_umask(project):
@@ -272,4 +272,4 @@ def test_without_an_atomic_exchange_the_two_rename_swap_works(project, monkeypat
     out = project / "gen" / "tiny"
     for _ in range(2):
         assert run("compile", project / "specs" / "tiny.mk", "-o", out) == 0
-    assert sorted(os.listdir(out.parent)) == ["tiny"] and sorted(os.listdir(out)) == ["kernel.py", "plan.md"]
+    assert sorted(os.listdir(out.parent)) == ["tiny"] and sorted(os.listdir(out)) == ["kernel.py", "plan.md", "plan.svg"]
