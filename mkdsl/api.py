@@ -152,4 +152,24 @@ def build_step(spec: Spec, batch: int, seq_len: int, *, interpret=True, mesh=Non
     options = {"interpret": interpret or None}
     if mesh is not None:
         options["mesh"] = mesh
-    return module.build_decode_step(batch, seq_len, **options)
+    step = module.build_decode_step(batch, seq_len, **options)
+    if interpret and hasattr(module, "MESH_SHAPE"):
+        return _HostCallbacks(step)
+    return step
+
+
+class _HostCallbacks:
+    """A sharded step in interpret mode, called with the interpreter's callbacks on host arrays
+    (`mkdsl.verify.host_callbacks`: a workaround for a multi-device deadlock in jax 0.10.2)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __call__(self, *args):
+        from mkdsl.verify import host_callbacks
+
+        with host_callbacks():
+            return self.step(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)

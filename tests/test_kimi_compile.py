@@ -42,7 +42,10 @@ PROFILE = "core"
 # Batch 8 by default (batch 1 at full size is compiled, sharded, by tests/test_kimi_sharded_compile.py).
 BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_KIMI_COMPILE_BATCHES", "8").split(","))
 SEQ_LEN = 8192
-RATIO = (0.7, 1.3)  # compiler / planner
+RATIO = (
+    0.7,
+    1.3,
+)  # compiler / planner VMEM: the planner pads like Mosaic, so they agree within the compiler's own scratch and layout choices (measured 0.93); +-30% still fails a missed or doubled buffer
 
 report = summary_fixture("Kimi K3 core: libtpu (TPU7x) compile times and VMEM vs the mkdsl planner")
 

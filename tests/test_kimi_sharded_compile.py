@@ -30,7 +30,10 @@ SPEC = ROOT / "specs" / "kimi_k3.mk"
 TOPOLOGY = "tpu7x:4x4x1"
 BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_KIMI_SHARDED_BATCHES", "1").split(","))
 SEQ_LEN = 8192
-RATIO = (0.5, 1.3)  # compiler / planner
+RATIO = (
+    0.5,
+    1.3,
+)  # compiler / planner VMEM (measured 0.930): the compiler may reuse buffers the planner keeps apart; +30% fails a missed buffer
 HBM_PER_CORE = 94.7e9  # usable HBM per TPU7x core
 
 report = summary_fixture("Kimi K3 on 32 TPU7x cores: libtpu compile and VMEM vs the mkdsl planner")

@@ -272,4 +272,8 @@ def test_without_an_atomic_exchange_the_two_rename_swap_works(project, monkeypat
     out = project / "gen" / "tiny"
     for _ in range(2):
         assert run("compile", project / "specs" / "tiny.mk", "-o", out) == 0
-    assert sorted(os.listdir(out.parent)) == ["tiny"] and sorted(os.listdir(out)) == ["kernel.py", "plan.md", "plan.svg"]
+    assert sorted(os.listdir(out.parent)) == ["tiny"] and sorted(os.listdir(out)) == [
+        "kernel.py",
+        "plan.md",
+        "plan.svg",
+    ]
