@@ -37,10 +37,16 @@ SLOW_MODULES = {
     "test_kimi_sharded_compile.py",
     "test_tpu_compile.py",
     "test_kernel_interpret.py",
+    "test_verify.py",
 }
 SLOW_TESTS = {
     "test_comm.py": ("test_collectives_interpret_8_devices", "test_collectives_compile_tpu7x"),
     "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
+    "test_docs.py": (  # each runs a kernel or the compiler in a subprocess
+        "test_python_api_examples_run",
+        "test_readme_quickstart_runs_as_written",
+        "test_adding_an_op_example_touches_only_its_files_and_compiles",
+    ),
 }
 
 
