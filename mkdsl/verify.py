@@ -126,6 +126,7 @@ class KernelOutput:
     next_tokens: np.ndarray
     state: dict[str, np.ndarray]
     trace: dict[str, np.ndarray]  # carry name -> [layers + 1, batch, width]
+    device: dict = dataclasses.field(default_factory=dict)  # next tokens and state as jax arrays, per device
 
 
 def storage_ulp(x: np.ndarray, dtype) -> np.ndarray:
@@ -156,7 +157,6 @@ class LayerChecker:
         ref_w = {k: v if isinstance(v, QTensor) else jnp.asarray(v) for k, v in weights.items()}
         ref_s = {k: jnp.asarray(v) for k, v in state.items()}
         args = (ref_w, ref_s, jnp.asarray(tokens), jnp.asarray(positions))
-        batch = len(tokens)
         for name, t in out.trace.items():
             if not np.isfinite(t).all():
                 result.failures.append(f"non-finite values in the `{name}` the kernel carries between layers")
@@ -166,7 +166,7 @@ class LayerChecker:
         carries_in = self._kernel_carries(out, 0)
         self._check_carries(result, "prologue", first, carries_in, [np.zeros_like(c) for c in first])
         for index in range(len(self.model.schedule)):
-            self._check_layer(result, index, args, out, batch)
+            self._check_layer(result, index, args, out)
         logits, next_tokens = self.ref.epilogue(*args, self._kernel_carries(out, len(self.model.schedule)))
         self._check_logits(result, np.asarray(logits), np.asarray(next_tokens), out)
         return result
@@ -174,7 +174,7 @@ class LayerChecker:
     def _kernel_carries(self, out: KernelOutput, entry: int) -> list[np.ndarray]:
         return [out.trace[name][entry] for name in self.carry_names]
 
-    def _check_layer(self, result: StepCheck, index: int, args, out: KernelOutput, batch: int) -> None:
+    def _check_layer(self, result: StepCheck, index: int, args, out: KernelOutput) -> None:
         where = f"layer {index} ({self.model.schedule[index]})"
         carries_in = self._kernel_carries(out, index)
         carries_out, ref_state = self.ref.layer(index, *args, [jnp.asarray(c) for c in carries_in])
@@ -192,7 +192,6 @@ class LayerChecker:
             result.note(item if item == "carries" else f"state {item}", ratios.max())
             for b in np.flatnonzero(ratios > 1):
                 result.failures.append(f"{where}: row {b}: {item} off by {ratios[b]:.2f}x the bound")
-        del batch
 
     def _states_of(self, index: int) -> list[str]:
         return [t.name for t in self.model.states if t.stacked and t.slots[index] >= 0]
@@ -293,6 +292,7 @@ def run_kernel(step: Callable, weights: dict, state: dict, tokens, positions, sh
         np.asarray(next_tokens),
         {k: np.asarray(v) for k, v in new_state.items()},
         {k: np.asarray(v) for k, v in trace.items()},
+        {"next tokens": next_tokens, **new_state},
     )
 
 

@@ -48,8 +48,6 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
@@ -57,7 +55,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.ir import Model
-from mkdsl.random_params import kernel_weights, random_params
+from mkdsl.random_params import random_params
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "kimi_k3.mk"
@@ -168,21 +166,12 @@ def check_replicated(module, out_arrays: dict, where: str) -> None:
 
 
 def kernel_step(module, step, weights: dict, state: dict, tokens, positions, where: str) -> verify.KernelOutput:
-    """One kernel step; also checks that what is kept whole is the same on every device."""
-    kw = {k: jnp.asarray(v) for k, v in kernel_weights(weights).items()}
-    with verify.host_callbacks():  # avoids an interpreter deadlock on 8 devices (see mkdsl/verify.py)
-        logits, next_tokens, new_state, trace = step(
-            kw, {k: jnp.asarray(v) for k, v in state.items()}, jnp.asarray(tokens), jnp.asarray(positions)
-        )
-        logits = np.asarray(jax.block_until_ready(logits))
-    whole = {name: a for name, a in new_state.items() if not any(module.STATE_SPLIT[name])}
-    check_replicated(module, {"next tokens": next_tokens, **whole}, where)
-    return verify.KernelOutput(
-        logits,
-        np.asarray(next_tokens),
-        {k: np.asarray(v) for k, v in new_state.items()},
-        {k: np.asarray(v) for k, v in trace.items()},
-    )
+    """One kernel step (mkdsl.verify.run_kernel); also checks that what is kept whole is the same
+    on every device."""
+    out = verify.run_kernel(step, weights, state, tokens, positions, sharded=True)
+    whole = {name: a for name, a in out.device.items() if name not in STATE_KINDS or not any(module.STATE_SPLIT[name])}
+    check_replicated(module, whole, where)
+    return out
 
 
 def run_and_check(c: Compiled, batch: int, seed: int) -> dict:
