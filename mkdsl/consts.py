@@ -146,7 +146,7 @@ class ConstEnv:
             return None
         if len(args) < arity[0] or (arity[1] is not None and len(args) > arity[1]):
             want = str(arity[0]) if arity[0] == arity[1] else f"at least {arity[0]}"
-            self.rep.error(e.span, f"`{e.func}` takes {want} argument{'s' if arity != (1, 1) else ''}, got {len(args)}")
+            self.rep.error(e.span, f"`{e.func}` takes {want} argument{'' if arity[0] == 1 else 's'}, got {len(args)}")
             return None
         if any(a is None for a in args):
             return None
@@ -157,8 +157,11 @@ class ConstEnv:
             return self._binop(BinOp(e.span, "**", e.args[0], e.args[1]), args[0], args[1])
         try:
             v = fn(*args)
-        except (ValueError, OverflowError) as err:
-            self.rep.error(e.span, f"`{e.func}` of {', '.join(map(repr, args))} is not a finite number ({err})")
+        except ValueError as err:
+            self.rep.error(e.span, f"`{e.func}` is not defined at {', '.join(map(repr, args))}: {err}")
+            return None
+        except OverflowError:
+            self.rep.error(e.span, f"the result of `{e.func}` is too large")
             return None
         return self._checked(v, e.span, f"the result of `{e.func}`")
 
