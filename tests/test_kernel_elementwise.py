@@ -10,14 +10,16 @@ bias, a row sum of a split value, a partial sum through `mul_scalar`) runs shard
 kernel whose `repeat` gives every head the first head's gate must fail the check, so the
 comparison can fail. (A subtler mutation, tanh for erf in `gelu`, moves this spec's carries by
 only ~0.1 of the bound: the final norm and the many summed terms dilute it; the op oracle in
-tests/test_ops_elementwise.py is what pins gelu.)
+tests/test_ops_elementwise.py is what pins gelu.) Both kernels also compile with libtpu for a
+compile-only TPU7x (Mosaic lowers every op they use: erf, log1p, clip, the lane-iota selects of
+`repeat`, a `[rows, 1]` buffer and its all-reduce).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from mkdsl import verify
+from mkdsl import tpu_compile, verify
 from mkdsl.compiler import compile_source
 from mkdsl.ops import OPS
 from mkdsl.ops import elementwise as ew
@@ -148,3 +150,12 @@ def test_a_wrong_repeat_fails_the_check(tmp_path):
     model, module, checker = build(ONE, tmp_path, "ew_bad", mutate=bug)
     result = verify.check_batch(model, module, checker, batch=3, steps=1, seed=1)
     assert result.failures, "a kernel whose repeat ignores the head passed the layer check"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("text", [ONE, SHARDED], ids=["one_device", "two_devices"])
+def test_elementwise_kernel_compiles_with_libtpu(text, tmp_path):
+    _, module, _ = build(text, tmp_path, "ew_tpu")
+    devices = tpu_compile.tpu7x_devices(tpu_compile.topology_for(module))
+    _, seconds = tpu_compile.compile_module(module, devices, 8, verify.check_seq_len(module))
+    assert seconds > 0
