@@ -1,7 +1,7 @@
 # Kimi K3: one greedy decode step.
 # 93 layers: Kimi Delta Attention (KDA) everywhere except MLA at l % 4 == 3 and the last layer;
 # a dense MLP at layer 0 and a latent MoE (896 MXFP4 experts, top 16, two shared experts fused)
-# after it; "attention residuals" instead of a plain residual add. Facts: ../shared/facts/kimi_k3.md
+# after it; "attention residuals" instead of a plain residual add (as the model card describes).
 model kimi_k3
 
 const L     = 93        # layers
