@@ -60,10 +60,13 @@ def _load(args):
     source = _read(args.spec)
     module = _parse(args, source)
     try:
-        return elaborate(module, args.profile, source), source, module
+        model = elaborate(module, args.profile, source)
     except SpecError as e:
         e.source = source
         raise
+    for w in model.warnings:  # printed, never fatal
+        print(w.render(args.spec, source), file=sys.stderr)
+    return model, source, module
 
 
 def _out_shown(args, out_dir) -> str:
@@ -128,6 +131,8 @@ def cmd_compile(args) -> int:
     except SpecError as e:
         e.source = source
         raise
+    for w in out.model.warnings:  # printed, never fatal
+        print(w.render(args.spec, source), file=sys.stderr)
     shown = _out_shown(args, out_dir)
     if args.check:
         stale = stale_files(out, out_dir)

@@ -135,6 +135,7 @@ class Model:
     step: Graph  # inputs tokens/positions; calls the layer stack through a `layers` node
     inputs: tuple[Value, ...]
     hints: tuple[Hint, ...]
+    warnings: tuple = field(default=(), compare=False)  # Diagnostics that do not stop compilation
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)

@@ -35,6 +35,7 @@ RUNTIME_PARTS = (
     "runtime/kda.py.jinja",
     "runtime/residual.py.jinja",
     "runtime/moe.py.jinja",
+    "runtime/elementwise.py.jinja",
 )
 
 
