@@ -26,6 +26,9 @@ class Stream:
     start: int
     stacked: bool
     line: int  # spec line of the op call
+    fmt: str = "bf16"  # the tile decoder (mkdsl/backends/tpu/lowerings/linear.py `stream_format`)
+    group: int = 0  # inputs per scale (the block's side for block scales)
+    parts: tuple[tuple[str, str, int, int], ...] = ()  # quantised: (storage suffix, ring array, rdiv, cdiv)
 
     @property
     def nk(self) -> int:
