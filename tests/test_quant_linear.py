@@ -165,3 +165,54 @@ def test_the_plan_streams_storage_bytes(tmp_path):
     rings = {a.name: a for a in plan.vmem if a.name.startswith("ring")}
     assert {"ring", "ring_uint32", "ring_uint8", "ring_float8_e4m3fn", "ring_float8_e5m2", "ring_int8"} <= set(rings)
     assert rings["ring_smem_float32"].memory == "SMEM" and rings["ring_float32"].shape[1:] == (2, 256)
+
+
+# ---------------------------------------------------------------- HBM capacity per device
+
+BIG = """
+model big
+
+const H = 8192
+const F = 32768
+const V = 256
+
+dim B in 1 .. 8
+
+MESH
+
+weight embed:   bf16[V, H]
+weight w_up:    fp8_e4m3(block=128)[H, F SPLIT] per layer
+weight w_down:  bf16[F SPLIT, H]                per layer
+weight lm_head: bf16[H, V]
+
+layers 128 { mlp: otherwise }
+
+layer mlp(x) {
+  return x + linear(silu(linear(x, w_up)), w_down)
+}
+
+step(tokens, positions) {
+  x = layers(embedding(tokens, embed))
+  return linear(x, lm_head), argmax(linear(x, lm_head))
+}
+"""
+
+
+def test_hbm_capacity_is_checked_per_device(tmp_path):
+    from mkdsl.diagnostics import SpecError
+
+    one = BIG.replace("MESH", "").replace(" SPLIT", "")
+    with pytest.raises(SpecError) as err:
+        _compiled(one, tmp_path, "big")
+    text = err.value.render("big.mk", one)
+    # per layer: 8192 x 32768 fp8 codes (268.4 MB) + 64 x 256 f32 scales + 8192 x 32768 bf16 (536.9 MB)
+    assert "HBM capacity exceeded on one device: weights and state (batch 8, shortest cache) need 103.10 GB" in text
+    assert (
+        "the largest: weight `w_down` 68.72 GB, weight `w_up` 34.37 GB, weight `embed` 4.19 MB" in text
+        and "big.mk:14:8" in text
+    )
+    assert len(err.value.diagnostics) == 1, text
+    split = BIG.replace("MESH", "mesh { tp = 2 }").replace(" SPLIT", " @tp")
+    out = _compiled(split, tmp_path, "big2")  # half of each matrix per device: fits
+    assert 51.5e9 < out.plan.hbm_bytes < 51.6e9
+    assert "| HBM per device | 51.5" in out.files["plan.md"]

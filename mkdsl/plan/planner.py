@@ -23,7 +23,7 @@ from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
-from mkdsl.plan import collectives, cost_model, roles
+from mkdsl.plan import collectives, cost_model, hbm, roles
 from mkdsl.plan.buffers import assign_buffers, buffer_of
 from mkdsl.plan.types import Alloc, OpScratch, Plan, ScheduleItem, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
@@ -58,6 +58,8 @@ class _State:
     buffers: dict = field(default_factory=dict)  # (graph, value) -> VMEM buffer
     scratch: dict = field(default_factory=dict)  # (graph, node index) -> OpScratch
     collectives: list = field(default_factory=list)  # collectives.Collective of every graph (sharded models)
+    hbm: int = 0  # bytes one device holds in HBM (largest batch, shortest cache)
+    hbm_tokens: int = 0  # the longest cache that fits at the largest batch
 
     def hint(self, name: str, default: int) -> int:
         h = self.model.hint(name)
@@ -139,6 +141,8 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         collectives=tuple(s.collectives),
         exchange_phases=phases,
         collective_id=0 if s.collectives else None,
+        hbm_bytes=s.hbm,
+        hbm_max_cache=s.hbm_tokens,
     )
 
 
@@ -433,7 +437,13 @@ def fit_ring(s: _State) -> None:
     for i, a in enumerate(s.vmem):
         if a.name in rings:
             shape = (depth, *a.shape[1:])
-            size = {"VMEM": padded_bytes(shape, a.dtype), "SMEM": 4 * math.prod(shape)}.get(a.memory, 0)
+            size = (
+                padded_bytes(shape, a.dtype)
+                if a.memory == "VMEM"
+                else 4 * math.prod(shape)
+                if a.memory == "SMEM"
+                else 0
+            )
             purpose = a.purpose.replace(f"{a.shape[0]} banks", f"{depth} banks")
             s.vmem[i] = Alloc(a.name, shape, a.dtype, size, purpose, a.line, a.memory, a.scratch)
 
@@ -469,7 +479,16 @@ def check_budget(s: _State) -> None:
     )
 
 
-PASSES = (check_lowering, tile_streams, size_ring, plan_collectives, allocate_vmem, fit_ring, check_budget)
+def check_hbm(s: _State) -> None:
+    """Weights, state at the largest batch and cache, and the outputs must fit one core's HBM."""
+    vocab = _type_of(s.model, s.model.step, s.model.step.results[0]).shape[1]
+    items = hbm.hbm_items(s.model, vocab, hbm.build_sizes(s.model, cache="low"))
+    s.hbm = sum(b for _, b in items)
+    s.hbm_tokens = hbm.max_cache(s.model, vocab)
+    s.errors.extend(hbm.check_hbm(s.model, items, devices(s.model)))
+
+
+PASSES = (check_lowering, tile_streams, size_ring, plan_collectives, allocate_vmem, fit_ring, check_budget, check_hbm)
 
 
 # ---------------------------------------------------------------------------- traffic

@@ -158,6 +158,8 @@ class Plan:
     collective_id: int | None = None  # the barrier semaphore's id (sharded kernels)
     schedule_items: tuple[ScheduleItem, ...] = ()  # per run of their graph; they sum to schedule_bytes
     graph_flops: tuple[tuple[str, int], ...] = ()  # (graph, flops of all its runs per step); they sum to flops
+    hbm_bytes: int = 0  # what one device holds in HBM: weights, state (largest batch, shortest cache), outputs
+    hbm_max_cache: int = 0  # the longest cache (tokens) whose state fits one device's HBM at the largest batch
 
     @property
     def devices(self) -> int:
