@@ -391,18 +391,12 @@ class _Elaborator:
     def check_type(self, t: TypeExpr, name: str, allow_dims: bool) -> tuple[dtypes.DType | None, tuple]:
         dt = None
         args = {a.name: a for a in t.dtype_args}
-        if t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
+        if t.dtype in dtypes.SCALED and (t.dtype_args or t.dtype in ("int4", "int8")):
+            dt = self.scaled_dtype(t, args)
+        elif t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
             dt = dtypes.PLAIN.get(t.dtype, dtypes.MXFP4)
             for a in t.dtype_args:
                 self.rep.error(a.span, f"dtype {t.dtype} takes no parameters")
-        elif t.dtype == "int4":
-            if "group" not in args:
-                self.rep.error(t.span, "int4 needs a group size", "write `int4(group=128)[...]`")
-            for a in t.dtype_args:
-                if a.name != "group":
-                    self.rep.error(a.span, f"int4 has no parameter `{a.name}`", "its only parameter is `group`")
-            g = self.consts.eval_int(args["group"].value, "the int4 group size") if "group" in args else None
-            dt = dtypes.int4(g) if g else None
         else:
             self.rep.error(t.span, f"unknown dtype `{t.dtype}`", did_you_mean(t.dtype, dtypes.ALL_NAMES))
         shape = []
@@ -418,6 +412,30 @@ class _Elaborator:
             shape.append(self.consts.eval_int(d.size, f"dimension {i + 1} of `{name}`", maximum=MAX_SIZE))
         return dt, tuple(shape)
 
+    def scaled_dtype(self, t: TypeExpr, args: dict) -> dtypes.DType | None:
+        """`int4(group=G)`, `int8(group=G)`, `fp8_e4m3(group=G)` or `fp8_e4m3(block=B)`."""
+        allowed = ("group", "block") if t.dtype.startswith("fp8") else ("group",)
+        for a in t.dtype_args:
+            if a.name not in allowed:
+                self.rep.error(
+                    a.span, f"{t.dtype} has no parameter `{a.name}`", f"its parameters: {', '.join(allowed)}"
+                )
+        given = [a for a in allowed if a in args]
+        if len(given) != 1:
+            example = "group=128" if len(allowed) == 1 else "group=K` or `block=128"
+            self.rep.error(
+                t.span, f"{t.dtype} needs one of: {', '.join(allowed)}", f"write `{t.dtype}({example})[...]`"
+            )
+            return None
+        size = self.consts.eval_int(args[given[0]].value, f"the {t.dtype} {given[0]} size")
+        if not size or size <= 0:
+            return None
+        if t.dtype == "int4":
+            return dtypes.int4(size)
+        if t.dtype == "int8":
+            return dtypes.int8(size)
+        return dtypes.fp8(t.dtype, **{given[0]: size})
+
     def check_tensors(self, mesh: dict[str, int], schedule: tuple[str, ...]) -> dict[str, Tensor]:
         out = {}
         for t in self.d.tensors.values():
@@ -428,11 +446,11 @@ class _Elaborator:
             if dt is not None and dt.quantised and None not in shape:
                 if len(shape) < 2:
                     self.rep.error(t.type.span, f"a {dt} tensor needs at least 2 dimensions [.., in, out]")
-                elif isinstance(shape[-2], int) and (shape[-2] % dt.group or shape[-2] % 8):
+                elif isinstance(shape[-2], int) and shape[-2] % dt.k_multiple():
                     self.rep.error(
                         t.type.dims[-2].span,
                         f"the input dimension of {dt} weight `{t.name}` "
-                        f"({shape[-2]}) must be a multiple of {max(dt.group, 8)}",
+                        f"({shape[-2]}) must be a multiple of {dt.k_multiple()}",
                     )
                 if t.kind == "state":
                     self.rep.error(t.type.span, f"state `{t.name}` cannot be quantised ({dt})")

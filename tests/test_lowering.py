@@ -57,7 +57,7 @@ def test_every_op_has_a_sharding_rule_family():
 @pytest.mark.parametrize(
     "old, new, message",
     [
-        ("bf16[NH*D, H]", "f32[NH*D, H]", "only bf16 weights stream"),
+        ("bf16[NH*D, H]", "f32[NH*D, H]", "matrices of `linear` stream as bf16, fp8, int8, int4 or mxfp4"),
         ("h = rmsnorm(x, norm2)", "h = rmsnorm(x, norm2)\n  top, ids = topk(h, k=2)", "has no TPU lowering yet"),
         ("state k_cache: bf16", "state k_cache: f32", "the kernel streams bf16 caches only"),
     ],
@@ -78,7 +78,12 @@ def test_plan_reports_all_its_errors_in_one_run(tmp_path, monkeypatch, capsys):
     spec = edit("dim S in 1 .. 256\n", "dim S in 1 .. 256\n\nhints {\n  kv_tile = 8\n  tile_n = 100\n}\n", spec)
     status, out, err = run(tmp_path, monkeypatch, capsys, spec, "plan")
     assert status == 1
-    for message in ("only bf16 weights stream", "KV cache `v_cache`", "kv_tile must be", "tile_n must be"):
+    for message in (
+        "matrices of `linear` stream as bf16, fp8, int8, int4 or mxfp4",
+        "KV cache `v_cache`",
+        "kv_tile must be",
+        "tile_n must be",
+    ):
         assert message in err, (message, err)
     assert "4 errors in spec.mk" in err, err
 

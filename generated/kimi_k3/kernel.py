@@ -1387,7 +1387,56 @@ def res_snapshot(blocks, prefix, blocks_out, prefix_out, layer, block):
 
 
 # ---------------------------------------------------------------------------------------
-# Routed MoE: in-kernel top-k routing, the distinct experts in SMEM, and MXFP4 experts
+# Decoders of quantised weight formats in VMEM (layouts: docs/language.md, Dtypes). Exact:
+# every decoded value is what the reference's mkdsl/quant.py computes, or the codes are fed
+# to the MXU as bf16 (exact) and the f32 scale is applied to the f32 product.
+# ---------------------------------------------------------------------------------------
+def e8m0_to_f32(s_u8):
+    """E8M0 bytes -> 2^(byte-127) as f32, from the exponent bits (byte 0: the subnormal
+    2^-127; 255: NaN). Signed ops only (no unsigned vector arithmetic on TPU): uint8 -> int8
+    is a same-width reinterpretation, then sign-extend and mask."""
+    b = jax.lax.bitcast_convert_type(s_u8, jnp.int8).astype(I32) & 255
+    bits = jnp.where(b == 0, 0x00400000, jnp.where(b == 255, 0x7FC00000, b << 23))
+    return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def mxfp4_decode(codes_u32, scale_bf16):
+    """[K/8, N] uint32 words (8 e2m1 codes along K, low nibble first) and [K/32, N] bf16
+    powers of two -> [K, N] bf16 (exact). The words are reinterpreted (no unsigned vector
+    arithmetic): bitcast to int32, then to e2m1 (row 8*w + j = nibble j of word w)."""
+    words = jax.lax.bitcast_convert_type(codes_u32, I32)
+    w = pltpu.bitcast(words, jnp.float4_e2m1fn).astype(BF16)
+    K, N = w.shape
+    return (w.reshape(K // 32, 32, N) * scale_bf16[:, None, :]).reshape(K, N)
+
+
+def int4_decode(codes_u32, scale_f32, group):
+    """[K/8, N] uint32 words of two's-complement nibbles (row 8*w + j = nibble j of word w) and
+    [K/group, N] scales -> [K, N] f32 nibble * scale (exact: a 4-bit integer times a bf16)."""
+    words = jax.lax.bitcast_convert_type(codes_u32, I32)
+    w = pltpu.bitcast(words, jnp.int4).astype(F32)
+    K, N = w.shape
+    return (w.reshape(K // group, group, N) * scale_f32[:, None, :]).reshape(K, N)
+
+
+def split_bf16(w):
+    """f32 [K, N] with at most 16 significant bits -> (hi, lo) bf16 with hi + lo == w exactly,
+    so x @ w is two bf16 MXU products summed in f32."""
+    hi = w.astype(BF16)
+    return hi, (w - hi.astype(F32)).astype(BF16)
+
+
+def spread_scales(scale_at, cols, block):
+    """[1, cols] f32 row whose lanes c*block .. (c+1)*block-1 hold scale_at(c) (scalars, e.g. SMEM)."""
+    lane = jax.lax.broadcasted_iota(I32, (1, cols), 1) // block
+    row = jnp.zeros((1, cols), F32)
+    for c in range(cols // block):
+        row = jnp.where(lane == c, scale_at(c), row)
+    return row
+
+
+# ---------------------------------------------------------------------------------------
+# Routed MoE (MXFP4 decoders: runtime/decode.py.jinja): in-kernel top-k routing, the distinct experts in SMEM, and MXFP4 experts
 # streamed from HBM in column tiles through `slots` tile sets, each expert loaded once per
 # step for all rows.
 # ---------------------------------------------------------------------------------------
@@ -1409,23 +1458,6 @@ def moe_dims(D, F, tn, kc=None, dc=None):
     assert D % kc == 0 and (kc % 512 == 0 or kc == D) and kc % 256 == 0, (D, kc)
     assert D % dc == 0 and dc % 128 == 0, (D, dc)
     return kc, dc
-
-
-def e8m0_to_f32(s_u8):
-    """E8M0 bytes -> 2^(byte-127) as f32 (byte 0 -> 0.0, 255 -> inf). Signed ops only:
-    uint8 -> int8 is a same-width reinterpretation, then sign-extend and mask."""
-    b = jax.lax.bitcast_convert_type(s_u8, jnp.int8).astype(I32) & 255
-    return jax.lax.bitcast_convert_type(b << 23, F32)
-
-
-def mxfp4_decode(codes_u32, scale_bf16):
-    """[K/8, N] uint32 words (8 e2m1 codes along K, low nibble first) and [K/32, N] bf16
-    powers of two -> [K, N] bf16 (exact). The words are reinterpreted (no unsigned vector
-    arithmetic): bitcast to int32, then to e2m1 (row 8*w + j = nibble j of word w)."""
-    words = jax.lax.bitcast_convert_type(codes_u32, I32)
-    w = pltpu.bitcast(words, jnp.float4_e2m1fn).astype(BF16)
-    K, N = w.shape
-    return (w.reshape(K // 32, 32, N) * scale_bf16[:, None, :]).reshape(K, N)
 
 
 class MoE:

@@ -12,7 +12,7 @@ from mkdsl.ir import Graph, Model, Node
 
 EXPERT_TILE = 256  # expert columns per tile set (1.5 MB per set at K3 size: big DMAs, 5.7 MiB for 4 sets)
 EXPERT_SLOTS = 4  # tile sets in flight (the DMA engine round-robins: 4 beat 3, 5, 6 and 8 on TPU7x)
-MOE = ("runtime/moe.py.jinja",)
+MOE = ("runtime/decode.py.jinja", "runtime/moe.py.jinja")
 WEIGHTS = ("w1", "w3", "w2")
 
 
