@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from mkdsl import dtypes
+from mkdsl.block_attrs import resolve_block_attrs
 from mkdsl.consts import ConstEnv
 from mkdsl.diagnostics import NOWHERE, Reporter, Span, SpecError, did_you_mean
 from mkdsl.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
@@ -657,10 +658,11 @@ class _Context:
             self.rep.error(e.func_span, f"unknown op or block `{e.func}`", partial(did_you_mean, e.func, known))
             return None
         op = OPS[e.func]
-        if len(e.args) != len(op.operands):
+        if not len(op.operands) - op.optional <= len(e.args) <= len(op.operands):
+            least = f"{len(op.operands) - op.optional} to " if op.optional else ""
             self.rep.error(
                 e.span,
-                f"`{op.name}` takes {len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
+                f"`{op.name}` takes {least}{len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
                 f"({', '.join(op.operands)}), got {len(e.args)}",
             )
             return None
@@ -675,6 +677,8 @@ class _Context:
                 return None
             refs.append(a[0])
         operands = [self.operand(r, g, _shown(a)) for r, a in zip(refs, e.args)]
+        if op.block_attrs and not resolve_block_attrs(self, e, op, attrs, operands):
+            return None
         try:
             out_types = op.infer(operands, {k: v.first if isinstance(v, LayerExpr) else v for k, v in attrs.items()})
         except OpError as err:
@@ -716,6 +720,9 @@ class _Context:
                 ok = False
                 continue
             v = k.value
+            if k.name in dict(op.block_attrs):  # a block's name, elaborated once the operands are known
+                attrs[k.name] = v
+                continue
             if (
                 isinstance(v, Name)
                 and v.id not in self.el.d.consts

@@ -34,6 +34,7 @@ RUNTIME_PARTS = (
     "runtime/mla.py.jinja",
     "runtime/kda.py.jinja",
     "runtime/residual.py.jinja",
+    "runtime/routing.py.jinja",
     "runtime/moe.py.jinja",
 )
 
