@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from mkdsl import dtypes
+from mkdsl.block_attrs import resolve_block_attrs
 from mkdsl.consts import MATH, ConstEnv, walk
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Reporter, Span, SpecError, did_you_mean
 from mkdsl.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
@@ -766,10 +767,11 @@ class _Context:
 
     def apply(self, op, e: Call, env, g, inline_stack, name_hint) -> list[Ref] | None:
         """The node of op `op` for call `e`: operands, attributes, shape rule, in-place writes."""
-        if len(e.args) != len(op.operands):
+        if not len(op.operands) - op.optional <= len(e.args) <= len(op.operands):
+            least = f"{len(op.operands) - op.optional} to " if op.optional else ""
             self.rep.error(
                 e.span,
-                f"`{op.name}` takes {len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
+                f"`{op.name}` takes {least}{len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
                 f"({', '.join(op.operands)}), got {len(e.args)}",
             )
             return None
@@ -784,6 +786,8 @@ class _Context:
                 return None
             refs.append(a[0])
         operands = [self.operand(r, g, _shown(a)) for r, a in zip(refs, e.args)]
+        if op.block_attrs and not resolve_block_attrs(self, e, op, attrs, operands):
+            return None
         try:
             out_types = op.infer(operands, {k: v.first if isinstance(v, LayerExpr) else v for k, v in attrs.items()})
         except OpError as err:
@@ -832,6 +836,9 @@ class _Context:
                 ok = False
                 continue
             v = k.value
+            if k.name in dict(op.block_attrs):  # a block's name, elaborated once the operands are known
+                attrs[k.name] = v
+                continue
             if (
                 isinstance(v, Name)
                 and not isinstance(env.get(v.id), Const)

@@ -166,9 +166,14 @@ block dense_mlp(x) {
   return linear(situ(linear(x, dense_gate), linear(x, dense_up)), dense_down)
 }
 
+# The experts' gated activation, applied to each chosen expert's gate and up results.
+block expert_act(g, u) {
+  return situ(g, u)
+}
+
 block moe(x) {
   w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
-  r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2)
+  r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
   shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
   return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
 }
