@@ -363,6 +363,18 @@ def _rule_attention(s: _Sharder, node: Node, places):
     return need, outs, attrs
 
 
+def _rule_key_heads(s: _Sharder, node: Node, places):
+    """`delta_rule`: value heads split with their key heads (q, k by key head, v by value head)."""
+    need, outs, attrs = _rule_same_split(s, node, places, heads=True)
+    kh = node.attr.get("key_heads")
+    if places[0].kind == "S" and kh is not None:
+        ways = s.ways(places[0].axes)
+        if kh % ways:
+            raise ShardError(f"{kh} key heads do not split {ways} ways")
+        attrs["key_heads"] = kh // ways
+    return need, outs, attrs
+
+
 def _rule_mla(s: _Sharder, node: Node, places):
     q = places[0]
     w_axes = s.tensor_axes(node.arg("w_kvb"))
@@ -405,6 +417,7 @@ RULES = {
     "channels": lambda s, n, p: _rule_same_split(s, n, p, heads=False),
     "heads": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
     "kv_heads": _rule_attention,
+    "key_heads": _rule_key_heads,
     "latent_attention": _rule_mla,
     "matmul": _rule_linear,
     "vocab_rows": _rule_embedding,
