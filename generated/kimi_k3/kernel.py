@@ -1279,13 +1279,15 @@ class ShortConv:
 class DeltaRule:
     """Gated delta rule, one [dk, dv] f32 state per (row, head) streamed through VMEM slots.
 
-    Per row b and head h: S' = exp(g) * S (g scales the key rows), u = beta * (v - S'^T k),
-    S = S' + k u^T, o = S^T q. States are read `slots - 1` ahead and written back in place.
+    Per row b and head h: S' = exp(g) * S (g scales the key rows, or the whole state with
+    `scalar_decay`: one g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q; value
+    head h reads q and k of key head h // group. States are read `slots - 1` ahead and written
+    back in place.
     """
 
-    def __init__(self, state, state_out, s_in, s_out, sem, batch, heads):
+    def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False):
         self.state, self.state_out, self.s_in, self.s_out, self.sem = state, state_out, s_in, s_out, sem
-        self.batch, self.heads = batch, heads
+        self.batch, self.heads, self.group, self.scalar_decay = batch, heads, group, scalar_decay
         self.slots = s_in.shape[0]
 
     def read(self, slot, i, s):
@@ -1316,10 +1318,13 @@ class DeltaRule:
             def _():
                 self.write(slot, 0, s).wait()  # the write-back that last used this out slot
 
-            kc, vc = head_cols(h, dk), head_cols(h, dv)
+            kc, vc = head_cols(h if self.group == 1 else h // self.group, dk), head_cols(h, dv)
             row = slice(b, b + 1)  # rows are static: a dynamic single-row load is not aligned
             k_row = k[row, kc]
-            decay = jnp.exp(g[row, kc])
+            if self.scalar_decay:
+                decay = jnp.broadcast_to(jnp.exp(lane_pick(g[row, :], h)), (1, dk))
+            else:
+                decay = jnp.exp(g[row, head_cols(h, dk)])
             cols = jnp.transpose(jnp.where(row8 == 0, decay, jnp.where(row8 == 1, k_row, 0.0)))  # [dk, 8]
             s1 = self.s_in[s] * cols[:, 0:1]
             ks = jnp.dot(k_row, s1, preferred_element_type=F32, precision=HIGHEST)

@@ -76,7 +76,7 @@ class OpDef:
     internal: bool = False  # inserted by the compiler; specs cannot call it
     # ---- traits: what later stages ask of the op instead of keeping lists of op names
     # The shard pass's rule family (mkdsl/shard.py RULES): "elementwise", "sum" (elementwise that
-    # may add partial sums), "whole", "norm", "channels", "heads", "kv_heads", "latent_attention",
+    # may add partial sums), "whole", "norm", "channels", "heads", "kv_heads", "key_heads", "latent_attention",
     # "matmul", "vocab_rows", "pick", "any", "experts"; "" = no sharding rule yet.
     shard: str = ""
     # How each weight operand is reached: "stream" (tiles through the weight ring) or "own" (the op's
