@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from mkdsl import dtypes
+from mkdsl.checkpoint.mapping import check_checkpoints
 from mkdsl.consts import ConstEnv
 from mkdsl.diagnostics import NOWHERE, Reporter, Span, SpecError, did_you_mean
 from mkdsl.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
@@ -21,6 +22,7 @@ from mkdsl.syntax import (
     AssignStmt,
     BinOp,
     Call,
+    CheckpointDecl,
     ConstDecl,
     DimDecl,
     Expr,
@@ -73,6 +75,7 @@ class _Decls:
     layers: list[LayersDecl] = field(default_factory=list)
     steps: list[FuncDef] = field(default_factory=list)
     redefined: set[str] = field(default_factory=set)  # names defined twice: reported once, not as unknown
+    checkpoints: list[CheckpointDecl] = field(default_factory=list)
 
 
 def load(path: str, profile: str | None = None) -> Model:
@@ -102,6 +105,7 @@ class _Elaborator:
         schedule = self.check_layer_schedule()
         tensors = self.check_tensors(mesh, schedule)
         step, kinds, inputs = self.elaborate_functions(tensors, schedule, dims)
+        checkpoints = check_checkpoints(self.d.checkpoints, tensors, self.consts, self.rep, self.d.tensors)
         self.rep.check()
         return Model(
             name=self.d.model.name,
@@ -115,6 +119,7 @@ class _Elaborator:
             step=step,
             inputs=inputs,
             hints=tuple(hints.values()),
+            checkpoints=checkpoints,
         )
 
     # ------------------------------------------------------------------ declarations
@@ -161,6 +166,8 @@ class _Elaborator:
                 define(it.name, it.span, self.d.layer_defs, it)
             elif isinstance(it, LayersDecl):
                 self.d.layers.append(it)
+            elif isinstance(it, CheckpointDecl):
+                self.d.checkpoints.append(it)
             elif isinstance(it, FuncDef):
                 self.d.steps.append(it)
         if self.d.model is None:

@@ -135,6 +135,7 @@ class Model:
     step: Graph  # inputs tokens/positions; calls the layer stack through a `layers` node
     inputs: tuple[Value, ...]
     hints: tuple[Hint, ...]
+    checkpoints: tuple = ()  # mkdsl.checkpoint.mapping.CheckpointMap records: where weights come from
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)
