@@ -64,7 +64,8 @@ class LoadReport:
 
 
 def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, host: bool = False):
-    """(weights, report): the checkpoint at `path` (safetensors file, index or directory; GGUF)
+    """(weights, report): the checkpoint at `path` (safetensors file, index or directory; GGUF;
+    or a reader from `formats.open_checkpoint`)
     as `model`'s weights (a `mkdsl.Spec` or a `Model`), by the spec's mapping for that format.
 
     `module`: the generated kernel module; with a sharded one each weight is placed on `mesh`
@@ -72,7 +73,7 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
     Raises `CheckpointError` listing every missing or mismatched tensor before reading any data.
     """
     model = getattr(model, "model", model)
-    reader = open_checkpoint(path)
+    reader = path if hasattr(path, "info") else open_checkpoint(path)  # an open reader is reused
     plans = plan_load(model, reader)
     shardings = None
     if module is not None and hasattr(module, "weight_shardings") and not host:
