@@ -14,6 +14,7 @@ from functools import partial
 
 from mkdsl import dtypes
 from mkdsl.block_attrs import resolve_block_attrs
+from mkdsl.checkpoint.mapping import check_checkpoints
 from mkdsl.consts import MATH, ConstEnv, walk
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Reporter, Span, SpecError, did_you_mean
 from mkdsl.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
@@ -22,6 +23,7 @@ from mkdsl.syntax import (
     AssignStmt,
     BinOp,
     Call,
+    CheckpointDecl,
     ConstDecl,
     DimDecl,
     Expr,
@@ -89,6 +91,7 @@ class _Decls:
     layers: list[LayersDecl] = field(default_factory=list)
     steps: list[FuncDef] = field(default_factory=list)
     redefined: set[str] = field(default_factory=set)  # names defined twice: reported once, not as unknown
+    checkpoints: list[CheckpointDecl] = field(default_factory=list)
 
 
 def load(path: str, profile: str | None = None) -> Model:
@@ -118,6 +121,7 @@ class _Elaborator:
         schedule = self.check_layer_schedule()
         tensors = self.check_tensors(mesh, schedule)
         step, kinds, inputs, used = self.elaborate_functions(tensors, schedule, dims)
+        checkpoints = check_checkpoints(self.d.checkpoints, tensors, self.consts, self.rep, self.d.tensors)
         self.rep.check()
         return Model(
             name=self.d.model.name,
@@ -132,6 +136,7 @@ class _Elaborator:
             inputs=inputs,
             hints=tuple(hints.values()),
             warnings=self.unused_weights(used),
+            checkpoints=checkpoints,
         )
 
     def unused_weights(self, used: set[str]) -> tuple[Diagnostic, ...]:
@@ -191,6 +196,8 @@ class _Elaborator:
                 define(it.name, it.span, self.d.layer_defs, it)
             elif isinstance(it, LayersDecl):
                 self.d.layers.append(it)
+            elif isinstance(it, CheckpointDecl):
+                self.d.checkpoints.append(it)
             elif isinstance(it, FuncDef):
                 self.d.steps.append(it)
         if self.d.model is None:

@@ -149,6 +149,7 @@ class Model:
     inputs: tuple[Value, ...]
     hints: tuple[Hint, ...]
     warnings: tuple = field(default=(), compare=False)  # Diagnostics that do not stop compilation
+    checkpoints: tuple = ()  # mkdsl.checkpoint.mapping.CheckpointMap records: where weights come from
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)
