@@ -88,6 +88,10 @@ class OpDef:
     in_place: tuple[tuple[int, int], ...] = ()  # (output, operand) pairs that may share a buffer
     exchange: str = ""  # devices exchange its value: "sum", "gather" or "best" (an argmax)
     exchange_axes: str = "axes"  # the attribute holding the mesh axes of the exchange
+    # Prefill over a whole prompt (mkdsl/ops/prefill.py): `(rows, *arrays, **attrs)` -> as
+    # `reference`; None runs `reference` over the prompt's B*T rows (row-wise ops). Required
+    # for ops with `inout` state.
+    prefill: Callable | None = None
 
     def reached(self, operand: str) -> str:
         """How the kernel reaches a weight operand: "stream", "own" or "fetch"."""
