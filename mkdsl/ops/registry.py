@@ -92,6 +92,10 @@ class OpDef:
     # types of the block's parameters, from the op's operands (the block returns the first's type).
     block_attrs: tuple[tuple[str, Callable[[list[Operand]], tuple[TensorType, ...]]], ...] = ()
     optional: int = 0  # how many trailing operands a call may leave out (e.g. the expert biases)
+    # Prefill over a whole prompt (mkdsl/ops/prefill.py): `(rows, *arrays, **attrs)` -> as
+    # `reference`; None runs `reference` over the prompt's B*T rows (row-wise ops). Required
+    # for ops with `inout` state.
+    prefill: Callable | None = None
 
     def reached(self, operand: str) -> str:
         """How the kernel reaches a weight operand: "stream", "own" or "fetch"."""
