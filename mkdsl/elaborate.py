@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from mkdsl import dtypes
+from mkdsl.block_attrs import resolve_block_attrs
+from mkdsl.checkpoint.mapping import check_checkpoints
 from mkdsl.consts import MATH, ConstEnv, walk
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Reporter, Span, SpecError, did_you_mean
 from mkdsl.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
@@ -21,6 +23,7 @@ from mkdsl.syntax import (
     AssignStmt,
     BinOp,
     Call,
+    CheckpointDecl,
     ConstDecl,
     DimDecl,
     Expr,
@@ -88,6 +91,7 @@ class _Decls:
     layers: list[LayersDecl] = field(default_factory=list)
     steps: list[FuncDef] = field(default_factory=list)
     redefined: set[str] = field(default_factory=set)  # names defined twice: reported once, not as unknown
+    checkpoints: list[CheckpointDecl] = field(default_factory=list)
 
 
 def load(path: str, profile: str | None = None) -> Model:
@@ -117,6 +121,7 @@ class _Elaborator:
         schedule = self.check_layer_schedule()
         tensors = self.check_tensors(mesh, schedule)
         step, kinds, inputs, used = self.elaborate_functions(tensors, schedule, dims)
+        checkpoints = check_checkpoints(self.d.checkpoints, tensors, self.consts, self.rep, self.d.tensors)
         self.rep.check()
         return Model(
             name=self.d.model.name,
@@ -131,6 +136,7 @@ class _Elaborator:
             inputs=inputs,
             hints=tuple(hints.values()),
             warnings=self.unused_weights(used),
+            checkpoints=checkpoints,
         )
 
     def unused_weights(self, used: set[str]) -> tuple[Diagnostic, ...]:
@@ -190,6 +196,8 @@ class _Elaborator:
                 define(it.name, it.span, self.d.layer_defs, it)
             elif isinstance(it, LayersDecl):
                 self.d.layers.append(it)
+            elif isinstance(it, CheckpointDecl):
+                self.d.checkpoints.append(it)
             elif isinstance(it, FuncDef):
                 self.d.steps.append(it)
         if self.d.model is None:
@@ -391,18 +399,12 @@ class _Elaborator:
     def check_type(self, t: TypeExpr, name: str, allow_dims: bool) -> tuple[dtypes.DType | None, tuple]:
         dt = None
         args = {a.name: a for a in t.dtype_args}
-        if t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
+        if t.dtype in dtypes.SCALED and (t.dtype_args or t.dtype in ("int4", "int8")):
+            dt = self.scaled_dtype(t, args)
+        elif t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
             dt = dtypes.PLAIN.get(t.dtype, dtypes.MXFP4)
             for a in t.dtype_args:
                 self.rep.error(a.span, f"dtype {t.dtype} takes no parameters")
-        elif t.dtype == "int4":
-            if "group" not in args:
-                self.rep.error(t.span, "int4 needs a group size", "write `int4(group=128)[...]`")
-            for a in t.dtype_args:
-                if a.name != "group":
-                    self.rep.error(a.span, f"int4 has no parameter `{a.name}`", "its only parameter is `group`")
-            g = self.consts.eval_int(args["group"].value, "the int4 group size") if "group" in args else None
-            dt = dtypes.int4(g) if g else None
         else:
             self.rep.error(t.span, f"unknown dtype `{t.dtype}`", did_you_mean(t.dtype, dtypes.ALL_NAMES))
         shape = []
@@ -418,6 +420,30 @@ class _Elaborator:
             shape.append(self.consts.eval_int(d.size, f"dimension {i + 1} of `{name}`", maximum=MAX_SIZE))
         return dt, tuple(shape)
 
+    def scaled_dtype(self, t: TypeExpr, args: dict) -> dtypes.DType | None:
+        """`int4(group=G)`, `int8(group=G)`, `fp8_e4m3(group=G)` or `fp8_e4m3(block=B)`."""
+        allowed = ("group", "block") if t.dtype.startswith("fp8") else ("group",)
+        for a in t.dtype_args:
+            if a.name not in allowed:
+                self.rep.error(
+                    a.span, f"{t.dtype} has no parameter `{a.name}`", f"its parameters: {', '.join(allowed)}"
+                )
+        given = [a for a in allowed if a in args]
+        if len(given) != 1:
+            example = "group=128" if len(allowed) == 1 else "group=K` or `block=128"
+            self.rep.error(
+                t.span, f"{t.dtype} needs one of: {', '.join(allowed)}", f"write `{t.dtype}({example})[...]`"
+            )
+            return None
+        size = self.consts.eval_int(args[given[0]].value, f"the {t.dtype} {given[0]} size")
+        if not size or size <= 0:
+            return None
+        if t.dtype == "int4":
+            return dtypes.int4(size)
+        if t.dtype == "int8":
+            return dtypes.int8(size)
+        return dtypes.fp8(t.dtype, **{given[0]: size})
+
     def check_tensors(self, mesh: dict[str, int], schedule: tuple[str, ...]) -> dict[str, Tensor]:
         out = {}
         for t in self.d.tensors.values():
@@ -428,11 +454,11 @@ class _Elaborator:
             if dt is not None and dt.quantised and None not in shape:
                 if len(shape) < 2:
                     self.rep.error(t.type.span, f"a {dt} tensor needs at least 2 dimensions [.., in, out]")
-                elif isinstance(shape[-2], int) and (shape[-2] % dt.group or shape[-2] % 8):
+                elif isinstance(shape[-2], int) and shape[-2] % dt.k_multiple():
                     self.rep.error(
                         t.type.dims[-2].span,
                         f"the input dimension of {dt} weight `{t.name}` "
-                        f"({shape[-2]}) must be a multiple of {max(dt.group, 8)}",
+                        f"({shape[-2]}) must be a multiple of {dt.k_multiple()}",
                     )
                 if t.kind == "state":
                     self.rep.error(t.type.span, f"state `{t.name}` cannot be quantised ({dt})")
@@ -748,10 +774,11 @@ class _Context:
 
     def apply(self, op, e: Call, env, g, inline_stack, name_hint) -> list[Ref] | None:
         """The node of op `op` for call `e`: operands, attributes, shape rule, in-place writes."""
-        if len(e.args) != len(op.operands):
+        if not len(op.operands) - op.optional <= len(e.args) <= len(op.operands):
+            least = f"{len(op.operands) - op.optional} to " if op.optional else ""
             self.rep.error(
                 e.span,
-                f"`{op.name}` takes {len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
+                f"`{op.name}` takes {least}{len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
                 f"({', '.join(op.operands)}), got {len(e.args)}",
             )
             return None
@@ -766,6 +793,8 @@ class _Context:
                 return None
             refs.append(a[0])
         operands = [self.operand(r, g, _shown(a)) for r, a in zip(refs, e.args)]
+        if op.block_attrs and not resolve_block_attrs(self, e, op, attrs, operands):
+            return None
         try:
             out_types = op.infer(operands, {k: v.first if isinstance(v, LayerExpr) else v for k, v in attrs.items()})
         except OpError as err:
@@ -814,6 +843,9 @@ class _Context:
                 ok = False
                 continue
             v = k.value
+            if k.name in dict(op.block_attrs):  # a block's name, elaborated once the operands are known
+                attrs[k.name] = v
+                continue
             if (
                 isinstance(v, Name)
                 and not isinstance(env.get(v.id), Const)

@@ -386,6 +386,26 @@ def _rule_attention(s: _Sharder, node: Node, places):
     return need, outs, attrs
 
 
+def _rule_key_heads(s: _Sharder, node: Node, places):
+    """`delta_rule`: value heads split with their key heads (q, k by key head, v by value head).
+    The split comes from the first split one of q, k and v, so key heads that do not split (q and
+    k gathered by their norm) are reported as such."""
+    split = next((p for p in places[:3] if p.kind == "S"), None)
+    if split is None:
+        return _rule_whole(s, node, places)
+    ways = s.ways(split.axes)
+    kh = node.attr.get("key_heads")
+    if (kh or node.attr.get("heads", 1)) % ways:
+        raise ShardError(
+            f"{kh or node.attr.get('heads', 1)} key heads do not split {ways} ways",
+            "split the q and k projections by whole key heads, or use fewer devices",
+        )
+    need, outs, attrs = _rule_same_split(s, node, [split, *places[1:]], heads=True)
+    if kh is not None:
+        attrs["key_heads"] = kh // ways
+    return need, outs, attrs
+
+
 def _rule_mla(s: _Sharder, node: Node, places):
     q = places[0]
     w_axes = s.tensor_axes(node.arg("w_kvb"))
@@ -431,6 +451,7 @@ RULES = {
     "channels": lambda s, n, p: _rule_same_split(s, n, p, heads=False),
     "heads": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
     "kv_heads": _rule_attention,
+    "key_heads": _rule_key_heads,
     "latent_attention": _rule_mla,
     "matmul": _rule_linear,
     "vocab_rows": _rule_embedding,

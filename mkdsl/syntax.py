@@ -183,6 +183,34 @@ class LayersDecl:
 
 
 @dataclass(frozen=True)
+class CkptStep:
+    """One step of a checkpoint mapping (`| transpose`, `| unpermute(heads=NH)`)."""
+
+    span: Span
+    name: str
+    args: tuple[Expr, ...]
+    kwargs: tuple[Kwarg, ...]
+
+
+@dataclass(frozen=True)
+class CkptEntry:
+    """`weight = "pattern" | step ...`: where one weight comes from (several patterns: concatenated)."""
+
+    span: Span
+    weight: str
+    patterns: tuple[str, ...]
+    pattern_spans: tuple[Span, ...]
+    steps: tuple[CkptStep, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointDecl:
+    span: Span
+    format: str
+    entries: tuple[CkptEntry, ...]
+
+
+@dataclass(frozen=True)
 class Module:
     items: tuple[object, ...]
 
@@ -221,6 +249,23 @@ class _ToAst(Transformer_NonRecursive):
 
     def assign(self, meta, c):
         return Assign(Span.of(c[0]), str(c[0]), c[1])
+
+    def checkpoint_decl(self, meta, c):
+        return CheckpointDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
+
+    def ckpt_entry(self, meta, c):
+        strings = c[1]
+        return CkptEntry(
+            Span.of(c[0]), str(c[0]), tuple(str(t)[1:-1] for t in strings), tuple(map(Span.of, strings)), tuple(c[2:])
+        )
+
+    def ckpt_source(self, meta, c):
+        return tuple(c)
+
+    def ckpt_step(self, meta, c):
+        args = (c[1] if len(c) > 1 else None) or ()  # `| transpose` has no argument list
+        pos = tuple(a for a in args if not isinstance(a, Kwarg))
+        return CkptStep(Span.of(c[0]), str(c[0]), pos, tuple(a for a in args if isinstance(a, Kwarg)))
 
     def tensor_kind(self, meta, c):
         return str(c[0])
@@ -372,6 +417,7 @@ _TERMINAL_NAMES = {
     "COMMA": "`,`",
     "COLON": "`:`",
     "EQUAL": "`=`",
+    "STRING": "a string",
     "$END": "end of file",
 }
 

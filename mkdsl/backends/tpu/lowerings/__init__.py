@@ -10,5 +10,6 @@ from mkdsl.backends.tpu.lowerings import (  # noqa: F401
     moe,
     norm,
     residual,
+    routing,
     select,
 )
