@@ -300,3 +300,13 @@ def test_rmsnorm_offset_kernel_line_is_the_one_adding_an_op_shows():
     text = text.replace("  h = rmsnorm(x, norm2)", "  h = rmsnorm(x, norm2, offset=1.0)")
     out, _ = compile_source(text, "spec.mk", None)
     assert shown in out.files["kernel.py"]
+
+
+def test_the_python_api_keeps_the_warnings(tmp_path):
+    import mkdsl
+
+    path = tmp_path / "spec.mk"
+    path.write_text(spec("  return x + linear(x, w)", use_all=False), encoding="utf-8")
+    warnings = mkdsl.load(str(path)).model.warnings
+    assert sorted(w.message.split("`")[1] for w in warnings) == ["bias", "gate_w", "head_w"]
+    assert {w.severity for w in warnings} == {"warning"}
