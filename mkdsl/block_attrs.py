@@ -15,7 +15,9 @@ from mkdsl.ir import BlockAttr, Graph, LayerExpr, Node, Ref, TensorType, Value
 from mkdsl.ops import OPS, REQUIRED, OpError
 from mkdsl.syntax import Name
 
-ELEMENTWISE_RULES = ("elementwise", "sum")  # shard rules of ops that act entry by entry
+# Shard rules of ops that act entry by entry (the broadcasting ones too: inside a block every
+# operand is a parameter of the same shape, so nothing broadcasts there).
+ELEMENTWISE_RULES = ("elementwise", "sum", "broadcast", "broadcast_sum")
 
 
 def op_block(op: str, types: tuple[TensorType, ...], **attrs) -> Graph:

@@ -310,3 +310,24 @@ def test_the_python_api_keeps_the_warnings(tmp_path):
     warnings = mkdsl.load(str(path)).model.warnings
     assert sorted(w.message.split("`")[1] for w in warnings) == ["bias", "gate_w", "head_w"]
     assert {w.severity for w in warnings} == {"warning"}
+
+
+OSS_ACT = """
+block oss_act(g, u) {
+  g = clamp(g, hi=7.0)
+  u = clamp(u, lo=-7.0, hi=7.0)
+  return (u + 1.0) * (g * sigmoid(g * 1.702)) - minimum(g, u) * 0.0
+}
+"""
+
+
+def test_an_expert_activation_block_may_use_the_operators_and_constants():
+    """gpt-oss's clamped SwiGLU as `moe_experts`' `act`: `+ - *` on tensors (broadcasting ops) and
+    the scalar forms are elementwise for block attributes; the reference applies it per expert."""
+    text = (ROOT / "specs" / "qwen3_30b_a3b.mk").read_text(encoding="utf-8")
+    assert text.count("act=swiglu") == 1
+    text = text.replace("act=swiglu", "act=oss_act") + OSS_ACT
+    m = elaborate(parse(text), "mini", text)
+    (node,) = [n for k in m.kinds for n in k.nodes if n.op == "moe_experts"]
+    ops = [n.op for n in node.attr["act"].graph.nodes]
+    assert {"clamp", "add_scalar", "mul_scalar", "mul", "sub", "minimum"} <= set(ops)
