@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites
-from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, stream_format, stream_tiles
+from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
@@ -209,10 +209,24 @@ def tile_streams(s: _State) -> None:
             if tk is None or tn is None:
                 continue
             k, n = t.type.shape
-            sf = stream_format(t.type.dtype)
-            parts = () if sf.fmt == "bf16" else tuple((p.suffix, p.ring, p.rdiv, p.cdiv) for p in sf.parts)
+            sf, padded = stream_format(t.type.dtype), padded_columns(n)
+            plain = sf.fmt == "bf16" and padded == n
+            parts = () if plain else tuple((p.suffix, p.ring, p.rdiv, p.cdiv) for p in sf.parts)
+            valid = n if padded != n else 0
             stream = Stream(
-                t.name, node.outputs[0].name, k, n, tk, tn, start, t.stacked, node.span.line, sf.fmt, sf.group, parts
+                t.name,
+                node.outputs[0].name,
+                k,
+                padded,
+                tk,
+                tn,
+                start,
+                t.stacked,
+                node.span.line,
+                sf.fmt,
+                sf.group,
+                parts,
+                valid,
             )
             streams.append(stream)
             start += stream.tiles

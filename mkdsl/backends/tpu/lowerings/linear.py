@@ -95,6 +95,12 @@ def stream_format(d: DType) -> StreamFormat | None:
     return None
 
 
+def padded_columns(n: int) -> int:
+    """Columns of a streamed matrix as the kernel stores it (per device): whole 128-lane tiles.
+    The matmul computes the padding columns and stores only the first `n`."""
+    return -(-n // 128) * 128
+
+
 def stream_tiles(t: Tensor, tile_k: int, tile_n: int) -> tuple[int | None, int | None]:
     """[tk, tn] of a streamed matrix (None where no aligned tile divides it): tk the whole K if
     it fits, else the largest valid tile <= tile_k dividing K; tn likewise, lane-aligned."""
@@ -104,7 +110,7 @@ def stream_tiles(t: Tensor, tile_k: int, tile_n: int) -> tuple[int | None, int |
         return None, None
     ks = [tk for tk in range(16, min(k, tile_k) + 1, 16) if k % tk == 0 and sf.k_ok(tk, k)]
     tk = k if k <= tile_k and sf.k_ok(k, k) else max(ks, default=None)
-    tn = divisor_tile(n, tile_n, 128)
+    tn = divisor_tile(padded_columns(n), tile_n, 128)
     if tn is not None and sf.group and sf.fmt == "block" and tn % sf.group:
         tn = None
     return tk, tn
@@ -133,10 +139,12 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
             )
         ]
     tk, tn = stream_tiles(t, TILE_K, tile_n_of(model))
+    k, n = t.type.shape
+    if t.type.dtype.block and n % t.type.dtype.block and any(t.sharding[-1:]):
+        note = split_note(model, t, 1)
+        return [Diagnostic(t.span, f"weight `{t.name}` has {n} columns{note}; its scale blocks cannot split evenly")]
     if tk is None or tn is None:
-        k, n = t.type.shape
-        what = f"{k} rows" if tk is None else f"{n} columns"
-        what += split_note(model, t, 0 if tk is None else 1)
+        what = f"{k} rows" + split_note(model, t, 0) if tk is None else f"{n} columns" + split_note(model, t, 1)
         need = f"a tile that divides it and suits {t.type.dtype}" if tk is None else "a multiple of 128"
         return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}")]
     return []
@@ -171,7 +179,7 @@ def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
         x=ins[0],
         xb=f"{ins[0]}_bf16",
         cast=cast,
-        fn="linear" if st.fmt == "bf16" else "qlinear",
+        fn="qlinear" if st.parts else "linear",
         stream=em.stream_const(em.seq, st),
         slot=em.slot_expr(st.tensor, "li"),
         base="base",
@@ -179,10 +187,13 @@ def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
 
 
 def _linear_runtime(model: Model, at: Site) -> tuple[str, ...]:
-    """A quantised or fp8 matrix needs the decoders and `qlinear`."""
+    """A quantised, fp8 or column-padded matrix needs `qlinear` (and the decoders)."""
     w = at.node.arg("weight")
     sf = stream_format(model.tensor(w.name).type.dtype) if w.kind == "tensor" else None
-    return () if sf is None or sf.fmt == "bf16" else ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja")
+    n = model.tensor(w.name).type.shape[-1] if sf else 0
+    if sf is None or (sf.fmt == "bf16" and n % 128 == 0):
+        return ()
+    return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja")
 
 
 register_lowering(
