@@ -180,47 +180,49 @@ dim B in 1 .. 8
 mesh { tp = 2 }
 
 weight embed:   bf16[V @tp, H]
-weight w_kv:    int8(group=H)[H, KV]       per layer
+weight w_kv:    int8(group=H)[H, KV @tp]   per layer
 weight w_up:    bf16[H, F]                 per layer
 weight w_q:     fp8_e4m3(block=128)[F, KV] per layer
 weight w_o:     bf16[KV, H]                per layer
-weight lm_head: bf16[H, V @tp]
+weight w_p:     bf16[KV @tp, H]            per layer
 
 layer mix(x) {
-  return x + linear(silu(linear(x, w_kv)), w_o) + linear(linear(linear(x, w_up), w_q), w_o)
+  return x + linear(silu(linear(x, w_kv)), w_p) + linear(linear(linear(x, w_up), w_q), w_o)
 }
 
 layers 2 { mix: otherwise }
 
 step(tokens, positions) {
   x = layers(embedding(tokens, embed))
-  logits = linear(x, lm_head)
+  logits = linear(x, embed, transposed=true)
   return logits, argmax(logits)
 }
 """
 
 
-def test_padded_columns_and_a_split_vocabulary_match_the_reference(tmp_path):
-    """Widths that are not whole 128-lane tiles (hidden 576, KV 192, 200 vocabulary columns per
-    device) are stored padded per device and computed padded; consumers see the valid width, and
-    the vocabulary-split logits stay split (no all-gather): argmax combines the devices' bests."""
+def test_padded_outputs_a_tied_head_and_a_split_vocabulary_match_the_reference(tmp_path):
+    """Widths that are not whole 128-lane tiles (hidden 576, KV 192, 96 KV columns and 200
+    vocabulary rows per device) are stored padded per device and computed padded; consumers see
+    the valid width. The tied head streams the [V, H] embedding transposed, and its
+    vocabulary-split logits stay split (no all-gather): argmax combines the devices' bests."""
     out = _compiled(PADDED, tmp_path, "padn")
     module = verify.import_generated(out.files["kernel.py"], tmp_path, "padn_kernel")
-    assert module.PADDED_COLUMNS == {
-        "w_kv_codes": (192, 256, 1),
-        "w_kv_scales": (192, 256, 1),
-        "w_o": (576, 640, 1),
-        "w_q_codes": (192, 256, 1),
-        "lm_head": (200, 256, 2),
+    assert module.PADDED == {
+        "embed": (-2, 200, 256, 2),
+        "w_kv_codes": (-1, 96, 128, 2),
+        "w_kv_scales": (-1, 96, 128, 2),
+        "w_q_codes": (-1, 192, 256, 1),
+        "w_o": (-1, 576, 640, 1),
+        "w_p": (-1, 576, 640, 1),
     }
-    assert module.WEIGHTS["lm_head"][0] == (576, 512) and module.LOCAL_WEIGHTS["lm_head"] == (576, 256)
+    assert module.WEIGHTS["embed"][0] == (512, 576) and module.LOCAL_WEIGHTS["embed"] == (256, 576)
     assert module.WEIGHTS["w_q_scales"][0] == (2, 2, 2)  # block scales already cover the padding
     assert module.LOGITS_SPLIT == "tp"
     ops = {n.op for g in (*out.local.kinds, out.local.step) for n in g.nodes}
     assert "all_gather" not in ops
-    padded = np.asarray(module.pad_weights({"lm_head": np.ones((576, 400), np.float32)})["lm_head"])
-    assert padded.shape == (576, 512) and padded[:, :200].all() and not padded[:, 200:256].any()
-    assert padded[:, 256:456].all() and not padded[:, 456:].any()
+    padded = np.asarray(module.pad_weights({"embed": np.ones((400, 576), np.float32)})["embed"])
+    assert padded.shape == (512, 576) and padded[:200].all() and not padded[200:256].any()
+    assert padded[256:456].all() and not padded[456:].any()
     result = verify.check_batch(out.model, module, verify.LayerChecker(out.model), batch=2, steps=1, seed=0)
     assert not result.failures, result.failures
 

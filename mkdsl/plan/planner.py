@@ -205,12 +205,13 @@ def tile_streams(s: _State) -> None:
             if w is None:
                 continue
             t = s.model.tensor(w.name)
-            tk, tn = stream_tiles(t, s.tile_k, s.tile_n)
+            transposed = bool(node.attr.get("transposed"))
+            tk, tn = stream_tiles(t, s.tile_k, s.tile_n, transposed)
             if tk is None or tn is None:
                 continue
-            k, n = t.type.shape
+            k, n = reversed(t.type.shape) if transposed else t.type.shape
             sf, padded = stream_format(t.type.dtype), padded_columns(n)
-            plain = sf.fmt == "bf16" and padded == n
+            plain = sf.fmt == "bf16" and padded == n and not transposed
             parts = () if plain else tuple((p.suffix, p.ring, p.rdiv, p.cdiv) for p in sf.parts)
             valid = n if padded != n else 0
             stream = Stream(
@@ -226,7 +227,8 @@ def tile_streams(s: _State) -> None:
                 sf.fmt,
                 sf.group,
                 parts,
-                valid,
+                transposed=transposed,
+                valid=valid,
             )
             streams.append(stream)
             start += stream.tiles
@@ -256,7 +258,7 @@ def ring_arrays(s: _State) -> dict:
     shapes: dict = {}
     for st in all_streams(s):
         for p in stream_format(s.model.tensor(st.tensor).type.dtype).parts:
-            rows, cols = p.tile(st.tk, st.tn)
+            rows, cols = p.tile(st.tk, st.tn, st.transposed)
             r0, c0, _, _ = shapes.get(p.ring, (0, 0, p.dtype, p.memory))
             shapes[p.ring] = (max(r0, rows), max(c0, cols), p.dtype, p.memory)
     return shapes

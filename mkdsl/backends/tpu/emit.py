@@ -210,6 +210,7 @@ class _Emitter:
                         line=st.line,
                         slot_expr_issue=self.slot_expr(st.tensor, "layer"),
                         quant=bool(st.parts),
+                        transposed=st.transposed,
                         valid=st.valid,
                         fmt=st.fmt,
                         group=st.group,
@@ -271,16 +272,18 @@ class _Emitter:
         ]
         return dict(layer_kind=repr(layer_kind), layer_base=repr(bases), slot_tables=slot_tables)
 
-    def padded_columns(self) -> dict[str, tuple[int, int, int]]:
-        """Storage arrays stored with their columns padded per device to whole 128-lane tiles:
-        name -> (columns per device, padded, devices along them). Block scales need none."""
+    def padded_columns(self) -> dict[str, tuple[int, int, int, int]]:
+        """Storage arrays stored with their outputs padded per device to whole 128-lane tiles:
+        name -> (axis, outputs per device, padded, devices along them); the axis is the rows of a
+        transposed matrix, else the columns. Block scales need none."""
         out = {}
         for st in (st for seq in self.plan.sequences for st in seq.streams if st.valid):
             w = self.whole.tensor(st.tensor)
-            blocks = w.type.shape[-1] // st.valid
+            axis = -2 if st.transposed else -1
+            blocks = w.type.shape[axis] // st.valid
             for part in storage(w.type.dtype, w.full_shape):
-                if part.shape[-1] == w.type.shape[-1]:
-                    out[_part_name(w.name, part)] = (st.valid, st.n, blocks)
+                if part.shape[axis] == w.type.shape[axis]:
+                    out[_part_name(w.name, part)] = (axis, st.valid, st.n, blocks)
         return out
 
     def arrays(self) -> dict:
@@ -290,11 +293,13 @@ class _Emitter:
         def shape(name: str, dims: tuple, local: bool) -> str:
             if name not in pads:
                 return repr(tuple(dims))
-            valid, padded, blocks = pads[name]
-            return repr((*dims[:-1], padded if local else padded * blocks))
+            axis, valid, padded, blocks = pads[name]
+            dims = list(dims)
+            dims[axis] = padded if local else padded * blocks
+            return repr(tuple(dims))
 
         return dict(
-            pads=[dict(name=k, valid=v[0], padded=v[1], blocks=v[2]) for k, v in pads.items()],
+            pads=[dict(name=k, axis=v[0], valid=v[1], padded=v[2], blocks=v[3]) for k, v in pads.items()],
             weights=[
                 dict(
                     name=_part_name(w.name, part),

@@ -45,8 +45,9 @@ class TilePart:
             return f"ring_smem_{self.dtype}"
         return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
 
-    def tile(self, tk: int, tn: int) -> tuple[int, int]:
-        return max(1, tk // self.rdiv), tn // self.cdiv
+    def tile(self, tk: int, tn: int, transposed: bool = False) -> tuple[int, int]:
+        """Its [rows, cols] in one ring bank (a transposed plain matrix's tile is [tn, tk])."""
+        return (tn, tk) if transposed else (max(1, tk // self.rdiv), tn // self.cdiv)
 
     @property
     def itemsize(self) -> int:
@@ -101,15 +102,20 @@ def padded_columns(n: int) -> int:
     return -(-n // 128) * 128
 
 
-def stream_tiles(t: Tensor, tile_k: int, tile_n: int) -> tuple[int | None, int | None]:
+def stream_tiles(t: Tensor, tile_k: int, tile_n: int, transposed: bool = False) -> tuple[int | None, int | None]:
     """[tk, tn] of a streamed matrix (None where no aligned tile divides it): tk the whole K if
-    it fits, else the largest valid tile <= tile_k dividing K; tn likewise, lane-aligned."""
-    k, n = t.type.shape
+    it fits, else the largest valid tile <= tile_k dividing K; tn likewise, lane-aligned. A
+    transposed matrix ([N, K] in HBM) has its K along the lanes: tk a multiple of 128 or all K."""
+    n, k = t.type.shape if transposed else reversed(t.type.shape)
     sf = stream_format(t.type.dtype)
     if sf is None:
         return None, None
-    ks = [tk for tk in range(16, min(k, tile_k) + 1, 16) if k % tk == 0 and sf.k_ok(tk, k)]
-    tk = k if k <= tile_k and sf.k_ok(k, k) else max(ks, default=None)
+
+    def ok(tk: int) -> bool:
+        return sf.k_ok(tk, k) and (not transposed or tk == k or tk % 128 == 0)
+
+    ks = [tk for tk in range(16, min(k, tile_k) + 1, 16) if k % tk == 0 and ok(tk)]
+    tk = k if k <= tile_k and ok(k) else max(ks, default=None)
     tn = divisor_tile(padded_columns(n), tile_n, 128)
     if tn is not None and sf.group and sf.fmt == "block" and tn % sf.group:
         tn = None
@@ -138,13 +144,16 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
                 "declare it in one of those, or use it through an op that takes it",
             )
         ]
-    tk, tn = stream_tiles(t, TILE_K, tile_n_of(model))
-    k, n = t.type.shape
+    transposed = bool(at.node.attr.get("transposed"))
+    tk, tn = stream_tiles(t, TILE_K, tile_n_of(model), transposed)
+    k, n = reversed(t.type.shape) if transposed else t.type.shape
+    kd, nd = (1, 0) if transposed else (0, 1)
     if t.type.dtype.block and n % t.type.dtype.block and any(t.sharding[-1:]):
-        note = split_note(model, t, 1)
+        note = split_note(model, t, nd)
         return [Diagnostic(t.span, f"weight `{t.name}` has {n} columns{note}; its scale blocks cannot split evenly")]
     if tk is None or tn is None:
-        what = f"{k} rows" + split_note(model, t, 0) if tk is None else f"{n} columns" + split_note(model, t, 1)
+        rows, cols = ("columns", "rows") if transposed else ("rows", "columns")
+        what = f"{k} {rows}" + split_note(model, t, kd) if tk is None else f"{n} {cols}" + split_note(model, t, nd)
         need = f"a tile that divides it and suits {t.type.dtype}" if tk is None else "a multiple of 128"
         return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}")]
     return []
@@ -155,7 +164,7 @@ def _allocate_linear(s: PlanContext, at: Site) -> None:
     if at.node.arg("weight").kind != "tensor":
         return
     src = s.buffer(at.graph, at.node.arg("x"))
-    k = s.model.tensor(at.node.arg("weight").name).type.shape[0]
+    k = s.model.tensor(at.node.arg("weight").name).type.shape[1 if at.node.attr.get("transposed") else 0]
     s.alloc(f"{src}_bf16", ("rows", k), "bfloat16", "matmul input (bf16)", at.node.span)
 
 
@@ -165,7 +174,7 @@ def _linear_traffic(s: PlanContext, at: Site) -> Traffic:
     if not st:
         return Traffic()
     parts = stream_format(s.model.tensor(st.tensor).type.dtype).parts
-    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn)) for p in parts)
+    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn, st.transposed)) for p in parts)
     return Traffic(int(per_tile) * st.tiles, st.tiles * len(parts))
 
 
@@ -190,8 +199,9 @@ def _linear_runtime(model: Model, at: Site) -> tuple[str, ...]:
     """A quantised, fp8 or column-padded matrix needs `qlinear` (and the decoders)."""
     w = at.node.arg("weight")
     sf = stream_format(model.tensor(w.name).type.dtype) if w.kind == "tensor" else None
-    n = model.tensor(w.name).type.shape[-1] if sf else 0
-    if sf is None or (sf.fmt == "bf16" and n % 128 == 0):
+    t = model.tensor(w.name)
+    n = t.type.shape[0 if at.node.attr.get("transposed") else 1]
+    if sf is None or (sf.fmt == "bf16" and n % 128 == 0 and not at.node.attr.get("transposed")):
         return ()
     return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja")
 
