@@ -1,7 +1,7 @@
 """The planner: named passes from the graph IR to a `Plan`, run in a visible sequence.
 
     pad_rows -> check_lowering -> tile_streams -> size_ring -> plan_collectives -> allocate_vmem
-             -> fit_ring -> check_budget -> count_traffic -> schedule_traffic -> model_time
+             -> fit_ring -> check_budget -> check_hbm -> count_traffic -> schedule_traffic -> model_time
 
 The planner names no op: it asks each op's TPU lowering (mkdsl/backends/tpu/lowering.py) what it
 cannot lower, what buffers it needs and what its schedule moves, and the op (`OpDef`) how its
