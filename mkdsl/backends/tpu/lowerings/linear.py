@@ -34,7 +34,7 @@ class TilePart:
 
     suffix: str  # the storage part ("" for a plain matrix; "codes", "scales")
     dtype: str  # numpy name
-    memory: str  # VMEM, or SMEM for scalars the decoder reads one at a time
+    memory: str  # VMEM (SMEM would suit scalars, but Mosaic cannot DMA an HBM window into it)
     rdiv: int  # K rows per stored row (8 nibbles per uint32 word; `group` inputs per scale row)
     cdiv: int = 1  # N columns per stored column (block scales)
 
@@ -45,9 +45,18 @@ class TilePart:
             return f"ring_smem_{self.dtype}"
         return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
 
-    def tile(self, tk: int, tn: int, transposed: bool = False) -> tuple[int, int]:
-        """Its [rows, cols] in one ring bank (a transposed plain matrix's tile is [tn, tk])."""
-        return (tn, tk) if transposed else (max(1, tk // self.rdiv), tn // self.cdiv)
+    def ring_for(self, n: int) -> str:
+        """Block scales (whole rows of squares) get a ring array as wide as their matrix's row of
+        squares: Mosaic DMAs an HBM window of a narrow array only into an array of its width."""
+        return f"ring_scales{n // self.cdiv}" if self.cdiv > 1 else self.ring
+
+    def tile(self, tk: int, tn: int, n: int, transposed: bool = False) -> tuple[int, int]:
+        """Its [rows, cols] in one ring bank (a transposed plain matrix's tile is [tn, tk]). Block
+        scales come as whole rows of squares (all `n` columns): a window at a dynamic lane offset
+        of a narrow f32 array is not word-aligned in HBM."""
+        if transposed:
+            return tn, tk
+        return max(1, tk // self.rdiv), (n if self.cdiv > 1 else tn) // self.cdiv
 
     @property
     def itemsize(self) -> int:
@@ -78,7 +87,7 @@ def stream_format(d: DType) -> StreamFormat | None:
     if d.name.startswith("fp8") and not d.quantised:
         return StreamFormat("cast", 0, (TilePart("", d.numpy, "VMEM", 1),), lambda tk, k: _aligned(tk, k, tk, 32))
     if b:
-        parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "SMEM", b, b))
+        parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "VMEM", b, b))
         return StreamFormat("block", b, parts, lambda tk, k: tk % b == 0 and _aligned(tk, k, tk, 32))
     if d.name == "mxfp4" or d.name == "int4":
         scale = "uint8" if d.name == "mxfp4" else "bfloat16"
@@ -174,7 +183,7 @@ def _linear_traffic(s: PlanContext, at: Site) -> Traffic:
     if not st:
         return Traffic()
     parts = stream_format(s.model.tensor(st.tensor).type.dtype).parts
-    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn, st.transposed)) for p in parts)
+    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn, st.n, st.transposed)) for p in parts)
     return Traffic(int(per_tile) * st.tiles, st.tiles * len(parts))
 
 
