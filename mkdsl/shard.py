@@ -346,6 +346,8 @@ def _rule_same_split(s: _Sharder, node: Node, places, heads: bool):
 
 def _rule_linear(s: _Sharder, node: Node, places):
     k_axes, n_axes = s.tensor_axes(node.arg("weight"))
+    if node.attr.get("transposed"):  # the weight is stored [N, K] (a tied output head)
+        k_axes, n_axes = n_axes, k_axes
     w = node.arg("weight").name
     if not k_axes:
         return {0: WHOLE}, [Place("S", n_axes) if n_axes else WHOLE], {}

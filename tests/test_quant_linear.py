@@ -159,12 +159,74 @@ def test_the_plan_streams_storage_bytes(tmp_path):
     out = _compiled(QSPEC, tmp_path, "qdemo")
     m, plan = out.model, out.plan
     moved = {i.what: i.bytes for i in plan.schedule_items if i.graph == "mlp" and i.what.startswith("linear")}
-    for name in ("w_a", "w_b", "w_c", "w_d", "w_e", "w_f"):
+    for name in ("w_a", "w_b", "w_d", "w_e", "w_f"):
         t = m.tensor(name)
         assert moved[f"linear `{name}`"] == dtypes.storage_bytes(t.type.dtype, t.type.shape), name
+    # block scales come as whole rows of squares, once per column block (2 of 256 here): 2 x 32 B
+    assert moved["linear `w_c`"] == 256 * 512 + 2 * (2 * 4 * 4)
     rings = {a.name: a for a in plan.vmem if a.name.startswith("ring")}
     assert {"ring", "ring_uint32", "ring_uint8", "ring_float8_e4m3fn", "ring_float8_e5m2", "ring_int8"} <= set(rings)
-    assert rings["ring_smem_float32"].memory == "SMEM" and rings["ring_float32"].shape[1:] == (2, 256)
+    assert rings["ring_scales2"].shape[1:] == (2, 2) and rings["ring_float32"].shape[1:] == (2, 256)
+
+
+PADDED = """
+model padn
+
+const H  = 576
+const KV = 192
+const V  = 400
+const F  = 256
+
+dim B in 1 .. 8
+
+mesh { tp = 2 }
+
+weight embed:   bf16[V @tp, H]
+weight w_kv:    int8(group=H)[H, KV @tp]   per layer
+weight w_up:    bf16[H, F]                 per layer
+weight w_q:     fp8_e4m3(block=128)[F, KV] per layer
+weight w_o:     bf16[KV, H]                per layer
+weight w_p:     bf16[KV @tp, H]            per layer
+
+layer mix(x) {
+  return x + linear(silu(linear(x, w_kv)), w_p) + linear(linear(linear(x, w_up), w_q), w_o)
+}
+
+layers 2 { mix: otherwise }
+
+step(tokens, positions) {
+  x = layers(embedding(tokens, embed))
+  logits = linear(x, embed, transposed=true)
+  return logits, argmax(logits)
+}
+"""
+
+
+def test_padded_outputs_a_tied_head_and_a_split_vocabulary_match_the_reference(tmp_path):
+    """Widths that are not whole 128-lane tiles (hidden 576, KV 192, 96 KV columns and 200
+    vocabulary rows per device) are stored padded per device and computed padded; consumers see
+    the valid width. The tied head streams the [V, H] embedding transposed, and its
+    vocabulary-split logits stay split (no all-gather): argmax combines the devices' bests."""
+    out = _compiled(PADDED, tmp_path, "padn")
+    module = verify.import_generated(out.files["kernel.py"], tmp_path, "padn_kernel")
+    assert module.PADDED == {
+        "embed": (-2, 200, 256, 2),
+        "w_kv_codes": (-1, 96, 128, 2),
+        "w_kv_scales": (-1, 96, 128, 2),
+        "w_q_codes": (-1, 192, 256, 1),
+        "w_o": (-1, 576, 640, 1),
+        "w_p": (-1, 576, 640, 1),
+    }
+    assert module.WEIGHTS["embed"][0] == (512, 576) and module.LOCAL_WEIGHTS["embed"] == (256, 576)
+    assert module.WEIGHTS["w_q_scales"][0] == (2, 2, 2)  # block scales already cover the padding
+    assert module.LOGITS_SPLIT == "tp"
+    ops = {n.op for g in (*out.local.kinds, out.local.step) for n in g.nodes}
+    assert "all_gather" not in ops
+    padded = np.asarray(module.pad_weights({"embed": np.ones((400, 576), np.float32)})["embed"])
+    assert padded.shape == (512, 576) and padded[:200].all() and not padded[200:256].any()
+    assert padded[256:456].all() and not padded[456:].any()
+    result = verify.check_batch(out.model, module, verify.LayerChecker(out.model), batch=2, steps=1, seed=0)
+    assert not result.failures, result.failures
 
 
 # ---------------------------------------------------------------- HBM capacity per device

@@ -1525,15 +1525,6 @@ def split_bf16(w):
     return hi, (w - hi.astype(F32)).astype(BF16)
 
 
-def spread_scales(scale_at, cols, block):
-    """[1, cols] f32 row whose lanes c*block .. (c+1)*block-1 hold scale_at(c) (scalars, e.g. SMEM)."""
-    lane = jax.lax.broadcasted_iota(I32, (1, cols), 1) // block
-    row = jnp.zeros((1, cols), F32)
-    for c in range(cols // block):
-        row = jnp.where(lane == c, scale_at(c), row)
-    return row
-
-
 # ---------------------------------------------------------------------------------------
 # Routed MoE (MXFP4 decoders: runtime/decode.py.jinja): in-kernel top-k routing, the distinct experts in SMEM, and MXFP4 experts
 # streamed from HBM in column tiles through `slots` tile sets, each expert loaded once per

@@ -24,10 +24,11 @@ def size_text(n: int) -> str:
 
 def hbm_line(plan) -> str:
     """The plan's HBM figure in words (plan.md and `mkdsl plan`)."""
-    return (
-        f"HBM per device {size_text(plan.hbm_bytes)} of {HBM_USABLE_PER_CORE / GB:.1f} GB usable (weights, state at the largest "
-        f"batch and shortest cache); caches fit up to {plan.hbm_max_cache} tokens at the largest batch"
+    line = (
+        f"HBM per device {size_text(plan.hbm_bytes)} of {HBM_USABLE_PER_CORE / GB:.1f} GB usable (weights, state at the "
+        "largest batch and shortest cache)"
     )
+    return line + (f"; caches fit up to {plan.hbm_max_cache} tokens at the largest batch" if plan.hbm_max_cache else "")
 
 
 def build_sizes(model: Model, cache: str = "low", tokens: int | None = None) -> dict[str, int]:

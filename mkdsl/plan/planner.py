@@ -1,7 +1,7 @@
 """The planner: named passes from the graph IR to a `Plan`, run in a visible sequence.
 
     pad_rows -> check_lowering -> tile_streams -> size_ring -> plan_collectives -> allocate_vmem
-             -> fit_ring -> check_budget -> count_traffic -> schedule_traffic -> model_time
+             -> fit_ring -> check_budget -> check_hbm -> count_traffic -> schedule_traffic -> model_time
 
 The planner names no op: it asks each op's TPU lowering (mkdsl/backends/tpu/lowering.py) what it
 cannot lower, what buffers it needs and what its schedule moves, and the op (`OpDef`) how its
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites
-from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, stream_format, stream_tiles
+from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
@@ -205,14 +205,30 @@ def tile_streams(s: _State) -> None:
             if w is None:
                 continue
             t = s.model.tensor(w.name)
-            tk, tn = stream_tiles(t, s.tile_k, s.tile_n)
+            transposed = bool(node.attr.get("transposed"))
+            tk, tn = stream_tiles(t, s.tile_k, s.tile_n, transposed)
             if tk is None or tn is None:
                 continue
-            k, n = t.type.shape
-            sf = stream_format(t.type.dtype)
-            parts = () if sf.fmt == "bf16" else tuple((p.suffix, p.ring, p.rdiv, p.cdiv) for p in sf.parts)
+            k, n = reversed(t.type.shape) if transposed else t.type.shape
+            sf, padded = stream_format(t.type.dtype), padded_columns(n)
+            plain = sf.fmt == "bf16" and padded == n and not transposed
+            parts = () if plain else tuple((p.suffix, p.ring_for(padded), p.rdiv, p.cdiv) for p in sf.parts)
+            valid = n if padded != n else 0
             stream = Stream(
-                t.name, node.outputs[0].name, k, n, tk, tn, start, t.stacked, node.span.line, sf.fmt, sf.group, parts
+                t.name,
+                node.outputs[0].name,
+                k,
+                padded,
+                tk,
+                tn,
+                start,
+                t.stacked,
+                node.span.line,
+                sf.fmt,
+                sf.group,
+                parts,
+                transposed=transposed,
+                valid=valid,
             )
             streams.append(stream)
             start += stream.tiles
@@ -242,9 +258,10 @@ def ring_arrays(s: _State) -> dict:
     shapes: dict = {}
     for st in all_streams(s):
         for p in stream_format(s.model.tensor(st.tensor).type.dtype).parts:
-            rows, cols = p.tile(st.tk, st.tn)
-            r0, c0, _, _ = shapes.get(p.ring, (0, 0, p.dtype, p.memory))
-            shapes[p.ring] = (max(r0, rows), max(c0, cols), p.dtype, p.memory)
+            rows, cols = p.tile(st.tk, st.tn, st.n, st.transposed)
+            ring = p.ring_for(st.n)
+            r0, c0, _, _ = shapes.get(ring, (0, 0, p.dtype, p.memory))
+            shapes[ring] = (max(r0, rows), max(c0, cols), p.dtype, p.memory)
     return shapes
 
 

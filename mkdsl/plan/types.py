@@ -28,7 +28,9 @@ class Stream:
     line: int  # spec line of the op call
     fmt: str = "bf16"  # the tile decoder (mkdsl/backends/tpu/lowerings/linear.py `stream_format`)
     group: int = 0  # inputs per scale (the block's side for block scales)
-    parts: tuple[tuple[str, str, int, int], ...] = ()  # quantised: (storage suffix, ring array, rdiv, cdiv)
+    parts: tuple[tuple[str, str, int, int], ...] = ()  # quantised or padded: (storage suffix, ring array, rdiv, cdiv)
+    transposed: bool = False  # stored [N, K] (a tied head over the embedding table); tiles are [tn, tk]
+    valid: int = 0  # > 0: `n` is padded to whole 128-lane tiles and the matmul's result has `valid` columns
 
     @property
     def nk(self) -> int:

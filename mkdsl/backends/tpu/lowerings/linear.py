@@ -34,7 +34,7 @@ class TilePart:
 
     suffix: str  # the storage part ("" for a plain matrix; "codes", "scales")
     dtype: str  # numpy name
-    memory: str  # VMEM, or SMEM for scalars the decoder reads one at a time
+    memory: str  # VMEM (SMEM would suit scalars, but Mosaic cannot DMA an HBM window into it)
     rdiv: int  # K rows per stored row (8 nibbles per uint32 word; `group` inputs per scale row)
     cdiv: int = 1  # N columns per stored column (block scales)
 
@@ -45,8 +45,18 @@ class TilePart:
             return f"ring_smem_{self.dtype}"
         return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
 
-    def tile(self, tk: int, tn: int) -> tuple[int, int]:
-        return max(1, tk // self.rdiv), tn // self.cdiv
+    def ring_for(self, n: int) -> str:
+        """Block scales (whole rows of squares) get a ring array as wide as their matrix's row of
+        squares: Mosaic DMAs an HBM window of a narrow array only into an array of its width."""
+        return f"ring_scales{n // self.cdiv}" if self.cdiv > 1 else self.ring
+
+    def tile(self, tk: int, tn: int, n: int, transposed: bool = False) -> tuple[int, int]:
+        """Its [rows, cols] in one ring bank (a transposed plain matrix's tile is [tn, tk]). Block
+        scales come as whole rows of squares (all `n` columns): a window at a dynamic lane offset
+        of a narrow f32 array is not word-aligned in HBM."""
+        if transposed:
+            return tn, tk
+        return max(1, tk // self.rdiv), (n if self.cdiv > 1 else tn) // self.cdiv
 
     @property
     def itemsize(self) -> int:
@@ -77,7 +87,7 @@ def stream_format(d: DType) -> StreamFormat | None:
     if d.name.startswith("fp8") and not d.quantised:
         return StreamFormat("cast", 0, (TilePart("", d.numpy, "VMEM", 1),), lambda tk, k: _aligned(tk, k, tk, 32))
     if b:
-        parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "SMEM", b, b))
+        parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "VMEM", b, b))
         return StreamFormat("block", b, parts, lambda tk, k: tk % b == 0 and _aligned(tk, k, tk, 32))
     if d.name == "mxfp4" or d.name == "int4":
         scale = "uint8" if d.name == "mxfp4" else "bfloat16"
@@ -95,16 +105,27 @@ def stream_format(d: DType) -> StreamFormat | None:
     return None
 
 
-def stream_tiles(t: Tensor, tile_k: int, tile_n: int) -> tuple[int | None, int | None]:
+def padded_columns(n: int) -> int:
+    """Columns of a streamed matrix as the kernel stores it (per device): whole 128-lane tiles.
+    The matmul computes the padding columns and stores only the first `n`."""
+    return -(-n // 128) * 128
+
+
+def stream_tiles(t: Tensor, tile_k: int, tile_n: int, transposed: bool = False) -> tuple[int | None, int | None]:
     """[tk, tn] of a streamed matrix (None where no aligned tile divides it): tk the whole K if
-    it fits, else the largest valid tile <= tile_k dividing K; tn likewise, lane-aligned."""
-    k, n = t.type.shape
+    it fits, else the largest valid tile <= tile_k dividing K; tn likewise, lane-aligned. A
+    transposed matrix ([N, K] in HBM) has its K along the lanes: tk a multiple of 128 or all K."""
+    n, k = t.type.shape if transposed else reversed(t.type.shape)
     sf = stream_format(t.type.dtype)
     if sf is None:
         return None, None
-    ks = [tk for tk in range(16, min(k, tile_k) + 1, 16) if k % tk == 0 and sf.k_ok(tk, k)]
-    tk = k if k <= tile_k and sf.k_ok(k, k) else max(ks, default=None)
-    tn = divisor_tile(n, tile_n, 128)
+
+    def ok(tk: int) -> bool:
+        return sf.k_ok(tk, k) and (not transposed or tk == k or tk % 128 == 0)
+
+    ks = [tk for tk in range(16, min(k, tile_k) + 1, 16) if k % tk == 0 and ok(tk)]
+    tk = k if k <= tile_k and ok(k) else max(ks, default=None)
+    tn = divisor_tile(padded_columns(n), tile_n, 128)
     if tn is not None and sf.group and sf.fmt == "block" and tn % sf.group:
         tn = None
     return tk, tn
@@ -132,11 +153,16 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
                 "declare it in one of those, or use it through an op that takes it",
             )
         ]
-    tk, tn = stream_tiles(t, TILE_K, tile_n_of(model))
+    transposed = bool(at.node.attr.get("transposed"))
+    tk, tn = stream_tiles(t, TILE_K, tile_n_of(model), transposed)
+    k, n = reversed(t.type.shape) if transposed else t.type.shape
+    kd, nd = (1, 0) if transposed else (0, 1)
+    if t.type.dtype.block and n % t.type.dtype.block and any(t.sharding[-1:]):
+        note = split_note(model, t, nd)
+        return [Diagnostic(t.span, f"weight `{t.name}` has {n} columns{note}; its scale blocks cannot split evenly")]
     if tk is None or tn is None:
-        k, n = t.type.shape
-        what = f"{k} rows" if tk is None else f"{n} columns"
-        what += split_note(model, t, 0 if tk is None else 1)
+        rows, cols = ("columns", "rows") if transposed else ("rows", "columns")
+        what = f"{k} {rows}" + split_note(model, t, kd) if tk is None else f"{n} {cols}" + split_note(model, t, nd)
         need = f"a tile that divides it and suits {t.type.dtype}" if tk is None else "a multiple of 128"
         return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}")]
     return []
@@ -147,7 +173,7 @@ def _allocate_linear(s: PlanContext, at: Site) -> None:
     if at.node.arg("weight").kind != "tensor":
         return
     src = s.buffer(at.graph, at.node.arg("x"))
-    k = s.model.tensor(at.node.arg("weight").name).type.shape[0]
+    k = s.model.tensor(at.node.arg("weight").name).type.shape[1 if at.node.attr.get("transposed") else 0]
     s.alloc(f"{src}_bf16", ("rows", k), "bfloat16", "matmul input (bf16)", at.node.span)
 
 
@@ -157,7 +183,7 @@ def _linear_traffic(s: PlanContext, at: Site) -> Traffic:
     if not st:
         return Traffic()
     parts = stream_format(s.model.tensor(st.tensor).type.dtype).parts
-    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn)) for p in parts)
+    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn, st.n, st.transposed)) for p in parts)
     return Traffic(int(per_tile) * st.tiles, st.tiles * len(parts))
 
 
@@ -171,7 +197,7 @@ def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
         x=ins[0],
         xb=f"{ins[0]}_bf16",
         cast=cast,
-        fn="linear" if st.fmt == "bf16" else "qlinear",
+        fn="qlinear" if st.parts else "linear",
         stream=em.stream_const(em.seq, st),
         slot=em.slot_expr(st.tensor, "li"),
         base="base",
@@ -179,10 +205,14 @@ def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
 
 
 def _linear_runtime(model: Model, at: Site) -> tuple[str, ...]:
-    """A quantised or fp8 matrix needs the decoders and `qlinear`."""
+    """A quantised, fp8 or column-padded matrix needs `qlinear` (and the decoders)."""
     w = at.node.arg("weight")
     sf = stream_format(model.tensor(w.name).type.dtype) if w.kind == "tensor" else None
-    return () if sf is None or sf.fmt == "bf16" else ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja")
+    t = model.tensor(w.name)
+    n = t.type.shape[0 if at.node.attr.get("transposed") else 1]
+    if sf is None or (sf.fmt == "bf16" and n % 128 == 0 and not at.node.attr.get("transposed")):
+        return ()
+    return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja")
 
 
 register_lowering(
