@@ -657,11 +657,12 @@ class _Context:
             self.rep.error(e.func_span, f"unknown op or block `{e.func}`", partial(did_you_mean, e.func, known))
             return None
         op = OPS[e.func]
-        if len(e.args) != len(op.operands):
+        if not len(op.operands) - op.optional <= len(e.args) <= len(op.operands):
+            n = len(op.operands)
+            low = f"{n - op.optional} to " if op.optional else ""
             self.rep.error(
                 e.span,
-                f"`{op.name}` takes {len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
-                f"({', '.join(op.operands)}), got {len(e.args)}",
+                f"`{op.name}` takes {low}{n} operand{'s' if n != 1 else ''} ({', '.join(op.operands)}), got {len(e.args)}",
             )
             return None
         args = [self.expr(a, env, g, inline_stack) for a in e.args]

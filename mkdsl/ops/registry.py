@@ -69,6 +69,7 @@ class OpDef:
     attrs: dict[str, object] = field(default_factory=dict)  # name -> default or REQUIRED
     inout: tuple[str, ...] = ()  # operands that must be state tensors; updated in place
     outputs: int = 1
+    optional: int = 0  # the last `optional` operands may be left out of a call
     doc: str = ""
     # TPU lowering of an elementwise op: a jnp expression over `{operand}` values (f32 arrays)
     # and `{attr}` literals. Ops with more structure have a Lowering in backends/tpu/lowerings/.

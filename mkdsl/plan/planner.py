@@ -181,7 +181,7 @@ def streamed_weight(node: Node):
     op = OPS.get(node.op)
     if op is None:
         return None
-    refs = zip(op.operands, node.inputs, strict=True)
+    refs = zip(op.operands, node.inputs)  # optional operands may be absent
     return next((r for name, r in refs if op.reached(name) == "stream" and r.kind == "tensor"), None)
 
 

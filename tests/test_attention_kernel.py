@@ -1,0 +1,154 @@
+"""Sliding-window attention, sinks, custom scale, head dims 64 and 256, and the rope variants
+(YaRN with concentration, partial and interleaved rotary at an offset): the kernel in TPU
+interpret mode (race detection on) against the reference, layer by layer (mkdsl.verify), and the
+plan's KV bytes, which skip the tiles wholly outside the window.
+
+The caches start from random values (not zeros), so every cached key and value counts: with
+zero caches a kernel that ignored the window would pass (its extra keys add only e^-m terms)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mkdsl import verify
+from mkdsl.compiler import compile_source
+from mkdsl.plan.planner import make_plan
+from mkdsl.random_params import random_params
+
+WINDOWED = """
+model win
+const L = 2
+const H = 128
+const NH = 4
+const NKV = 2
+const D = 64
+const V = 256
+const W = 16
+const THETA = 150000.0
+const CONC = 1.346574  # 0.1 * ln(32) + 1: gpt-oss's YaRN concentration
+dim B in 1 .. 4
+dim S in 16 .. 64
+weight embed:     bf16[V, H]
+weight norm1:     bf16[H]        per layer
+weight wq:        bf16[H, NH*D]  per layer
+weight wk:        bf16[H, NKV*D] per layer
+weight wv:        bf16[H, NKV*D] per layer
+weight sinks:     bf16[NH]       per layer
+weight wo:        bf16[NH*D, H]  per layer
+weight out_norm:  bf16[H]
+weight lm_head:   bf16[H, V]
+state k_cache: bf16[B, NKV, S, D] per layer
+state v_cache: bf16[B, NKV, S, D] per layer
+layer local(x) {
+  h = rmsnorm(x, norm1)
+  q = rope(linear(h, wq), pos, heads=NH, theta=THETA, scaling="yarn", factor=32.0, original_max_position=16,
+           truncate=false, concentration=CONC)
+  k = rope(linear(h, wk), pos, heads=NKV, theta=THETA, scaling="yarn", factor=32.0, original_max_position=16,
+           truncate=false, concentration=CONC)
+  a = attention(q, k, linear(h, wv), k_cache, v_cache, pos, sinks, heads=NH, kv_heads=NKV, window=W, scale=0.125)
+  return x + linear(a, wo)
+}
+layer global(x) {
+  h = rmsnorm(x, norm1)
+  q = rope(linear(h, wq), pos, heads=NH, rotary_dim=32, rotary_offset=16, pairing="interleaved")
+  k = rope(linear(h, wk), pos, heads=NKV, rotary_dim=32, rotary_offset=16, pairing="interleaved")
+  a = attention(q, k, linear(h, wv), k_cache, v_cache, pos, sinks, heads=NH, kv_heads=NKV)
+  return x + linear(a, wo)
+}
+layers L { local: l % 2 == 0   global: otherwise }
+hints { kv_tile = 16 }
+step(tokens, pos) {
+  x = layers(embedding(tokens, embed))
+  logits = linear(rmsnorm(x, out_norm), lm_head)
+  return logits, argmax(logits)
+}
+"""
+
+# Qwen3-Next's attention shape: head dim 256, the first 64 lanes rotate (theta 1e7), GQA 2:1.
+WIDE = """
+model wide
+const H = 128
+const NH = 2
+const NKV = 1
+const D = 256
+const V = 256
+dim B in 1 .. 4
+dim S in 16 .. 64
+weight embed:     bf16[V, H]
+weight wq:        bf16[H, NH*D]  per layer
+weight wk:        bf16[H, NKV*D] per layer
+weight wv:        bf16[H, NKV*D] per layer
+weight wo:        bf16[NH*D, H]  per layer
+weight lm_head:   bf16[H, V]
+state k_cache: bf16[B, NKV, S, D] per layer
+state v_cache: bf16[B, NKV, S, D] per layer
+layer attn(x) {
+  q = rope(linear(x, wq), pos, heads=NH, rotary_dim=64, theta=10000000.0)
+  k = rope(linear(x, wk), pos, heads=NKV, rotary_dim=64, theta=10000000.0)
+  return x + linear(attention(q, k, linear(x, wv), k_cache, v_cache, pos, heads=NH, kv_heads=NKV), wo)
+}
+layers 1 { attn: otherwise }
+hints { kv_tile = 16 }
+step(tokens, pos) {
+  x = layers(embedding(tokens, embed))
+  logits = linear(x, lm_head)
+  return logits, argmax(logits)
+}
+"""
+
+
+def run_checked(text: str, name: str, starts: list[int], tmp_path, seq_len: int = 64, steps: int = 2) -> dict:
+    """`steps` kernel steps from random caches, each checked layer by layer against the reference."""
+    out, _ = compile_source(text, f"{name}.mk", None, None)
+    module = verify.import_generated(out.files["kernel.py"], tmp_path, name)
+    checker = verify.LayerChecker(out.model)
+    batch = len(starts)
+    weights, state = random_params(out.model, {"B": batch, "S": seq_len}, 0)
+    rng = np.random.default_rng(1)
+    state = {k: (rng.normal(size=v.shape) * 2).astype(v.dtype) for k, v in state.items()}
+    tokens, positions = np.arange(batch, dtype=np.int32), np.asarray(starts, np.int32)
+    step = module.build_decode_step(batch, seq_len, interpret=verify.interpret_params(), layer_trace=True)
+    from jax.experimental.pallas import tpu as pltpu
+
+    pltpu.reset_tpu_interpret_mode_state()
+    worst: dict[str, float] = {}
+    for i in range(steps):
+        got = verify.run_kernel(step, weights, state, tokens, positions, sharded=False)
+        assert not verify.races_found(), f"step {i}: the race detector reported a race"
+        result = checker.check(weights, state, tokens, positions, got)
+        assert result.ok, f"step {i}, positions {positions.tolist()}: " + "; ".join(result.failures[:6])
+        for item, ratio in result.worst.items():
+            worst[item] = max(worst.get(item, 0.0), ratio)
+        state, tokens, positions = got.state, got.next_tokens.astype(np.int32), positions + 1
+    return worst
+
+
+def test_window_sinks_yarn_and_interleaved_partial_rope_match_the_reference(tmp_path):
+    """Row 0 at 40 reads tiles 1-2 only in the windowed layer (keys 25..40); row 1 at 16 is the
+    first token of tile 1 (its window reaches back into tile 0); the global layer reads every tile."""
+    worst = run_checked(WINDOWED, "win", [40, 16], tmp_path, steps=1)
+    assert worst["carries"] <= 1
+
+
+def test_head_dim_256_with_partial_rope_matches_the_reference(tmp_path):
+    run_checked(WIDE, "wide", [33], tmp_path, steps=1)
+
+
+def _kv_bytes(plan, graph: str) -> int:
+    return sum(i.bytes for i in plan.schedule_items if i.graph == graph and "attention" in i.what)
+
+
+@pytest.mark.parametrize("context", [10, 40, 63])
+def test_plan_counts_only_the_tiles_the_window_reaches(context):
+    """Per row: full attention reads context // 16 + 1 tiles of 16 tokens; the 16-token window
+    from the tile of context - 15 on; both write back one 16-token block. Per token of a tile:
+    2 KV heads x (64 + 64) values x 2 bytes."""
+    out, _ = compile_source(WINDOWED, "win.mk", None, None)
+    plan = make_plan(out.model, batch=2, context=context)
+    per_tile = 16 * 2 * 128 * 2
+    full = context // 16 + 1
+    windowed = full - max(context - 15, 0) // 16
+    assert _kv_bytes(plan, "global") == 2 * (full + 1) * per_tile
+    assert _kv_bytes(plan, "local") == 2 * (windowed + 1) * per_tile
+    assert windowed < full or context < 16
