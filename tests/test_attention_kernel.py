@@ -152,3 +152,60 @@ def test_plan_counts_only_the_tiles_the_window_reaches(context):
     assert _kv_bytes(plan, "global") == 2 * (full + 1) * per_tile
     assert _kv_bytes(plan, "local") == 2 * (windowed + 1) * per_tile
     assert windowed < full or context < 16
+
+
+# DeepSeek-V3's MLA with decoupled RoPE, small: the 64 rope lanes after the 128 nope lanes of
+# each query head and the shared k_pe rotate with interleaved pairs and YaRN; the softmax scale
+# is 192^-0.5 * m^2 with m = 0.1 * ln(40) + 1 (written as the literal until constants have ln()).
+MLA = """
+model mla_rope
+const H = 128
+const NH = 2
+const R = 128
+const NOPE = 128
+const XK = 64
+const DV = 128
+const V = 256
+dim B in 1 .. 4
+dim S in 16 .. 64
+weight embed:   bf16[V, H]
+weight wq:      bf16[H, NH*(NOPE+XK)] per layer
+weight wkva:    bf16[H, 256]          per layer
+weight wkvb:    WKVB_DTYPE[R, NH*(NOPE+DV)] per layer
+weight wo:      bf16[NH*DV, H]        per layer
+weight lm_head: bf16[H, V]
+state cache:    bf16[B, S, R + XK]    per layer
+layer mla(x) {
+  q = rope(linear(x, wq), pos, heads=NH, rotary_dim=XK, rotary_offset=NOPE, pairing="interleaved",
+           scaling="yarn", factor=40.0, original_max_position=16)
+  kv = linear(x, wkva)
+  k_pe = rope(slice(kv, start=R, size=XK), pos, pairing="interleaved", scaling="yarn", factor=40.0,
+              original_max_position=16)
+  y = mla_attention(q, slice(kv, start=0, size=R), k_pe, wkvb, cache, pos, heads=NH, nope=NOPE, extra=XK,
+                    vdim=DV, scale=0.135234)  # 192 ** -0.5 * (0.1 * ln(40) + 1) ** 2
+  return x + linear(y, wo)
+}
+layers 1 { mla: otherwise }
+hints { kv_tile = 16 }
+step(tokens, pos) {
+  x = layers(embedding(tokens, embed))
+  logits = linear(x, lm_head)
+  return logits, argmax(logits)
+}
+"""
+
+
+def test_mla_with_decoupled_interleaved_rope_matches_the_reference(tmp_path):
+    run_checked(MLA.replace("WKVB_DTYPE", "bf16"), "mla_rope", [20, 3], tmp_path, steps=1)
+
+
+def test_fp8_w_kvb_is_a_positioned_diagnostic(tmp_path, monkeypatch, capsys):
+    """An fp8 w_kvb once compiled and failed when the kernel ran; it is now reported at its line."""
+    from mkdsl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "spec.mk").write_text(MLA.replace("WKVB_DTYPE", "fp8_e4m3"), encoding="utf-8")
+    assert main(["check", "spec.mk"]) == 1
+    err = capsys.readouterr().err
+    line = next(i for i, t in enumerate(MLA.splitlines(), 1) if t.startswith("weight wkvb"))
+    assert f"spec.mk:{line}:8: error: `wkvb` is fp8_e4m3: mla_attention's kernel reads a bf16 w_kvb only" in err
