@@ -13,6 +13,7 @@ import pytest
 
 from mkdsl import verify
 from mkdsl.compiler import compile_source
+from mkdsl.diagnostics import SpecError
 from mkdsl.plan.planner import make_plan
 from mkdsl.random_params import random_params
 
@@ -114,10 +115,14 @@ def run_checked(text: str, name: str, starts: list[int], tmp_path, seq_len: int 
     pltpu.reset_tpu_interpret_mode_state()
     worst: dict[str, float] = {}
     for i in range(steps):
-        got = verify.run_kernel(step, weights, state, tokens, positions, sharded=False)
+        got = verify.run_kernel(step, weights, state, tokens, positions, sharded=hasattr(module, "MESH_SHAPE"))
         assert not verify.races_found(), f"step {i}: the race detector reported a race"
         result = checker.check(weights, state, tokens, positions, got)
         assert result.ok, f"step {i}, positions {positions.tolist()}: " + "; ".join(result.failures[:6])
+        for name in state:  # a replicated cache is the same on every device
+            shards = [np.asarray(sh.data) for sh in got.device[name].addressable_shards]
+            if got.device[name].sharding.is_fully_replicated:
+                assert all(np.array_equal(sh.view(np.uint16), shards[0].view(np.uint16)) for sh in shards), name
         for item, ratio in result.worst.items():
             worst[item] = max(worst.get(item, 0.0), ratio)
         state, tokens, positions = got.state, got.next_tokens.astype(np.int32), positions + 1
@@ -209,3 +214,58 @@ def test_fp8_w_kvb_is_a_positioned_diagnostic(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     line = next(i for i, t in enumerate(MLA.splitlines(), 1) if t.startswith("weight wkvb"))
     assert f"spec.mk:{line}:8: error: `wkvb` is fp8_e4m3: mla_attention's kernel reads a bf16 w_kvb only" in err
+
+
+# GQA 8:1 on 2 devices: the one KV head is replicated (k, v and the caches whole on each device),
+# each device runs 4 query heads against it; sinks are split with the query heads.
+REPLICATED = """
+model gqa_replicated
+const H = 128
+const NH = 8
+const NKV = 1
+const D = 128
+const V = 256
+dim B in 1 .. 4
+dim S in 16 .. 64
+mesh { tp = 2 }
+weight embed:   bf16[V, H]
+weight wq:      bf16[H, NH*D @tp]  per layer
+weight wk:      bf16[H, NKV*D]     per layer
+weight wv:      bf16[H, NKV*D]     per layer
+weight sinks:   bf16[NH @tp]       per layer
+weight wo:      bf16[NH*D @tp, H]  per layer
+weight lm_head: bf16[H, V]
+state k_cache: bf16[B, NKV, S, D] per layer
+state v_cache: bf16[B, NKV, S, D] per layer
+layer attn(x) {
+  q = rope(linear(x, wq), pos, heads=NH)
+  k = rope(linear(x, wk), pos, heads=NKV)
+  a = attention(q, k, linear(x, wv), k_cache, v_cache, pos, sinks, heads=NH, kv_heads=NKV)
+  return x + linear(a, wo)
+}
+layers 1 { attn: otherwise }
+hints { kv_tile = 16 }
+step(tokens, pos) {
+  x = layers(embedding(tokens, embed))
+  logits = linear(x, lm_head)
+  return logits, argmax(logits)
+}
+"""
+
+
+def test_gqa_8_to_1_with_the_kv_head_replicated_over_2_devices(tmp_path):
+    run_checked(REPLICATED, "gqa_replicated", [20, 5], tmp_path, steps=1)
+
+
+def test_replicated_kv_heads_shard_rule():
+    """Each device holds the whole (replicated) caches and reads the one KV head its query heads share."""
+    from mkdsl.shard import shard
+
+    out, _ = compile_source(REPLICATED, "r.mk", None, None)
+    local = shard(out.model)
+    (node,) = [n for n in local.kind("attn").nodes if n.op == "attention"]
+    assert node.attr["heads"] == 4 and node.attr["kv_heads"] == 1 and node.attr["kv_axes"] == ("tp",)
+    assert local.tensor("k_cache").type.shape[1] == 1
+    bad = REPLICATED.replace("bf16[NH @tp]", "bf16[NH]")
+    with pytest.raises(SpecError, match="must be split over tp like the query heads"):
+        compile_source(bad, "r.mk", None, None)

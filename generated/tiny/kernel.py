@@ -425,10 +425,12 @@ class Attention:
     """
 
     def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names,
-                 window=None):
+                 window=None, kv_load=None, kv_lo=None):
         self.r, self.positions_ref, self.op_id = r, positions_ref, op_id
         self.rows, self.batch, self.heads, self.kv_heads = rows, batch, heads, kv_heads
-        self.group = heads // kv_heads
+        # Replicated KV heads (kv_lo given): read only KV head kv_lo, which all `heads` share.
+        self.kv_load, self.kv_lo = kv_load or kv_heads, kv_lo
+        self.group = heads // self.kv_load
         self.dk, self.dv, self.kv_tile, self.kv_slots, self.scale = dk, dv, kv_tile, kv_slots, scale
         self.window = window
         for key, name in names.items():
@@ -439,12 +441,13 @@ class Attention:
     def copies(self, slot, j, buf):
         b = self.kv_row[j]
         t0 = pl.multiple_of(self.kv_t0[j], self.kv_tile)
+        kv = pl.ds(0 if self.kv_lo is None else self.kv_lo, self.kv_load)
         return (
             pltpu.make_async_copy(
-                self.k_cache.at[slot, b, :, pl.ds(t0, self.kv_tile), :], self.ktiles.at[buf], self.kv_sem.at[0, buf]
+                self.k_cache.at[slot, b, kv, pl.ds(t0, self.kv_tile), :], self.ktiles.at[buf], self.kv_sem.at[0, buf]
             ),
             pltpu.make_async_copy(
-                self.v_cache.at[slot, b, :, pl.ds(t0, self.kv_tile), :], self.vtiles.at[buf], self.kv_sem.at[1, buf]
+                self.v_cache.at[slot, b, kv, pl.ds(t0, self.kv_tile), :], self.vtiles.at[buf], self.kv_sem.at[1, buf]
             ),
         )
 
@@ -516,7 +519,7 @@ class Attention:
 
             @pl.when(pos < t0 + self.kv_tile)
             def _():
-                for g in range(kvh):
+                for g in range(self.kv_load):
                     hs = pl.ds(g * self.group, self.group)
                     self.o2d[pl.ds(g * self.group * rows + b, self.group, stride=rows), :] = self.acc[hs, :] / self.l[hs, :]
 
@@ -531,12 +534,23 @@ class Attention:
         off = pos - t0
         blk = pl.multiple_of(off // KV_BLOCK * KV_BLOCK, KV_BLOCK)
         for which, tiles, new2d in ((0, self.ktiles, self.k2d), (1, self.vtiles, self.v2d)):
-            old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
+            if self.kv_lo is None:
+                old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
+            else:  # the tile holds one KV head: read every head's block, so all replicas get the token
+                cache = self.k_cache if which == 0 else self.v_cache
+                at = pl.multiple_of(t0 + blk, KV_BLOCK)
+                rd = pltpu.make_async_copy(cache.at[slot, b, :, pl.ds(at, KV_BLOCK), :], self.wb.at[which, b], self.rd_sem.at[0])
+                rd.start()
+                rd.wait()
+                old = self.wb[which, b]
             new = new2d[pl.ds(b, self.kv_heads, stride=self.rows), :].astype(old.dtype)
             row = jax.lax.broadcasted_iota(I32, old.shape, 1)
             patched = jnp.where(row == off - blk, new[:, None, :], old)
-            tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = patched
             self.wb[which, b] = patched
+            if self.kv_lo is None:
+                tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = patched
+            else:
+                tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = self.wb[which, b, pl.ds(self.kv_lo, 1)]
             self.writeback(which, slot, b, pl.multiple_of(t0 + blk, KV_BLOCK)).start()
 
     def seen(self, t, pos):
@@ -549,7 +563,7 @@ class Attention:
         ts = self.kv_tile
         valid = self.seen(t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1), pos)
         valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
-        for g in range(self.kv_heads):
+        for g in range(self.kv_load):
             hs = pl.ds(g * self.group, self.group)
             q = self.q2d[pl.ds(g * self.group * self.rows + b, self.group, stride=self.rows), :]
             k = self.ktiles[buf, g].astype(F32)

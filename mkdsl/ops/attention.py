@@ -72,7 +72,8 @@ def _attention_infer(args, attrs):
             raise OpError(f"operand {i + 1} must be a state tensor (the cache), not `{c.name}`", i)
         expect_rank(c, 4, i, "a KV cache [B, kv_heads, S, head_dim]")
     expect_dtype(pos, ("i32",), 5)
-    expect_divides(heads, kv_heads, "query heads per KV head", "kv_heads")
+    if not attrs.get("kv_axes"):  # set by the shard pass when the KV heads are replicated
+        expect_divides(heads, kv_heads, "query heads per KV head", "kv_heads")
     b, _, s, dk = kc.type.shape
     dv = vc.type.shape[3]
     for i, c in ((3, kc), (4, vc)):

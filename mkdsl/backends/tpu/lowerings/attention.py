@@ -6,6 +6,8 @@ write-backs are still in flight when it returns. All attention ops share the SME
 
 from __future__ import annotations
 
+import math
+
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import NOWHERE, Diagnostic
 from mkdsl.ir import Model
@@ -52,6 +54,12 @@ def _check(model: Model, at: Site) -> list[Diagnostic]:
     return out
 
 
+def loaded_kv_heads(node, kvh: int) -> int:
+    """KV heads a device reads: all its cache holds, or the one its query heads share when the KV
+    heads are replicated (`kv_axes`, set by the shard pass)."""
+    return 1 if node.attr.get("kv_axes") else kvh
+
+
 def _scratch(s: PlanContext, at: Site) -> dict:
     kc, vc = _caches(s.model, at)
     _, kvh, _, dk = kc.type.shape
@@ -60,9 +68,11 @@ def _scratch(s: PlanContext, at: Site) -> dict:
     parts = {}
     for name, rows, d in (("q2d", heads, dk), ("k2d", kvh, dk), ("v2d", kvh, dv), ("o2d", heads, dv)):
         parts[name] = ((f"{rows} * rows", d), "float32", f"attention {name[0]}, head-major", "VMEM")
+    if at.node.attr.get("kv_axes"):
+        parts["rd_sem"] = ((1,), "dma", "replicated KV: new-token block read semaphore", "SEM")
     for name, d in (("ktiles", dk), ("vtiles", dv)):
         parts[name] = (
-            (KV_SLOTS, kvh, s.kv_tile, d),
+            (KV_SLOTS, loaded_kv_heads(at.node, kvh), s.kv_tile, d),
             "bfloat16",
             f"KV tiles in flight ({KV_SLOTS} x {s.kv_tile} tokens)",
             "VMEM",
@@ -97,9 +107,20 @@ def _traffic(s: PlanContext, at: Site) -> Traffic:
     _, kvh, _, dk = kc.type.shape
     dv = vc.type.shape[3]
     kv_tiles = kv_tile_count(s.context, s.kv_tile, at.node.attr["window"])
-    read = s.batch * kv_tiles * s.kv_tile * kvh * (dk + dv) * 2
+    read = s.batch * kv_tiles * s.kv_tile * loaded_kv_heads(at.node, kvh) * (dk + dv) * 2
     written = s.batch * kvh * 16 * (dk + dv) * 2
+    if at.node.attr.get("kv_axes"):  # the new token's block of every KV head is read, patched, written
+        return Traffic(read + 2 * written, s.batch * (2 * kv_tiles + 4))
     return Traffic(read + written, s.batch * (2 * kv_tiles + 2))
+
+
+def _replicated(em: EmitContext, node, kvh: int) -> str:
+    """With replicated KV heads: this device reads KV head `group index * kvh // ways`."""
+    axes = node.attr.get("kv_axes")
+    if not axes:
+        return ""
+    ways = math.prod(dict(em.m.mesh)[a] for a in axes)
+    return f", kv_load=1, kv_lo={em.group_index(axes)} * {kvh} // {ways}"
 
 
 def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
@@ -119,7 +140,7 @@ def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
             ctor=(
                 f"Attention(r, positions_ref, {i}, rows=rows, batch=batch, heads={node.attr['heads']}, kv_heads={kvh}, "
                 f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r}, "
-                f"window={node.attr['window']!r})"
+                f"window={node.attr['window']!r}{_replicated(em, node, kvh)})"
             ),
         )
     )
