@@ -17,9 +17,15 @@ from mkdsl.diagnostics import SpecError
 from mkdsl.plan.planner import make_plan
 from mkdsl.random_params import random_params
 
+# One spec, four layer kinds (each interpret-mode kernel costs ~20 s of tracing, so they share one):
+# `local`: gpt-oss-style YaRN rope with concentration, a 16-token window, sinks, a custom scale,
+# head dim 64; `global`: interleaved partial rope at an offset, sinks, no window; `wide`:
+# Qwen3-Next's head dim 256 with the first 64 lanes rotating (theta 1e7); `mla`: DeepSeek-V3's
+# MLA with decoupled rope: the 64 rope lanes after the 128 nope lanes of each query head and the
+# shared k_pe rotate with interleaved pairs and YaRN, and the softmax scale is 192^-0.5 * m^2,
+# m = 0.1 * ln(40) + 1 (written as the literal until constants have ln()).
 WINDOWED = """
 model win
-const L = 2
 const H = 128
 const NH = 4
 const NKV = 2
@@ -28,68 +34,61 @@ const V = 256
 const W = 16
 const THETA = 150000.0
 const CONC = 1.346574  # 0.1 * ln(32) + 1: gpt-oss's YaRN concentration
+const R = 128
+const NOPE = 128
+const XK = 64
 dim B in 1 .. 4
 dim S in 16 .. 64
 weight embed:     bf16[V, H]
-weight norm1:     bf16[H]        per layer
-weight wq:        bf16[H, NH*D]  per layer
-weight wk:        bf16[H, NKV*D] per layer
-weight wv:        bf16[H, NKV*D] per layer
-weight sinks:     bf16[NH]       per layer
-weight wo:        bf16[NH*D, H]  per layer
-weight out_norm:  bf16[H]
+weight wq:        bf16[H, NH*D]  per layer(local, global)
+weight wk:        bf16[H, NKV*D] per layer(local, global)
+weight wv:        bf16[H, NKV*D] per layer(local, global)
+weight sinks:     bf16[NH]       per layer(local, global)
+weight wo:        bf16[NH*D, H]  per layer(local, global)
+weight wq2:       bf16[H, 2*256] per layer(wide)
+weight wk2:       bf16[H, 256]   per layer(wide)
+weight wv2:       bf16[H, 256]   per layer(wide)
+weight wo2:       bf16[2*256, H] per layer(wide)
+weight wq3:       bf16[H, 2*(NOPE+XK)] per layer(mla)
+weight wkva:      bf16[H, 256]         per layer(mla)
+weight wkvb:      WKVB_DTYPE[R, 2*(NOPE+128)] per layer(mla)
+weight wo3:       bf16[2*128, H]       per layer(mla)
 weight lm_head:   bf16[H, V]
-state k_cache: bf16[B, NKV, S, D] per layer
-state v_cache: bf16[B, NKV, S, D] per layer
+state k_cache: bf16[B, NKV, S, D] per layer(local, global)
+state v_cache: bf16[B, NKV, S, D] per layer(local, global)
+state k256:    bf16[B, 1, S, 256] per layer(wide)
+state v256:    bf16[B, 1, S, 256] per layer(wide)
+state latent:  bf16[B, S, R + XK] per layer(mla)
 layer local(x) {
-  h = rmsnorm(x, norm1)
-  q = rope(linear(h, wq), pos, heads=NH, theta=THETA, scaling="yarn", factor=32.0, original_max_position=16,
+  q = rope(linear(x, wq), pos, heads=NH, theta=THETA, scaling="yarn", factor=32.0, original_max_position=16,
            truncate=false, concentration=CONC)
-  k = rope(linear(h, wk), pos, heads=NKV, theta=THETA, scaling="yarn", factor=32.0, original_max_position=16,
+  k = rope(linear(x, wk), pos, heads=NKV, theta=THETA, scaling="yarn", factor=32.0, original_max_position=16,
            truncate=false, concentration=CONC)
-  a = attention(q, k, linear(h, wv), k_cache, v_cache, pos, sinks, heads=NH, kv_heads=NKV, window=W, scale=0.125)
+  a = attention(q, k, linear(x, wv), k_cache, v_cache, pos, sinks, heads=NH, kv_heads=NKV, window=W, scale=0.125)
   return x + linear(a, wo)
 }
 layer global(x) {
-  h = rmsnorm(x, norm1)
-  q = rope(linear(h, wq), pos, heads=NH, rotary_dim=32, rotary_offset=16, pairing="interleaved")
-  k = rope(linear(h, wk), pos, heads=NKV, rotary_dim=32, rotary_offset=16, pairing="interleaved")
-  a = attention(q, k, linear(h, wv), k_cache, v_cache, pos, sinks, heads=NH, kv_heads=NKV)
+  q = rope(linear(x, wq), pos, heads=NH, rotary_dim=32, rotary_offset=16, pairing="interleaved")
+  k = rope(linear(x, wk), pos, heads=NKV, rotary_dim=32, rotary_offset=16, pairing="interleaved")
+  a = attention(q, k, linear(x, wv), k_cache, v_cache, pos, sinks, heads=NH, kv_heads=NKV)
   return x + linear(a, wo)
 }
-layers L { local: l % 2 == 0   global: otherwise }
-hints { kv_tile = 16 }
-step(tokens, pos) {
-  x = layers(embedding(tokens, embed))
-  logits = linear(rmsnorm(x, out_norm), lm_head)
-  return logits, argmax(logits)
+layer wide(x) {
+  q = rope(linear(x, wq2), pos, heads=2, rotary_dim=64, theta=10000000.0)
+  k = rope(linear(x, wk2), pos, heads=1, rotary_dim=64, theta=10000000.0)
+  return x + linear(attention(q, k, linear(x, wv2), k256, v256, pos, heads=2, kv_heads=1), wo2)
 }
-"""
-
-# Qwen3-Next's attention shape: head dim 256, the first 64 lanes rotate (theta 1e7), GQA 2:1.
-WIDE = """
-model wide
-const H = 128
-const NH = 2
-const NKV = 1
-const D = 256
-const V = 256
-dim B in 1 .. 4
-dim S in 16 .. 64
-weight embed:     bf16[V, H]
-weight wq:        bf16[H, NH*D]  per layer
-weight wk:        bf16[H, NKV*D] per layer
-weight wv:        bf16[H, NKV*D] per layer
-weight wo:        bf16[NH*D, H]  per layer
-weight lm_head:   bf16[H, V]
-state k_cache: bf16[B, NKV, S, D] per layer
-state v_cache: bf16[B, NKV, S, D] per layer
-layer attn(x) {
-  q = rope(linear(x, wq), pos, heads=NH, rotary_dim=64, theta=10000000.0)
-  k = rope(linear(x, wk), pos, heads=NKV, rotary_dim=64, theta=10000000.0)
-  return x + linear(attention(q, k, linear(x, wv), k_cache, v_cache, pos, heads=NH, kv_heads=NKV), wo)
+layer mla(x) {
+  q = rope(linear(x, wq3), pos, heads=2, rotary_dim=XK, rotary_offset=NOPE, pairing="interleaved",
+           scaling="yarn", factor=40.0, original_max_position=16)
+  kv = linear(x, wkva)
+  k_pe = rope(slice(kv, start=R, size=XK), pos, pairing="interleaved", scaling="yarn", factor=40.0,
+              original_max_position=16)
+  y = mla_attention(q, slice(kv, start=0, size=R), k_pe, wkvb, latent, pos, heads=2, nope=NOPE, extra=XK,
+                    vdim=128, scale=0.135234)  # 192 ** -0.5 * (0.1 * ln(40) + 1) ** 2
+  return x + linear(y, wo3)
 }
-layers 1 { attn: otherwise }
+layers 4 { local: l == 0   global: l == 1   wide: l == 2   mla: otherwise }
 hints { kv_tile = 16 }
 step(tokens, pos) {
   x = layers(embedding(tokens, embed))
@@ -129,15 +128,11 @@ def run_checked(text: str, name: str, starts: list[int], tmp_path, seq_len: int 
     return worst
 
 
-def test_window_sinks_yarn_and_interleaved_partial_rope_match_the_reference(tmp_path):
+def test_window_sinks_rope_variants_head_dims_and_mla_match_the_reference(tmp_path):
     """Row 0 at 40 reads tiles 1-2 only in the windowed layer (keys 25..40); row 1 at 16 is the
     first token of tile 1 (its window reaches back into tile 0); the global layer reads every tile."""
-    worst = run_checked(WINDOWED, "win", [40, 16], tmp_path, steps=1)
+    worst = run_checked(WINDOWED.replace("WKVB_DTYPE", "bf16"), "win", [40, 16], tmp_path, steps=1)
     assert worst["carries"] <= 1
-
-
-def test_head_dim_256_with_partial_rope_matches_the_reference(tmp_path):
-    run_checked(WIDE, "wide", [33], tmp_path, steps=1)
 
 
 def _kv_bytes(plan, graph: str) -> int:
@@ -149,7 +144,7 @@ def test_plan_counts_only_the_tiles_the_window_reaches(context):
     """Per row: full attention reads context // 16 + 1 tiles of 16 tokens; the 16-token window
     from the tile of context - 15 on; both write back one 16-token block. Per token of a tile:
     2 KV heads x (64 + 64) values x 2 bytes."""
-    out, _ = compile_source(WINDOWED, "win.mk", None, None)
+    out, _ = compile_source(WINDOWED.replace("WKVB_DTYPE", "bf16"), "win.mk", None, None)
     plan = make_plan(out.model, batch=2, context=context)
     per_tile = 16 * 2 * 128 * 2
     full = context // 16 + 1
@@ -159,60 +154,15 @@ def test_plan_counts_only_the_tiles_the_window_reaches(context):
     assert windowed < full or context < 16
 
 
-# DeepSeek-V3's MLA with decoupled RoPE, small: the 64 rope lanes after the 128 nope lanes of
-# each query head and the shared k_pe rotate with interleaved pairs and YaRN; the softmax scale
-# is 192^-0.5 * m^2 with m = 0.1 * ln(40) + 1 (written as the literal until constants have ln()).
-MLA = """
-model mla_rope
-const H = 128
-const NH = 2
-const R = 128
-const NOPE = 128
-const XK = 64
-const DV = 128
-const V = 256
-dim B in 1 .. 4
-dim S in 16 .. 64
-weight embed:   bf16[V, H]
-weight wq:      bf16[H, NH*(NOPE+XK)] per layer
-weight wkva:    bf16[H, 256]          per layer
-weight wkvb:    WKVB_DTYPE[R, NH*(NOPE+DV)] per layer
-weight wo:      bf16[NH*DV, H]        per layer
-weight lm_head: bf16[H, V]
-state cache:    bf16[B, S, R + XK]    per layer
-layer mla(x) {
-  q = rope(linear(x, wq), pos, heads=NH, rotary_dim=XK, rotary_offset=NOPE, pairing="interleaved",
-           scaling="yarn", factor=40.0, original_max_position=16)
-  kv = linear(x, wkva)
-  k_pe = rope(slice(kv, start=R, size=XK), pos, pairing="interleaved", scaling="yarn", factor=40.0,
-              original_max_position=16)
-  y = mla_attention(q, slice(kv, start=0, size=R), k_pe, wkvb, cache, pos, heads=NH, nope=NOPE, extra=XK,
-                    vdim=DV, scale=0.135234)  # 192 ** -0.5 * (0.1 * ln(40) + 1) ** 2
-  return x + linear(y, wo)
-}
-layers 1 { mla: otherwise }
-hints { kv_tile = 16 }
-step(tokens, pos) {
-  x = layers(embedding(tokens, embed))
-  logits = linear(x, lm_head)
-  return logits, argmax(logits)
-}
-"""
-
-
-def test_mla_with_decoupled_interleaved_rope_matches_the_reference(tmp_path):
-    run_checked(MLA.replace("WKVB_DTYPE", "bf16"), "mla_rope", [20, 3], tmp_path, steps=1)
-
-
 def test_fp8_w_kvb_is_a_positioned_diagnostic(tmp_path, monkeypatch, capsys):
     """An fp8 w_kvb once compiled and failed when the kernel ran; it is now reported at its line."""
     from mkdsl.cli import main
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "spec.mk").write_text(MLA.replace("WKVB_DTYPE", "fp8_e4m3"), encoding="utf-8")
+    (tmp_path / "spec.mk").write_text(WINDOWED.replace("WKVB_DTYPE", "fp8_e4m3"), encoding="utf-8")
     assert main(["check", "spec.mk"]) == 1
     err = capsys.readouterr().err
-    line = next(i for i, t in enumerate(MLA.splitlines(), 1) if t.startswith("weight wkvb"))
+    line = next(i for i, t in enumerate(WINDOWED.splitlines(), 1) if t.startswith("weight wkvb"))
     assert f"spec.mk:{line}:8: error: `wkvb` is fp8_e4m3: mla_attention's kernel reads a bf16 w_kvb only" in err
 
 
