@@ -36,16 +36,44 @@ def attention(q, k, v, k_cache, v_cache, positions, sinks=None, *, heads, kv_hea
     t = jnp.arange(k_cache.shape[2])[None, None, None, :]
     p = positions[:, None, None, None]
     seen = (t <= p) if window is None else (t <= p) & (t > p - window)
-    s = jnp.where(seen, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1))
-    e = jnp.exp(s - m)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + jnp.exp(sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1) - m)
-    o = jnp.einsum("bkgs,bksd->bkgd", e / denom, v_cache.astype(jnp.float32), precision="highest")
+    p = _softmax_with_sinks(jnp.where(seen, s, -jnp.inf), sinks, (1, kv_heads, heads // kv_heads, 1))
+    o = jnp.einsum("bkgs,bksd->bkgd", p, v_cache.astype(jnp.float32), precision="highest")
     return o.reshape(b, heads * dv), k_cache, v_cache
+
+
+def _softmax_with_sinks(s, sinks, shape):
+    """softmax over the last axis, with e^sinks (one per query head, broadcast as `shape`) added to
+    each denominator only."""
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is None:
+        e = jnp.exp(s - m)
+        return e / jnp.sum(e, axis=-1, keepdims=True)
+    sink = sinks.astype(jnp.float32).reshape(shape)
+    m = jnp.maximum(m, sink)
+    e = jnp.exp(s - m)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))
+
+
+def attention_prefill(
+    rows, q, k, v, k_cache, v_cache, positions, sinks=None, *, heads, kv_heads, scale=None, window=None
+):
+    """Prefill: write every prompt token's k/v at its position, then each token attends causally
+    over 0..its position (earlier cached tokens and the prompt so far; within the window if there
+    is one), as `attention` per token."""
+    n, (bsz, t) = q.shape[0], (rows.batch, rows.length)
+    dk, dv, size = k_cache.shape[-1], v_cache.shape[-1], k_cache.shape[2]
+    b, at = rows.row_ids(), rows.write_positions(size)
+    k_cache = k_cache.at[b, :, at].set(k.reshape(n, kv_heads, dk).astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[b, :, at].set(v.reshape(n, kv_heads, dv).astype(v_cache.dtype), mode="drop")
+    scale = dk**-0.5 if scale is None else scale
+    qh = q.astype(jnp.float32).reshape(bsz, t, kv_heads, heads // kv_heads, dk)
+    s = jnp.einsum("btkgd,bksd->btkgs", qh, k_cache.astype(jnp.float32), precision="highest") * scale
+    pos = positions.reshape(bsz, t)[:, :, None, None, None]
+    key = jnp.arange(size)[None, None, None, None, :]
+    seen = (key <= pos) if window is None else (key <= pos) & (key > pos - window)
+    p = _softmax_with_sinks(jnp.where(seen, s, -jnp.inf), sinks, (1, 1, kv_heads, heads // kv_heads, 1))
+    o = jnp.einsum("btkgs,bksd->btkgd", p, v_cache.astype(jnp.float32), precision="highest")
+    return o.reshape(n, heads * dv), k_cache, v_cache
 
 
 def _check_sinks(sinks, heads) -> None:
@@ -115,5 +143,6 @@ register(
         shard="kv_heads",
         attends=True,
         data_dependent=True,
+        prefill=attention_prefill,
     )
 )
