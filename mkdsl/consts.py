@@ -10,7 +10,7 @@ from typing import TypeVar
 from mkdsl.diagnostics import Reporter, Span, did_you_mean
 from mkdsl.syntax import BinOp, Call, ConstDecl, Expr, Name, Num, UnOp
 
-Scalar = int | float | bool
+Scalar = int | float | bool | str
 T = TypeVar("T")
 
 _ARITH = {
@@ -183,8 +183,8 @@ class ConstEnv:
         if e.op == "not":
             b = self._bool(v, e.operand.span)
             return None if b is None else not b
-        if isinstance(v, bool):
-            self.rep.error(e.span, "cannot negate a boolean")
+        if isinstance(v, (bool, str)):
+            self.rep.error(e.span, f"cannot negate {'a boolean' if isinstance(v, bool) else 'a word'}")
             return None
         return self._checked(-v, e.span, "the result of `-`")
 
@@ -218,6 +218,11 @@ class ConstEnv:
             if ba is None or bb is None:
                 return None
             return (ba and bb) if e.op == "and" else (ba or bb)
+        if isinstance(a, str) or isinstance(b, str):
+            if e.op in ("==", "!=") and isinstance(a, str) and isinstance(b, str):
+                return _CMP[e.op](a, b)
+            self.rep.error(e.span, f"operator `{e.op}` needs numbers, not a quoted word")
+            return None
         if e.op in _CMP:
             return _CMP[e.op](a, b)
         if isinstance(a, bool) or isinstance(b, bool):

@@ -112,6 +112,13 @@ class Node:
 
         return self.inputs[OPS[self.op].operands.index(name)]
 
+    def opt_arg(self, name: str) -> Ref | None:
+        """An optional operand (`OpDef.optional`), or None where the call leaves it out."""
+        from mkdsl.ops.registry import OPS
+
+        i = OPS[self.op].operands.index(name)
+        return self.inputs[i] if i < len(self.inputs) else None
+
 
 @dataclass(frozen=True)
 class Graph:

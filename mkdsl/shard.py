@@ -377,7 +377,32 @@ def _rule_compact(s: _Sharder, node: Node, places):
     return {0: x}, [x], {}
 
 
+def _rule_replicated_kv(s: _Sharder, node: Node, places):
+    """KV heads a mesh axis does not divide: the caches, k and v stay whole on every device, and
+    each device reads the one KV head its (fewer) query heads share (`kv_axes` for the lowering)."""
+    q = places[0]
+    kv, ways = node.attr.get("kv_heads", 1), s.ways(q.axes)
+    local = _per_head(s, node, q)
+    if local is None:
+        raise ShardError(f"{node.attr.get('heads')} heads do not split {ways} ways")
+    if (node.attr["heads"] // kv) % local:
+        raise ShardError(f"{kv} KV heads do not split {ways} ways, and a device's {local} query heads span several")
+    for i in (1, 2, 3, 4):
+        r = node.inputs[i]
+        if r.kind == "tensor" and any(s.tensor_axes(r)):
+            raise ShardError(f"{kv} KV heads do not split {ways} ways: leave `{r.name}` whole (replicated)")
+    need = {0: q, 1: WHOLE, 2: WHOLE, 3: places[3], 4: places[4], 5: places[5]}
+    if len(places) > 6:  # sinks: one per query head, split like q
+        if s.tensor_axes(node.inputs[6])[0] != q.axes:
+            raise ShardError(f"`{node.inputs[6].name}` must be split over {', '.join(q.axes)} like the query heads")
+        need[6] = places[6]
+    return need, [q], {"heads": local, "kv_axes": q.axes}
+
+
 def _rule_attention(s: _Sharder, node: Node, places):
+    q = places[0]
+    if q.kind == "S" and node.attr.get("kv_heads", 1) % s.ways(q.axes):
+        return _rule_replicated_kv(s, node, places)
     need, outs, attrs = _rule_same_split(s, node, places, heads=True)
     if places[0].kind == "S":
         kv = node.attr.get("kv_heads", 1)

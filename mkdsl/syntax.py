@@ -25,7 +25,7 @@ class Expr:
 
 @dataclass(frozen=True)
 class Num(Expr):
-    value: int | float | bool
+    value: int | float | bool | str  # str: a quoted word, for attributes such as pairing="half"
 
 
 @dataclass(frozen=True)
@@ -374,6 +374,9 @@ class _ToAst(Transformer_NonRecursive):
     def float_lit(self, meta, c):
         return Num(Span.of(c[0]), float(c[0]))
 
+    def str_lit(self, meta, c):
+        return Num(Span.of(c[0]), str(c[0])[1:-1])
+
     def true_lit(self, meta, c):
         return Num(_span(meta), True)
 
@@ -423,7 +426,7 @@ _TERMINAL_NAMES = {
 
 
 # Terminals that can start an expression; named together as "an expression" in hints.
-_EXPRESSION_START = {"NAME", "INT", "FLOAT", "LPAR", "MINUS", "NOT", "TRUE", "FALSE"}
+_EXPRESSION_START = {"NAME", "INT", "FLOAT", "STRING", "LPAR", "MINUS", "NOT", "TRUE", "FALSE"}
 
 
 def _describe(terminals) -> str:

@@ -172,6 +172,7 @@ def test_op_table_matches_the_registry():
             elif default is None:
                 assert value == "" and f"`{key}` (default" in row[2], f"`{name}`: `{key}` has a computed default"
             else:
+                value = {"true": "True", "false": "False"}.get(value, value)  # the language's spelling
                 assert ast.literal_eval(value) == default and type(ast.literal_eval(value)) is type(default), (
                     f"`{name}`: default of `{key}` is {default!r}, the doc says {value}"
                 )

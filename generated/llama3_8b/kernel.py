@@ -346,23 +346,37 @@ def rmsnorm(x, w, out, eps, heads):
         out[:, h * d : (h + 1) * d] = rms_rows(x[:, h * d : (h + 1) * d], w, eps)
 
 
-def rope_tables(positions_ref, rows, batch, d, theta):
-    """cos and sign-folded sin, f32 [rows, d], for each row's position (rotate-half pairs)."""
+def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):
+    """cos and sin, f32 [rows, d], for each row's position, and the [1, d] mask of lanes whose
+    partner is `shift` lanes above. `freq` holds the pairs' inverse frequencies, computed at
+    compile time (mkdsl/ops/rope.py); the pass-through lanes get cos 1 and sin 0."""
     row = jax.lax.broadcasted_iota(I32, (rows, 1), 0)
     pos = jnp.zeros((rows, 1), I32)
     for b in range(batch):
         pos = jnp.where(row == b, positions_ref[b], pos)
-    lane = jax.lax.broadcasted_iota(I32, (1, d), 1)
-    pair = jnp.where(lane < d // 2, lane, lane - d // 2).astype(F32)
-    angle = pos.astype(F32) * jnp.exp(pair * (-2.0 * math.log(theta) / d))
-    return jnp.cos(angle), jnp.sin(angle) * jnp.where(lane < d // 2, -1.0, 1.0)
+    k = jax.lax.broadcasted_iota(I32, (1, d), 1) - offset
+    rot = (k >= 0) & (k < rotary)
+    k = jnp.where(rot, k, 0)
+    up = (k % (2 * shift)) < shift
+    pair = k // (2 * shift) * shift + k % shift
+    inv = jnp.zeros((1, d), F32)
+    for i, f in enumerate(freq):
+        inv = jnp.where(pair == i, f, inv)
+    angle = pos.astype(F32) * jnp.where(rot, inv, 0.0)
+    cos = jnp.where(rot, jnp.cos(angle) * concentration, 1.0)
+    sin = jnp.where(rot, jnp.sin(angle) * jnp.where(up, -concentration, concentration), 0.0)
+    return cos, sin, up & rot
 
 
-def rope(x, out, cos, sin, heads):
+def rope(x, out, cos, sin, up, heads, shift):
     d = cos.shape[1]
     for h in range(heads):
         xs = x[:, h * d : (h + 1) * d]
-        out[:, h * d : (h + 1) * d] = xs * cos + pltpu.roll(xs, d // 2, 1) * sin
+        if 2 * shift == d:  # rotate-half over the whole head: one roll pairs every lane
+            partner = pltpu.roll(xs, shift, 1)
+        else:
+            partner = jnp.where(up, pltpu.roll(xs, d - shift, 1), pltpu.roll(xs, shift, 1))
+        out[:, h * d : (h + 1) * d] = xs * cos + partner * sin
 
 
 def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
@@ -467,15 +481,24 @@ def lane_pick(row, i):
     """Element i of a [1, n] row as a [1, 1] value (i may be traced)."""
     lane = jax.lax.broadcasted_iota(I32, row.shape, 1)
     return jnp.sum(jnp.where(lane == i, row, 0.0), axis=1, keepdims=True)
-def kv_tables(positions_ref, batch, kv_tile, kv_row, kv_t0, kv_n):
-    """Flatten (row, KV tile) pairs up to each row's position into SMEM tables."""
+def first_tile(pos, kv_tile, window):
+    """The first KV tile a row at `pos` reads: 0, or with a window the tile of pos - window + 1."""
+    if window is None:
+        return jnp.int32(0)
+    return jnp.maximum(pos - window + 1, 0) // kv_tile
+
+
+def kv_tables(positions_ref, batch, kv_tile, kv_row, kv_t0, kv_n, window=None):
+    """Flatten (row, KV tile) pairs up to each row's position into SMEM tables: every tile from
+    the first one the row's window reaches (tile 0 without a window)."""
     n = jnp.int32(0)
     for b in range(batch):
-        tiles = positions_ref[b] // kv_tile + 1
+        first = first_tile(positions_ref[b], kv_tile, window)
+        tiles = positions_ref[b] // kv_tile + 1 - first
 
-        def fill(i, carry, b=b, n=n):
+        def fill(i, carry, b=b, n=n, first=first):
             kv_row[n + i] = jnp.int32(b)
-            kv_t0[n + i] = i * kv_tile
+            kv_t0[n + i] = (first + i) * kv_tile
             return carry
 
         jax.lax.fori_loop(0, tiles, fill, 0)
@@ -489,31 +512,41 @@ class Attention:
     q/k/v arrive row-major [rows, heads * d] and are laid out head-major ([heads * rows, d],
     row h * rows + b) so that a KV head's query group is one strided load. The new token's
     K/V row is patched into the VMEM tile holding its position, and that tile's aligned
-    KV_BLOCK-row block is written back to the cache in place.
+    KV_BLOCK-row block is written back to the cache in place. With a `window`, the op walks its
+    own KV tile tables, which hold only the tiles the window reaches; with sinks, each head's
+    online softmax starts from its sink logit (max = sink, sum = 1, no value), so the sink is
+    in the denominator only.
     """
 
-    def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names):
+    def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names,
+                 window=None, kv_load=None, kv_lo=None):
         self.r, self.positions_ref, self.op_id = r, positions_ref, op_id
         self.rows, self.batch, self.heads, self.kv_heads = rows, batch, heads, kv_heads
-        self.group = heads // kv_heads
+        # Replicated KV heads (kv_lo given): read only KV head kv_lo, which all `heads` share.
+        self.kv_load, self.kv_lo = kv_load or kv_heads, kv_lo
+        self.group = heads // self.kv_load
         self.dk, self.dv, self.kv_tile, self.kv_slots, self.scale = dk, dv, kv_tile, kv_slots, scale
+        self.window = window
         for key, name in names.items():
             setattr(self, key, getattr(r, name))
+        if window is None:
+            self.kv_row, self.kv_t0, self.kv_n = r.kv_row, r.kv_t0, r.kv_n
 
     def copies(self, slot, j, buf):
-        b = self.r.kv_row[j]
-        t0 = pl.multiple_of(self.r.kv_t0[j], self.kv_tile)
+        b = self.kv_row[j]
+        t0 = pl.multiple_of(self.kv_t0[j], self.kv_tile)
+        kv = pl.ds(0 if self.kv_lo is None else self.kv_lo, self.kv_load)
         return (
             pltpu.make_async_copy(
-                self.k_cache.at[slot, b, :, pl.ds(t0, self.kv_tile), :], self.ktiles.at[buf], self.kv_sem.at[0, buf]
+                self.k_cache.at[slot, b, kv, pl.ds(t0, self.kv_tile), :], self.ktiles.at[buf], self.kv_sem.at[0, buf]
             ),
             pltpu.make_async_copy(
-                self.v_cache.at[slot, b, :, pl.ds(t0, self.kv_tile), :], self.vtiles.at[buf], self.kv_sem.at[1, buf]
+                self.v_cache.at[slot, b, kv, pl.ds(t0, self.kv_tile), :], self.vtiles.at[buf], self.kv_sem.at[1, buf]
             ),
         )
 
     def issue(self, slot, j):
-        @pl.when(j < self.r.kv_n[0])
+        @pl.when(j < self.kv_n[0])
         def _():
             for c in self.copies(slot, j, j % self.kv_slots):
                 c.start()
@@ -538,9 +571,14 @@ class Attention:
         for h in range(heads):
             dst[h * self.rows : (h + 1) * self.rows, :] = src[:, h * d : (h + 1) * d]
 
-    def __call__(self, slot, q, k, v, out):
+    def __call__(self, slot, q, k, v, out, sinks=None):
         rows, heads, kvh = self.rows, self.heads, self.kv_heads
         self.drain()
+        if self.window is not None:
+            kv_tables(self.positions_ref, self.batch, self.kv_tile, self.kv_row, self.kv_t0, self.kv_n, self.window)
+        if sinks is not None:  # the sink logits as a column, one row per head
+            for h in range(heads):
+                self.sink[h : h + 1, :] = sinks[:, h : h + 1]
         for j in range(self.kv_slots - 1):
             self.issue(slot, jnp.int32(j))
         self.to_heads(q, self.q2d, heads, self.dk)
@@ -553,14 +591,18 @@ class Attention:
             buf = j % self.kv_slots
             for c in self.copies(slot, j, buf):
                 c.wait()
-            b = self.r.kv_row[j]
-            t0 = self.r.kv_t0[j]
+            b = self.kv_row[j]
+            t0 = self.kv_t0[j]
             pos = self.positions_ref[b]
 
-            @pl.when(t0 == 0)
+            @pl.when(t0 == first_tile(pos, self.kv_tile, self.window) * self.kv_tile)
             def _():
-                self.m[...] = jnp.full(self.m.shape, NEG_INF, F32)
-                self.l[...] = jnp.zeros(self.l.shape, F32)
+                if sinks is None:
+                    self.m[...] = jnp.full(self.m.shape, NEG_INF, F32)
+                    self.l[...] = jnp.zeros(self.l.shape, F32)
+                else:
+                    self.m[...] = self.sink[...]
+                    self.l[...] = jnp.ones(self.l.shape, F32)
                 self.acc[...] = jnp.zeros(self.acc.shape, F32)
 
             @pl.when(pos < t0 + self.kv_tile)  # this row's last tile holds the new token
@@ -571,13 +613,13 @@ class Attention:
 
             @pl.when(pos < t0 + self.kv_tile)
             def _():
-                for g in range(kvh):
+                for g in range(self.kv_load):
                     hs = pl.ds(g * self.group, self.group)
                     self.o2d[pl.ds(g * self.group * rows + b, self.group, stride=rows), :] = self.acc[hs, :] / self.l[hs, :]
 
             return carry
 
-        jax.lax.fori_loop(0, self.r.kv_n[0], tile, 0)
+        jax.lax.fori_loop(0, self.kv_n[0], tile, 0)
         self.r.wb_pending[self.op_id] = 1
         for h in range(heads):
             out[:, h * self.dv : (h + 1) * self.dv] = self.o2d[h * rows : (h + 1) * rows, :]
@@ -586,19 +628,36 @@ class Attention:
         off = pos - t0
         blk = pl.multiple_of(off // KV_BLOCK * KV_BLOCK, KV_BLOCK)
         for which, tiles, new2d in ((0, self.ktiles, self.k2d), (1, self.vtiles, self.v2d)):
-            old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
+            if self.kv_lo is None:
+                old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
+            else:  # the tile holds one KV head: read every head's block, so all replicas get the token
+                cache = self.k_cache if which == 0 else self.v_cache
+                at = pl.multiple_of(t0 + blk, KV_BLOCK)
+                rd = pltpu.make_async_copy(cache.at[slot, b, :, pl.ds(at, KV_BLOCK), :], self.wb.at[which, b], self.rd_sem.at[0])
+                rd.start()
+                rd.wait()
+                old = self.wb[which, b]
             new = new2d[pl.ds(b, self.kv_heads, stride=self.rows), :].astype(old.dtype)
             row = jax.lax.broadcasted_iota(I32, old.shape, 1)
             patched = jnp.where(row == off - blk, new[:, None, :], old)
-            tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = patched
             self.wb[which, b] = patched
+            if self.kv_lo is None:
+                tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = patched
+            else:
+                tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = self.wb[which, b, pl.ds(self.kv_lo, 1)]
             self.writeback(which, slot, b, pl.multiple_of(t0 + blk, KV_BLOCK)).start()
+
+    def seen(self, t, pos):
+        """The keys a query at `pos` attends to: t <= pos, and within the window if there is one."""
+        if self.window is None:
+            return t <= pos
+        return (t <= pos) & (t > pos - self.window)
 
     def attend(self, buf, b, t0, pos):
         ts = self.kv_tile
-        valid = (t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1)) <= pos
-        valid_rows = (t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0)) <= pos
-        for g in range(self.kv_heads):
+        valid = self.seen(t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1), pos)
+        valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
+        for g in range(self.kv_load):
             hs = pl.ds(g * self.group, self.group)
             q = self.q2d[pl.ds(g * self.group * self.rows + b, self.group, stride=self.rows), :]
             k = self.ktiles[buf, g].astype(F32)
@@ -772,14 +831,14 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
 
                 pass
 
-        attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=32, kv_heads=8, dk=128, dv=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.08838834764831845, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'})
+        attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=32, kv_heads=8, dk=128, dv=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.08838834764831845, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)
 
         # ---- prologue: first tiles in flight, per-step tables ----
         r.cursor[0] = 0
         r.cursor[1] = 0
         for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
             issue(jnp.int32(g))
-        rope0_cos, rope0_sin = rope_tables(positions_ref, rows, batch, 128, 500000.0)
+        rope0_cos, rope0_sin, rope0_up = rope_tables(positions_ref, rows, batch, d=128, offset=0, rotary=128, shift=64, freq=(1.0, 0.8146172165870667, 0.6636012196540833, 0.5405809879302979, 0.44036659598350525, 0.3587302267551422, 0.2922278344631195, 0.2380538135766983, 0.1939227432012558, 0.1579728126525879, 0.12868736684322357, 0.10483095049858093, 0.08539710193872452, 0.06956595182418823, 0.05666962265968323, 0.046164050698280334, 0.03760603070259094, 0.030634520575404167, 0.02495540864765644, 0.020329106599092484, 0.016560440883040428, 0.013490419834852219, 0.010989528149366379, 0.008952259086072445, 0.007292664609849453, 0.005940730217844248, 0.00483942124992609, 0.003942275885492563, 0.0032114461064338684, 0.002616099314764142, 0.002131119603291154, 0.0017360467463731766, 0.0014142135623842478, 0.0011520427651703358, 0.0009384738514199853, 0.0007644969737157226, 0.0006227724370546639, 0.0005073211505077779, 0.0004132725589442998, 0.00033665893715806305, 0.00027424818836152554, 0.00022340728901326656, 0.00018199143232777715, 0.00014825335529167205, 0.00012076973507646471, 9.838111145654693e-05, 8.014294871827587e-05, 6.528582889586687e-05, 5.3182957344688475e-05, 4.332375465310179e-05, 3.529227615217678e-05, 2.874969686672557e-05, 2.34199997066753e-05, 1.907833393488545e-05, 1.5541540051344782e-05, 1.2660406355280429e-05, 1.0313385246263351e-05, 8.401461855100933e-06, 6.843975370429689e-06, 5.575220257014735e-06, 4.541670477919979e-06, 3.6997230381530244e-06, 3.01385807688348e-06, 2.4551407022954663e-06), concentration=1.0)
         kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
         for i in range(1):
             r.wb_pending[i] = 0
@@ -804,10 +863,10 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
                 # spec line 54: q = rope(linear(h, wq), positions, heads=NH, theta=THETA)
                 cast_into(r.v0_4096, r.v0_4096_bf16)
                 linear(r, issue, S_DECODER_LINEAR, li, base + S_DECODER_LINEAR.start, r.v0_4096_bf16, r.v1_4096)
-                rope(r.v1_4096, r.v2_4096, rope0_cos, rope0_sin, heads=32)
+                rope(r.v1_4096, r.v2_4096, rope0_cos, rope0_sin, rope0_up, heads=32, shift=64)
                 # spec line 55: k = rope(linear(h, wk), positions, heads=NKV, theta=THETA)
                 linear(r, issue, S_DECODER_LINEAR_1, li, base + S_DECODER_LINEAR_1.start, r.v0_4096_bf16, r.v3_1024)
-                rope(r.v3_1024, r.v4_1024, rope0_cos, rope0_sin, heads=8)
+                rope(r.v3_1024, r.v4_1024, rope0_cos, rope0_sin, rope0_up, heads=8, shift=64)
                 # spec line 56: v = linear(h, wv)
                 linear(r, issue, S_DECODER_V, li, base + S_DECODER_V.start, r.v0_4096_bf16, r.v3_1024)
                 # spec line 57: a = attention(q, k, v, k_cache, v_cache, positions, heads=NH, kv_heads=NKV)

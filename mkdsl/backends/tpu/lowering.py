@@ -159,7 +159,7 @@ def check_lowerable(model: Model) -> list[Diagnostic]:
 def _elementwise_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     op, node = OPS[at.node.op], at.node
     values = {}
-    for name, b, ref in zip(op.operands, ins, node.inputs, strict=True):
+    for name, b, ref in zip(op.operands[: len(node.inputs)], ins, node.inputs, strict=True):
         is_weight = ref.kind == "tensor" and em.m.tensor(ref.name).kind == "weight"
         values[name] = em.fetched(ref.name, pre) if is_weight else f"r.{b}[...]"
     expr = op.kernel_expr.format(**values, **em.attr_codes(node))

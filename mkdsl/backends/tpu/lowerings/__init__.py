@@ -10,6 +10,7 @@ from mkdsl.backends.tpu.lowerings import (  # noqa: F401
     moe,
     norm,
     residual,
+    rope,
     routing,
     select,
 )
