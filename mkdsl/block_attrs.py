@@ -15,7 +15,7 @@ from mkdsl.ir import BlockAttr, Graph, LayerExpr, Node, Ref, TensorType, Value
 from mkdsl.ops import OPS, REQUIRED, OpError
 from mkdsl.syntax import Name
 
-ELEMENTWISE_RULES = ("elementwise", "sum")  # shard rules of ops that act entry by entry
+ELEMENTWISE_RULES = ("elementwise", "sum", "broadcast", "broadcast_sum")  # rules of ops that act entry by entry
 
 
 def op_block(op: str, types: tuple[TensorType, ...], **attrs) -> Graph:
