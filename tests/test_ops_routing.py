@@ -10,6 +10,7 @@ Tolerances:
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ops_moe_mla import (
@@ -28,8 +29,11 @@ from test_ops_moe_mla import (
 )
 
 from mkdsl.block_attrs import op_block
+from mkdsl.diagnostics import SpecError
 from mkdsl.dtypes import F32
+from mkdsl.elaborate import elaborate
 from mkdsl.ir import BlockAttr, TensorType
+from mkdsl.syntax import parse
 
 SEEDS = st.integers(0, 2**32 - 1)
 ORACLES: dict[str, list[str]] = {}
@@ -145,3 +149,30 @@ def test_moe_experts_swiglu_block_and_biases(seed, b, k, bias_dt):
         [bits_f64(x) for x in biases],
     )
     close(out, want, atol, f"moe_experts swiglu + biases ({bias_dt})")
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("return g * sigmoid(g * 1.702) * (u + 1.0)", "return linear(g, sg)", "`linear` is not an elementwise op"),
+        ("return g * sigmoid(g * 1.702) * (u + 1.0)", "return g * rowsum(u)", "`rowsum` is not an elementwise op"),
+        ("return g * sigmoid(g * 1.702) * (u + 1.0)", "return g * s_gate", "`s_gate` is not a parameter of the block"),
+        ("block oss_act(g, u)", "block oss_act(g)", "takes 2 parameters, but block `oss_act` has 1"),
+        ("act=oss_act", "act=EPS", "must name a block of elementwise ops with 2 parameters"),
+        ("act=oss_act", "act=softmax", "must name a block of elementwise ops with 2 parameters"),
+        (", act=oss_act", "", "needs the attribute `act=...`"),
+        (
+            "weight b1:       bf16[E, F @tp]",
+            "weight b1:       bf16[E, EP]",
+            "bias `b1` is bf16[32, 128], expected [32, 256]",
+        ),
+    ],
+    ids=["matmul", "row-sum", "weight", "arity", "constant", "non-elementwise-op", "missing", "bias-shape"],
+)
+def test_act_block_and_bias_diagnostics(old, new, message):
+    from test_moe_kernel import SPEC
+
+    assert old in SPEC
+    with pytest.raises(SpecError) as err:
+        elaborate(parse(SPEC.replace(old, new)), None, SPEC)
+    assert message in str(err.value), str(err.value)
