@@ -3,8 +3,9 @@ against the reference layer by layer (mkdsl.verify.LayerChecker; bounds derived 
 DeepSeek-V3-style layer (group-limited top-k of sigmoid scores plus a selection bias, the unbiased
 scores read back with `take`, renormalised and scaled by 2.5, plus a shared expert gated by
 `sigmoid(rowsum(h * s_gate))`) and a gpt-oss-style layer (top-k of the biased logits, softmax over
-the chosen ones), both with expert biases, bf16 experts split by columns (so the down bias is added
-by one device only) and gpt-oss's clamped SwiGLU written as a spec block (`act=oss_act`).
+the chosen ones), both with expert biases, fp8 experts with DeepSeek-V3's 128 x 128 block scales split by columns
+(so the down bias is added by one device only), and gpt-oss's clamped SwiGLU written as a spec
+block (`act=oss_act`). bf16 experts run in tests/test_qwen3.py's kernel, MXFP4 in Kimi K3's.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ weight embed:    bf16[V, H]
 weight norm:     bf16[H]            per layer
 weight router:   bf16[H, EP]        per layer
 weight r_bias:   f32[E]             per layer
-weight w1:       bf16[E, H, F @tp]  per layer
-weight w3:       bf16[E, H, F @tp]  per layer
-weight w2:       bf16[E, F @tp, H]  per layer
+weight w1:       fp8_e4m3(block=128)[E, H, F @tp]  per layer
+weight w3:       fp8_e4m3(block=128)[E, H, F @tp]  per layer
+weight w2:       fp8_e4m3(block=128)[E, F @tp, H]  per layer
 weight b1:       bf16[E, F @tp]     per layer
 weight b3:       bf16[E, F @tp]     per layer
 weight b2:       bf16[E, H]         per layer
@@ -99,7 +100,7 @@ def test_routing_forms_biases_and_act_block_match_reference_sharded(tmp_path):
     spec = importlib.util.spec_from_file_location("moe_mix_kernel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert "fmt='bf16'" in path.read_text() and "b2_here=" in path.read_text()
+    assert "fmt='fp8_block'" in path.read_text() and "b2_here=" in path.read_text()
     batch = 3
     weights, state = random_params(out.model, {"B": batch}, seed=3)
     step = module.build_decode_step(batch, module.KV_TILE, interpret=verify.interpret_params(), layer_trace=True)

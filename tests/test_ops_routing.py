@@ -30,9 +30,10 @@ from test_ops_moe_mla import (
 
 from mkdsl.block_attrs import op_block
 from mkdsl.diagnostics import SpecError
-from mkdsl.dtypes import F32
+from mkdsl.dtypes import F32, fp8
 from mkdsl.elaborate import elaborate
 from mkdsl.ir import BlockAttr, TensorType
+from mkdsl.quant import quantize
 from mkdsl.syntax import parse
 
 SEEDS = st.integers(0, 2**32 - 1)
@@ -176,3 +177,26 @@ def test_act_block_and_bias_diagnostics(old, new, message):
     with pytest.raises(SpecError) as err:
         elaborate(parse(SPEC.replace(old, new)), None, SPEC)
     assert message in str(err.value), str(err.value)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=SEEDS, b=st.sampled_from([1, 3]), k=st.sampled_from([1, 2]))
+def test_moe_experts_fp8_block_experts(seed, b, k):
+    """fp8 e4m3 experts with one f32 scale per [128, 128] square (DeepSeek-V3's format), decoded
+    exactly (code x scale, one f32 rounding), against the oracle on the decoded values."""
+    rng = np.random.default_rng(seed)
+    experts, d, f = 3, 256, 256
+    z = nonzero_normal(rng, (b, d))
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(b)]).astype(np.int32)
+    weights = rng.uniform(0.05, 1.0, (b, k)).astype(np.float32)
+    mats, decoded = [], []
+    for shape in ((experts, d, f), (experts, d, f), (experts, f, d)):
+        w = quantize(fp8("fp8_e4m3", block=128), nonzero_normal(rng, shape, shape[1] ** -0.5))
+        mats.append(w)
+        scale = np.repeat(np.repeat(np.asarray(w.scales, np.float64), 128, axis=-2), 128, axis=-1)
+        decoded.append((np.asarray(w.codes).astype(np.float64) * scale).astype(np.float32).astype(np.float64))
+    t = TensorType(F32, (b, f))
+    (out,) = run("moe_experts", z, weights, ids, *mats, act=BlockAttr(op_block("swiglu", (t, t))))
+    zeros = [np.zeros((experts, f)), np.zeros((experts, f)), np.zeros((experts, d))]
+    want, atol = biased_oracle(z.astype(np.float64), weights.astype(np.float64), ids, decoded, zeros)
+    close(out, want, atol, "moe_experts fp8 block-scaled")
