@@ -55,13 +55,13 @@ def _problem(g: Graph) -> tuple[object, str] | None:
     return None
 
 
-def _from_block(ctx, v: Name, types: tuple[TensorType, ...], what: str) -> Graph | None:
+def _from_block(ctx, v: Name, types: tuple[TensorType, ...], what: str, kind: str | None) -> Graph | None:
     f = ctx.el.d.blocks[v.id]
     if len(f.params) != len(types):
         ctx.rep.error(v.span, f"{what} takes {len(types)} parameters, but block `{v.id}` has {len(f.params)}")
         return None
     params = tuple(Value(p, t, f.span) for p, t in zip(f.params, types))
-    g = ctx.build_graph(f.name, f, params, layer_kind=None)
+    g = ctx.build_graph(f.name, f, params, layer_kind=kind)  # the caller's kind: its tensors resolve
     if g is None:
         return None
     problem = _problem(g)
@@ -73,10 +73,10 @@ def _from_block(ctx, v: Name, types: tuple[TensorType, ...], what: str) -> Graph
     return g
 
 
-def _resolve(ctx, e, op, name: str, v, types) -> Graph | None:
+def _resolve(ctx, e, op, name: str, v, types, kind: str | None) -> Graph | None:
     what = f"`{op.name}`'s `{name}`"
     if isinstance(v, Name) and v.id in ctx.el.d.blocks:
-        return _from_block(ctx, v, types, what)
+        return _from_block(ctx, v, types, what, kind)
     target = OPS.get(v.id) if isinstance(v, Name) else None
     if target is not None and target.kernel_expr is not None and len(target.operands) == len(types):
         if all(d is not REQUIRED for d in target.attrs.values()) and target.shard in ELEMENTWISE_RULES:
@@ -90,7 +90,7 @@ def _resolve(ctx, e, op, name: str, v, types) -> Graph | None:
     return None
 
 
-def resolve_block_attrs(ctx, e, op, attrs: dict, operands) -> bool:
+def resolve_block_attrs(ctx, e, op, attrs: dict, operands, kind: str | None = None) -> bool:
     """Replace each block attribute's name by its elaborated `BlockAttr`; False after an error."""
     ok = True
     for name, param_types in op.block_attrs:
@@ -101,7 +101,7 @@ def resolve_block_attrs(ctx, e, op, attrs: dict, operands) -> bool:
             types = param_types(operands)
         except OpError:
             continue  # the op's shape rule reports the operand
-        g = _resolve(ctx, e, op, name, v, types)
+        g = _resolve(ctx, e, op, name, v, types, kind)
         if g is None:
             ok = False
         else:

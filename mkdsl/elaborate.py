@@ -793,7 +793,7 @@ class _Context:
                 return None
             refs.append(a[0])
         operands = [self.operand(r, g, _shown(a)) for r, a in zip(refs, e.args)]
-        if op.block_attrs and not resolve_block_attrs(self, e, op, attrs, operands):
+        if op.block_attrs and not resolve_block_attrs(self, e, op, attrs, operands, g.layer_kind):
             return None
         try:
             out_types = op.infer(operands, {k: v.first if isinstance(v, LayerExpr) else v for k, v in attrs.items()})

@@ -72,7 +72,7 @@ block attn(h) {
 # softmax over all experts, the top 8, renormalised (norm_topk_prob); SwiGLU experts
 block moe(h) {
   p, ids = topk(softmax(linear(h, router)), k=TOPK)
-  return moe_experts(h, normalize(p), ids, w_gate, w_up, w_down, act=swiglu)
+  return moe_experts(h, p / rowsum(p), ids, w_gate, w_up, w_down, act=swiglu)
 }
 
 layer decoder(x) {

@@ -39,11 +39,14 @@ SLOW_MODULES = {
     "test_kernel_interpret.py",
     "test_verify.py",
     "test_kernel_elementwise.py",
+    "test_qwen3_compile.py",
+    "test_moe_kernel.py",
 }
 SLOW_TESTS = {
     "test_comm.py": ("test_collectives_interpret_8_devices", "test_collectives_compile_tpu7x"),
     "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
     "test_attention_kernel.py": ("test_window_sinks_rope_variants_head_dims_and_mla_match_the_reference",),
+    "test_qwen3.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
     "test_docs.py": (  # each runs a kernel or the compiler in a subprocess
         "test_python_api_examples_run",
         "test_readme_quickstart_runs_as_written",

@@ -1,10 +1,8 @@
-"""Oracles for the composable routing ops (normalize, group_topk, take) and for moe_experts with
+"""Oracles for the composable routing ops (group_topk, take) and for moe_experts with
 a spec activation block and expert biases, each against float64 numpy.
 
 Tolerances:
 * exact: group_topk's ids and values and take's values (selection and copies of f32 numbers);
-* normalize: (n + 4)·2^-24 relative: an f32 sum of n positive terms is within (n - 1)·u of the
-  exact sum, then one rounding each for the eps add, the division and the scale;
 * moe_experts: as tests/test_ops_moe_mla.py's `moe_oracle`, with swiglu's sensitivity
   (|d/dg silu(g)·u| <= 1.1·|u|, |d/du| = |silu(g)| <= |g|) and one f32 rounding per bias add.
 """
@@ -12,6 +10,7 @@ Tolerances:
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ops_moe_mla import (
@@ -30,12 +29,16 @@ from test_ops_moe_mla import (
 )
 
 from mkdsl.block_attrs import op_block
-from mkdsl.dtypes import F32
+from mkdsl.diagnostics import SpecError
+from mkdsl.dtypes import F32, fp8
+from mkdsl.elaborate import elaborate
 from mkdsl.ir import BlockAttr, TensorType
+from mkdsl.quant import quantize
+from mkdsl.syntax import parse
 
 SEEDS = st.integers(0, 2**32 - 1)
 ORACLES: dict[str, list[str]] = {}
-KNOWN_ATTRS = {"normalize": {"eps", "scale"}, "group_topk": {"k", "groups", "topk_groups"}, "take": set()}
+KNOWN_ATTRS = {"group_topk": {"k", "groups", "topk_groups"}, "take": set()}
 
 
 def oracle_for(*ops: str):
@@ -94,18 +97,6 @@ def test_take(seed, b, k):
     exact(out, np.take_along_axis(x.astype(np.float64), ids, axis=1), "take")
 
 
-@oracle_for("normalize")
-@settings(max_examples=10, deadline=None)
-@given(seed=SEEDS, n=st.sampled_from([1, 4, 8]), eps=st.sampled_from([0.0, 1e-20]), scale=st.sampled_from([1.0, 2.5]))
-def test_normalize(seed, n, eps, scale):
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(0.01, 1.0, (3, n)).astype(np.float32)
-    (out,) = run("normalize", x, eps=eps, scale=scale)
-    x64 = x.astype(np.float64)
-    want = x64 / (x64.sum(axis=1, keepdims=True) + np.float64(np.float32(eps))) * scale
-    close(out, want, (n + 4) * U * want, f"normalize n={n}")
-
-
 def silu(x):
     return x / (1.0 + np.exp(-x))
 
@@ -159,3 +150,53 @@ def test_moe_experts_swiglu_block_and_biases(seed, b, k, bias_dt):
         [bits_f64(x) for x in biases],
     )
     close(out, want, atol, f"moe_experts swiglu + biases ({bias_dt})")
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("return g * sigmoid(g * 1.702) * (u + 1.0)", "return linear(g, sg)", "`linear` is not an elementwise op"),
+        ("return g * sigmoid(g * 1.702) * (u + 1.0)", "return g * rowsum(u)", "`rowsum` is not an elementwise op"),
+        ("return g * sigmoid(g * 1.702) * (u + 1.0)", "return g * s_gate", "`s_gate` is not a parameter of the block"),
+        ("block oss_act(g, u)", "block oss_act(g)", "takes 2 parameters, but block `oss_act` has 1"),
+        ("act=oss_act", "act=EPS", "must name a block of elementwise ops with 2 parameters"),
+        ("act=oss_act", "act=softmax", "must name a block of elementwise ops with 2 parameters"),
+        (", act=oss_act", "", "needs the attribute `act=...`"),
+        (
+            "weight b1:       bf16[E, F @tp]",
+            "weight b1:       bf16[E, EP]",
+            "bias `b1` is bf16[32, 128], expected [32, 256]",
+        ),
+    ],
+    ids=["matmul", "row-sum", "weight", "arity", "constant", "non-elementwise-op", "missing", "bias-shape"],
+)
+def test_act_block_and_bias_diagnostics(old, new, message):
+    from test_moe_kernel import SPEC
+
+    assert old in SPEC
+    with pytest.raises(SpecError) as err:
+        elaborate(parse(SPEC.replace(old, new)), None, SPEC)
+    assert message in str(err.value), str(err.value)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=SEEDS, b=st.sampled_from([1, 3]), k=st.sampled_from([1, 2]))
+def test_moe_experts_fp8_block_experts(seed, b, k):
+    """fp8 e4m3 experts with one f32 scale per [128, 128] square (DeepSeek-V3's format), decoded
+    exactly (code x scale, one f32 rounding), against the oracle on the decoded values."""
+    rng = np.random.default_rng(seed)
+    experts, d, f = 3, 256, 256
+    z = nonzero_normal(rng, (b, d))
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(b)]).astype(np.int32)
+    weights = rng.uniform(0.05, 1.0, (b, k)).astype(np.float32)
+    mats, decoded = [], []
+    for shape in ((experts, d, f), (experts, d, f), (experts, f, d)):
+        w = quantize(fp8("fp8_e4m3", block=128), nonzero_normal(rng, shape, shape[1] ** -0.5))
+        mats.append(w)
+        scale = np.repeat(np.repeat(np.asarray(w.scales, np.float64), 128, axis=-2), 128, axis=-1)
+        decoded.append((np.asarray(w.codes).astype(np.float64) * scale).astype(np.float32).astype(np.float64))
+    t = TensorType(F32, (b, f))
+    (out,) = run("moe_experts", z, weights, ids, *mats, act=BlockAttr(op_block("swiglu", (t, t))))
+    zeros = [np.zeros((experts, f)), np.zeros((experts, f)), np.zeros((experts, d))]
+    want, atol = biased_oracle(z.astype(np.float64), weights.astype(np.float64), ids, decoded, zeros)
+    close(out, want, atol, "moe_experts fp8 block-scaled")

@@ -1591,7 +1591,12 @@ def split_bf16(w):
 # ---------------------------------------------------------------------------------------
 # The weight pieces of one tile set, in DMA/semaphore order, per expert format, and the scratch
 # a MoE keeps (allocated by the planner as <prefix><name>).
-MOE_PIECES = {"mxfp4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"), "bf16": ("w1", "w3", "w2")}
+MOE_PIECES = {
+    "mxfp4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
+    "fp8_block": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),  # codes in VMEM, [128, 128]-block scales in SMEM
+    "bf16": ("w1", "w3", "w2"),
+}
+FP8_BLOCK = 128  # the side of a block-scaled fp8 expert's scale squares
 MOE_SCRATCH = ("sem", "zb", "ids_stage", "ids_smem", "id_sem", "list", "count", "pos")
 ID_LANES = 128  # ids are staged lane-dense ([rows, 128] i32) so one DMA copies them to SMEM
 
@@ -1727,6 +1732,16 @@ class MoE:
                 "w3": self.h_w3.at[layer_slot, e, :, pl.ds(n0, tn)],
                 "w2": self.h_w2.at[layer_slot, e, pl.ds(n0, tn), :],
             }
+        elif self.fmt == "fp8_block":
+            b0 = c * (tn // FP8_BLOCK)
+            src = {
+                "w1c": self.h_w1c.at[layer_slot, e, :, pl.ds(n0, tn)],
+                "w1s": self.h_w1s.at[layer_slot, e, :, pl.ds(b0, tn // FP8_BLOCK)],
+                "w3c": self.h_w3c.at[layer_slot, e, :, pl.ds(n0, tn)],
+                "w3s": self.h_w3s.at[layer_slot, e, :, pl.ds(b0, tn // FP8_BLOCK)],
+                "w2c": self.h_w2c.at[layer_slot, e, pl.ds(n0, tn), :],
+                "w2s": self.h_w2s.at[layer_slot, e, pl.ds(b0, tn // FP8_BLOCK), :],
+            }
         else:
             f8 = pl.multiple_of(c * (tn // 8), tn // 8)
             f32_ = pl.multiple_of(c * (tn // 32), tn // 32)
@@ -1756,6 +1771,35 @@ class MoE:
         """Start the first slots-1 tile sets (call after route, before experts)."""
         for t in range(self.slots - 1):
             self.issue(layer_slot, jnp.int32(t))
+
+    def gu(self, slot, c, zc):
+        """The f32 [rows, tn] gate and up contributions of K rows c*kc .. of the slot's tiles."""
+        if self.fmt != "fp8_block":
+            w1, w3 = self.w13(slot, c)
+            return jnp.dot(zc, w1, preferred_element_type=F32), jnp.dot(zc, w3, preferred_element_type=F32)
+        out = []
+        for codes, scales in ((self.w1c, self.w1s), (self.w3c, self.w3s)):
+            acc = None
+            for i in range(self.kc // FP8_BLOCK):  # each 128-row slab: bf16 codes (exact), then its scales
+                r0 = pl.multiple_of(c * self.kc + i * FP8_BLOCK, FP8_BLOCK)
+                w = codes[slot, pl.ds(r0, FP8_BLOCK), :].astype(BF16)
+                row = spread_scales(lambda j, i=i: scales[slot, c * (self.kc // FP8_BLOCK) + i, j], self.tn, FP8_BLOCK)
+                part = jnp.dot(zc[:, i * FP8_BLOCK : (i + 1) * FP8_BLOCK], w, preferred_element_type=F32) * row
+                acc = part if acc is None else acc + part
+            out.append(acc)
+        return tuple(out)
+
+    def down(self, slot, d0, h):
+        """f32 [rows, dc]: h (bf16 [rows, tn]) times columns d0 .. d0+dc of the slot's W2 tile."""
+        if self.fmt != "fp8_block":
+            return jnp.dot(h, self.w2_cols(slot, d0), preferred_element_type=F32)
+        acc = None
+        for i in range(self.tn // FP8_BLOCK):
+            w = self.w2c[slot, i * FP8_BLOCK : (i + 1) * FP8_BLOCK, pl.ds(d0, self.dc)].astype(BF16)
+            row = spread_scales(lambda j, i=i: self.w2s[slot, i, d0 // FP8_BLOCK + j], self.dc, FP8_BLOCK)
+            part = jnp.dot(h[:, i * FP8_BLOCK : (i + 1) * FP8_BLOCK], w, preferred_element_type=F32) * row
+            acc = part if acc is None else acc + part
+        return acc
 
     def w13(self, slot, c):
         """Rows c*kc .. of the slot's W1 and W3 tiles, as bf16 [kc, tn]."""
@@ -1808,9 +1852,8 @@ class MoE:
 
             def k_chunk(c, gu):
                 g, u = gu
-                zc = self.zb[:, pl.ds(pl.multiple_of(c * kc, kc), kc)]
-                w1, w3 = self.w13(slot, c)
-                return g + jnp.dot(zc, w1, preferred_element_type=F32), u + jnp.dot(zc, w3, preferred_element_type=F32)
+                dg, du = self.gu(slot, c, self.zb[:, pl.ds(pl.multiple_of(c * kc, kc), kc)])
+                return g + dg, u + du
 
             zero = jnp.zeros((rows, tn), F32)
             g, u = jax.lax.fori_loop(0, D // kc, k_chunk, (zero, zero))
@@ -1824,7 +1867,7 @@ class MoE:
 
             def d_chunk(c, carry):
                 d0 = pl.multiple_of(c * dc, dc)
-                y = jnp.dot(h, self.w2_cols(slot, d0), preferred_element_type=F32)
+                y = self.down(slot, d0, h)
                 if self.bias["b2"] is not None:
                     y = y + jnp.where(first, self.bias_row("b2", e, d0, dc), 0.0)
                 out_ref[:, pl.ds(d0, dc)] += w_e * y

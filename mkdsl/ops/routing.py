@@ -1,9 +1,9 @@
 """Routing steps that compose with `topk` (mkdsl/ops/select.py) into any published MoE router.
 
-Qwen3: `w, ids = topk(softmax(linear(h, router)), k=8)` and `normalize(w)`; gpt-oss: `topk`
-of the logits, then `softmax` of the chosen ones; DeepSeek-V3: `group_topk` of the biased
-sigmoid scores selects, `take` reads the unbiased scores at the chosen ids, and
-`normalize(..., scale=2.5)` renormalises and scales them.
+Qwen3: `p, ids = topk(softmax(linear(h, router)), k=8)` and `p / rowsum(p)`; gpt-oss: `topk`
+of the logits plus the router bias, then `softmax` of the chosen ones; DeepSeek-V3: `group_topk`
+of the sigmoid scores plus the correction bias selects, `take` reads the unbiased scores at the
+chosen ids, and `w / rowsum(w) * 2.5` renormalises and scales them.
 """
 
 from __future__ import annotations
@@ -13,30 +13,6 @@ from mkdsl.ir import TensorType
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import REQUIRED, Cost, OpDef, OpError, expect_dtype, expect_float, expect_rank, register
 from mkdsl.ops.select import topk
-
-
-def _rows(args, attrs):
-    (x,) = args
-    expect_rank(x, 2, 0, "the routing weights")
-    expect_float(x, 0)
-    return (TensorType(F32, x.type.shape),)
-
-
-register(
-    OpDef(
-        "normalize",
-        ("x",),
-        _rows,
-        lambda x, eps, scale: (
-            x.astype(jnp.float32) / (jnp.sum(x.astype(jnp.float32), -1, keepdims=True) + eps) * scale,
-        ),
-        lambda ins, outs, a: Cost(flops=3 * ins[0].shape[0] * ins[0].shape[1]),
-        attrs={"eps": 0.0, "scale": 1.0},
-        doc="x / (Σ x + eps) · scale over the last axis: renormalised (and scaled) routing weights.",
-        kernel_expr="{x} / (jnp.sum({x}, axis=-1, keepdims=True) + {eps}) * {scale}",
-        shard="whole",
-    )
-)
 
 
 def _group_topk_infer(args, attrs):

@@ -18,13 +18,22 @@ EXPERT_SLOTS = 4  # tile sets in flight (the DMA engine round-robins: 4 beat 3, 
 MOE = ("runtime/decode.py.jinja", "runtime/moe.py.jinja")
 WEIGHTS = ("w1", "w3", "w2")
 BIASES = ("b1", "b3", "b2")
-FORMATS = ("mxfp4", "bf16")  # expert weight formats the runtime decodes
-PIECES = {"mxfp4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"), "bf16": ("w1", "w3", "w2")}
+FORMATS = ("mxfp4", "bf16", "fp8_block")  # expert weight formats the runtime decodes
+PIECES = {
+    "mxfp4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
+    "fp8_block": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
+    "bf16": ("w1", "w3", "w2"),
+}
+FP8_BLOCK = 128  # the block side of block-scaled fp8 experts (DeepSeek-V3's)
 
 
 def expert_format(model: Model, node: Node) -> str | None:
-    """The one format of the three expert weights (None if they differ)."""
-    names = {model.tensor(node.arg(w).name).type.dtype.name for w in WEIGHTS}
+    """The one format of the three expert weights (None if they differ): mxfp4, bf16, or
+    fp8_block (fp8 with 128 x 128 block scales); others are named by their dtype."""
+    names = set()
+    for w in WEIGHTS:
+        dt = model.tensor(node.arg(w).name).type.dtype
+        names.add("fp8_block" if dt.block == FP8_BLOCK and dt.name.startswith("fp8") else str(dt))
     return names.pop() if len(names) == 1 else None
 
 
@@ -60,7 +69,7 @@ def moe_tiling(model: Model, node: Node) -> tuple[int | None, int, list[str]]:
     kc = min(d, 512)
     problems = []
     if expert_format(model, node) not in FORMATS:
-        problems.append(f"the three expert weights must all be one of: {', '.join(FORMATS)}")
+        problems.append("the three expert weights must all be mxfp4, bf16 or fp8 with block=128 scales")
     if tn is None:
         problems.append(f"the expert width {f} must be a multiple of 128")
     if d % kc or (kc % 512 and kc != d) or kc % 256:
@@ -115,6 +124,17 @@ def _scratch(s: PlanContext, at: Site) -> dict:
             "w3": ((*tiles, d, tn), "bfloat16", "expert W3 tiles", "VMEM"),
             "w2": ((*tiles, tn, d), "bfloat16", "expert W2 tiles", "VMEM"),
         }
+    elif fmt == "fp8_block":
+        code = s.model.tensor(node.arg("w1").name).type.dtype.numpy
+        b = FP8_BLOCK
+        parts = {
+            "w1c": ((*tiles, d, tn), code, f"expert W1 codes ({slots} tile sets)", "VMEM"),
+            "w1s": ((*tiles, d // b, tn // b), "float32", "expert W1 block scales", "SMEM"),
+            "w3c": ((*tiles, d, tn), code, "expert W3 codes", "VMEM"),
+            "w3s": ((*tiles, d // b, tn // b), "float32", "expert W3 block scales", "SMEM"),
+            "w2c": ((*tiles, tn, d), code, "expert W2 codes", "VMEM"),
+            "w2s": ((*tiles, tn // b, d // b), "float32", "expert W2 block scales", "SMEM"),
+        }
     else:
         parts = {
             "w1c": ((*tiles, d // 8, tn), "uint32", f"expert W1 codes ({slots} tile sets)", "VMEM"),
@@ -162,7 +182,7 @@ def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
     tn, slots, _ = moe_tiling(em.m, node)  # as the planner sized the tile sets
     fmt = expert_format(em.m, node)
     if fmt == "bf16":
-        names = {key: w for key, w in zip(WEIGHTS, (w1, w3, w2), strict=True)}
+        names = {key: w for key, w in zip(WEIGHTS, (w1, w3, w2), strict=True)}  # unquantised: one array each
     else:
         names = {
             f"{key}{part[0]}": f"{w}_{part}"
