@@ -23,6 +23,7 @@ from __future__ import annotations
 from mkdsl.dtypes import F32
 from mkdsl.ir import TensorType
 from mkdsl.lazy import jax, jnp
+from mkdsl.ops.prefill import scan_rule
 from mkdsl.ops.registry import (
     Cost,
     OpDef,
@@ -124,6 +125,7 @@ register(
         "weight [K, C], its last tap on x; the state shifts in x.",
         shard="channels",
         data_dependent=True,
+        prefill=scan_rule(short_conv, tokens=(0,), state=2),  # the conv window slides token by token
     )
 )
 
@@ -290,5 +292,6 @@ register(
         shard="key_heads",
         attends=True,
         data_dependent=True,
+        prefill=scan_rule(delta_rule, tokens=(0, 1, 2, 3, 4), state=5),  # the recurrence, token by token
     )
 )
