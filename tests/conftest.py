@@ -32,6 +32,7 @@ settings.load_profile(os.environ.get("MKDSL_HYPOTHESIS_PROFILE", "ci"))
 # full-size kernels, the sharded lockstep models). `python -m pytest -m "not slow"` is the fast
 # subset; CI runs everything. Marked here, in one place, by module or by test name.
 SLOW_MODULES = {
+    "test_qwen3_next_compile.py",
     "test_kimi_kernel.py",
     "test_kimi_compile.py",
     "test_kimi_sharded_compile.py",
@@ -43,6 +44,8 @@ SLOW_MODULES = {
     "test_moe_kernel.py",
 }
 SLOW_TESTS = {
+    "test_gdn_kernel.py": ("test_gated_deltanet_kernel_matches_reference",),
+    "test_qwen3_next.py": ("test_mini_kernel_matches_reference",),
     "test_comm.py": ("test_collectives_interpret_8_devices", "test_collectives_compile_tpu7x"),
     "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
     "test_attention_kernel.py": ("test_window_sinks_rope_variants_head_dims_and_mla_match_the_reference",),

@@ -79,9 +79,9 @@ def gated_deltanet(h, W, st, z: Sizes):
     """One row through a Gated DeltaNet mixer (facts §3, steps 1-5). `st` holds this row's
     recurrent state [Hv, dk, dv] and conv states; returns (output, new states)."""
     q_in, k_in, v_in = mm(h, W["gdn_wq"]), mm(h, W["gdn_wk"]), mm(h, W["gdn_wv"])
-    zg, ba = mm(h, W["gdn_wz"]), mm(h, W["gdn_wba"])
+    zg = mm(h, W["gdn_wz"])
     nv, nk, dk, dv = z.value_heads, z.key_heads, z.head_k, z.head_v
-    b, a = ba[:nv], ba[nv : 2 * nv]
+    b, a = mm(h, W["gdn_wb"]), mm(h, W["gdn_wa"])
     q, q_conv = causal_conv(q_in, W["gdn_conv_q"], st["gdn_q_conv"])
     k, k_conv = causal_conv(k_in, W["gdn_conv_k"], st["gdn_k_conv"])
     v, v_conv = causal_conv(v_in, W["gdn_conv_v"], st["gdn_v_conv"])
@@ -142,17 +142,20 @@ def gated_attention(h, W, st, pos: int, z: Sizes):
 
 def moe(h, W, z: Sizes):
     """Softmax over the experts, top-k renormalised, SwiGLU experts; plus the shared SwiGLU
-    expert scaled by sigmoid(shared_expert_gate . h)."""
+    expert scaled by sigmoid(shared_expert_gate . h). Also returns the relative gap between the
+    k-th choice and the runner-up (a near tie may go either way under rounding)."""
     p = np.exp(mm(h, W["moe_router"]) - mm(h, W["moe_router"]).max())
     p = p / p.sum()
-    top = np.argsort(-p, kind="stable")[: z.topk]
+    order = np.argsort(-p, kind="stable")
+    top = order[: z.topk]
+    margin = (p[order[z.topk - 1]] - p[order[z.topk]]) / p[order[z.topk - 1]]  # k-th vs runner-up
     weights = p[top] / p[top].sum()
     y = np.zeros(z.hidden)
     for e, we in zip(top, weights):
         act = silu(mm(h, W["moe_w1"][e])) * mm(h, W["moe_w3"][e])
         y += we * mm(act, W["moe_w2"][e])
     shared = mm(silu(mm(h, W["shared_gate"])) * mm(h, W["shared_up"]), W["shared_down"])
-    return y + sigmoid(h @ f64(W["shared_expert_gate"])) * shared, top
+    return y + sigmoid(h @ f64(W["shared_egate"])) * shared, margin
 
 
 def layer_weights(model, weights: dict, layer: int) -> dict:
@@ -167,26 +170,27 @@ def layer_weights(model, weights: dict, layer: int) -> dict:
 
 
 def decode(model, z: Sizes, weights: dict, state: dict, tokens, positions):
-    """One greedy decode step for every row: (logits [B, V], next tokens, new state, routed
-    experts per (layer, row))."""
+    """One greedy decode step for every row: (logits [B, V], next tokens, new state, each row's
+    smallest routing margin over its layers)."""
     new_state = {k: np.array(v, copy=True) for k, v in state.items()}
     kinds = model.schedule
-    logits, chosen = [], {}
+    logits, margins = [], []
     for b, (tok, pos) in enumerate(zip(tokens, positions)):
         x = f64(weights["embed"][tok])
+        margins.append(np.inf)
         for layer, kind in enumerate(kinds):
             W = layer_weights(model, weights, layer)
             st = {t.name: new_state[t.name][t.slots[layer], b] for t in model.states if t.slots[layer] >= 0}
             h = rms(x, W["input_norm"], 1.0)
-            mixer = gated_attention(h, W, st, int(pos), z) if kind == "attention" else gated_deltanet(h, W, st, z)
+            mixer = gated_attention(h, W, st, int(pos), z) if kind == "full_attn" else gated_deltanet(h, W, st, z)
             out, upd = mixer
             x = x + out
             for name, v in upd.items():
                 slot = model.tensor(name).slots[layer]
                 new_state[name][slot, b] = v.astype(new_state[name].dtype)
-            y, top = moe(rms(x, W["post_norm"], 1.0), W, z)
-            chosen[(layer, b)] = top
+            y, margin = moe(rms(x, W["post_norm"], 1.0), W, z)
+            margins[-1] = min(margins[-1], margin)
             x = x + y
         logits.append(mm(rms(x, weights["final_norm"], 1.0), weights["lm_head"]))
     logits = np.stack(logits)
-    return logits, np.argmax(logits, axis=1), new_state, chosen
+    return logits, np.argmax(logits, axis=1), new_state, np.array(margins)

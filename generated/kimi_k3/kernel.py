@@ -1436,62 +1436,96 @@ class DeltaRule:
     `scalar_decay`: one g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q; value
     head h reads q and k of key head h // group. States are read `slots - 1` ahead and written
     back in place.
+
+    With one decay per head and several value heads per key head (Gated DeltaNet), the `group`
+    value heads of a key head share q and k, and a scalar decay scales a state's columns as well
+    as its rows: they are updated together as one [dk, group * dv] state (one slot, `group`
+    DMAs each way), so each product is one dot `group * dv` wide and the loop runs once per key
+    head. Otherwise a slot holds one head's state.
     """
 
     def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False):
         self.state, self.state_out, self.s_in, self.s_out, self.sem = state, state_out, s_in, s_out, sem
         self.batch, self.heads, self.group, self.scalar_decay = batch, heads, group, scalar_decay
+        self.per = group if scalar_decay else 1  # value heads per slot
+        self.units = heads // self.per  # slots' worth per row
         self.slots = s_in.shape[0]
 
-    def read(self, slot, i, s):
-        return pltpu.make_async_copy(self.state.at[slot, i // self.heads, i % self.heads], self.s_in.at[s], self.sem.at[0, s])
+    def copies(self, slot, i, s, out):
+        b, u, dv = i // self.units, i % self.units, self.s_in.shape[2] // self.per
+        hbm = self.state_out if out else self.state
+        copies = []
+        for j in range(self.per):
+            vmem = (self.s_out if out else self.s_in).at[s] if self.per == 1 else (self.s_out if out else self.s_in).at[s, :, pl.ds(j * dv, dv)]
+            row = hbm.at[slot, b, u * self.per + j]
+            src, dst = (vmem, row) if out else (row, vmem)
+            copies.append(pltpu.make_async_copy(src, dst, self.sem.at[int(out), s]))
+        return copies
 
-    def write(self, slot, i, s):
-        return pltpu.make_async_copy(self.s_out.at[s], self.state_out.at[slot, i // self.heads, i % self.heads], self.sem.at[1, s])
+    def start(self, slot, i, s, out):
+        for c in self.copies(slot, i, s, out):
+            c.start()
+
+    def wait(self, slot, s, out):
+        for c in self.copies(slot, 0, s, out):
+            c.wait()
+
+    def spread(self, row, u, dv, f):
+        """[1, per * dv]: f(value of head u * per + j) on head j's dv lanes."""
+        lane = jax.lax.broadcasted_iota(I32, (1, self.per * dv), 1) // dv
+        spread = jnp.zeros((1, self.per * dv), F32)
+        for j in range(self.per):
+            spread = jnp.where(lane == j, f(lane_pick(row, u * self.per + j)), spread)
+        return spread
 
     def __call__(self, slot, q, k, v, g, beta, out):
-        n, slots, heads = self.batch * self.heads, self.slots, self.heads
-        dk, dv = self.s_in.shape[1], self.s_in.shape[2]
+        n, slots, units, per = self.batch * self.units, self.slots, self.units, self.per
+        dk, width = self.s_in.shape[1], self.s_in.shape[2]
         out[...] = jnp.zeros(out.shape, F32)
         for i in range(min(slots - 1, n)):
-            self.read(slot, i, i).start()
+            self.start(slot, i, i, out=False)
         row8 = jax.lax.broadcasted_iota(I32, (8, dk), 0)
 
-        def step(b, h, carry):
-            i = b * heads + h
+        def step(b, u, carry):
+            i = b * units + u
             s = i % slots
 
             @pl.when(i + slots - 1 < n)
             def _():
-                self.read(slot, i + slots - 1, (i + slots - 1) % slots).start()
+                self.start(slot, i + slots - 1, (i + slots - 1) % slots, out=False)
 
-            self.read(slot, 0, s).wait()
+            self.wait(slot, s, out=False)
 
             @pl.when(i >= slots)
             def _():
-                self.write(slot, 0, s).wait()  # the write-back that last used this out slot
+                self.wait(slot, s, out=True)  # the write-back that last used this out slot
 
-            kc, vc = head_cols(h if self.group == 1 else h // self.group, dk), head_cols(h, dv)
+            key = u if per > 1 or self.group == 1 else u // self.group
+            kc, vc = head_cols(key, dk), head_cols(u, width)
             row = slice(b, b + 1)  # rows are static: a dynamic single-row load is not aligned
             k_row = k[row, kc]
-            if self.scalar_decay:
-                decay = jnp.broadcast_to(jnp.exp(lane_pick(g[row, :], h)), (1, dk))
+            if per > 1:  # one decay per value head: scale each head's columns
+                decay = jnp.ones((1, dk), F32)
+                col_decay = self.spread(g[row, :], u, width // per, jnp.exp)
+                b_row = self.spread(beta[row, :], u, width // per, lambda x: x)
+            elif self.scalar_decay:
+                decay = jnp.broadcast_to(jnp.exp(lane_pick(g[row, :], u)), (1, dk))
             else:
-                decay = jnp.exp(g[row, head_cols(h, dk)])
+                decay = jnp.exp(g[row, head_cols(u, dk)])
             cols = jnp.transpose(jnp.where(row8 == 0, decay, jnp.where(row8 == 1, k_row, 0.0)))  # [dk, 8]
-            s1 = self.s_in[s] * cols[:, 0:1]
+            s1 = self.s_in[s] * col_decay if per > 1 else self.s_in[s] * cols[:, 0:1]
             ks = jnp.dot(k_row, s1, preferred_element_type=F32, precision=HIGHEST)
-            u = lane_pick(beta[row, :], h) * (v[row, vc] - ks)
-            s2 = s1 + cols[:, 1:2] * u
+            u_row = (b_row if per > 1 else lane_pick(beta[row, :], u)) * (v[row, vc] - ks)
+            s2 = s1 + cols[:, 1:2] * u_row
             self.s_out[s] = s2
-            self.write(slot, i, s).start()
+            self.start(slot, i, s, out=True)
             out[row, vc] = jnp.dot(q[row, kc], s2, preferred_element_type=F32, precision=HIGHEST)
             return carry
 
         for b in range(self.batch):
-            jax.lax.fori_loop(0, heads, lambda h, c, b=b: step(b, h, c), 0)
+            jax.lax.fori_loop(0, units, lambda u, c, b=b: step(b, u, c), 0)
         for i in range(max(0, n - slots), n):
-            self.write(slot, 0, i % slots).wait()
+            self.wait(slot, i % slots, out=True)
 
 
 # ---------------------------------------------------------------------------------------

@@ -362,9 +362,9 @@ def allocate_vmem(s: _State) -> None:
     users: dict[str, list[str]] = {}
     for (gname, vname), name in where.items():
         users.setdefault(name, []).append(f"{gname}.{vname}" if gname != "step" else vname)
-    for name, (width, dtype) in shapes.items():
+    for name, (width, dtype, rows) in shapes.items():
         shown = ", ".join(users.get(name, [])[:4]) + (", ..." if len(users.get(name, [])) > 4 else "")
-        _alloc(s, name, ("rows", width), dtype, f"values: {shown}", NOWHERE)
+        _alloc(s, name, (rows, width), dtype, f"values: {shown}", NOWHERE)
     allocate_ops(s)
 
 
