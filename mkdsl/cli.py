@@ -316,6 +316,7 @@ def _run_prompt(args, module, weights, codec, prompt: str) -> None:
     stream = _TextStream(codec)
     if not args.chat:
         sys.stdout.write(prompt)
+        sys.stdout.flush()
     result = generate(decoder, ids, args.max_tokens, codec.eos_ids, args.steps_per_call, stream.push)
     sys.stdout.write("\n")
     for b in range(1, args.batch):
