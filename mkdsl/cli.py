@@ -62,10 +62,13 @@ def _load(args):
     source = _read(args.spec)
     module = _parse(args, source)
     try:
-        return elaborate(module, args.profile, source), source, module
+        model = elaborate(module, args.profile, source)
     except SpecError as e:
         e.source = source
         raise
+    for w in model.warnings:  # printed, never fatal
+        print(w.render(args.spec, source), file=sys.stderr)
+    return model, source, module
 
 
 def _out_shown(args, out_dir) -> str:
@@ -130,6 +133,8 @@ def cmd_compile(args) -> int:
     except SpecError as e:
         e.source = source
         raise
+    for w in out.model.warnings:  # printed, never fatal
+        print(w.render(args.spec, source), file=sys.stderr)
     shown = _out_shown(args, out_dir)
     if args.check:
         stale = stale_files(out, out_dir)
@@ -181,12 +186,42 @@ def cmd_plan(args) -> int:
     except SpecError as e:
         e.source = source
         raise
+    if args.static:
+        if not args.clock_ghz > 0:
+            raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
+        return _plan_static(args, source)
     if args.full:
         print(render_plan(model, plan, args.spec, wide=wide))
     elif args.json:
         print(json.dumps(plan_data(model, plan, args.spec, breakdown(model, plan)), indent=1))
     else:
         print(render_summary(model, plan, args.spec, breakdown(model, plan)))
+    return 0
+
+
+def _plan_static(args, source: str) -> int:
+    """Compile the kernel with libtpu and time its loops from the final bundles."""
+    import tempfile
+    from pathlib import Path
+
+    from mkdsl import bundles
+    from mkdsl.bundle_dump import DumpError, dump_kernel
+    from mkdsl.compiler import compile_source
+
+    out, _ = compile_source(source, args.spec, args.profile, None)
+    clock = args.clock_ghz * 1e9
+    with tempfile.TemporaryDirectory(prefix="mkdsl-static-") as tmp:
+        kernel = Path(tmp) / "kernel.py"
+        kernel.write_text(out.files["kernel.py"], encoding="utf-8")
+        print("compiling with libtpu ...", file=sys.stderr)
+        try:
+            dump = dump_kernel(kernel, args.batch, args.context + 1 if args.context else 0, Path(tmp) / "dump")
+        except DumpError as e:
+            raise UsageError(str(e)) from None
+        found = bundles.parse_bundles(dump.bundles.read_text())
+        util = bundles.parse_utilization(dump.utilization.read_text()) if dump.utilization else None
+        timings = bundles.time_loops(found, util, clock_hz=clock)
+    print(bundles.render_static(out.model.name, dump, timings, len(found), clock))
     return 0
 
 
@@ -403,6 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
     )
     shown.add_argument("--json", action="store_true", help="the plan as JSON (schema: docs/plan-schema.json)")
+    shown.add_argument(
+        "--static",
+        action="store_true",
+        help="compile with libtpu (compile-only TPU7x) and time each loop of the final bundles against its stream",
+    )
+    c.add_argument(
+        "--clock-ghz", type=float, default=1.9, help="assumed TPU7x clock for --static (not public; default 1.9)"
+    )
     c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     c.add_argument(
         "--context",

@@ -165,6 +165,7 @@ class FuncDef:
     name: str
     params: tuple[str, ...]
     body: tuple[Stmt, ...]
+    defaults: tuple[tuple[str, Expr], ...] = ()  # block parameters with a default (constant) value
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,15 @@ class _ToAst(Transformer_NonRecursive):
         return FuncDef(Span.of(name), kind, str(name), tuple(params or ()), tuple(body))
 
     def block_def(self, meta, c):
-        return self._func("block", meta, c)
+        params = c[1] or ()
+        f = self._func("block", meta, [c[0], tuple(p for p, _ in params), *c[2:]])
+        return FuncDef(f.span, f.kind, f.name, f.params, f.body, tuple((p, d) for p, d in params if d is not None))
+
+    def param_list(self, meta, c):
+        return tuple(c)
+
+    def param(self, meta, c):
+        return (str(c[0]), c[1])
 
     def layer_def(self, meta, c):
         return self._func("layer", meta, c)

@@ -314,12 +314,15 @@ def test_softmax(seed, b, n, scale, dt):
     dt=ACT_DTYPES,
     wdt=ACT_DTYPES,
     eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+    offset=st.sampled_from([0.0, 1.0]),
 )
-def test_rmsnorm(seed, b, heads, width, scale, dt, wdt, eps):
+def test_rmsnorm(seed, b, heads, width, scale, dt, wdt, eps, offset):
+    """offset + w is one f32 rounding of exact values (relative to the result), so F32_RTOL holds."""
     rng = np.random.default_rng(seed)
     x, xv = activation(rng, (b, heads * width), scale, dt)
     w, wv = activation(rng, (width,), 1.0, wdt)
-    (out,) = run("rmsnorm", x, w, eps=eps, heads=heads)
+    (out,) = run("rmsnorm", x, w, eps=eps, heads=heads, offset=offset)
+    wv = offset + wv
     want = np.empty((b, heads * width))
     for r in range(b):
         for h in range(heads):
@@ -733,7 +736,7 @@ KNOWN_ATTRS = {  # the attributes the oracles above pass by name (ops not listed
     "argmax": set(),
     "softcap": {"cap"},
     "situ": {"beta", "linear_beta"},
-    "rmsnorm": {"eps", "heads"},
+    "rmsnorm": {"eps", "heads", "offset"},
     "rope": {"heads", "theta"},
     "attention": {"heads", "kv_heads", "scale"},
     "topk": {"k"},

@@ -150,20 +150,114 @@ def check_inputs(weights, state, tokens, positions, batch, seq_len):
     _check_ids("positions", positions, batch, seq_len, f"the cache holds {seq_len} tokens")
 
 
+def _seed(seed):
+    """The sampling seed as a uint32 scalar (an int is taken modulo 2**32)."""
+    if isinstance(seed, (int, np.integer)):
+        return np.uint32(int(seed) % 2**32)
+    if not hasattr(seed, "shape") or tuple(seed.shape) != () or not jnp.issubdtype(seed.dtype, jnp.integer):
+        raise ValueError(f"seed must be an int or an integer scalar, got {seed!r}")
+    return seed.astype(jnp.uint32)
+
+
 class CheckedStep:
-    """The jitted decode step behind a check of its inputs; `jitted` is the step itself."""
+    """The jitted decode step behind a check of its inputs; `jitted` is the step itself
+    (`jitted(weights, state, tokens, positions, seed)`, seed a uint32 scalar)."""
 
-    def __init__(self, jitted, batch, seq_len):
-        self.jitted, self.batch, self.seq_len = jitted, batch, seq_len
+    def __init__(self, jitted, batch, seq_len, steps_per_call=1):
+        self.jitted, self.batch, self.seq_len, self.steps_per_call = jitted, batch, seq_len, steps_per_call
 
-    def __call__(self, weights, state, tokens, positions):
+    def _check(self, weights, state, tokens, positions):
         check_inputs(weights, state, tokens, positions, self.batch, self.seq_len)
-        return self.jitted(weights, state, tokens, positions)
+        if self.steps_per_call > 1:  # every step's position must be in the cache
+            room = self.seq_len - self.steps_per_call + 1
+            _check_ids("positions", positions, self.batch, room, f"{self.steps_per_call} steps from each need room")
 
-    def lower(self, weights, state, tokens, positions):
+    def __call__(self, weights, state, tokens, positions, seed=0):
+        self._check(weights, state, tokens, positions)
+        return self.jitted(weights, state, tokens, positions, _seed(seed))
+
+    def lower(self, weights, state, tokens, positions, seed=0):
         """As `jax.jit(...).lower`, for ahead-of-time compiles (abstract inputs are checked too)."""
-        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len)
-        return self.jitted.lower(weights, state, tokens, positions)
+        self._check(weights, state, tokens, positions)
+        return self.jitted.lower(weights, state, tokens, positions, _seed(seed))
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling: greedy, temperature, top-k, top-p, from counter-based random bits. The same code is
+# mkdsl.sampling's (mkdsl reads this file), so the reference samples identically for a seed.
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a row's next token is chosen from its logits. temperature 0: greedy (the first
+    largest logit). Otherwise a draw from softmax(logits / temperature) restricted to the
+    `top_k` largest logits (0: all; ties with the k-th are kept) and then to the most likely
+    tokens whose probability first reaches `top_p` (1.0: all; ties with the last are kept)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0: no limit), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+
+def _mix32(x):
+    """A bijective 32-bit hash (xor-shift-multiply rounds): each output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sample_uniform(seed, positions, vocab):
+    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id). Counter-based,
+    so a step's draws depend on nothing else: the same seed and positions give the same bits
+    whatever ran before, in one call or several, and however the vocabulary is split."""
+    seed = jnp.asarray(seed).astype(jnp.uint32)
+    rows = jnp.arange(positions.shape[0], dtype=jnp.uint32)
+    key = _mix32(_mix32(_mix32(seed ^ jnp.uint32(0x9E3779B9)) ^ positions.astype(jnp.uint32)) ^ rows)
+    bits = _mix32(key[:, None] ^ _mix32(jnp.arange(vocab, dtype=jnp.uint32))[None, :])
+    return ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)  # 24 bits: exact in f32
+
+
+def sampling_mask(z, sampling):
+    """z (logits / temperature) with the tokens outside top_k and top_p set to -inf."""
+    if sampling.top_k and sampling.top_k < z.shape[-1]:
+        kth = jax.lax.top_k(z, sampling.top_k)[0][:, -1:]
+        z = jnp.where(z >= kth, z, -jnp.inf)
+    if sampling.top_p < 1:
+        p = jax.nn.softmax(z, axis=-1)
+        desc = -jnp.sort(-p, axis=-1)
+        before = jnp.cumsum(desc, axis=-1) - desc  # the mass of the more likely tokens
+        kept = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)  # >= 1: the first has 0 before it
+        z = jnp.where(p >= jnp.take_along_axis(desc, kept - 1, axis=-1), z, -jnp.inf)
+    return z
+
+
+def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None):
+    """Next tokens i32 [batch] of `logits` f32 [batch, vocab] under `sampling`: the Gumbel-max
+    draw argmax(z + g), g = -log(-log(u)) from `sample_uniform`, z the masked scaled logits.
+    Greedy returns `greedy_tokens` (the kernel's own argmax) if given."""
+    logits = logits.astype(jnp.float32)
+    if sampling.greedy:
+        if greedy_tokens is not None:
+            return greedy_tokens
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    z = sampling_mask(logits / jnp.float32(sampling.temperature), sampling)
+    g = -jnp.log(-jnp.log(sample_uniform(seed, positions, logits.shape[-1])))
+    return jnp.argmax(z + g, axis=-1).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -537,7 +631,7 @@ S_EPILOGUE_LOGITS = Stream("lm_head", k=128, n=256, tk=128, tn=256, start=0, sta
 EPILOGUE_TILES = 1
 
 
-def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
+def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
 
     Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`, which
@@ -549,8 +643,20 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
     makes `step` return a fourth value: name -> f32 [NUM_LAYERS + 1, batch, width] for each of
     LAYER_CARRIES, entry 0 as the layer stack receives it and entry l + 1 after layer l. The default
     build has no trace output and no trace copies.
+
+    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the kernel's own
+    argmax); `step` then takes a fifth argument, `seed` (an int, default 0), and its draws are a
+    function of (seed, each row's position, row, token) only. `steps_per_call=N` runs N decode
+    steps in one device call, each step's token fed to the next on the device (positions
+    advancing by one), and returns the N tokens as next_tokens i32 [batch, N] with the last
+    step's logits.
     """
     check_sizes(batch, seq_len)
+    sampling = Sampling() if sampling is None else sampling
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    if not isinstance(steps_per_call, int) or steps_per_call < 1 or (layer_trace and steps_per_call != 1):
+        raise ValueError(f"steps_per_call must be an int >= 1 (1 with layer_trace), got {steps_per_call!r}")
     rows = -(-batch // ROW_TILE) * ROW_TILE
     seq_tiles = seq_len // KV_TILE
 
@@ -770,11 +876,9 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
     )
 
 
-    def step(weights, state, tokens, positions):
+    def one_step(flat, state, tokens, positions):
+        """One kernel call: (logits, the kernel's greedy tokens [batch], new state, trace)."""
         tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE)]
-        flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
-        for name, rows in padded.items():
-            flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
         logits, next_tokens, *new_state = call(
             tokens.astype(I32),
             positions.astype(I32),
@@ -784,9 +888,29 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
         )
         new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
         new_state = dict(zip(state_names, new_state, strict=True))
-        if layer_trace:
-            trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)}
-            return logits, next_tokens.reshape(batch), new_state, trace
-        return logits, next_tokens.reshape(batch), new_state
+        trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)} if layer_trace else {}
+        return logits, next_tokens.reshape(batch), new_state, trace
 
-    return CheckedStep(jax.jit(step, donate_argnums=(1,)), batch, seq_len)
+    def step(weights, state, tokens, positions, seed):
+        flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
+        for name, rows in padded.items():
+            flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
+        tokens, positions = tokens.astype(I32), positions.astype(I32)
+        if steps_per_call == 1:
+            logits, greedy, new_state, trace = one_step(flat, state, tokens, positions)
+            next_tokens = sample_tokens(logits, positions, seed, sampling, greedy)
+            return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
+
+        def decode(i, carry):  # step i's token is step i + 1's input, on the device
+            state, last, chosen, _ = carry
+            logits, greedy, state, _ = one_step(flat, state, last, positions + i)
+            last = sample_tokens(logits, positions + i, seed, sampling, greedy)
+            return state, last, chosen.at[:, i].set(last), logits
+
+        chosen = jnp.zeros((batch, steps_per_call), I32)
+        logits = jnp.zeros((batch, 256), F32)
+        new_state, _, chosen, logits = jax.lax.fori_loop(0, steps_per_call, decode, (state, tokens, chosen, logits))
+        return logits, chosen, new_state
+
+    jitted = jax.jit(step, donate_argnums=(1,))
+    return CheckedStep(jitted, batch, seq_len, steps_per_call)

@@ -79,6 +79,24 @@ def attention(q, k, v, k_cache, v_cache, positions, heads, kv_heads, scale=None)
     return o.reshape(b, heads * dv), k_cache, v_cache
 
 
+def attention_prefill(rows, q, k, v, k_cache, v_cache, positions, heads, kv_heads, scale=None):
+    """Prefill: write every prompt token's k/v at its position, then each token attends causally
+    over 0..its position (earlier cached tokens and the prompt so far), as `attention` per token."""
+    n, (bsz, t) = q.shape[0], (rows.batch, rows.length)
+    dk, dv, size = k_cache.shape[-1], v_cache.shape[-1], k_cache.shape[2]
+    b, at = rows.row_ids(), rows.write_positions(size)
+    k_cache = k_cache.at[b, :, at].set(k.reshape(n, kv_heads, dk).astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[b, :, at].set(v.reshape(n, kv_heads, dv).astype(v_cache.dtype), mode="drop")
+    scale = dk**-0.5 if scale is None else scale
+    qh = q.astype(jnp.float32).reshape(bsz, t, kv_heads, heads // kv_heads, dk)
+    s = jnp.einsum("btkgd,bksd->btkgs", qh, k_cache.astype(jnp.float32), precision="highest") * scale
+    pos = positions.reshape(bsz, t)[:, :, None, None, None]
+    s = jnp.where(jnp.arange(size)[None, None, None, None, :] <= pos, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("btkgs,bksd->btkgd", p, v_cache.astype(jnp.float32), precision="highest")
+    return o.reshape(n, heads * dv), k_cache, v_cache
+
+
 def _attention_infer(args, attrs):
     q, k, v, kc, vc, pos = args
     heads, kv_heads = attrs["heads"], attrs["kv_heads"]
@@ -128,5 +146,6 @@ register(
         shard="kv_heads",
         attends=True,
         data_dependent=True,
+        prefill=attention_prefill,
     )
 )

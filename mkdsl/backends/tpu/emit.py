@@ -34,7 +34,11 @@ RUNTIME_PARTS = (
     "runtime/mla.py.jinja",
     "runtime/kda.py.jinja",
     "runtime/residual.py.jinja",
+    "runtime/decode.py.jinja",
+    "runtime/qlinear.py.jinja",
+    "runtime/routing.py.jinja",
     "runtime/moe.py.jinja",
+    "runtime/elementwise.py.jinja",
 )
 
 
@@ -207,6 +211,10 @@ class _Emitter:
                         stacked=st.stacked,
                         line=st.line,
                         slot_expr_issue=self.slot_expr(st.tensor, "layer"),
+                        quant=st.fmt != "bf16",
+                        fmt=st.fmt,
+                        group=st.group,
+                        parts=repr(tuple(st.parts)),
                     )
                 )
             out.append(dict(name=seq.name, const=f"{seq.name.upper()}_TILES", tiles=seq.tiles, streams=streams))
@@ -338,7 +346,10 @@ class _Emitter:
     def runtime_parts(self) -> list[str]:
         """The runtime templates this module needs (its lowerings' parts), so a dense model
         carries no KDA code."""
-        needed = {p for at in sites(self.m) for p in lowering_for(at.node.op).runtime}
+        needed = set()
+        for at in sites(self.m):
+            lw = lowering_for(at.node.op)
+            needed.update(lw.runtime, lw.runtime_of(self.m, at) if lw.runtime_of else ())
         parts = ["core"] + (["comm", "sharded"] if self.sharded else [])
         return [f"runtime/{p}.py.jinja" for p in parts] + [p for p in RUNTIME_PARTS if p in needed]
 

@@ -110,6 +110,7 @@ class Lowering:
     after_all: Callable[[PlanContext, int], None] | None = None  # once, with the count of this base's instances
     traffic: Callable[[PlanContext, Site], Traffic] = _no_traffic  # per layer (or step) the node runs in
     runtime: tuple[str, ...] = ()  # runtime parts it needs, as templates ("runtime/<part>.py.jinja")
+    runtime_of: Callable[[Model, Site], tuple[str, ...]] | None = None  # more parts, by node (e.g. decoders)
     layer_attrs: bool = False  # takes layer-dependent attributes as traced scalars
 
 

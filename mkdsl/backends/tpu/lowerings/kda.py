@@ -115,9 +115,14 @@ def _rule_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     node, sc = at.node, em.scratch_of(at)
     state = node.arg("state").name
     obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
+    heads = node.attr["heads"]
+    group = heads // (node.attr.get("key_heads") or heads)
+    extra = (f", group={group}" if group > 1 else "") + (
+        ", scalar_decay=True" if em.value_width(at.graph, node.arg("g")) == heads else ""
+    )
     em.objects.append(
         f"{obj} = DeltaRule(r.{state}, r.{state}_out, r.{sc.name('in')}, r.{sc.name('out')}, "
-        f"r.{sc.name('sem')}, batch, {node.attr['heads']})"
+        f"r.{sc.name('sem')}, batch, {heads}{extra})"
     )
     return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
 

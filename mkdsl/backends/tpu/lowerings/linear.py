@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import Diagnostic
+from mkdsl.dtypes import DType, _np
 from mkdsl.ir import Model, Tensor
 from mkdsl.shard import split_note
 
@@ -22,10 +28,86 @@ def divisor_tile(total: int, cap: int, align: int) -> int | None:
     return best
 
 
+@dataclass(frozen=True)
+class TilePart:
+    """One storage part of a streamed tile: it goes to bank `g % RING_DEPTH` of its ring array."""
+
+    suffix: str  # the storage part ("" for a plain matrix; "codes", "scales")
+    dtype: str  # numpy name
+    memory: str  # VMEM, or SMEM for scalars the decoder reads one at a time
+    rdiv: int  # K rows per stored row (8 nibbles per uint32 word; `group` inputs per scale row)
+    cdiv: int = 1  # N columns per stored column (block scales)
+
+    @property
+    def ring(self) -> str:
+        """The ring array holding this part: `ring` (bf16), `ring_<dtype>`, `ring_smem_<dtype>`."""
+        if self.memory == "SMEM":
+            return f"ring_smem_{self.dtype}"
+        return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
+
+    def tile(self, tk: int, tn: int) -> tuple[int, int]:
+        return max(1, tk // self.rdiv), tn // self.cdiv
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(_np(self.dtype)).itemsize
+
+
+@dataclass(frozen=True)
+class StreamFormat:
+    """How a matrix of one dtype streams: its tile decoder (`TILE_DOTS` in
+    runtime/qlinear.py.jinja, "bf16": the plain `linear`), the K tiles it accepts and its parts."""
+
+    fmt: str
+    group: int
+    parts: tuple[TilePart, ...]
+    k_ok: Callable[[int, int], bool]  # (tk, K) -> a valid K tile (aligned windows of every part)
+
+
+def _aligned(tk: int, k: int, rows: int, tile_rows: int) -> bool:
+    """A part window of `rows` rows is whole, or starts and ends on the HBM tile."""
+    return tk == k or rows % tile_rows == 0
+
+
+def stream_format(d: DType) -> StreamFormat | None:
+    """The streaming of a `linear` matrix of dtype `d`, or None (f32, i32 matrices do not stream)."""
+    g, b = d.group, d.block
+    if d.name == "bf16":
+        return StreamFormat("bf16", 0, (TilePart("", "bfloat16", "VMEM", 1),), lambda tk, k: tk % 16 == 0)
+    if d.name.startswith("fp8") and not d.quantised:
+        return StreamFormat("cast", 0, (TilePart("", d.numpy, "VMEM", 1),), lambda tk, k: _aligned(tk, k, tk, 32))
+    if b:
+        parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "SMEM", b, b))
+        return StreamFormat("block", b, parts, lambda tk, k: tk % b == 0 and _aligned(tk, k, tk, 32))
+    if d.name == "mxfp4" or d.name == "int4":
+        scale = "uint8" if d.name == "mxfp4" else "bfloat16"
+        parts = (TilePart("codes", "uint32", "VMEM", 8), TilePart("scales", scale, "VMEM", g))
+        tile = 32 if d.name == "mxfp4" else 16
+        return StreamFormat(
+            d.name,
+            g,
+            parts,
+            lambda tk, k: tk % g == 0 and _aligned(tk, k, tk // 8, 8) and _aligned(tk, k, tk // g, tile),
+        )
+    if d.group:  # int8, fp8 with group scales
+        parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "VMEM", g))
+        return StreamFormat("group", g, parts, lambda tk, k: (g % tk == 0 or tk % g == 0) and _aligned(tk, k, tk, 32))
+    return None
+
+
 def stream_tiles(t: Tensor, tile_k: int, tile_n: int) -> tuple[int | None, int | None]:
-    """[tk, tn] of a streamed matrix (None where no aligned tile divides it)."""
+    """[tk, tn] of a streamed matrix (None where no aligned tile divides it): tk the whole K if
+    it fits, else the largest valid tile <= tile_k dividing K; tn likewise, lane-aligned."""
     k, n = t.type.shape
-    return divisor_tile(k, tile_k, 16), divisor_tile(n, tile_n, 128)
+    sf = stream_format(t.type.dtype)
+    if sf is None:
+        return None, None
+    ks = [tk for tk in range(16, min(k, tile_k) + 1, 16) if k % tk == 0 and sf.k_ok(tk, k)]
+    tk = k if k <= tile_k and sf.k_ok(k, k) else max(ks, default=None)
+    tn = divisor_tile(n, tile_n, 128)
+    if tn is not None and sf.group and sf.fmt == "block" and tn % sf.group:
+        tn = None
+    return tk, tn
 
 
 def tile_n_of(model: Model) -> int:
@@ -42,12 +124,12 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
     if at.graph is model.step and at.index < cut:
         return [Diagnostic(at.node.span, "the kernel streams matrices in the layers and after them, not before")]
     t = model.tensor(w.name)
-    if t.type.dtype.name != "bf16":
+    if stream_format(t.type.dtype) is None:
         return [
             Diagnostic(
                 t.span,
-                f"`{t.name}` is {t.type.dtype}: only bf16 weights stream through the weight ring so far",
-                "declare it bf16, or use it through an op that takes it",
+                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4 or mxfp4",
+                "declare it in one of those, or use it through an op that takes it",
             )
         ]
     tk, tn = stream_tiles(t, TILE_K, tile_n_of(model))
@@ -55,7 +137,7 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
         k, n = t.type.shape
         what = f"{k} rows" if tk is None else f"{n} columns"
         what += split_note(model, t, 0 if tk is None else 1)
-        need = "a multiple of 16" if tk is None else "a multiple of 128"
+        need = f"a tile that divides it and suits {t.type.dtype}" if tk is None else "a multiple of 128"
         return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}")]
     return []
 
@@ -70,9 +152,13 @@ def _allocate_linear(s: PlanContext, at: Site) -> None:
 
 
 def _linear_traffic(s: PlanContext, at: Site) -> Traffic:
-    """Its stream's whole tiles, one DMA each."""
+    """Its stream's whole tiles, one DMA per storage part of each (codes and scales)."""
     st = s.stream_of(at)
-    return Traffic(st.k * st.n * 2, st.tiles) if st else Traffic()
+    if not st:
+        return Traffic()
+    parts = stream_format(s.model.tensor(st.tensor).type.dtype).parts
+    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn)) for p in parts)
+    return Traffic(int(per_tile) * st.tiles, st.tiles * len(parts))
 
 
 def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
@@ -85,10 +171,18 @@ def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
         x=ins[0],
         xb=f"{ins[0]}_bf16",
         cast=cast,
+        fn="linear" if st.fmt == "bf16" else "qlinear",
         stream=em.stream_const(em.seq, st),
         slot=em.slot_expr(st.tensor, "li"),
         base="base",
     )
+
+
+def _linear_runtime(model: Model, at: Site) -> tuple[str, ...]:
+    """A quantised or fp8 matrix needs the decoders and `qlinear`."""
+    w = at.node.arg("weight")
+    sf = stream_format(model.tensor(w.name).type.dtype) if w.kind == "tensor" else None
+    return () if sf is None or sf.fmt == "bf16" else ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja")
 
 
 register_lowering(
@@ -100,6 +194,7 @@ register_lowering(
         check=_check_linear,
         allocate=_allocate_linear,
         traffic=_linear_traffic,
+        runtime_of=_linear_runtime,
     )
 )
 
