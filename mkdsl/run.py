@@ -50,7 +50,9 @@ class Decoder:
             else:
                 from mkdsl.prefill import build_prefill
 
-                self.prefill_fn = build_prefill(spec.model, sampling=sampling)
+                prefill_fn = build_prefill(spec.model, sampling=sampling)
+                pads = getattr(module, "PADDED_COLUMNS", {})
+                self.prefill_fn = lambda w, *a, **k: prefill_fn(unpad_weights(w, pads), *a, **k)
 
     def step(self, n: int) -> Callable:
         """The kernel's step running `n` decode steps per call (built once per count)."""
@@ -77,6 +79,20 @@ class Decoder:
 
     def decode(self, tokens: np.ndarray, position: int, n: int) -> np.ndarray:
         return self._call(tokens, position, n)
+
+
+def unpad_weights(weights: dict, pads: dict) -> dict:
+    """The kernel's padded matrices (the module's PADDED_COLUMNS: name -> (valid, padded, blocks))
+    back in the spec's layout, which the prefill (like the reference) reads."""
+    import jax.numpy as jnp
+
+    out = dict(weights)
+    for name, (valid, padded, blocks) in pads.items():
+        w = out[name]
+        if w.shape[-1] == padded * blocks:
+            parts = jnp.reshape(w, (*w.shape[:-1], blocks, padded))[..., :valid]
+            out[name] = jnp.reshape(parts, (*w.shape[:-1], blocks * valid))
+    return out
 
 
 def _zeros(layout: dict) -> dict:
