@@ -171,12 +171,44 @@ def _unary_op(name, fn, kernel, flops, doc, attrs=None, infer=_unary, shard="ele
 
 
 # ---------------------------------------------------------------- arithmetic (the operators)
-_binary("add", jnp.add, "{a} + {b}", 1, "a + b in f32 (the `+` operator), broadcasting.", "broadcast_sum")
-_binary("sub", jnp.subtract, "{a} - {b}", 1, "a - b in f32 (the `-` operator), broadcasting.", "broadcast_sum")
-_binary("mul", jnp.multiply, "{a} * {b}", 1, "a * b in f32 (the `*` operator), broadcasting.", "broadcast")
-_binary("div", jnp.divide, "{a} / {b}", 1, "a / b in f32 (the `/` operator), broadcasting.", "broadcast")
-_binary("minimum", jnp.minimum, "jnp.minimum({a}, {b})", 1, "Elementwise minimum, broadcasting.", "broadcast")
-_binary("maximum", jnp.maximum, "jnp.maximum({a}, {b})", 1, "Elementwise maximum, broadcasting.", "broadcast")
+_binary(
+    "add", lambda a, b: jnp.add(a, b), "{a} + {b}", 1, "a + b in f32 (the `+` operator), broadcasting.", "broadcast_sum"
+)
+_binary(
+    "sub",
+    lambda a, b: jnp.subtract(a, b),
+    "{a} - {b}",
+    1,
+    "a - b in f32 (the `-` operator), broadcasting.",
+    "broadcast_sum",
+)
+_binary(
+    "mul",
+    lambda a, b: jnp.multiply(a, b),
+    "{a} * {b}",
+    1,
+    "a * b in f32 (the `*` operator), broadcasting.",
+    "broadcast",
+)
+_binary(
+    "div", lambda a, b: jnp.divide(a, b), "{a} / {b}", 1, "a / b in f32 (the `/` operator), broadcasting.", "broadcast"
+)
+_binary(
+    "minimum",
+    lambda a, b: jnp.minimum(a, b),
+    "jnp.minimum({a}, {b})",
+    1,
+    "Elementwise minimum, broadcasting.",
+    "broadcast",
+)
+_binary(
+    "maximum",
+    lambda a, b: jnp.maximum(a, b),
+    "jnp.maximum({a}, {b})",
+    1,
+    "Elementwise maximum, broadcasting.",
+    "broadcast",
+)
 
 # A tensor with a scalar: `x * 2.5`, `1.0 + w`, `x - EPS`, `-x`. The scalar is the attribute `s`,
 # folded at compile time (a float literal in the kernel); the elaborator picks the op from the
@@ -240,14 +272,14 @@ _unary_op(
 )
 
 # ---------------------------------------------------------------- unary math
-_unary_op("neg", jnp.negative, "-{x}", 1, "-x (the prefix `-`).", shard="sum")
-_unary_op("abs", jnp.abs, "jnp.abs({x})", 1, "|x|.")
-_unary_op("square", jnp.square, "{x} * {x}", 1, "x * x.")
-_unary_op("exp", jnp.exp, "jnp.exp({x})", 4, "e^x.")
-_unary_op("log", jnp.log, "jnp.log({x})", 4, "Natural logarithm (-inf at 0, NaN below).")
-_unary_op("sqrt", jnp.sqrt, "jnp.sqrt({x})", 4, "Square root.")
-_unary_op("rsqrt", jax.lax.rsqrt, "jax.lax.rsqrt({x})", 4, "1 / sqrt(x).")
-_unary_op("tanh", jnp.tanh, "jnp.tanh({x})", 4, "Hyperbolic tangent.")
+_unary_op("neg", lambda x: jnp.negative(x), "-{x}", 1, "-x (the prefix `-`).", shard="sum")
+_unary_op("abs", lambda x: jnp.abs(x), "jnp.abs({x})", 1, "|x|.")
+_unary_op("square", lambda x: jnp.square(x), "{x} * {x}", 1, "x * x.")
+_unary_op("exp", lambda x: jnp.exp(x), "jnp.exp({x})", 4, "e^x.")
+_unary_op("log", lambda x: jnp.log(x), "jnp.log({x})", 4, "Natural logarithm (-inf at 0, NaN below).")
+_unary_op("sqrt", lambda x: jnp.sqrt(x), "jnp.sqrt({x})", 4, "Square root.")
+_unary_op("rsqrt", lambda x: jax.lax.rsqrt(x), "jax.lax.rsqrt({x})", 4, "1 / sqrt(x).")
+_unary_op("tanh", lambda x: jnp.tanh(x), "jnp.tanh({x})", 4, "Hyperbolic tangent.")
 _unary_op("relu", lambda x: jnp.maximum(x, 0.0), "jnp.maximum({x}, 0.0)", 1, "max(x, 0).")
 _unary_op(
     "softplus",
@@ -299,8 +331,8 @@ _unary_op(
 )
 
 # ---------------------------------------------------------------- activations
-_unary_op("sigmoid", jax.nn.sigmoid, "jax.nn.sigmoid({x})", 4, "Logistic sigmoid in f32.")
-_unary_op("silu", jax.nn.silu, "jax.nn.silu({x})", 5, "x·sigmoid(x) in f32.")
+_unary_op("sigmoid", lambda x: jax.nn.sigmoid(x), "jax.nn.sigmoid({x})", 4, "Logistic sigmoid in f32.")
+_unary_op("silu", lambda x: jax.nn.silu(x), "jax.nn.silu({x})", 5, "x·sigmoid(x) in f32.")
 
 register(
     OpDef(
