@@ -286,15 +286,26 @@ def _run_verify(args, out, batches, tempfile) -> int:
 
 
 def cmd_run(args) -> int:
+    import math
+
     from mkdsl.api import Spec, spec_profiles
     from mkdsl.checkpoint.formats import open_checkpoint
     from mkdsl.checkpoint.loader import load_weights, plan_load
     from mkdsl.checkpoint.tokenizer import load_codec
+    from mkdsl.jax_setup import tpu_attached
     from mkdsl.shard import shard
 
     _check_run_args(args)
     model, source, module_ast = _load(args)
-    spec = Spec(args.spec, args.profile, source, model, shard(model), tuple(spec_profiles(module_ast)))
+    try:
+        local = shard(model)
+    except SpecError as e:
+        e.source = source
+        raise
+    spec = Spec(args.spec, args.profile, source, model, local, tuple(spec_profiles(module_ast)))
+    devices = math.prod(n for _, n in model.mesh) if model.mesh else 1
+    if devices > 1 and not tpu_attached():
+        _host_devices(devices)  # a sharded kernel in interpret mode: one virtual CPU device per core
     rows = model.dims[0]
     if not rows.low <= args.batch <= rows.high:
         raise UsageError(

@@ -32,8 +32,9 @@ import numpy as np
 class Decoder:
     """The kernel's step with its weights and state, and the prefill that fills the state."""
 
-    def __init__(self, spec, module, weights, batch, seq_len, sampling, *, interpret, seed=0, steps_per_call=1,
-                 prefill="auto"):
+    def __init__(
+        self, spec, module, weights, batch, seq_len, sampling, *, interpret, seed=0, steps_per_call=1, prefill="auto"
+    ):
         from mkdsl.prefill import PrefillError, check_prefill
 
         self.module, self.weights, self.batch, self.seq_len = module, weights, batch, seq_len
@@ -59,7 +60,12 @@ class Decoder:
         if n not in self._steps:
             kernel_sampling = self.module.Sampling(**dataclasses.asdict(self.sampling))  # the module's own class
             options = {"interpret": self.interpret, "sampling": kernel_sampling, "steps_per_call": n}
-            self._steps[n] = self.module.build_decode_step(self.batch, self.seq_len, **options)
+            step = self.module.build_decode_step(self.batch, self.seq_len, **options)
+            if self.interpret and hasattr(self.module, "MESH_SHAPE"):
+                from mkdsl.api import _HostCallbacks  # a sharded step in interpret mode (see build_step)
+
+                step = _HostCallbacks(step)
+            self._steps[n] = step
         return self._steps[n]
 
     def _call(self, tokens, position: int, n: int) -> np.ndarray:
@@ -71,7 +77,9 @@ class Decoder:
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         if self.prefill_fn is not None:
-            _, chosen, self.state = self.prefill_fn(self.weights, self.state, np.asarray(tokens, np.int32), seed=self.seed)
+            _, chosen, self.state = self.prefill_fn(
+                self.weights, self.state, np.asarray(tokens, np.int32), seed=self.seed
+            )
             return np.asarray(chosen)
         for t in range(tokens.shape[1]):
             chosen = self._call(tokens[:, t], t, 1)[:, 0]
