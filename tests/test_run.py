@@ -136,3 +136,12 @@ def test_run_usage_errors_exit_2(llama, capsys):
     assert main(["run", str(LLAMA), "-p", "mini", "--weights", root, "--prompt", "x", "--batch", "9"]) == 2
     assert main(["run", str(LLAMA), "-p", "mini", "--weights", root, "--prompt", "x", "--top-p", "0"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_interactive_prompts_are_the_nonblank_lines_of_stdin(monkeypatch):
+    import io
+
+    from mkdsl.cli import _stdin_prompts
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("first prompt\n\n  \nsecond\n"))
+    assert list(_stdin_prompts()) == ["first prompt", "second"]
