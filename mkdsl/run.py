@@ -119,15 +119,18 @@ class Generation:
 
     def summary(self, batch: int) -> str:
         """The closing line. ms/step leaves out the first kernel call (its trace and compile)
-        unless it is the only one."""
+        unless it is the only one, and then says so."""
+        head = f"prefill ({self.prefill}) {self.prefill_s:.2f} s for {self.prompt_tokens} tokens"
+        if not self.calls:
+            return f"{head}; no decode steps"
         timed = self.calls[1:] or self.calls
         steps, secs = sum(n for n, _ in timed), sum(t for _, t in timed)
-        first = f"; first decode call (trace and compile) {self.calls[0][1]:.1f} s" if len(self.calls) > 1 else ""
-        ms = 1000 * secs / steps if steps else 0.0
-        rate = batch * steps / secs if secs else 0.0
+        if len(self.calls) > 1:
+            head += f"; first decode call (trace and compile) {self.calls[0][1]:.1f} s"
+        note = "" if len(self.calls) > 1 else ", the only call: trace and compile included"
         return (
-            f"prefill ({self.prefill}) {self.prefill_s:.2f} s for {self.prompt_tokens} tokens{first}; "
-            f"decode {ms:.1f} ms/step, {rate:.2f} tokens/s (batch {batch}, {steps} timed steps)"
+            f"{head}; decode {1000 * secs / steps:.1f} ms/step, {batch * steps / secs:.2f} tokens/s "
+            f"(batch {batch}, {steps} timed steps{note})"
         )
 
 
