@@ -286,12 +286,26 @@ def _run_verify(args, out, batches, tempfile) -> int:
 
 
 def cmd_run(args) -> int:
+    import math
+
+    from mkdsl.api import Spec, spec_profiles
     from mkdsl.checkpoint.formats import open_checkpoint
     from mkdsl.checkpoint.loader import load_weights, plan_load
     from mkdsl.checkpoint.tokenizer import load_codec
+    from mkdsl.jax_setup import tpu_attached
+    from mkdsl.shard import shard
 
     _check_run_args(args)
-    model, source, _ = _load(args)
+    model, source, module_ast = _load(args)
+    try:
+        local = shard(model)
+    except SpecError as e:
+        e.source = source
+        raise
+    spec = Spec(args.spec, args.profile, source, model, local, tuple(spec_profiles(module_ast)))
+    devices = math.prod(n for _, n in model.mesh) if model.mesh else 1
+    if devices > 1 and not tpu_attached():
+        _host_devices(devices)  # a sharded kernel in interpret mode: one virtual CPU device per core
     rows = model.dims[0]
     if not rows.low <= args.batch <= rows.high:
         raise UsageError(
@@ -309,7 +323,7 @@ def cmd_run(args) -> int:
     print(f"{args.weights}: {report.summary()}", file=sys.stderr)
     prompts = [args.prompt] if args.prompt is not None else _stdin_prompts()
     for prompt in prompts:
-        _run_prompt(args, module, weights, codec, prompt)
+        _run_prompt(args, spec, module, weights, codec, prompt)
     return 0
 
 
@@ -334,24 +348,26 @@ def _stdin_prompts():
             yield line.rstrip("\n")
 
 
-def _run_prompt(args, module, weights, codec, prompt: str) -> None:
-    from mkdsl.run import Decoder, Sampling, generate
+def _run_prompt(args, spec, module, weights, codec, prompt: str) -> None:
+    from mkdsl.run import Decoder, cache_length, generate
+    from mkdsl.sampling import Sampling
 
     ids = codec.encode(codec.chat(prompt) if args.chat else prompt)
     if not ids:
         raise UsageError("the prompt encodes to no tokens")
-    need = len(ids) + args.max_tokens
-    seq_len = -(-need // module.KV_TILE) * module.KV_TILE
+    seq_len = cache_length(len(ids), args.max_tokens, args.steps_per_call, module.KV_TILE)
     if seq_len > module.SEQ_RANGE[1]:
         raise UsageError(
             f"{len(ids)} prompt tokens + --max-tokens {args.max_tokens} exceed the cache ({module.SEQ_RANGE[1]})"
         )
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    decoder = Decoder(module, weights, args.batch, seq_len, sampling, interpret=_interpret(args, module))
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    options = {"seed": args.seed, "steps_per_call": args.steps_per_call, "prefill": args.prefill}
+    decoder = Decoder(spec, module, weights, args.batch, seq_len, sampling, interpret=_interpret(args), **options)
     stream = _TextStream(codec)
     if not args.chat:
         sys.stdout.write(prompt)
-    result = generate(decoder, ids, args.max_tokens, codec.eos_ids, args.steps_per_call, stream.push)
+        sys.stdout.flush()
+    result = generate(decoder, ids, args.max_tokens, codec.eos_ids, stream.push)
     sys.stdout.write("\n")
     for b in range(1, args.batch):
         print(f"[row {b}] {codec.decode(_until(result.tokens[b], codec.eos_ids))}")
@@ -388,7 +404,7 @@ class _TextStream:
         self.shown = text
 
 
-def _interpret(args, module):
+def _interpret(args):
     """TPU interpret mode (on the CPU) when asked or when JAX has no TPU; None to compile for the TPU."""
     import jax
 
@@ -469,6 +485,12 @@ def _run_parser(spec_command) -> None:
     c.add_argument("--batch", type=int, default=1, help="rows decoded together, each from the prompt (default 1)")
     c.add_argument("--steps-per-call", type=int, default=1, help="decode steps per call (default 1)")
     c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU (the default without a TPU)")
+    c.add_argument(
+        "--prefill",
+        choices=("auto", "xla", "steps"),
+        default="auto",
+        help="the prompt through the spec's XLA prefill (auto: when every op has a prefill rule) or kernel steps",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

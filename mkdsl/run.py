@@ -1,22 +1,22 @@
 """`mkdsl run`: a spec, a checkpoint and a prompt to streamed text.
 
 The kernel is compiled into a cache directory (keyed by the spec, its profile and mkdsl's own
-sources) and imported from there. Generation goes through a `Decoder`, the seam where a prefill
-and in-kernel sampling plug in:
+sources) and imported from there. Generation goes through a `Decoder`:
 
 - `Decoder.prefill(tokens[B, T]) -> next_tokens[B]` writes the caches for positions 0..T-1 and
-  picks each row's next token. The default feeds the prompt to the kernel one token per step;
-  a `prefill_fn(weights, state, tokens[B, T]) -> (logits f32[B, V], state)` passed in replaces
-  that loop (an XLA prefill that writes the kernel's cache layout).
+  samples each row's next token: by default the spec's XLA prefill (`mkdsl.prefill`), or the
+  kernel's step once per prompt token (`prefill="steps"`, and for specs without prefill rules).
 - `Decoder.decode(tokens[B], position, n) -> tokens[B, n]` feeds `tokens` at `position` and
-  returns the next `n` tokens, each fed to the following step. The default calls the kernel's
-  step `n` times and samples on the host (greedy: the kernel's own argmax); a
-  `decode_fn(weights, state, tokens, positions, n, sampling) -> (tokens[B, n], state)` passed in
-  replaces it (several steps per device call, sampling in the kernel).
+  returns the next `n` tokens: the kernel's step with its in-kernel sampling, `steps_per_call`
+  steps per device call (a last, shorter call uses a step built for its count).
+
+Both sample with the same `mkdsl.sampling.Sampling` and seed, so the prefill's token and the
+kernel's are drawn by the same code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -29,80 +29,78 @@ from pathlib import Path
 import numpy as np
 
 
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: no top-k cut
-    top_p: float = 1.0
-    seed: int = 0
-
-
-def sample(logits: np.ndarray, s: Sampling, rng: np.random.Generator) -> np.ndarray:
-    """Host-side sampling of one token per row: temperature, then top-k, then top-p (nucleus)."""
-    x = np.asarray(logits, np.float64) / s.temperature
-    if s.top_k > 0:
-        kth = np.sort(x, axis=-1)[:, -min(s.top_k, x.shape[-1])][:, None]
-        x = np.where(x >= kth, x, -np.inf)
-    p = np.exp(x - x.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    if s.top_p < 1.0:
-        order = np.argsort(-p, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, axis=-1)
-        keep = np.cumsum(sorted_p, axis=-1) - sorted_p < s.top_p  # the smallest prefix reaching top_p
-        mask = np.zeros_like(keep)
-        np.put_along_axis(mask, order, keep, axis=-1)
-        p = np.where(mask, p, 0.0)
-        p /= p.sum(axis=-1, keepdims=True)
-    return np.array([rng.choice(p.shape[-1], p=row) for row in p], np.int32)
-
-
 class Decoder:
-    """The kernel's step with its weights and state (see the module docstring for the seams)."""
+    """The kernel's step with its weights and state, and the prefill that fills the state."""
 
-    def __init__(self, module, weights, batch: int, seq_len: int, sampling: Sampling, *, interpret, **hooks):
+    def __init__(
+        self, spec, module, weights, batch, seq_len, sampling, *, interpret, seed=0, steps_per_call=1, prefill="auto"
+    ):
+        from mkdsl.prefill import PrefillError, check_prefill
+
         self.module, self.weights, self.batch, self.seq_len = module, weights, batch, seq_len
-        self.sampling = sampling
-        self.rng = np.random.default_rng(sampling.seed)
-        options = {"interpret": interpret}
-        self.step = module.build_decode_step(batch, seq_len, **options)
+        self.sampling, self.seed, self.interpret, self.steps_per_call = sampling, seed, interpret, steps_per_call
         self.state = _zeros(module.state_layout(batch, seq_len))
-        self.prefill_fn: Callable | None = hooks.get("prefill_fn")
-        self.decode_fn: Callable | None = hooks.get("decode_fn")
-        self.first_call_s: float | None = None  # the first step's trace and compile
+        self._steps: dict[int, Callable] = {}
+        self.prefill_fn = None
+        if prefill != "steps":
+            try:
+                check_prefill(spec.model)
+            except PrefillError:
+                if prefill == "xla":
+                    raise
+            else:
+                from mkdsl.prefill import build_prefill
 
-    def _pick(self, logits, greedy) -> np.ndarray:
-        if self.sampling.temperature == 0:
-            return np.asarray(greedy, np.int32)
-        return sample(np.asarray(logits), self.sampling, self.rng)
+                prefill_fn = build_prefill(spec.model, sampling=sampling)
+                pads = getattr(module, "PADDED_COLUMNS", {})
+                self.prefill_fn = lambda w, *a, **k: prefill_fn(unpad_weights(w, pads), *a, **k)
 
-    def _step(self, tokens: np.ndarray, position: int):
-        t0 = time.perf_counter()
+    def step(self, n: int) -> Callable:
+        """The kernel's step running `n` decode steps per call (built once per count)."""
+        if n not in self._steps:
+            kernel_sampling = self.module.Sampling(**dataclasses.asdict(self.sampling))  # the module's own class
+            options = {"interpret": self.interpret, "sampling": kernel_sampling, "steps_per_call": n}
+            step = self.module.build_decode_step(self.batch, self.seq_len, **options)
+            if self.interpret and hasattr(self.module, "MESH_SHAPE"):
+                from mkdsl.api import _HostCallbacks  # a sharded step in interpret mode (see build_step)
+
+                step = _HostCallbacks(step)
+            self._steps[n] = step
+        return self._steps[n]
+
+    def _call(self, tokens, position: int, n: int) -> np.ndarray:
         positions = np.full((self.batch,), position, np.int32)
-        logits, greedy, self.state = self.step(self.weights, self.state, np.asarray(tokens, np.int32), positions)
-        greedy = np.asarray(greedy)  # waits for the step
-        if self.first_call_s is None:
-            self.first_call_s = time.perf_counter() - t0
-        return logits, greedy
+        tokens = np.asarray(tokens, np.int32)
+        _, chosen, self.state = self.step(n)(self.weights, self.state, tokens, positions, self.seed)
+        chosen = np.asarray(chosen)  # waits for the call
+        return chosen.reshape(self.batch, n)
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         if self.prefill_fn is not None:
-            logits, self.state = self.prefill_fn(self.weights, self.state, np.asarray(tokens, np.int32))
-            return self._pick(logits, np.argmax(np.asarray(logits), axis=-1))
+            _, chosen, self.state = self.prefill_fn(
+                self.weights, self.state, np.asarray(tokens, np.int32), seed=self.seed
+            )
+            return np.asarray(chosen)
         for t in range(tokens.shape[1]):
-            logits, greedy = self._step(tokens[:, t], t)
-        return self._pick(logits, greedy)
+            chosen = self._call(tokens[:, t], t, 1)[:, 0]
+        return chosen
 
     def decode(self, tokens: np.ndarray, position: int, n: int) -> np.ndarray:
-        if self.decode_fn is not None:
-            positions = np.full((self.batch,), position, np.int32)
-            out, self.state = self.decode_fn(self.weights, self.state, tokens, positions, n, self.sampling)
-            return np.asarray(out)
-        out = []
-        for i in range(n):
-            logits, greedy = self._step(tokens, position + i)
-            tokens = self._pick(logits, greedy)
-            out.append(tokens)
-        return np.stack(out, axis=1)
+        return self._call(tokens, position, n)
+
+
+def unpad_weights(weights: dict, pads: dict) -> dict:
+    """The kernel's padded matrices (the module's PADDED_COLUMNS: name -> (valid, padded, blocks))
+    back in the spec's layout, which the prefill (like the reference) reads."""
+    import jax.numpy as jnp
+
+    out = dict(weights)
+    for name, (valid, padded, blocks) in pads.items():
+        w = out[name]
+        if w.shape[-1] == padded * blocks:
+            parts = jnp.reshape(w, (*w.shape[:-1], blocks, padded))[..., :valid]
+            out[name] = jnp.reshape(parts, (*w.shape[:-1], blocks * valid))
+    return out
 
 
 def _zeros(layout: dict) -> dict:
@@ -115,18 +113,24 @@ def _zeros(layout: dict) -> dict:
 class Generation:
     tokens: np.ndarray  # [B, generated]
     prompt_tokens: int
+    prefill: str  # how: "XLA" or "kernel steps"
     prefill_s: float
-    decode_s: float
-    steps: int
-    first_call_s: float | None
+    calls: list[tuple[int, float]]  # decode calls: (steps, seconds)
 
     def summary(self, batch: int) -> str:
-        ms = 1000 * self.decode_s / max(self.steps, 1)
-        rate = batch * self.steps / self.decode_s if self.decode_s else 0.0
-        first = f" (incl. the first call's trace and compile, {self.first_call_s:.1f} s)" if self.first_call_s else ""
+        """The closing line. ms/step leaves out the first kernel call (its trace and compile)
+        unless it is the only one, and then says so."""
+        head = f"prefill ({self.prefill}) {self.prefill_s:.2f} s for {self.prompt_tokens} tokens"
+        if not self.calls:
+            return f"{head}; no decode steps"
+        timed = self.calls[1:] or self.calls
+        steps, secs = sum(n for n, _ in timed), sum(t for _, t in timed)
+        if len(self.calls) > 1:
+            head += f"; first decode call (trace and compile) {self.calls[0][1]:.1f} s"
+        note = "" if len(self.calls) > 1 else ", the only call: trace and compile included"
         return (
-            f"prefill {self.prefill_s:.2f} s for {self.prompt_tokens} tokens{first}; "
-            f"decode {ms:.1f} ms/step, {rate:.2f} tokens/s ({self.steps} steps x batch {batch})"
+            f"{head}; decode {1000 * secs / steps:.1f} ms/step, {batch * steps / secs:.2f} tokens/s "
+            f"(batch {batch}, {steps} timed steps{note})"
         )
 
 
@@ -135,30 +139,37 @@ def generate(
     prompt: list[int],
     max_tokens: int,
     stop: frozenset[int],
-    steps_per_call: int = 1,
     on_tokens: Callable[[np.ndarray], None] | None = None,
 ) -> Generation:
-    """Prefill `prompt` (every row the same), then decode until every row has stopped or
-    `max_tokens` tokens; `on_tokens` sees each new column of tokens as it is made."""
+    """Prefill `prompt` (every row the same), then decode `steps_per_call` tokens per call until
+    every row has stopped or `max_tokens` tokens are made; `on_tokens` sees each call's new tokens.
+    The cache must hold the prompt, `max_tokens` and one call's worth more (see `cache_length`)."""
     rows = np.tile(np.asarray(prompt, np.int32), (decoder.batch, 1))
     t0 = time.perf_counter()
     token = decoder.prefill(rows)
     prefill_s = time.perf_counter() - t0
-    out, done, position, steps = [token], np.isin(token, list(stop)), len(prompt), 0
+    out, done, position, calls = [token[:, None]], np.isin(token, list(stop)), len(prompt), []
     if on_tokens:
-        on_tokens(token[:, None])
-    t0 = time.perf_counter()
-    while len(out) < max_tokens and not done.all() and position < decoder.seq_len:
-        n = min(steps_per_call, max_tokens - len(out), decoder.seq_len - position)
-        new = decoder.decode(out[-1], position, n)
-        steps, position = steps + n, position + n
-        out.extend(new.T)
+        on_tokens(out[0])
+    made = 1
+    while made < max_tokens and not done.all():
+        n = decoder.steps_per_call
+        t0 = time.perf_counter()
+        new = decoder.decode(out[-1][:, -1], position, n)[:, : max_tokens - made]
+        calls.append((n, time.perf_counter() - t0))
+        position, made = position + n, made + new.shape[1]
+        out.append(new)
         done |= np.isin(new, list(stop)).any(axis=1)
         if on_tokens:
             on_tokens(new)
-    return Generation(
-        np.stack(out, axis=1), len(prompt), prefill_s, time.perf_counter() - t0, steps, decoder.first_call_s
-    )
+    how = "XLA" if decoder.prefill_fn is not None else "kernel steps"
+    return Generation(np.concatenate(out, axis=1), len(prompt), how, prefill_s, calls)
+
+
+def cache_length(prompt: int, max_tokens: int, steps_per_call: int, kv_tile: int) -> int:
+    """The cache length a generation needs, rounded up to whole KV tiles."""
+    need = prompt + max_tokens + steps_per_call
+    return -(-need // kv_tile) * kv_tile
 
 
 # ---------------------------------------------------------------------------- the kernel cache

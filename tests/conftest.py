@@ -50,6 +50,11 @@ SLOW_TESTS = {
     "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
     "test_attention_kernel.py": ("test_window_sinks_rope_variants_head_dims_and_mla_match_the_reference",),
     "test_qwen3.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
+    "test_run.py": (  # interpret-mode kernels of the Llama mini from a checkpoint
+        "test_loaded_weights_run_a_kernel_step_equal_to_the_reference",
+        "test_run_streams_text_and_closes_with_timings",
+    ),
+    "test_smollm2.py": ("test_kernel_greedy_decode_equals_the_reference_and_a_numpy_decode",),
     "test_docs.py": (  # each runs a kernel or the compiler in a subprocess
         "test_python_api_examples_run",
         "test_readme_quickstart_runs_as_written",

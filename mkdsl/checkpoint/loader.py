@@ -68,8 +68,10 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
     or a reader from `formats.open_checkpoint`)
     as `model`'s weights (a `mkdsl.Spec` or a `Model`), by the spec's mapping for that format.
 
-    `module`: the generated kernel module; with a sharded one each weight is placed on `mesh`
-    (default `module.make_mesh()`) by its `weight_shardings`. `host=True` returns numpy arrays.
+    `module`: the generated kernel module: each weight is laid out as it says (padded by its
+    `pad_weights` if it has one) and, for a sharded one, placed on `mesh` (default
+    `module.make_mesh()`) by its `weight_shardings`. `host=True` returns numpy arrays in the
+    spec's (and the reference's) layout.
     Raises `CheckpointError` listing every missing or mismatched tensor before reading any data.
     """
     model = getattr(model, "model", model)
@@ -86,7 +88,7 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
 
     with tqdm(total=total, desc="loading", unit="tensor", file=sys.stderr, disable=not progress, leave=False) as bar:
         for wp in plans:
-            out[wp.tensor.name] = _place(_build(wp, reader, report, bar), wp.tensor.name, shardings, host)
+            out[wp.tensor.name] = _place(_build(wp, reader, report, bar), wp.tensor.name, module, shardings, host)
     report.seconds = time.perf_counter() - t0
     return out, report
 
@@ -211,9 +213,13 @@ def _build(wp: WeightPlan, reader, report: LoadReport, bar) -> np.ndarray:
     return out
 
 
-def _place(x: np.ndarray, name: str, shardings, host: bool):
+def _place(x: np.ndarray, name: str, module, shardings, host: bool):
+    """On the device(s), in the module's layout (`pad_weights`: matrices padded to whole tiles)."""
     if host:
         return x
     import jax
 
+    pad = getattr(module, "pad_weights", None)
+    if pad is not None:
+        x = pad({name: x})[name]
     return jax.device_put(x, shardings[name]) if shardings is not None else jax.device_put(x)
