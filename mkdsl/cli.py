@@ -176,6 +176,11 @@ def cmd_plan(args) -> int:
         )
     if args.context is not None and args.context < 0:
         raise UsageError(f"--context must be at least 0, got {args.context}")
+    if args.context is not None and len(model.dims) > 1 and args.context > model.dims[1].high:
+        cache = model.dims[1]
+        raise UsageError(
+            f"--context {args.context} is beyond `{cache.name}` in {cache.low} .. {cache.high} (spec {args.spec})"
+        )
     try:
         from mkdsl.shard import shard
 

@@ -970,6 +970,9 @@ class _Context:
             if r is None:
                 return None
             refs.extend(r)
+        if self.layers_node is not None:  # `layers(layers(...))`: the inner call ran first
+            self.rep.error(e.func_span, "`layers(...)` is called twice; the layer stack runs once per step")
+            return None
         carries = tuple(Value(f"carry{i}", self.operand(r, g).type, e.span) for i, r in enumerate(refs))
         used = [k for k in dict.fromkeys(self.schedule) if k in self.el.d.layer_defs]  # others are reported
         ok = True

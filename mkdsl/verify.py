@@ -340,8 +340,11 @@ def check_seq_len(module) -> int:
     return max(tile, min(2 * tile, high // tile * tile))
 
 
-def check_batch(model, module, checker, batch: int, steps: int, seed: int, progress=None) -> BatchResult:
-    """`steps` decode steps of the kernel in TPU interpret mode, each checked layer by layer."""
+def check_batch(
+    model, module, checker, batch: int, steps: int, seed: int, progress=None, interpret=None
+) -> BatchResult:
+    """`steps` decode steps of the kernel in TPU interpret mode, each checked layer by layer.
+    `interpret`: other `InterpretParams` than `interpret_params()` (e.g. without the race detector)."""
     import time
 
     from mkdsl.random_params import random_params
@@ -354,7 +357,7 @@ def check_batch(model, module, checker, batch: int, steps: int, seed: int, progr
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, batch).astype(np.int32)
     positions = (np.arange(batch) * 3 % (seq_len - steps)).astype(np.int32)
-    step = module.build_decode_step(batch, seq_len, interpret=interpret_params(), layer_trace=True)
+    step = module.build_decode_step(batch, seq_len, interpret=interpret or interpret_params(), layer_trace=True)
     result = BatchResult(batch, steps, {}, [], 0.0)
     from jax.experimental.pallas import tpu as pltpu
 

@@ -262,3 +262,82 @@ def test_a_long_line_is_shown_around_the_caret(tmp_path, capsys):
 def test_a_long_token_is_shortened_in_the_message(tmp_path, capsys):
     err = diagnosed(tmp_path, capsys, "model x const A = 1 " + "b" * 100_000, "(100000 characters)", line=1)
     assert len(err) < 1000
+
+
+# ---------------------------------------------------------------- specs that checked but could not compile or run
+
+KIMI = (ROOT / "specs" / "kimi_k3.mk").read_text(encoding="utf-8")
+EMBED_STEP = "  x = layers(embedding(tokens, embed))"
+NOT_LOWERED = {  # name: (spec text, message of the first diagnostic, text of its line)
+    "nested-layers": (  # KeyError in buffer assignment
+        tiny(EMBED_STEP, "  x = layers(layers(embedding(tokens, embed)))"),
+        "`layers(...)` is called twice",
+        "layers(layers(",
+    ),
+    "linear-before-layers": (  # StopIteration in the emitter
+        tiny(EMBED_STEP, "  x = layers(linear(embedding(tokens, embed), w_pre))").replace(
+            "weight out_norm:", "weight w_pre: bf16[H, H]\nweight out_norm:"
+        ),
+        "the kernel streams matrices in the layers and after them, not before",
+        "w_pre))",
+    ),
+    "rope-theta-per-layer": (  # TypeError in the emitter
+        tiny("heads=NH)\n  k", "heads=NH, theta=10000.0 * (l + 1))\n  k"),
+        "`rope` needs `theta` to be the same at every layer of a kind",
+        "theta=",
+    ),
+    "attention-scale-per-layer": (
+        tiny("kv_heads=NKV)", "kv_heads=NKV, scale=0.1 * (l + 1))"),
+        "`attention` needs `scale` to be the same at every layer of a kind",
+        "scale=",
+    ),
+    "moe-beta-per-layer": (
+        KIMI.replace("moe_w1, moe_w3, moe_w2)", "moe_w1, moe_w3, moe_w2, beta=4.0 + l)"),
+        "`moe_experts` needs `beta` to be the same at every layer of a kind",
+        "beta=4.0 + l",
+    ),
+    "embedding-of-a-computed-index": (  # silently looked up the token ids (logits 34x off the bound)
+        tiny(
+            "  logits = linear(rmsnorm(x, out_norm), lm_head)",
+            "  x = x + embedding(argmax(linear(x, lm_head)), embed)\n  logits = linear(rmsnorm(x, out_norm), lm_head)",
+        ),
+        "the kernel looks up rows by the step's token ids only, not by a computed index",
+        "embedding(argmax",
+    ),
+    "embedding-of-the-positions": (
+        tiny("  return x + linear(swiglu", "  x = x + embedding(pos, embed)\n  return x + linear(swiglu"),
+        "not by the positions",
+        "embedding(pos",
+    ),
+    "embedding-of-a-per-layer-table": (  # failed at trace time (a broadcast of mismatched shapes)
+        tiny("  return x + linear(swiglu", "  x = x + embedding(tokens, etab)\n  return x + linear(swiglu").replace(
+            "weight out_norm:", "weight etab: bf16[V, H] per layer\nweight out_norm:"
+        ),
+        "the kernel reads one embedding table: `etab` is stacked per layer",
+        "embedding(tokens, etab)",
+    ),
+}
+
+
+@pytest.mark.parametrize("text, message, at", NOT_LOWERED.values(), ids=NOT_LOWERED)
+def test_what_the_kernel_cannot_lower_is_a_diagnostic(tmp_path, capsys, text, message, at):
+    diagnosed(tmp_path, capsys, text, message, command="compile", line=line_of(text, at))
+
+
+def test_an_embedding_of_the_tokens_inside_a_layer_compiles(tmp_path, capsys):
+    """The check is no wider than the restriction: the step's tokens and one table are fine anywhere."""
+    text = tiny("  return x + linear(swiglu", "  x = x + embedding(tokens, embed)\n  return x + linear(swiglu")
+    code, err, _ = run(tmp_path, capsys, text, "compile")
+    assert code == 0, err
+
+
+def test_a_cap_beyond_float32_is_a_diagnostic(tmp_path, capsys):
+    """`cap = 10 ** 400` emitted a kernel that overflowed when run."""
+    text = tiny("lm_head)\n", "lm_head), cap=10 ** 400)\n").replace("logits = linear(", "logits = softcap(linear(")
+    diagnosed(tmp_path, capsys, text, "10 ** 400", command="compile", line=line_of(text, "cap="))
+
+
+def test_plan_context_beyond_the_cache_is_a_usage_error(capsys):
+    assert main(["plan", str(ROOT / "specs" / "tiny.mk"), "--context", "100000"]) == 2
+    assert "--context 100000 is beyond `S` in 1 .. 256" in capsys.readouterr().err
+    assert main(["plan", str(ROOT / "specs" / "tiny.mk"), "--context", "256"]) == 0

@@ -229,6 +229,30 @@ register_lowering(
 )
 
 
+def _check_embedding(model: Model, at: Site) -> list[Diagnostic]:
+    """The kernel DMAs table rows addressed by the step's token ids (scalars in SMEM), from one table."""
+    tokens, table = at.node.arg("tokens"), at.node.arg("table")
+    if tokens.kind != "input" or tokens.name != model.inputs[0].name:
+        what = "the positions" if tokens.kind == "input" else "a computed index"
+        return [
+            Diagnostic(
+                at.node.span,
+                f"the kernel looks up rows by the step's token ids only, not by {what}",
+                f"pass `{model.inputs[0].name}` (the step's first input) to `embedding`",
+            )
+        ]
+    t = model.tensor(table.name)
+    if t.stacked:
+        return [
+            Diagnostic(
+                at.node.span,
+                f"the kernel reads one embedding table: `{t.name}` is stacked per layer",
+                "declare the table without `per layer`",
+            )
+        ]
+    return []
+
+
 def _allocate_embedding(s: PlanContext, at: Site) -> None:
     width = s.model.tensor(at.node.arg("table").name).type.shape[1]
     s.alloc("emb_block", ("batch", 16, width), "bfloat16", "embedding row blocks", at.node.span)
@@ -258,6 +282,7 @@ register_lowering(
         "lowerings/linear.jinja",
         "embedding",
         _embedding_record,
+        check=_check_embedding,
         allocate=_allocate_embedding,
         traffic=_embedding_traffic,
     )
