@@ -2,7 +2,7 @@
 
 One spec calls every elementwise op added with them (each math op, the scalar forms of the
 operators, the three broadcasts, `repeat`, `rowsum`, `clamp`) and `rmsnorm(..., offset=1.0)`,
-in a block with constant parameters. `mkdsl.verify` runs two decode steps and compares the
+in a block with constant parameters. `mkdsl.verify` runs a decode step and compares the
 kernel with the reference layer by layer, with its derived bounds (mkdsl/verify.py: carries
 2^-6 of the layer's update, logits 2^-7 of the row's largest entry), and the interpreter's race
 detector on. The same spec split over 2 devices (`w1`, `b1` by columns, `w2` by rows: a split
@@ -129,7 +129,7 @@ def test_the_spec_uses_every_new_elementwise_op():
 @pytest.mark.timeout(300)
 def test_elementwise_kernel_matches_the_reference(tmp_path):
     model, module, checker = build(ONE, tmp_path, "ew_one")
-    result = verify.check_batch(model, module, checker, batch=3, steps=2, seed=1)
+    result = verify.check_batch(model, module, checker, batch=3, steps=1, seed=1)
     assert not result.failures, result.failures
     assert set(result.worst) >= {"carries", "logits"}
     print(f"\nworst error / bound: {result.worst}")
