@@ -42,7 +42,10 @@ SLOW_MODULES = {
 SLOW_TESTS = {
     "test_comm.py": ("test_collectives_interpret_8_devices", "test_collectives_compile_tpu7x"),
     "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
-    "test_attention_kernel.py": ("test_window_sinks_rope_variants_head_dims_and_mla_match_the_reference",),
+    "test_attention_kernel.py": (
+        "test_window_sinks_rope_variants_head_dims_and_mla_match_the_reference",
+        "test_kernels_compile_with_libtpu",
+    ),
     "test_docs.py": (  # each runs a kernel or the compiler in a subprocess
         "test_python_api_examples_run",
         "test_readme_quickstart_runs_as_written",

@@ -219,3 +219,16 @@ def test_replicated_kv_heads_shard_rule():
     bad = REPLICATED.replace("bf16[NH @tp]", "bf16[NH]")
     with pytest.raises(SpecError, match="must be split over tp like the query heads"):
         compile_source(bad, "r.mk", None, None)
+
+
+@pytest.mark.parametrize("name", ["win", "rep"])
+def test_kernels_compile_with_libtpu(name, tmp_path):
+    """libtpu rejects what interpret mode accepts (strided loads on arrays not 128 lanes wide:
+    head dims 64 and 256 needed the head-major buffers in 128-lane chunks)."""
+    from mkdsl import tpu_compile
+
+    text = {"win": WINDOWED.replace("WKVB_DTYPE", "bf16"), "rep": REPLICATED}[name]
+    out, _ = compile_source(text, f"{name}.mk", None, None)
+    module = verify.import_generated(out.files["kernel.py"], tmp_path, f"{name}_compile")
+    devices = tpu_compile.tpu7x_devices(tpu_compile.topology_for(module))
+    tpu_compile.compile_module(module, devices, 2, 64)
