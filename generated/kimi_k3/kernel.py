@@ -21,7 +21,6 @@ ValueError for a wrong one; `build_decode_step` checks the batch and the cache l
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -1635,6 +1634,15 @@ def split_bf16(w):
     return hi, (w - hi.astype(F32)).astype(BF16)
 
 
+def spread_scales(scale_at, cols, block):
+    """[1, cols] f32 row whose lanes c*block .. (c+1)*block-1 hold scale_at(c) (scalars, e.g. SMEM)."""
+    lane = jax.lax.broadcasted_iota(I32, (1, cols), 1) // block
+    row = jnp.zeros((1, cols), F32)
+    for c in range(cols // block):
+        row = jnp.where(lane == c, scale_at(c), row)
+    return row
+
+
 # ---------------------------------------------------------------------------------------
 # Routed MoE (MXFP4 decoders: runtime/decode.py.jinja): in-kernel top-k routing, the distinct experts in SMEM, and MXFP4 experts
 # streamed from HBM in column tiles through `slots` tile sets, each expert loaded once per
@@ -1834,7 +1842,7 @@ class MoE:
             for i in range(self.kc // FP8_BLOCK):  # each 128-row slab: bf16 codes (exact), then its scales
                 r0 = pl.multiple_of(c * self.kc + i * FP8_BLOCK, FP8_BLOCK)
                 w = codes[slot, pl.ds(r0, FP8_BLOCK), :].astype(BF16)
-                row = spread_scales(lambda j, i=i: scales[slot, c * (self.kc // FP8_BLOCK) + i, j], self.tn, FP8_BLOCK)
+                row = spread_scales(lambda j, i=i, s=scales: s[slot, c * (self.kc // FP8_BLOCK) + i, j], self.tn, FP8_BLOCK)
                 part = jnp.dot(zc[:, i * FP8_BLOCK : (i + 1) * FP8_BLOCK], w, preferred_element_type=F32) * row
                 acc = part if acc is None else acc + part
             out.append(acc)

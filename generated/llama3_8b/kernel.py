@@ -21,7 +21,6 @@ ValueError for a wrong one; `build_decode_step` checks the batch and the cache l
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
