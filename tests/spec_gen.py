@@ -236,9 +236,12 @@ def moe(b: Builder, kind: str) -> str:
     w2 = b.weight("w2_", "mxfp4", f"{experts}{e_s}, {width}{f_s}, {lat}", kind, allow_global=False, own=alike)
     up = b.weight("zup", "bf16", f"{lat}, H", kind)
     score = rng.choice(["sigmoid", "softmax"])
+    act = f"moe_act{len(b.blocks)}"  # the experts' gated activation, a block of elementwise ops
+    form = rng.choice(["swiglu(g, u)", "situ(g, u)", "gelu(g) * u", "clamp(u, lo=-7.0, hi=7.0) * silu(g)"])
+    b.blocks.append(f"block {act}(g, u) {{\n  return {form}\n}}")
     body = [
         f"w, ids = route({score}(slice(linear(h, {wr}), start=0, size={experts})), {bias}, k={k})",
-        f"r = moe_experts(linear(h, {down}), w, ids, {w1}, {w3}, {w2})",
+        f"r = moe_experts(linear(h, {down}), w, ids, {w1}, {w3}, {w2}, act={act})",
     ]
     b.parts.append(f"moe(E{experts}, k{k}, F{width}{', ' + split if split else ''})")
     return _block(b, "moe", body, f"linear(r, {up})")

@@ -291,10 +291,10 @@ NOT_LOWERED = {  # name: (spec text, message of the first diagnostic, text of it
         "`attention` needs `scale` to be the same at every layer of a kind",
         "scale=",
     ),
-    "moe-beta-per-layer": (
-        KIMI.replace("moe_w1, moe_w3, moe_w2)", "moe_w1, moe_w3, moe_w2, beta=4.0 + l)"),
-        "`moe_experts` needs `beta` to be the same at every layer of a kind",
-        "beta=4.0 + l",
+    "moe-beta-per-layer": (  # the experts' SiTU is the spec's `act` block now
+        KIMI.replace("  return situ(g, u)\n", "  return situ(g, u, beta=4.0 + l)\n"),
+        "`situ` has a layer-dependent attribute",
+        "situ(g, u, beta=4.0 + l)",
     ),
     "embedding-of-a-computed-index": (  # silently looked up the token ids (logits 34x off the bound)
         tiny(
