@@ -38,6 +38,7 @@ SLOW_MODULES = {
     "test_tpu_compile.py",
     "test_kernel_interpret.py",
     "test_verify.py",
+    "test_quant_compile.py",
 }
 SLOW_TESTS = {
     "test_comm.py": ("test_collectives_interpret_8_devices", "test_collectives_compile_tpu7x"),

@@ -127,7 +127,7 @@ layer mlp(x) {
   return x + linear(linear(x, w_e), w_f)
 }
 
-layers 2 { mlp: otherwise }
+layers 1 { mlp: otherwise }
 
 hints { tile_n = 256 }
 
