@@ -430,10 +430,14 @@ class _Elaborator:
                 )
         given = [a for a in allowed if a in args]
         if len(given) != 1:
-            example = "group=128" if len(allowed) == 1 else "group=K` or `block=128"
-            self.rep.error(
-                t.span, f"{t.dtype} needs one of: {', '.join(allowed)}", f"write `{t.dtype}({example})[...]`"
-            )
+            if len(allowed) == 1:
+                self.rep.error(t.span, f"{t.dtype} needs a group size", f"write `{t.dtype}(group=128)[...]`")
+            else:
+                self.rep.error(
+                    t.span,
+                    f"{t.dtype} takes `group` or `block`",
+                    f"write `{t.dtype}(group=K)` or `{t.dtype}(block=128)`",
+                )
             return None
         size = self.consts.eval_int(args[given[0]].value, f"the {t.dtype} {given[0]} size")
         if not size or size <= 0:

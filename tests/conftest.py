@@ -42,10 +42,15 @@ SLOW_MODULES = {
     "test_kernel_elementwise.py",
     "test_qwen3_compile.py",
     "test_moe_kernel.py",
+    "test_quant_compile.py",
 }
 SLOW_TESTS = {
     "test_gdn_kernel.py": ("test_gated_deltanet_kernel_matches_reference",),
     "test_qwen3_next.py": ("test_mini_kernel_matches_reference",),
+    "test_quant_linear.py": (  # TPU interpret-mode kernels, ~25-30 s each
+        "test_every_weight_format_streams_and_matches_the_reference",
+        "test_padded_outputs_a_tied_head_and_a_split_vocabulary_match_the_reference",
+    ),
     "test_comm.py": ("test_collectives_interpret_8_devices", "test_collectives_compile_tpu7x"),
     "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
     "test_attention_kernel.py": (

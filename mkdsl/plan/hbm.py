@@ -37,26 +37,30 @@ def build_sizes(model: Model, cache: str = "low", tokens: int | None = None) -> 
     return {rows.name: rows.high, **{d.name: tokens or getattr(d, cache) for d in rest}}
 
 
-def tensor_bytes(t: Tensor, sizes: dict[str, int]) -> int:
-    """One device's bytes of `t` as the kernel stores it (per-device shape, build dims at `sizes`)."""
-    shape = tuple(sizes.get(d, d) if isinstance(d, str) else d for d in t.full_shape)
-    return storage_bytes(t.type.dtype, shape)
+def tensor_bytes(t: Tensor, sizes: dict[str, int], padded: dict[str, tuple[int, int]] | None = None) -> int:
+    """One device's bytes of `t` as the kernel stores it (per-device shape, build dims at `sizes`,
+    a streamed matrix's outputs padded: `padded[name] = (axis, padded width)`)."""
+    shape = [sizes.get(d, d) if isinstance(d, str) else d for d in t.full_shape]
+    if padded and t.name in padded:
+        axis, width = padded[t.name]
+        shape[axis] = width
+    return storage_bytes(t.type.dtype, tuple(shape))
 
 
-def hbm_items(model: Model, vocab: int, sizes: dict[str, int]) -> list[tuple[str, int]]:
+def hbm_items(model: Model, vocab: int, sizes: dict[str, int], padded: dict | None = None) -> list[tuple[str, int]]:
     """(what, bytes) one device holds: every tensor, then the step's outputs (logits, tokens)."""
-    items = [(f"{t.kind} `{t.name}`", tensor_bytes(t, sizes)) for t in model.tensors]
+    items = [(f"{t.kind} `{t.name}`", tensor_bytes(t, sizes, padded)) for t in model.tensors]
     return [*items, ("logits and next tokens", sizes[model.dims[0].name] * (vocab * 4 + 4))]
 
 
-def max_cache(model: Model, vocab: int) -> int:
+def max_cache(model: Model, vocab: int, padded: dict | None = None) -> int:
     """The longest cache (within the cache dim's range) that fits at the largest batch; 0 if none."""
     if len(model.dims) < 2:
         return 0
     lo, hi = model.dims[1].low, model.dims[1].high
 
     def fits(n: int) -> bool:
-        return sum(b for _, b in hbm_items(model, vocab, build_sizes(model, tokens=n))) <= HBM_USABLE_PER_CORE
+        return sum(b for _, b in hbm_items(model, vocab, build_sizes(model, tokens=n), padded)) <= HBM_USABLE_PER_CORE
 
     if not fits(lo):
         return 0

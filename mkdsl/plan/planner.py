@@ -499,9 +499,10 @@ def check_budget(s: _State) -> None:
 def check_hbm(s: _State) -> None:
     """Weights, state at the largest batch and cache, and the outputs must fit one core's HBM."""
     vocab = _type_of(s.model, s.model.step, s.model.step.results[0]).shape[1]
-    items = hbm.hbm_items(s.model, vocab, hbm.build_sizes(s.model, cache="low"))
+    padded = {st.tensor: (-2 if st.transposed else -1, st.n) for st in all_streams(s) if st.valid}
+    items = hbm.hbm_items(s.model, vocab, hbm.build_sizes(s.model, cache="low"), padded)
     s.hbm = sum(b for _, b in items)
-    s.hbm_tokens = hbm.max_cache(s.model, vocab)
+    s.hbm_tokens = hbm.max_cache(s.model, vocab, padded)
     s.errors.extend(hbm.check_hbm(s.model, items, devices(s.model)))
 
 
