@@ -2,8 +2,8 @@
 megakernel with an unfused JAX reference to test it against.
 
 The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to` it, the
-`reference_step`, `random_inputs` and `kernel_weights`, and the kernel's step (`build_step`,
-from the module `load_kernel` imports).
+`reference_step`, `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
+the module `load_kernel` imports), the XLA `prefill_step` and `Sampling` / `sample_tokens`.
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -21,10 +21,13 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     kernel_weights,
     load,
     load_kernel,
+    prefill_step,
     random_inputs,
     reference_step,
+    state_shardings,
 )
 from mkdsl.diagnostics import SpecError  # noqa: E402
+from mkdsl.sampling import Sampling, sample_tokens  # noqa: E402
 
 __all__ = [
     "ProfileError",
@@ -37,5 +40,9 @@ __all__ = [
     "load",
     "load_kernel",
     "random_inputs",
+    "prefill_step",
     "reference_step",
+    "Sampling",
+    "sample_tokens",
+    "state_shardings",
 ]
