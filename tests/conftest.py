@@ -40,6 +40,7 @@ SLOW_MODULES = {
     "test_verify.py",
 }
 SLOW_TESTS = {
+    "test_bench.py": ("test_bench_on_a_cpu_runs_interpret_mode_and_says_so",),  # a tiny kernel in interpret mode
     "test_prefill.py": (  # tiny's kernel in interpret mode (two builds), Kimi mini prefill on 8 devices
         "test_prefill_then_kernel_decode_equals_kernel_decoding_the_prompt",
         "test_kernel_samples_as_the_reference_and_n_steps_per_call_equal_n_calls",
