@@ -2,8 +2,9 @@
 megakernel with an unfused JAX reference to test it against.
 
 The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to` it, the
-`reference_step`, `random_inputs` and `kernel_weights`, and the kernel's step (`build_step`,
-from the module `load_kernel` imports), and `load_weights` from a checkpoint.
+`reference_step`, `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
+the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_tokens`, and
+`load_weights` from a checkpoint.
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -21,12 +22,15 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     kernel_weights,
     load,
     load_kernel,
+    prefill_step,
     random_inputs,
     reference_step,
+    state_shardings,
 )
 from mkdsl.checkpoint import load_weights  # noqa: E402
 from mkdsl.checkpoint.formats import CheckpointError  # noqa: E402
 from mkdsl.diagnostics import SpecError  # noqa: E402
+from mkdsl.sampling import Sampling, sample_tokens  # noqa: E402
 
 __all__ = [
     "CheckpointError",
@@ -41,5 +45,9 @@ __all__ = [
     "load_kernel",
     "load_weights",
     "random_inputs",
+    "prefill_step",
     "reference_step",
+    "Sampling",
+    "sample_tokens",
+    "state_shardings",
 ]

@@ -140,22 +140,63 @@ def load_kernel(spec: Spec) -> ModuleType:
     return module
 
 
-def build_step(spec: Spec, batch: int, seq_len: int, *, interpret=True, mesh=None):
-    """The kernel's decode step, `step(weights, state, tokens, positions)`, for `batch` rows and
-    caches of `seq_len` tokens. `interpret`: True for TPU interpret mode on a CPU (or a
-    `pltpu.InterpretParams`), False to compile for the TPU. `mesh`: for sharded specs."""
-    module = load_kernel(spec)
+def build_step(
+    spec: Spec,
+    batch: int,
+    seq_len: int,
+    *,
+    interpret=True,
+    mesh=None,
+    sampling=None,
+    steps_per_call: int = 1,
+    module: ModuleType | None = None,
+):
+    """The kernel's decode step, `step(weights, state, tokens, positions, seed=0)`, for `batch`
+    rows and caches of `seq_len` tokens. `interpret`: True for TPU interpret mode on a CPU (or a
+    `pltpu.InterpretParams`), False to compile for the TPU. `mesh`: for sharded specs.
+    `sampling`: a `Sampling` (default greedy); `steps_per_call=N`: N steps per device call, the
+    N tokens returned as [batch, N]. `module`: the kernel module if already loaded."""
+    module = module or load_kernel(spec)
     if interpret is True:
         from jax.experimental.pallas import tpu as pltpu
 
         interpret = pltpu.InterpretParams()
-    options = {"interpret": interpret or None}
+    options = {"interpret": interpret or None, "steps_per_call": steps_per_call}
+    if sampling is not None:
+        options["sampling"] = module.Sampling(sampling.temperature, sampling.top_k, sampling.top_p)
     if mesh is not None:
         options["mesh"] = mesh
     step = module.build_decode_step(batch, seq_len, **options)
     if interpret and hasattr(module, "MESH_SHAPE"):
         return _HostCallbacks(step)
     return step
+
+
+def state_shardings(spec: Spec, mesh) -> dict:
+    """NamedShardings of the decode state on `mesh`, as the generated module's `STATE_SPLIT`
+    places it (the stack's layer axis whole, each dimension over its declared axes)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def entry(axes: tuple[str, ...]):
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    out = {}
+    for t in spec.model.states:
+        split = [entry(a) for a in t.sharding]
+        out[t.name] = NamedSharding(mesh, PartitionSpec(*([None] if t.stacked else []), *split))
+    return out
+
+
+def prefill_step(spec: Spec, *, sampling=None, mesh=None, jit: bool = True, donate: bool = True):
+    """The XLA prefill, `prefill(weights, state, tokens, lengths=None, start=None, seed=0) ->
+    (logits, next_tokens, new_state)` over a prompt `tokens` i32 [batch, T] (mkdsl/prefill.py):
+    caches and recurrent state as the decode steps would leave them, in the kernel's layout. With
+    `mesh` (sharded specs) the new state is placed on it as the kernel's STATE_SPLIT says (the
+    prefill itself runs whole, where its inputs are)."""
+    from mkdsl.prefill import build_prefill
+
+    shardings = state_shardings(spec, mesh) if mesh is not None else None
+    return build_prefill(spec.model, sampling=sampling, state_shardings=shardings, jit=jit, donate=donate)
 
 
 class _HostCallbacks:

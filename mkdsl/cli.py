@@ -420,6 +420,52 @@ def _interpret(args):
     return pltpu.InterpretParams()
 
 
+def cmd_bench(args) -> int:
+    from mkdsl import api, bench
+
+    spec = _load_spec(args)
+    import math
+
+    devices = math.prod(n for _, n in spec.model.mesh) if spec.model.mesh else 1
+    _host_devices(max(devices, 1))
+    native = bench.on_tpu()
+    low, high = spec.batch_range
+    try:
+        batches = bench.parse_batches(args.batch, low, high, list(range(low, high + 1)) if native else [low])
+    except ValueError as e:
+        raise UsageError(f"{e} (spec {args.spec})") from None
+    module = api.load_kernel(spec)
+    seq_len = args.context + 1 if args.context is not None else module.KV_TILE
+    if seq_len % module.KV_TILE or not module.SEQ_RANGE[0] <= seq_len <= module.SEQ_RANGE[1]:
+        raise UsageError(f"--context {args.context}: the cache (context + 1) must be a multiple of {module.KV_TILE}")
+    weights = _bench_weights(args, spec)
+    if not native:
+        print("mkdsl bench: no TPU here; running in TPU interpret mode (CPU timings, not TPU timings)", file=sys.stderr)
+    rows = bench.bench(spec, batches, seq_len, steps=args.steps, weights=weights)
+    print(bench.render(spec, rows, native))
+    return 0
+
+
+def _load_spec(args):
+    from mkdsl import api
+
+    _read(args.spec)  # unreadable or oversized files are usage errors
+    try:
+        return api.load(args.spec, args.profile)
+    except api.ProfileError as e:
+        raise UsageError(str(e)) from None
+
+
+def _bench_weights(args, spec):
+    """A checkpoint's weights in the spec's (the reference's) layout, or None for random ones."""
+    if args.weights is None:
+        return None
+    from mkdsl.checkpoint.loader import load_weights
+
+    weights, _ = load_weights(spec, args.weights, progress=sys.stderr.isatty(), host=True)
+    return weights
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mkdsl", description="Compile model decode specs (.mk) to Pallas TPU megakernels.")
     p.add_argument("--version", action="version", version=f"mkdsl {__version__}")
@@ -474,6 +520,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="cached tokens per row (default: a quarter of the cache, at most 4096)",
     )
     _run_parser(spec_command)
+    c = spec_command(
+        "bench", "time the kernel's step: ms/step, tokens/s and % of the HBM floor (CPU: interpret mode)", cmd_bench
+    )
+    c.add_argument(
+        "--batch",
+        action="append",
+        metavar="N|A..B",
+        help="batches to time (default: all on a TPU, the smallest on a CPU)",
+    )
+    c.add_argument(
+        "--context", type=int, default=None, help="cached tokens per row (cache = context + 1; default: one KV tile)"
+    )
+    c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
+    c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
     return p
 
 

@@ -1,7 +1,8 @@
 """Prefill: the step's graphs over a whole prompt at once, as plain XLA, from the same spec.
 
 `build_prefill(model)` returns `prefill(weights, state, tokens, lengths=None, start=None,
-seed=0) -> (logits, next_tokens, new_state)`: tokens i32 [B, T] (row b's tokens at cache
+seed=0) -> (logits, next_tokens, new_state)`: weights in the reference's or the kernel's layout
+(`QTensor`s or `w_codes`/`w_scales`), tokens i32 [B, T] (row b's tokens at cache
 positions start[b] .. start[b] + lengths[b] - 1; the rest of the row is padding), the logits and
 next tokens of each row's last token, and every cache and recurrent state written exactly as
 lengths[b] decode steps would leave them, in the decode state's layout (the generated module's
@@ -10,20 +11,25 @@ lengths[b] decode steps would leave them, in the decode state's layout (the gene
 Each op says how it prefills (`OpDef.prefill`, mkdsl/ops/prefill.py): row-wise ops run their
 decode reference over the B*T rows, attention and MLA write all positions and are causal over
 the cache, recurrent ops scan their one-token reference. Only each row's last token goes through
-the step's epilogue (final norm, output head). A sharded spec's prefill runs whole, partitioned
-by XLA: given a mesh, its outputs are placed as the kernel's `STATE_SPLIT` says
-(`state_shardings`), so the kernel's step takes them as they are.
+the step's epilogue (final norm, output head). A sharded spec's prefill runs on the whole model
+where its inputs are (host arrays: one device; XLA would partition it over arrays placed on a
+mesh, but it sums in another order then, and Kimi's MoE routing amplifies that); given
+`state_shardings` (the generated module's `state_shardings(mesh)`), the new state is then placed
+as the kernel's `STATE_SPLIT` says, so the kernel's step takes it as it is. Not yet: a prefill
+per device under `shard_map` with the kernel's collectives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 from mkdsl.ir import Model
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.ops.prefill import Rows
-from mkdsl.quant import register_pytree
+from mkdsl.quant import QTensor, register_pytree
 from mkdsl.reference import _run_graph
 from mkdsl.sampling import Sampling, sample_tokens
 
@@ -38,6 +44,17 @@ def check_prefill(model: Model) -> None:
     missing = sorted({n.op for n in nodes if OPS[n.op].inout and OPS[n.op].prefill is None})
     if missing:
         raise PrefillError(f"no prefill rule for {', '.join(missing)} (it updates state: see mkdsl/ops/prefill.py)")
+
+
+def reference_weights(model: Model, weights: dict) -> dict:
+    """Weights as the reference takes them, from either layout: a quantised `w` given as the
+    kernel's `w_codes`, `w_scales` (what a loader writes) becomes a `QTensor` again."""
+    out = dict(weights)
+    for t in model.weights:
+        if t.type.dtype.quantised and t.name not in out:
+            codes, scales = out.pop(f"{t.name}_codes"), out.pop(f"{t.name}_scales")
+            out[t.name] = QTensor(codes, scales, t.type.dtype.name, t.type.dtype.group)
+    return out
 
 
 def _caller(rows: list[Rows]) -> Callable:
@@ -79,6 +96,7 @@ def build_prefill(
     token_name, position_name = (v.name for v in model.inputs)
 
     def prefill(weights, state, tokens, lengths=None, start=None, seed=0):
+        weights = reference_weights(model, weights)
         tokens = jnp.asarray(tokens)
         rows, lengths, start = _prompt_rows(tokens, lengths, start)
         state = dict(state)
@@ -96,13 +114,19 @@ def build_prefill(
             return [c[last] for c in carries]
 
         logits, greedy = _run_graph(model, model.step, [], weights, state, inputs, None, run_layers, call)
+        seed = np.uint32(seed % 2**32) if isinstance(seed, int) else seed
         next_tokens = sample_tokens(logits, inputs[position_name], seed, sampling, greedy)
         return logits, next_tokens, state
 
     register_pytree()
     if not jit:
         return prefill
-    options = {"donate_argnums": (1,)} if donate else {}
-    if state_shardings is not None:
-        options["out_shardings"] = (None, None, state_shardings)
-    return jax.jit(prefill, **options)
+    jitted = jax.jit(prefill, **({"donate_argnums": (1,)} if donate else {}))
+    if state_shardings is None:
+        return jitted
+
+    def placed(*args, **kwargs):
+        logits, next_tokens, new_state = jitted(*args, **kwargs)
+        return logits, next_tokens, jax.device_put(new_state, {k: state_shardings[k] for k in new_state})
+
+    return placed

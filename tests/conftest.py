@@ -51,6 +51,12 @@ SLOW_TESTS = {
         "test_every_weight_format_streams_and_matches_the_reference",
         "test_padded_outputs_a_tied_head_and_a_split_vocabulary_match_the_reference",
     ),
+    "test_bench.py": ("test_bench_on_a_cpu_runs_interpret_mode_and_says_so",),  # a tiny kernel in interpret mode
+    "test_prefill.py": (  # tiny's kernel in interpret mode (two builds), Kimi mini prefill on 8 devices
+        "test_prefill_then_kernel_decode_equals_kernel_decoding_the_prompt",
+        "test_kernel_samples_as_the_reference_and_n_steps_per_call_equal_n_calls",
+        "test_kimi_mini_sharded_prefill_matches_decode_in_the_kernels_layout",
+    ),
     "test_comm.py": ("test_collectives_interpret_8_devices", "test_collectives_compile_tpu7x"),
     "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
     "test_attention_kernel.py": (

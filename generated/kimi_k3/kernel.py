@@ -2011,9 +2011,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     step's logits.
     """
     check_sizes(batch, seq_len)
-    sampling = Sampling() if sampling is None else sampling
-    if not isinstance(sampling, Sampling):
-        raise ValueError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    if sampling is None:
+        sampling = Sampling()
+    elif not all(hasattr(sampling, k) for k in ("temperature", "top_k", "top_p")):
+        raise ValueError(f"sampling must be a Sampling(temperature, top_k, top_p), got {sampling!r}")
+    sampling = Sampling(sampling.temperature, sampling.top_k, sampling.top_p)
     if not isinstance(steps_per_call, int) or steps_per_call < 1 or (layer_trace and steps_per_call != 1):
         raise ValueError(f"steps_per_call must be an int >= 1 (1 with layer_trace), got {steps_per_call!r}")
     rows = -(-batch // ROW_TILE) * ROW_TILE

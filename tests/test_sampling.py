@@ -1,0 +1,116 @@
+"""Sampling (mkdsl/sampling.py, the generated module's `Sampling`/`sample_tokens`): greedy,
+temperature, top-k and top-p draws from counter-based bits, identical in the module and in
+mkdsl, reproducible for a seed, and from the right distribution (a chi-square bound)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mkdsl
+from mkdsl.sampling import Sampling, sample_tokens, sampling_mask
+
+DRAWS = 20000
+
+
+def _logits(rows: int, vocab: int, seed: int = 0) -> np.ndarray:
+    return (2.0 * np.random.default_rng(seed).standard_normal((rows, vocab))).astype(np.float32)
+
+
+def _draws(logits_row: np.ndarray, sampling: Sampling, seed: int = 1) -> np.ndarray:
+    """DRAWS tokens from one row's logits: rows (and positions) differ, so the draws are independent."""
+    logits = jnp.asarray(np.tile(logits_row, (DRAWS, 1)))
+    positions = jnp.arange(DRAWS, dtype=jnp.int32) % 4096
+    return np.asarray(sample_tokens(logits, positions, np.uint32(seed), sampling))
+
+
+def _chi2(counts: np.ndarray, p: np.ndarray) -> float:
+    expected = counts.sum() * p
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _chi2_bound(categories: int) -> float:
+    # Pearson's X² of a correct sampler is ~chi2(k-1): mean k-1, sd sqrt(2(k-1)); 6 sd above the
+    # mean is exceeded with probability < 1e-3 for k <= 16 (the chi-square tail at +6 sd), and the
+    # draws are seeded, so the test is deterministic.
+    return (categories - 1) + 6 * math.sqrt(2 * (categories - 1))
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+
+
+def test_temperature_samples_softmax_of_scaled_logits():
+    row = _logits(1, 8)[0]
+    counts = np.bincount(_draws(row, Sampling(temperature=0.7)), minlength=8)
+    p = _softmax(row / 0.7)
+    assert _chi2(counts, p) < _chi2_bound(8)
+    # the test can fail: the same draws against the distribution at temperature 1
+    assert _chi2(counts, _softmax(row)) > 10 * _chi2_bound(8)
+
+
+def test_top_p_samples_the_renormalised_nucleus():
+    row = 0.4 * _logits(1, 12, seed=3)[0]  # flat enough that the nucleus holds several tokens
+    p = _softmax(row)
+    order = np.argsort(-p)
+    before = np.cumsum(p[order]) - p[order]
+    kept = order[before < 0.8]  # the most likely tokens until their mass reaches 0.8
+    assert 3 <= len(kept) < 12
+    counts = np.bincount(_draws(row, Sampling(temperature=1.0, top_p=0.8)), minlength=12)
+    assert counts[np.setdiff1d(np.arange(12), kept)].sum() == 0
+    q = p[kept] / p[kept].sum()
+    assert _chi2(counts[kept], q) < _chi2_bound(len(kept))
+
+
+def test_top_k_samples_the_k_largest():
+    row = _logits(1, 16, seed=4)[0]
+    top = np.argsort(-row)[:5]
+    counts = np.bincount(_draws(row, Sampling(temperature=1.3, top_k=5)), minlength=16)
+    assert counts[np.setdiff1d(np.arange(16), top)].sum() == 0
+    assert _chi2(counts[top], _softmax(row[top] / 1.3)) < _chi2_bound(5)
+
+
+def test_top_k_one_and_temperature_zero_are_greedy():
+    logits = jnp.asarray(_logits(64, 300, seed=5))
+    positions = jnp.arange(64, dtype=jnp.int32)
+    greedy = np.asarray(jnp.argmax(logits, axis=-1))
+    for sampling in (Sampling(), Sampling(temperature=2.0, top_k=1), Sampling(temperature=0.0, top_k=7)):
+        assert (np.asarray(sample_tokens(logits, positions, np.uint32(9), sampling)) == greedy).all()
+
+
+def test_a_seed_reproduces_its_draws_and_another_seed_differs():
+    logits = jnp.asarray(_logits(256, 64, seed=6))
+    positions = jnp.arange(256, dtype=jnp.int32)
+    sampling = Sampling(temperature=1.0, top_k=40, top_p=0.95)
+    a, b = (np.asarray(sample_tokens(logits, positions, np.uint32(11), sampling)) for _ in range(2))
+    c = np.asarray(sample_tokens(logits, positions, np.uint32(12), sampling))
+    assert (a == b).all()
+    assert (a != c).mean() > 0.3  # distinct seeds: most draws of a spread distribution differ
+
+
+def test_the_generated_module_samples_exactly_as_mkdsl():
+    module = mkdsl.load_kernel(mkdsl.load("specs/tiny.mk"))
+    logits = jnp.asarray(_logits(8, 256, seed=7))
+    positions = jnp.arange(8, dtype=jnp.int32) * 17
+    for t, k, p in ((0.8, 0, 1.0), (1.0, 20, 0.9), (1.5, 0, 0.5)):
+        ours = sample_tokens(logits, positions, np.uint32(3), Sampling(t, k, p))
+        theirs = module.sample_tokens(logits, positions, np.uint32(3), module.Sampling(t, k, p))
+        assert (np.asarray(ours) == np.asarray(theirs)).all()
+
+
+def test_masks_keep_ties_and_at_least_one_token():
+    z = jnp.asarray([[1.0, 3.0, 3.0, 0.0], [5.0, -1.0, -2.0, -3.0]])
+    kept = np.isfinite(np.asarray(sampling_mask(z, Sampling(1.0, top_k=1))))
+    assert kept.tolist() == [[False, True, True, False], [True, False, False, False]]
+    kept = np.isfinite(np.asarray(sampling_mask(z, Sampling(1.0, top_p=1e-6))))
+    assert kept.sum(axis=1).tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)])
+def test_invalid_sampling_is_a_value_error(bad):
+    with pytest.raises(ValueError):
+        Sampling(**bad)
