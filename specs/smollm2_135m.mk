@@ -14,6 +14,16 @@ const V     = 49152     # vocabulary
 const EPS   = 0.00001   # rmsnorm epsilon
 const THETA = 100000.0  # rope base
 
+# For tests: widths that are not multiples of 128 either, as the model's.
+profile mini {
+  L = 2
+  H = 192
+  NH = 3
+  NKV = 1
+  F = 384
+  V = 512
+}
+
 dim B in 1 .. 8         # rows decoded together
 dim S in 1 .. 8192      # KV cache length (the card's context)
 
