@@ -52,7 +52,7 @@ class Decoder:
                 from mkdsl.prefill import build_prefill
 
                 prefill_fn = build_prefill(spec.model, sampling=sampling)
-                pads = getattr(module, "PADDED_COLUMNS", {})
+                pads = getattr(module, "PADDED", {})
                 self.prefill_fn = lambda w, *a, **k: prefill_fn(unpad_weights(w, pads), *a, **k)
 
     def step(self, n: int) -> Callable:
@@ -90,16 +90,18 @@ class Decoder:
 
 
 def unpad_weights(weights: dict, pads: dict) -> dict:
-    """The kernel's padded matrices (the module's PADDED_COLUMNS: name -> (valid, padded, blocks))
+    """The kernel's padded matrices (the module's PADDED: name -> (axis, valid, padded, blocks))
     back in the spec's layout, which the prefill (like the reference) reads."""
     import jax.numpy as jnp
 
     out = dict(weights)
-    for name, (valid, padded, blocks) in pads.items():
+    for name, (axis, valid, padded, blocks) in pads.items():
         w = out[name]
-        if w.shape[-1] == padded * blocks:
-            parts = jnp.reshape(w, (*w.shape[:-1], blocks, padded))[..., :valid]
-            out[name] = jnp.reshape(parts, (*w.shape[:-1], blocks * valid))
+        if w.shape[axis] != padded * blocks:
+            continue  # not padded
+        w = jnp.moveaxis(w, axis, -1)
+        parts = jnp.reshape(w, (*w.shape[:-1], blocks, padded))[..., :valid]
+        out[name] = jnp.moveaxis(jnp.reshape(parts, (*w.shape[:-1], blocks * valid)), -1, axis)
     return out
 
 

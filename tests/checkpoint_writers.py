@@ -29,6 +29,8 @@ def hf_tensors(weights: dict, layers: int) -> dict[str, np.ndarray]:
     """Spec-layout weights ([in, out] matrices, stacked over layers) as Hugging Face tensors."""
     out = {}
     for name, (hf, _, matrix) in LLAMA_NAMES.items():
+        if name not in weights:
+            continue  # a tied head: no lm_head weight
         w = np.asarray(weights[name])
         for layer in range(layers) if "{l}" in hf else [None]:
             x = w[layer] if layer is not None else w
@@ -53,6 +55,8 @@ def gguf_tensors(weights: dict, layers: int, heads: int, kv_heads: int) -> dict[
     out = {}
     perm = {"wq": heads, "wk": kv_heads}
     for name, (_, gg, matrix) in LLAMA_NAMES.items():
+        if name not in weights:
+            continue  # a tied head: no output.weight (as in SmolLM2's GGUF)
         w = np.asarray(weights[name]).astype(np.float32)
         for layer in range(layers) if "{l}" in gg else [None]:
             x = w[layer] if layer is not None else w

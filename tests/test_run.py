@@ -147,3 +147,12 @@ def test_interactive_prompts_are_the_nonblank_lines_of_stdin(monkeypatch):
 
     monkeypatch.setattr("sys.stdin", io.StringIO("first prompt\n\n  \nsecond\n"))
     assert list(_stdin_prompts()) == ["first prompt", "second"]
+
+
+def test_unpad_weights_undoes_the_modules_padding():
+    from mkdsl.run import unpad_weights
+
+    w = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)  # 2 devices' blocks of 2 columns
+    padded = np.concatenate([np.pad(p, [(0, 0), (0, 0), (0, 3)]) for p in np.split(w, 2, axis=-1)], axis=-1)
+    back = unpad_weights({"w": padded, "t": np.swapaxes(padded, -1, -2)}, {"w": (-1, 2, 5, 2), "t": (-2, 2, 5, 2)})
+    assert np.array_equal(back["w"], w) and np.array_equal(back["t"], np.swapaxes(w, -1, -2))

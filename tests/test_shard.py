@@ -172,19 +172,12 @@ def run_lockstep(local: Model, weights, state, tokens, positions, mesh=None, set
             whole = jnp.concatenate([xs[e][0] for e in group(d, attrs["shard_axes"])], axis=-1)
             return OPS["argmax"].reference(whole)
         if node.op == "moe_experts" and attrs.get("expert_axes"):
-            z, wts, ids, w1, w3, w2 = xs[d]
+            z, wts, ids, w1, w3, w2, *biases = xs[d]
             e = w1.codes.shape[0]
             lo = shard_index(devices[d], mesh, attrs["expert_axes"]) * e
             held = (ids >= lo) & (ids < lo + e)
             return OPS["moe_experts"].reference(
-                z,
-                jnp.where(held, wts, 0.0),
-                jnp.clip(ids - lo, 0, e - 1),
-                w1,
-                w3,
-                w2,
-                beta=attrs["beta"],
-                linear_beta=attrs["linear_beta"],
+                z, jnp.where(held, wts, 0.0), jnp.clip(ids - lo, 0, e - 1), w1, w3, w2, *biases, act=attrs["act"]
             )
         kw = {k: v for k, v in attrs.items() if k in OPS[node.op].attrs}
         return OPS[node.op].reference(*xs[d], **kw)
