@@ -34,6 +34,7 @@ logits within ROUTE_TIE = 2^-10 of the largest) fails as "pick another seed"; no
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.elaborate import load
+from mkdsl.plan.hbm import tensor_bytes
 from mkdsl.random_params import random_params
 from mkdsl.reference import build_reference
 
@@ -185,6 +187,17 @@ def oss_params(model, batch: int, seed: int):
     for name, (lo, hi) in spread.items():
         weights[name] = rng.uniform(lo, hi, weights[name].shape).astype(ml_dtypes.bfloat16)
     return weights, state
+
+
+def test_full_size_spec_is_the_published_model():
+    """Every weight at its published shape and dtype adds up to the published counts (facts,
+    "Size"): 116,829,156,672 parameters, 65,248,815,744 bytes as released (MXFP4 experts, bf16
+    rest); the layers alternate sliding (even) and full (odd)."""
+    model = load(str(SPEC), None)
+    weights = [t for t in model.tensors if t.kind == "weight"]
+    assert sum(math.prod(t.full_shape) for t in weights) == 116_829_156_672
+    assert sum(tensor_bytes(t, {}) for t in weights) == 65_248_815_744
+    assert list(model.schedule) == ["sliding", "full"] * 18
 
 
 def test_random_weights_reach_both_clamps(mini):
