@@ -64,6 +64,7 @@ SLOW_TESTS = {
         "test_kernels_compile_with_libtpu",
     ),
     "test_qwen3.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
+    "test_gpt_oss.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
     "test_run.py": (  # interpret-mode kernels of the Llama mini from a checkpoint
         "test_loaded_weights_run_a_kernel_step_equal_to_the_reference",
         "test_run_streams_text_and_closes_with_timings",
