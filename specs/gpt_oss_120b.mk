@@ -5,7 +5,7 @@
 # 0.1 ln 32 + 1), 128 MXFP4 experts of width 2880, top 4 of the biased router logits with a
 # softmax over those 4, clamped SwiGLU (gate <= 7, |up| <= 7, gate * sigmoid(1.702 gate) * (up + 1))
 # with expert biases, vocab 201088 (o200k_harmony), RMSNorm eps 1e-5, untied head.
-# Facts: ../shared/facts/models.md (section 2).
+# Values from the published model card, config and reference implementation.
 #
 # As published, with two notes on how the checkpoint's tensors become these weights:
 # - The fused gate_up projection [5760] interleaves its halves (gate = u[0::2], up = u[1::2]);

@@ -2,13 +2,13 @@
 # 48 layers, hidden 2048, 32 query / 4 KV heads of 128 with RMSNorm on each query and key head,
 # RoPE theta 1e6 (rotate-half, the whole head), 128 bf16 SwiGLU experts of width 768, top 8 by a
 # softmax router renormalised over the chosen 8, no shared expert, vocab 151936, untied head.
-# Facts: ../shared/facts/models.md (section 4).
+# Values from the published config.json and the model card.
 #
 # Deployment: 8 TPU7x cores (4 chips), ep 2 x tp 4. Attention is split by KV head over tp (one
 # KV head and 8 query heads per core; the two ep halves compute it alike); the experts are split
-# by owner over all 8 cores (16 each, whole columns). The head is not split: 151936 = 128 x 1187
-# columns (1187 is prime) cannot be cut into 128-lane blocks over 2 or more devices, so every core
-# streams the whole lm_head (622 MB of bf16) until the compiler pads split vocabularies.
+# by owner over all 8 cores (16 each, whole columns). The head is split by vocabulary over all 8:
+# 151936 / 8 = 18992 columns per core, which the compiler stores padded to 19072 (whole 128-lane
+# tiles); the logits stay split and argmax combines the cores' bests.
 model qwen3_30b_a3b
 
 const L     = 48        # layers
@@ -57,7 +57,7 @@ weight w_gate:     bf16[E @(ep, tp), H, FE]  per layer
 weight w_up:       bf16[E @(ep, tp), H, FE]  per layer
 weight w_down:     bf16[E @(ep, tp), FE, H]  per layer
 weight final_norm: bf16[H]
-weight lm_head:    bf16[H, V]
+weight lm_head:    bf16[H, V @(ep, tp)]
 
 state k_cache: bf16[B, NKV @tp, S, D] per layer
 state v_cache: bf16[B, NKV @tp, S, D] per layer
