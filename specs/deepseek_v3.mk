@@ -47,9 +47,12 @@ const SCALE = (NOPE + ROPE) ** -0.5 * (0.1 * MSCALE_ALL * ln(YF) + 1.0) ** 2   #
 # Deployment: 64 TPU7x cores (32 chips), ep 8 x tp 8. Attention is split by heads over all 64
 # cores (2 heads each: 384 columns of wq_b, 512 of wkv_b, 256 rows of wo); the latent cache, the
 # low-rank down projections and their norms are whole on every core (one latent shared by all
-# heads). The routed experts are split by owner over all 64 cores (4 whole experts each); the
-# dense MLP and the shared expert by columns over tp (2304 and 256 per core: whole 128x128 scale
-# blocks; 18432 / 64 = 288 would cut a block), replicated over ep. The head and the embedding are
+# heads). The routed experts are split by owner over ep (32 per group of 8 cores) and by columns
+# over tp (256 of each expert's 2048 per core: two whole 128x128 scale blocks; 4 whole experts per
+# core, E @(ep, tp), checks but libtpu rejects the strided SMEM copy of a [56, 2] slice of the
+# experts' [56, 16] scales). The dense MLP and the shared expert are split by columns over tp
+# (2304 and 256 per core: whole scale blocks; 18432 / 64 = 288 would cut a block), replicated
+# over ep. The head and the embedding are
 # split by vocabulary over all 64 cores (2020 columns each, padded to 2048 by the compiler).
 const EPN   = 8
 const TPN   = 8
@@ -106,9 +109,9 @@ weight dense_down: fp8_e4m3(block=128)[FD @tp, H]  per layer(dense)
 # ---- MoE (the other layers)
 weight router:      bf16[H, E]                                   per layer(moe)
 weight router_bias: f32[E]                                       per layer(moe)
-weight w_gate:      fp8_e4m3(block=128)[E @(ep, tp), H, FE]      per layer(moe)
-weight w_up:        fp8_e4m3(block=128)[E @(ep, tp), H, FE]      per layer(moe)
-weight w_down:      fp8_e4m3(block=128)[E @(ep, tp), FE, H]      per layer(moe)
+weight w_gate:      fp8_e4m3(block=128)[E @ep, H, FE @tp]        per layer(moe)
+weight w_up:        fp8_e4m3(block=128)[E @ep, H, FE @tp]        per layer(moe)
+weight w_down:      fp8_e4m3(block=128)[E @ep, FE @tp, H]        per layer(moe)
 weight shared_gate: fp8_e4m3(block=128)[H, FE @tp]               per layer(moe)
 weight shared_up:   fp8_e4m3(block=128)[H, FE @tp]               per layer(moe)
 weight shared_down: fp8_e4m3(block=128)[FE @tp, H]               per layer(moe)
