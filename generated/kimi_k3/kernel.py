@@ -1648,6 +1648,17 @@ def moe_dims(D, F, tn, kc=None, dc=None):
     return kc, dc
 
 
+
+def spread_scales(scale_at, cols, block):
+    """[1, cols] f32 row whose lanes c*block .. (c+1)*block-1 hold scale_at(c) (scalars, e.g. SMEM).
+
+    The fp8 block-scaled experts need it; it lived in the shared runtime until a merge dropped it."""
+    lane = jax.lax.broadcasted_iota(I32, (1, cols), 1) // block
+    row = jnp.zeros((1, cols), F32)
+    for c in range(cols // block):
+        row = jnp.where(lane == c, scale_at(c), row)
+    return row
+
 class MoE:
     """Routed MoE of one layer kind, built inside the kernel.
 
