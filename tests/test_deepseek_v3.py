@@ -247,7 +247,7 @@ def test_mini_kernel_matches_reference_sharded_interpret(batch, kernel, record_p
     worst: dict[str, float] = {}
     t0 = time.perf_counter()
     for i in range(STEPS):
-        out = verify.run_kernel(step, weights, state, tokens, positions, sharded=True)
+        out = verify.run_kernel(step, weights, state, tokens, positions, sharded=True, pad=module.pad_weights)
         assert not verify.races_found(), f"step {i}: the race detector reported a race"
         result = checker.check(weights, state, tokens, positions, out)
         assert result.ok, f"batch {batch} step {i}: " + "; ".join(result.failures[:8])
