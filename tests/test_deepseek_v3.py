@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "deepseek_v3.mk"
 SEQ_LEN = 64
 STEPS = 3
+KERNEL_STEPS = 2  # ~1 min each on 2 cores; row 3 (31 -> 32) crosses a 16-token KV tile
 STARTS = (14, 0, SEQ_LEN - STEPS, 31)
 LOGIT_RTOL = 2.0**-7
 CACHE_RTOL = 2.0**-7
@@ -226,7 +227,7 @@ def test_reference_matches_an_independent_numpy_decode(batch, mini):
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    text = SPEC.read_text(encoding="utf-8") + "\nhints { kv_tile = 16 }  # three steps cross 16-token tiles cheaply\n"
+    text = SPEC.read_text(encoding="utf-8") + "\nhints { kv_tile = 16 }  # two steps cross a 16-token tile cheaply\n"
     out, _ = compile_source(text, str(SPEC), "mini", None)
     module = verify.import_generated(out.files["kernel.py"], tmp_path_factory.mktemp("dsv3_mini"), "dsv3_mini_kv16")
     assert module.MESH_SHAPE == (2, 2) and module.KV_TILE == 16
@@ -236,8 +237,8 @@ def kernel(tmp_path_factory):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_mini_kernel_matches_reference_sharded_interpret(batch, kernel, record_property):
-    """Layer by layer (mkdsl.verify.LayerChecker, bounds derived there), three steps, each from the
-    kernel's own state and tokens; no race, no NaN."""
+    """Layer by layer (mkdsl.verify.LayerChecker, bounds derived there), two steps, the second from
+    the kernel's own state and tokens; no race, no NaN."""
     model, module, checker = kernel
     weights, state = random_params(model, {"B": batch, "S": SEQ_LEN}, seed=10 + batch)
     tokens = np.random.default_rng(batch).integers(0, 1024, batch).astype(np.int32)
@@ -246,7 +247,7 @@ def test_mini_kernel_matches_reference_sharded_interpret(batch, kernel, record_p
     pltpu.reset_tpu_interpret_mode_state()
     worst: dict[str, float] = {}
     t0 = time.perf_counter()
-    for i in range(STEPS):
+    for i in range(KERNEL_STEPS):
         out = verify.run_kernel(step, weights, state, tokens, positions, sharded=True, pad=module.pad_weights)
         assert not verify.races_found(), f"step {i}: the race detector reported a race"
         result = checker.check(weights, state, tokens, positions, out)

@@ -3,14 +3,19 @@ layout) compiles with the real TPU compiler (libtpu) for the compile-only `tpu7x
 (32 chips, 64 cores, one JAX device each), inside `jax.jit(jax.shard_map(...))` with its in-kernel
 collectives; every weight and state array given with its NamedSharding.
 
-VMEM is read as in tests/test_qwen3_compile.py: from the error of a second compile with the
-module's VMEM limit patched to 4 MiB. The compiler's figure must be within RATIO of the planner's
-and below the 64 MiB of a core; a core's arguments (weights, latent cache at seq_len 4096, batch 8)
-must fit its HBM.
+The compile succeeds only if the kernel's VMEM fits the module's limit (at most the 64 MiB of a
+core); a core's arguments (weights, latent cache at seq_len 4096, batch 8) must fit its HBM. The
+compiler's own VMEM figure is read as in tests/test_qwen3_compile.py, from the error of a second
+compile with the limit patched to 4 MiB, and must be within RATIO of the planner's. That second
+compile costs another ~110 s on 2 cores, so CI runs it only with MKDSL_DSV3_VMEM=1 (measured at
+2135a17: libtpu 54.84 MiB, planner 55.72 MiB, ratio 0.984; the first compile 89 s). The 61 layers
+compile in about the time of 4 (the kernel's code is per layer kind), so no shorter profile is
+compiled instead.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +31,7 @@ BATCH = 8
 SEQ_LEN = 4096
 RATIO = (0.5, 1.3)  # compiler / planner VMEM
 HBM_PER_CORE = 94.7e9  # usable HBM per TPU7x core
+MEASURE_VMEM = os.environ.get("MKDSL_DSV3_VMEM") == "1"
 
 
 @pytest.mark.timeout(3600)
@@ -46,6 +52,10 @@ def test_deepseek_v3_compiles_for_64_tpu7x_cores(tmp_path, record_property):
     compiled, seconds = compile_sharded(module, devices, BATCH, SEQ_LEN)
     memory = compiled.memory_analysis()
     assert memory.argument_size_in_bytes < HBM_PER_CORE, "a core's weights and state must fit its HBM"
+    record_property("compile_seconds", round(seconds, 1))
+    print(f"\ndeepseek_v3 {TOPOLOGY}: per-core arguments {memory.argument_size_in_bytes / 1e9:.2f} GB; {seconds:.0f} s")
+    if not MEASURE_VMEM:
+        return
     used, tiny_seconds = compiler_vmem(
         load_module(path, "deepseek_v3_tiny"), lambda m: compile_sharded(m, devices, BATCH, SEQ_LEN)
     )
@@ -57,6 +67,5 @@ def test_deepseek_v3_compiles_for_64_tpu7x_cores(tmp_path, record_property):
     )
     record_property("vmem_compiler_mib", round(used / MIB, 2))
     record_property("vmem_planner_mib", round(planned / MIB, 2))
-    record_property("compile_seconds", round(seconds, 1))
     assert used < 64 * MIB
     assert RATIO[0] <= used / planned <= RATIO[1], f"compiler {used / MIB:.2f} MiB vs planner {planned / MIB:.2f} MiB"
