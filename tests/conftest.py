@@ -43,6 +43,7 @@ SLOW_MODULES = {
     "test_qwen3_compile.py",
     "test_moe_kernel.py",
     "test_quant_compile.py",
+    "test_deepseek_v3_compile.py",
 }
 SLOW_TESTS = {
     "test_gdn_kernel.py": ("test_gated_deltanet_kernel_matches_reference",),
@@ -65,6 +66,7 @@ SLOW_TESTS = {
     ),
     "test_qwen3.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
     "test_gpt_oss.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
+    "test_deepseek_v3.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
     "test_run.py": (  # interpret-mode kernels of the Llama mini from a checkpoint
         "test_loaded_weights_run_a_kernel_step_equal_to_the_reference",
         "test_run_streams_text_and_closes_with_timings",

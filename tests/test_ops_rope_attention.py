@@ -168,3 +168,21 @@ def test_attention_window_and_sinks(window):
     # f32 scores of 8 terms of |q k| <= ~16 (~1e-6 each) through exp, then weighted means of |v| <= ~4: 1e-5
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(new_kc)[np.arange(b), :, pos], k.reshape(b, kv_heads, d))
+
+
+@pytest.mark.parametrize(
+    "attrs, message",
+    [
+        ({"theta": 1}, "yarn scaling needs theta != 1"),
+        ({"beta_fast": 0.0}, "beta_fast must be a positive number"),
+        ({"beta_slow": -1.0}, "beta_slow must be a positive number"),
+    ],
+)
+def test_yarn_attributes_that_have_no_range_are_op_errors(attrs, message):
+    """Found by tests/test_fuzz.py on specs/deepseek_v3.mk: `theta = 1` crashed with ZeroDivisionError."""
+    from mkdsl.ops.registry import OpError
+    from mkdsl.ops.rope import _check_attrs
+
+    a = {**ROPE_ATTRS, "scaling": "yarn", "original_max_position": 4096, **attrs}
+    with pytest.raises(OpError, match=message):
+        _check_attrs(64, a)

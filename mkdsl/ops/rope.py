@@ -156,10 +156,21 @@ def _check_attrs(d, a: dict) -> None:
         orig = a["original_max_position"]
         if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
             raise OpError(f"{a['scaling']} scaling needs original_max_position=N (N >= 1), got {orig!r}", "scaling")
+    if a["scaling"] == "yarn":
+        _check_yarn(a)
     if a["scaling"] == "llama3" and not a["high_freq_factor"] > a["low_freq_factor"]:
         raise OpError("llama3 scaling needs high_freq_factor > low_freq_factor", "high_freq_factor")
     if not isinstance(a["truncate"], bool):
         raise OpError(f"truncate must be true or false, got {a['truncate']!r}", "truncate")
+
+
+def _check_yarn(a: dict) -> None:
+    """YaRN's correction range divides by ln(theta) and takes the log of 1 / beta."""
+    if a["theta"] == 1:
+        raise OpError("yarn scaling needs theta != 1: its correction range divides by ln(theta)", "theta")
+    for name in ("beta_fast", "beta_slow"):
+        if not isinstance(a[name], (int, float)) or isinstance(a[name], bool) or a[name] <= 0:
+            raise OpError(f"{name} must be a positive number, got {a[name]!r}", name)
 
 
 def _rope_infer(args, attrs):

@@ -1,0 +1,172 @@
+# DeepSeek-V3 (671B): one greedy decode step.
+# 61 layers: MLA everywhere (q rank 1536, kv rank 512, 128 heads of 128 "nope" + 64 rope query/key
+# dims and 128 value dims; the rope part decoupled, one rotated 64-dim key shared by all heads,
+# interleaved pairs, YaRN factor 40 with the floored/ceiled correction range and the m^2 softmax
+# scale); a dense SwiGLU MLP of width 18432 in layers 0-2, and in layers 3-60 a MoE of 256 SwiGLU
+# experts of width 2048 (top 8) plus one shared expert, routed by sigmoid scores with a
+# selection-only correction bias, limited to the 4 best of 8 groups (a group's score: the sum of
+# its top 2), renormalised over the chosen 8 and scaled by 2.5. Untied head, vocab 129280.
+# Facts: ../shared/facts/models.md (section 1).
+#
+# Weights as the checkpoint ships them: FP8 e4m3 with one f32 scale per 128x128 block
+# (`weight_scale_inv`, multiplied) for every attention projection, the dense MLP, the experts and
+# the shared expert; bf16 for the embedding, the head, the norms and the router; f32 for the
+# correction bias. One exception, stated here: `wkv_b` is bf16, the checkpoint's fp8 kv_b_proj
+# dequantised at load (codes x block scale, rounded to bf16), because mla_attention's kernel reads
+# a bf16 w_kvb only. It is the matrix DeepSeek's own inference code uses there: its absorbed MLA
+# calls weight_dequant on kv_b_proj and multiplies in bf16.
+# Not modelled: the multi-token-prediction layer (layer 61 in the checkpoint; plain decode skips
+# it) and the "dynamic" per-token fp8 quantisation of activations of DeepSeek's optional fp8 GEMM
+# path (its default path, like mkdsl's numeric contract, rounds activations to bf16).
+# No `checkpoint hf` section yet: a mapping line names one stored tensor (or a concatenation), so
+# it cannot pair a `.weight` with its `.weight_scale_inv` as one block-scaled weight, nor dequantise
+# kv_b_proj into bf16, and the loader converts into plain dtypes only (mkdsl/checkpoint/loader.py).
+model deepseek_v3
+
+const L     = 61          # layers
+const DENSE = 3           # first_k_dense_replace: layers 0 .. DENSE-1 have a dense MLP
+const H     = 7168        # hidden width
+const NH    = 128         # attention heads
+const QR    = 1536        # q_lora_rank
+const KVR   = 512         # kv_lora_rank (the latent cache holds KVR + ROPE per token)
+const NOPE  = 128         # qk_nope_head_dim
+const ROPE  = 64          # qk_rope_head_dim
+const VD    = 128         # v_head_dim
+const FD    = 18432       # dense MLP width
+const E     = 256         # routed experts
+const TOPK  = 8           # experts per token
+const NG    = 8           # expert groups
+const TG    = 4           # groups kept
+const FE    = 2048        # expert width (and the shared expert's)
+const RSF   = 2.5         # routed_scaling_factor
+const V     = 129280      # vocabulary
+const EPS   = 0.000001    # rms_norm_eps (every norm)
+const THETA = 10000.0     # rope_theta
+const YF    = 40.0        # YaRN factor
+const OMP   = 4096        # original_max_position_embeddings
+const MSCALE_ALL = 1.0    # mscale_all_dim
+const SCALE = (NOPE + ROPE) ** -0.5 * (0.1 * MSCALE_ALL * ln(YF) + 1.0) ** 2   # 0.135234
+
+# Deployment: 64 TPU7x cores (32 chips), ep 8 x tp 8. Attention is split by heads over all 64
+# cores (2 heads each: 384 columns of wq_b, 512 of wkv_b, 256 rows of wo); the latent cache, the
+# low-rank down projections and their norms are whole on every core (one latent shared by all
+# heads). The routed experts are split by owner over ep (32 per group of 8 cores) and by columns
+# over tp (256 of each expert's 2048 per core: two whole 128x128 scale blocks; 4 whole experts per
+# core, E @(ep, tp), checks but libtpu rejects the strided SMEM copy of a [56, 2] slice of the
+# experts' [56, 16] scales). The dense MLP and the shared expert are split by columns over tp
+# (2304 and 256 per core: whole scale blocks; 18432 / 64 = 288 would cut a block), replicated
+# over ep. The head and the embedding are
+# split by vocabulary over all 64 cores (2020 columns each, padded to 2048 by the compiler).
+const EPN   = 8
+const TPN   = 8
+mesh { ep = EPN  tp = TPN }
+
+dim B in 1 .. 8           # rows decoded together
+dim S in 1 .. 163840      # cache length (max_position_embeddings = 40 x 4096)
+
+# Small enough for TPU interpret mode, sharded like the full model over 4 devices (ep 2 x tp 2):
+# one dense and one MoE layer, 16 experts in 4 groups (keep 2, top 4), group-limited routing.
+# The published head dims (128 + 64, 128) and rope (YaRN, factor 40); the kv rank 128 (the
+# kernel needs a multiple of 128).
+profile mini {
+  L = 2
+  DENSE = 1
+  H = 256
+  NH = 8
+  QR = 256
+  KVR = 128
+  FD = 512
+  E = 16
+  TOPK = 4
+  NG = 4
+  TG = 2
+  FE = 256
+  V = 1024
+  EPN = 2
+  TPN = 2
+}
+
+# ---- embedding, head, norms
+weight embed:      bf16[V @(ep, tp), H]
+weight attn_norm:  bf16[H]    per layer
+weight mlp_norm:   bf16[H]    per layer
+weight final_norm: bf16[H]
+weight lm_head:    bf16[H, V @(ep, tp)]
+
+# ---- MLA
+weight wq_a:       fp8_e4m3(block=128)[H, QR]                       per layer
+weight q_norm:     bf16[QR]                                         per layer
+weight wq_b:       fp8_e4m3(block=128)[QR, NH*(NOPE+ROPE) @(ep, tp)] per layer
+weight wkv_a:      fp8_e4m3(block=128)[H, KVR + ROPE]               per layer
+weight kv_norm:    bf16[KVR]                                        per layer
+weight wkv_b:      bf16[KVR, NH*(NOPE+VD) @(ep, tp)]                per layer
+weight wo:         fp8_e4m3(block=128)[NH*VD @(ep, tp), H]          per layer
+
+state kv_cache:    bf16[B, S, KVR + ROPE] per layer
+
+# ---- dense MLP (layers 0 .. DENSE-1)
+weight dense_gate: fp8_e4m3(block=128)[H, FD @tp]  per layer(dense)
+weight dense_up:   fp8_e4m3(block=128)[H, FD @tp]  per layer(dense)
+weight dense_down: fp8_e4m3(block=128)[FD @tp, H]  per layer(dense)
+
+# ---- MoE (the other layers)
+weight router:      bf16[H, E]                                   per layer(moe)
+weight router_bias: f32[E]                                       per layer(moe)
+weight w_gate:      fp8_e4m3(block=128)[E @ep, H, FE @tp]        per layer(moe)
+weight w_up:        fp8_e4m3(block=128)[E @ep, H, FE @tp]        per layer(moe)
+weight w_down:      fp8_e4m3(block=128)[E @ep, FE @tp, H]        per layer(moe)
+weight shared_gate: fp8_e4m3(block=128)[H, FE @tp]               per layer(moe)
+weight shared_up:   fp8_e4m3(block=128)[H, FE @tp]               per layer(moe)
+weight shared_down: fp8_e4m3(block=128)[FE @tp, H]               per layer(moe)
+
+# Interleaved-pair YaRN rope over `dim` lanes from `offset` in each of `heads` heads.
+block yarn(x, heads, dim, offset) {
+  return rope(x, positions, heads=heads, theta=THETA, rotary_dim=dim, rotary_offset=offset,
+              pairing="interleaved", scaling="yarn", factor=YF, original_max_position=OMP,
+              beta_fast=32.0, beta_slow=1.0, truncate=true)
+}
+
+block mla(h) {
+  q = yarn(linear(rmsnorm(linear(h, wq_a), q_norm, eps=EPS), wq_b), NH, ROPE, NOPE)
+  kv = linear(h, wkv_a)
+  c = rmsnorm(slice(kv, start=0, size=KVR), kv_norm, eps=EPS)
+  k_pe = yarn(slice(kv, start=KVR, size=ROPE), 1, ROPE, 0)
+  y = mla_attention(q, c, k_pe, wkv_b, kv_cache, positions, heads=NH, nope=NOPE, extra=ROPE,
+                    vdim=VD, scale=SCALE)
+  return linear(y, wo)
+}
+
+block dense_mlp(h) {
+  return linear(swiglu(linear(h, dense_gate), linear(h, dense_up)), dense_down)
+}
+
+# Sigmoid scores; the biased scores choose (4 of 8 groups, then the top 8), the unbiased ones
+# weigh, renormalised over the chosen 8 and scaled by 2.5; plus the shared expert.
+block moe_ffn(h) {
+  s = sigmoid(linear(h, router))
+  c, ids = group_topk(s + router_bias, k=TOPK, groups=NG, topk_groups=TG)
+  w = take(s, ids)
+  r = moe_experts(h, w / rowsum(w) * RSF, ids, w_gate, w_up, w_down, act=swiglu)
+  return r + linear(swiglu(linear(h, shared_gate), linear(h, shared_up)), shared_down)
+}
+
+layer dense(x) {
+  x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
+  return x + dense_mlp(rmsnorm(x, mlp_norm, eps=EPS))
+}
+
+layer moe(x) {
+  x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
+  return x + moe_ffn(rmsnorm(x, mlp_norm, eps=EPS))
+}
+
+layers L {
+  dense: l < DENSE
+  moe:   otherwise
+}
+
+step(tokens, positions) {
+  x = layers(embedding(tokens, embed))
+  logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
+  return logits, argmax(logits)
+}
