@@ -5,6 +5,18 @@ collectives; every weight and state array is given with its NamedSharding.
 
 VMEM as in tests/test_kimi_sharded_compile.py: read from the error of a second compile with the
 VMEM limit patched to 4 MiB, and held to the planner's figure within RATIO. Slow (two compiles).
+
+Known failure (strict xfail, so it reports when fixed): libtpu rejects the `attention` runtime for
+head dim 256 — its head-major layouts (`q2d`, `o2d`, the new-token rows of `k2d`/`v2d`) are read
+and written with strided loads and stores, which Mosaic allows on 128-lane-wide arrays only ("The
+last dim size is not 128 in original base memref", runtime/attention.py.jinja `patch_new_token`).
+The head-dim-256 attention kernel runs in interpret mode (tests/test_qwen3_next.py) but needs the
+128-lane chunked layout MLA uses before it compiles. Measured: the failure comes after ~35 s.
+
+Until then, `test_gdn_and_moe_layers_compile` compiles the spec with its 12 attention layers
+left out (48 Gated DeltaNet + MoE layers, every other line as published). Measured (2-core dev
+machine, busy): compile 11 s, the 4 MiB-limit compile 11 s; compiler VMEM 39.14 MiB per core
+against the planner's 44.04 MiB (0.889); 21.27 GB of arguments per core.
 """
 
 from __future__ import annotations
@@ -29,6 +41,42 @@ HBM_PER_CORE = 94.7e9  # usable HBM per TPU7x core
 report = summary_fixture("Qwen3-Next-80B-A3B on 8 TPU7x cores: libtpu compile and VMEM vs the mkdsl planner")
 
 
+def without_attention(text: str) -> str:
+    """The spec with the gated-attention layer kind, its block, weights and caches left out."""
+    lines = [ln for ln in text.splitlines() if "per layer(full_attn)" not in ln and "full_attn: (l + 1)" not in ln]
+    text = "\n".join(lines) + "\n"
+    for head in ("block gated_attention(h) {", "layer full_attn(x) {"):
+        start = text.index(head)
+        text = text[:start] + text[text.index("}\n", start) + 2 :]
+    return text
+
+
+@pytest.mark.timeout(1800)
+def test_gdn_and_moe_layers_compile(tmp_path, report, record_property):
+    text = without_attention(SPEC.read_text(encoding="utf-8"))
+    out, _ = compile_source(text, str(SPEC), None, None)
+    assert set(out.model.schedule) == {"gdn"} and len(out.model.schedule) == 48
+    path = tmp_path / "kernel.py"
+    path.write_text(out.files["kernel.py"], encoding="utf-8")
+    module = load_module(path, "qwen3_next_gdn_kernel")
+    devices = tpu7x_devices(TOPOLOGY)
+    compiled, seconds = compile_sharded(module, devices, BATCH, SEQ_LEN)
+    memory = compiled.memory_analysis()
+    assert memory.argument_size_in_bytes < HBM_PER_CORE
+    used, _ = compiler_vmem(module, lambda m: compile_sharded(m, devices, BATCH, SEQ_LEN))
+    planned = out.plan.vmem_total
+    report.add(
+        f"GDN + MoE layers only, batch {BATCH}: compiler VMEM {used / MIB:.2f} MiB per core, planner "
+        f"{planned / MIB:.2f} MiB (ratio {used / planned:.3f}); compile {seconds:.0f} s"
+    )
+    record_property("gdn_vmem_compiler_mib", round(used / MIB, 2))
+    assert used < 64 * MIB
+    assert RATIO[0] <= used / planned <= RATIO[1], f"compiler {used / MIB:.2f} MiB vs planner {planned / MIB:.2f} MiB"
+
+
+@pytest.mark.xfail(
+    strict=True, reason="attention with head dim 256: strided loads on 256-lane arrays (see the module docstring)"
+)
 @pytest.mark.timeout(1800)
 def test_qwen3_next_compiles_for_8_tpu7x_cores(tmp_path, report, record_property):
     out, _ = compile_source(SPEC.read_text(encoding="utf-8"), str(SPEC), None, None)
