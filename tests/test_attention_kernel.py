@@ -23,7 +23,7 @@ from mkdsl.random_params import random_params
 # Qwen3-Next's head dim 256 with the first 64 lanes rotating (theta 1e7); `mla`: DeepSeek-V3's
 # MLA with decoupled rope: the 64 rope lanes after the 128 nope lanes of each query head and the
 # shared k_pe rotate with interleaved pairs and YaRN, and the softmax scale is 192^-0.5 * m^2,
-# m = 0.1 * ln(40) + 1 (written as the literal until constants have ln()).
+# m = 0.1 * ln(40) + 1; gpt-oss's concentration is 0.1 * ln(32) + 1.
 WINDOWED = """
 model win
 const H = 128
@@ -33,7 +33,8 @@ const D = 64
 const V = 256
 const W = 16
 const THETA = 150000.0
-const CONC = 1.346574  # 0.1 * ln(32) + 1: gpt-oss's YaRN concentration
+const CONC = 0.1 * ln(32.0) + 1.0  # gpt-oss's YaRN concentration, 1.346574
+const MSCALE = 0.1 * ln(40.0) + 1.0  # DeepSeek's YaRN m, 1.368888
 const R = 128
 const NOPE = 128
 const XK = 64
@@ -85,7 +86,7 @@ layer mla(x) {
   k_pe = rope(slice(kv, start=R, size=XK), pos, pairing="interleaved", scaling="yarn", factor=40.0,
               original_max_position=16)
   y = mla_attention(q, slice(kv, start=0, size=R), k_pe, wkvb, latent, pos, heads=2, nope=NOPE, extra=XK,
-                    vdim=128, scale=0.135234)  # 192 ** -0.5 * (0.1 * ln(40) + 1) ** 2
+                    vdim=128, scale=(NOPE + XK) ** -0.5 * MSCALE ** 2)  # 0.135234
   return x + linear(y, wo3)
 }
 layers 4 { local: l == 0   global: l == 1   wide: l == 2   mla: otherwise }
@@ -219,3 +220,16 @@ def test_replicated_kv_heads_shard_rule():
     bad = REPLICATED.replace("bf16[NH @tp]", "bf16[NH]")
     with pytest.raises(SpecError, match="must be split over tp like the query heads"):
         compile_source(bad, "r.mk", None, None)
+
+
+@pytest.mark.parametrize("name", ["win", "rep"])
+def test_kernels_compile_with_libtpu(name, tmp_path):
+    """libtpu rejects what interpret mode accepts (strided loads on arrays not 128 lanes wide:
+    head dims 64 and 256 needed the head-major buffers in 128-lane chunks)."""
+    from mkdsl import tpu_compile
+
+    text = {"win": WINDOWED.replace("WKVB_DTYPE", "bf16"), "rep": REPLICATED}[name]
+    out, _ = compile_source(text, f"{name}.mk", None, None)
+    module = verify.import_generated(out.files["kernel.py"], tmp_path, f"{name}_compile")
+    devices = tpu_compile.tpu7x_devices(tpu_compile.topology_for(module))
+    tpu_compile.compile_module(module, devices, 2, 64)

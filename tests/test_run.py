@@ -89,7 +89,9 @@ def test_run_streams_text_and_closes_with_timings(llama, capsys):
     out, err = capsys.readouterr()
     assert out.startswith("the hello") and out.endswith("\n"), out
     assert "loaded 21 tensors" in err
-    assert re.search(r"prefill \(XLA\) [\d.]+ s for \d+ tokens; first decode call .* [\d.]+ ms/step, [\d.]+ tokens/s", err), err
+    assert re.search(
+        r"prefill \(XLA\) [\d.]+ s for \d+ tokens; first decode call .* [\d.]+ ms/step, [\d.]+ tokens/s", err
+    ), err
 
 
 def test_run_chat_uses_the_checkpoint_template(llama):

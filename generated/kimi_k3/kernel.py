@@ -21,7 +21,6 @@ ValueError for a wrong one; `build_decode_step` checks the batch and the cache l
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -1097,9 +1096,26 @@ class Attention:
                     self.writeback(which, 0, b, 0).wait()
             self.r.wb_pending[self.op_id] = 0
 
+    # Head-major buffers are [chunks, heads * rows, 128]: Mosaic's strided loads need 128-wide
+    # arrays, so a head of d lanes is kept in ceil(d / 128) chunks (64: one, half used; 256: two).
     def to_heads(self, src, dst, heads, d):
         for h in range(heads):
-            dst[h * self.rows : (h + 1) * self.rows, :] = src[:, h * d : (h + 1) * d]
+            for c in range(dst.shape[0]):
+                w = min(128, d - c * 128)
+                dst[c, h * self.rows : (h + 1) * self.rows, 0:w] = src[:, h * d + c * 128 : h * d + c * 128 + w]
+
+    def heads_at(self, buf, start, count, d, stride=None):
+        """Rows start, start + stride, ... (count of them) of a head-major buffer, d lanes wide."""
+        rows = pl.ds(start, count, stride=stride) if stride else pl.ds(start, count)
+        x = jnp.concatenate([buf[c, rows, :] for c in range(buf.shape[0])], axis=1) if buf.shape[0] > 1 else buf[0, rows, :]
+        return x if x.shape[1] == d else x[:, 0:d]
+
+    def set_heads(self, buf, start, count, value, stride):
+        width = buf.shape[0] * 128
+        if value.shape[1] < width:
+            value = jnp.concatenate([value, jnp.zeros((value.shape[0], width - value.shape[1]), F32)], axis=1)
+        for c in range(buf.shape[0]):
+            buf[c, pl.ds(start, count, stride=stride), :] = value[:, c * 128 : (c + 1) * 128]
 
     def __call__(self, slot, q, k, v, out, sinks=None):
         rows, heads, kvh = self.rows, self.heads, self.kv_heads
@@ -1145,19 +1161,19 @@ class Attention:
             def _():
                 for g in range(self.kv_load):
                     hs = pl.ds(g * self.group, self.group)
-                    self.o2d[pl.ds(g * self.group * rows + b, self.group, stride=rows), :] = self.acc[hs, :] / self.l[hs, :]
+                    self.set_heads(self.o2d, g * self.group * rows + b, self.group, self.acc[hs, :] / self.l[hs, :], rows)
 
             return carry
 
         jax.lax.fori_loop(0, self.kv_n[0], tile, 0)
         self.r.wb_pending[self.op_id] = 1
         for h in range(heads):
-            out[:, h * self.dv : (h + 1) * self.dv] = self.o2d[h * rows : (h + 1) * rows, :]
+            out[:, h * self.dv : (h + 1) * self.dv] = self.heads_at(self.o2d, h * rows, rows, self.dv)
 
     def patch_new_token(self, slot, b, buf, t0, pos):
         off = pos - t0
         blk = pl.multiple_of(off // KV_BLOCK * KV_BLOCK, KV_BLOCK)
-        for which, tiles, new2d in ((0, self.ktiles, self.k2d), (1, self.vtiles, self.v2d)):
+        for which, tiles, new2d, d in ((0, self.ktiles, self.k2d, self.dk), (1, self.vtiles, self.v2d, self.dv)):
             if self.kv_lo is None:
                 old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
             else:  # the tile holds one KV head: read every head's block, so all replicas get the token
@@ -1167,7 +1183,7 @@ class Attention:
                 rd.start()
                 rd.wait()
                 old = self.wb[which, b]
-            new = new2d[pl.ds(b, self.kv_heads, stride=self.rows), :].astype(old.dtype)
+            new = self.heads_at(new2d, b, self.kv_heads, d, stride=self.rows).astype(old.dtype)
             row = jax.lax.broadcasted_iota(I32, old.shape, 1)
             patched = jnp.where(row == off - blk, new[:, None, :], old)
             self.wb[which, b] = patched
@@ -1189,7 +1205,7 @@ class Attention:
         valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
         for g in range(self.kv_load):
             hs = pl.ds(g * self.group, self.group)
-            q = self.q2d[pl.ds(g * self.group * self.rows + b, self.group, stride=self.rows), :]
+            q = self.heads_at(self.q2d, g * self.group * self.rows + b, self.group, self.dk, stride=self.rows)
             k = self.ktiles[buf, g].astype(F32)
             v = jnp.where(valid_rows, self.vtiles[buf, g].astype(F32), 0.0)
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST) * self.scale
@@ -1618,6 +1634,15 @@ def split_bf16(w):
     return hi, (w - hi.astype(F32)).astype(BF16)
 
 
+def spread_scales(scale_at, cols, block):
+    """[1, cols] f32 row whose lanes c*block .. (c+1)*block-1 hold scale_at(c) (scalars, e.g. SMEM)."""
+    lane = jax.lax.broadcasted_iota(I32, (1, cols), 1) // block
+    row = jnp.zeros((1, cols), F32)
+    for c in range(cols // block):
+        row = jnp.where(lane == c, scale_at(c), row)
+    return row
+
+
 # ---------------------------------------------------------------------------------------
 # Routed MoE (MXFP4 decoders: runtime/decode.py.jinja): in-kernel top-k routing, the distinct experts in SMEM, and MXFP4 experts
 # streamed from HBM in column tiles through `slots` tile sets, each expert loaded once per
@@ -1817,7 +1842,7 @@ class MoE:
             for i in range(self.kc // FP8_BLOCK):  # each 128-row slab: bf16 codes (exact), then its scales
                 r0 = pl.multiple_of(c * self.kc + i * FP8_BLOCK, FP8_BLOCK)
                 w = codes[slot, pl.ds(r0, FP8_BLOCK), :].astype(BF16)
-                row = spread_scales(lambda j, i=i: scales[slot, c * (self.kc // FP8_BLOCK) + i, j], self.tn, FP8_BLOCK)
+                row = spread_scales(lambda j, i=i, s=scales: s[slot, c * (self.kc // FP8_BLOCK) + i, j], self.tn, FP8_BLOCK)
                 part = jnp.dot(zc[:, i * FP8_BLOCK : (i + 1) * FP8_BLOCK], w, preferred_element_type=F32) * row
                 acc = part if acc is None else acc + part
             out.append(acc)

@@ -21,7 +21,6 @@ ValueError for a wrong one; `build_decode_step` checks the batch and the cache l
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -567,9 +566,26 @@ class Attention:
                     self.writeback(which, 0, b, 0).wait()
             self.r.wb_pending[self.op_id] = 0
 
+    # Head-major buffers are [chunks, heads * rows, 128]: Mosaic's strided loads need 128-wide
+    # arrays, so a head of d lanes is kept in ceil(d / 128) chunks (64: one, half used; 256: two).
     def to_heads(self, src, dst, heads, d):
         for h in range(heads):
-            dst[h * self.rows : (h + 1) * self.rows, :] = src[:, h * d : (h + 1) * d]
+            for c in range(dst.shape[0]):
+                w = min(128, d - c * 128)
+                dst[c, h * self.rows : (h + 1) * self.rows, 0:w] = src[:, h * d + c * 128 : h * d + c * 128 + w]
+
+    def heads_at(self, buf, start, count, d, stride=None):
+        """Rows start, start + stride, ... (count of them) of a head-major buffer, d lanes wide."""
+        rows = pl.ds(start, count, stride=stride) if stride else pl.ds(start, count)
+        x = jnp.concatenate([buf[c, rows, :] for c in range(buf.shape[0])], axis=1) if buf.shape[0] > 1 else buf[0, rows, :]
+        return x if x.shape[1] == d else x[:, 0:d]
+
+    def set_heads(self, buf, start, count, value, stride):
+        width = buf.shape[0] * 128
+        if value.shape[1] < width:
+            value = jnp.concatenate([value, jnp.zeros((value.shape[0], width - value.shape[1]), F32)], axis=1)
+        for c in range(buf.shape[0]):
+            buf[c, pl.ds(start, count, stride=stride), :] = value[:, c * 128 : (c + 1) * 128]
 
     def __call__(self, slot, q, k, v, out, sinks=None):
         rows, heads, kvh = self.rows, self.heads, self.kv_heads
@@ -615,19 +631,19 @@ class Attention:
             def _():
                 for g in range(self.kv_load):
                     hs = pl.ds(g * self.group, self.group)
-                    self.o2d[pl.ds(g * self.group * rows + b, self.group, stride=rows), :] = self.acc[hs, :] / self.l[hs, :]
+                    self.set_heads(self.o2d, g * self.group * rows + b, self.group, self.acc[hs, :] / self.l[hs, :], rows)
 
             return carry
 
         jax.lax.fori_loop(0, self.kv_n[0], tile, 0)
         self.r.wb_pending[self.op_id] = 1
         for h in range(heads):
-            out[:, h * self.dv : (h + 1) * self.dv] = self.o2d[h * rows : (h + 1) * rows, :]
+            out[:, h * self.dv : (h + 1) * self.dv] = self.heads_at(self.o2d, h * rows, rows, self.dv)
 
     def patch_new_token(self, slot, b, buf, t0, pos):
         off = pos - t0
         blk = pl.multiple_of(off // KV_BLOCK * KV_BLOCK, KV_BLOCK)
-        for which, tiles, new2d in ((0, self.ktiles, self.k2d), (1, self.vtiles, self.v2d)):
+        for which, tiles, new2d, d in ((0, self.ktiles, self.k2d, self.dk), (1, self.vtiles, self.v2d, self.dv)):
             if self.kv_lo is None:
                 old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
             else:  # the tile holds one KV head: read every head's block, so all replicas get the token
@@ -637,7 +653,7 @@ class Attention:
                 rd.start()
                 rd.wait()
                 old = self.wb[which, b]
-            new = new2d[pl.ds(b, self.kv_heads, stride=self.rows), :].astype(old.dtype)
+            new = self.heads_at(new2d, b, self.kv_heads, d, stride=self.rows).astype(old.dtype)
             row = jax.lax.broadcasted_iota(I32, old.shape, 1)
             patched = jnp.where(row == off - blk, new[:, None, :], old)
             self.wb[which, b] = patched
@@ -659,7 +675,7 @@ class Attention:
         valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
         for g in range(self.kv_load):
             hs = pl.ds(g * self.group, self.group)
-            q = self.q2d[pl.ds(g * self.group * self.rows + b, self.group, stride=self.rows), :]
+            q = self.heads_at(self.q2d, g * self.group * self.rows + b, self.group, self.dk, stride=self.rows)
             k = self.ktiles[buf, g].astype(F32)
             v = jnp.where(valid_rows, self.vtiles[buf, g].astype(F32), 0.0)
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST) * self.scale
@@ -743,10 +759,10 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
         "v5_256": pltpu.VMEM((rows, 256), jnp.float32),
         "v6_128": pltpu.VMEM((rows, 128), jnp.float32),
         "v0_128_bf16": pltpu.VMEM((rows, 128), jnp.bfloat16),
-        "att0_q2d": pltpu.VMEM((2 * rows, 128), jnp.float32),
-        "att0_k2d": pltpu.VMEM((1 * rows, 128), jnp.float32),
-        "att0_v2d": pltpu.VMEM((1 * rows, 128), jnp.float32),
-        "att0_o2d": pltpu.VMEM((2 * rows, 128), jnp.float32),
+        "att0_q2d": pltpu.VMEM((1, 2 * rows, 128), jnp.float32),
+        "att0_k2d": pltpu.VMEM((1, 1 * rows, 128), jnp.float32),
+        "att0_v2d": pltpu.VMEM((1, 1 * rows, 128), jnp.float32),
+        "att0_o2d": pltpu.VMEM((1, 2 * rows, 128), jnp.float32),
         "att0_ktiles": pltpu.VMEM((3, 1, 256, 128), jnp.bfloat16),
         "att0_vtiles": pltpu.VMEM((3, 1, 256, 128), jnp.bfloat16),
         "att0_m": pltpu.VMEM((2, 1), jnp.float32),

@@ -67,7 +67,7 @@ def _scratch(s: PlanContext, at: Site) -> dict:
     heads = at.node.attr["heads"]
     parts = {}
     for name, rows, d in (("q2d", heads, dk), ("k2d", kvh, dk), ("v2d", kvh, dv), ("o2d", heads, dv)):
-        parts[name] = ((f"{rows} * rows", d), "float32", f"attention {name[0]}, head-major", "VMEM")
+        parts[name] = ((-(-d // 128), f"{rows} * rows", 128), "float32", f"attention {name[0]}, head-major", "VMEM")
     if at.node.attr.get("kv_axes"):
         parts["rd_sem"] = ((1,), "dma", "replicated KV: new-token block read semaphore", "SEM")
     for name, d in (("ktiles", dk), ("vtiles", dv)):
