@@ -81,7 +81,8 @@ def gated_deltanet(h, W, st, z: Sizes):
     q_in, k_in, v_in = mm(h, W["gdn_wq"]), mm(h, W["gdn_wk"]), mm(h, W["gdn_wv"])
     zg = mm(h, W["gdn_wz"])
     nv, nk, dk, dv = z.value_heads, z.key_heads, z.head_k, z.head_v
-    b, a = mm(h, W["gdn_wb"]), mm(h, W["gdn_wa"])
+    ba = mm(h, W["gdn_wba"])  # in_proj_ba regrouped: [b | a | zero padding]
+    b, a = ba[:nv], ba[nv : 2 * nv]
     q, q_conv = causal_conv(q_in, W["gdn_conv_q"], st["gdn_q_conv"])
     k, k_conv = causal_conv(k_in, W["gdn_conv_k"], st["gdn_k_conv"])
     v, v_conv = causal_conv(v_in, W["gdn_conv_v"], st["gdn_v_conv"])
