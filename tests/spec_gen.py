@@ -444,7 +444,7 @@ def main(argv=None) -> int:
             if args.show:
                 print(case.text)
                 continue
-            t = time.time()
+            t, cpu = time.time(), time.process_time()
             try:
                 failures = (
                     [] if args.compile_only and compile_case(case, tmp) else check_case(case, tmp, not args.no_races)
@@ -453,7 +453,8 @@ def main(argv=None) -> int:
                 failures = [f"{type(e).__name__}: {e}"[:3000], traceback.format_exc()[-3000:]]
             bad += bool(failures)
             verdict = "FAIL" if failures else "ok"
-            print(f"case {index} batch {case.batch}: {verdict} ({time.time() - t:.0f} s) {case.summary}", flush=True)
+            took = f"{time.time() - t:.0f} s, {time.process_time() - cpu:.0f} s CPU"
+            print(f"case {index} batch {case.batch}: {verdict} ({took}) {case.summary}", flush=True)
             for f in failures[:6]:
                 print(f"    {f}", flush=True)
     print(f"seed {args.seed}: {args.cases} cases, {bad} failed, {time.time() - t0:.0f} s", flush=True)
