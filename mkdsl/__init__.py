@@ -3,7 +3,7 @@ megakernel with an unfused JAX reference to test it against.
 
 The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to` it, the
 `reference_step`, `random_inputs` and `kernel_weights`, and the kernel's step (`build_step`,
-from the module `load_kernel` imports).
+from the module `load_kernel` imports), and `load_weights` from a checkpoint.
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -24,9 +24,12 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     random_inputs,
     reference_step,
 )
+from mkdsl.checkpoint import load_weights  # noqa: E402
+from mkdsl.checkpoint.formats import CheckpointError  # noqa: E402
 from mkdsl.diagnostics import SpecError  # noqa: E402
 
 __all__ = [
+    "CheckpointError",
     "ProfileError",
     "Spec",
     "SpecError",
@@ -36,6 +39,7 @@ __all__ = [
     "kernel_weights",
     "load",
     "load_kernel",
+    "load_weights",
     "random_inputs",
     "reference_step",
 ]

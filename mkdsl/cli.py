@@ -1,7 +1,8 @@
-"""The `mkdsl` command: check, plan and compile specs.
+"""The `mkdsl` command: check, plan and compile specs, and run them on a checkpoint.
 
 Exit status: 0 success, 1 errors in the spec (or stale output with --check), 2 usage errors
-(bad arguments, unreadable files), 3 an internal compiler error (a bug in mkdsl).
+(bad arguments, unreadable files), 3 an internal compiler error (a bug in mkdsl). `run` exits 1
+when the checkpoint does not fit the spec.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import traceback
 
 from mkdsl import __version__
+from mkdsl.checkpoint.formats import CheckpointError
 from mkdsl.diagnostics import SpecError
 
 
@@ -60,10 +62,13 @@ def _load(args):
     source = _read(args.spec)
     module = _parse(args, source)
     try:
-        return elaborate(module, args.profile, source), source, module
+        model = elaborate(module, args.profile, source)
     except SpecError as e:
         e.source = source
         raise
+    for w in model.warnings:  # printed, never fatal
+        print(w.render(args.spec, source), file=sys.stderr)
+    return model, source, module
 
 
 def _out_shown(args, out_dir) -> str:
@@ -128,6 +133,8 @@ def cmd_compile(args) -> int:
     except SpecError as e:
         e.source = source
         raise
+    for w in out.model.warnings:  # printed, never fatal
+        print(w.render(args.spec, source), file=sys.stderr)
     shown = _out_shown(args, out_dir)
     if args.check:
         stale = stale_files(out, out_dir)
@@ -184,12 +191,42 @@ def cmd_plan(args) -> int:
     except SpecError as e:
         e.source = source
         raise
+    if args.static:
+        if not args.clock_ghz > 0:
+            raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
+        return _plan_static(args, source)
     if args.full:
         print(render_plan(model, plan, args.spec, wide=wide))
     elif args.json:
         print(json.dumps(plan_data(model, plan, args.spec, breakdown(model, plan)), indent=1))
     else:
         print(render_summary(model, plan, args.spec, breakdown(model, plan)))
+    return 0
+
+
+def _plan_static(args, source: str) -> int:
+    """Compile the kernel with libtpu and time its loops from the final bundles."""
+    import tempfile
+    from pathlib import Path
+
+    from mkdsl import bundles
+    from mkdsl.bundle_dump import DumpError, dump_kernel
+    from mkdsl.compiler import compile_source
+
+    out, _ = compile_source(source, args.spec, args.profile, None)
+    clock = args.clock_ghz * 1e9
+    with tempfile.TemporaryDirectory(prefix="mkdsl-static-") as tmp:
+        kernel = Path(tmp) / "kernel.py"
+        kernel.write_text(out.files["kernel.py"], encoding="utf-8")
+        print("compiling with libtpu ...", file=sys.stderr)
+        try:
+            dump = dump_kernel(kernel, args.batch, args.context + 1 if args.context else 0, Path(tmp) / "dump")
+        except DumpError as e:
+            raise UsageError(str(e)) from None
+        found = bundles.parse_bundles(dump.bundles.read_text())
+        util = bundles.parse_utilization(dump.utilization.read_text()) if dump.utilization else None
+        timings = bundles.time_loops(found, util, clock_hz=clock)
+    print(bundles.render_static(out.model.name, dump, timings, len(found), clock))
     return 0
 
 
@@ -253,6 +290,136 @@ def _run_verify(args, out, batches, tempfile) -> int:
     return 1 if failed else 0
 
 
+def cmd_run(args) -> int:
+    import math
+
+    from mkdsl.api import Spec, spec_profiles
+    from mkdsl.checkpoint.formats import open_checkpoint
+    from mkdsl.checkpoint.loader import load_weights, plan_load
+    from mkdsl.checkpoint.tokenizer import load_codec
+    from mkdsl.jax_setup import tpu_attached
+    from mkdsl.shard import shard
+
+    _check_run_args(args)
+    model, source, module_ast = _load(args)
+    try:
+        local = shard(model)
+    except SpecError as e:
+        e.source = source
+        raise
+    spec = Spec(args.spec, args.profile, source, model, local, tuple(spec_profiles(module_ast)))
+    devices = math.prod(n for _, n in model.mesh) if model.mesh else 1
+    if devices > 1 and not tpu_attached():
+        _host_devices(devices)  # a sharded kernel in interpret mode: one virtual CPU device per core
+    rows = model.dims[0]
+    if not rows.low <= args.batch <= rows.high:
+        raise UsageError(
+            f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})"
+        )
+    if not os.path.exists(args.weights):
+        raise UsageError(f"--weights {args.weights}: no such file or directory")
+    reader = open_checkpoint(args.weights)
+    plan_load(model, reader)  # a checkpoint that does not fit fails here, before the compile
+    codec = load_codec(reader)
+    from mkdsl.run import cached_kernel
+
+    module, _ = cached_kernel(source, args.spec, args.profile)
+    weights, report = load_weights(model, reader, module=module, progress=sys.stderr.isatty())
+    print(f"{args.weights}: {report.summary()}", file=sys.stderr)
+    prompts = [args.prompt] if args.prompt is not None else _stdin_prompts()
+    for prompt in prompts:
+        _run_prompt(args, spec, module, weights, codec, prompt)
+    return 0
+
+
+def _check_run_args(args) -> None:
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise UsageError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
+    if args.steps_per_call < 1:
+        raise UsageError(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
+
+
+def _stdin_prompts():
+    """Prompts from standard input, one a line (a `> ` prompt on a terminal)."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", flush=True, file=sys.stderr)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+def _run_prompt(args, spec, module, weights, codec, prompt: str) -> None:
+    from mkdsl.run import Decoder, cache_length, generate
+    from mkdsl.sampling import Sampling
+
+    ids = codec.encode(codec.chat(prompt) if args.chat else prompt)
+    if not ids:
+        raise UsageError("the prompt encodes to no tokens")
+    seq_len = cache_length(len(ids), args.max_tokens, args.steps_per_call, module.KV_TILE)
+    if seq_len > module.SEQ_RANGE[1]:
+        raise UsageError(
+            f"{len(ids)} prompt tokens + --max-tokens {args.max_tokens} exceed the cache ({module.SEQ_RANGE[1]})"
+        )
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    options = {"seed": args.seed, "steps_per_call": args.steps_per_call, "prefill": args.prefill}
+    decoder = Decoder(spec, module, weights, args.batch, seq_len, sampling, interpret=_interpret(args), **options)
+    stream = _TextStream(codec)
+    if not args.chat:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+    result = generate(decoder, ids, args.max_tokens, codec.eos_ids, stream.push)
+    sys.stdout.write("\n")
+    for b in range(1, args.batch):
+        print(f"[row {b}] {codec.decode(_until(result.tokens[b], codec.eos_ids))}")
+    sys.stdout.flush()
+    print(result.summary(args.batch), file=sys.stderr)
+
+
+def _until(tokens, stop) -> list[int]:
+    out = []
+    for t in tokens:
+        if int(t) in stop:
+            break
+        out.append(int(t))
+    return out
+
+
+class _TextStream:
+    """Row 0's text printed as it is generated (a partial UTF-8 character waits for its end)."""
+
+    def __init__(self, codec):
+        self.codec, self.ids, self.shown, self.stopped = codec, [], "", False
+
+    def push(self, new) -> None:
+        for t in new[0]:
+            if self.stopped or int(t) in self.codec.eos_ids:
+                self.stopped = True
+                return
+            self.ids.append(int(t))
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[len(self.shown) :])
+        sys.stdout.flush()
+        self.shown = text
+
+
+def _interpret(args):
+    """TPU interpret mode (on the CPU) when asked or when JAX has no TPU; None to compile for the TPU."""
+    import jax
+
+    if not args.interpret and jax.default_backend() == "tpu":
+        return None
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mkdsl", description="Compile model decode specs (.mk) to Pallas TPU megakernels.")
     p.add_argument("--version", action="version", version=f"mkdsl {__version__}")
@@ -291,6 +458,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
     )
     shown.add_argument("--json", action="store_true", help="the plan as JSON (schema: docs/plan-schema.json)")
+    shown.add_argument(
+        "--static",
+        action="store_true",
+        help="compile with libtpu (compile-only TPU7x) and time each loop of the final bundles against its stream",
+    )
+    c.add_argument(
+        "--clock-ghz", type=float, default=1.9, help="assumed TPU7x clock for --static (not public; default 1.9)"
+    )
     c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     c.add_argument(
         "--context",
@@ -298,7 +473,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cached tokens per row (default: a quarter of the cache, at most 4096)",
     )
+    _run_parser(spec_command)
     return p
+
+
+def _run_parser(spec_command) -> None:
+    c = spec_command("run", "generate text from a checkpoint with the spec's kernel", cmd_run)
+    c.add_argument("--weights", required=True, metavar="PATH", help="a .gguf or .safetensors file, index or directory")
+    c.add_argument("--prompt", help="the prompt (default: one prompt per line from standard input)")
+    c.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    c.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
+    c.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    c.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    c.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
+    c.add_argument("--batch", type=int, default=1, help="rows decoded together, each from the prompt (default 1)")
+    c.add_argument("--steps-per-call", type=int, default=1, help="decode steps per call (default 1)")
+    c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU (the default without a TPU)")
+    c.add_argument(
+        "--prefill",
+        choices=("auto", "xla", "steps"),
+        default="auto",
+        help="the prompt through the spec's XLA prefill (auto: when every op has a prefill rule) or kernel steps",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"mkdsl: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"mkdsl: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("mkdsl: interrupted", file=sys.stderr)
         return 130

@@ -10,7 +10,7 @@ from typing import TypeVar
 from mkdsl.diagnostics import Reporter, Span, did_you_mean
 from mkdsl.syntax import BinOp, Call, ConstDecl, Expr, Name, Num, UnOp
 
-Scalar = int | float | bool
+Scalar = int | float | bool | str
 T = TypeVar("T")
 
 _ARITH = {
@@ -30,6 +30,38 @@ _CMP = {
     "<=": operator.le,
     ">": operator.gt,
     ">=": operator.ge,
+}
+
+
+def _positive(fn: Callable[[float], float]) -> Callable[[float], float]:
+    def f(x):
+        if x <= 0:
+            raise ValueError("it needs a positive argument")
+        return fn(x)
+
+    return f
+
+
+def _sqrt(x):
+    if x < 0:
+        raise ValueError("it needs an argument of at least 0")
+    return math.sqrt(x)
+
+
+# Math functions in constant expressions: name -> ((fewest, most arguments), function). Results
+# are checked like every other value (finite floats, int64 integers); floor and ceil give ints.
+MATH: dict[str, tuple[tuple[int, int | None], Callable]] = {
+    "ln": ((1, 1), _positive(math.log)),
+    "log": ((1, 1), _positive(math.log)),
+    "log2": ((1, 1), _positive(math.log2)),
+    "sqrt": ((1, 1), _sqrt),
+    "exp": ((1, 1), math.exp),
+    "pow": ((2, 2), None),  # the `**` operator's rules
+    "min": ((1, None), min),
+    "max": ((1, None), max),
+    "floor": ((1, 1), math.floor),
+    "ceil": ((1, 1), math.ceil),
+    "abs": ((1, 1), abs),
 }
 
 
@@ -98,13 +130,40 @@ class ConstEnv:
             if isinstance(node, BinOp):
                 return self._binop(node, args[0], args[1])
             if isinstance(node, Call):
-                self.rep.error(
-                    node.func_span, f"`{node.func}(...)` is not a constant: calls are only allowed in blocks"
-                )
-                return None
+                return self._call(node, args)
             raise AssertionError(node)
 
         return postorder(e, visit)
+
+    def _call(self, e: Call, args: list) -> Scalar | None:
+        """A math function of constants (`MATH`); any other call is not a constant."""
+        if e.func not in MATH:
+            self.rep.error(e.func_span, f"`{e.func}(...)` is not a constant: calls are only allowed in blocks")
+            return None
+        arity, fn = MATH[e.func]
+        if e.kwargs:
+            self.rep.error(e.kwargs[0].span, f"`{e.func}` takes no keyword arguments")
+            return None
+        if len(args) < arity[0] or (arity[1] is not None and len(args) > arity[1]):
+            want = str(arity[0]) if arity[0] == arity[1] else f"at least {arity[0]}"
+            self.rep.error(e.span, f"`{e.func}` takes {want} argument{'' if arity[0] == 1 else 's'}, got {len(args)}")
+            return None
+        if any(a is None for a in args):
+            return None
+        if any(isinstance(a, bool) for a in args):
+            self.rep.error(e.span, f"`{e.func}` needs numbers, not true/false")
+            return None
+        if e.func == "pow":
+            return self._binop(BinOp(e.span, "**", e.args[0], e.args[1]), args[0], args[1])
+        try:
+            v = fn(*args)
+        except ValueError as err:
+            self.rep.error(e.span, f"`{e.func}` is not defined at {', '.join(map(repr, args))}: {err}")
+            return None
+        except OverflowError:
+            self.rep.error(e.span, f"the result of `{e.func}` is too large")
+            return None
+        return self._checked(v, e.span, f"the result of `{e.func}`")
 
     def _name(self, e: Name, local: dict[str, Scalar]) -> Scalar | None:
         if e.id in local:
@@ -124,8 +183,8 @@ class ConstEnv:
         if e.op == "not":
             b = self._bool(v, e.operand.span)
             return None if b is None else not b
-        if isinstance(v, bool):
-            self.rep.error(e.span, "cannot negate a boolean")
+        if isinstance(v, (bool, str)):
+            self.rep.error(e.span, f"cannot negate {'a boolean' if isinstance(v, bool) else 'a word'}")
             return None
         return self._checked(-v, e.span, "the result of `-`")
 
@@ -159,6 +218,11 @@ class ConstEnv:
             if ba is None or bb is None:
                 return None
             return (ba and bb) if e.op == "and" else (ba or bb)
+        if isinstance(a, str) or isinstance(b, str):
+            if e.op in ("==", "!=") and isinstance(a, str) and isinstance(b, str):
+                return _CMP[e.op](a, b)
+            self.rep.error(e.span, f"operator `{e.op}` needs numbers, not a quoted word")
+            return None
         if e.op in _CMP:
             return _CMP[e.op](a, b)
         if isinstance(a, bool) or isinstance(b, bool):
@@ -206,27 +270,39 @@ class ConstEnv:
             return None
         return v
 
-    def layer_attr(self, e: Expr, layers: list[int]):
+    def layer_attr(self, e: Expr, layers: list[int], local: dict[str, Scalar] | None = None):
         """An attribute inside a layer body: a constant, or a `LayerExpr` when it uses `l`.
 
         The expression is checked at every layer index it will see; if it has one value at all
-        of them it folds to that constant.
+        of them it folds to that constant. `local` binds a block's constant parameters.
         """
         from mkdsl.ir import LayerExpr
 
-        if "l" in self.decls or not _mentions(e, "l"):
-            return self.eval(e)
-        values = [self.eval(e, {"l": layer}) for layer in layers]
+        local = local or {}
+        if "l" in self.decls or "l" in local or not _mentions(e, "l"):
+            return self.eval(e, local)
+        values = [self.eval(e, {**local, "l": layer}) for layer in layers]
         if not values or any(v is None for v in values):
             return None
         if all(v == values[0] for v in values):
             return values[0]
-        return LayerExpr(self._render(e, python=True), self._render(e, python=False), values[0])
+        call = next((n for n in walk(e) if isinstance(n, Call)), None)
+        if call is not None:
+            self.rep.error(
+                call.func_span,
+                f"`{call.func}(...)` of the layer index: the kernel computes layer-dependent values "
+                "with arithmetic only",
+                "give each layer kind its own constant",
+            )
+            return None
+        return LayerExpr(self._render(e, True, local), self._render(e, False, local), values[0])
 
-    def _render(self, e: Expr, python: bool) -> str:
+    def _render(self, e: Expr, python: bool, local: dict[str, Scalar]) -> str:
         def visit(node: Expr, args: list[str]) -> str:
             if isinstance(node, Num):
                 return repr(node.value)
+            if isinstance(node, Name) and node.id in local and node.id != "l":
+                return repr(local[node.id])
             if isinstance(node, Name):
                 return ("l" if python else "li") if node.id == "l" else repr(self.get(node.id))
             if isinstance(node, UnOp):
@@ -244,6 +320,8 @@ def _children(e: Expr) -> tuple[Expr, ...]:
         return (e.left, e.right)
     if isinstance(e, UnOp):
         return (e.operand,)
+    if isinstance(e, Call) and e.func in MATH:
+        return e.args
     return ()
 
 

@@ -1,11 +1,12 @@
 """Element types, including quantised weight formats and how they are stored in HBM.
 
 A quantised weight has a *logical* shape `[..., K, N]` (what the math sees) and a *storage*
-made of plain arrays (packed codes and scales) that a loader writes and the kernel reads.
+made of plain arrays (codes and scales) that a loader writes and the kernel reads.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,16 +16,33 @@ import numpy as np
 class DType:
     name: str
     bits: int
-    numpy: str | None  # name of the numpy/ml_dtypes type, None for packed formats
+    numpy: str | None  # numpy/ml_dtypes name of the element (of the codes if scaled); None: packed 4-bit
     float: bool = True
-    group: int = 0  # inputs sharing one scale (quantised formats)
+    group: int = 0  # inputs (along K) sharing one scale per column (group-scaled formats)
+    block: int = 0  # one scale per [block, block] square of [K, N] (block-scaled fp8)
 
     @property
     def quantised(self) -> bool:
-        return self.group > 0
+        """Stored as codes and scales (two arrays), not as one plain array."""
+        return self.group > 0 or self.block > 0
+
+    @property
+    def fmt(self) -> str:
+        """The format's name in a `QTensor` (mkdsl/quant.py): the element, `:block` if block-scaled."""
+        return f"{self.name}:block" if self.block else self.name
+
+    def k_multiple(self) -> int:
+        """What the input dimension K must be a multiple of (packed nibbles: 8 per uint32 word)."""
+        if self.block:
+            return 1
+        return math.lcm(self.group, 8) if self.bits == 4 else self.group
 
     def __str__(self) -> str:
-        return f"int4(group={self.group})" if self.name == "int4" else self.name
+        if self.block:
+            return f"{self.name}(block={self.block})"
+        if self.group and self.name != "mxfp4":
+            return f"{self.name}(group={self.group})"
+        return self.name
 
 
 BF16 = DType("bf16", 16, "bfloat16")
@@ -35,11 +53,23 @@ FP8_E5M2 = DType("fp8_e5m2", 8, "float8_e5m2")
 MXFP4 = DType("mxfp4", 4, None, group=32)
 
 PLAIN = {d.name: d for d in (BF16, F32, I32, FP8_E4M3, FP8_E5M2)}
-ALL_NAMES = (*PLAIN, "mxfp4", "int4")
+# Dtypes that take parameters: int4 and int8 need `group`, fp8 may take `group` or `block`.
+SCALED = ("int4", "int8", "fp8_e4m3", "fp8_e5m2")
+ALL_NAMES = (*PLAIN, "mxfp4", "int4", "int8")
 
 
 def int4(group: int) -> DType:
     return DType("int4", 4, None, group=group)
+
+
+def int8(group: int) -> DType:
+    return DType("int8", 8, "int8", float=False, group=group)
+
+
+def fp8(name: str, group: int = 0, block: int = 0) -> DType:
+    """`fp8_e4m3(group=G)` (one f32 scale per G inputs of a column; G = K: per channel) or
+    `fp8_e4m3(block=B)` (one f32 scale per B x B block, as DeepSeek-V3 ships its weights)."""
+    return DType(name, 8, PLAIN[name].numpy, group=group, block=block)
 
 
 @dataclass(frozen=True)
@@ -56,11 +86,24 @@ def storage(dtype: DType, shape: tuple) -> tuple[StoragePart, ...]:
 
     mxfp4: e2m1 codes, 8 per uint32 along the input (second-to-last) axis, low nibble first,
     plus one E8M0 exponent byte per 32 inputs. int4: two's-complement nibbles packed the same
-    way, plus one bf16 scale per `group` inputs.
+    way, plus one bf16 scale per `group` inputs. int8 and fp8 with `group`: one code per
+    element, plus one f32 scale per `group` inputs of a column. fp8 with `block`: one code per
+    element, plus one f32 scale per [block, block] square, `[ceil(K/block), ceil(N/block)]`.
     """
     if not dtype.quantised:
         return (StoragePart("", tuple(shape), dtype.numpy),)
     *lead, k, n = shape
+    if dtype.block:
+        b = dtype.block
+        return (
+            StoragePart("codes", (*lead, k, n), dtype.numpy),
+            StoragePart("scales", (*lead, -(-k // b), -(-n // b)), "float32"),
+        )
+    if dtype.bits == 8:
+        return (
+            StoragePart("codes", (*lead, k, n), dtype.numpy),
+            StoragePart("scales", (*lead, k // dtype.group, n), "float32"),
+        )
     codes = StoragePart("codes", (*lead, k // 8, n), "uint32")
     if dtype.name == "mxfp4":
         return (codes, StoragePart("scales", (*lead, k // dtype.group, n), "uint8"))

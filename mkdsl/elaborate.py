@@ -13,19 +13,23 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from mkdsl import dtypes
-from mkdsl.consts import ConstEnv
-from mkdsl.diagnostics import NOWHERE, Reporter, Span, SpecError, did_you_mean
+from mkdsl.block_attrs import resolve_block_attrs
+from mkdsl.checkpoint.mapping import check_checkpoints
+from mkdsl.consts import MATH, ConstEnv, walk
+from mkdsl.diagnostics import NOWHERE, Diagnostic, Reporter, Span, SpecError, did_you_mean
 from mkdsl.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.ops import OPS, REQUIRED, Operand, OpError
 from mkdsl.syntax import (
     AssignStmt,
     BinOp,
     Call,
+    CheckpointDecl,
     ConstDecl,
     DimDecl,
     Expr,
     FuncDef,
     HintsDecl,
+    Kwarg,
     LayersDecl,
     MeshDecl,
     ModelDecl,
@@ -50,7 +54,21 @@ HINTS = {
     "wire_bf16": "1: all-reduces send bf16 partial sums between devices (half the bytes); 0: f32",
 }
 HINT_MINIMUM = {"wire_bf16": 0}  # a 0/1 switch; the others are sizes and counts
-_OPERATORS = {"+": "add", "*": "mul"}
+_OPERATORS = {"+": "add", "-": "sub", "*": "mul", "/": "div"}  # tensor (op) tensor
+# tensor (op) scalar and scalar (op) tensor: the op that takes the scalar as its attribute `s`
+_SCALAR_RIGHT = {"+": "add_scalar", "-": "sub_scalar", "*": "mul_scalar", "/": "div_scalar", "**": "pow_scalar"}
+_SCALAR_LEFT = {"+": "add_scalar", "-": "rsub_scalar", "*": "mul_scalar", "/": "rdiv_scalar"}
+_SCALAR_CALLS = {"minimum": "minimum_scalar", "maximum": "maximum_scalar"}  # op(x, scalar) or op(scalar, x)
+NOT_ON_TENSORS = "tensors support `+ - * /` (with tensors or constants), `**` with a constant exponent, and prefix `-`"
+
+
+@dataclass(frozen=True)
+class Const:
+    """A block's constant parameter in a body's environment (tensor names map to `Ref`s)."""
+
+    value: int | float | bool
+
+
 MAX_NESTING = 100  # tensor expressions and block calls nested deeper are reported, not recursed into
 F32_MAX, F32_TINY = 3.4028234663852886e38, 1.401298464324817e-45  # largest and smallest float32
 # Bounds on what a kernel can use (beyond them a spec is a mistake, and slow to check):
@@ -73,6 +91,7 @@ class _Decls:
     layers: list[LayersDecl] = field(default_factory=list)
     steps: list[FuncDef] = field(default_factory=list)
     redefined: set[str] = field(default_factory=set)  # names defined twice: reported once, not as unknown
+    checkpoints: list[CheckpointDecl] = field(default_factory=list)
 
 
 def load(path: str, profile: str | None = None) -> Model:
@@ -101,7 +120,8 @@ class _Elaborator:
         hints = self.check_hints()
         schedule = self.check_layer_schedule()
         tensors = self.check_tensors(mesh, schedule)
-        step, kinds, inputs = self.elaborate_functions(tensors, schedule, dims)
+        step, kinds, inputs, used = self.elaborate_functions(tensors, schedule, dims)
+        checkpoints = check_checkpoints(self.d.checkpoints, tensors, self.consts, self.rep, self.d.tensors)
         self.rep.check()
         return Model(
             name=self.d.model.name,
@@ -115,6 +135,21 @@ class _Elaborator:
             step=step,
             inputs=inputs,
             hints=tuple(hints.values()),
+            warnings=self.unused_weights(used),
+            checkpoints=checkpoints,
+        )
+
+    def unused_weights(self, used: set[str]) -> tuple[Diagnostic, ...]:
+        """A warning at each weight that no elaborated body reads (a typo'd name, a forgotten bias)."""
+        return tuple(
+            Diagnostic(
+                t.span,
+                f"weight `{t.name}` is declared but never used",
+                "use it, or delete its declaration (it would be loaded and allocated for nothing)",
+                severity="warning",
+            )
+            for t in self.d.tensors.values()
+            if t.kind == "weight" and t.name not in used
         )
 
     # ------------------------------------------------------------------ declarations
@@ -161,6 +196,8 @@ class _Elaborator:
                 define(it.name, it.span, self.d.layer_defs, it)
             elif isinstance(it, LayersDecl):
                 self.d.layers.append(it)
+            elif isinstance(it, CheckpointDecl):
+                self.d.checkpoints.append(it)
             elif isinstance(it, FuncDef):
                 self.d.steps.append(it)
         if self.d.model is None:
@@ -362,18 +399,12 @@ class _Elaborator:
     def check_type(self, t: TypeExpr, name: str, allow_dims: bool) -> tuple[dtypes.DType | None, tuple]:
         dt = None
         args = {a.name: a for a in t.dtype_args}
-        if t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
+        if t.dtype in dtypes.SCALED and (t.dtype_args or t.dtype in ("int4", "int8")):
+            dt = self.scaled_dtype(t, args)
+        elif t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
             dt = dtypes.PLAIN.get(t.dtype, dtypes.MXFP4)
             for a in t.dtype_args:
                 self.rep.error(a.span, f"dtype {t.dtype} takes no parameters")
-        elif t.dtype == "int4":
-            if "group" not in args:
-                self.rep.error(t.span, "int4 needs a group size", "write `int4(group=128)[...]`")
-            for a in t.dtype_args:
-                if a.name != "group":
-                    self.rep.error(a.span, f"int4 has no parameter `{a.name}`", "its only parameter is `group`")
-            g = self.consts.eval_int(args["group"].value, "the int4 group size") if "group" in args else None
-            dt = dtypes.int4(g) if g else None
         else:
             self.rep.error(t.span, f"unknown dtype `{t.dtype}`", did_you_mean(t.dtype, dtypes.ALL_NAMES))
         shape = []
@@ -389,6 +420,30 @@ class _Elaborator:
             shape.append(self.consts.eval_int(d.size, f"dimension {i + 1} of `{name}`", maximum=MAX_SIZE))
         return dt, tuple(shape)
 
+    def scaled_dtype(self, t: TypeExpr, args: dict) -> dtypes.DType | None:
+        """`int4(group=G)`, `int8(group=G)`, `fp8_e4m3(group=G)` or `fp8_e4m3(block=B)`."""
+        allowed = ("group", "block") if t.dtype.startswith("fp8") else ("group",)
+        for a in t.dtype_args:
+            if a.name not in allowed:
+                self.rep.error(
+                    a.span, f"{t.dtype} has no parameter `{a.name}`", f"its parameters: {', '.join(allowed)}"
+                )
+        given = [a for a in allowed if a in args]
+        if len(given) != 1:
+            example = "group=128" if len(allowed) == 1 else "group=K` or `block=128"
+            self.rep.error(
+                t.span, f"{t.dtype} needs one of: {', '.join(allowed)}", f"write `{t.dtype}({example})[...]`"
+            )
+            return None
+        size = self.consts.eval_int(args[given[0]].value, f"the {t.dtype} {given[0]} size")
+        if not size or size <= 0:
+            return None
+        if t.dtype == "int4":
+            return dtypes.int4(size)
+        if t.dtype == "int8":
+            return dtypes.int8(size)
+        return dtypes.fp8(t.dtype, **{given[0]: size})
+
     def check_tensors(self, mesh: dict[str, int], schedule: tuple[str, ...]) -> dict[str, Tensor]:
         out = {}
         for t in self.d.tensors.values():
@@ -399,11 +454,11 @@ class _Elaborator:
             if dt is not None and dt.quantised and None not in shape:
                 if len(shape) < 2:
                     self.rep.error(t.type.span, f"a {dt} tensor needs at least 2 dimensions [.., in, out]")
-                elif isinstance(shape[-2], int) and (shape[-2] % dt.group or shape[-2] % 8):
+                elif isinstance(shape[-2], int) and shape[-2] % dt.k_multiple():
                     self.rep.error(
                         t.type.dims[-2].span,
                         f"the input dimension of {dt} weight `{t.name}` "
-                        f"({shape[-2]}) must be a multiple of {max(dt.group, 8)}",
+                        f"({shape[-2]}) must be a multiple of {dt.k_multiple()}",
                     )
                 if t.kind == "state":
                     self.rep.error(t.type.span, f"state `{t.name}` cannot be quantised ({dt})")
@@ -452,7 +507,7 @@ class _Elaborator:
             self.rep.error(step.span, "the step never calls `layers(...)`, so no layer is run")
         if graph is not None:
             self.check_step_results(graph, step, rows, ctx)
-        return graph, tuple(ctx.kind_graphs.values()), inputs
+        return graph, tuple(ctx.kind_graphs.values()), inputs, ctx.used
 
     def check_step_results(self, graph: Graph, step: FuncDef, rows: str, ctx: _Context) -> None:
         types = [ctx.type_of(graph, r) for r in graph.results]
@@ -507,6 +562,7 @@ class _Context:
         self.kind_graphs: dict[str, Graph] = {}
         self.layers_node: Node | None = None
         self.depth, self.too_deep = 0, False  # nesting of tensor expressions and block calls
+        self.used: set[str] = set()  # declared tensors some elaborated body reads
 
     def build_graph(self, name: str, f: FuncDef, params: tuple[Value, ...], layer_kind: str | None) -> Graph | None:
         g = _GraphBuilder(name, layer_kind)
@@ -583,10 +639,20 @@ class _Context:
         if isinstance(e, Name):
             r = self.lookup(e, env, g)
             return None if r is None else [r]
-        if isinstance(e, Call):
+        scalar = self.is_scalar(e, env, g)
+        if isinstance(e, Call) and not scalar:
             return self.call(e, env, g, inline_stack, name_hint)
-        if isinstance(e, BinOp) and e.op in _OPERATORS:
-            call = Call(e.span, _OPERATORS[e.op], e.span, (e.left, e.right), ())
+        if isinstance(e, BinOp) and not scalar:
+            left, right = self.is_scalar(e.left, env, g), self.is_scalar(e.right, env, g)
+            if not left and not right and e.op in _OPERATORS:
+                call = Call(e.span, _OPERATORS[e.op], e.span, (e.left, e.right), ())
+                return self.call(call, env, g, inline_stack, name_hint)
+            if right and e.op in _SCALAR_RIGHT:
+                return self.scalar_op(_SCALAR_RIGHT[e.op], e, e.left, e.right, env, g, inline_stack, name_hint)
+            if left and e.op in _SCALAR_LEFT:
+                return self.scalar_op(_SCALAR_LEFT[e.op], e, e.right, e.left, env, g, inline_stack, name_hint)
+        if isinstance(e, UnOp) and e.op == "-" and not scalar:
+            call = Call(e.span, "neg", e.span, (e.operand,), ())
             return self.call(call, env, g, inline_stack, name_hint)
         if isinstance(e, Num):
             self.rep.error(
@@ -595,13 +661,56 @@ class _Context:
                 "numbers can be passed as keyword attributes, e.g. `eps=1e-5`",
             )
             return None
+        if scalar:
+            self.rep.error(
+                e.span,
+                "expected a tensor, got a constant expression",
+                "constants combine with tensors through `+ - * /` (`x * 2.0`) or as attributes",
+            )
+            return None
         op = e.op if isinstance(e, (BinOp, UnOp)) else "?"
-        self.rep.error(e.span, f"operator `{op}` is not defined on tensors", "tensors support `+` and `*`; use an op")
+        self.rep.error(e.span, f"operator `{op}` is not defined on tensors", NOT_ON_TENSORS)
         return None
 
+    def is_scalar(self, e: Expr, env, g) -> bool:
+        """A constant expression here: numbers, constants, a block's constant parameters, the layer
+        index in a layer, and math functions of them (`ln`, `sqrt`, ...; consts.MATH)."""
+        for n in walk(e):
+            if isinstance(n, Name):
+                if isinstance(env.get(n.id), Const):
+                    continue
+                if n.id in env or n.id in self.tensors or n.id in self.inputs or n.id in self.el.d.tensors:
+                    return False
+                if n.id not in self.el.d.consts and not (n.id == "l" and g.layer_kind is not None):
+                    return False
+            elif isinstance(n, Call) and (n.func not in MATH or n.func in self.el.d.blocks or n.kwargs):
+                return False
+        return True
+
+    def scalar_op(self, name: str, e: Expr, tensor: Expr, scalar: Expr, env, g, inline_stack, name_hint):
+        """A tensor with a constant (`x * 2.5`, `1.0 - x`, `maximum(x, 0.0)`): op `name`, the constant
+        folded into its attribute `s`."""
+        call = Call(e.span, name, e.span, (tensor,), (Kwarg(scalar.span, "s", scalar),))
+        return self.apply(OPS[name], call, env, g, inline_stack, name_hint)
+
+    def scalar_value(self, e: Expr, env, g):
+        """The value of a constant expression in a body (a `LayerExpr` if it varies by layer), or None."""
+        local = {k: v.value for k, v in env.items() if isinstance(v, Const)}
+        layers = [i for i, kind in enumerate(self.schedule) if kind == g.layer_kind] if g.layer_kind else []
+        return self.el.consts.layer_attr(e, layers, local) if layers else self.el.consts.eval(e, local)
+
     def lookup(self, e: Name, env, g) -> Ref | None:
+        if isinstance(env.get(e.id), Const):
+            self.rep.error(
+                e.span,
+                f"`{e.id}` is a constant parameter of this block, not a tensor",
+                "use it in attributes or with `+ - * /` on a tensor",
+            )
+            return None
         if e.id in env:
             return env[e.id]  # None when poisoned by an earlier error
+        if e.id in self.el.d.tensors:
+            self.used.add(e.id)
         if e.id in self.tensors:
             t = self.tensors[e.id]
             if t.stacked and g.layer_kind is None:
@@ -652,15 +761,24 @@ class _Context:
             return self.inline_block(e, env, g, inline_stack)
         if e.func in self.el.d.redefined and e.func not in OPS:
             return None  # a block defined twice (reported), or its name taken by another item
+        if e.func in _SCALAR_CALLS and len(e.args) == 2:
+            left, right = (self.is_scalar(a, env, g) for a in e.args)
+            if left != right:
+                tensor, scalar = (e.args[1], e.args[0]) if left else e.args
+                return self.scalar_op(_SCALAR_CALLS[e.func], e, tensor, scalar, env, g, inline_stack, name_hint)
         if e.func not in OPS or OPS[e.func].internal:
             known = [*(k for k, o in OPS.items() if not o.internal), *self.el.d.blocks, "layers"]
             self.rep.error(e.func_span, f"unknown op or block `{e.func}`", partial(did_you_mean, e.func, known))
             return None
-        op = OPS[e.func]
-        if len(e.args) != len(op.operands):
+        return self.apply(OPS[e.func], e, env, g, inline_stack, name_hint)
+
+    def apply(self, op, e: Call, env, g, inline_stack, name_hint) -> list[Ref] | None:
+        """The node of op `op` for call `e`: operands, attributes, shape rule, in-place writes."""
+        if not len(op.operands) - op.optional <= len(e.args) <= len(op.operands):
+            least = f"{len(op.operands) - op.optional} to " if op.optional else ""
             self.rep.error(
                 e.span,
-                f"`{op.name}` takes {len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
+                f"`{op.name}` takes {least}{len(op.operands)} operand{'s' if len(op.operands) != 1 else ''} "
                 f"({', '.join(op.operands)}), got {len(e.args)}",
             )
             return None
@@ -675,6 +793,8 @@ class _Context:
                 return None
             refs.append(a[0])
         operands = [self.operand(r, g, _shown(a)) for r, a in zip(refs, e.args)]
+        if op.block_attrs and not resolve_block_attrs(self, e, op, attrs, operands, g.layer_kind):
+            return None
         try:
             out_types = op.infer(operands, {k: v.first if isinstance(v, LayerExpr) else v for k, v in attrs.items()})
         except OpError as err:
@@ -685,7 +805,17 @@ class _Context:
                 span = next((k.span for k in e.kwargs if k.name == err.arg), e.span)
             self.rep.error(span, f"{op.name}: {err}", err.hint)
             return None
-        writes = []
+        writes = self.in_place_writes(op, e, refs, operands)
+        if writes is None:
+            return None
+        outs = tuple(Value(g.fresh(name_hint or op.name), t, e.span) for t in out_types)
+        block = inline_stack[-1] if inline_stack else ""
+        g.add(Node(op.name, tuple(refs), tuple(sorted(attrs.items())), outs, tuple(writes), e.span, block))
+        return [Ref("value", v.name) for v in outs]
+
+    def in_place_writes(self, op, e: Call, refs: list[Ref], operands: list[Operand]) -> list[str] | None:
+        """The state tensors the node updates in place: declared states, each passed once."""
+        writes: list[str] = []
         for name in op.inout:
             i = op.operands.index(name)
             if refs[i].kind != "tensor" or not operands[i].is_state:
@@ -703,10 +833,7 @@ class _Context:
                 )
                 return None
             writes.append(refs[i].name)
-        outs = tuple(Value(g.fresh(name_hint or op.name), t, e.span) for t in out_types)
-        block = inline_stack[-1] if inline_stack else ""
-        g.add(Node(op.name, tuple(refs), tuple(sorted(attrs.items())), outs, tuple(writes), e.span, block))
-        return [Ref("value", v.name) for v in outs]
+        return writes
 
     def attributes(self, e: Call, op, env, g) -> dict | None:
         attrs, ok = {}, True
@@ -716,8 +843,12 @@ class _Context:
                 ok = False
                 continue
             v = k.value
+            if k.name in dict(op.block_attrs):  # a block's name, elaborated once the operands are known
+                attrs[k.name] = v
+                continue
             if (
                 isinstance(v, Name)
+                and not isinstance(env.get(v.id), Const)
                 and v.id not in self.el.d.consts
                 and (v.id in env or v.id in self.el.d.tensors or v.id in self.inputs)
             ):
@@ -735,8 +866,7 @@ class _Context:
                 self.rep.error(k.span, f"`{op.name}` has no attribute `{k.name}`", hint)
                 ok = False
                 continue
-            layers = [i for i, kind in enumerate(self.schedule) if kind == g.layer_kind] if g.layer_kind else []
-            v = self.el.consts.layer_attr(k.value, layers) if layers else self.el.consts.eval(k.value)
+            v = self.scalar_value(k.value, env, g)
             if v is None or not self.representable(k, v.first if isinstance(v, LayerExpr) else v):
                 ok = False
             attrs[k.name] = v
@@ -764,18 +894,17 @@ class _Context:
                 e.func_span, f"block `{e.func}` calls itself ({chain}); blocks are inlined, so recursion is not allowed"
             )
             return None
-        if e.kwargs:
-            self.rep.error(e.kwargs[0].span, f"block `{e.func}` takes no keyword attributes")
-            return None
-        if len(e.args) != len(f.params):
-            self.rep.error(
-                e.span,
-                f"block `{f.name}` takes {len(f.params)} argument{'s' if len(f.params) != 1 else ''} "
-                f"({', '.join(f.params)}), got {len(e.args)}",
-            )
+        bound = self.bind_block_args(e, f)
+        if bound is None:
             return None
         inner, ok = {}, True
-        for p, a in zip(f.params, e.args):
+        for p in f.params:
+            a, caller = bound[p]
+            scope = env if caller else {}  # a default is a constant of the spec, not of the caller
+            if self.is_scalar(a, scope, g):
+                inner[p] = self.const_arg(a, scope, g)
+                ok = ok and inner[p] is not None
+                continue
             refs = self.expr(a, env, g, inline_stack)
             if refs is not None and len(refs) != 1:
                 self.rep.error(a.span, f"this gives {len(refs)} values where one argument is expected")
@@ -784,6 +913,49 @@ class _Context:
             ok = ok and refs is not None
         results = self.run_body(f, inner, g, (*inline_stack, e.func))
         return results if ok else None
+
+    def bind_block_args(self, e: Call, f: FuncDef) -> dict[str, tuple[Expr, bool]] | None:
+        """Each parameter's argument (positional, then by name, then its default), and whether the
+        caller wrote it; None after reporting a mismatch."""
+        defaults = dict(f.defaults)
+        if len(e.args) > len(f.params) or (not e.kwargs and not defaults and len(e.args) != len(f.params)):
+            self.rep.error(
+                e.span,
+                f"block `{f.name}` takes {len(f.params)} argument{'s' if len(f.params) != 1 else ''} "
+                f"({', '.join(f.params)}), got {len(e.args)}",
+            )
+            return None
+        bound = {p: (a, True) for p, a in zip(f.params, e.args)}
+        ok = True
+        for k in e.kwargs:
+            if k.name not in f.params:
+                hint = did_you_mean(k.name, f.params) or f"its parameters: {', '.join(f.params) or 'none'}"
+                self.rep.error(k.span, f"block `{f.name}` has no parameter `{k.name}`", hint)
+                ok = False
+            elif k.name in bound:
+                self.rep.error(k.span, f"parameter `{k.name}` of block `{f.name}` is given twice")
+                ok = False
+            else:
+                bound[k.name] = (k.value, True)
+        for p in f.params:
+            if p not in bound and p in defaults:
+                bound[p] = (defaults[p], False)
+            elif p not in bound and ok:
+                self.rep.error(e.span, f"block `{f.name}` needs an argument for its parameter `{p}`")
+                ok = False
+        return bound if ok else None
+
+    def const_arg(self, a: Expr, env, g) -> Const | None:
+        """A block's constant argument: one value at every layer of the kind it is inlined into."""
+        v = self.scalar_value(a, env, g)
+        if isinstance(v, LayerExpr):
+            self.rep.error(
+                a.span,
+                "a block's constant argument must have one value at every layer of a kind",
+                "split the layer kind, or pass the layer-dependent expression as an attribute",
+            )
+            return None
+        return None if v is None else Const(v)
 
     def call_layers(self, e: Call, env, g, inline_stack) -> list[Ref] | None:
         if g.layer_kind is not None or g.name != "step" or inline_stack:

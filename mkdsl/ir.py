@@ -112,6 +112,13 @@ class Node:
 
         return self.inputs[OPS[self.op].operands.index(name)]
 
+    def opt_arg(self, name: str) -> Ref | None:
+        """An optional operand (`OpDef.optional`), or None where the call leaves it out."""
+        from mkdsl.ops.registry import OPS
+
+        i = OPS[self.op].operands.index(name)
+        return self.inputs[i] if i < len(self.inputs) else None
+
 
 @dataclass(frozen=True)
 class Graph:
@@ -120,6 +127,19 @@ class Graph:
     nodes: tuple[Node, ...]
     results: tuple[Ref, ...]
     span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class BlockAttr:
+    """An op attribute that is a spec block of elementwise ops, elaborated on its own (e.g. the
+    gated activation `act=` of `moe_experts`, applied by the op to each chosen expert's gate and up
+    results). `graph` has the block's parameters as params and one result."""
+
+    graph: Graph
+
+    def __repr__(self) -> str:  # deterministic and short, for `--dump ir` and attribute tuples
+        ops = "; ".join(f"{n.outputs[0].name} = {n.op}" for n in self.graph.nodes)
+        return f"<block {self.graph.name}({', '.join(p.name for p in self.graph.params)}): {ops}>"
 
 
 @dataclass(frozen=True)
@@ -135,6 +155,8 @@ class Model:
     step: Graph  # inputs tokens/positions; calls the layer stack through a `layers` node
     inputs: tuple[Value, ...]
     hints: tuple[Hint, ...]
+    warnings: tuple = field(default=(), compare=False)  # Diagnostics that do not stop compilation
+    checkpoints: tuple = ()  # mkdsl.checkpoint.mapping.CheckpointMap records: where weights come from
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)

@@ -1,7 +1,9 @@
 """Quantised weight formats: packing (numpy, for loaders and tests) and decoding (jnp).
 
-Layouts are described in `mkdsl.dtypes.storage`. Decoding is exact: every mxfp4 value is a
-power of two times an e2m1 magnitude, so it is representable in f32 (and in bf16 and e4m3).
+Layouts are described in `mkdsl.dtypes.storage`. Decoding is exact where the value is
+representable: an mxfp4 value is a power of two times an e2m1 magnitude and an int4 value a
+nibble times a bf16 scale, both exact in f32. A scaled int8 or fp8 value is its code times an
+f32 scale, rounded once to f32 (correctly rounded, as IEEE multiplication is).
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from mkdsl.dtypes import DType
 from mkdsl.lazy import jax, jnp
 
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}  # largest finite code of each fp8 format
 
 
 class QTensor(NamedTuple):
     """A quantised weight as the reference sees it: its storage arrays and its format."""
 
-    codes: object  # uint32 [..., K/8, N]
-    scales: object  # mxfp4: uint8 [..., K/32, N]; int4: bf16 [..., K/g, N]
-    fmt: str  # "mxfp4" | "int4"
-    group: int
+    codes: object  # mxfp4, int4: uint32 [..., K/8, N]; int8, fp8: [..., K, N] of the element
+    scales: object  # mxfp4: uint8 [..., K/g, N]; int4: bf16 [..., K/g, N]; int8, fp8: f32 (dtypes.storage)
+    fmt: str  # "mxfp4" | "int4" | "int8" | "fp8_e4m3" | "fp8_e5m2" | "fp8_e4m3:block" | "fp8_e5m2:block"
+    group: int  # inputs per scale; for ":block" formats the block's side
 
 
 @functools.cache
@@ -53,42 +56,105 @@ def e8m0_to_f32(scales) -> jnp.ndarray:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _mxfp4(w: QTensor):
+    nib = unpack_nibbles(w.codes)
+    mag = jnp.asarray(E2M1_VALUES)[nib & 7]
+    return jnp.where(nib & 8, -mag, mag), e8m0_to_f32(w.scales)
+
+
+def _int4(w: QTensor):
+    nib = unpack_nibbles(w.codes)
+    return jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32), w.scales.astype(jnp.float32)
+
+
+def _plain_codes(w: QTensor):
+    return w.codes.astype(jnp.float32), w.scales.astype(jnp.float32)
+
+
+def _block(w: QTensor) -> jnp.ndarray:
+    """One scale per [b, b] square; edge squares cover what is left of K and N."""
+    *_, k, n = w.codes.shape
+    b = w.group
+    scale = jnp.repeat(jnp.repeat(w.scales.astype(jnp.float32), b, axis=-2), b, axis=-1)[..., :k, :n]
+    return w.codes.astype(jnp.float32) * scale
+
+
+# Per group-scaled format: (values, scales) in f32; the value is values * its group's scale.
+GROUP_DECODERS = {
+    "mxfp4": _mxfp4,
+    "int4": _int4,
+    "int8": _plain_codes,
+    "fp8_e4m3": _plain_codes,
+    "fp8_e5m2": _plain_codes,
+}
+
+
 def dequantize(w: QTensor) -> jnp.ndarray:
     """Decode a quantised weight to f32 of its logical shape [..., K, N]."""
-    nib = unpack_nibbles(w.codes)
-    if w.fmt == "mxfp4":
-        mag = jnp.asarray(E2M1_VALUES)[nib & 7]
-        vals = jnp.where(nib & 8, -mag, mag)
-        scale = e8m0_to_f32(w.scales)
-    else:
-        vals = jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32)
-        scale = w.scales.astype(jnp.float32)
+    if w.fmt.endswith(":block"):
+        return _block(w)
+    vals, scale = GROUP_DECODERS[w.fmt](w)
     return vals * jnp.repeat(scale, w.group, axis=-2)
 
 
 def quantize(dtype: DType, w: np.ndarray) -> QTensor:
-    """Round an f32 [..., K, N] array to `dtype` (nearest code, per-group scale): numpy."""
-    import ml_dtypes
-
+    """Round an f32 [..., K, N] array to `dtype` (nearest code, per-group or per-block scale): numpy."""
     w = np.asarray(w, np.float32)
+    if dtype.block:
+        return _quantize_block(dtype, w)
     *lead, k, n = w.shape
     g = dtype.group
     blocks = w.reshape(*lead, k // g, g, n)
     amax = np.abs(blocks).max(axis=-2)
-    if dtype.name == "mxfp4":
-        exp = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0))
-        exp = np.clip(exp, -127, 127)
-        scales = (exp + 127).astype(np.uint8)
-        unit = np.exp2(exp)[..., None, :]
-        mag = np.abs(blocks) / unit
-        idx = np.abs(mag[..., None] - E2M1_VALUES).argmin(-1)
-        nib = idx | np.where(blocks < 0, 8, 0)
-    else:
-        scale = np.maximum(amax, 1e-30) / 7.0
-        scales = scale.astype(ml_dtypes.bfloat16)
-        q = np.clip(np.round(blocks / scales.astype(np.float32)[..., None, :]), -8, 7)
-        nib = q.astype(np.int32) & 0xF
-    return QTensor(pack_nibbles(nib.reshape(*lead, k, n)), scales, dtype.name, g)
+    codes, scales = QUANTIZERS[dtype.name](dtype, blocks, amax)
+    return QTensor(codes.reshape(*lead, -1, n), scales, dtype.fmt, g)
+
+
+def _q_mxfp4(dtype, blocks, amax):
+    exp = np.clip(np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), -127, 127)
+    mag = np.abs(blocks) / np.exp2(exp)[..., None, :]
+    nib = np.abs(mag[..., None] - E2M1_VALUES).argmin(-1) | np.where(blocks < 0, 8, 0)
+    *lead, kg, g, n = nib.shape
+    return pack_nibbles(nib.reshape(*lead, kg * g, n)), (exp + 127).astype(np.uint8)
+
+
+def _q_int4(dtype, blocks, amax):
+    import ml_dtypes
+
+    scales = (np.maximum(amax, 1e-30) / 7.0).astype(ml_dtypes.bfloat16)
+    q = np.clip(np.round(blocks / scales.astype(np.float32)[..., None, :]), -8, 7)
+    *lead, kg, g, n = q.shape
+    return pack_nibbles((q.astype(np.int32) & 0xF).reshape(*lead, kg * g, n)), scales
+
+
+def _q_int8(dtype, blocks, amax):
+    scales = (np.maximum(amax, 1e-30) / 127.0).astype(np.float32)
+    return np.clip(np.round(blocks / scales[..., None, :]), -127, 127).astype(np.int8), scales
+
+
+def _q_fp8(dtype, blocks, amax):
+    import ml_dtypes
+
+    scales = (np.maximum(amax, 1e-30) / FP8_MAX[dtype.name]).astype(np.float32)
+    return (blocks / scales[..., None, :]).astype(getattr(ml_dtypes, dtype.numpy)), scales
+
+
+QUANTIZERS = {"mxfp4": _q_mxfp4, "int4": _q_int4, "int8": _q_int8, "fp8_e4m3": _q_fp8, "fp8_e5m2": _q_fp8}
+
+
+def _quantize_block(dtype: DType, w: np.ndarray) -> QTensor:
+    """fp8 codes and one f32 scale per [b, b] square (the edge squares zero-padded to find it)."""
+    import ml_dtypes
+
+    *lead, k, n = w.shape
+    b = dtype.block
+    kb, nb = -(-k // b), -(-n // b)
+    pad = np.zeros((*lead, kb * b, nb * b), np.float32)
+    pad[..., :k, :n] = w
+    sq = pad.reshape(*lead, kb, b, nb, b)
+    scales = (np.maximum(np.abs(sq).max(axis=(-3, -1)), 1e-30) / FP8_MAX[dtype.name]).astype(np.float32)
+    full = np.repeat(np.repeat(scales, b, axis=-2), b, axis=-1)[..., :k, :n]
+    return QTensor((w / full).astype(getattr(ml_dtypes, dtype.numpy)), scales, dtype.fmt, b)
 
 
 def pack_nibbles(nib: np.ndarray) -> np.ndarray:

@@ -25,8 +25,16 @@ def _slot(array, slot: int):
     return array[slot]
 
 
-def _run_graph(model: Model, graph: Graph, carries, weights, state, inputs, layer: int | None, layers: LayersFn):
-    """Evaluate one graph; `state` (a dict) receives the state writes; a `layers` node calls `layers`."""
+def _call_reference(op, arrays, attrs):
+    return op.reference(*arrays, **attrs)
+
+
+def _run_graph(
+    model: Model, graph: Graph, carries, weights, state, inputs, layer: int | None, layers: LayersFn, call=None
+):
+    """Evaluate one graph; `state` (a dict) receives the state writes; a `layers` node calls `layers`.
+    `call(op, arrays, attrs)` runs one op (default: its reference; prefill passes its rules)."""
+    call = call or _call_reference
     env = {v.name: c for v, c in zip(graph.params, carries)}
 
     def read(ref: Ref):
@@ -44,7 +52,7 @@ def _run_graph(model: Model, graph: Graph, carries, weights, state, inputs, laye
         else:
             op = OPS[node.op]
             attrs = {k: v.at(layer) if isinstance(v, LayerExpr) else v for k, v in node.attrs}
-            outs = op.reference(*[read(r) for r in node.inputs], **attrs)
+            outs = call(op, [read(r) for r in node.inputs], attrs)
             for name, new in zip(node.writes, outs[op.outputs :]):
                 t = model.tensor(name)
                 state[name] = state[name].at[t.slots[layer]].set(new) if t.stacked else new

@@ -7,6 +7,7 @@ from __future__ import annotations
 from mkdsl.ir import Model
 from mkdsl.plan import collectives
 from mkdsl.plan.breakdown import breakdown
+from mkdsl.plan.hbm import hbm_line
 from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB
 from mkdsl.report_svg import render_svg
@@ -63,6 +64,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         f"| modeled tokens/s per sequence | {t.tokens_per_s:.1f} |",
         f"| DMAs per step | {plan.dma_count} |",
         f"| VMEM planned (explicit) | {_mib(plan.vmem_total)} of {_mib(plan.vmem_cap)} cap |",
+        "| HBM per device | " + hbm_line(plan).removeprefix("HBM per device ") + " |",
         "",
         "Modeled time = max(stream, MXU) + fixed + bubbles + issue" + (" + collectives:" if plan.mesh else ":"),
         f"stream {t.stream_us:.1f} us, MXU {t.mxu_us:.1f} us, fixed {t.fixed_us:.1f} us, "

@@ -8,6 +8,7 @@ import textwrap
 
 from mkdsl.ir import Model
 from mkdsl.plan.breakdown import COST_KINDS, Breakdown, Cost
+from mkdsl.plan.hbm import hbm_line
 from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB
 
@@ -90,6 +91,7 @@ def render_summary(model: Model, plan: Plan, spec_path: str, b: Breakdown) -> st
         f"Step {t.modeled_us:.1f} us, HBM floor {t.floor_us:.1f} us ({t.modeled_us / t.floor_us:.2f} x); "
         f"{t.tokens_per_s:.1f} tokens/s per sequence; VMEM {plan.vmem_total / MIB:.1f} of "
         f"{plan.vmem_cap / MIB:.0f} MiB.",
+        *textwrap.wrap(hbm_line(plan) + ".", WIDTH),
         verdict(model, b, plan),
         "",
         f"{'part':<24}{'layers':>7}" + "".join(f"{k:>12}" for k in COST_KINDS) + f"{'total':>10}{'share':>8}",

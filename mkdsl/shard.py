@@ -141,6 +141,7 @@ class _Sharder:
                 place[v.name], types[v.name] = WHOLE, v.type
             return [*pre, node]
         places = [self.operand_place(r, place) for r in node.inputs]
+        self.types = types  # the per-device types so far, for rules that look at operand shapes
         rule = RULES.get(OPS[node.op].shard)  # the op's rule family (OpDef.shard)
         if rule is None:
             raise ShardError("no sharding rule for this op yet")
@@ -274,6 +275,28 @@ def _rule_elementwise(s: _Sharder, node: Node, places, partial_ok: bool = False)
     return {i: target for i in range(len(places))}, [target], {}
 
 
+def _rule_broadcast(s: _Sharder, node: Node, places, partial_ok: bool = False):
+    """Broadcasting arithmetic: the full-width operands split alike (a split `[N]` weight sets the
+    split, a whole value is cut to it); a per-row `[B, 1]` operand whole (it has one column)."""
+    width = node.outputs[0].type.shape[-1]
+    shapes = [s.operand(r, s.types).type.shape for r in node.inputs]
+    rows = {i for i, sh in enumerate(shapes) if len(sh) == 2 and sh[-1] == 1 and width != 1}
+    cols = [i for i in range(len(places)) if i not in rows]
+    split = [places[i] for i in cols if node.inputs[i].kind == "tensor" and places[i].kind == "S"]
+    target = split[0] if split else _common_split([places[i] for i in cols], partial_ok and not rows)
+    for i in cols:
+        if node.inputs[i].kind == "tensor" and places[i] != target:
+            raise ShardError(f"`{node.inputs[i].name}` is {places[i]} but the other operands are {target}")
+    return {i: target for i in cols} | {i: WHOLE for i in rows}, [target], {}
+
+
+def _rule_row_sum(s: _Sharder, node: Node, places):
+    """A row sum of a split value is a partial sum over the same axes; partial stays partial."""
+    x = places[0]
+    out = Place("P", x.axes) if x.kind in ("S", "P") else WHOLE
+    return {0: x}, [out], {}
+
+
 def _per_head(s: _Sharder, node: Node, x: Place, heads_attr: str = "heads"):
     """Local head count when x is split over whole heads; None when x must be gathered."""
     heads = node.attr.get(heads_attr, 1)
@@ -323,6 +346,8 @@ def _rule_same_split(s: _Sharder, node: Node, places, heads: bool):
 
 def _rule_linear(s: _Sharder, node: Node, places):
     k_axes, n_axes = s.tensor_axes(node.arg("weight"))
+    if node.attr.get("transposed"):  # the weight is stored [N, K] (a tied output head)
+        k_axes, n_axes = n_axes, k_axes
     w = node.arg("weight").name
     if not k_axes:
         return {0: WHOLE}, [Place("S", n_axes) if n_axes else WHOLE], {}
@@ -352,7 +377,32 @@ def _rule_compact(s: _Sharder, node: Node, places):
     return {0: x}, [x], {}
 
 
+def _rule_replicated_kv(s: _Sharder, node: Node, places):
+    """KV heads a mesh axis does not divide: the caches, k and v stay whole on every device, and
+    each device reads the one KV head its (fewer) query heads share (`kv_axes` for the lowering)."""
+    q = places[0]
+    kv, ways = node.attr.get("kv_heads", 1), s.ways(q.axes)
+    local = _per_head(s, node, q)
+    if local is None:
+        raise ShardError(f"{node.attr.get('heads')} heads do not split {ways} ways")
+    if (node.attr["heads"] // kv) % local:
+        raise ShardError(f"{kv} KV heads do not split {ways} ways, and a device's {local} query heads span several")
+    for i in (1, 2, 3, 4):
+        r = node.inputs[i]
+        if r.kind == "tensor" and any(s.tensor_axes(r)):
+            raise ShardError(f"{kv} KV heads do not split {ways} ways: leave `{r.name}` whole (replicated)")
+    need = {0: q, 1: WHOLE, 2: WHOLE, 3: places[3], 4: places[4], 5: places[5]}
+    if len(places) > 6:  # sinks: one per query head, split like q
+        if s.tensor_axes(node.inputs[6])[0] != q.axes:
+            raise ShardError(f"`{node.inputs[6].name}` must be split over {', '.join(q.axes)} like the query heads")
+        need[6] = places[6]
+    return need, [q], {"heads": local, "kv_axes": q.axes}
+
+
 def _rule_attention(s: _Sharder, node: Node, places):
+    q = places[0]
+    if q.kind == "S" and node.attr.get("kv_heads", 1) % s.ways(q.axes):
+        return _rule_replicated_kv(s, node, places)
     need, outs, attrs = _rule_same_split(s, node, places, heads=True)
     if places[0].kind == "S":
         kv = node.attr.get("kv_heads", 1)
@@ -360,6 +410,26 @@ def _rule_attention(s: _Sharder, node: Node, places):
         if kv % ways:
             raise ShardError(f"{kv} KV heads do not split {ways} ways")
         attrs["kv_heads"] = kv // ways
+    return need, outs, attrs
+
+
+def _rule_key_heads(s: _Sharder, node: Node, places):
+    """`delta_rule`: value heads split with their key heads (q, k by key head, v by value head).
+    The split comes from the first split one of q, k and v, so key heads that do not split (q and
+    k gathered by their norm) are reported as such."""
+    split = next((p for p in places[:3] if p.kind == "S"), None)
+    if split is None:
+        return _rule_whole(s, node, places)
+    ways = s.ways(split.axes)
+    kh = node.attr.get("key_heads")
+    if (kh or node.attr.get("heads", 1)) % ways:
+        raise ShardError(
+            f"{kh or node.attr.get('heads', 1)} key heads do not split {ways} ways",
+            "split the q and k projections by whole key heads, or use fewer devices",
+        )
+    need, outs, attrs = _rule_same_split(s, node, [split, *places[1:]], heads=True)
+    if kh is not None:
+        attrs["key_heads"] = kh // ways
     return need, outs, attrs
 
 
@@ -400,11 +470,15 @@ def _rule_moe(s: _Sharder, node: Node, places):
 RULES = {
     "elementwise": _rule_elementwise,
     "sum": lambda s, n, p: _rule_elementwise(s, n, p, partial_ok=True),  # may add partial sums as they are
+    "broadcast": _rule_broadcast,
+    "broadcast_sum": lambda s, n, p: _rule_broadcast(s, n, p, partial_ok=True),  # add, sub: partials as they are
+    "row_sum": _rule_row_sum,
     "whole": _rule_whole,
     "norm": _rule_norm,
     "channels": lambda s, n, p: _rule_same_split(s, n, p, heads=False),
     "heads": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
     "kv_heads": _rule_attention,
+    "key_heads": _rule_key_heads,
     "latent_attention": _rule_mla,
     "matmul": _rule_linear,
     "vocab_rows": _rule_embedding,

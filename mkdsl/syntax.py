@@ -25,7 +25,7 @@ class Expr:
 
 @dataclass(frozen=True)
 class Num(Expr):
-    value: int | float | bool
+    value: int | float | bool | str  # str: a quoted word, for attributes such as pairing="half"
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,7 @@ class FuncDef:
     name: str
     params: tuple[str, ...]
     body: tuple[Stmt, ...]
+    defaults: tuple[tuple[str, Expr], ...] = ()  # block parameters with a default (constant) value
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,34 @@ class LayersDecl:
     span: Span
     count: Expr
     rules: tuple[Rule, ...]
+
+
+@dataclass(frozen=True)
+class CkptStep:
+    """One step of a checkpoint mapping (`| transpose`, `| unpermute(heads=NH)`)."""
+
+    span: Span
+    name: str
+    args: tuple[Expr, ...]
+    kwargs: tuple[Kwarg, ...]
+
+
+@dataclass(frozen=True)
+class CkptEntry:
+    """`weight = "pattern" | step ...`: where one weight comes from (several patterns: concatenated)."""
+
+    span: Span
+    weight: str
+    patterns: tuple[str, ...]
+    pattern_spans: tuple[Span, ...]
+    steps: tuple[CkptStep, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointDecl:
+    span: Span
+    format: str
+    entries: tuple[CkptEntry, ...]
 
 
 @dataclass(frozen=True)
@@ -221,6 +250,23 @@ class _ToAst(Transformer_NonRecursive):
     def assign(self, meta, c):
         return Assign(Span.of(c[0]), str(c[0]), c[1])
 
+    def checkpoint_decl(self, meta, c):
+        return CheckpointDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
+
+    def ckpt_entry(self, meta, c):
+        strings = c[1]
+        return CkptEntry(
+            Span.of(c[0]), str(c[0]), tuple(str(t)[1:-1] for t in strings), tuple(map(Span.of, strings)), tuple(c[2:])
+        )
+
+    def ckpt_source(self, meta, c):
+        return tuple(c)
+
+    def ckpt_step(self, meta, c):
+        args = (c[1] if len(c) > 1 else None) or ()  # `| transpose` has no argument list
+        pos = tuple(a for a in args if not isinstance(a, Kwarg))
+        return CkptStep(Span.of(c[0]), str(c[0]), pos, tuple(a for a in args if isinstance(a, Kwarg)))
+
     def tensor_kind(self, meta, c):
         return str(c[0])
 
@@ -261,7 +307,15 @@ class _ToAst(Transformer_NonRecursive):
         return FuncDef(Span.of(name), kind, str(name), tuple(params or ()), tuple(body))
 
     def block_def(self, meta, c):
-        return self._func("block", meta, c)
+        params = c[1] or ()
+        f = self._func("block", meta, [c[0], tuple(p for p, _ in params), *c[2:]])
+        return FuncDef(f.span, f.kind, f.name, f.params, f.body, tuple((p, d) for p, d in params if d is not None))
+
+    def param_list(self, meta, c):
+        return tuple(c)
+
+    def param(self, meta, c):
+        return (str(c[0]), c[1])
 
     def layer_def(self, meta, c):
         return self._func("layer", meta, c)
@@ -320,6 +374,9 @@ class _ToAst(Transformer_NonRecursive):
     def float_lit(self, meta, c):
         return Num(Span.of(c[0]), float(c[0]))
 
+    def str_lit(self, meta, c):
+        return Num(Span.of(c[0]), str(c[0])[1:-1])
+
     def true_lit(self, meta, c):
         return Num(_span(meta), True)
 
@@ -363,12 +420,13 @@ _TERMINAL_NAMES = {
     "COMMA": "`,`",
     "COLON": "`:`",
     "EQUAL": "`=`",
+    "STRING": "a string",
     "$END": "end of file",
 }
 
 
 # Terminals that can start an expression; named together as "an expression" in hints.
-_EXPRESSION_START = {"NAME", "INT", "FLOAT", "LPAR", "MINUS", "NOT", "TRUE", "FALSE"}
+_EXPRESSION_START = {"NAME", "INT", "FLOAT", "STRING", "LPAR", "MINUS", "NOT", "TRUE", "FALSE"}
 
 
 def _describe(terminals) -> str:

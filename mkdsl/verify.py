@@ -277,11 +277,14 @@ def state_ratio(ref: np.ndarray, got: np.ndarray, dtype) -> np.ndarray:
     return ratio.reshape(ratio.shape[0], -1).max(axis=1)
 
 
-def run_kernel(step: Callable, weights: dict, state: dict, tokens, positions, sharded: bool) -> KernelOutput:
-    """One step of a `layer_trace=True` build, on host copies (the kernel donates its state)."""
+def run_kernel(
+    step: Callable, weights: dict, state: dict, tokens, positions, sharded: bool, pad: Callable = dict
+) -> KernelOutput:
+    """One step of a `layer_trace=True` build, on host copies (the kernel donates its state).
+    `pad`: the module's `pad_weights` where it stores some matrices padded."""
     from mkdsl.random_params import kernel_weights
 
-    kw = {k: jnp.asarray(v) for k, v in kernel_weights(weights).items()}
+    kw = {k: jnp.asarray(v) for k, v in pad(kernel_weights(weights)).items()}
     ks = {k: jnp.asarray(v) for k, v in state.items()}
     guard = host_callbacks() if sharded else contextlib.nullcontext()
     with guard:
@@ -361,7 +364,8 @@ def check_batch(
     pltpu.reset_tpu_interpret_mode_state()
     t0 = time.perf_counter()
     for i in range(steps):
-        out = run_kernel(step, weights, state, tokens, positions, hasattr(module, "MESH_SHAPE"))
+        pad = getattr(module, "pad_weights", dict)
+        out = run_kernel(step, weights, state, tokens, positions, hasattr(module, "MESH_SHAPE"), pad)
         if races_found():
             result.failures.append(f"step {i}: the interpreter's race detector reported a race")
         check = checker.check(weights, state, tokens, positions, out)

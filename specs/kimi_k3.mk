@@ -1,7 +1,7 @@
 # Kimi K3: one greedy decode step.
 # 93 layers: Kimi Delta Attention (KDA) everywhere except MLA at l % 4 == 3 and the last layer;
 # a dense MLP at layer 0 and a latent MoE (896 MXFP4 experts, top 16, two shared experts fused)
-# after it; "attention residuals" instead of a plain residual add. Facts: ../shared/facts/kimi_k3.md
+# after it; "attention residuals" instead of a plain residual add (as the model card describes).
 model kimi_k3
 
 const L     = 93        # layers
@@ -166,9 +166,14 @@ block dense_mlp(x) {
   return linear(situ(linear(x, dense_gate), linear(x, dense_up)), dense_down)
 }
 
+# The experts' gated activation, applied to each chosen expert's gate and up results.
+block expert_act(g, u) {
+  return situ(g, u)
+}
+
 block moe(x) {
   w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
-  r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2)
+  r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
   shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
   return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
 }

@@ -70,3 +70,36 @@ step(tokens, positions) {
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
 }
+
+# Where each weight comes from. Hugging Face stores matrices [out, in]; the spec's are [in, out].
+checkpoint hf {
+  embed      = "model.embed_tokens.weight"
+  attn_norm  = "model.layers.{l}.input_layernorm.weight"
+  wq         = "model.layers.{l}.self_attn.q_proj.weight" | transpose
+  wk         = "model.layers.{l}.self_attn.k_proj.weight" | transpose
+  wv         = "model.layers.{l}.self_attn.v_proj.weight" | transpose
+  wo         = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  mlp_norm   = "model.layers.{l}.post_attention_layernorm.weight"
+  w_gate     = "model.layers.{l}.mlp.gate_proj.weight" | transpose
+  w_up       = "model.layers.{l}.mlp.up_proj.weight" | transpose
+  w_down     = "model.layers.{l}.mlp.down_proj.weight" | transpose
+  final_norm = "model.norm.weight"
+  lm_head    = "lm_head.weight" | transpose
+}
+
+# llama.cpp's names; it permutes q/k rows for its adjacent-pair rope (undone here). Quantised or
+# f32 tensors round to bf16 (`round`); the loader says which.
+checkpoint gguf {
+  embed      = "token_embd.weight" | round
+  attn_norm  = "blk.{l}.attn_norm.weight" | round
+  wq         = "blk.{l}.attn_q.weight" | unpermute(heads=NH) | transpose | round
+  wk         = "blk.{l}.attn_k.weight" | unpermute(heads=NKV) | transpose | round
+  wv         = "blk.{l}.attn_v.weight" | transpose | round
+  wo         = "blk.{l}.attn_output.weight" | transpose | round
+  mlp_norm   = "blk.{l}.ffn_norm.weight" | round
+  w_gate     = "blk.{l}.ffn_gate.weight" | transpose | round
+  w_up       = "blk.{l}.ffn_up.weight" | transpose | round
+  w_down     = "blk.{l}.ffn_down.weight" | transpose | round
+  final_norm = "output_norm.weight" | round
+  lm_head    = "output.weight" | transpose | round
+}

@@ -32,16 +32,29 @@ settings.load_profile(os.environ.get("MKDSL_HYPOTHESIS_PROFILE", "ci"))
 # full-size kernels, the sharded lockstep models). `python -m pytest -m "not slow"` is the fast
 # subset; CI runs everything. Marked here, in one place, by module or by test name.
 SLOW_MODULES = {
+    "test_qwen3_next_compile.py",
     "test_kimi_kernel.py",
     "test_kimi_compile.py",
     "test_kimi_sharded_compile.py",
     "test_tpu_compile.py",
     "test_kernel_interpret.py",
     "test_verify.py",
+    "test_kernel_elementwise.py",
+    "test_qwen3_compile.py",
+    "test_moe_kernel.py",
 }
 SLOW_TESTS = {
+    "test_gdn_kernel.py": ("test_gated_deltanet_kernel_matches_reference",),
+    "test_qwen3_next.py": ("test_mini_kernel_matches_reference",),
     "test_comm.py": ("test_collectives_interpret_8_devices", "test_collectives_compile_tpu7x"),
     "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
+    "test_attention_kernel.py": ("test_window_sinks_rope_variants_head_dims_and_mla_match_the_reference",),
+    "test_qwen3.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
+    "test_run.py": (  # interpret-mode kernels of the Llama mini from a checkpoint
+        "test_loaded_weights_run_a_kernel_step_equal_to_the_reference",
+        "test_run_streams_text_and_closes_with_timings",
+    ),
+    "test_smollm2.py": ("test_kernel_greedy_decode_equals_the_reference_and_a_numpy_decode",),
     "test_spec_gen.py": ("test_random_spec_kernel_matches_reference",),
     "test_docs.py": (  # each runs a kernel or the compiler in a subprocess
         "test_python_api_examples_run",

@@ -54,10 +54,10 @@ def sharded_tiny(tmp_path: Path, ffn: int) -> Path:
 
 
 def test_planner_diagnostic_gives_per_device_and_global_size(tmp_path):
-    spec = sharded_tiny(tmp_path, 384)  # 192 columns per device: not whole 128-lane tiles
+    spec = sharded_tiny(tmp_path, 360)  # 180 rows of w_down per device: no tile of 16-row multiples
     want = (
-        "error: weight `w_gate` has 192 columns per device (384 in all, split 2 ways over tp); "
-        "streaming it in tiles needs a multiple of 128"
+        "error: weight `w_down` has 180 rows per device (360 in all, split 2 ways over tp); "
+        "streaming it in tiles needs a tile that divides it and suits bf16"
     )
     for command in ("check", "plan"):  # check runs every check plan and compile run
         r = mkdsl(command, spec)

@@ -18,6 +18,7 @@ import pytest
 from mkdsl.cli import main
 from mkdsl.diagnostics import Diagnostic, SpecError
 from mkdsl.elaborate import elaborate
+from mkdsl.ops.elementwise import BROADCASTS
 from mkdsl.syntax import parse
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,7 +120,7 @@ def case(id: str, spec: str, *errors: Err, profile: str | None = None):
     return pytest.param(spec, profile, errors, id=id)
 
 
-NOT_ON_TENSORS = "tensors support `+` and `*`; use an op"
+NOT_ON_TENSORS = "tensors support `+ - * /` (with tensors or constants), `**` with a constant exponent, and prefix `-`"
 STEP_RESULT = "`step` must return (logits f32[B, V], next tokens i32[B]); it returns "
 STEP_RESULT_HINT = "end the step with `return logits, argmax(logits)`"
 LINEAR_ROWS = "(weights are stored [in, out])"
@@ -232,9 +233,9 @@ CASES = [
         Err(49, 14, "mlp(rmsnorm(x, norm2), x)", "block `mlp` takes 1 argument (x), got 2"),
     ),
     case(
-        "block-keyword-attribute",
+        "block-unknown-parameter",
         edit("mlp(rmsnorm(x, norm2))", "mlp(rmsnorm(x, norm2), eps=1)"),
-        Err(49, 37, "eps", "block `mlp` takes no keyword attributes"),
+        Err(49, 37, "eps", "block `mlp` has no parameter `eps`", "its parameters: x"),
     ),
     case(
         "step-input-count",
@@ -274,7 +275,11 @@ CASES = [
         "add-shape-mismatch",
         edit("x = x + linear(a, wo)", "x = x + linear(a, w_gate)"),
         Err(
-            48, 11, "linear(a, w_gate)", "add: operand shapes differ: `x` is f32[B, 128], `linear(...)` is f32[B, 256]"
+            48,
+            11,
+            "linear(a, w_gate)",
+            "add: operand shapes do not broadcast: `x` is f32[B, 128], `linear(...)` is f32[B, 256]",
+            BROADCASTS + "; widen per-head scalars with `repeat(s, each=D)`",
         ),
     ),
     case(
@@ -534,8 +539,8 @@ CASES = [
     ),
     case(
         "operator-not-defined-on-tensors",
-        edit("x = x + linear(a, wo)", "x = x - linear(a, wo)"),
-        Err(48, 9, "-", "operator `-` is not defined on tensors", NOT_ON_TENSORS),
+        edit("x = x + linear(a, wo)", "x = x // linear(a, wo)"),
+        Err(48, 9, "//", "operator `//` is not defined on tensors", NOT_ON_TENSORS),
     ),
     case(
         "weight-as-in-place-state",

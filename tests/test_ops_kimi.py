@@ -52,7 +52,7 @@ KNOWN_ATTRS = {  # the attributes the oracles below pass by name
     "short_conv": set(),
     "l2norm": {"heads", "scale", "eps"},
     "kda_gate": {"heads", "lower"},
-    "delta_rule": {"heads"},
+    "delta_rule": {"heads", "key_heads"},  # key_heads and the scalar decay: tests/test_ops_gdn.py
     "res_init": {"nblocks"},
     "res_mix": {"layer", "block", "after_snapshot", "eps"},
     "res_snapshot": {"layer", "block"},

@@ -45,8 +45,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mkdsl.block_attrs import op_block
 from mkdsl.dtypes import BF16, F32, I32, MXFP4, int4
-from mkdsl.ir import TensorType
+from mkdsl.ir import BlockAttr, TensorType
 from mkdsl.ops import OPS, REQUIRED, Operand, OpError
 from mkdsl.quant import QTensor, dequantize
 
@@ -63,7 +64,7 @@ KNOWN_ATTRS = {  # the attributes the oracles below pass by name
     "compact": {"block", "keep"},
     "mla_attention": {"heads", "nope", "extra", "vdim", "scale"},
     "route": {"k"},
-    "moe_experts": {"beta", "linear_beta"},
+    "moe_experts": {"act"},
 }
 
 
@@ -533,7 +534,7 @@ def test_moe_experts_decodes_mxfp4_exactly(seed, experts, f, b):
     dims = rng.integers(0, d, b)
     z = np.zeros((b, d), np.float32)
     z[np.arange(b), dims] = 1.0
-    (out,) = run("moe_experts", z, np.ones((b, 1), np.float32), ids, w1, w3, w2)
+    (out,) = run("moe_experts", z, np.ones((b, 1), np.float32), ids, w1, w3, w2, act=situ_act(b, f))
     for r in range(b):
         x = ids[r, 0]
         v = float(out[r, ref_col[x]])
@@ -544,6 +545,12 @@ def test_moe_experts_decodes_mxfp4_exactly(seed, experts, f, b):
 
 
 # ---------------------------------------------------------------- experts
+
+
+def situ_act(b, f, **attrs) -> BlockAttr:
+    """The activation block `act=situ` (with these attributes) on [b, f] gate and up results."""
+    t = TensorType(F32, (b, f))
+    return BlockAttr(op_block("situ", (t, t), **attrs))
 
 
 def moe_oracle(z, weights, ids, w1, w3, w2, beta, lb):
@@ -610,7 +617,7 @@ def test_moe_experts(seed, b, experts, k, d, f, fmt, zscale, byte, betas, on_gri
             mats.append((w, bits_f64(w)))
     (w1, w1v), (w3, w3v), (w2, w2v) = mats
     attrs = {} if betas is None else {"beta": betas[0], "linear_beta": betas[1]}
-    (out,) = run("moe_experts", z, weights, ids, w1, w3, w2, **attrs)
+    (out,) = run("moe_experts", z, weights, ids, w1, w3, w2, act=situ_act(b, f, **attrs))
     assert out.dtype == np.float32 and out.shape == (b, d)
     beta, lb = betas or (4.0, 25.0)  # the documented defaults
     want, atol = moe_oracle(z.astype(np.float64), weights.astype(np.float64), ids, w1v, w3v, w2v, beta, lb)

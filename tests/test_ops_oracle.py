@@ -314,12 +314,15 @@ def test_softmax(seed, b, n, scale, dt):
     dt=ACT_DTYPES,
     wdt=ACT_DTYPES,
     eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+    offset=st.sampled_from([0.0, 1.0]),
 )
-def test_rmsnorm(seed, b, heads, width, scale, dt, wdt, eps):
+def test_rmsnorm(seed, b, heads, width, scale, dt, wdt, eps, offset):
+    """offset + w is one f32 rounding of exact values (relative to the result), so F32_RTOL holds."""
     rng = np.random.default_rng(seed)
     x, xv = activation(rng, (b, heads * width), scale, dt)
     w, wv = activation(rng, (width,), 1.0, wdt)
-    (out,) = run("rmsnorm", x, w, eps=eps, heads=heads)
+    (out,) = run("rmsnorm", x, w, eps=eps, heads=heads, offset=offset)
+    wv = offset + wv
     want = np.empty((b, heads * width))
     for r in range(b):
         for h in range(heads):
@@ -361,8 +364,9 @@ def fp8_array(rng, shape, fmt: str):
     scale=SCALES,
     dt=ACT_DTYPES,
     fmt=st.sampled_from(["bf16", "f32", "fp8_e4m3", "fp8_e5m2"]),
+    transposed=st.booleans(),
 )
-def test_linear_plain_weights(seed, b, k, n, scale, dt, fmt):
+def test_linear_plain_weights(seed, b, k, n, scale, dt, fmt, transposed):
     rng = np.random.default_rng(seed)
     x, xv = activation(rng, (b, k), scale, dt)
     if fmt == "bf16":
@@ -373,7 +377,11 @@ def test_linear_plain_weights(seed, b, k, n, scale, dt, fmt):
         wv = w.astype(np.float64)
     else:
         w, wv = fp8_array(rng, (k, n), fmt)
-    check_linear(run("linear", x, w)[0], xv, wv, f"linear {fmt}")
+    if transposed:  # stored [N, K] (a tied head): the same product of the transposed array
+        out = run("linear", x, np.ascontiguousarray(w.T), transposed=True)[0]
+    else:
+        out = run("linear", x, w)[0]
+    check_linear(out, xv, wv, f"linear {fmt}{' transposed' if transposed else ''}")
 
 
 @oracle_for("linear", "mxfp4")
@@ -386,6 +394,36 @@ def test_linear_mxfp4(seed, b, k, n, scale, dt):
     scales = rng.integers(112, 136, (k // 32, n), dtype=np.uint8)
     (out,) = _jitted_qlinear("mxfp4", 32)(x, codes, scales)
     check_linear(np.asarray(out), xv, mxfp4_decode(codes, scales), "linear mxfp4")
+
+
+@oracle_for("linear", "int8", "fp8_e4m3", "fp8_e5m2")
+@FEW
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    k=st.sampled_from([64, 128]),
+    n=st.sampled_from([1, 24]),
+    group=st.sampled_from([16, 64]),
+    scale=SCALES,
+    dt=ACT_DTYPES,
+    fmt=st.sampled_from(["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3:block"]),
+)
+def test_linear_scaled_codes(seed, b, k, n, group, scale, dt, fmt):
+    """int8 and fp8 codes with f32 scales: per `group` inputs of a column, or per [g, g] square."""
+    rng = np.random.default_rng(seed)
+    x, xv = activation(rng, (b, k), scale, dt)
+    if fmt == "int8":
+        codes = rng.integers(-128, 128, (k, n)).astype(np.int8)
+        cv = codes.astype(np.float64)
+    else:
+        codes, cv = fp8_array(rng, (k, n), fmt.split(":")[0])
+    blocks = (-(-k // group), -(-n // group)) if fmt.endswith(":block") else (k // group, n)
+    scales = (rng.standard_normal(blocks) * 0.01).astype(np.float32)
+    full = np.repeat(scales.astype(np.float64), group, 0)
+    full = np.repeat(full, group, 1)[:k, :n] if fmt.endswith(":block") else full
+    (out,) = _jitted_qlinear(fmt, group)(x, codes, scales)
+    # the reference rounds each code x scale to f32 once (2^-24 relative): inside check_linear's bound
+    check_linear(np.asarray(out), xv, cv * full, f"linear {fmt}(group={group})")
 
 
 @oracle_for("linear", "int4")
@@ -729,11 +767,11 @@ KNOWN_ATTRS = {  # the attributes the oracles above pass by name (ops not listed
     "swiglu": set(),
     "softmax": set(),
     "embedding": set(),
-    "linear": set(),
+    "linear": {"transposed"},
     "argmax": set(),
     "softcap": {"cap"},
     "situ": {"beta", "linear_beta"},
-    "rmsnorm": {"eps", "heads"},
+    "rmsnorm": {"eps", "heads", "offset"},
     "rope": {"heads", "theta"},
     "attention": {"heads", "kv_heads", "scale"},
     "topk": {"k"},

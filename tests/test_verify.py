@@ -25,7 +25,7 @@ MUTATIONS = {  # generated text -> a plausible bug; each must occur exactly once
         "jax.nn.silu(r.v1_256[...]) * r.v2_256[...]",
         "jax.nn.silu(r.v1_256[...]) * r.v2_256[...] * 1.05",
     ),
-    "rope frequencies off by 5%": ("(-2.0 * math.log(theta) / d)", "(-2.1 * math.log(theta) / d)"),
+    "rope frequencies off by 5%": ("inv = jnp.where(pair == i, f, inv)", "inv = jnp.where(pair == i, f * 1.05, inv)"),
 }
 
 

@@ -150,20 +150,114 @@ def check_inputs(weights, state, tokens, positions, batch, seq_len):
     _check_ids("positions", positions, batch, seq_len, f"the cache holds {seq_len} tokens")
 
 
+def _seed(seed):
+    """The sampling seed as a uint32 scalar (an int is taken modulo 2**32)."""
+    if isinstance(seed, (int, np.integer)):
+        return np.uint32(int(seed) % 2**32)
+    if not hasattr(seed, "shape") or tuple(seed.shape) != () or not jnp.issubdtype(seed.dtype, jnp.integer):
+        raise ValueError(f"seed must be an int or an integer scalar, got {seed!r}")
+    return seed.astype(jnp.uint32)
+
+
 class CheckedStep:
-    """The jitted decode step behind a check of its inputs; `jitted` is the step itself."""
+    """The jitted decode step behind a check of its inputs; `jitted` is the step itself
+    (`jitted(weights, state, tokens, positions, seed)`, seed a uint32 scalar)."""
 
-    def __init__(self, jitted, batch, seq_len):
-        self.jitted, self.batch, self.seq_len = jitted, batch, seq_len
+    def __init__(self, jitted, batch, seq_len, steps_per_call=1):
+        self.jitted, self.batch, self.seq_len, self.steps_per_call = jitted, batch, seq_len, steps_per_call
 
-    def __call__(self, weights, state, tokens, positions):
+    def _check(self, weights, state, tokens, positions):
         check_inputs(weights, state, tokens, positions, self.batch, self.seq_len)
-        return self.jitted(weights, state, tokens, positions)
+        if self.steps_per_call > 1:  # every step's position must be in the cache
+            room = self.seq_len - self.steps_per_call + 1
+            _check_ids("positions", positions, self.batch, room, f"{self.steps_per_call} steps from each need room")
 
-    def lower(self, weights, state, tokens, positions):
+    def __call__(self, weights, state, tokens, positions, seed=0):
+        self._check(weights, state, tokens, positions)
+        return self.jitted(weights, state, tokens, positions, _seed(seed))
+
+    def lower(self, weights, state, tokens, positions, seed=0):
         """As `jax.jit(...).lower`, for ahead-of-time compiles (abstract inputs are checked too)."""
-        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len)
-        return self.jitted.lower(weights, state, tokens, positions)
+        self._check(weights, state, tokens, positions)
+        return self.jitted.lower(weights, state, tokens, positions, _seed(seed))
+
+
+# ---------------------------------------------------------------------------------------
+# Sampling: greedy, temperature, top-k, top-p, from counter-based random bits. The same code is
+# mkdsl.sampling's (mkdsl reads this file), so the reference samples identically for a seed.
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a row's next token is chosen from its logits. temperature 0: greedy (the first
+    largest logit). Otherwise a draw from softmax(logits / temperature) restricted to the
+    `top_k` largest logits (0: all; ties with the k-th are kept) and then to the most likely
+    tokens whose probability first reaches `top_p` (1.0: all; ties with the last are kept)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0: no limit), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+
+def _mix32(x):
+    """A bijective 32-bit hash (xor-shift-multiply rounds): each output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sample_uniform(seed, positions, vocab):
+    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id). Counter-based,
+    so a step's draws depend on nothing else: the same seed and positions give the same bits
+    whatever ran before, in one call or several, and however the vocabulary is split."""
+    seed = jnp.asarray(seed).astype(jnp.uint32)
+    rows = jnp.arange(positions.shape[0], dtype=jnp.uint32)
+    key = _mix32(_mix32(_mix32(seed ^ jnp.uint32(0x9E3779B9)) ^ positions.astype(jnp.uint32)) ^ rows)
+    bits = _mix32(key[:, None] ^ _mix32(jnp.arange(vocab, dtype=jnp.uint32))[None, :])
+    return ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)  # 24 bits: exact in f32
+
+
+def sampling_mask(z, sampling):
+    """z (logits / temperature) with the tokens outside top_k and top_p set to -inf."""
+    if sampling.top_k and sampling.top_k < z.shape[-1]:
+        kth = jax.lax.top_k(z, sampling.top_k)[0][:, -1:]
+        z = jnp.where(z >= kth, z, -jnp.inf)
+    if sampling.top_p < 1:
+        p = jax.nn.softmax(z, axis=-1)
+        desc = -jnp.sort(-p, axis=-1)
+        before = jnp.cumsum(desc, axis=-1) - desc  # the mass of the more likely tokens
+        kept = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)  # >= 1: the first has 0 before it
+        z = jnp.where(p >= jnp.take_along_axis(desc, kept - 1, axis=-1), z, -jnp.inf)
+    return z
+
+
+def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None):
+    """Next tokens i32 [batch] of `logits` f32 [batch, vocab] under `sampling`: the Gumbel-max
+    draw argmax(z + g), g = -log(-log(u)) from `sample_uniform`, z the masked scaled logits.
+    Greedy returns `greedy_tokens` (the kernel's own argmax) if given."""
+    logits = logits.astype(jnp.float32)
+    if sampling.greedy:
+        if greedy_tokens is not None:
+            return greedy_tokens
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    z = sampling_mask(logits / jnp.float32(sampling.temperature), sampling)
+    g = -jnp.log(-jnp.log(sample_uniform(seed, positions, logits.shape[-1])))
+    return jnp.argmax(z + g, axis=-1).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -252,23 +346,37 @@ def rmsnorm(x, w, out, eps, heads):
         out[:, h * d : (h + 1) * d] = rms_rows(x[:, h * d : (h + 1) * d], w, eps)
 
 
-def rope_tables(positions_ref, rows, batch, d, theta):
-    """cos and sign-folded sin, f32 [rows, d], for each row's position (rotate-half pairs)."""
+def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):
+    """cos and sin, f32 [rows, d], for each row's position, and the [1, d] mask of lanes whose
+    partner is `shift` lanes above. `freq` holds the pairs' inverse frequencies, computed at
+    compile time (mkdsl/ops/rope.py); the pass-through lanes get cos 1 and sin 0."""
     row = jax.lax.broadcasted_iota(I32, (rows, 1), 0)
     pos = jnp.zeros((rows, 1), I32)
     for b in range(batch):
         pos = jnp.where(row == b, positions_ref[b], pos)
-    lane = jax.lax.broadcasted_iota(I32, (1, d), 1)
-    pair = jnp.where(lane < d // 2, lane, lane - d // 2).astype(F32)
-    angle = pos.astype(F32) * jnp.exp(pair * (-2.0 * math.log(theta) / d))
-    return jnp.cos(angle), jnp.sin(angle) * jnp.where(lane < d // 2, -1.0, 1.0)
+    k = jax.lax.broadcasted_iota(I32, (1, d), 1) - offset
+    rot = (k >= 0) & (k < rotary)
+    k = jnp.where(rot, k, 0)
+    up = (k % (2 * shift)) < shift
+    pair = k // (2 * shift) * shift + k % shift
+    inv = jnp.zeros((1, d), F32)
+    for i, f in enumerate(freq):
+        inv = jnp.where(pair == i, f, inv)
+    angle = pos.astype(F32) * jnp.where(rot, inv, 0.0)
+    cos = jnp.where(rot, jnp.cos(angle) * concentration, 1.0)
+    sin = jnp.where(rot, jnp.sin(angle) * jnp.where(up, -concentration, concentration), 0.0)
+    return cos, sin, up & rot
 
 
-def rope(x, out, cos, sin, heads):
+def rope(x, out, cos, sin, up, heads, shift):
     d = cos.shape[1]
     for h in range(heads):
         xs = x[:, h * d : (h + 1) * d]
-        out[:, h * d : (h + 1) * d] = xs * cos + pltpu.roll(xs, d // 2, 1) * sin
+        if 2 * shift == d:  # rotate-half over the whole head: one roll pairs every lane
+            partner = pltpu.roll(xs, shift, 1)
+        else:
+            partner = jnp.where(up, pltpu.roll(xs, d - shift, 1), pltpu.roll(xs, shift, 1))
+        out[:, h * d : (h + 1) * d] = xs * cos + partner * sin
 
 
 def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
@@ -373,15 +481,24 @@ def lane_pick(row, i):
     """Element i of a [1, n] row as a [1, 1] value (i may be traced)."""
     lane = jax.lax.broadcasted_iota(I32, row.shape, 1)
     return jnp.sum(jnp.where(lane == i, row, 0.0), axis=1, keepdims=True)
-def kv_tables(positions_ref, batch, kv_tile, kv_row, kv_t0, kv_n):
-    """Flatten (row, KV tile) pairs up to each row's position into SMEM tables."""
+def first_tile(pos, kv_tile, window):
+    """The first KV tile a row at `pos` reads: 0, or with a window the tile of pos - window + 1."""
+    if window is None:
+        return jnp.int32(0)
+    return jnp.maximum(pos - window + 1, 0) // kv_tile
+
+
+def kv_tables(positions_ref, batch, kv_tile, kv_row, kv_t0, kv_n, window=None):
+    """Flatten (row, KV tile) pairs up to each row's position into SMEM tables: every tile from
+    the first one the row's window reaches (tile 0 without a window)."""
     n = jnp.int32(0)
     for b in range(batch):
-        tiles = positions_ref[b] // kv_tile + 1
+        first = first_tile(positions_ref[b], kv_tile, window)
+        tiles = positions_ref[b] // kv_tile + 1 - first
 
-        def fill(i, carry, b=b, n=n):
+        def fill(i, carry, b=b, n=n, first=first):
             kv_row[n + i] = jnp.int32(b)
-            kv_t0[n + i] = i * kv_tile
+            kv_t0[n + i] = (first + i) * kv_tile
             return carry
 
         jax.lax.fori_loop(0, tiles, fill, 0)
@@ -395,31 +512,41 @@ class Attention:
     q/k/v arrive row-major [rows, heads * d] and are laid out head-major ([heads * rows, d],
     row h * rows + b) so that a KV head's query group is one strided load. The new token's
     K/V row is patched into the VMEM tile holding its position, and that tile's aligned
-    KV_BLOCK-row block is written back to the cache in place.
+    KV_BLOCK-row block is written back to the cache in place. With a `window`, the op walks its
+    own KV tile tables, which hold only the tiles the window reaches; with sinks, each head's
+    online softmax starts from its sink logit (max = sink, sum = 1, no value), so the sink is
+    in the denominator only.
     """
 
-    def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names):
+    def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names,
+                 window=None, kv_load=None, kv_lo=None):
         self.r, self.positions_ref, self.op_id = r, positions_ref, op_id
         self.rows, self.batch, self.heads, self.kv_heads = rows, batch, heads, kv_heads
-        self.group = heads // kv_heads
+        # Replicated KV heads (kv_lo given): read only KV head kv_lo, which all `heads` share.
+        self.kv_load, self.kv_lo = kv_load or kv_heads, kv_lo
+        self.group = heads // self.kv_load
         self.dk, self.dv, self.kv_tile, self.kv_slots, self.scale = dk, dv, kv_tile, kv_slots, scale
+        self.window = window
         for key, name in names.items():
             setattr(self, key, getattr(r, name))
+        if window is None:
+            self.kv_row, self.kv_t0, self.kv_n = r.kv_row, r.kv_t0, r.kv_n
 
     def copies(self, slot, j, buf):
-        b = self.r.kv_row[j]
-        t0 = pl.multiple_of(self.r.kv_t0[j], self.kv_tile)
+        b = self.kv_row[j]
+        t0 = pl.multiple_of(self.kv_t0[j], self.kv_tile)
+        kv = pl.ds(0 if self.kv_lo is None else self.kv_lo, self.kv_load)
         return (
             pltpu.make_async_copy(
-                self.k_cache.at[slot, b, :, pl.ds(t0, self.kv_tile), :], self.ktiles.at[buf], self.kv_sem.at[0, buf]
+                self.k_cache.at[slot, b, kv, pl.ds(t0, self.kv_tile), :], self.ktiles.at[buf], self.kv_sem.at[0, buf]
             ),
             pltpu.make_async_copy(
-                self.v_cache.at[slot, b, :, pl.ds(t0, self.kv_tile), :], self.vtiles.at[buf], self.kv_sem.at[1, buf]
+                self.v_cache.at[slot, b, kv, pl.ds(t0, self.kv_tile), :], self.vtiles.at[buf], self.kv_sem.at[1, buf]
             ),
         )
 
     def issue(self, slot, j):
-        @pl.when(j < self.r.kv_n[0])
+        @pl.when(j < self.kv_n[0])
         def _():
             for c in self.copies(slot, j, j % self.kv_slots):
                 c.start()
@@ -444,9 +571,14 @@ class Attention:
         for h in range(heads):
             dst[h * self.rows : (h + 1) * self.rows, :] = src[:, h * d : (h + 1) * d]
 
-    def __call__(self, slot, q, k, v, out):
+    def __call__(self, slot, q, k, v, out, sinks=None):
         rows, heads, kvh = self.rows, self.heads, self.kv_heads
         self.drain()
+        if self.window is not None:
+            kv_tables(self.positions_ref, self.batch, self.kv_tile, self.kv_row, self.kv_t0, self.kv_n, self.window)
+        if sinks is not None:  # the sink logits as a column, one row per head
+            for h in range(heads):
+                self.sink[h : h + 1, :] = sinks[:, h : h + 1]
         for j in range(self.kv_slots - 1):
             self.issue(slot, jnp.int32(j))
         self.to_heads(q, self.q2d, heads, self.dk)
@@ -459,14 +591,18 @@ class Attention:
             buf = j % self.kv_slots
             for c in self.copies(slot, j, buf):
                 c.wait()
-            b = self.r.kv_row[j]
-            t0 = self.r.kv_t0[j]
+            b = self.kv_row[j]
+            t0 = self.kv_t0[j]
             pos = self.positions_ref[b]
 
-            @pl.when(t0 == 0)
+            @pl.when(t0 == first_tile(pos, self.kv_tile, self.window) * self.kv_tile)
             def _():
-                self.m[...] = jnp.full(self.m.shape, NEG_INF, F32)
-                self.l[...] = jnp.zeros(self.l.shape, F32)
+                if sinks is None:
+                    self.m[...] = jnp.full(self.m.shape, NEG_INF, F32)
+                    self.l[...] = jnp.zeros(self.l.shape, F32)
+                else:
+                    self.m[...] = self.sink[...]
+                    self.l[...] = jnp.ones(self.l.shape, F32)
                 self.acc[...] = jnp.zeros(self.acc.shape, F32)
 
             @pl.when(pos < t0 + self.kv_tile)  # this row's last tile holds the new token
@@ -477,13 +613,13 @@ class Attention:
 
             @pl.when(pos < t0 + self.kv_tile)
             def _():
-                for g in range(kvh):
+                for g in range(self.kv_load):
                     hs = pl.ds(g * self.group, self.group)
                     self.o2d[pl.ds(g * self.group * rows + b, self.group, stride=rows), :] = self.acc[hs, :] / self.l[hs, :]
 
             return carry
 
-        jax.lax.fori_loop(0, self.r.kv_n[0], tile, 0)
+        jax.lax.fori_loop(0, self.kv_n[0], tile, 0)
         self.r.wb_pending[self.op_id] = 1
         for h in range(heads):
             out[:, h * self.dv : (h + 1) * self.dv] = self.o2d[h * rows : (h + 1) * rows, :]
@@ -492,19 +628,36 @@ class Attention:
         off = pos - t0
         blk = pl.multiple_of(off // KV_BLOCK * KV_BLOCK, KV_BLOCK)
         for which, tiles, new2d in ((0, self.ktiles, self.k2d), (1, self.vtiles, self.v2d)):
-            old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
+            if self.kv_lo is None:
+                old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
+            else:  # the tile holds one KV head: read every head's block, so all replicas get the token
+                cache = self.k_cache if which == 0 else self.v_cache
+                at = pl.multiple_of(t0 + blk, KV_BLOCK)
+                rd = pltpu.make_async_copy(cache.at[slot, b, :, pl.ds(at, KV_BLOCK), :], self.wb.at[which, b], self.rd_sem.at[0])
+                rd.start()
+                rd.wait()
+                old = self.wb[which, b]
             new = new2d[pl.ds(b, self.kv_heads, stride=self.rows), :].astype(old.dtype)
             row = jax.lax.broadcasted_iota(I32, old.shape, 1)
             patched = jnp.where(row == off - blk, new[:, None, :], old)
-            tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = patched
             self.wb[which, b] = patched
+            if self.kv_lo is None:
+                tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = patched
+            else:
+                tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = self.wb[which, b, pl.ds(self.kv_lo, 1)]
             self.writeback(which, slot, b, pl.multiple_of(t0 + blk, KV_BLOCK)).start()
+
+    def seen(self, t, pos):
+        """The keys a query at `pos` attends to: t <= pos, and within the window if there is one."""
+        if self.window is None:
+            return t <= pos
+        return (t <= pos) & (t > pos - self.window)
 
     def attend(self, buf, b, t0, pos):
         ts = self.kv_tile
-        valid = (t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1)) <= pos
-        valid_rows = (t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0)) <= pos
-        for g in range(self.kv_heads):
+        valid = self.seen(t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1), pos)
+        valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
+        for g in range(self.kv_load):
             hs = pl.ds(g * self.group, self.group)
             q = self.q2d[pl.ds(g * self.group * self.rows + b, self.group, stride=self.rows), :]
             k = self.ktiles[buf, g].astype(F32)
@@ -537,7 +690,7 @@ S_EPILOGUE_LOGITS = Stream("lm_head", k=128, n=256, tk=128, tn=256, start=0, sta
 EPILOGUE_TILES = 1
 
 
-def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
+def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
 
     Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`, which
@@ -549,8 +702,20 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
     makes `step` return a fourth value: name -> f32 [NUM_LAYERS + 1, batch, width] for each of
     LAYER_CARRIES, entry 0 as the layer stack receives it and entry l + 1 after layer l. The default
     build has no trace output and no trace copies.
+
+    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the kernel's own
+    argmax); `step` then takes a fifth argument, `seed` (an int, default 0), and its draws are a
+    function of (seed, each row's position, row, token) only. `steps_per_call=N` runs N decode
+    steps in one device call, each step's token fed to the next on the device (positions
+    advancing by one), and returns the N tokens as next_tokens i32 [batch, N] with the last
+    step's logits.
     """
     check_sizes(batch, seq_len)
+    sampling = Sampling() if sampling is None else sampling
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a Sampling, got {type(sampling).__name__}")
+    if not isinstance(steps_per_call, int) or steps_per_call < 1 or (layer_trace and steps_per_call != 1):
+        raise ValueError(f"steps_per_call must be an int >= 1 (1 with layer_trace), got {steps_per_call!r}")
     rows = -(-batch // ROW_TILE) * ROW_TILE
     seq_tiles = seq_len // KV_TILE
 
@@ -665,14 +830,14 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
 
                 pass
 
-        attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=2, kv_heads=1, dk=128, dv=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.08838834764831845, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'})
+        attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=2, kv_heads=1, dk=128, dv=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.08838834764831845, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)
 
         # ---- prologue: first tiles in flight, per-step tables ----
         r.cursor[0] = 0
         r.cursor[1] = 0
         for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
             issue(jnp.int32(g))
-        rope0_cos, rope0_sin = rope_tables(positions_ref, rows, batch, 128, 10000.0)
+        rope0_cos, rope0_sin, rope0_up = rope_tables(positions_ref, rows, batch, d=128, offset=0, rotary=128, shift=64, freq=(1.0, 0.8659643530845642, 0.7498942017555237, 0.6493816375732422, 0.5623413324356079, 0.486967533826828, 0.4216965138912201, 0.3651741147041321, 0.3162277638912201, 0.2738419771194458, 0.23713737726211548, 0.20535250008106232, 0.17782793939113617, 0.1539926528930664, 0.1333521455526352, 0.11547819525003433, 0.10000000149011612, 0.08659642934799194, 0.0749894231557846, 0.06493816524744034, 0.05623413249850273, 0.04869675263762474, 0.04216964915394783, 0.03651741147041321, 0.03162277489900589, 0.0273841954767704, 0.023713737726211548, 0.02053525112569332, 0.017782794311642647, 0.015399265103042126, 0.013335213996469975, 0.011547819711267948, 0.009999999776482582, 0.00865964312106371, 0.007498942315578461, 0.006493816152215004, 0.005623413249850273, 0.004869675263762474, 0.0042169648222625256, 0.0036517411936074495, 0.003162277629598975, 0.0027384196873754263, 0.0023713738191872835, 0.0020535250660032034, 0.0017782794311642647, 0.0015399265103042126, 0.0013335214462131262, 0.0011547820176929235, 0.0010000000474974513, 0.0008659643353894353, 0.0007498941849917173, 0.0006493816035799682, 0.000562341301701963, 0.0004869675321970135, 0.0004216965171508491, 0.00036517411353997886, 0.0003162277571391314, 0.00027384195709601045, 0.00023713737027719617, 0.00020535250951070338, 0.00017782794020604342, 0.0001539926597615704, 0.0001333521504420787, 0.00011547820031410083), concentration=1.0)
         kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
         for i in range(1):
             r.wb_pending[i] = 0
@@ -697,10 +862,10 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
                 # spec line 33: q = rope(linear(h, wq), pos, heads=NH)
                 cast_into(r.v0_128, r.v0_128_bf16)
                 linear(r, issue, S_DECODER_LINEAR, li, base + S_DECODER_LINEAR.start, r.v0_128_bf16, r.v1_256)
-                rope(r.v1_256, r.v2_256, rope0_cos, rope0_sin, heads=2)
+                rope(r.v1_256, r.v2_256, rope0_cos, rope0_sin, rope0_up, heads=2, shift=64)
                 # spec line 34: k = rope(linear(h, wk), pos, heads=NKV)
                 linear(r, issue, S_DECODER_LINEAR_1, li, base + S_DECODER_LINEAR_1.start, r.v0_128_bf16, r.v3_128)
-                rope(r.v3_128, r.v4_128, rope0_cos, rope0_sin, heads=1)
+                rope(r.v3_128, r.v4_128, rope0_cos, rope0_sin, rope0_up, heads=1, shift=64)
                 # spec line 35: a = attention(q, k, linear(h, wv), k_cache, v_cache, pos, heads=NH, kv_heads=NKV)
                 linear(r, issue, S_DECODER_LINEAR_2, li, base + S_DECODER_LINEAR_2.start, r.v0_128_bf16, r.v3_128)
                 attention0(li, r.v2_256, r.v4_128, r.v3_128, r.v1_256)
@@ -770,11 +935,9 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
     )
 
 
-    def step(weights, state, tokens, positions):
+    def one_step(flat, state, tokens, positions):
+        """One kernel call: (logits, the kernel's greedy tokens [batch], new state, trace)."""
         tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE)]
-        flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
-        for name, rows in padded.items():
-            flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
         logits, next_tokens, *new_state = call(
             tokens.astype(I32),
             positions.astype(I32),
@@ -784,9 +947,29 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False):
         )
         new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
         new_state = dict(zip(state_names, new_state, strict=True))
-        if layer_trace:
-            trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)}
-            return logits, next_tokens.reshape(batch), new_state, trace
-        return logits, next_tokens.reshape(batch), new_state
+        trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)} if layer_trace else {}
+        return logits, next_tokens.reshape(batch), new_state, trace
 
-    return CheckedStep(jax.jit(step, donate_argnums=(1,)), batch, seq_len)
+    def step(weights, state, tokens, positions, seed):
+        flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
+        for name, rows in padded.items():
+            flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
+        tokens, positions = tokens.astype(I32), positions.astype(I32)
+        if steps_per_call == 1:
+            logits, greedy, new_state, trace = one_step(flat, state, tokens, positions)
+            next_tokens = sample_tokens(logits, positions, seed, sampling, greedy)
+            return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
+
+        def decode(i, carry):  # step i's token is step i + 1's input, on the device
+            state, last, chosen, _ = carry
+            logits, greedy, state, _ = one_step(flat, state, last, positions + i)
+            last = sample_tokens(logits, positions + i, seed, sampling, greedy)
+            return state, last, chosen.at[:, i].set(last), logits
+
+        chosen = jnp.zeros((batch, steps_per_call), I32)
+        logits = jnp.zeros((batch, 256), F32)
+        new_state, _, chosen, logits = jax.lax.fori_loop(0, steps_per_call, decode, (state, tokens, chosen, logits))
+        return logits, chosen, new_state
+
+    jitted = jax.jit(step, donate_argnums=(1,))
+    return CheckedStep(jitted, batch, seq_len, steps_per_call)

@@ -1,10 +1,10 @@
-"""Attention: rotary position embedding and decode attention over a KV cache."""
+"""Grouped-query decode attention over a KV cache (rotary embedding: ops/rope.py)."""
 
 from __future__ import annotations
 
 from mkdsl.dtypes import F32
 from mkdsl.ir import TensorType
-from mkdsl.lazy import jax, jnp
+from mkdsl.lazy import jnp
 from mkdsl.ops.registry import (
     Cost,
     OpDef,
@@ -13,56 +13,17 @@ from mkdsl.ops.registry import (
     expect_dtype,
     expect_float,
     expect_rank,
-    numel,
     register,
 )
 
 
-def rope(x, positions, heads, theta):
-    """Rotary embedding, rotate-half convention: pairs (i, i + d/2) of each head rotate by
-    positions·theta^(-2i/d)."""
-    x = x.astype(jnp.float32)
-    b, n = x.shape
-    d = n // heads
-    inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-    angle = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    cos = jnp.concatenate([jnp.cos(angle)] * 2, axis=-1)[:, None, :]
-    sin = jnp.concatenate([jnp.sin(angle)] * 2, axis=-1)[:, None, :]
-    xh = x.reshape(b, heads, d)
-    rotated = jnp.concatenate([-xh[..., d // 2 :], xh[..., : d // 2]], axis=-1)
-    return (xh * cos + rotated * sin).reshape(b, n)
-
-
-def _rope_infer(args, attrs):
-    x, pos = args
-    expect_rank(x, 2, 0, "the input")
-    expect_float(x, 0)
-    expect_dtype(pos, ("i32",), 1)
-    d = expect_divides(x.type.shape[1], attrs["heads"], "row width per head", "heads")
-    if isinstance(d, int) and d % 2:
-        raise OpError(f"rope needs an even head dimension, got {d}", "heads")
-    return (TensorType(F32, x.type.shape),)
-
-
-register(
-    OpDef(
-        "rope",
-        ("x", "positions"),
-        _rope_infer,
-        lambda x, p, heads, theta: (rope(x, p, heads, theta),),
-        lambda ins, outs, a: Cost(flops=6 * numel(outs[0])),
-        attrs={"heads": 1, "theta": 10000.0},
-        doc="Rotary position embedding (rotate-half pairs) of each head at each row's position.",
-        shard="heads",
-    )
-)
-
-
-def attention(q, k, v, k_cache, v_cache, positions, heads, kv_heads, scale=None):
-    """Decode attention: write this token's k/v at `positions`, then attend over 0..position.
+def attention(q, k, v, k_cache, v_cache, positions, sinks=None, *, heads, kv_heads, scale=None, window=None):
+    """Decode attention: write this token's k/v at `positions`, then attend over the keys at
+    positions p-window+1..p (0..p without a window).
 
     Grouped-query: query head h reads KV head h // (heads // kv_heads). Scores and softmax in
-    f32; cached keys/values are read back in the cache's dtype, as a kernel would.
+    f32; cached keys/values are read back in the cache's dtype, as a kernel would. `sinks`
+    ([heads]) adds one unscaled logit per head to the softmax's denominator only.
     """
     b = q.shape[0]
     dk, dv = k_cache.shape[-1], v_cache.shape[-1]
@@ -72,16 +33,65 @@ def attention(q, k, v, k_cache, v_cache, positions, heads, kv_heads, scale=None)
     scale = dk**-0.5 if scale is None else scale
     qh = q.astype(jnp.float32).reshape(b, kv_heads, heads // kv_heads, dk)
     s = jnp.einsum("bkgd,bksd->bkgs", qh, k_cache.astype(jnp.float32), precision="highest") * scale
-    t = jnp.arange(k_cache.shape[2])
-    s = jnp.where(t[None, None, None, :] <= positions[:, None, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
+    t = jnp.arange(k_cache.shape[2])[None, None, None, :]
+    p = positions[:, None, None, None]
+    seen = (t <= p) if window is None else (t <= p) & (t > p - window)
+    p = _softmax_with_sinks(jnp.where(seen, s, -jnp.inf), sinks, (1, kv_heads, heads // kv_heads, 1))
     o = jnp.einsum("bkgs,bksd->bkgd", p, v_cache.astype(jnp.float32), precision="highest")
     return o.reshape(b, heads * dv), k_cache, v_cache
 
 
+def _softmax_with_sinks(s, sinks, shape):
+    """softmax over the last axis, with e^sinks (one per query head, broadcast as `shape`) added to
+    each denominator only."""
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sinks is None:
+        e = jnp.exp(s - m)
+        return e / jnp.sum(e, axis=-1, keepdims=True)
+    sink = sinks.astype(jnp.float32).reshape(shape)
+    m = jnp.maximum(m, sink)
+    e = jnp.exp(s - m)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))
+
+
+def attention_prefill(
+    rows, q, k, v, k_cache, v_cache, positions, sinks=None, *, heads, kv_heads, scale=None, window=None
+):
+    """Prefill: write every prompt token's k/v at its position, then each token attends causally
+    over 0..its position (earlier cached tokens and the prompt so far; within the window if there
+    is one), as `attention` per token."""
+    n, (bsz, t) = q.shape[0], (rows.batch, rows.length)
+    dk, dv, size = k_cache.shape[-1], v_cache.shape[-1], k_cache.shape[2]
+    b, at = rows.row_ids(), rows.write_positions(size)
+    k_cache = k_cache.at[b, :, at].set(k.reshape(n, kv_heads, dk).astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[b, :, at].set(v.reshape(n, kv_heads, dv).astype(v_cache.dtype), mode="drop")
+    scale = dk**-0.5 if scale is None else scale
+    qh = q.astype(jnp.float32).reshape(bsz, t, kv_heads, heads // kv_heads, dk)
+    s = jnp.einsum("btkgd,bksd->btkgs", qh, k_cache.astype(jnp.float32), precision="highest") * scale
+    pos = positions.reshape(bsz, t)[:, :, None, None, None]
+    key = jnp.arange(size)[None, None, None, None, :]
+    seen = (key <= pos) if window is None else (key <= pos) & (key > pos - window)
+    p = _softmax_with_sinks(jnp.where(seen, s, -jnp.inf), sinks, (1, 1, kv_heads, heads // kv_heads, 1))
+    o = jnp.einsum("btkgs,bksd->btkgd", p, v_cache.astype(jnp.float32), precision="highest")
+    return o.reshape(n, heads * dv), k_cache, v_cache
+
+
+def _check_sinks(sinks, heads) -> None:
+    if sinks.kind != "tensor" or sinks.is_state:
+        raise OpError(f"sinks must be a declared weight [heads], not `{sinks.name}`", 6)
+    expect_float(sinks, 6)
+    if sinks.type.shape != (heads,):
+        raise OpError(f"sinks `{sinks.name}` is {sinks.type}, expected one logit per query head: [{heads}]", 6)
+
+
 def _attention_infer(args, attrs):
-    q, k, v, kc, vc, pos = args
+    q, k, v, kc, vc, pos = args[:6]
     heads, kv_heads = attrs["heads"], attrs["kv_heads"]
+    window = attrs["window"]
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise OpError(f"window must be a positive number of tokens, got {window!r}", "window")
+    if len(args) > 6:
+        _check_sinks(args[6], heads)
     for i, a in enumerate((q, k, v)):
         expect_rank(a, 2, i, "q, k and v")
         expect_float(a, i)
@@ -90,7 +100,8 @@ def _attention_infer(args, attrs):
             raise OpError(f"operand {i + 1} must be a state tensor (the cache), not `{c.name}`", i)
         expect_rank(c, 4, i, "a KV cache [B, kv_heads, S, head_dim]")
     expect_dtype(pos, ("i32",), 5)
-    expect_divides(heads, kv_heads, "query heads per KV head", "kv_heads")
+    if not attrs.get("kv_axes"):  # set by the shard pass when the KV heads are replicated
+        expect_divides(heads, kv_heads, "query heads per KV head", "kv_heads")
     b, _, s, dk = kc.type.shape
     dv = vc.type.shape[3]
     for i, c in ((3, kc), (4, vc)):
@@ -107,8 +118,10 @@ def _attention_infer(args, attrs):
 
 
 def _attention_cost(ins, outs, attrs):
-    q, k, v, kc, vc, pos = ins
+    kc, vc = ins[3], ins[4]
     b, kvh, s, dk = kc.shape
+    if attrs["window"] is not None:
+        s = min(s, attrs["window"])  # the cost is charged on the tokens seen (sequence dims = context + 1)
     dv = vc.shape[3]
     cache_read = b * kvh * s * (dk + dv) * (kc.dtype.bits // 8)
     written = b * kvh * (dk + dv) * (kc.dtype.bits // 8)
@@ -118,15 +131,18 @@ def _attention_cost(ins, outs, attrs):
 register(
     OpDef(
         "attention",
-        ("q", "k", "v", "k_cache", "v_cache", "positions"),
+        ("q", "k", "v", "k_cache", "v_cache", "positions", "sinks"),
         _attention_infer,
         attention,
         _attention_cost,
-        attrs={"heads": 1, "kv_heads": 1, "scale": None},
+        attrs={"heads": 1, "kv_heads": 1, "scale": None, "window": None},
+        optional=1,
         inout=("k_cache", "v_cache"),
-        doc="Grouped-query decode attention; writes k/v at each row's position in place.",
+        doc="Grouped-query decode attention (optional sliding window and per-head sink logits); writes k/v at "
+        "each row's position in place.",
         shard="kv_heads",
         attends=True,
         data_dependent=True,
+        prefill=attention_prefill,
     )
 )

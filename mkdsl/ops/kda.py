@@ -11,6 +11,11 @@ One decode step of a KDA layer, per row (see facts/kimi_k3.md):
 
 Everything is computed in f32; weights are upcast. The conv state and the recurrent state
 are updated in place.
+
+Gated DeltaNet (Qwen3-Next, facts/models.md section 3) uses the same ops: its decay is one
+scalar per value head (g [B, heads], composed in the spec from elementwise ops) and several
+value heads share a key head (`delta_rule(..., key_heads=n)`); its gated output norm is
+`rmsnorm(o, w, heads=h) * silu(z)`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 from mkdsl.dtypes import F32
 from mkdsl.ir import TensorType
 from mkdsl.lazy import jax, jnp
+from mkdsl.ops.prefill import scan_rule
 from mkdsl.ops.registry import (
     Cost,
     OpDef,
@@ -119,6 +125,7 @@ register(
         "weight [K, C], its last tap on x; the state shifts in x.",
         shard="channels",
         data_dependent=True,
+        prefill=scan_rule(short_conv, tokens=(0,), state=2),  # the conv window slides token by token
     )
 )
 
@@ -198,17 +205,33 @@ register(
 # ---------------------------------------------------------------- gated delta rule
 
 
-def delta_rule(q, k, v, g, beta, state, heads=1):
-    """One step of the gated delta rule per row and head, S [dk, dv] in f32:
-    S' = diag(exp(g))·S; S = S' + k ⊗ (beta·(v - S'ᵀk)); o = Sᵀq."""
+def _key_heads(attrs, heads: int) -> int:
+    """The key heads (`key_heads=`, default: one per value head); value head h reads key head
+    h // (heads / key_heads), as in grouped-query attention."""
+    kh = attrs.get("key_heads")
+    if kh is None:
+        return heads
+    if not isinstance(kh, int) or isinstance(kh, bool) or kh < 1:
+        raise OpError(f"key_heads must be a positive integer, got {kh!r}", "key_heads")
+    if heads % kh:
+        raise OpError(f"heads={heads} is not a multiple of key_heads={kh}", "key_heads")
+    return kh
+
+
+def delta_rule(q, k, v, g, beta, state, heads=1, key_heads=None):
+    """One step of the gated delta rule per row and value head, S [dk, dv] in f32:
+    S' = exp(g)·S (g per key channel, or one scalar per head); S = S' + k ⊗ (beta·(v - S'ᵀk));
+    o = Sᵀq. Value head h reads q and k of key head h // (heads / key_heads)."""
     b = q.shape[0]
     dk, dv = state.shape[2], state.shape[3]
-    qh = q.astype(jnp.float32).reshape(b, heads, dk)
-    kh = k.astype(jnp.float32).reshape(b, heads, dk)
-    gh = g.astype(jnp.float32).reshape(b, heads, dk)
+    group = heads // (key_heads or heads)
+    qh = jnp.repeat(q.astype(jnp.float32).reshape(b, -1, dk), group, axis=1)
+    kh = jnp.repeat(k.astype(jnp.float32).reshape(b, -1, dk), group, axis=1)
+    gf = g.astype(jnp.float32)
+    decay = jnp.exp(gf)[..., None, None] if gf.shape[1] == heads else jnp.exp(gf.reshape(b, heads, dk))[..., None]
     vh = v.astype(jnp.float32).reshape(b, heads, dv)
     bh = beta.astype(jnp.float32)
-    s = jnp.exp(gh)[..., None] * state.astype(jnp.float32)
+    s = decay * state.astype(jnp.float32)
     read = jnp.einsum("bhk,bhkv->bhv", kh, s, precision="highest")
     u = bh[..., None] * (vh - read)
     s = s + kh[..., :, None] * u[..., None, :]
@@ -219,6 +242,7 @@ def delta_rule(q, k, v, g, beta, state, heads=1):
 def _delta_rule_infer(args, attrs):
     q, k, v, g, beta, s = args
     heads = _heads(attrs)
+    kheads = _key_heads(attrs, heads)
     for i, a in enumerate((q, k, v, g, beta)):
         _expect_act(a, i, "q, k, v, g and beta")
     _expect_state(s, 5, 4, "the KDA state [B, heads, dk, dv]")
@@ -226,19 +250,22 @@ def _delta_rule_infer(args, attrs):
     b, sh, dk, dv = s.type.shape
     if sh != heads:
         raise OpError(f"the state `{s.name}` is {s.type}, but heads={heads}: dimension 2 must be {heads}", 5)
+    gw = g.type.shape[1]
     for i, a, want, what in (
-        (0, q, heads * dk, "q"),
-        (1, k, heads * dk, "k"),
+        (0, q, kheads * dk, "q"),
+        (1, k, kheads * dk, "k"),
         (2, v, heads * dv, "v"),
-        (3, g, heads * dk, "g"),
+        (3, g, gw if gw == heads else heads * dk, "g"),
         (4, beta, heads, "beta"),
     ):
         if a.type.shape[0] != b:
             raise OpError(f"{what} `{a.name}` has {a.type.shape[0]} rows, the state has {b}", i)
         if a.type.shape[1] != want:
+            extra = f" (or {heads}, one decay per head)" if what == "g" else ""
+            kh = f"{kheads} key heads, " if kheads != heads else ""
             raise OpError(
-                f"{what} `{a.name}` has {a.type.shape[1]} columns, expected {want} "
-                f"for {heads} heads and state {s.type}",
+                f"{what} `{a.name}` has {a.type.shape[1]} columns, expected {want}{extra} "
+                f"for {kh}{heads} heads and state {s.type}",
                 i,
             )
     return (TensorType(F32, (b, heads * dv)),)
@@ -257,12 +284,14 @@ register(
         _delta_rule_infer,
         delta_rule,
         _delta_rule_cost,
-        attrs={"heads": 1},
+        attrs={"heads": 1, "key_heads": None},
         inout=("state",),
-        doc="Gated delta rule, one token: S' = diag(exp(g))·S; S = S' + k⊗(beta·(v - S'ᵀk)); o = Sᵀq. "
-        "State [B, heads, dk, dv] f32, updated in place.",
-        shard="heads",
+        doc="Gated delta rule, one token: S' = exp(g)·S (g [B, heads·dk] per key channel, or [B, heads] "
+        "per head); S = S' + k⊗(beta·(v - S'ᵀk)); o = Sᵀq. q, k [B, key_heads·dk] (value head h reads "
+        "key head h // (heads/key_heads)); state [B, heads, dk, dv] f32, updated in place.",
+        shard="key_heads",
         attends=True,
         data_dependent=True,
+        prefill=scan_rule(delta_rule, tokens=(0, 1, 2, 3, 4), state=5),  # the recurrence, token by token
     )
 )

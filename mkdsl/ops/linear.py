@@ -23,10 +23,11 @@ def weight_f32(w):
     return dequantize(w) if isinstance(w, QTensor) else w.astype(jnp.float32)
 
 
-def linear(x, w):
-    """bf16(x) @ w with f32 accumulation: the MXU's contract for every weight format."""
+def linear(x, w, transposed=False):
+    """bf16(x) @ w (or @ w.T) with f32 accumulation: the MXU's contract for every weight format."""
     xb = x.astype(jnp.bfloat16).astype(jnp.float32)
-    return jnp.dot(xb, weight_f32(w), precision="highest")
+    wf = weight_f32(w)
+    return jnp.dot(xb, wf.T if transposed else wf, precision="highest")
 
 
 def _linear_infer(args, attrs):
@@ -36,13 +37,18 @@ def _linear_infer(args, attrs):
     if w.kind != "tensor" or w.is_state:
         raise OpError(f"the second operand of linear must be a declared weight, not `{w.name}`", 1)
     expect_rank(w, 2, 1, "the weight")
-    k, n = w.type.shape
+    if not isinstance(attrs["transposed"], bool):
+        raise OpError("`transposed` must be true or false", "transposed")
+    if attrs["transposed"] and w.type.dtype.quantised:
+        raise OpError(f"a transposed weight must not be quantised, but `{w.name}` is {w.type.dtype}", 1)
+    n, k = w.type.shape if attrs["transposed"] else reversed(w.type.shape)
     if x.type.shape[1] != k:
-        raise OpError(
-            f"`{x.name}` has {x.type.shape[1]} columns but weight `{w.name}` has {k} input rows "
-            f"(weights are stored [in, out])",
-            1,
+        what = (
+            "input columns (it is stored [out, in], transposed)"
+            if attrs["transposed"]
+            else "input rows (weights are stored [in, out])"
         )
+        raise OpError(f"`{x.name}` has {x.type.shape[1]} columns but weight `{w.name}` has {k} {what}", 1)
     return (TensorType(F32, (x.type.shape[0], n)),)
 
 
@@ -57,9 +63,11 @@ register(
         "linear",
         ("x", "weight"),
         _linear_infer,
-        lambda x, w: (linear(x, w),),
+        lambda x, w, transposed=False: (linear(x, w, transposed),),
         _linear_cost,
-        doc="x @ weight, f32 out; x is rounded to bf16, weights of any format are decoded exactly.",
+        attrs={"transposed": False},
+        doc="x @ weight (weight.T if transposed: a tied head over the [V, H] embedding), f32 out; "
+        "x is rounded to bf16, weights of any format are decoded exactly.",
         shard="matmul",
         reach=(("weight", "stream"),),
     )

@@ -123,6 +123,31 @@ def mla_attention(q, c_kv, k_extra, w_kvb, cache, positions, heads, nope, extra,
     return y.reshape(b, heads * vdim), cache
 
 
+def mla_prefill(rows, q, c_kv, k_extra, w_kvb, cache, positions, heads, nope, extra, vdim, scale=None):
+    """Prefill: write every prompt token's latent entry at its position, then each token attends
+    causally over 0..its position, with the same roundings as `mla_attention` per token."""
+    n, r = c_kv.shape
+    bsz, t, size = rows.batch, rows.length, cache.shape[1]
+    entry = jnp.concatenate([c_kv, k_extra], axis=-1).astype(cache.dtype)
+    cache = cache.at[rows.row_ids(), rows.write_positions(size)].set(entry, mode="drop")
+    scale = (nope + extra) ** -0.5 if scale is None else scale
+    w = weight_f32(w_kvb).reshape(r, heads, nope + vdim)
+    w_uk, w_uv = w[..., :nope], w[..., nope:]
+    qh = q.astype(jnp.float32).reshape(bsz, t, heads, nope + extra)
+    q_nope = qh[..., :nope].astype(jnp.bfloat16).astype(jnp.float32)
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, precision="highest")
+    c = cache.astype(jnp.float32)
+    s = jnp.einsum("bthr,bsr->bths", q_lat, c[..., :r], precision="highest")
+    s = (s + jnp.einsum("bthe,bse->bths", qh[..., nope:], c[..., r:], precision="highest")) * scale
+    pos = positions.reshape(bsz, t)[:, :, None, None]
+    s = jnp.where(jnp.arange(size)[None, None, None, :] <= pos, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o_lat = jnp.einsum("bths,bsr->bthr", p, c[..., :r], precision="highest")
+    o_lat = o_lat.astype(jnp.bfloat16).astype(jnp.float32)
+    y = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, precision="highest")
+    return y.reshape(n, heads * vdim), cache
+
+
 def _mla_infer(args, attrs):
     q, c_kv, k_extra, w, cache, pos = args
     heads, nope, extra, vdim = (attrs[k] for k in ("heads", "nope", "extra", "vdim"))
@@ -185,5 +210,6 @@ register(
         reach=(("w_kvb", "own"),),
         attends=True,
         data_dependent=True,
+        prefill=mla_prefill,
     )
 )

@@ -1,7 +1,7 @@
 """Mixture of experts: bias-corrected top-k routing and the weighted sum of the chosen experts.
 
 Expert weights are declared as one 3-D tensor per matrix, experts leading: w1/w3 [E, D, F],
-w2 [E, F, D] (mxfp4 or bf16). A quantised one reaches the reference as a `QTensor` whose codes
+w2 [E, F, D] (mxfp4, bf16 or fp8). A quantised one reaches the reference as a `QTensor` whose codes
 and scales carry the same leading expert axis.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 from mkdsl.dtypes import F32, I32
 from mkdsl.ir import TensorType
 from mkdsl.lazy import jnp
-from mkdsl.ops.elementwise import situ
 from mkdsl.ops.linear import weight_f32
 from mkdsl.ops.registry import (
     REQUIRED,
@@ -25,6 +24,12 @@ from mkdsl.ops.registry import (
 )
 from mkdsl.ops.select import topk
 from mkdsl.quant import QTensor
+
+
+def apply_block(block, *arrays):
+    from mkdsl.block_attrs import apply_block as apply  # block_attrs imports the registry
+
+    return apply(block, *arrays)
 
 
 def _declared_weight(w, i: int, what: str) -> None:
@@ -90,21 +95,37 @@ def _experts(w, ids):
     return weight_f32(w)
 
 
-def moe_experts(z, weights, ids, w1, w3, w2, beta, linear_beta):
-    """r_b = Σ_i weights[b, i] · bf16(situ(bf16(z_b)·W1_e, bf16(z_b)·W3_e))·W2_e, e = ids[b, i];
-    f32 accumulation, expert weights decoded exactly."""
+def _bias(b, ids):
+    return 0.0 if b is None else jnp.take(b.astype(jnp.float32), ids, axis=0)
+
+
+def moe_experts(z, weights, ids, w1, w3, w2, b1=None, b3=None, b2=None, *, act):
+    """r_b = Σ_i weights[b, i] · (bf16(act(bf16(z_b)·W1_e + b1_e, bf16(z_b)·W3_e + b3_e))·W2_e + b2_e),
+    e = ids[b, i]; f32 accumulation, expert weights decoded exactly, biases optional."""
     b, k = ids.shape
     flat = ids.reshape(-1)  # row b·k + i is (row b, choice i)
     x = jnp.repeat(z.astype(jnp.bfloat16).astype(jnp.float32), k, axis=0)
-    g = jnp.einsum("nd,ndf->nf", x, _experts(w1, flat), precision="highest")
-    u = jnp.einsum("nd,ndf->nf", x, _experts(w3, flat), precision="highest")
-    h = situ(g, u, beta, linear_beta).astype(jnp.bfloat16).astype(jnp.float32)
-    y = jnp.einsum("nf,nfd->nd", h, _experts(w2, flat), precision="highest").reshape(b, k, -1)
-    return jnp.einsum("bk,bkd->bd", weights.astype(jnp.float32), y, precision="highest")
+    g = jnp.einsum("nd,ndf->nf", x, _experts(w1, flat), precision="highest") + _bias(b1, flat)
+    u = jnp.einsum("nd,ndf->nf", x, _experts(w3, flat), precision="highest") + _bias(b3, flat)
+    h = apply_block(act, g, u).astype(jnp.bfloat16).astype(jnp.float32)
+    y = jnp.einsum("nf,nfd->nd", h, _experts(w2, flat), precision="highest") + _bias(b2, flat)
+    return jnp.einsum("bk,bkd->bd", weights.astype(jnp.float32), y.reshape(b, k, -1), precision="highest")
+
+
+EXPERT_DTYPES = ("mxfp4", "bf16", "fp8_e4m3", "fp8_e5m2")  # the kernel takes fp8 with block=128 scales
+
+
+def _check_biases(args, e, d, f) -> None:
+    for i, want in ((6, (e, f)), (7, (e, f)), (8, (e, d))):
+        if i < len(args):
+            _declared_weight(args[i], i, f"bias {i - 5}")
+            expect_dtype(args[i], ("f32", "bf16"), i)
+            if args[i].type.shape != want:
+                raise OpError(f"bias `{args[i].name}` is {args[i].type}, expected [{', '.join(map(str, want))}]", i)
 
 
 def _experts_infer(args, attrs):
-    z, weights, ids, w1, w3, w2 = args
+    z, weights, ids, w1, w3, w2 = args[:6]
     expect_rank(z, 2, 0, "the expert input")
     expect_float(z, 0)
     expect_rank(weights, 2, 1, "the routing weights")
@@ -120,7 +141,7 @@ def _experts_infer(args, attrs):
     for i, w in ((3, w1), (4, w3), (5, w2)):
         _declared_weight(w, i, f"operand {i + 1}")
         expect_rank(w, 3, i, "an expert weight [experts, in, out]")
-        expect_dtype(w, ("mxfp4", "bf16"), i)
+        expect_dtype(w, EXPERT_DTYPES, i)
     e, d1, f = w1.type.shape
     if d1 != d:
         raise OpError(
@@ -132,35 +153,47 @@ def _experts_infer(args, attrs):
         raise OpError(f"w3 `{w3.name}` is {w3.type} but w1 `{w1.name}` is {w1.type}", 4)
     if w2.type.shape != (e, f, d):
         raise OpError(f"w2 `{w2.name}` is {w2.type}, expected [{e}, {f}, {d}]", 5)
+    _check_biases(args, e, d, f)
     return (TensorType(F32, (b, d)),)
+
+
+def _act_params(args) -> tuple[TensorType, TensorType]:
+    """The activation block's parameters: one chosen expert's gate and up results, f32 [B, F]."""
+    z, w1 = args[0], args[3]
+    expect_rank(w1, 3, 3, "an expert weight [experts, in, out]")
+    t = TensorType(F32, (z.type.shape[0], w1.type.shape[2]))
+    return t, t
 
 
 def _experts_cost(ins, outs, attrs):
     """The experts a step uses are data-dependent; we assume the B·k choices are all distinct
-    (at most E), each distinct expert's w1, w3, w2 read once for all rows. Expert parallel
-    (`experts_total`, set by mkdsl.shard): this device holds e of them, and gets its share of
-    the choices on average (rounded up)."""
-    z, weights, ids, w1, w3, w2 = ins
+    (at most E), each distinct expert's w1, w3, w2 (and bias rows) read once for all rows. Expert
+    parallel (`experts_total`, set by mkdsl.shard): this device holds e of them, and gets its share
+    of the choices on average (rounded up)."""
+    z, weights, ids, w1, w3, w2 = ins[:6]
     b, k = ids.shape
     e, d, f = w1.shape
     total = attrs.get("experts_total", e)
     chosen = -(-min(b * k, total) * e // total)
-    per_expert = sum(nbytes(TensorType(w.dtype, w.shape[1:])) for w in (w1, w3, w2))
+    per_expert = sum(nbytes(TensorType(w.dtype, w.shape[1:])) for w in (w1, w3, w2, *ins[6:]))
     return Cost(weight_bytes=chosen * per_expert, flops=2 * b * k * e // total * 3 * d * f)
 
 
 register(
     OpDef(
         "moe_experts",
-        ("z", "weights", "ids", "w1", "w3", "w2"),
+        ("z", "weights", "ids", "w1", "w3", "w2", "b1", "b3", "b2"),
         _experts_infer,
-        lambda *a, beta, linear_beta: (moe_experts(*a, beta, linear_beta),),
+        lambda *a, act: (moe_experts(*a, act=act),),
         _experts_cost,
-        attrs={"beta": 4.0, "linear_beta": 25.0},
-        doc="Σ_i weights[:, i]·expert_ids[:, i](z): SiTU MLP experts w1/w3 [E, D, F], w2 [E, F, D], f32 out.",
+        attrs={"act": REQUIRED},
+        doc="Σ_i weights[:, i]·expert_ids[:, i](z): gated MLP experts w1/w3 [E, D, F], w2 [E, F, D], "
+        "`act` a block of elementwise ops on (gate, up), optional biases b1/b3 [E, F], b2 [E, D]; f32 out.",
         shard="experts",
         reach=(("w1", "own"), ("w3", "own"), ("w2", "own")),
         traffic_group="experts",
         data_dependent=True,
+        block_attrs=(("act", _act_params),),
+        optional=3,
     )
 )

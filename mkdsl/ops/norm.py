@@ -34,13 +34,14 @@ def _infer(args, attrs):
     return (TensorType(F32, x.type.shape),)
 
 
-def rmsnorm(x, w, eps, heads=1):
-    """x·rsqrt(mean(x²)+eps)·w in f32; with heads > 1 each head's slice is normalised alone."""
+def rmsnorm(x, w, eps, heads=1, offset=0.0):
+    """x·rsqrt(mean(x²)+eps)·(offset + w) in f32; with heads > 1 each head's slice is normalised
+    alone. `offset=1.0` is the `(1 + w)` form (Gemma, Qwen3-Next), whose weights are stored as w."""
     x = x.astype(jnp.float32)
     b, n = x.shape
     xh = x.reshape(b, heads, n // heads)
     y = xh * jax.lax.rsqrt(jnp.mean(xh * xh, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).reshape(b, n)
+    return (y * (offset + w.astype(jnp.float32))).reshape(b, n)
 
 
 register(
@@ -48,10 +49,10 @@ register(
         "rmsnorm",
         ("x", "weight"),
         _infer,
-        lambda x, w, eps, heads: (rmsnorm(x, w, eps, heads),),
+        lambda x, w, eps, heads, offset: (rmsnorm(x, w, eps, heads, offset),),
         lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]), flops=4 * numel(outs[0])),
-        attrs={"eps": 1e-5, "heads": 1},
-        doc="RMSNorm: x·rsqrt(mean(x²)+eps)·weight, f32; `heads=n` normalises n equal slices.",
+        attrs={"eps": 1e-5, "heads": 1, "offset": 0.0},
+        doc="RMSNorm: x·rsqrt(mean(x²)+eps)·(offset + weight), f32; `heads=n` normalises n equal slices.",
         shard="norm",
     )
 )

@@ -76,7 +76,9 @@ class OpDef:
     internal: bool = False  # inserted by the compiler; specs cannot call it
     # ---- traits: what later stages ask of the op instead of keeping lists of op names
     # The shard pass's rule family (mkdsl/shard.py RULES): "elementwise", "sum" (elementwise that
-    # may add partial sums), "whole", "norm", "channels", "heads", "kv_heads", "latent_attention",
+    # may add partial sums), "broadcast", "broadcast_sum" (binary arithmetic that broadcasts a
+    # [N] or [B, 1] operand), "row_sum" (a split row sums to a partial sum), "whole", "norm",
+    # "channels", "heads", "kv_heads", "key_heads", "latent_attention",
     # "matmul", "vocab_rows", "pick", "any", "experts"; "" = no sharding rule yet.
     shard: str = ""
     # How each weight operand is reached: "stream" (tiles through the weight ring) or "own" (the op's
@@ -88,6 +90,14 @@ class OpDef:
     in_place: tuple[tuple[int, int], ...] = ()  # (output, operand) pairs that may share a buffer
     exchange: str = ""  # devices exchange its value: "sum", "gather" or "best" (an argmax)
     exchange_axes: str = "axes"  # the attribute holding the mesh axes of the exchange
+    # Attributes that name a spec block of elementwise ops (an `ir.BlockAttr`): attribute -> the
+    # types of the block's parameters, from the op's operands (the block returns the first's type).
+    block_attrs: tuple[tuple[str, Callable[[list[Operand]], tuple[TensorType, ...]]], ...] = ()
+    optional: int = 0  # how many trailing operands a call may leave out (e.g. the expert biases)
+    # Prefill over a whole prompt (mkdsl/ops/prefill.py): `(rows, *arrays, **attrs)` -> as
+    # `reference`; None runs `reference` over the prompt's B*T rows (row-wise ops). Required
+    # for ops with `inout` state.
+    prefill: Callable | None = None
 
     def reached(self, operand: str) -> str:
         """How the kernel reaches a weight operand: "stream", "own" or "fetch"."""

@@ -37,23 +37,26 @@ def _last_uses(g: Graph) -> dict[str, int]:
     return last
 
 
-def _class(v) -> tuple[int, str]:
+def _class(v) -> tuple[int, str, int | str]:
+    """(width, dtype, rows) of a value's buffer."""
     if len(v.type.shape) == 2:
-        return v.type.shape[1], "float32" if v.type.dtype.float else "int32"
-    return 1, "int32"  # a per-row scalar (token ids)
+        return v.type.shape[1], "float32" if v.type.dtype.float else "int32", "rows"
+    if v.type.dtype.float:
+        return v.type.shape[0], "float32", 1  # a vector computed from [N] weights (exp(a_log)): one row
+    return 1, "int32", "rows"  # a per-row scalar (token ids)
 
 
 def assign_buffers(
     model: Model, fixed: dict[str, str]
 ) -> tuple[dict[tuple[str, str], str], dict[str, tuple[int, str]]]:
-    """((graph, value) -> buffer name, buffer name -> (width, dtype)). `fixed` maps step values
+    """((graph, value) -> buffer name, buffer name -> (width, dtype, rows)). `fixed` maps step values
     to buffers the kernel already has (its outputs)."""
     where: dict[tuple[str, str], str] = {("step", v): name for v, name in fixed.items()}
-    pool: dict[tuple[int, str], list[str]] = {}
-    shapes: dict[str, tuple[int, str]] = {}
+    pool: dict[tuple[int, str, int | str], list[str]] = {}
+    shapes: dict[str, tuple[int, str, int | str]] = {}
 
     def new_buffer(cls) -> str:
-        name = f"v{len(shapes)}_{cls[0]}"
+        name = f"v{len(shapes)}_{cls[0]}" + ("" if cls[2] == "rows" else "_vec")
         shapes[name] = cls
         pool.setdefault(cls, []).append(name)
         return name

@@ -1,7 +1,7 @@
 """The planner: named passes from the graph IR to a `Plan`, run in a visible sequence.
 
     pad_rows -> check_lowering -> tile_streams -> size_ring -> plan_collectives -> allocate_vmem
-             -> fit_ring -> check_budget -> count_traffic -> schedule_traffic -> model_time
+             -> fit_ring -> check_budget -> check_hbm -> count_traffic -> schedule_traffic -> model_time
 
 The planner names no op: it asks each op's TPU lowering (mkdsl/backends/tpu/lowering.py) what it
 cannot lower, what buffers it needs and what its schedule moves, and the op (`OpDef`) how its
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites
-from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, stream_tiles
+from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
-from mkdsl.plan import collectives, cost_model, roles
+from mkdsl.plan import collectives, cost_model, hbm, roles
 from mkdsl.plan.buffers import assign_buffers, buffer_of
 from mkdsl.plan.types import Alloc, OpScratch, Plan, ScheduleItem, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
@@ -49,6 +49,7 @@ class _State:
     kv_tile: int = KV_TILE
     depth: int = 0
     bank: tuple[int, int] = (0, 0)
+    rings: dict = field(default_factory=dict)  # ring arrays besides `ring`: name -> (rows, cols, dtype, memory)
     sequences: list[Sequence] = field(default_factory=list)
     vmem: list[Alloc] = field(default_factory=list)
     spans: dict[str, Span] = field(default_factory=dict)  # alloc name -> spec span to blame
@@ -57,6 +58,8 @@ class _State:
     buffers: dict = field(default_factory=dict)  # (graph, value) -> VMEM buffer
     scratch: dict = field(default_factory=dict)  # (graph, node index) -> OpScratch
     collectives: list = field(default_factory=list)  # collectives.Collective of every graph (sharded models)
+    hbm: int = 0  # bytes one device holds in HBM (largest batch, shortest cache)
+    hbm_tokens: int = 0  # the longest cache that fits at the largest batch
 
     def hint(self, name: str, default: int) -> int:
         h = self.model.hint(name)
@@ -138,6 +141,8 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         collectives=tuple(s.collectives),
         exchange_phases=phases,
         collective_id=0 if s.collectives else None,
+        hbm_bytes=s.hbm,
+        hbm_max_cache=s.hbm_tokens,
     )
 
 
@@ -181,7 +186,7 @@ def streamed_weight(node: Node):
     op = OPS.get(node.op)
     if op is None:
         return None
-    refs = zip(op.operands, node.inputs, strict=True)
+    refs = zip(op.operands[: len(node.inputs)], node.inputs, strict=True)  # optional operands may be left out
     return next((r for name, r in refs if op.reached(name) == "stream" and r.kind == "tensor"), None)
 
 
@@ -200,11 +205,31 @@ def tile_streams(s: _State) -> None:
             if w is None:
                 continue
             t = s.model.tensor(w.name)
-            tk, tn = stream_tiles(t, s.tile_k, s.tile_n)
-            if t.type.dtype.name != "bf16" or tk is None or tn is None:
+            transposed = bool(node.attr.get("transposed"))
+            tk, tn = stream_tiles(t, s.tile_k, s.tile_n, transposed)
+            if tk is None or tn is None:
                 continue
-            k, n = t.type.shape
-            stream = Stream(t.name, node.outputs[0].name, k, n, tk, tn, start, t.stacked, node.span.line)
+            k, n = reversed(t.type.shape) if transposed else t.type.shape
+            sf, padded = stream_format(t.type.dtype), padded_columns(n)
+            plain = sf.fmt == "bf16" and padded == n and not transposed
+            parts = () if plain else tuple((p.suffix, p.ring_for(padded), p.rdiv, p.cdiv) for p in sf.parts)
+            valid = n if padded != n else 0
+            stream = Stream(
+                t.name,
+                node.outputs[0].name,
+                k,
+                padded,
+                tk,
+                tn,
+                start,
+                t.stacked,
+                node.span.line,
+                sf.fmt,
+                sf.group,
+                parts,
+                transposed=transposed,
+                valid=valid,
+            )
             streams.append(stream)
             start += stream.tiles
         s.sequences.append(Sequence(g.name, tuple(streams)))
@@ -222,13 +247,29 @@ def all_streams(s) -> list[Stream]:
 
 
 def bank_bytes(s: _State) -> int:
-    return padded_bytes((1, *s.bank), "bfloat16")
+    """VMEM of one bank of every ring array (a tile's parts share the bank index)."""
+    extra = sum(padded_bytes((1, r, c), dt) for r, c, dt, mem in s.rings.values() if mem == "VMEM")
+    return padded_bytes((1, *s.bank), "bfloat16") + extra
+
+
+def ring_arrays(s: _State) -> dict:
+    """name -> (rows, cols, dtype, memory) of each ring array: `ring` (bf16) and one per other
+    dtype of a streamed tile part, each bank as large as the largest such part."""
+    shapes: dict = {}
+    for st in all_streams(s):
+        for p in stream_format(s.model.tensor(st.tensor).type.dtype).parts:
+            rows, cols = p.tile(st.tk, st.tn, st.n, st.transposed)
+            ring = p.ring_for(st.n)
+            r0, c0, _, _ = shapes.get(ring, (0, 0, p.dtype, p.memory))
+            shapes[ring] = (max(r0, rows), max(c0, cols), p.dtype, p.memory)
+    return shapes
 
 
 def size_ring(s: _State) -> None:
-    """One ring of equal bf16 banks, each big enough for the largest tile."""
-    streams = all_streams(s)
-    s.bank = (max((t.tk for t in streams), default=16), max((t.tn for t in streams), default=128))
+    """One bank index for every ring array, each bank big enough for the largest tile part."""
+    rings = ring_arrays(s)
+    bf16 = rings.pop("ring", (16, 128, "bfloat16", "VMEM"))
+    s.bank, s.rings = bf16[:2], rings
     default = max(3, min(MAX_RING_DEPTH, RING_BYTES // bank_bytes(s)))
     s.depth = s.fixed_depth or s.hint("ring_depth", default)
     if s.depth < 2:
@@ -294,6 +335,9 @@ def allocate_vmem(s: _State) -> None:
         f"weight ring: {s.depth} banks of [{s.bank[0]}, {s.bank[1]}]",
         ring_span,
     )
+    for name, (rows, cols, dtype, memory) in s.rings.items():
+        purpose = f"weight ring ({dtype}): {s.depth} banks of [{rows}, {cols}]"
+        _alloc(s, name, (s.depth, rows, cols), dtype, purpose, ring_span, memory)
     _alloc(s, "ring_sem", (s.depth,), "dma", "weight ring semaphores", ring_span, "SEM")
     _alloc(s, "cursor", (2,), "int32", "tile issue cursor (layer, first tile)", NOWHERE, "SMEM")
     fetched = list(dict.fromkeys(name for g in [*m.kinds, m.step] for name in roles.fetched_weights(m, g)))
@@ -318,9 +362,9 @@ def allocate_vmem(s: _State) -> None:
     users: dict[str, list[str]] = {}
     for (gname, vname), name in where.items():
         users.setdefault(name, []).append(f"{gname}.{vname}" if gname != "step" else vname)
-    for name, (width, dtype) in shapes.items():
+    for name, (width, dtype, rows) in shapes.items():
         shown = ", ".join(users.get(name, [])[:4]) + (", ..." if len(users.get(name, [])) > 4 else "")
-        _alloc(s, name, ("rows", width), dtype, f"values: {shown}", NOWHERE)
+        _alloc(s, name, (rows, width), dtype, f"values: {shown}", NOWHERE)
     allocate_ops(s)
 
 
@@ -401,16 +445,23 @@ def fit_ring(s: _State) -> None:
     """Without a ring_depth hint, shrink the ring (to 3 banks at least) so the plan fits the cap."""
     if s.model.hint("ring_depth") or s.fixed_depth:
         return
-    others = sum(a.bytes for a in s.vmem if a.memory == "VMEM" and a.name != "ring")
+    rings = {"ring", "ring_sem", *s.rings}
+    others = sum(a.bytes for a in s.vmem if a.memory == "VMEM" and a.name not in rings)
     depth = max(3, min(s.depth, (s.cap - others) // bank_bytes(s)))
     if depth == s.depth:
         return
     s.depth = depth
     for i, a in enumerate(s.vmem):
-        if a.name in ("ring", "ring_sem"):
+        if a.name in rings:
             shape = (depth, *a.shape[1:])
-            size = padded_bytes(shape, a.dtype) if a.memory == "VMEM" else 0
-            purpose = f"weight ring: {depth} banks of [{s.bank[0]}, {s.bank[1]}]" if a.name == "ring" else a.purpose
+            size = (
+                padded_bytes(shape, a.dtype)
+                if a.memory == "VMEM"
+                else 4 * math.prod(shape)
+                if a.memory == "SMEM"
+                else 0
+            )
+            purpose = a.purpose.replace(f"{a.shape[0]} banks", f"{depth} banks")
             s.vmem[i] = Alloc(a.name, shape, a.dtype, size, purpose, a.line, a.memory, a.scratch)
 
 
@@ -439,13 +490,22 @@ def check_budget(s: _State) -> None:
             f"VMEM budget exceeded{' per device' if devices(s.model) > 1 else ''}: the plan needs {mib(total)} of the {mib(s.cap)} cap; the largest allocation is "
             f"{worst.purpose} `{worst.name}` {list(worst.shape)} {worst.dtype} = {mib(worst.bytes)}",
             "lower `ring_depth` or `tile_n` in `hints`, or raise `vmem_cap_mib` (at most 64)"
-            if worst.name == "ring"
+            if worst.name.startswith("ring")
             else f"its size follows from the spec's shapes and the largest batch ({s.model.dims[0].high} rows): make those smaller",
         )
     )
 
 
-PASSES = (check_lowering, tile_streams, size_ring, plan_collectives, allocate_vmem, fit_ring, check_budget)
+def check_hbm(s: _State) -> None:
+    """Weights, state at the largest batch and cache, and the outputs must fit one core's HBM."""
+    vocab = _type_of(s.model, s.model.step, s.model.step.results[0]).shape[1]
+    items = hbm.hbm_items(s.model, vocab, hbm.build_sizes(s.model, cache="low"))
+    s.hbm = sum(b for _, b in items)
+    s.hbm_tokens = hbm.max_cache(s.model, vocab)
+    s.errors.extend(hbm.check_hbm(s.model, items, devices(s.model)))
+
+
+PASSES = (check_lowering, tile_streams, size_ring, plan_collectives, allocate_vmem, fit_ring, check_budget, check_hbm)
 
 
 # ---------------------------------------------------------------------------- traffic

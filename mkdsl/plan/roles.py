@@ -21,7 +21,7 @@ def fetched_weights(model: Model, graph: Graph) -> list[str]:
         if node.op not in OPS:  # the layer stack
             continue
         op = OPS[node.op]
-        for operand, ref in zip(op.operands, node.inputs, strict=True):
+        for operand, ref in zip(op.operands[: len(node.inputs)], node.inputs, strict=True):
             if ref.kind == "tensor" and op.reached(operand) == "fetch" and model.tensor(ref.name).kind == "weight":
                 if ref.name not in out:
                     out.append(ref.name)

@@ -26,6 +26,11 @@ class Stream:
     start: int
     stacked: bool
     line: int  # spec line of the op call
+    fmt: str = "bf16"  # the tile decoder (mkdsl/backends/tpu/lowerings/linear.py `stream_format`)
+    group: int = 0  # inputs per scale (the block's side for block scales)
+    parts: tuple[tuple[str, str, int, int], ...] = ()  # quantised or padded: (storage suffix, ring array, rdiv, cdiv)
+    transposed: bool = False  # stored [N, K] (a tied head over the embedding table); tiles are [tn, tk]
+    valid: int = 0  # > 0: `n` is padded to whole 128-lane tiles and the matmul's result has `valid` columns
 
     @property
     def nk(self) -> int:
@@ -155,6 +160,8 @@ class Plan:
     collective_id: int | None = None  # the barrier semaphore's id (sharded kernels)
     schedule_items: tuple[ScheduleItem, ...] = ()  # per run of their graph; they sum to schedule_bytes
     graph_flops: tuple[tuple[str, int], ...] = ()  # (graph, flops of all its runs per step); they sum to flops
+    hbm_bytes: int = 0  # what one device holds in HBM: weights, state (largest batch, shortest cache), outputs
+    hbm_max_cache: int = 0  # the longest cache (tokens) whose state fits one device's HBM at the largest batch
 
     @property
     def devices(self) -> int:

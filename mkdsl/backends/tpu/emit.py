@@ -34,7 +34,11 @@ RUNTIME_PARTS = (
     "runtime/mla.py.jinja",
     "runtime/kda.py.jinja",
     "runtime/residual.py.jinja",
+    "runtime/decode.py.jinja",
+    "runtime/qlinear.py.jinja",
+    "runtime/routing.py.jinja",
     "runtime/moe.py.jinja",
+    "runtime/elementwise.py.jinja",
 )
 
 
@@ -207,6 +211,12 @@ class _Emitter:
                         stacked=st.stacked,
                         line=st.line,
                         slot_expr_issue=self.slot_expr(st.tensor, "layer"),
+                        quant=bool(st.parts),
+                        transposed=st.transposed,
+                        valid=st.valid,
+                        fmt=st.fmt,
+                        group=st.group,
+                        parts=repr(tuple(st.parts)),
                     )
                 )
             out.append(dict(name=seq.name, const=f"{seq.name.upper()}_TILES", tiles=seq.tiles, streams=streams))
@@ -264,16 +274,40 @@ class _Emitter:
         ]
         return dict(layer_kind=repr(layer_kind), layer_base=repr(bases), slot_tables=slot_tables)
 
+    def padded_columns(self) -> dict[str, tuple[int, int, int, int]]:
+        """Storage arrays stored with their outputs padded per device to whole 128-lane tiles:
+        name -> (axis, outputs per device, padded, devices along them); the axis is the rows of a
+        transposed matrix, else the columns. Block scales need none."""
+        out = {}
+        for st in (st for seq in self.plan.sequences for st in seq.streams if st.valid):
+            w = self.whole.tensor(st.tensor)
+            axis = -2 if st.transposed else -1
+            blocks = w.type.shape[axis] // st.valid
+            for part in storage(w.type.dtype, w.full_shape):
+                if part.shape[axis] == w.type.shape[axis]:
+                    out[_part_name(w.name, part)] = (axis, st.valid, st.n, blocks)
+        return out
+
     def arrays(self) -> dict:
         """The kernel's weight and state arrays: global and per-device layouts, splits, fetch padding."""
-        m, weights = self.m, list(self.m.weights)
+        m, weights, pads = self.m, list(self.m.weights), self.padded_columns()
+
+        def shape(name: str, dims: tuple, local: bool) -> str:
+            if name not in pads:
+                return repr(tuple(dims))
+            axis, valid, padded, blocks = pads[name]
+            dims = list(dims)
+            dims[axis] = padded if local else padded * blocks
+            return repr(tuple(dims))
+
         return dict(
+            pads=[dict(name=k, axis=v[0], valid=v[1], padded=v[2], blocks=v[3]) for k, v in pads.items()],
             weights=[
                 dict(
                     name=_part_name(w.name, part),
-                    shape=repr(tuple(part.shape)),
+                    shape=shape(_part_name(w.name, part), part.shape, False),
                     dtype=part.dtype,
-                    local=repr(tuple(local.shape)),
+                    local=shape(_part_name(w.name, part), local.shape, True),
                     split=_split(w),
                 )
                 for w in self.whole.weights
@@ -338,7 +372,10 @@ class _Emitter:
     def runtime_parts(self) -> list[str]:
         """The runtime templates this module needs (its lowerings' parts), so a dense model
         carries no KDA code."""
-        needed = {p for at in sites(self.m) for p in lowering_for(at.node.op).runtime}
+        needed = set()
+        for at in sites(self.m):
+            lw = lowering_for(at.node.op)
+            needed.update(lw.runtime, lw.runtime_of(self.m, at) if lw.runtime_of else ())
         parts = ["core"] + (["comm", "sharded"] if self.sharded else [])
         return [f"runtime/{p}.py.jinja" for p in parts] + [p for p in RUNTIME_PARTS if p in needed]
 

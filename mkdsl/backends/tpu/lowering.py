@@ -110,6 +110,7 @@ class Lowering:
     after_all: Callable[[PlanContext, int], None] | None = None  # once, with the count of this base's instances
     traffic: Callable[[PlanContext, Site], Traffic] = _no_traffic  # per layer (or step) the node runs in
     runtime: tuple[str, ...] = ()  # runtime parts it needs, as templates ("runtime/<part>.py.jinja")
+    runtime_of: Callable[[Model, Site], tuple[str, ...]] | None = None  # more parts, by node (e.g. decoders)
     layer_attrs: bool = False  # takes layer-dependent attributes as traced scalars
 
 
@@ -158,7 +159,7 @@ def check_lowerable(model: Model) -> list[Diagnostic]:
 def _elementwise_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     op, node = OPS[at.node.op], at.node
     values = {}
-    for name, b, ref in zip(op.operands, ins, node.inputs, strict=True):
+    for name, b, ref in zip(op.operands[: len(node.inputs)], ins, node.inputs, strict=True):
         is_weight = ref.kind == "tensor" and em.m.tensor(ref.name).kind == "weight"
         values[name] = em.fetched(ref.name, pre) if is_weight else f"r.{b}[...]"
     expr = op.kernel_expr.format(**values, **em.attr_codes(node))

@@ -1,3 +1,16 @@
 """The TPU lowering of every structured op, one module per op family (mirroring mkdsl/ops/)."""
 
-from mkdsl.backends.tpu.lowerings import attention, collective, kda, linear, mla, moe, norm, residual, select  # noqa: F401
+from mkdsl.backends.tpu.lowerings import (  # noqa: F401
+    attention,
+    collective,
+    elementwise,
+    kda,
+    linear,
+    mla,
+    moe,
+    norm,
+    residual,
+    rope,
+    routing,
+    select,
+)

@@ -1,4 +1,4 @@
-"""`rope` and grouped-query `attention` (runtime part `attention`).
+"""Grouped-query `attention` (runtime part `attention`).
 
 Each attention op keeps its own scratch (`att<i>_*`, numbered across the graphs): its cache
 write-backs are still in flight when it returns. All attention ops share the SMEM KV tile tables
@@ -6,31 +6,14 @@ write-backs are still in flight when it returns. All attention ops share the SME
 
 from __future__ import annotations
 
+import math
+
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import NOWHERE, Diagnostic
 from mkdsl.ir import Model
 
 KV_SLOTS = 3  # KV tiles in flight
 ATTENTION = ("runtime/attention.py.jinja",)
-
-
-def _rope_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
-    node = at.node
-    d = em.value_width(at.graph, node.arg("x")) // node.attr["heads"]
-    key = (d, float(node.attr["theta"]))
-    tables = em.shared.setdefault("rope_tables", {})  # (head width, theta) -> name, one per module
-    if key not in tables:
-        tables[key] = f"rope{len(tables)}"
-    em.setup_once(_rope_setup)
-    return dict(x=ins[0], table=tables[key], heads=node.attr["heads"])
-
-
-def _rope_setup(em: EmitContext) -> list[str]:
-    """This step's cos and sin tables, once per head width and theta."""
-    return [
-        f"{name}_cos, {name}_sin = rope_tables(positions_ref, rows, batch, {d}, {theta!r})"
-        for (d, theta), name in em.shared["rope_tables"].items()
-    ]
 
 
 def kv_setup(em: EmitContext) -> list[str]:
@@ -41,9 +24,6 @@ def kv_setup(em: EmitContext) -> list[str]:
         f"for i in range({count}):",
         "    r.wb_pending[i] = 0",
     ]
-
-
-register_lowering(Lowering("rope", "lowerings/attention.jinja", "rope", _rope_record))
 
 
 def kv_tables(s: PlanContext, count: int) -> None:
@@ -74,6 +54,12 @@ def _check(model: Model, at: Site) -> list[Diagnostic]:
     return out
 
 
+def loaded_kv_heads(node, kvh: int) -> int:
+    """KV heads a device reads: all its cache holds, or the one its query heads share when the KV
+    heads are replicated (`kv_axes`, set by the shard pass)."""
+    return 1 if node.attr.get("kv_axes") else kvh
+
+
 def _scratch(s: PlanContext, at: Site) -> dict:
     kc, vc = _caches(s.model, at)
     _, kvh, _, dk = kc.type.shape
@@ -82,13 +68,22 @@ def _scratch(s: PlanContext, at: Site) -> dict:
     parts = {}
     for name, rows, d in (("q2d", heads, dk), ("k2d", kvh, dk), ("v2d", kvh, dv), ("o2d", heads, dv)):
         parts[name] = ((f"{rows} * rows", d), "float32", f"attention {name[0]}, head-major", "VMEM")
+    if at.node.attr.get("kv_axes"):
+        parts["rd_sem"] = ((1,), "dma", "replicated KV: new-token block read semaphore", "SEM")
     for name, d in (("ktiles", dk), ("vtiles", dv)):
         parts[name] = (
-            (KV_SLOTS, kvh, s.kv_tile, d),
+            (KV_SLOTS, loaded_kv_heads(at.node, kvh), s.kv_tile, d),
             "bfloat16",
             f"KV tiles in flight ({KV_SLOTS} x {s.kv_tile} tokens)",
             "VMEM",
         )
+    if at.node.attr["window"] is not None:  # this op's own KV tile tables: the tiles its window reaches
+        n = f"batch * {(at.node.attr['window'] - 1) // s.kv_tile + 2}"
+        parts["kv_row"] = ((n,), "int32", "windowed KV tile table: row", "SMEM")
+        parts["kv_t0"] = ((n,), "int32", "windowed KV tile table: first token", "SMEM")
+        parts["kv_n"] = ((1,), "int32", "windowed KV tile count", "SMEM")
+    if at.node.opt_arg("sinks") is not None:
+        parts["sink"] = ((heads, 1), "float32", "sink logits, one row per head", "VMEM")
     return parts | {
         "m": ((heads, 1), "float32", "online softmax max", "VMEM"),
         "l": ((heads, 1), "float32", "online softmax sum", "VMEM"),
@@ -99,15 +94,33 @@ def _scratch(s: PlanContext, at: Site) -> dict:
     }
 
 
+def kv_tile_count(context: int, kv_tile: int, window: int | None) -> int:
+    """KV tiles a row at position `context` reads: from its window's first tile to its own
+    (the kernel's `kv_tables`); tiles wholly before the window are neither fetched nor counted."""
+    first = 0 if window is None else max(context - window + 1, 0) // kv_tile
+    return context // kv_tile + 1 - first
+
+
 def _traffic(s: PlanContext, at: Site) -> Traffic:
-    """Whole KV tiles up to the context, and the new token's aligned block written back."""
+    """Whole KV tiles the window reaches, and the new token's aligned block written back."""
     kc, vc = _caches(s.model, at)
     _, kvh, _, dk = kc.type.shape
     dv = vc.type.shape[3]
-    kv_tiles = -(-(s.context + 1) // s.kv_tile)
-    read = s.batch * kv_tiles * s.kv_tile * kvh * (dk + dv) * 2
+    kv_tiles = kv_tile_count(s.context, s.kv_tile, at.node.attr["window"])
+    read = s.batch * kv_tiles * s.kv_tile * loaded_kv_heads(at.node, kvh) * (dk + dv) * 2
     written = s.batch * kvh * 16 * (dk + dv) * 2
+    if at.node.attr.get("kv_axes"):  # the new token's block of every KV head is read, patched, written
+        return Traffic(read + 2 * written, s.batch * (2 * kv_tiles + 4))
     return Traffic(read + written, s.batch * (2 * kv_tiles + 2))
+
+
+def _replicated(em: EmitContext, node, kvh: int) -> str:
+    """With replicated KV heads: this device reads KV head `group index * kvh // ways`."""
+    axes = node.attr.get("kv_axes")
+    if not axes:
+        return ""
+    ways = math.prod(dict(em.m.mesh)[a] for a in axes)
+    return f", kv_load=1, kv_lo={em.group_index(axes)} * {kvh} // {ways}"
 
 
 def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
@@ -126,11 +139,14 @@ def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
             obj=obj,
             ctor=(
                 f"Attention(r, positions_ref, {i}, rows=rows, batch=batch, heads={node.attr['heads']}, kv_heads={kvh}, "
-                f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r})"
+                f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r}, "
+                f"window={node.attr['window']!r}{_replicated(em, node, kvh)})"
             ),
         )
     )
-    return dict(obj=obj, slot=em.slot_expr(kc.name, "li"), q=ins[0], k=ins[1], v=ins[2])
+    sinks = node.opt_arg("sinks")
+    sink_code = em.fetched(sinks.name, pre) if sinks is not None else None
+    return dict(obj=obj, slot=em.slot_expr(kc.name, "li"), q=ins[0], k=ins[1], v=ins[2], sinks=sink_code)
 
 
 register_lowering(

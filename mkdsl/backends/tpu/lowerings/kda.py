@@ -96,9 +96,23 @@ register_lowering(
 )
 
 
+def _scalar_decay(at: Site) -> bool:
+    """One decay per head (g [B, heads]) rather than one per key channel."""
+    from mkdsl.elaborate import graph_value_type
+
+    return graph_value_type(at.graph, at.node.arg("g")).shape[1] == at.node.attr["heads"]
+
+
+def _per_slot(at: Site) -> int:
+    """Value heads updated together in one slot: a key head's group when the decay is one scalar
+    per head (they share q and k, and the decay scales columns as well as rows), else one."""
+    heads = at.node.attr["heads"]
+    return heads // (at.node.attr.get("key_heads") or heads) if _scalar_decay(at) else 1
+
+
 def _rule_scratch(s: PlanContext, at: Site) -> dict:
     _, _, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
-    slots = (DELTA_SLOTS, dk, dv)
+    slots = (DELTA_SLOTS, dk, _per_slot(at) * dv)
     return {
         "in": (slots, "float32", f"recurrent states read ({DELTA_SLOTS} slots)", "VMEM"),
         "out": (slots, "float32", f"recurrent states written ({DELTA_SLOTS} slots)", "VMEM"),
@@ -115,9 +129,12 @@ def _rule_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     node, sc = at.node, em.scratch_of(at)
     state = node.arg("state").name
     obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
+    heads = node.attr["heads"]
+    group = heads // (node.attr.get("key_heads") or heads)
+    extra = (f", group={group}" if group > 1 else "") + (", scalar_decay=True" if _scalar_decay(at) else "")
     em.objects.append(
         f"{obj} = DeltaRule(r.{state}, r.{state}_out, r.{sc.name('in')}, r.{sc.name('out')}, "
-        f"r.{sc.name('sem')}, batch, {node.attr['heads']})"
+        f"r.{sc.name('sem')}, batch, {heads}{extra})"
     )
     return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
 

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import Diagnostic
+from mkdsl.dtypes import DType, _np
 from mkdsl.ir import Model, Tensor
 from mkdsl.shard import split_note
 
@@ -22,10 +28,107 @@ def divisor_tile(total: int, cap: int, align: int) -> int | None:
     return best
 
 
-def stream_tiles(t: Tensor, tile_k: int, tile_n: int) -> tuple[int | None, int | None]:
-    """[tk, tn] of a streamed matrix (None where no aligned tile divides it)."""
-    k, n = t.type.shape
-    return divisor_tile(k, tile_k, 16), divisor_tile(n, tile_n, 128)
+@dataclass(frozen=True)
+class TilePart:
+    """One storage part of a streamed tile: it goes to bank `g % RING_DEPTH` of its ring array."""
+
+    suffix: str  # the storage part ("" for a plain matrix; "codes", "scales")
+    dtype: str  # numpy name
+    memory: str  # VMEM (SMEM would suit scalars, but Mosaic cannot DMA an HBM window into it)
+    rdiv: int  # K rows per stored row (8 nibbles per uint32 word; `group` inputs per scale row)
+    cdiv: int = 1  # N columns per stored column (block scales)
+
+    @property
+    def ring(self) -> str:
+        """The ring array holding this part: `ring` (bf16), `ring_<dtype>`, `ring_smem_<dtype>`."""
+        if self.memory == "SMEM":
+            return f"ring_smem_{self.dtype}"
+        return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
+
+    def ring_for(self, n: int) -> str:
+        """Block scales (whole rows of squares) get a ring array as wide as their matrix's row of
+        squares: Mosaic DMAs an HBM window of a narrow array only into an array of its width."""
+        return f"ring_scales{n // self.cdiv}" if self.cdiv > 1 else self.ring
+
+    def tile(self, tk: int, tn: int, n: int, transposed: bool = False) -> tuple[int, int]:
+        """Its [rows, cols] in one ring bank (a transposed plain matrix's tile is [tn, tk]). Block
+        scales come as whole rows of squares (all `n` columns): a window at a dynamic lane offset
+        of a narrow f32 array is not word-aligned in HBM."""
+        if transposed:
+            return tn, tk
+        return max(1, tk // self.rdiv), (n if self.cdiv > 1 else tn) // self.cdiv
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(_np(self.dtype)).itemsize
+
+
+@dataclass(frozen=True)
+class StreamFormat:
+    """How a matrix of one dtype streams: its tile decoder (`TILE_DOTS` in
+    runtime/qlinear.py.jinja, "bf16": the plain `linear`), the K tiles it accepts and its parts."""
+
+    fmt: str
+    group: int
+    parts: tuple[TilePart, ...]
+    k_ok: Callable[[int, int], bool]  # (tk, K) -> a valid K tile (aligned windows of every part)
+
+
+def _aligned(tk: int, k: int, rows: int, tile_rows: int) -> bool:
+    """A part window of `rows` rows is whole, or starts and ends on the HBM tile."""
+    return tk == k or rows % tile_rows == 0
+
+
+def stream_format(d: DType) -> StreamFormat | None:
+    """The streaming of a `linear` matrix of dtype `d`, or None (f32, i32 matrices do not stream)."""
+    g, b = d.group, d.block
+    if d.name == "bf16":
+        return StreamFormat("bf16", 0, (TilePart("", "bfloat16", "VMEM", 1),), lambda tk, k: tk % 16 == 0)
+    if d.name.startswith("fp8") and not d.quantised:
+        return StreamFormat("cast", 0, (TilePart("", d.numpy, "VMEM", 1),), lambda tk, k: _aligned(tk, k, tk, 32))
+    if b:
+        parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "VMEM", b, b))
+        return StreamFormat("block", b, parts, lambda tk, k: tk % b == 0 and _aligned(tk, k, tk, 32))
+    if d.name == "mxfp4" or d.name == "int4":
+        scale = "uint8" if d.name == "mxfp4" else "bfloat16"
+        parts = (TilePart("codes", "uint32", "VMEM", 8), TilePart("scales", scale, "VMEM", g))
+        tile = 32 if d.name == "mxfp4" else 16
+        return StreamFormat(
+            d.name,
+            g,
+            parts,
+            lambda tk, k: tk % g == 0 and _aligned(tk, k, tk // 8, 8) and _aligned(tk, k, tk // g, tile),
+        )
+    if d.group:  # int8, fp8 with group scales
+        parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "VMEM", g))
+        return StreamFormat("group", g, parts, lambda tk, k: (g % tk == 0 or tk % g == 0) and _aligned(tk, k, tk, 32))
+    return None
+
+
+def padded_columns(n: int) -> int:
+    """Columns of a streamed matrix as the kernel stores it (per device): whole 128-lane tiles.
+    The matmul computes the padding columns and stores only the first `n`."""
+    return -(-n // 128) * 128
+
+
+def stream_tiles(t: Tensor, tile_k: int, tile_n: int, transposed: bool = False) -> tuple[int | None, int | None]:
+    """[tk, tn] of a streamed matrix (None where no aligned tile divides it): tk the whole K if
+    it fits, else the largest valid tile <= tile_k dividing K; tn likewise, lane-aligned. A
+    transposed matrix ([N, K] in HBM) has its K along the lanes: tk a multiple of 128 or all K."""
+    n, k = t.type.shape if transposed else reversed(t.type.shape)
+    sf = stream_format(t.type.dtype)
+    if sf is None:
+        return None, None
+
+    def ok(tk: int) -> bool:
+        return sf.k_ok(tk, k) and (not transposed or tk == k or tk % 128 == 0)
+
+    ks = [tk for tk in range(16, min(k, tile_k) + 1, 16) if k % tk == 0 and ok(tk)]
+    tk = k if k <= tile_k and ok(k) else max(ks, default=None)
+    tn = divisor_tile(padded_columns(n), tile_n, 128)
+    if tn is not None and sf.group and sf.fmt == "block" and tn % sf.group:
+        tn = None
+    return tk, tn
 
 
 def tile_n_of(model: Model) -> int:
@@ -42,20 +145,25 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
     if at.graph is model.step and at.index < cut:
         return [Diagnostic(at.node.span, "the kernel streams matrices in the layers and after them, not before")]
     t = model.tensor(w.name)
-    if t.type.dtype.name != "bf16":
+    if stream_format(t.type.dtype) is None:
         return [
             Diagnostic(
                 t.span,
-                f"`{t.name}` is {t.type.dtype}: only bf16 weights stream through the weight ring so far",
-                "declare it bf16, or use it through an op that takes it",
+                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4 or mxfp4",
+                "declare it in one of those, or use it through an op that takes it",
             )
         ]
-    tk, tn = stream_tiles(t, TILE_K, tile_n_of(model))
+    transposed = bool(at.node.attr.get("transposed"))
+    tk, tn = stream_tiles(t, TILE_K, tile_n_of(model), transposed)
+    k, n = reversed(t.type.shape) if transposed else t.type.shape
+    kd, nd = (1, 0) if transposed else (0, 1)
+    if t.type.dtype.block and n % t.type.dtype.block and any(t.sharding[-1:]):
+        note = split_note(model, t, nd)
+        return [Diagnostic(t.span, f"weight `{t.name}` has {n} columns{note}; its scale blocks cannot split evenly")]
     if tk is None or tn is None:
-        k, n = t.type.shape
-        what = f"{k} rows" if tk is None else f"{n} columns"
-        what += split_note(model, t, 0 if tk is None else 1)
-        need = "a multiple of 16" if tk is None else "a multiple of 128"
+        rows, cols = ("columns", "rows") if transposed else ("rows", "columns")
+        what = f"{k} {rows}" + split_note(model, t, kd) if tk is None else f"{n} {cols}" + split_note(model, t, nd)
+        need = f"a tile that divides it and suits {t.type.dtype}" if tk is None else "a multiple of 128"
         return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}")]
     return []
 
@@ -65,14 +173,18 @@ def _allocate_linear(s: PlanContext, at: Site) -> None:
     if at.node.arg("weight").kind != "tensor":
         return
     src = s.buffer(at.graph, at.node.arg("x"))
-    k = s.model.tensor(at.node.arg("weight").name).type.shape[0]
+    k = s.model.tensor(at.node.arg("weight").name).type.shape[1 if at.node.attr.get("transposed") else 0]
     s.alloc(f"{src}_bf16", ("rows", k), "bfloat16", "matmul input (bf16)", at.node.span)
 
 
 def _linear_traffic(s: PlanContext, at: Site) -> Traffic:
-    """Its stream's whole tiles, one DMA each."""
+    """Its stream's whole tiles, one DMA per storage part of each (codes and scales)."""
     st = s.stream_of(at)
-    return Traffic(st.k * st.n * 2, st.tiles) if st else Traffic()
+    if not st:
+        return Traffic()
+    parts = stream_format(s.model.tensor(st.tensor).type.dtype).parts
+    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn, st.n, st.transposed)) for p in parts)
+    return Traffic(int(per_tile) * st.tiles, st.tiles * len(parts))
 
 
 def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
@@ -85,10 +197,22 @@ def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
         x=ins[0],
         xb=f"{ins[0]}_bf16",
         cast=cast,
+        fn="qlinear" if st.parts else "linear",
         stream=em.stream_const(em.seq, st),
         slot=em.slot_expr(st.tensor, "li"),
         base="base",
     )
+
+
+def _linear_runtime(model: Model, at: Site) -> tuple[str, ...]:
+    """A quantised, fp8 or column-padded matrix needs `qlinear` (and the decoders)."""
+    w = at.node.arg("weight")
+    sf = stream_format(model.tensor(w.name).type.dtype) if w.kind == "tensor" else None
+    t = model.tensor(w.name)
+    n = t.type.shape[0 if at.node.attr.get("transposed") else 1]
+    if sf is None or (sf.fmt == "bf16" and n % 128 == 0 and not at.node.attr.get("transposed")):
+        return ()
+    return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja")
 
 
 register_lowering(
@@ -100,6 +224,7 @@ register_lowering(
         check=_check_linear,
         allocate=_allocate_linear,
         traffic=_linear_traffic,
+        runtime_of=_linear_runtime,
     )
 )
 

@@ -20,6 +20,15 @@ def _check(model: Model, at: Site) -> list[Diagnostic]:
     out = []
     if r % 128:
         out.append(Diagnostic(at.node.span, f"mla_attention needs a kv rank that is a multiple of 128, got {r}"))
+    w = model.tensor(at.node.arg("w_kvb").name)
+    if w.type.dtype.name != "bf16":
+        out.append(
+            Diagnostic(
+                w.span,
+                f"`{w.name}` is {w.type.dtype}: mla_attention's kernel reads a bf16 w_kvb only (its own ring of bf16 tiles)",
+                "declare it bf16 (dequantise it when the checkpoint is loaded); the reference accepts any dtype",
+            )
+        )
     if cache.type.dtype.name != "bf16":
         out.append(
             Diagnostic(

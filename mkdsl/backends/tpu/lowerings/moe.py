@@ -1,19 +1,63 @@
 """`route` and `moe_experts`, lowered together onto one `MoE` runtime object (part `moe`).
 
 `route` picks the experts and starts their first tile DMAs at once (`prefetch`), so they load
-while the rest of the layer runs; `moe_experts` streams the chosen experts' MXFP4 tiles through
-its own tile sets. Both ops' lowering-time checks live here."""
+while the rest of the layer runs; `moe_experts` streams the chosen experts' MXFP4 or bf16 tiles
+through its own tile sets, applying the spec's activation block (composed from its ops'
+`kernel_expr`s into one lambda). Ids from another op (`topk`, `group_topk`) are staged to SMEM
+by `moe_experts` itself. Both ops' lowering-time checks live here."""
 
 from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import Diagnostic
-from mkdsl.ir import Graph, Model, Node
+from mkdsl.ir import BlockAttr, Graph, Model, Node
+from mkdsl.ops import OPS
 
 EXPERT_TILE = 256  # expert columns per tile set (1.5 MB per set at K3 size: big DMAs, 5.7 MiB for 4 sets)
 EXPERT_SLOTS = 4  # tile sets in flight (the DMA engine round-robins: 4 beat 3, 5, 6 and 8 on TPU7x)
-MOE = ("runtime/moe.py.jinja",)
+MOE = ("runtime/decode.py.jinja", "runtime/moe.py.jinja")
 WEIGHTS = ("w1", "w3", "w2")
+BIASES = ("b1", "b3", "b2")
+FORMATS = ("mxfp4", "bf16", "fp8_block")  # expert weight formats the runtime decodes
+PIECES = {
+    "mxfp4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
+    "fp8_block": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
+    "bf16": ("w1", "w3", "w2"),
+}
+FP8_BLOCK = 128  # the block side of block-scaled fp8 experts (DeepSeek-V3's)
+
+
+def expert_format(model: Model, node: Node) -> str | None:
+    """The one format of the three expert weights (None if they differ): mxfp4, bf16, or
+    fp8_block (fp8 with 128 x 128 block scales); others are named by their dtype."""
+    names = set()
+    for w in WEIGHTS:
+        dt = model.tensor(node.arg(w).name).type.dtype
+        names.add("fp8_block" if dt.block == FP8_BLOCK and dt.name.startswith("fp8") else str(dt))
+    return names.pop() if len(names) == 1 else None
+
+
+def biases(node: Node) -> dict[str, str]:
+    """The bias operands the node has: b1/b3/b2 -> tensor name."""
+    return {b: node.inputs[6 + i].name for i, b in enumerate(BIASES) if 6 + i < len(node.inputs)}
+
+
+def act_lambda(block: BlockAttr) -> str:
+    """The activation block as one kernel lambda over f32 (g, u): each op's `kernel_expr`, its
+    result bound to a local name (walrus), the last one returned."""
+    g = block.graph
+    names = {p.name: f"a{i}" for i, p in enumerate(g.params)}
+    steps = []
+    for j, n in enumerate(g.nodes):
+        op = OPS[n.op]
+        operands = {o: names[r.name] for o, r in zip(op.operands, n.inputs, strict=True)}
+        consts = {k: repr(float(v)) if isinstance(v, float) else repr(v) for k, v in n.attrs}  # constants only
+        expr = op.kernel_expr.format(**operands, **consts)
+        names[n.outputs[0].name] = f"t{j}"
+        steps.append(f"(t{j} := {expr})")
+    result = names[g.results[0].name]
+    params = ", ".join(names[p.name] for p in g.params)
+    return f"lambda {params}: ({', '.join(steps)}, {result})[-1]" if steps else f"lambda {params}: {result}"
 
 
 def moe_tiling(model: Model, node: Node) -> tuple[int | None, int, list[str]]:
@@ -24,8 +68,8 @@ def moe_tiling(model: Model, node: Node) -> tuple[int | None, int, list[str]]:
     tn = next((t for t in (EXPERT_TILE, 256, 128) if f % t == 0), None)
     kc = min(d, 512)
     problems = []
-    if any(model.tensor(node.arg(w).name).type.dtype.name != "mxfp4" for w in WEIGHTS):
-        problems.append("the expert weights must be mxfp4")
+    if expert_format(model, node) not in FORMATS:
+        problems.append("the three expert weights must all be mxfp4, bf16 or fp8 with block=128 scales")
     if tn is None:
         problems.append(f"the expert width {f} must be a multiple of 128")
     if d % kc or (kc % 512 and kc != d) or kc % 256:
@@ -47,8 +91,6 @@ def _experts_of(g: Graph, route: Node) -> list[tuple[int, Node]]:
 
 def _check_experts(model: Model, at: Site) -> list[Diagnostic]:
     _, _, problems = moe_tiling(model, at.node)
-    if _router(at.graph, at.node) is None:
-        problems.append("its ids must come from a `route` in the same layer")
     return [Diagnostic(at.node.span, "moe_experts cannot be lowered: " + "; ".join(problems))] if problems else []
 
 
@@ -75,14 +117,35 @@ def _scratch(s: PlanContext, at: Site) -> dict:
     if tn is None:
         return {}
     tiles = (slots,)
-    return {
-        "w1c": ((*tiles, d // 8, tn), "uint32", f"expert W1 codes ({slots} tile sets)", "VMEM"),
-        "w1s": ((*tiles, d // 32, tn), "uint8", "expert W1 scales", "VMEM"),
-        "w3c": ((*tiles, d // 8, tn), "uint32", "expert W3 codes", "VMEM"),
-        "w3s": ((*tiles, d // 32, tn), "uint8", "expert W3 scales", "VMEM"),
-        "w2c": ((*tiles, tn // 8, d), "uint32", "expert W2 codes", "VMEM"),
-        "w2s": ((*tiles, tn // 32, d), "uint8", "expert W2 scales", "VMEM"),
-        "sem": ((6, slots), "dma", "expert tile semaphores", "SEM"),
+    fmt = expert_format(s.model, node)
+    if fmt == "bf16":
+        parts = {
+            "w1": ((*tiles, d, tn), "bfloat16", f"expert W1 tiles ({slots} tile sets)", "VMEM"),
+            "w3": ((*tiles, d, tn), "bfloat16", "expert W3 tiles", "VMEM"),
+            "w2": ((*tiles, tn, d), "bfloat16", "expert W2 tiles", "VMEM"),
+        }
+    elif fmt == "fp8_block":
+        code = s.model.tensor(node.arg("w1").name).type.dtype.numpy
+        b = FP8_BLOCK
+        parts = {
+            "w1c": ((*tiles, d, tn), code, f"expert W1 codes ({slots} tile sets)", "VMEM"),
+            "w1s": ((*tiles, d // b, tn // b), "float32", "expert W1 block scales", "SMEM"),
+            "w3c": ((*tiles, d, tn), code, "expert W3 codes", "VMEM"),
+            "w3s": ((*tiles, d // b, tn // b), "float32", "expert W3 block scales", "SMEM"),
+            "w2c": ((*tiles, tn, d), code, "expert W2 codes", "VMEM"),
+            "w2s": ((*tiles, tn // b, d // b), "float32", "expert W2 block scales", "SMEM"),
+        }
+    else:
+        parts = {
+            "w1c": ((*tiles, d // 8, tn), "uint32", f"expert W1 codes ({slots} tile sets)", "VMEM"),
+            "w1s": ((*tiles, d // 32, tn), "uint8", "expert W1 scales", "VMEM"),
+            "w3c": ((*tiles, d // 8, tn), "uint32", "expert W3 codes", "VMEM"),
+            "w3s": ((*tiles, d // 32, tn), "uint8", "expert W3 scales", "VMEM"),
+            "w2c": ((*tiles, tn // 8, d), "uint32", "expert W2 codes", "VMEM"),
+            "w2s": ((*tiles, tn // 32, d), "uint8", "expert W2 scales", "VMEM"),
+        }
+    return parts | {
+        "sem": ((len(PIECES[fmt]), slots), "dma", "expert tile semaphores", "SEM"),
         "zb": (("rows", d), "bfloat16", "latent input (bf16)", "VMEM"),
         "ids_stage": (("rows", 128), "int32", "routed ids, lane-dense for the copy to SMEM", "VMEM"),
         "ids_smem": (("rows", 128), "int32", "routed ids", "SMEM"),
@@ -94,14 +157,15 @@ def _scratch(s: PlanContext, at: Site) -> dict:
 
 
 def _traffic(s: PlanContext, at: Site) -> Traffic:
-    """The distinct experts chosen (as the op's cost counts them), in tile sets of six DMAs."""
+    """The distinct experts chosen (as the op's cost counts them), in tile sets of one DMA per piece."""
     node = at.node
     e, _, f = s.model.tensor(node.arg("w1").name).type.shape
     total_e = node.attr.get("experts_total", e)
     k = s.type_of(at.graph, node.arg("ids")).shape[1]  # ids are [B, k]
     experts = -(-min(total_e, s.batch * k) * e // total_e)
     tn, _, _ = moe_tiling(s.model, node)
-    return Traffic(s.cost(at).weight_bytes, 6 * experts * (f // (tn or 128)) + 1)
+    pieces = len(PIECES.get(expert_format(s.model, node), PIECES["mxfp4"]))
+    return Traffic(s.cost(at).weight_bytes, pieces * experts * (f // (tn or 128)) + 1)
 
 
 def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
@@ -116,18 +180,29 @@ def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
     e, d, f = em.m.tensor(w1).type.shape
     k = em.value_width(g, node.arg("ids"))
     tn, slots, _ = moe_tiling(em.m, node)  # as the planner sized the tile sets
-    names = {
-        f"{key}{part[0]}": f"{w}_{part}"
-        for key, w in zip(WEIGHTS, (w1, w3, w2), strict=True)
-        for part in ("codes", "scales")
-    }
-    e_route = em.value_width(g, _router(g, node).arg("scores"))
+    fmt = expert_format(em.m, node)
+    if fmt == "bf16":
+        names = {key: w for key, w in zip(WEIGHTS, (w1, w3, w2), strict=True)}  # unquantised: one array each
+    else:
+        names = {
+            f"{key}{part[0]}": f"{w}_{part}"
+            for key, w in zip(WEIGHTS, (w1, w3, w2), strict=True)
+            for part in ("codes", "scales")
+        }
+    names |= {key: f"f_{b}" for key, b in biases(node).items()}
+    router = _router(g, node)
     expert_axes = node.attr.get("expert_axes", ())
-    lo = f", E_route={e_route}, lo={em.group_index(expert_axes)} * {e}" if expert_axes else ""
+    extra = ""
+    if expert_axes:
+        e_route = em.value_width(g, router.arg("scores")) if router is not None else node.attr["experts_total"]
+        extra = f", E_route={e_route}, lo={em.group_index(expert_axes)} * {e}"
+    f_axes = em.m.tensor(w1).sharding[2]
+    if "b2" in names and f_axes:
+        extra += f", b2_here={em.group_index(f_axes)} == 0"
+    fmt_arg = "" if fmt == "mxfp4" else f", fmt={fmt!r}"
     em.objects.append(
         f"{obj} = MoE(r, rows=rows, batch=batch, E={e}, k={k}, D={d}, F={f}, tn={tn}, slots={slots}, "
-        f"names={names!r}, prefix={sc.prefix + '_'!r}, beta={float(node.attr['beta'])!r}, "
-        f"linear_beta={float(node.attr['linear_beta'])!r}{lo})"
+        f"names={names!r}, prefix={sc.prefix + '_'!r}, act={act_lambda(node.attr['act'])}{fmt_arg}{extra})"
     )
     return obj
 
@@ -143,11 +218,15 @@ def _route_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> 
 
 
 def _experts_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    for b in biases(at.node).values():
+        em.fetched(b, pre)  # waits for the layer's bias fetch
+    routed = _router(at.graph, at.node) is not None
     return dict(
         obj=_moe_object(em, at.graph, at.index, at.node),
         slot=em.slot_expr(at.node.arg("w1").name, em.layer_var),
         z=ins[0],
         weights=ins[1],
+        ids=None if routed else ins[2],
     )
 
 

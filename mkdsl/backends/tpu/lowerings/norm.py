@@ -8,6 +8,8 @@ from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lo
 def _rmsnorm_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node = at.node
     w = em.fetched(node.arg("weight").name, pre)
+    if node.attr.get("offset", 0.0) != 0.0:  # the (offset + w) form: added once to the fetched row
+        w = f"({em.attr_codes(node)['offset']} + {w})"
     return dict(x=ins[0], w=w, eps=em.attr_codes(node)["eps"], heads=node.attr["heads"])
 
 

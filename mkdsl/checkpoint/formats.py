@@ -1,0 +1,152 @@
+"""Checkpoint readers: the stored tensors' names, shapes and types without reading their data
+(so a whole checkpoint is checked before anything is loaded), then one tensor at a time.
+
+Shapes are numpy shapes (`[out, in]` for a matrix): GGUF's dims, fastest first, are reversed.
+GGUF's block formats (Q8_0, Q4_1, ...) are decoded to f32 by the `gguf` package as llama.cpp
+decodes them (Q8_0: `d * q`; Q4_1: `d * q + m`, with f16 `d`, `m`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read or does not fit the spec (the CLI exits 1)."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # the file's own type name: BF16, F32, Q4_1, ...
+
+
+# Stored types whose values a spec dtype (numpy name) holds exactly. Block formats decode to f32.
+EXACT = {
+    "F32": {"float32"},
+    "F16": {"float16", "float32"},
+    "BF16": {"bfloat16", "float32"},
+    "F64": {"float64"},
+    "F8_E4M3": {"float8_e4m3fn", "bfloat16", "float32"},
+    "F8_E5M2": {"float8_e5m2", "bfloat16", "float32"},
+}
+BLOCK_EXACT = {"float32"}
+
+
+def exact(stored: str, target: str) -> bool:
+    return target in EXACT.get(stored, BLOCK_EXACT)
+
+
+def open_checkpoint(path: str | Path):
+    """A reader for a safetensors file, a sharded index, a directory holding either, or a GGUF file."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if p.is_dir():
+        index = p / "model.safetensors.index.json"
+        files = sorted(p.glob("*.safetensors"))
+        ggufs = sorted(p.glob("*.gguf"))
+        if index.exists():
+            return SafetensorsReader.from_index(index)
+        if len(files) == 1 or (not files and len(ggufs) == 1):
+            return open_checkpoint(files[0] if files else ggufs[0])
+        raise CheckpointError(f"{path}: expected model.safetensors.index.json, one .safetensors or one .gguf file")
+    if p.name.endswith(".index.json"):
+        return SafetensorsReader.from_index(p)
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return GGUFReader(p)
+    if p.suffix == ".safetensors":
+        return SafetensorsReader({None: p})
+    raise CheckpointError(f"{path}: neither a GGUF file nor .safetensors")
+
+
+class SafetensorsReader:
+    format = "hf"
+
+    def __init__(self, files: dict[str | None, Path], weight_map: dict[str, str] | None = None):
+        import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
+        from safetensors import safe_open
+
+        self.root = next(iter(files.values())).parent
+        self._handles = {}
+        self._where: dict[str, object] = {}
+        try:
+            for key, f in files.items():
+                h = self._handles[key] = safe_open(str(f), framework="numpy")
+                for name in h.keys():
+                    self._where[name] = h
+        except Exception as e:  # safetensors raises its own error types for a damaged header
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+        if weight_map is not None:
+            missing = {n for n in weight_map if n not in self._where}
+            if missing:
+                raise CheckpointError(f"the index names tensors its files lack: {sorted(missing)[:5]}")
+
+    @classmethod
+    def from_index(cls, index: Path) -> SafetensorsReader:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        files = {f: index.parent / f for f in sorted(set(weight_map.values()))}
+        for f in files.values():
+            if not f.exists():
+                raise CheckpointError(f"{index}: names {f.name}, which does not exist")
+        return cls(files, weight_map)
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def info(self, name: str) -> Stored | None:
+        h = self._where.get(name)
+        if h is None:
+            return None
+        s = h.get_slice(name)
+        return Stored(name, tuple(s.get_shape()), s.get_dtype())
+
+    def read(self, name: str) -> np.ndarray:
+        return self._where[name].get_tensor(name)
+
+
+class GGUFReader:
+    format = "gguf"
+
+    def __init__(self, path: Path):
+        import gguf
+
+        try:
+            self._r = gguf.GGUFReader(str(path))
+        except Exception as e:  # a truncated or damaged file
+            raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+        self.root = path.parent
+        self.path = path
+        self._t = {t.name: t for t in self._r.tensors}
+
+    def names(self) -> list[str]:
+        return sorted(self._t)
+
+    def info(self, name: str) -> Stored | None:
+        t = self._t.get(name)
+        if t is None:
+            return None
+        return Stored(name, tuple(int(d) for d in reversed(t.shape)), t.tensor_type.name)
+
+    def read(self, name: str) -> np.ndarray:
+        import gguf
+
+        t = self._t[name]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if t.tensor_type.name in ("F32", "F16"):
+            return np.asarray(t.data).reshape(shape)
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+
+    def metadata(self, key: str, default=None):
+        f = self._r.fields.get(key)
+        return default if f is None else f.contents()

@@ -1,0 +1,225 @@
+"""`load_weights`: a checkpoint's tensors in the spec's layout and dtype, placed on the devices.
+
+Two passes. The plan reads only the checkpoint's header: every tensor each weight needs must
+exist with a shape the mapping turns into the spec's, and a type that converts into the spec's
+dtype exactly, or a mapping that accepts rounding (`| round`). Every mistake is collected and
+reported together before any data is read, so nothing is half-loaded. The load then builds one
+spec weight at a time on the host (one stacked array: peak host memory is about the largest
+weight plus one stored tensor), places it (split over the mesh for a sharded kernel) and frees it.
+
+Exact conversions: the same type, f16/bf16 to f32, and GGUF block formats (decoded in f32 as
+llama.cpp does) to f32. Anything else into bf16 (f32, f16, Q8_0, Q4_1) rounds to nearest even;
+the mapping must say `| round`, and the report counts the rounded tensors by stored type.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mkdsl.checkpoint.formats import CheckpointError, Stored, exact, open_checkpoint
+from mkdsl.checkpoint.mapping import FORMATS, WeightSource, apply_steps, mapped_shape
+from mkdsl.ir import Model, Tensor
+
+MAX_REPORTED = 12  # mistakes listed in one error (the rest are counted)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One slice of a spec weight (a layer's, an expert's) and the stored tensors it is made of."""
+
+    index: tuple[int, ...]  # into the spec weight's full shape
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    tensor: Tensor
+    source: WeightSource
+    pieces: tuple[Piece, ...]
+    rounded: tuple[str, ...]  # stored types that round into the spec's dtype
+
+
+@dataclass
+class LoadReport:
+    format: str
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    rounded: Counter = field(default_factory=Counter)  # stored type -> tensors rounded
+    target: dict = field(default_factory=dict)  # stored type -> spec dtype it rounded into
+
+    def summary(self) -> str:
+        line = f"loaded {self.tensors} tensors ({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f} s"
+        if self.rounded:
+            parts = ", ".join(f"{n} {t} -> {self.target[t]}" for t, n in sorted(self.rounded.items()))
+            line += f"; rounded to nearest (the mapping says `round`): {parts}"
+        return line
+
+
+def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, host: bool = False):
+    """(weights, report): the checkpoint at `path` (safetensors file, index or directory; GGUF;
+    or a reader from `formats.open_checkpoint`)
+    as `model`'s weights (a `mkdsl.Spec` or a `Model`), by the spec's mapping for that format.
+
+    `module`: the generated kernel module: each weight is laid out as it says (padded by its
+    `pad_weights` if it has one) and, for a sharded one, placed on `mesh` (default
+    `module.make_mesh()`) by its `weight_shardings`. `host=True` returns numpy arrays in the
+    spec's (and the reference's) layout.
+    Raises `CheckpointError` listing every missing or mismatched tensor before reading any data.
+    """
+    model = getattr(model, "model", model)
+    reader = path if hasattr(path, "info") else open_checkpoint(path)  # an open reader is reused
+    plans = plan_load(model, reader)
+    shardings = None
+    if module is not None and hasattr(module, "weight_shardings") and not host:
+        shardings = module.weight_shardings(mesh or module.make_mesh())
+    report = LoadReport(reader.format)
+    t0 = time.perf_counter()
+    total = sum(len(p.names) for wp in plans for p in wp.pieces)
+    out = {}
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc="loading", unit="tensor", file=sys.stderr, disable=not progress, leave=False) as bar:
+        for wp in plans:
+            out[wp.tensor.name] = _place(_build(wp, reader, report, bar), wp.tensor.name, module, shardings, host)
+    report.seconds = time.perf_counter() - t0
+    return out, report
+
+
+def plan_load(model: Model, reader) -> list[WeightPlan]:
+    """What each weight reads, checked against the checkpoint's header; CheckpointError if anything
+    is missing or does not fit."""
+    ckpt = next((c for c in model.checkpoints if c.format == reader.format), None)
+    if ckpt is None:
+        have = ", ".join(c.format for c in model.checkpoints) or "none"
+        raise CheckpointError(
+            f"the spec of {model.name} has no `checkpoint {reader.format}` section ({FORMATS[reader.format]}); "
+            f"its sections: {have}"
+        )
+    problems: list[str] = _layer_count_problems(model, reader)
+    plans = [_plan_weight(t, ckpt.source(t.name), reader, problems) for t in model.weights]
+    if problems:
+        shown = problems[:MAX_REPORTED]
+        more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
+        raise CheckpointError(
+            f"the checkpoint does not fit {model.name} ({len(problems)} problem{'s' * (len(problems) > 1)}):\n  "
+            + "\n  ".join(shown)
+            + more
+        )
+    return plans
+
+
+def _layer_count_problems(model: Model, reader) -> list[str]:
+    """A checkpoint with more or fewer layers than the spec (its metadata says how many)."""
+    found = None
+    if reader.format == "gguf":
+        found = reader.metadata(f"{reader.metadata('general.architecture', '')}.block_count")
+    else:
+        config = reader.root / "config.json"
+        if config.exists():
+            try:
+                found = json.loads(config.read_text()).get("num_hidden_layers")
+            except ValueError:
+                found = None
+    if found is None or int(found) == len(model.schedule):
+        return []
+    return [f"the checkpoint has {int(found)} layers; the spec has {len(model.schedule)}"]
+
+
+def _plan_weight(t: Tensor, src: WeightSource, reader, problems: list[str]) -> WeightPlan:
+    lead = t.type.shape[: len(src.stack)]
+    piece_shape = tuple(t.type.shape[len(src.stack) :])
+    layers = [(i, s) for i, s in enumerate(t.slots) if s >= 0] if t.stacked else [(None, None)]
+    pieces, rounded = [], set()
+    for (layer, slot), idx in itertools.product(layers, itertools.product(*(range(n) for n in lead))):
+        names = tuple(src.names(layer, idx))
+        where = f"`{t.name}`" + (f" (layer {layer})" if layer is not None else "") + f", spec line {src.span.line}"
+        infos = [reader.info(n) for n in names]
+        missing = [n for n, i in zip(names, infos) if i is None]
+        if missing:
+            problems.append(f"missing tensor `{missing[0]}` for {where}: expected {_shape(piece_shape)}")
+            continue
+        problem = _check_piece(t, src, infos, piece_shape, rounded)
+        if problem:
+            problems.append(f"{problem} for {where}")
+        pieces.append(Piece(((slot,) if layer is not None else ()) + idx, names))
+    return WeightPlan(t, src, tuple(pieces), tuple(sorted(rounded)))
+
+
+def _check_piece(t: Tensor, src: WeightSource, infos: list[Stored], want: tuple, rounded: set) -> str | None:
+    first = infos[0]
+    if any(i.shape[1:] != first.shape[1:] or not i.shape for i in infos):
+        return f"tensors {', '.join(f'`{i.name}` {_shape(i.shape)}' for i in infos)} cannot be concatenated"
+    shape = (sum(i.shape[0] for i in infos), *first.shape[1:]) if len(infos) > 1 else first.shape
+    got, why = mapped_shape(shape, src.steps)
+    steps = " | ".join(str(s) for s in src.steps if s.name != "round")
+    if got is None:
+        return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}: {why}"
+    if got != want:
+        after = f" (after `{steps}`: {_shape(got)})" if steps else ""
+        return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}{after}; expected {_shape(want)}"
+    target = t.type.dtype
+    if target.quantised:
+        return f"the spec's {target} cannot be loaded: the loader converts into plain dtypes only (bf16, f32)"
+    for i in infos:
+        if exact(i.dtype, target.numpy):
+            continue
+        if not src.rounds:
+            return (
+                f"tensor `{i.name}` is {i.dtype}, which {target} cannot hold exactly "
+                f"(expected {_exact_types(target.numpy)}; add `| round` to the mapping to accept rounding)"
+            )
+        rounded.add(i.dtype)
+    return None
+
+
+def _exact_types(target: str) -> str:
+    from mkdsl.checkpoint.formats import EXACT
+
+    names = [s for s, ok in EXACT.items() if target in ok]
+    return " or ".join(names) + (" or a GGUF block format" if target == "float32" else "")
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _build(wp: WeightPlan, reader, report: LoadReport, bar) -> np.ndarray:
+    """One spec weight on the host, piece by piece."""
+    import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
+
+    t = wp.tensor
+    dtype = np.dtype(t.type.dtype.numpy) if t.type.dtype.numpy != "bfloat16" else ml_dtypes.bfloat16
+    out = np.empty(tuple(t.full_shape), dtype)
+    for p in wp.pieces:
+        parts = [reader.read(n) for n in p.names]
+        x = parts[0] if len(parts) == 1 else np.concatenate([a.astype(np.float32) for a in parts])
+        out[p.index] = apply_steps(x, wp.source.steps).astype(dtype)
+        for n in p.names:
+            stored = reader.info(n).dtype
+            if stored in wp.rounded:
+                report.rounded[stored] += 1
+                report.target[stored] = str(t.type.dtype)
+        report.tensors += len(p.names)
+        bar.update(len(p.names))
+    report.bytes += out.nbytes
+    return out
+
+
+def _place(x: np.ndarray, name: str, module, shardings, host: bool):
+    """On the device(s), in the module's layout (`pad_weights`: matrices padded to whole tiles)."""
+    if host:
+        return x
+    import jax
+
+    pad = getattr(module, "pad_weights", None)
+    if pad is not None:
+        x = pad({name: x})[name]
+    return jax.device_put(x, shardings[name]) if shardings is not None else jax.device_put(x)
