@@ -235,13 +235,29 @@ def moe(b: Builder, kind: str) -> str:
     w3 = b.weight("w3_", "mxfp4", f"{experts}{e_s}, {lat}, {width}{f_s}", kind, allow_global=False, own=alike)
     w2 = b.weight("w2_", "mxfp4", f"{experts}{e_s}, {width}{f_s}, {lat}", kind, allow_global=False, own=alike)
     up = b.weight("zup", "bf16", f"{lat}, H", kind)
-    score = rng.choice(["sigmoid", "softmax"])
-    body = [
-        f"w, ids = route({score}(slice(linear(h, {wr}), start=0, size={experts})), {bias}, k={k})",
-        f"r = moe_experts(linear(h, {down}), w, ids, {w1}, {w3}, {w2})",
-    ]
+    scores = f"slice(linear(h, {wr}), start=0, size={experts})"
+    if rng.random() < 0.3:  # Qwen3's router: softmax, the top k, renormalised
+        routing = [f"p, ids = topk(softmax({scores}), k={k})", "w = p / rowsum(p)"]
+    else:
+        routing = [f"w, ids = route({rng.choice(['sigmoid', 'softmax'])}({scores}), {bias}, k={k})"]
+    act = expert_act(b)
+    body = [*routing, f"r = moe_experts(linear(h, {down}), w, ids, {w1}, {w3}, {w2}, act={act})"]
     b.parts.append(f"moe(E{experts}, k{k}, F{width}{', ' + split if split else ''})")
     return _block(b, "moe", body, f"linear(r, {up})")
+
+
+def expert_act(b: Builder) -> str:
+    """The experts' gated activation: an op's name, or a block of elementwise ops."""
+    form = b.rng.choice(["swiglu", "situ", "clamped"])
+    if form == "swiglu":
+        return "swiglu"
+    body = {
+        "situ": f"return situ(g, u, beta={b.rng.choice(['4.0', '2.0'])}, linear_beta=25.0)",
+        "clamped": "g = clamp(g, hi=7.0)\n  u = clamp(u, lo=-7.0, hi=7.0)\n  return g * sigmoid(g * 1.702) * (u + 1.0)",
+    }[form]
+    name = b.name("act")
+    b.blocks.append(f"block {name}(g, u) {{\n  {body}\n}}")
+    return name
 
 
 def kda(b: Builder, kind: str) -> str:
