@@ -235,16 +235,29 @@ def moe(b: Builder, kind: str) -> str:
     w3 = b.weight("w3_", "mxfp4", f"{experts}{e_s}, {lat}, {width}{f_s}", kind, allow_global=False, own=alike)
     w2 = b.weight("w2_", "mxfp4", f"{experts}{e_s}, {width}{f_s}, {lat}", kind, allow_global=False, own=alike)
     up = b.weight("zup", "bf16", f"{lat}, H", kind)
-    score = rng.choice(["sigmoid", "softmax"])
-    act = f"moe_act{len(b.blocks)}"  # the experts' gated activation, a block of elementwise ops
-    form = rng.choice(["swiglu(g, u)", "situ(g, u)", "gelu(g) * u", "clamp(u, lo=-7.0, hi=7.0) * silu(g)"])
-    b.blocks.append(f"block {act}(g, u) {{\n  return {form}\n}}")
-    body = [
-        f"w, ids = route({score}(slice(linear(h, {wr}), start=0, size={experts})), {bias}, k={k})",
-        f"r = moe_experts(linear(h, {down}), w, ids, {w1}, {w3}, {w2}, act={act})",
-    ]
+    scores = f"slice(linear(h, {wr}), start=0, size={experts})"
+    if rng.random() < 0.3:  # Qwen3's router: softmax, the top k, renormalised
+        routing = [f"p, ids = topk(softmax({scores}), k={k})", "w = p / rowsum(p)"]
+    else:
+        routing = [f"w, ids = route({rng.choice(['sigmoid', 'softmax'])}({scores}), {bias}, k={k})"]
+    act = expert_act(b)
+    body = [*routing, f"r = moe_experts(linear(h, {down}), w, ids, {w1}, {w3}, {w2}, act={act})"]
     b.parts.append(f"moe(E{experts}, k{k}, F{width}{', ' + split if split else ''})")
     return _block(b, "moe", body, f"linear(r, {up})")
+
+
+def expert_act(b: Builder) -> str:
+    """The experts' gated activation: an op's name, or a block of elementwise ops."""
+    form = b.rng.choice(["swiglu", "situ", "clamped"])
+    if form == "swiglu":
+        return "swiglu"
+    body = {
+        "situ": f"return situ(g, u, beta={b.rng.choice(['4.0', '2.0'])}, linear_beta=25.0)",
+        "clamped": "g = clamp(g, hi=7.0)\n  u = clamp(u, lo=-7.0, hi=7.0)\n  return g * sigmoid(g * 1.702) * (u + 1.0)",
+    }[form]
+    name = b.name("act")
+    b.blocks.append(f"block {name}(g, u) {{\n  {body}\n}}")
+    return name
 
 
 def kda(b: Builder, kind: str) -> str:
@@ -447,7 +460,7 @@ def main(argv=None) -> int:
             if args.show:
                 print(case.text)
                 continue
-            t = time.time()
+            t, cpu = time.time(), time.process_time()
             try:
                 failures = (
                     [] if args.compile_only and compile_case(case, tmp) else check_case(case, tmp, not args.no_races)
@@ -456,7 +469,8 @@ def main(argv=None) -> int:
                 failures = [f"{type(e).__name__}: {e}"[:3000], traceback.format_exc()[-3000:]]
             bad += bool(failures)
             verdict = "FAIL" if failures else "ok"
-            print(f"case {index} batch {case.batch}: {verdict} ({time.time() - t:.0f} s) {case.summary}", flush=True)
+            took = f"{time.time() - t:.0f} s, {time.process_time() - cpu:.0f} s CPU"
+            print(f"case {index} batch {case.batch}: {verdict} ({took}) {case.summary}", flush=True)
             for f in failures[:6]:
                 print(f"    {f}", flush=True)
     print(f"seed {args.seed}: {args.cases} cases, {bad} failed, {time.time() - t0:.0f} s", flush=True)

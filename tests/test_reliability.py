@@ -32,7 +32,7 @@ def run(tmp_path: Path, capsys, text: str, command: str = "check", *extra: str) 
         args += ["-o", str(tmp_path / "out")]
     t0 = time.perf_counter()
     code = main(args)
-    assert time.perf_counter() - t0 < 20, "took too long"
+    assert time.perf_counter() - t0 < 60, "took too long"  # a hang guard; each case takes ~1 s on an idle core
     return code, capsys.readouterr().err, spec
 
 
@@ -241,14 +241,21 @@ def test_vmem_budget_points_at_the_largest_allocation(tmp_path, capsys):
 
 
 def test_error_reporting_is_linear(tmp_path, capsys):
-    """10,000 errors: the first 200 are shown in full, the rest counted (it once took minutes)."""
-    text = TINY + "".join(f"const Z{i} = zzz\n" for i in range(10000))
-    t0 = time.perf_counter()
-    err = diagnosed(tmp_path, capsys, text, "unknown constant `zzz`")
-    assert time.perf_counter() - t0 < 15
-    assert err.count("error:") == 200 and err.endswith(
-        "10000 errors in " + str(tmp_path / "spec.mk") + " (the first 200 found are shown)\n"
-    )
+    """The first 200 errors are shown in full, the rest counted; the time grows linearly with the
+    count (it once grew quadratically: 20,000 errors took ~50 s). 8x the errors must take well under
+    the 64x a quadratic report would: < 24x, robust to a loaded machine; the small run is the best of two."""
+
+    def seconds(n: int) -> float:
+        text = TINY + "".join(f"const Z{i} = zzz\n" for i in range(n))
+        t0 = time.perf_counter()
+        err = diagnosed(tmp_path, capsys, text, "unknown constant `zzz`")
+        assert err.count("error:") == 200 and err.endswith(
+            f"{n} errors in " + str(tmp_path / "spec.mk") + " (the first 200 found are shown)\n"
+        )
+        return time.perf_counter() - t0
+
+    small = min(seconds(1250), seconds(1250))
+    assert seconds(10000) < 24 * small
 
 
 def test_a_long_line_is_shown_around_the_caret(tmp_path, capsys):
@@ -291,10 +298,10 @@ NOT_LOWERED = {  # name: (spec text, message of the first diagnostic, text of it
         "`attention` needs `scale` to be the same at every layer of a kind",
         "scale=",
     ),
-    "moe-beta-per-layer": (  # the experts' SiTU is the spec's `act` block now
-        KIMI.replace("  return situ(g, u)\n", "  return situ(g, u, beta=4.0 + l)\n"),
+    "moe-beta-per-layer": (
+        KIMI.replace("  return situ(g, u)\n", "  return situ(g, u, beta=4.0 + l)\n", 1),  # the experts' `act` block
         "`situ` has a layer-dependent attribute",
-        "situ(g, u, beta=4.0 + l)",
+        "beta=4.0 + l",
     ),
     "embedding-of-a-computed-index": (  # silently looked up the token ids (logits 34x off the bound)
         tiny(
