@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 STEPS = 1  # decode steps per case (the caches start random, so attention reads earlier tokens anyway)
 KV_TILE = 128  # the kv_tile hint: a 256-token cache is two tiles (verify.check_seq_len)
 
-# Forms the language allows that the kernel gets wrong today, found by this generator and not yet
-# fixed (in files other owners hold); drawn only when named in MKDSL_SPECGEN_GAPS (comma-separated)
-# or with MKDSL_SPECGEN_GAPS=all, to reproduce them. Remove an entry once it is fixed.
+# Forms the language allows that the kernel cannot run, found by this generator and now
+# diagnostics (the lowerings' checks reject them; tests/test_reliability.py); drawn only when
+# named in MKDSL_SPECGEN_GAPS (comma-separated) or with MKDSL_SPECGEN_GAPS=all, where a case must
+# then fail to compile. Remove an entry once the kernel reads each tensor at its own slot.
 KNOWN_GAPS = {
     # mla_attention reads `w_kvb` at its cache's layer slot: an unstacked w_kvb fails at trace time,
     # and one stacked over other layers than the cache reads another layer's slice.

@@ -323,6 +323,17 @@ NOT_LOWERED = {  # name: (spec text, message of the first diagnostic, text of it
         "the kernel reads one embedding table: `etab` is stacked per layer",
         "embedding(tokens, etab)",
     ),
+    # Found by the random spec generator: the kernels read these at one layer slot (a wrong slice).
+    "mla-w_kvb-stacked-unlike-its-cache": (
+        KIMI.replace("NH*(NOPE+D) @(ep, tp)] per layer(mla_moe)", "NH*(NOPE+D) @(ep, tp)] per layer"),
+        "`mla_wkvb` is stacked over other layers than `mla_cache`",
+        "mla_wkvb:",
+    ),
+    "moe-experts-stacked-unlike-each-other": (
+        KIMI.replace("FE @tp, LAT]   per layer(kda_moe, mla_moe)", "FE @tp, LAT]   per layer"),
+        "`moe_w2` is stacked over other layers than `moe_w1`",
+        "moe_w2:",
+    ),
 }
 
 

@@ -5,7 +5,15 @@ Shares the attention ops' numbering (`att<i>_*`) and KV tile tables."""
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
+from mkdsl.backends.tpu.lowering import (
+    EmitContext,
+    Lowering,
+    PlanContext,
+    Site,
+    Traffic,
+    register_lowering,
+    same_slots,
+)
 from mkdsl.backends.tpu.lowerings.attention import KV_SLOTS, kv_setup, kv_tables
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.dtypes import storage_bytes
@@ -35,7 +43,8 @@ def _check(model: Model, at: Site) -> list[Diagnostic]:
                 cache.span, f"latent cache `{cache.name}` is {cache.type.dtype}: the kernel streams bf16 caches only"
             )
         )
-    return out
+    why = "mla_attention's kernel reads `w_kvb` at its cache's layer slot"
+    return out + same_slots(model, at, [cache.name, w.name], why)
 
 
 def _scratch(s: PlanContext, at: Site) -> dict:

@@ -8,7 +8,15 @@ by `moe_experts` itself. Both ops' lowering-time checks live here."""
 
 from __future__ import annotations
 
-from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
+from mkdsl.backends.tpu.lowering import (
+    EmitContext,
+    Lowering,
+    PlanContext,
+    Site,
+    Traffic,
+    register_lowering,
+    same_slots,
+)
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import BlockAttr, Graph, Model, Node
 from mkdsl.ops import OPS
@@ -91,7 +99,9 @@ def _experts_of(g: Graph, route: Node) -> list[tuple[int, Node]]:
 
 def _check_experts(model: Model, at: Site) -> list[Diagnostic]:
     _, _, problems = moe_tiling(model, at.node)
-    return [Diagnostic(at.node.span, "moe_experts cannot be lowered: " + "; ".join(problems))] if problems else []
+    out = [Diagnostic(at.node.span, "moe_experts cannot be lowered: " + "; ".join(problems))] if problems else []
+    names = [r.name for r in at.node.inputs[3:] if r.kind == "tensor"]  # w1, w3, w2 and the biases
+    return out + same_slots(model, at, names, "moe_experts' kernel reads every expert weight at w1's layer slot")
 
 
 def _check_route(model: Model, at: Site) -> list[Diagnostic]:
