@@ -368,3 +368,52 @@ def expected_weights(spec_name: str, weights: dict, tensors: dict, c: dict) -> d
         ba[..., 2 * c["NV"] :] = 0
         out["gdn_wba"] = ba
     return out
+
+
+def write_sharded(root, base, extra: dict, in_base: set) -> object:
+    """A sharded checkpoint in `root`: `base` (a safetensors file of the tensors `in_base`, linked,
+    not copied) and the `extra` tensors in a second file, with the index naming each one's file."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    (root / "model-00001-of-00002.safetensors").symlink_to(base)
+    save_file(extra, str(root / "model-00002-of-00002.safetensors"))
+    index = {n: "model-00001-of-00002.safetensors" for n in in_base}
+    index |= {n: "model-00002-of-00002.safetensors" for n in extra}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return root
+
+
+def same_weight(got, want) -> bool:
+    """Equal dtype, shape and bytes (so fp8 codes and NaNs compare too); a QTensor part by part."""
+    from mkdsl.quant import QTensor
+
+    if isinstance(want, QTensor):
+        return (
+            isinstance(got, QTensor)
+            and (got.fmt, got.group) == (want.fmt, want.group)
+            and same_weight(got.codes, want.codes)
+            and same_weight(got.scales, want.scales)
+        )
+    got, want = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    return got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
+def through_checkpoint(model, weights: dict, root) -> dict:
+    """`weights` (spec layout) written as the model's published Hugging Face checkpoint in `root`
+    and loaded back by the spec's mapping (host arrays): what a kernel test then runs on. They
+    equal `weights` bit for bit but where the checkpoint holds something else (`expected_weights`)."""
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    import mkdsl
+
+    tensors = PUBLISHED[model.name](weights, model.schedule, model.const)
+    save_file(tensors, str(Path(root) / "model.safetensors"))
+    loaded, _ = mkdsl.load_weights(model, root, host=True, progress=False)
+    want = expected_weights(model.name, weights, tensors, model.const)
+    bad = [n for n in want if not same_weight(loaded[n], want[n])]
+    assert not bad, f"{model.name}: loaded differently from the checkpoint's tensors: {bad}"
+    return loaded

@@ -1,6 +1,13 @@
-"""Checkpoint mappings and the loader: synthetic Hugging Face and GGUF checkpoints of the Llama
-mini (real tensor names and layouts, random values) load exactly into the spec's layout, and
-every mismatch is reported, naming the tensor, before anything is loaded."""
+"""Checkpoint mappings and the loader: synthetic Hugging Face and GGUF checkpoints (real tensor
+names and layouts, mini sizes, random values) load exactly into the spec's layout, and every
+mismatch is reported, naming the tensor, before anything is loaded.
+
+The Llama family (Llama 3, SmolLM2) is written by `hf_tensors` / `gguf_tensors`; DeepSeek-V3
+(fp8 with block scales), gpt-oss (MXFP4 experts, fused interleaved gate_up), Qwen3-Next (tensors
+fused per key head) and Qwen3-30B-A3B by `checkpoint_writers.PUBLISHED`, as their published
+checkpoints lay them out. That loaded weights also run a kernel step equal to the reference is
+checked by the models' mini kernel tests, which take their weights through these checkpoints
+(`checkpoint_writers.through_checkpoint`), and for the Llama mini by tests/test_run.py."""
 
 from __future__ import annotations
 
@@ -13,15 +20,20 @@ import numpy as np
 import pytest
 from checkpoint_writers import (
     LLAMA_NAMES,
+    PUBLISHED,
     decode_blocks,
+    expected_weights,
     gguf_tensors,
     hf_tensors,
+    same_weight,
     write_gguf,
+    write_sharded,
 )
 from safetensors.numpy import save_file
 
 import mkdsl
 from mkdsl.checkpoint.formats import CheckpointError
+from mkdsl.cli import main
 from mkdsl.diagnostics import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,3 +182,142 @@ def test_mapping_mistakes_are_diagnostics(tmp_path, old, new, message):
     text = e.value.render(str(bad), bad.read_text())
     assert re.search(message, text, re.S), text
     assert re.search(r"bad\.mk:\d+:\d+: error", text)
+
+
+# ---------------------------------------------------------------------------- published layouts
+
+
+# Per spec, one stored tensor per kind of mistake: missing, a wrong shape (how to spoil it), a wrong
+# dtype (F16 for bf16: not exact; bf16 codes for fp8), and the message each gives: it names the
+# tensor, what was found and what was expected.
+def _cut(index):
+    return lambda x: np.ascontiguousarray(x[index])
+
+
+def _f16(x):
+    return x.astype(np.float16)
+
+
+MISTAKES = {
+    "qwen3_30b_a3b": (
+        ("model.layers.1.mlp.experts.5.up_proj.weight", None, r"expected \[256, 256\]"),
+        (
+            "model.layers.0.self_attn.k_proj.weight",
+            _cut(np.s_[:-128]),
+            r"is BF16 \[128, 256\] \(after `transpose`: \[256, 128\]\); expected \[256, 256\]",
+        ),
+        ("model.layers.0.mlp.gate.weight", _f16, r"is F16, which bf16 cannot hold exactly \(expected BF16"),
+    ),
+    "deepseek_v3": (
+        (
+            "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv",
+            None,
+            r"expected F8_E4M3 \* F32 holding \[256, 256\]",
+        ),
+        (
+            "model.layers.0.self_attn.q_b_proj.weight",
+            _cut(np.s_[:-128]),
+            r"F8_E4M3 \[1408, 256\] \* .* F32 \[12, 2\]: scales \[12, 2\] are not one per 128x128 block of "
+            r"codes \[1408, 256\] \(expected \[11, 2\]\)",
+        ),
+        (
+            "model.layers.1.mlp.shared_experts.up_proj.weight",
+            lambda x: x.astype(ml_dtypes.bfloat16),
+            r"BF16 \[256, 256\] \* .* are not a pair that holds fp8_e4m3\(block=128\) \(expected F8_E4M3 \* F32",
+        ),
+    ),
+    "gpt_oss_120b": (
+        ("model.layers.1.mlp.experts.down_proj_scales", None, r"expected U8 \* U8 holding \[8, 256, 256\]"),
+        (
+            "model.layers.0.mlp.experts.gate_up_proj_blocks",
+            _cut(np.s_[:, :, :-1]),
+            r"U8 \[8, 512, 7, 16\] \* .* U8 \[8, 512, 8\]: codes .* are not MXFP4 blocks",
+        ),
+        ("model.layers.1.mlp.experts.gate_up_proj_bias", _f16, r"is F16, which bf16 cannot hold exactly"),
+    ),
+    "qwen3_next_80b_a3b": (
+        ("model.layers.3.self_attn.q_proj.weight", None, r"for `attn_wq` \(layer 3\).*expected \[256, 1024\]"),
+        (
+            "model.layers.0.linear_attn.in_proj_qkvz.weight",
+            _cut(np.s_[:-1]),
+            r"is BF16 \[1535, 256\]: `group_rows\(groups=2, start=0, stop=128\)` needs dimension 0 \(1535\) "
+            r"to be 2 equal groups .*; expected \[256, 256\] after the steps for `gdn_wq`",
+        ),
+        ("model.layers.2.linear_attn.in_proj_ba.weight", _f16, r"is F16, which bf16 cannot hold exactly"),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PUBLISHED))
+def published(request, tmp_path_factory):
+    """A mini spec, its random weights, the published checkpoint's tensors and what loading them
+    gives; the tensors but the ones `MISTAKES` spoils written once, as a shared base file."""
+    name = request.param
+    spec = mkdsl.load(ROOT / "specs" / f"{name}.mk", "mini")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=3)
+    m = spec.model
+    tensors = PUBLISHED[name](weights, m.schedule, m.const)
+    base = tmp_path_factory.mktemp(name) / "base.safetensors"
+    spoiled = [n for n, _, _ in MISTAKES[name]]
+    save_file({n: x for n, x in tensors.items() if n not in spoiled}, str(base))
+    return name, spec, tensors, expected_weights(name, weights, tensors, m.const), base
+
+
+def _sharded(root: Path, base: Path, tensors: dict, spoiled: list[str]) -> Path:
+    return write_sharded(root, base, {n: tensors[n] for n in spoiled if n in tensors}, set(tensors) - set(spoiled))
+
+
+def test_published_layouts_load_bit_exactly(published, tmp_path):
+    """Every weight equals the spec-layout weight the checkpoint was written from, bit for bit
+    (fp8 codes and scales transposed, MXFP4 re-packed, fused rows regrouped), except what the
+    checkpoint holds otherwise (expected_weights: DeepSeek's kv_b_proj decoded to bf16, the
+    zero padding of Qwen3-Next's [beta | a])."""
+    name, spec, tensors, want, base = published
+    spoiled = [n for n, _, _ in MISTAKES[name]]
+    root = _sharded(tmp_path, base, tensors, spoiled)
+    loaded, report = mkdsl.load_weights(spec, root, host=True, progress=False)
+    assert set(loaded) == set(want)
+    bad = [w for w in want if not same_weight(loaded[w], want[w])]
+    assert not bad, f"{name}: loaded differently: {bad}"
+    assert report.tensors == len(tensors)
+    rounded = {"deepseek_v3": {"F8_E4M3*F32": 2}}.get(name, {})
+    assert dict(report.rounded) == rounded, report.summary()
+
+
+@pytest.mark.parametrize("mistake", [0, 1, 2], ids=["missing", "shape", "dtype"])
+def test_published_layout_mistakes_exit_1_naming_the_tensor(published, tmp_path, capsys, mistake):
+    name, spec, tensors, _, base = published
+    spoiled = [n for n, _, _ in MISTAKES[name]]
+    victim, spoil, message = MISTAKES[name][mistake]
+    bad = dict(tensors)
+    if spoil is None:
+        del bad[victim]
+    else:
+        bad[victim] = spoil(bad[victim])
+    root = _sharded(tmp_path, base, bad, spoiled)
+    argv = ["run", str(ROOT / "specs" / f"{name}.mk"), "-p", "mini", "--weights", str(root), "--prompt", "x"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"`{victim}`" in err and re.search(message, err), err
+    assert "Traceback" not in err
+
+
+def test_published_layouts_load_onto_the_devices_in_the_kernels_layout(published, tmp_path):
+    """With the generated module: every array the kernel takes (a quantised `w` as `w_codes` and
+    `w_scales`, padded as `pad_weights` pads), at its layout and split over the module's mesh."""
+    from mkdsl import verify
+    from mkdsl.compiler import compile_source
+    from mkdsl.random_params import kernel_weights
+
+    name, spec, tensors, want, base = published
+    out, _ = compile_source(spec.source, str(spec.path), "mini", None)
+    module = verify.import_generated(out.files["kernel.py"], tmp_path, f"{name}_mini")
+    root = _sharded(tmp_path, base, tensors, [n for n, _, _ in MISTAKES[name]])
+    loaded, _ = mkdsl.load_weights(spec, root, module=module, progress=False)
+    layout, shardings = module.weight_layout(), module.weight_shardings(module.make_mesh())
+    assert set(loaded) == set(layout)
+    host = getattr(module, "pad_weights", dict)(kernel_weights(want))
+    for n, x in loaded.items():
+        assert (x.shape, x.dtype) == (layout[n].shape, layout[n].dtype), n
+        assert x.sharding.is_equivalent_to(shardings[n], x.ndim), n
+        assert same_weight(np.asarray(x), np.asarray(host[n])), n

@@ -83,8 +83,9 @@ class SafetensorsReader:
             for key, f in files.items():
                 h = self._handles[key] = safe_open(str(f), framework="numpy")
                 for name in h.keys():
-                    self._where[name] = h
-                    self._file[name] = f
+                    if weight_map is None or weight_map.get(name) == key:  # the index says where each tensor is
+                        self._where[name] = h
+                        self._file[name] = f
         except Exception as e:  # safetensors raises its own error types for a damaged header
             raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
         if weight_map is not None:

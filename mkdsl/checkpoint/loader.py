@@ -69,6 +69,12 @@ class LoadReport:
     seconds: float = 0.0
     rounded: Counter = field(default_factory=Counter)  # stored type -> tensors rounded
     target: dict = field(default_factory=dict)  # stored type -> spec dtype it rounded into
+    seen: set = field(default_factory=set, repr=False)  # stored tensors read (one may feed two weights)
+
+    def read(self, names) -> None:
+        new = set(names) - self.seen
+        self.seen |= new
+        self.tensors += len(new)
 
     def summary(self) -> str:
         line = f"loaded {self.tensors} tensors ({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f} s"
@@ -190,7 +196,7 @@ def _check_piece(t: Tensor, src: WeightSource, infos: list[Stored], want: tuple,
     shape = (sum(i.shape[0] for i in infos), *first.shape[1:]) if len(infos) > 1 else first.shape
     got, why = mapped_shape(shape, src.steps)
     if got is None:
-        return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}: {why}"
+        return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}: {why}; expected {_shape(want)} after the steps"
     if got != want:
         return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}{_after(src, got)}; expected {_shape(want)}"
     target = t.type.dtype
@@ -220,10 +226,10 @@ def _plan_pair(t: Tensor, src: WeightSource, codes: Stored, scales: Stored, want
         return f"tensors {pair} are not a pair that holds {target} (expected {_expected(t, src, want)})"
     grid = kind.grid(codes.shape, scales.shape, target.block)
     if isinstance(grid, str):
-        return f"tensors {pair}: {grid}"
+        return f"tensors {pair}: {grid}; expected {_expected(t, src, want)}"
     out, moves = mapped_grid(grid, src.steps)
     if out is None:
-        return f"tensors {pair} ({kind.name}, values {_shape(grid.shape)}): {moves}"
+        return f"tensors {pair} ({kind.name}, values {_shape(grid.shape)}): {moves}; expected {_shape(want)} after the steps"
     if out.shape != want:
         return f"tensors {pair} hold values {_shape(grid.shape)}{_after(src, out.shape)}; expected {_shape(want)}"
     if target.quantised and out.groups != target_groups(target, len(want)):
@@ -281,7 +287,7 @@ def _build(wp: WeightPlan, reader, report: LoadReport, bar):
                 if stored in wp.rounded:
                     report.rounded[stored] += 1
                     report.target[stored] = str(t.type.dtype)
-        report.tensors += len(p.names)
+        report.read(p.names)
         bar.update(len(p.names))
     report.bytes += sum(a.nbytes for a in (out[:2] if isinstance(out, QTensor) else (out,)))
     return out
