@@ -417,3 +417,24 @@ def through_checkpoint(model, weights: dict, root) -> dict:
     bad = [n for n in want if not same_weight(loaded[n], want[n])]
     assert not bad, f"{model.name}: loaded differently from the checkpoint's tensors: {bad}"
     return loaded
+
+
+def demo_tensors(weights: dict, c: dict) -> dict:
+    """docs/language.md's `checkpoint_demo`, as its prose says the checkpoint stores it."""
+    out = {"embed.weight": np.asarray(weights["embed"]), "lm_head.weight": _t(weights["lm_head"])}
+    nh, d, f = c["NH"], c["D"], c["F"]
+    for layer in range(c["L"]):
+        p = f"layers.{layer}."
+        out[p + "norm.weight"] = np.asarray(weights["norm"][layer])[None]
+        q, k = _t(weights["wq"][layer]), _t(weights["wk"][layer])
+        out[p + "qk.weight"] = np.concatenate(
+            [x for h in range(nh) for x in (q[h * d : (h + 1) * d], k[h * d : (h + 1) * d])]
+        )
+        g, u = weights["w_gate"], weights["w_up"]
+        nib = _interleave(_t(mxfp4_nibbles(g.codes[layer])), _t(mxfp4_nibbles(u.codes[layer])), 0)
+        assert nib.shape[0] == 2 * f
+        out[p + "gate_up.blocks"] = openai_blocks(nib)
+        out[p + "gate_up.scales"] = _interleave(_t(g.scales[layer]), _t(u.scales[layer]), 0)
+        out[p + "down.weight"] = _t(weights["w_down"].codes[layer])
+        out[p + "down.weight_scale_inv"] = _t(weights["w_down"].scales[layer])
+    return out

@@ -22,6 +22,7 @@ from checkpoint_writers import (
     LLAMA_NAMES,
     PUBLISHED,
     decode_blocks,
+    demo_tensors,
     expected_weights,
     gguf_tensors,
     hf_tensors,
@@ -321,3 +322,85 @@ def test_published_layouts_load_onto_the_devices_in_the_kernels_layout(published
         assert (x.shape, x.dtype) == (layout[n].shape, layout[n].dtype), n
         assert x.sharding.is_equivalent_to(shardings[n], x.ndim), n
         assert same_weight(np.asarray(x), np.asarray(host[n])), n
+
+
+DOCS = ROOT / "docs" / "language.md"
+
+
+def test_the_manuals_example_loads_its_fused_interleaved_quantised_checkpoint(tmp_path):
+    """docs/language.md's `checkpoint_demo`: its checkpoint as the prose lays it out (q and k rows
+    fused per head, MXFP4 gate/up rows alternating, fp8 block-scaled down, norms [1, H]) loads into
+    the spec's weights bit for bit."""
+    text = DOCS.read_text(encoding="utf-8")
+    block = re.search(r"```mk\n(# Weights whose checkpoint.*?model checkpoint_demo.*?)```", text, re.S)
+    assert block, "the manual's checkpoint_demo example"
+    (tmp_path / "demo.mk").write_text(block.group(1))
+    spec = mkdsl.load(tmp_path / "demo.mk")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=16, seed=2)
+    save_file(demo_tensors(weights, spec.model.const), str(tmp_path / "model.safetensors"))
+    loaded, _ = mkdsl.load_weights(spec, tmp_path / "model.safetensors", host=True, progress=False)
+    assert [n for n in weights if not same_weight(loaded[n], weights[n])] == []
+
+
+def test_the_manuals_step_table_lists_every_step():
+    from mkdsl.checkpoint.steps import STEPS
+
+    text = DOCS.read_text(encoding="utf-8")
+    for name, sd in STEPS.items():
+        d = dict(sd.defaults)
+        args = ", ".join(f"{p}={d[p]}" if p in d else p for p in sd.params)
+        row = (f"| `{name}({args})` |" if args else f"| `{name}` |") + f" {sd.doc} |"
+        assert row in text, row
+    assert len(
+        re.findall(r"^\| `(\w+)[(`]", text.split("## Checkpoints")[1].split("## What compiles")[0], re.M)
+    ) == len(STEPS)
+
+
+DSV3 = ROOT / "specs" / "deepseek_v3.mk"
+WQ_A = '"model.layers.{l}.self_attn.q_a_proj.weight"\n                * "model.layers.{l}.self_attn.q_a_proj.weight_scale_inv"'
+
+
+@pytest.mark.parametrize(
+    "new, message",
+    [
+        (
+            '"model.layers.{l}.self_attn.q_a_proj.weight"',
+            r"`wq_a` is fp8_e4m3\(block=128\), stored as codes and scales",
+        ),
+        ('["a{l}", "b{l}"] * "c{l}"', r"`\*` pairs one codes pattern with one scales pattern, not a list"),
+        ('"a{l}" * "c{l}.{e}"', r"the patterns of a concatenation or a pair must use the same placeholders"),
+        (WQ_A + " | group_rows(groups=2, start=0)", r"`group_rows` takes \(groups, start, stop, dim=0\)"),
+    ],
+)
+def test_pair_mistakes_are_diagnostics(tmp_path, new, message):
+    text = DSV3.read_text()
+    assert WQ_A in text
+    bad = tmp_path / "bad.mk"
+    bad.write_text(text.replace(WQ_A, new, 1))
+    with pytest.raises(SpecError) as e:
+        mkdsl.load(bad, "mini")
+    rendered = e.value.render(str(bad), bad.read_text())
+    assert re.search(message, rendered, re.S), rendered
+
+
+def test_steps_move_scales_only_in_whole_groups():
+    """A quantised tensor's scales move with its elements only where a step keeps each group of
+    elements sharing a scale whole (the short last group too); otherwise the step is refused."""
+    from mkdsl.checkpoint.mapping import Step, mapped_grid
+    from mkdsl.checkpoint.steps import Grid
+
+    grid = Grid((256, 300), (128, 128))  # scales [2, 3], the last column block 44 wide
+    scales = np.arange(6).reshape(2, 3)
+
+    def rows(start, stop, dim):
+        return (Step("rows", (("start", start), ("stop", stop), ("dim", dim)), None),)
+
+    out, moves = mapped_grid(grid, rows(128, 256, 0))
+    assert out.shape == (128, 300) and moves[0](scales).tolist() == [[3, 4, 5]]
+    out, moves = mapped_grid(grid, rows(256, 300, 1))
+    assert out.shape == (256, 44) and moves[0](scales).tolist() == [[2], [5]]
+    for bad in (rows(0, 64, 0), rows(100, 228, 1)):
+        out, why = mapped_grid(grid, bad)
+        assert out is None and "splits the scale groups of dimension" in why, why
+    regroup = (Step("regroup", (("groups", 2), ("parts", 1), ("dim", 0)), None),)
+    assert mapped_grid(grid, regroup)[0] == grid

@@ -10,6 +10,10 @@ weight plus one stored tensor), places it (split over the mesh for a sharded ker
 Exact conversions: the same type, f16/bf16 to f32, and GGUF block formats (decoded in f32 as
 llama.cpp does) to f32. Anything else into bf16 (f32, f16, Q8_0, Q4_1) rounds to nearest even;
 the mapping must say `| round`, and the report counts the rounded tensors by stored type.
+A quantised weight comes from a stored `codes * scales` pair (`pairs.PAIRS`): its codes and
+scales are moved by the steps and re-packed into the spec's storage, bit for bit; decoded into a
+plain dtype, an fp8 pair rounds (`round`, counted as `F8_E4M3*F32`) and an MXFP4 one does not.
+A stored tensor that feeds two weights (gpt-oss's fused gate_up) is read once for each.
 """
 
 from __future__ import annotations
