@@ -19,7 +19,8 @@
 # it) and the "dynamic" per-token fp8 quantisation of activations of DeepSeek's optional fp8 GEMM
 # path (its default path, like mkdsl's numeric contract, rounds activations to bf16).
 # The `checkpoint hf` section at the end loads the published checkpoint: each fp8 `.weight` with
-# its `.weight_scale_inv` as one block-scaled weight (codes and scales transposed, bit for bit).
+# its `.weight_scale_inv` as one block-scaled weight (codes and scales transposed, bit for bit),
+# and kv_b_proj decoded into bf16 as said above.
 model deepseek_v3
 
 const L     = 61          # layers

@@ -10,9 +10,10 @@
 # As published, with two notes on how the checkpoint's tensors become these weights:
 # - The fused gate_up projection [5760] interleaves its halves (gate = u[0::2], up = u[1::2]);
 #   the spec declares the gate (w1, b1) and up (w3, b3) experts separately, de-interleaved.
-# - The `checkpoint hf` section at the end re-packs the MXFP4 experts (blocks [E, out, in/32, 16]
-#   + E8M0 scales [E, out, in/32]) into mkdsl's uint32 [E, in/8, out] codes and [E, in/32, out]
-#   scales, bit for bit, and de-interleaves gate_up (`group_rows` of groups of 2).
+# - The `checkpoint hf` section at the end loads the published checkpoint: it re-packs the MXFP4
+#   experts (blocks [E, out, in/32, 16] + E8M0 scales [E, out, in/32]) into mkdsl's uint32
+#   [E, in/8, out] codes and [E, in/32, out] scales, bit for bit, and de-interleaves gate_up
+#   (`group_rows` over its rows, in groups of 2).
 #
 # Deployment: 4 TPU7x cores (2 chips), ep 2 x tp 2. Attention is split by KV head over tp (4 KV
 # heads and 32 query heads per core; the two ep halves compute it alike); the experts by owner
