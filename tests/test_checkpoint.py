@@ -404,3 +404,27 @@ def test_steps_move_scales_only_in_whole_groups():
         assert out is None and "splits the scale groups of dimension" in why, why
     regroup = (Step("regroup", (("groups", 2), ("parts", 1), ("dim", 0)), None),)
     assert mapped_grid(grid, regroup)[0] == grid
+
+
+def test_a_file_that_cannot_be_read_is_an_error_naming_the_tensor(llama, tmp_path, monkeypatch):
+    """Truncated: refused when opened. Failing while the data is read (an I/O error after the
+    header checked out): an error naming the tensor, not a traceback, and no weights returned."""
+    from mkdsl.checkpoint.formats import open_checkpoint
+
+    spec, weights = llama
+    path = _hf(tmp_path, hf_tensors(weights, 2))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-4096])
+    with pytest.raises(CheckpointError, match=r"not a readable safetensors file"):
+        mkdsl.load_weights(spec, truncated, host=True, progress=False)
+    reader = open_checkpoint(path)
+    read = reader.read
+
+    def failing(name):
+        if name == "model.layers.1.mlp.down_proj.weight":
+            raise OSError("Input/output error")
+        return read(name)
+
+    monkeypatch.setattr(reader, "read", failing)
+    with pytest.raises(CheckpointError, match=r"tensor `model\.layers\.1\.mlp\.down_proj\.weight` cannot be read"):
+        mkdsl.load_weights(spec, reader, host=True, progress=False)

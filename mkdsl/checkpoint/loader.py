@@ -280,7 +280,7 @@ def _build(wp: WeightPlan, reader, report: LoadReport, bar):
     t = wp.tensor
     out = _empty(t)
     for p in wp.pieces:
-        parts = [reader.read(n) for n in p.names]
+        parts = [_read(reader, n) for n in p.names]
         if p.pair is not None:
             _put_pair(out, p, parts, wp, report)
         else:
@@ -295,6 +295,15 @@ def _build(wp: WeightPlan, reader, report: LoadReport, bar):
         bar.update(len(p.names))
     report.bytes += sum(a.nbytes for a in (out[:2] if isinstance(out, QTensor) else (out,)))
     return out
+
+
+def _read(reader, name: str) -> np.ndarray:
+    """One stored tensor's data; a file that the header promised more than it holds (truncated,
+    damaged) is a CheckpointError, and what was built so far is dropped with the call."""
+    try:
+        return reader.read(name)
+    except Exception as e:  # safetensors, gguf and numpy each raise their own error types
+        raise CheckpointError(f"tensor `{name}` cannot be read: {e}") from None
 
 
 def _put_pair(out, p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadReport) -> None:
