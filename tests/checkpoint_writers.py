@@ -203,10 +203,15 @@ def fp8_decode(codes: np.ndarray, scales: np.ndarray, b: int = 128) -> np.ndarra
 
 
 def deepseek_tensors(weights: dict, schedule, c: dict) -> dict:
-    """wkv_b, bf16 in the spec, is stored as the checkpoint stores kv_b_proj: fp8 blocks."""
+    """wkv_b, if bf16 in the spec, is stored as the checkpoint stores kv_b_proj: fp8 blocks."""
+    from mkdsl.quant import QTensor
+
     out = {}
     _plain(out, weights, schedule, DSV3_PLAIN)
-    for w, (prefix, kind) in DSV3_FP8.items():
+    fp8 = dict(DSV3_FP8)
+    if isinstance(weights["wkv_b"], QTensor):
+        fp8["wkv_b"] = ("model.layers.{l}.self_attn.kv_b_proj", None)
+    for w, (prefix, kind) in fp8.items():
         q = weights[w]
         for layer, s in slots(schedule, kind).items():
             for e in range(q.codes.shape[1]) if "{e}" in prefix else [None]:
@@ -214,7 +219,7 @@ def deepseek_tensors(weights: dict, schedule, c: dict) -> dict:
                 name = prefix.format(l=layer, e=e)
                 out[name + ".weight"] = _t(q.codes[index])
                 out[name + ".weight_scale_inv"] = _t(q.scales[index])
-    for layer in range(len(schedule)):
+    for layer in range(len(schedule)) if "wkv_b" not in fp8 else ():
         name = f"model.layers.{layer}.self_attn.kv_b_proj"
         out[name + ".weight"], out[name + ".weight_scale_inv"] = fp8_blocks(
             _t(weights["wkv_b"][layer]).astype(np.float32)
@@ -356,8 +361,10 @@ def expected_weights(spec_name: str, weights: dict, tensors: dict, c: dict) -> d
     [beta | a] padding columns, which the checkpoint lacks: zeros)."""
     import ml_dtypes
 
+    from mkdsl.quant import QTensor
+
     out = dict(weights)
-    if spec_name == "deepseek_v3":
+    if spec_name == "deepseek_v3" and not isinstance(weights["wkv_b"], QTensor):
         rows = []
         for layer in range(weights["wkv_b"].shape[0]):
             name = f"model.layers.{layer}.self_attn.kv_b_proj"

@@ -5,7 +5,8 @@ exist with a shape the mapping turns into the spec's, and a type that converts i
 dtype exactly, or a mapping that accepts rounding (`| round`). Every mistake is collected and
 reported together before any data is read, so nothing is half-loaded. The load then builds one
 spec weight at a time on the host (one stacked array: peak host memory is about the largest
-weight plus one stored tensor), places it (split over the mesh for a sharded kernel) and frees it.
+weight plus one stored tensor), places it and frees it; for a sharded kernel it builds one
+device's shard at a time instead (`shards.py`), so the host holds one shard, not the weight.
 
 Exact conversions: the same type, f16/bf16 to f32, and GGUF block formats (decoded in f32 as
 llama.cpp does) to f32. Anything else into bf16 (f32, f16, Q8_0, Q4_1) rounds to nearest even;
