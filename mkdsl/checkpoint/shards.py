@@ -33,10 +33,9 @@ def place_sharded(t, pieces: dict, lead: int, piece: Callable, module, shardings
     padded_axes = getattr(module, "PADDED", {})
     for part, name in enumerate(kernel_names(t)):
         shape, dtype = module.WEIGHTS[name]
-        pads = {}
-        if name in padded_axes:  # (axis, valid, padded, blocks): each device's block padded
-            ax, valid, padded, _ = padded_axes[name]
-            pads[ax % len(shape)] = (valid, padded)
+        axes = padded_axes.get(name, ())
+        axes = (axes,) if axes and isinstance(axes[0], int) else axes  # one (axis, ...) or one per axis
+        pads = {ax % len(shape): (valid, padded) for ax, valid, padded, _ in axes}  # each device's block padded
         dtype = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
         build = functools.partial(_shard, part=part, dtype=dtype, pads=pads, lead=lead, pieces=pieces, piece=piece)
         shard = functools.partial(_last, tuple(shape), build, {})
