@@ -131,6 +131,9 @@ class Lowering:
     runtime: tuple[str, ...] = ()  # runtime parts it needs, as templates ("runtime/<part>.py.jinja")
     runtime_of: Callable[[Model, Site], tuple[str, ...]] | None = None  # more parts, by node (e.g. decoders)
     layer_attrs: bool = False  # takes layer-dependent attributes as traced scalars
+    # tensors it needs stored wider than their per-device shape (zero-padded): name -> {axis of one
+    # layer's shape (negative): padded width}; the planner collects them into `Plan.pads`
+    pads: Callable[[Model, Site], dict[str, dict[int, int]]] | None = None
 
 
 LOWERINGS: dict[str, Lowering] = {}
