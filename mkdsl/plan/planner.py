@@ -144,7 +144,9 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         collective_id=0 if s.collectives else None,
         hbm_bytes=s.hbm,
         hbm_max_cache=s.hbm_tokens,
-        pads=tuple((name, axis, width) for name, axes in sorted(s.pads.items()) for axis, width in sorted(axes.items())),
+        pads=tuple(
+            (name, axis, width) for name, axes in sorted(s.pads.items()) for axis, width in sorted(axes.items())
+        ),
     )
 
 
@@ -241,7 +243,9 @@ def pad_storage(s: _State) -> None:
     """The tensors stored wider than one device's shape, zero-padded so that whole tiles hold them:
     a streamed matrix's outputs to whole 128-lane tiles, and what lowerings ask (`Lowering.pads`,
     e.g. expert widths). The kernel reads the padded tensor; only the valid part reaches a value."""
-    asked: list[tuple[str, int, int]] = [(st.tensor, -2 if st.transposed else -1, st.n) for st in all_streams(s) if st.valid]
+    asked: list[tuple[str, int, int]] = [
+        (st.tensor, -2 if st.transposed else -1, st.n) for st in all_streams(s) if st.valid
+    ]
     for at in sites(s.model):
         lw = lowering_for(at.node.op)
         if lw is not None and lw.pads is not None:
@@ -368,7 +372,14 @@ def allocate_vmem(s: _State) -> None:
     fetched = list(dict.fromkeys(name for g in [*m.kinds, m.step] for name in roles.fetched_weights(m, g)))
     for name in fetched:
         t = m.tensor(name)
-        _alloc(s, f"f_{name}", roles.fetch_shape(roles.stored(t, s.pads)), t.type.dtype.numpy, f"`{name}` fetched per layer", t.span)
+        _alloc(
+            s,
+            f"f_{name}",
+            roles.fetch_shape(roles.stored(t, s.pads)),
+            t.type.dtype.numpy,
+            f"`{name}` fetched per layer",
+            t.span,
+        )
     if fetched:
         _alloc(s, "fetch_sem", (len(fetched),), "dma", "fetch semaphores", NOWHERE, "SEM")
     if s.collectives:
@@ -534,7 +545,17 @@ def check_hbm(s: _State) -> None:
     s.errors.extend(hbm.check_hbm(s.model, items, devices(s.model)))
 
 
-PASSES = (check_lowering, tile_streams, pad_storage, size_ring, plan_collectives, allocate_vmem, fit_ring, check_budget, check_hbm)
+PASSES = (
+    check_lowering,
+    tile_streams,
+    pad_storage,
+    size_ring,
+    plan_collectives,
+    allocate_vmem,
+    fit_ring,
+    check_budget,
+    check_hbm,
+)
 
 
 # ---------------------------------------------------------------------------- traffic

@@ -265,8 +265,9 @@ def _route_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> 
 
 def _slots(em: EmitContext, node: Node) -> str:
     """The layer slice the experts' tiles are read at: one expression, or (w1's, w3's, w2's)
-    where the three are stacked over different layers."""
-    slots = [em.slot_expr(node.arg(w).name, em.layer_var) for w in WEIGHTS]
+    where the three are stacked over different layers; None for an unstacked weight."""
+    tensors = [em.m.tensor(node.arg(w).name) for w in WEIGHTS]
+    slots = [em.slot_expr(t.name, em.layer_var) if t.stacked else "None" for t in tensors]
     return slots[0] if len(set(slots)) == 1 else f"({', '.join(slots)})"
 
 
