@@ -26,6 +26,7 @@ from checkpoint_writers import (
     expected_weights,
     gguf_tensors,
     hf_tensors,
+    published_header,
     same_weight,
     write_gguf,
     write_sharded,
@@ -429,3 +430,26 @@ def test_a_file_that_cannot_be_read_is_an_error_naming_the_tensor(llama, tmp_pat
     monkeypatch.setattr(reader, "read", failing)
     with pytest.raises(CheckpointError, match=r"tensor `model\.layers\.1\.mlp\.down_proj\.weight` cannot be read"):
         mkdsl.load_weights(spec, reader, host=True, progress=False)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_full_size_mappings_fit_the_published_headers(name, tmp_path):
+    """At the published sizes, every tensor each mapping names exists in the checkpoint's header
+    (names, shapes and types as shared/facts/models.md tabulates them) and fits its weight: the
+    plan finds no problem. Nothing is read (a header-only reader)."""
+    from mkdsl.checkpoint.formats import Stored
+    from mkdsl.checkpoint.loader import plan_load
+
+    model = mkdsl.load(ROOT / "specs" / f"{name}.mk").model
+    header = published_header(name, model.schedule)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": len(model.schedule)}))
+
+    class Header:
+        format, root = "hf", tmp_path
+
+        def info(self, n):
+            return Stored(n, *header[n]) if n in header else None
+
+    plans = plan_load(model, Header())
+    used = {n for wp in plans for p in wp.pieces for n in p.names}
+    assert used == set(header), sorted(set(header) - used)[:5]

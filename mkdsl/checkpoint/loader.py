@@ -168,28 +168,33 @@ def _plan_weight(t: Tensor, src: WeightSource, reader, problems: list[str]) -> W
     lead = t.type.shape[: len(src.stack)]
     piece_shape = tuple(t.type.shape[len(src.stack) :])
     layers = [(i, s) for i, s in enumerate(t.slots) if s >= 0] if t.stacked else [(None, None)]
-    pieces, rounded, pairs = [], set(), {}
+    pieces, rounded, fits = [], set(), {}  # fits: stored shapes and types -> plan (None, or a PairPlan)
     for (layer, slot), idx in itertools.product(layers, itertools.product(*(range(n) for n in lead))):
         names = tuple(src.names(layer, idx))
-        where = f"`{t.name}`" + (f" (layer {layer})" if layer is not None else "") + f", spec line {src.span.line}"
         infos = [reader.info(n) for n in names]
         missing = [n for n, i in zip(names, infos) if i is None]
         if missing:
+            where = _where(t, src, layer)
             problems.append(f"missing tensor `{missing[0]}` for {where}: expected {_expected(t, src, piece_shape)}")
             continue
-        pair = None
-        if src.scales is not None:
-            key = tuple((i.shape, i.dtype) for i in infos)
-            pair = (
-                pairs[key] if key in pairs else pairs.setdefault(key, _plan_pair(t, src, *infos, piece_shape, rounded))
-            )
-            problem = pair if isinstance(pair, str) else None
-        else:
-            problem = _check_piece(t, src, infos, piece_shape, rounded)
-        if problem:
-            problems.append(f"{problem} for {where}")
+        key = tuple((i.shape, i.dtype) for i in infos)  # pieces alike in these fit alike
+        pair = fits.get(key)
+        if key not in fits:
+            if src.scales is not None:
+                pair = _plan_pair(t, src, *infos, piece_shape, rounded)
+                problem = pair if isinstance(pair, str) else None
+            else:
+                problem = _check_piece(t, src, infos, piece_shape, rounded)
+            if problem:  # not cached: the message names this piece's tensors
+                problems.append(f"{problem} for {_where(t, src, layer)}")
+            else:
+                fits[key] = pair
         pieces.append(Piece(((slot,) if layer is not None else ()) + idx, names, pair))
     return WeightPlan(t, src, tuple(pieces), tuple(sorted(rounded)))
+
+
+def _where(t: Tensor, src: WeightSource, layer: int | None) -> str:
+    return f"`{t.name}`" + (f" (layer {layer})" if layer is not None else "") + f", spec line {src.span.line}"
 
 
 def _expected(t: Tensor, src: WeightSource, piece_shape: tuple) -> str:
