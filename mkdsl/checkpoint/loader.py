@@ -96,10 +96,11 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
     or a reader from `formats.open_checkpoint`)
     as `model`'s weights (a `mkdsl.Spec` or a `Model`), by the spec's mapping for that format.
 
-    `module`: the generated kernel module: each weight is laid out as it says (padded by its
-    `pad_weights` if it has one) and, for a sharded one, placed on `mesh` (default
-    `module.make_mesh()`) by its `weight_shardings`. `host=True` returns numpy arrays in the
-    spec's (and the reference's) layout.
+    `module`: the generated kernel module: each weight is laid out as it says (a quantised `w`
+    as `w_codes` and `w_scales`, padded as its `pad_weights` pads) and, for a sharded one, placed
+    on `mesh` (default `module.make_mesh()`) by its `weight_shardings`, one device's shard at a
+    time. `host=True` returns numpy arrays in the spec's (and the reference's) layout, a
+    quantised weight as a `QTensor`.
     Raises `CheckpointError` listing every missing or mismatched tensor before reading any data.
     """
     model = getattr(model, "model", model)
