@@ -216,9 +216,10 @@ def test_kimi_mini_sharded_prefill_matches_decode_layer_by_layer():
     enters it with gives decoding's carries at every prompt token and its caches and recurrent
     states, within mkdsl/verify.py's one-layer bounds; the epilogue so fed gives its logits and
     tokens. Layer by layer because this random-weight stack amplifies f32 noise: an f32 difference
-    flips a bf16 rounding (~2^-8 / sqrt(fan_in) of a matmul's output), and decoding perturbed by
-    1e-4 at layer 0 differs by 2e-2 at layer 7 (x25; prefill against decoding over the whole stack:
-    4e-2): no bound linear in the depth holds. The prefill's state is placed as the kernel's
+    flips a bf16 rounding (~2^-8 / sqrt(fan_in) of a matmul's output, 1e-4 of the carries by layer
+    1), and decoding whose layer-0 output is perturbed by 1e-3 differs by 2e-2 at layer 7 (x25 in 7
+    layers; prefill against decoding over the whole stack: 4e-2, each layer adding its flips): no
+    bound linear in the depth holds. The prefill's state is placed as the kernel's
     STATE_SPLIT says and passes the kernel step's own input check."""
     spec = mkdsl.load("specs/kimi_k3.mk", "mini")
     model, module = spec.model, mkdsl.load_kernel(spec)
