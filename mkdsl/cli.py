@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from mkdsl import __version__
 from mkdsl.checkpoint.formats import CheckpointError
@@ -184,10 +185,11 @@ def cmd_plan(args) -> int:
     try:
         from mkdsl.shard import shard
 
+        options = _cost_options(args)
         model = shard(model)  # the per-device model: plans and figures are per device (core)
-        wide = make_plan(model, batch=rows.high, context=args.context)
+        wide = make_plan(model, batch=rows.high, context=args.context, **options)
         depth = wide.ring_depth  # the kernel's ring is sized for the largest batch
-        plan = make_plan(model, batch=args.batch, context=args.context, ring_depth=depth)
+        plan = make_plan(model, batch=args.batch, context=args.context, ring_depth=depth, **options)
     except SpecError as e:
         e.source = source
         raise
@@ -202,6 +204,24 @@ def cmd_plan(args) -> int:
     else:
         print(render_summary(model, plan, args.spec, breakdown(model, plan)))
     return 0
+
+
+def _cost_options(args) -> dict:
+    """The cost model's options of `mkdsl plan`: steps per device call, static compute ratios."""
+    import json
+
+    if args.steps_per_call < 1:
+        raise UsageError(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
+    static = None
+    if args.static_costs:
+        try:
+            data = json.loads(Path(args.static_costs).read_text(encoding="utf-8"))
+            static = {str(k): float(v) for k, v in data["compute_over_stream"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(
+                f"--static-costs {args.static_costs}: not a JSON object with `compute_over_stream` (op -> number): {e}"
+            ) from None
+    return {"steps_per_call": args.steps_per_call, "static": static}
 
 
 def _plan_static(args, source: str) -> int:
@@ -518,6 +538,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="cached tokens per row (default: a quarter of the cache, at most 4096)",
+    )
+    c.add_argument(
+        "--steps-per-call", type=int, default=1, help="decode steps per device call, sharing its dispatch (default 1)"
+    )
+    c.add_argument(
+        "--static-costs",
+        metavar="FILE",
+        default=None,
+        help="JSON with `compute_over_stream` (op -> ratio from --static): the cost model's compute per op",
     )
     _run_parser(spec_command)
     c = spec_command(
