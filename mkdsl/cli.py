@@ -186,13 +186,18 @@ def cmd_plan(args) -> int:
         from mkdsl.shard import shard
 
         options = _cost_options(args)
-        model = shard(model)  # the per-device model: plans and figures are per device (core)
+        model_whole, model = model, shard(model)  # the per-device model: plans and figures are per device (core)
         wide = make_plan(model, batch=rows.high, context=args.context, **options)
         depth = wide.ring_depth  # the kernel's ring is sized for the largest batch
         plan = make_plan(model, batch=args.batch, context=args.context, ring_depth=depth, **options)
     except SpecError as e:
         e.source = source
         raise
+    if args.placement:
+        from mkdsl.plan import placement
+
+        print(placement.render(model_whole, placement.choose(model_whole, args.batch, args.context), args.batch))
+        return 0
     if args.static:
         if not args.clock_ghz > 0:
             raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
@@ -524,6 +529,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
     )
     shown.add_argument("--json", action="store_true", help="the plan as JSON (schema: docs/plan-schema.json)")
+    shown.add_argument(
+        "--placement",
+        action="store_true",
+        help="re-plan with each weight above its 1/N share split further; compare the modeled steps",
+    )
     shown.add_argument(
         "--static",
         action="store_true",

@@ -78,3 +78,20 @@ def test_static_ratios_slow_the_ops_they_name():
     att = [p for p in slow.phases if p.op == "attention"]
     assert att and all(p.source == "static" for p in att)
     assert slow.timing.modeled_us > base.timing.modeled_us
+
+
+def test_plan_reads_static_costs_and_says_what_is_wrong_with_them(tmp_path):
+    import subprocess
+    import sys
+
+    def plan(*args):
+        cmd = [sys.executable, "-m", "mkdsl", "plan", "specs/tiny.mk", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"ratios": {}}')
+    r = plan("--static-costs", str(bad))
+    assert r.returncode == 2 and "compute_over_stream" in r.stderr
+    r = plan("--static-costs", str(ROOT / "docs/static-costs-06837ae.json"), "--steps-per-call", "16")
+    assert r.returncode == 0, r.stderr
+    assert plan("--steps-per-call", "0").returncode == 2
