@@ -18,31 +18,36 @@ RATE = measured.RING_STREAM_BYTES_PER_S / 1e6  # ring bytes per us
 MB = 1_000_000
 
 
-def ring_op(nbytes: float, compute: float = 0.0) -> Phase:
-    return Phase("k", "linear", 1, "linear", int(nbytes), RATE, compute, "", "RING", ring=True)
+def ring_op(nbytes: float, compute: float = 0.0, tile: float = RATE) -> Phase:
+    """A `linear` on the ring: `nbytes` in tiles of `tile` bytes (default 1 us of stream)."""
+    return Phase("k", "linear", 1, "linear", int(nbytes), RATE, compute, "", "RING", ring=True, tile_bytes=int(tile))
 
 
 def exchange(us: float) -> Phase:
     return Phase("k", "all_reduce", 2, "all_reduce", 0, 1.0, 0.0, "", "", exchange_us=us)
 
 
-def total(phases, lookahead) -> float:
-    return sum(c.stream_us + c.compute_us + c.comm_us for c in simulate([phases], lookahead))
+def total(phases, slots) -> float:
+    return sum(c.stream_us + c.compute_us + c.comm_us for c in simulate([phases], slots))
 
 
 def test_tiles_in_flight_land_during_an_exchange():
-    op = ring_op(2 * RATE)  # 2 us of ring bytes
+    op = ring_op(2 * RATE)  # 2 us of ring bytes, in two tiles of 1 us
     assert total([op], 0) == pytest.approx(2.0)  # nothing ahead: the op waits for all its bytes
-    # A 5 us exchange first: with a lookahead as large as the op, its bytes land meanwhile.
-    assert total([exchange(5), op], 2 * RATE) == pytest.approx(5.0)
-    # With 1 us of lookahead only 1 us of bytes can be in flight: the op still waits 1 us.
-    assert total([exchange(5), op], 1 * RATE) == pytest.approx(6.0)
+    # A 5 us exchange first: with 2 tiles in flight, all of the op's bytes land meanwhile.
+    assert total([exchange(5), op], 2) == pytest.approx(5.0)
+    # With 1 tile in flight only 1 us of bytes lands: the op still waits 1 us.
+    assert total([exchange(5), op], 1) == pytest.approx(6.0)
+    # Small tiles: 4 slots of quarter-us tiles hold 1 us of bytes.
+    assert total([exchange(5), ring_op(2 * RATE, tile=RATE / 4)], 4) == pytest.approx(6.0)
+    # Nothing streams after the exchange: nothing to land, nothing gained.
+    assert total([exchange(5)], 8) == pytest.approx(5.0)
 
 
 def test_compute_hides_the_stream_within_a_phase_and_refills_the_ring():
     assert total([ring_op(2 * RATE, compute=3.0)], 0) == pytest.approx(3.0)
     # The first op computes 3 us over 1 us of bytes: the next op's 2 us of bytes land meanwhile.
-    assert total([ring_op(RATE, compute=3.0), ring_op(2 * RATE)], 4 * RATE) == pytest.approx(3.0)
+    assert total([ring_op(RATE, compute=3.0), ring_op(2 * RATE)], 4) == pytest.approx(3.0)
 
 
 def test_each_stream_moves_at_its_measured_rate():

@@ -30,9 +30,12 @@ def test_each_candidate_is_a_replanned_step(mini):
     wqa = next(rows for rows in table if rows[0].tensor == "mla_wqa")
     spec, *others = wqa
     assert spec.modeled_us == pytest.approx(make_plan(shard(mini)).timing.modeled_us, rel=1e-12)
+    ways = {"(ep)": 4, "(tp)": 2, "(ep, tp)": 8}  # the mini mesh: ep 4 x tp 2
+    assert len(others) == 2 * len(ways)  # rows or columns over each set of axes
     for c in others:
         assert not c.error
-        assert c.core_bytes * 8 == pytest.approx(spec.core_bytes, rel=0.01)  # 1/8 of it: 8 devices
+        split = next(w for w in ways if f"@{w}" in c.split and f"@{w[:-1]}," not in c.split)
+        assert c.core_bytes * ways[split] == pytest.approx(spec.core_bytes, rel=0.01), c.split  # whole / ways
         assert c.exchange_phases > spec.exchange_phases  # the split adds exchanges
     assert placement.best(wqa).modeled_us == min(c.modeled_us for c in wqa)
     text = placement.render(mini, table, 1)

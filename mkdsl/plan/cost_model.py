@@ -7,8 +7,9 @@ The step is a sequence of phases, in the kernel's order: the prologue, each laye
 collectives (the schedule's layers one after the other), the epilogue. A phase is one op (its
 stream bytes at the measured bandwidth of its kind of stream, and its compute) or one collective
 (the time plan/collectives.py gives it). The kernel's weight ring keeps `depth - 1` tiles in
-flight across op and layer boundaries; this file follows it as a fluid: `ahead`, the ring bytes
-landed or in flight ahead of the ops, at most the ring's lookahead. Then
+flight across op and layer boundaries (`linear` in runtime/core.py.jinja issues tile g + depth - 1
+before it waits for tile g); this file follows it as a fluid: `ahead`, the ring bytes landed or in
+flight ahead of the ops, at most `depth - 1` of the coming tiles. Then
 
     op on the ring     t = max(compute, (bytes - ahead) / bandwidth)   (the ring refills meanwhile)
     op-issued stream   t = max(compute, bytes / bandwidth)             (KV, state, experts, fetches)
@@ -44,6 +45,7 @@ class Phase:
     source: str  # where compute comes from: "mxu", "latency", "static" (or "" for none)
     bandwidth: str  # the measured stream it moves at (measured.py's name)
     ring: bool = False  # streamed through the weight ring (tiles issued ahead by earlier ops)
+    tile_bytes: int = 0  # one ring tile (ring phases)
     exchange_us: float = 0.0  # a collective: its exchange phases
 
     @property
@@ -94,18 +96,24 @@ def compute_us(op: str, flops: int, stream_us: float, batch: int, tokens: int, s
 RING_RATE = measured.RING_STREAM_BYTES_PER_S / 1e6  # ring bytes per us
 
 
-def run_phase(p: Phase, ahead: float, lookahead: float) -> tuple[Charge, float]:
-    """One phase's charge and the ring bytes ahead after it (the fluid ring of the docstring)."""
-    rate = RING_RATE
+def run_phase(p: Phase, ahead: float, cap: float) -> tuple[Charge, float]:
+    """One phase's charge and the ring bytes ahead after it (the fluid ring of the docstring).
+    `cap`: what the ring may hold ahead here (its slots times the coming tiles); bytes already
+    landed stay, the ring only stops growing past it."""
     if p.exchange_us:
-        return Charge(p, 0.0, 0.0, p.exchange_us), min(lookahead, ahead + rate * p.exchange_us)
-    if p.ring:
+        t, used, gain, wait = p.exchange_us, 0.0, RING_RATE * p.exchange_us, 0.0
+    elif p.ring:
         wait = max(0.0, p.bytes - ahead) / p.rate
         t = max(p.compute_us, wait)
-        left = min(lookahead, ahead + p.rate * t - p.bytes)
-        return _split(p, t, wait), max(0.0, left)
-    t = max(p.compute_us, p.stream_us)
-    return _split(p, t, p.stream_us), min(lookahead, ahead + rate * (t - p.stream_us))
+        used, gain = p.bytes, p.rate * t
+    else:
+        wait = t = p.stream_us
+        t = max(p.compute_us, wait)
+        used, gain = 0.0, RING_RATE * (t - wait)
+    left = max(0.0, min(ahead + gain - used, max(cap, ahead - used)))
+    if p.exchange_us:
+        return Charge(p, 0.0, 0.0, t), left
+    return _split(p, t, wait), left
 
 
 def _split(p: Phase, t: float, wait: float) -> Charge:
@@ -114,13 +122,19 @@ def _split(p: Phase, t: float, wait: float) -> Charge:
     return Charge(p, t, 0.0, 0.0)
 
 
-def simulate(order: list[list[Phase]], lookahead: float) -> list[Charge]:
-    """Every phase of the step in order (one list per graph run), the ring starting empty."""
+def simulate(order: list[list[Phase]], slots: int) -> list[Charge]:
+    """Every phase of the step in order (one list per graph run), the ring starting empty; the
+    ring keeps `slots` tiles in flight, each the size of the next ring phase's tiles."""
+    flat = [p for run in order for p in run]
+    caps, nxt = [0.0] * len(flat), 0.0
+    for i in range(len(flat) - 1, -1, -1):
+        if flat[i].ring:
+            nxt = float(flat[i].tile_bytes)
+        caps[i] = slots * nxt
     ahead, out = 0.0, []
-    for run in order:
-        for p in run:
-            c, ahead = run_phase(p, ahead, lookahead)
-            out.append(c)
+    for p, cap in zip(flat, caps, strict=True):
+        c, ahead = run_phase(p, ahead, cap)
+        out.append(c)
     return out
 
 

@@ -4,7 +4,8 @@ the whole step with each, and keep the one whose *modeled* step is fastest: the 
 adds (plan/collectives.py) against the stream time its bytes save (plan/cost_model.py). The
 spec's `@` annotations are the starting point; `mkdsl plan --placement` prints the comparison.
 
-Only splits the language already lowers are tried (a `linear`'s weight split by rows gives
+Only splits the language already lowers are tried (rows or columns over each set of mesh axes
+that divides the weight more than the spec does; a `linear`'s weight split by rows gives
 partial sums and an all-reduce; by columns a split output and, where an op needs it whole, an
 all-gather); a split that the planner rejects (lanes, tiles) is reported as such.
 """
@@ -39,11 +40,18 @@ def _notation(t: Tensor, sharding) -> str:
 
 
 def candidates(model: Model, t: Tensor) -> list[tuple[tuple[str, ...], ...]]:
-    """Shardings of a 2-D weight that split it over every mesh axis: by rows, or by columns."""
-    axes = tuple(name for name, _ in model.mesh)
-    if len(t.type.shape) != 2 or t.sharding == ((), axes) or t.sharding == (axes, ()):
-        return []
-    return [(axes, ()), ((), axes)]
+    """Shardings of a 2-D weight by rows or by columns over each set of mesh axes (mesh order)
+    that splits it more than the spec does; the spec's own placement is left out."""
+    names = [name for name, _ in model.mesh]
+    ways = dict(model.mesh)
+    have = math.prod(ways[a] for axes in t.sharding for a in axes)
+    subsets = [tuple(a for i, a in enumerate(names) if mask >> i & 1) for mask in range(1, 1 << len(names))]
+    out = []
+    for axes in subsets:
+        if math.prod(ways[a] for a in axes) <= have or len(t.type.shape) != 2:
+            continue
+        out += [(axes, ()), ((), axes)]
+    return out
 
 
 def over_share(model: Model, local: Model) -> list[Tensor]:

@@ -123,9 +123,8 @@ def make_plan(
     items = tuple(schedule_items(s))
     sched_bytes, dmas = schedule_traffic(model, items)
     phases, _ = collectives.step_totals(model, s.collectives)
-    lookahead = (s.depth - 1) * bank_bytes(s)
     must_move = sum(t.bytes for t in traffic)
-    timing, costs = timeline.model_step(s, items, lookahead, steps_per_call, static, must_move, flops)
+    timing, costs = timeline.model_step(s, items, s.depth - 1, steps_per_call, static, must_move, flops)
     return Plan(
         model=model.name,
         profile=model.profile,

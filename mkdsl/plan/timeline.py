@@ -59,7 +59,8 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
             out.append(Phase(g.name, what, node.span.line, node.op, 0, 1.0, 0.0, "", "", exchange_us=c.time_us()))
             continue
         nbytes = sum(it.bytes for it in by_node.get(i, ()))
-        ring = s.stream_of(Site(g, i, node)) is not None
+        st = s.stream_of(Site(g, i, node))
+        ring = st is not None
         weight = node.arg("weight") if ring and node.op == "linear" else None
         int8 = weight is not None and m.tensor(weight.name).type.dtype.name == "int8"
         name, rate = cost_model.bandwidth(node.op, step, ring, int8)
@@ -67,7 +68,8 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
         comp, source = cost_model.compute_us(node.op, node_flops(s, g, i), stream_us, s.batch, s.context + 1, static)
         if nbytes or comp:
             what = next((it.what for it in by_node.get(i, ())), node.op)
-            out.append(Phase(g.name, what, node.span.line, node.op, nbytes, rate / 1e6, comp, source, name, ring))
+            tile = nbytes // st.tiles if ring and st.tiles else 0
+            out.append(Phase(g.name, what, node.span.line, node.op, nbytes, rate / 1e6, comp, source, name, ring, tile))
     return out
 
 
@@ -80,10 +82,10 @@ def step_order(s, items, static) -> list[list[Phase]]:
     return [top[:cut], *(kinds[k] for k in m.schedule), [p for p in top[cut + 1 :]]]
 
 
-def model_step(s, items, lookahead: int, steps_per_call: int, static: dict | None, must_move: int, flops: int):
+def model_step(s, items, slots: int, steps_per_call: int, static: dict | None, must_move: int, flops: int):
     """(Timing, per-phase costs per step) of the plan's step."""
     order = step_order(s, items, static)
-    charges = cost_model.simulate(order, float(lookahead))
+    charges = cost_model.simulate(order, slots)
     costs: dict[tuple, list[float]] = {}
     keys: dict[tuple, tuple] = {}
     for ch in charges:
