@@ -198,6 +198,8 @@ def cmd_plan(args) -> int:
 
         print(placement.render(model_whole, placement.choose(model_whole, args.batch, args.context), args.batch))
         return 0
+    if args.save_costs and not args.static:
+        raise UsageError("--save-costs needs --static (it saves what the libtpu schedule says)")
     if args.static:
         if not args.clock_ghz > 0:
             raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
@@ -252,6 +254,15 @@ def _plan_static(args, source: str) -> int:
         util = bundles.parse_utilization(dump.utilization.read_text()) if dump.utilization else None
         timings = bundles.time_loops(found, util, clock_hz=clock)
     print(bundles.render_static(out.model.name, dump, timings, len(found), clock))
+    if args.save_costs:
+        from mkdsl.plan import static_costs
+
+        ratios, skipped = static_costs.ratios(out.model, out.plan, timings)
+        source = (
+            f"mkdsl plan {args.spec} --static (libtpu, {dump.topology}, batch {args.batch}), loops matched by bytes"
+        )
+        static_costs.save(Path(args.save_costs), ratios, skipped, clock, source)
+        print(f"\ncompute / stream per op for --static-costs: {ratios or 'none matched'} -> {args.save_costs}")
     return 0
 
 
@@ -541,6 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--clock-ghz", type=float, default=1.9, help="assumed TPU7x clock for --static (not public; default 1.9)"
+    )
+    c.add_argument(
+        "--save-costs",
+        metavar="FILE",
+        default=None,
+        help="with --static: write each op's compute / stream ratio (loops matched by bytes) for --static-costs",
     )
     c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     c.add_argument(
