@@ -40,3 +40,13 @@ def test_each_candidate_is_a_replanned_step(mini):
     assert placement.best(wqa).modeled_us == min(c.modeled_us for c in wqa)
     text = placement.render(mini, table, 1)
     assert "The cost model chooses:" in text and "| `mla_wqa` | [256, 256] |" in text
+
+
+def test_plan_placement_on_an_unsharded_spec_says_there_is_nothing_to_try():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "mkdsl", "plan", "specs/tiny.mk", "--placement"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "nothing to try" in done.stdout
