@@ -534,7 +534,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=2, help="decode steps per batch (default 2)")
     c.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the spec's mesh size)")
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
-    c = spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan)
+    _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
+    _run_parser(spec_command)
+    c = spec_command(
+        "bench", "time the kernel's step: ms/step, tokens/s and % of the HBM floor (CPU: interpret mode)", cmd_bench
+    )
+    c.add_argument(
+        "--batch",
+        action="append",
+        metavar="N|A..B",
+        help="batches to time (default: all on a TPU, the smallest on a CPU)",
+    )
+    c.add_argument(
+        "--context", type=int, default=None, help="cached tokens per row (cache = context + 1; default: one KV tile)"
+    )
+    c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
+    c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
+    return p
+
+
+def _plan_parser(c) -> None:
+    """`mkdsl plan`'s options: what it shows, the plan's batch and context, the cost model's options."""
     shown = c.add_mutually_exclusive_group()
     shown.add_argument(
         "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
@@ -575,22 +595,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="JSON with `compute_over_stream` (op -> ratio from --static): the cost model's compute per op",
     )
-    _run_parser(spec_command)
-    c = spec_command(
-        "bench", "time the kernel's step: ms/step, tokens/s and % of the HBM floor (CPU: interpret mode)", cmd_bench
-    )
-    c.add_argument(
-        "--batch",
-        action="append",
-        metavar="N|A..B",
-        help="batches to time (default: all on a TPU, the smallest on a CPU)",
-    )
-    c.add_argument(
-        "--context", type=int, default=None, help="cached tokens per row (cache = context + 1; default: one KV tile)"
-    )
-    c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
-    c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
-    return p
 
 
 def _run_parser(spec_command) -> None:
