@@ -1,0 +1,64 @@
+"""Language and compiler changes made while writing real models not in issue 10's list (Gemma 3,
+Mixtral, Qwen2.5) exactly as published: each is general, tested here at the checker; the models'
+own numerics are in tests/test_gemma3.py, tests/test_mixtral.py and tests/test_qwen2_5.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mkdsl.diagnostics import SpecError
+from mkdsl.elaborate import elaborate, load
+from mkdsl.syntax import parse
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def attention_attrs(model, kind: str) -> dict:
+    (node,) = [n for n in model.kind(kind).nodes if n.op == "attention"]
+    return dict(node.attrs)
+
+
+def test_window_zero_is_no_window_so_one_block_serves_local_and_global_layers():
+    """Gemma 3's `decoder(x, theta, scaling="none", factor=1.0, window=0)`: the local kind passes
+    its window, the global kind leaves the default, which the op reads as no window at all."""
+    mini = load(str(ROOT / "specs" / "gemma3_27b.mk"), "mini")
+    assert attention_attrs(mini, "local")["window"] == 32
+    assert attention_attrs(mini, "global")["window"] is None
+    rope = [dict(n.attrs) for n in mini.kind("global").nodes if n.op == "rope"]
+    assert {(a["theta"], a["scaling"], a["factor"]) for a in rope} == {(1000000.0, "linear", 8.0)}
+
+
+SPEC = """\
+model m
+const H = 256
+dim B in 1 .. 8
+dim S in 1 .. 64
+weight embed: bf16[V, H]
+weight wq: bf16[H, H] per layer
+state kc: bf16[B, 2, S, 128] per layer
+state vc: bf16[B, 2, S, 128] per layer
+const V = 256
+layer a(x) {
+  return x + attention(linear(x, wq), slice(x, start=0, size=256), slice(x, start=0, size=256),
+                       kc, vc, positions, heads=2, kv_heads=2, window=WINDOW)
+}
+layers 1 { a: otherwise }
+step(tokens, positions) {
+  x = layers(embedding(tokens, embed))
+  return linear(x, embed, transposed=true), argmax(linear(x, embed, transposed=true))
+}
+"""
+
+
+@pytest.mark.parametrize("window, want", [("0", None), ("5", 5), ("-1", "error"), ("1.0", "error"), ("false", "error")])
+def test_attention_window_values(window, want):
+    text = SPEC.replace("WINDOW", window)
+    if want != "error":
+        assert attention_attrs(elaborate(parse(text), None, text), "a")["window"] == want
+        return
+    with pytest.raises(SpecError) as info:
+        elaborate(parse(text), None, text)
+    (d,) = info.value.diagnostics
+    assert d.message.startswith("attention: window must be a positive number of tokens (or 0: none), got ")
