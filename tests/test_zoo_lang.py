@@ -62,3 +62,63 @@ def test_attention_window_values(window, want):
         elaborate(parse(text), None, text)
     (d,) = info.value.diagnostics
     assert d.message.startswith("attention: window must be a positive number of tokens (or 0: none), got ")
+
+
+# ---------------------------------------------------------------- a whole-row norm of a split row
+
+SPLIT_NORM = """\
+model split_norm
+const H = 256
+const NH = 4
+const D = 128
+const V = 512
+mesh { tp = 2 }
+dim B in 1 .. 4
+dim S in 1 .. 64
+weight embed:  bf16[V, H]
+weight wq:     bf16[H, NH*D @tp]
+weight wk:     bf16[H, NH*D @tp]
+weight wv:     bf16[H, NH*D @tp]
+weight q_norm: bf16[NH*D @tp]
+weight k_norm: bf16[NH*D @tp]
+weight wo:     bf16[NH*D @tp, H]
+state k_cache: bf16[B, NH @tp, S, D] per layer
+state v_cache: bf16[B, NH @tp, S, D] per layer
+layer attn(x) {
+  q = rope(rmsnorm(linear(x, wq), q_norm, eps=0.000001, offset=1.0), positions, heads=NH)
+  k = rope(rmsnorm(linear(x, wk), k_norm, eps=0.000001), positions, heads=NH)
+  a = attention(q, k, linear(x, wv), k_cache, v_cache, positions, heads=NH, kv_heads=NH)
+  return x + linear(a, wo)
+}
+layers 1 { attn: otherwise }
+hints { kv_tile = 16 }
+step(tokens, positions) {
+  x = layers(embedding(tokens, embed))
+  logits = linear(x, embed, transposed=true)
+  return logits, argmax(logits)
+}
+"""
+
+
+def test_a_full_width_norm_of_split_heads_sums_squares_across_devices(tmp_path):
+    """OLMo 2's q/k norm over all heads, q and k split by heads over 2 devices: each device sums its
+    columns' squares, one [B, 1] all-reduce per norm adds them, no gather; the (1 + w) form adds
+    the offset to the device's weight slice. The kernel (interpret mode, races checked) equals
+    the reference (mkdsl/verify.py's bounds)."""
+    from zoo_kernel import run_mini_kernel
+
+    from mkdsl import verify
+    from mkdsl.compiler import compile_source
+    from mkdsl.shard import shard
+
+    text = SPLIT_NORM
+    local = shard(elaborate(parse(text), None, text))
+    nodes = local.kind("attn").nodes
+    sums = [n.outputs[0].type.shape[1] for n in nodes if n.op == "all_reduce"]
+    assert sums.count(1) == 2 and not [n for n in nodes if n.op in ("all_gather", "rmsnorm")]
+    assert [n.inputs[0].name for n in nodes if n.op == "add_scalar" and n.inputs[0].kind == "tensor"] == ["q_norm"]
+    out, _ = compile_source(text, "split_norm.mk", None, None)
+    module = verify.import_generated(out.files["kernel.py"], tmp_path, "split_norm")
+    kernel = (out.model, module, verify.LayerChecker(out.model))
+    run_mini_kernel(kernel, 2, 64, (37, 5), 1, seed=3, vocab=512)
+
