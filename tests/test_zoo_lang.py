@@ -121,4 +121,3 @@ def test_a_full_width_norm_of_split_heads_sums_squares_across_devices(tmp_path):
     module = verify.import_generated(out.files["kernel.py"], tmp_path, "split_norm")
     kernel = (out.model, module, verify.LayerChecker(out.model))
     run_mini_kernel(kernel, 2, 64, (37, 5), 1, seed=3, vocab=512)
-

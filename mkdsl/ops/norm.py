@@ -59,7 +59,9 @@ def rmsnorm_row_split(node: Node) -> list[Node]:
         return Ref("value", value.name)
 
     ss = step("rowsum", (step("mul", (x, x), (b, n)),), (b, 1))
-    r = step("rsqrt", (step("add_scalar", (step("mul_scalar", (ss,), (b, 1), s=1.0 / n),), (b, 1), s=a["eps"]),), (b, 1))
+    r = step(
+        "rsqrt", (step("add_scalar", (step("mul_scalar", (ss,), (b, 1), s=1.0 / n),), (b, 1), s=a["eps"]),), (b, 1)
+    )
     if a["offset"] != 0.0:
         w = step("add_scalar", (w,), (n,), s=a["offset"])
     step("mul", (step("mul", (x, r), (b, n)), w), (b, n), name=out.name)
