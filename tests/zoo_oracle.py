@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -83,7 +84,7 @@ def compare_steps(step: Callable, numpy_step: Callable, weights, state, tokens, 
     -> (logits, next tokens, new caches, near ties), each from the reference's own state."""
     ours = {k: f64(v) for k, v in state.items()}
     for i in range(steps):
-        logits, next_tokens, new_state = step(weights, state, tokens, positions)
+        logits, next_tokens, new_state = step(weights, {k: jnp.asarray(v) for k, v in state.items()}, tokens, positions)
         want, want_next, ours, ties = numpy_step(ours, tokens, positions)
         assert not ties, f"step {i}: a top-k near tie in layers {ties}: pick another seed"
         logits = f64(logits)
