@@ -137,3 +137,18 @@ def test_the_row_split_chain_computes_rmsnorm(offset):
         (env[n.outputs[0].name],) = OPS[n.op].reference(*ins, **kw)
     want = np.asarray(OPS["rmsnorm"].reference(env["x"], env["w"], 1e-6, 1, offset)[0])
     assert np.abs(np.asarray(env["y"]) - want).max() <= 2.0**-20 * np.abs(want).max()
+
+
+def test_the_split_norm_kernel_compiles_with_libtpu(tmp_path):
+    """The [B, 1] all-reduce of the sums of squares is narrower than a lane tile: the collectives
+    runtime sends it padded to 128 lanes (Mosaic cannot DMA a partial lane tile into the wide
+    receive slots; interpret mode does not see that). Compiled for 2 TPU7x cores."""
+    from mkdsl import verify
+    from mkdsl.compiler import compile_source
+    from mkdsl.tpu_compile import compile_sharded, tpu7x_devices
+
+    out, _ = compile_source(SPLIT_NORM, "split_norm.mk", None, None)
+    assert "comm.all_reduce(" in out.files["kernel.py"]
+    module = verify.import_generated(out.files["kernel.py"], tmp_path, "split_norm_tpu")
+    compiled, _ = compile_sharded(module, tpu7x_devices("tpu7x:2x2x1"), 4, 64)
+    assert compiled is not None
