@@ -41,6 +41,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from checkpoint_writers import through_checkpoint
 from jax.experimental.pallas import tpu as pltpu
 
 from mkdsl import verify
@@ -251,12 +252,14 @@ def kernel(tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-def test_mini_kernel_matches_reference_sharded_interpret(kernel, record_property):
+def test_mini_kernel_matches_reference_sharded_interpret(kernel, record_property, tmp_path):
     """Batch 4, layer by layer (mkdsl.verify.LayerChecker, bounds derived there), three steps, each
-    from the kernel's own state and tokens; no race, no NaN."""
+    from the kernel's own state and tokens; no race, no NaN. The weights come through a synthetic
+    checkpoint in the published layout (MXFP4 blocks, fused gate_up), loaded by the spec's mapping."""
     model, module, checker = kernel
     batch = 4
     weights, state = oss_params(model, batch, seed=10 + batch)
+    weights = through_checkpoint(model, weights, tmp_path)
     tokens = np.random.default_rng(batch).integers(0, 1024, batch).astype(np.int32)
     positions = np.asarray(STARTS[:batch], np.int32)
     step = module.build_decode_step(batch, SEQ_LEN, interpret=verify.interpret_params(), layer_trace=True)

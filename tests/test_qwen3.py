@@ -33,6 +33,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from checkpoint_writers import through_checkpoint
 from jax.experimental.pallas import tpu as pltpu
 
 from mkdsl import verify
@@ -196,11 +197,13 @@ def kernel(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
-def test_mini_kernel_matches_reference_sharded_interpret(batch, kernel, record_property):
+def test_mini_kernel_matches_reference_sharded_interpret(batch, kernel, record_property, tmp_path):
     """Layer by layer (mkdsl.verify.LayerChecker, bounds derived there), three steps, each from the
-    kernel's own state and tokens; no race, no NaN."""
+    kernel's own state and tokens; no race, no NaN. The weights come through a synthetic checkpoint
+    in the published layout, loaded by the spec's mapping."""
     model, module, checker = kernel
     weights, state = random_params(model, {"B": batch, "S": SEQ_LEN}, seed=10 + batch)
+    weights = through_checkpoint(model, weights, tmp_path)
     tokens = np.random.default_rng(batch).integers(0, 1024, batch).astype(np.int32)
     positions = np.asarray(STARTS[:batch], np.int32)
     step = module.build_decode_step(batch, SEQ_LEN, interpret=verify.interpret_params(), layer_trace=True)

@@ -703,7 +703,7 @@ def lane_pick(row, i):
 # receive semaphore has at most one DMA in flight for the same reason; a device waits for its
 # own send before returning, so it never overwrites a message its DMA still reads and no DMA
 # is in flight at kernel exit. Across kernel calls the counters restart at 0: see enter().
-COMM_SCRATCH = ("recv", "recv_bf16", "stage_bf16", "stage", "send_sem", "recv_sem", "local_sem", "count", "half")
+COMM_SCRATCH = ("recv", "recv_bf16", "stage_bf16", "stage", "send_sem", "recv_sem", "local_sem", "count", "half", "pad")
 COMM_PAIR_LANES = 128  # argmax exchanges [value x 128 | index x 128] f32 rows (DMAs need >= 128 lanes)
 
 
@@ -882,19 +882,28 @@ class Comm:
         rows): each phase rounds the partial to bf16 and adds the two rounded partials in f32.
         rows: reduce only the first `rows` rows (the batch's, rounded up to 8; the others are
         padding and keep this device's partial).
+        A width n that is not whole 128-lane tiles travels in a message of whole tiles: staged
+        in the `pad` scratch (f32 [rows, >= n rounded up]) or the bf16 stage; only the first n
+        columns are read back.
         """
         if rows is not None and rows < x_ref.shape[0]:
             x_ref = x_ref.at[pl.ds(0, rows)]
-        n = x_ref.shape[1]
+        rows, n = x_ref.shape
+        wide = -(-n // 128) * 128
         for k in mask_bits(mask):
-            if wire == F32:
+            if wire == F32 and wide == n:
                 got = self._exchange(k, x_ref, self.recv, n)
                 x_ref[...] = x_ref[...] + got[...]
+            elif wire == F32:
+                pad = self.pad.at[pl.ds(0, rows), pl.ds(0, wide)]
+                pad[:, 0:n] = x_ref[...]
+                got = self._exchange(k, pad, self.recv, wide)
+                x_ref[...] = x_ref[...] + got[:, 0:n]
             else:
-                stage = self.stage_bf16.at[:, pl.ds(0, n)]
-                stage[...] = x_ref[...].astype(BF16)
-                got = self._exchange(k, stage, self.recv_bf16, n)
-                x_ref[...] = stage[...].astype(F32) + got[...].astype(F32)
+                stage = self.stage_bf16.at[:, pl.ds(0, wide)]
+                stage[:, 0:n] = x_ref[...].astype(BF16)
+                got = self._exchange(k, stage, self.recv_bf16, wide)
+                x_ref[...] = stage[:, 0:n].astype(F32) + got[:, 0:n].astype(F32)
 
     def all_reduce_two_level(self, x_ref, mask, wire=F32, rows=None):
         """all_reduce with the chip's two cores (the lowest bit of `mask`) first: they swap the
@@ -1243,13 +1252,15 @@ class LatentAttention:
 
     # -- the weight tiles: UK of heads 0..H-1, then UV of heads 0..H-1
     def wcopy(self, slot, t, buf):
+        """The DMA of weight tile t; slot: w_kvb's layer slice (None: one w_kvb for every layer)."""
+        w = self.w_kvb if slot is None else self.w_kvb.at[slot]
         width = self.nope + self.vdim
         if t < self.heads:
             cols, size = t * width, self.nope
         else:
             cols, size = (t - self.heads) * width + self.nope, self.vdim
         return pltpu.make_async_copy(
-            self.w_kvb.at[slot, :, pl.ds(cols, size)], self.wtiles.at[buf, :, pl.ds(0, size)], self.w_sem.at[buf]
+            w.at[:, pl.ds(cols, size)], self.wtiles.at[buf, :, pl.ds(0, size)], self.w_sem.at[buf]
         )
 
     def wtile(self, slot, t):
@@ -1282,19 +1293,20 @@ class LatentAttention:
                 self.writeback(0, b, 0).wait()
             self.r.wb_pending[self.op_id] = 0
 
-    def __call__(self, slot, q, c_kv, k_extra, out):
+    def __call__(self, slot, q, c_kv, k_extra, out, w_slot):
+        """slot: the cache's layer slice; w_slot: w_kvb's (None if it is not stacked)."""
         rows, heads, nope, extra, vdim = self.rows, self.heads, self.nope, self.extra, self.vdim
         width = c_kv.shape[1]
         self.drain()
         for t in range(min(self.w_slots - 1, 2 * heads)):
-            self.wcopy(slot, t, t).start()
+            self.wcopy(w_slot, t, t).start()
         for j in range(self.kv_slots - 1):
             self.issue(slot, jnp.int32(j))
         self.ql[width // 128] = jnp.zeros(self.ql.shape[1:], F32)  # lanes past `extra` stay zero
         self.new[:, 0:width] = c_kv[...]
         self.new[:, width : width + extra] = k_extra[...]
         for h in range(heads):  # pass 1: absorb W_UK into q
-            buf = self.wtile(slot, h)
+            buf = self.wtile(w_slot, h)
             qh = h * (nope + extra)
             q_nope = q[:, qh : qh + nope].astype(BF16)
             q_lat = jax.lax.dot_general(q_nope, self.wtiles[buf, :, 0:nope], (((1,), (1,)), ((), ())),
@@ -1354,7 +1366,7 @@ class LatentAttention:
         jax.lax.fori_loop(0, self.r.kv_n[0], tile, 0)
         self.r.wb_pending[self.op_id] = 1
         for h in range(heads):  # pass 3: W_UV
-            buf = self.wtile(slot, heads + h)
+            buf = self.wtile(w_slot, heads + h)
             o_lat = jnp.concatenate([self.ol[c, h * rows : (h + 1) * rows, :] for c in range(self.ol.shape[0])],
                                     axis=1).astype(BF16)
             out[:, h * vdim : (h + 1) * vdim] = jnp.dot(o_lat, self.wtiles[buf, :, 0:vdim], preferred_element_type=F32)
@@ -1688,16 +1700,21 @@ class MoE:
 
     Expert parallel: this device holds experts lo .. lo+E-1 of the E_route the router chooses
     from (lo may be a traced scalar); it runs only the chosen experts it holds.
+
+    Padded widths: D and F are the widths the expert arrays are stored at (zeros beyond Dv latent
+    rows and Fv expert columns, so every tile is whole); z and the output have Dv columns, and
+    the sum runs in the `acc` scratch at width D when Dv < D.
     """
 
     def __init__(
         self, r, *, rows, batch, E, k, D, F, tn, slots, names, prefix, act, fmt="mxfp4", kc=None, dc=None,
-        E_route=None, lo=0, b2_here=True,
+        E_route=None, lo=0, b2_here=True, Dv=None, Fv=None,
     ):
         self.rows, self.batch, self.E, self.k, self.D, self.F = rows, batch, E, k, D, F
         self.E_route, self.lo = E_route or E, lo
         self.act, self.fmt, self.pieces, self.b2_here = act, fmt, MOE_PIECES[fmt], b2_here
         self.tn, self.slots = tn, slots
+        self.Dv, self.Fv = Dv or D, Fv or F
         self.kc, self.dc = moe_dims(D, F, tn, kc, dc)
         self.nf = F // tn
         for key in self.pieces:
@@ -1705,6 +1722,7 @@ class MoE:
         self.bias = {key: getattr(r, names[key]) if key in names else None for key in ("b1", "b3", "b2")}
         for key in (*self.pieces, *MOE_SCRATCH):
             setattr(self, key, getattr(r, prefix + key))
+        self.acc = getattr(r, prefix + "acc") if self.Dv < D else None
         self._ids = None
         self._weights = None
 
@@ -1782,35 +1800,43 @@ class MoE:
 
     # ---------------------------------------------------------------- expert streaming
     def copies(self, layer_slot, e, c, slot):
-        """The DMAs of column tile c of expert e (layer slice layer_slot) into `slot`."""
+        """The DMAs of column tile c of expert e into `slot`; layer_slot: the layer slice of the
+        three weights, or (w1's, w3's, w2's) where they are stacked over different layers (None:
+        an unstacked weight, one array for every layer)."""
+        slots = layer_slot if isinstance(layer_slot, tuple) else (layer_slot,) * 3
+        per_weight = dict(zip("132", slots, strict=True))  # w1, w3, w2 by their digit
+        h = {}
+        for key in self.pieces:
+            ref, s = getattr(self, "h_" + key), per_weight[key[1]]
+            h[key] = ref if s is None else ref.at[s]
         tn = self.tn
         n0 = pl.multiple_of(c * tn, tn)
         if self.fmt == "bf16":
             src = {
-                "w1": self.h_w1.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w3": self.h_w3.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w2": self.h_w2.at[layer_slot, e, pl.ds(n0, tn), :],
+                "w1": h["w1"].at[e, :, pl.ds(n0, tn)],
+                "w3": h["w3"].at[e, :, pl.ds(n0, tn)],
+                "w2": h["w2"].at[e, pl.ds(n0, tn), :],
             }
         elif self.fmt == "fp8_block":
             b0 = c * (tn // FP8_BLOCK)
             src = {
-                "w1c": self.h_w1c.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w1s": self.h_w1s.at[layer_slot, e, :, pl.ds(b0, tn // FP8_BLOCK)],
-                "w3c": self.h_w3c.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w3s": self.h_w3s.at[layer_slot, e, :, pl.ds(b0, tn // FP8_BLOCK)],
-                "w2c": self.h_w2c.at[layer_slot, e, pl.ds(n0, tn), :],
-                "w2s": self.h_w2s.at[layer_slot, e, pl.ds(b0, tn // FP8_BLOCK), :],
+                "w1c": h["w1c"].at[e, :, pl.ds(n0, tn)],
+                "w1s": h["w1s"].at[e, :, pl.ds(b0, tn // FP8_BLOCK)],
+                "w3c": h["w3c"].at[e, :, pl.ds(n0, tn)],
+                "w3s": h["w3s"].at[e, :, pl.ds(b0, tn // FP8_BLOCK)],
+                "w2c": h["w2c"].at[e, pl.ds(n0, tn), :],
+                "w2s": h["w2s"].at[e, pl.ds(b0, tn // FP8_BLOCK), :],
             }
         else:
             f8 = pl.multiple_of(c * (tn // 8), tn // 8)
             f32_ = pl.multiple_of(c * (tn // 32), tn // 32)
             src = {
-                "w1c": self.h_w1c.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w1s": self.h_w1s.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w3c": self.h_w3c.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w3s": self.h_w3s.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w2c": self.h_w2c.at[layer_slot, e, pl.ds(f8, tn // 8), :],
-                "w2s": self.h_w2s.at[layer_slot, e, pl.ds(f32_, tn // 32), :],
+                "w1c": h["w1c"].at[e, :, pl.ds(n0, tn)],
+                "w1s": h["w1s"].at[e, :, pl.ds(n0, tn)],
+                "w3c": h["w3c"].at[e, :, pl.ds(n0, tn)],
+                "w3s": h["w3s"].at[e, :, pl.ds(n0, tn)],
+                "w2c": h["w2c"].at[e, pl.ds(f8, tn // 8), :],
+                "w2s": h["w2s"].at[e, pl.ds(f32_, tn // 32), :],
             }
         return [
             pltpu.make_async_copy(src[key], getattr(self, key).at[slot], self.sem.at[i, slot])
@@ -1893,15 +1919,21 @@ class MoE:
         if not prefetched:
             self.prefetch(layer_slot)
         real = jax.lax.broadcasted_iota(I32, (rows, 1), 0) < self.batch
-        self.zb[...] = jnp.where(real, z_ref[...], 0.0).astype(BF16)
-        out_ref[...] = jnp.zeros((rows, D), F32)
+        z = jnp.where(real, z_ref[...], 0.0).astype(BF16)
+        out = out_ref if self.acc is None else self.acc  # [rows, D]: the sum at the padded width
+        if self.Dv < D:
+            self.zb[...] = jnp.zeros((rows, D), BF16)
+            self.zb[:, 0 : self.Dv] = z
+        else:
+            self.zb[...] = z
+        out[...] = jnp.zeros((rows, D), F32)
         ids = ids_ref[...]
         wts = weights_ref[...]
 
         def tile(t, carry):
             self.issue(layer_slot, t + S - 1)  # into the slot consumed by tile t-1
             slot = t % S
-            for cp in self.copies(0, 0, 0, slot):
+            for cp in self.copies(layer_slot, 0, 0, slot):  # the shapes of any tile set
                 cp.wait()
             j = t // self.nf
             e = self.list[j]
@@ -1920,7 +1952,10 @@ class MoE:
                 g = g + self.bias_row("b1", e, n0, tn)
             if self.bias["b3"] is not None:
                 u = u + self.bias_row("b3", e, n0, tn)
-            h = self.act(g, u).astype(BF16)
+            h = self.act(g, u)
+            if self.Fv < self.F:  # padded expert columns: zero whatever act(0, 0) is
+                h = jnp.where(jax.lax.broadcasted_iota(I32, (1, tn), 1) + n0 < self.Fv, h, 0.0)
+            h = h.astype(BF16)
             # the down bias is added once per expert: at its first tile, on one device of its columns
             first = jnp.logical_and(t - j * self.nf == 0, self.b2_here)
 
@@ -1929,13 +1964,15 @@ class MoE:
                 y = self.down(slot, d0, h)
                 if self.bias["b2"] is not None:
                     y = y + jnp.where(first, self.bias_row("b2", e, d0, dc), 0.0)
-                out_ref[:, pl.ds(d0, dc)] += w_e * y
+                out[:, pl.ds(d0, dc)] += w_e * y
                 return carry
 
             jax.lax.fori_loop(0, D // dc, d_chunk, 0)
             return carry
 
         jax.lax.fori_loop(0, self.count[0] * self.nf, tile, 0)
+        if self.acc is not None:
+            out_ref[...] = self.acc[:, 0 : self.Dv]
 
 
 # ---------------------------------------------------------------------------------------
@@ -2586,7 +2623,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 rmsnorm(r.v30_512[...], pick_row(r.f_mla_kvnorm, slots3_ref[li]), r.v31_512, eps=1e-05, heads=1)
                 # spec line 160: y = mla_attention(q, c, slice(kv, start=KVR, size=XK), mla_wkvb, mla_cache, positions,
                 r.v32_64[...] = r.v28_640[...][:, 512 : 512 + 64]
-                attention0(slots3_ref[li], r.v29_576, r.v31_512, r.v32_64, r.v7_384)
+                attention0(slots3_ref[li], r.v29_576, r.v31_512, r.v32_64, r.v7_384, slots3_ref[li])
                 # spec line 162: return linear(y * sigmoid(linear(x, mla_wg)), mla_wo)
                 linear(r, issue, S_MLA_MOE_LINEAR_2, slots3_ref[li], base + S_MLA_MOE_LINEAR_2.start, r.v10_7168_bf16, r.v5_384)
                 r.v4_384[...] = jax.nn.sigmoid(r.v5_384[...])

@@ -69,32 +69,35 @@ STATE = {
 }
 
 
-# Matrices whose outputs per device are not whole 128-lane tiles are stored padded with zeros:
-# storage array -> (axis, outputs per device, padded, devices along the axis); the axis is -1
-# (columns), or -2 for a table read transposed (a tied head). WEIGHTS is the padded layout;
-# `pad_weights` turns the checkpoint's (unpadded) arrays into it.
+# Arrays stored wider than one device's slice, padded with zeros (matrices whose outputs per
+# device are not whole 128-lane tiles; expert arrays whose widths are not whole tiles): storage
+# array -> per padded axis (axis, width per device, padded width, devices along the axis). WEIGHTS
+# is the padded layout; `pad_weights` turns the checkpoint's (unpadded) arrays into it.
 PADDED = {
-    "wq": (-1, 576, 640, 1),
-    "wk": (-1, 192, 256, 1),
-    "wv": (-1, 192, 256, 1),
-    "wo": (-1, 576, 640, 1),
-    "w_down": (-1, 576, 640, 1),
+    "w_down": ((-1, 576, 640, 1),),
+    "wk": ((-1, 192, 256, 1),),
+    "wo": ((-1, 576, 640, 1),),
+    "wq": ((-1, 576, 640, 1),),
+    "wv": ((-1, 192, 256, 1),),
 }
 
 
 def pad_weights(weights):
     """Weights as the checkpoint (and the reference) has them -> the layout WEIGHTS lists: each
-    device's block of outputs of a PADDED array padded with zeros. Arrays already padded pass
-    through. Call it once, at load."""
+    device's block of a PADDED axis padded with zeros. Arrays already padded pass through. Call
+    it once, at load."""
     out = dict(weights)
-    for name, (axis, valid, padded, blocks) in PADDED.items():
+    for name, axes in PADDED.items():
         w = out.get(name)
-        if w is None or w.shape[axis] != valid * blocks:
+        if w is None or any(w.shape[axis] != valid * blocks for axis, valid, _, blocks in axes):
             continue
-        w = jnp.moveaxis(jnp.asarray(w), axis, -1)
-        parts = jnp.reshape(w, (*w.shape[:-1], blocks, valid))
-        parts = jnp.pad(parts, [(0, 0)] * (parts.ndim - 1) + [(0, padded - valid)])
-        out[name] = jnp.moveaxis(jnp.reshape(parts, (*w.shape[:-1], blocks * padded)), -1, axis)
+        w = jnp.asarray(w)
+        for axis, valid, padded, blocks in axes:
+            w = jnp.moveaxis(w, axis, -1)
+            parts = jnp.reshape(w, (*w.shape[:-1], blocks, valid))
+            parts = jnp.pad(parts, [(0, 0)] * (parts.ndim - 1) + [(0, padded - valid)])
+            w = jnp.moveaxis(jnp.reshape(parts, (*w.shape[:-1], blocks * padded)), -1, axis)
+        out[name] = w
     return out
 
 

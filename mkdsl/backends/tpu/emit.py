@@ -274,34 +274,48 @@ class _Emitter:
         ]
         return dict(layer_kind=repr(layer_kind), layer_base=repr(bases), slot_tables=slot_tables)
 
-    def padded_columns(self) -> dict[str, tuple[int, int, int, int]]:
-        """Storage arrays stored with their outputs padded per device to whole 128-lane tiles:
-        name -> (axis, outputs per device, padded, devices along them); the axis is the rows of a
-        transposed matrix, else the columns. Block scales need none."""
+    def padded_arrays(self) -> dict[str, tuple[tuple[int, int, int, int], ...]]:
+        """Storage arrays stored wider than one device's slice (the plan's `pads`: a streamed
+        matrix's outputs to whole 128-lane tiles, expert widths, ...): name -> per padded axis
+        (axis, width per device, padded width, devices along it). Parts a padding leaves alone
+        (e.g. block scales that already cover the padded width) are not listed."""
+        pads: dict[str, dict[int, int]] = {}
+        for name, axis, width in self.plan.pads:
+            pads.setdefault(name, {})[axis] = width
         out = {}
-        for st in (st for seq in self.plan.sequences for st in seq.streams if st.valid):
-            w = self.whole.tensor(st.tensor)
-            axis = -2 if st.transposed else -1
-            blocks = w.type.shape[axis] // st.valid
-            for part in storage(w.type.dtype, w.full_shape):
-                if part.shape[axis] == w.type.shape[axis]:
-                    out[_part_name(w.name, part)] = (axis, st.valid, st.n, blocks)
+        for name, axes in pads.items():
+            local, whole = self.m.tensor(name), self.whole.tensor(name)
+            if local.kind != "weight":
+                continue
+            wide = roles.stored(local, pads)
+            parts = zip(
+                storage(local.type.dtype, local.full_shape),
+                storage(local.type.dtype, wide.full_shape),
+                storage(whole.type.dtype, whole.full_shape),
+                strict=True,
+            )
+            for part, padded, glob in parts:
+                entry = tuple(
+                    (axis, part.shape[axis], padded.shape[axis], glob.shape[axis] // part.shape[axis])
+                    for axis in sorted(axes)
+                    if padded.shape[axis] != part.shape[axis]
+                )
+                if entry:
+                    out[_part_name(name, part)] = entry
         return out
 
     def arrays(self) -> dict:
         """The kernel's weight and state arrays: global and per-device layouts, splits, fetch padding."""
-        m, weights, pads = self.m, list(self.m.weights), self.padded_columns()
+        m, weights, pads = self.m, list(self.m.weights), self.padded_arrays()
 
         def shape(name: str, dims: tuple, local: bool) -> str:
-            if name not in pads:
-                return repr(tuple(dims))
-            axis, valid, padded, blocks = pads[name]
             dims = list(dims)
-            dims[axis] = padded if local else padded * blocks
+            for axis, _, padded, blocks in pads.get(name, ()):
+                dims[axis] = padded if local else padded * blocks
             return repr(tuple(dims))
 
         return dict(
-            pads=[dict(name=k, axis=v[0], valid=v[1], padded=v[2], blocks=v[3]) for k, v in pads.items()],
+            pads=[dict(name=k, axes=repr(v)) for k, v in pads.items()],
             weights=[
                 dict(
                     name=_part_name(w.name, part),
