@@ -61,6 +61,20 @@ profile mini {
   TPN = 2
 }
 
+# Gemma 3 4B, the same architecture at head dim 256 (google/gemma-3-4b-it text_config:
+# num_hidden_layers 34, hidden_size 2560, 8 query / 4 KV heads of 256, intermediate_size 10240,
+# query_pre_attn_scalar 256; the other values as above), on 2 cores.
+profile gemma3_4b {
+  L = 34
+  H = 2560
+  NH = 8
+  NKV = 4
+  D = 256
+  F = 10240
+  QPAS = 256
+  TPN = 2
+}
+
 weight embed:          bf16[V @tp, H]
 weight attn_norm:      bf16[H]             per layer   # input_layernorm
 weight wq:             bf16[H, NH*D @tp]   per layer

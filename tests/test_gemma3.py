@@ -104,6 +104,16 @@ def test_full_size_spec_is_the_published_model():
     assert local.tensor("wq").full_shape == (62, 5376, 1024)
 
 
+def test_the_4b_profile_is_gemma3_4b_at_head_dim_256():
+    """The same body at Gemma 3 4B's published sizes: 34 layers (5 global), 8:4 heads of 256,
+    scale 256^-0.5; checks on 2 cores."""
+    model = load(str(SPEC), "gemma3_4b")
+    assert [i for i, kind in enumerate(model.schedule) if kind == "global"] == [5, 11, 17, 23, 29]
+    assert {t.name: t.full_shape for t in model.tensors}["wq"] == (34, 2560, 2048)
+    local = check_full_size(SPEC, devices=2, profile="gemma3_4b")
+    assert local.tensor("k_cache").full_shape[2:] == (2, "S", 256)
+
+
 @pytest.fixture(scope="module")
 def mini():
     return load(str(SPEC), "mini")

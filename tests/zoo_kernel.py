@@ -18,11 +18,11 @@ from mkdsl.plan.hbm import HBM_USABLE_PER_CORE
 from mkdsl.random_params import random_params
 
 
-def check_full_size(spec: Path, devices: int, min_cache: int = 32768):
+def check_full_size(spec: Path, devices: int, min_cache: int = 32768, profile: str | None = None):
     """The full-size step through every stage (shard pass, planner, lowerings, emitted module) on
     its deployment mesh; one device's HBM holds it with a cache of at least `min_cache` tokens (or
     the cache dim's largest value) at the largest batch. Returns what one device runs."""
-    out, _ = compile_source(spec.read_text(encoding="utf-8"), str(spec), None, None)
+    out, _ = compile_source(spec.read_text(encoding="utf-8"), str(spec), profile, None)
     assert math.prod(n for _, n in out.model.mesh) == devices and "def build_decode_step" in out.files["kernel.py"]
     longest = min(min_cache, out.model.dims[1].high)
     assert out.plan.hbm_bytes < HBM_USABLE_PER_CORE and out.plan.hbm_max_cache >= longest
