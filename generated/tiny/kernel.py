@@ -36,7 +36,7 @@ KV_TILE = 256
 KV_SLOTS = 3
 ROW_TILE = 16
 BATCH_RANGE = (1, 8)
-VMEM_LIMIT_BYTES = 60817408
+VMEM_LIMIT_BYTES = 67108864
 
 # Layer kinds, in dispatch order, and the kind of each layer.
 LAYER_KINDS = ("decoder", )
