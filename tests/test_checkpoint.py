@@ -453,3 +453,34 @@ def test_full_size_mappings_fit_the_published_headers(name, tmp_path):
     plans = plan_load(model, Header())
     used = {n for wp in plans for p in wp.pieces for n in p.names}
     assert used == set(header), sorted(set(header) - used)[:5]
+
+
+def test_every_spec_with_a_mapping_is_tested():
+    """A spec that gains a checkpoint section must gain its layout here: the Llama family through
+    `hf_tensors` / `gguf_tensors` (MAPPED; its kernel step from a checkpoint: tests/test_run.py,
+    tests/test_smollm2.py), the others through `PUBLISHED` (their kernel tests load from it)."""
+    with_mapping = {p.stem for p in (ROOT / "specs").glob("*.mk") if re.search(r"^checkpoint ", p.read_text(), re.M)}
+    assert with_mapping == set(MAPPED) | set(PUBLISHED)
+
+
+@pytest.mark.parametrize("mistake", ["missing", "shape", "dtype"])
+def test_smollm2_mistakes_exit_1_naming_the_tensor(tmp_path, capsys, mistake):
+    spec = mkdsl.load(ROOT / "specs" / "smollm2_135m.mk", "mini")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=4)
+    tensors = hf_tensors(weights, 2)
+    name = "model.layers.1.mlp.down_proj.weight"
+    if mistake == "missing":
+        del tensors[name]
+    elif mistake == "shape":
+        tensors[name] = np.ascontiguousarray(tensors[name][:, :-32])
+    else:
+        tensors[name] = tensors[name].astype(np.float16)
+    argv = ["run", str(ROOT / "specs" / "smollm2_135m.mk"), "-p", "mini", "--weights", str(_hf(tmp_path, tensors))]
+    assert main([*argv, "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    message = {
+        "missing": r"missing tensor `model\.layers\.1\.mlp\.down_proj\.weight` for `w_down` \(layer 1\).*: expected \[\d+, \d+\]",
+        "shape": r"tensor `model\.layers\.1\.mlp\.down_proj\.weight` is BF16 \[\d+, \d+\] \(after `transpose`: .*\); expected",
+        "dtype": r"tensor `model\.layers\.1\.mlp\.down_proj\.weight` is F16, which bf16 cannot hold exactly \(expected BF16",
+    }[mistake]
+    assert re.search(message, err), err
