@@ -203,10 +203,15 @@ def fp8_decode(codes: np.ndarray, scales: np.ndarray, b: int = 128) -> np.ndarra
 
 
 def deepseek_tensors(weights: dict, schedule, c: dict) -> dict:
-    """wkv_b, bf16 in the spec, is stored as the checkpoint stores kv_b_proj: fp8 blocks."""
+    """wkv_b, if bf16 in the spec, is stored as the checkpoint stores kv_b_proj: fp8 blocks."""
+    from mkdsl.quant import QTensor
+
     out = {}
     _plain(out, weights, schedule, DSV3_PLAIN)
-    for w, (prefix, kind) in DSV3_FP8.items():
+    fp8 = dict(DSV3_FP8)
+    if isinstance(weights["wkv_b"], QTensor):
+        fp8["wkv_b"] = ("model.layers.{l}.self_attn.kv_b_proj", None)
+    for w, (prefix, kind) in fp8.items():
         q = weights[w]
         for layer, s in slots(schedule, kind).items():
             for e in range(q.codes.shape[1]) if "{e}" in prefix else [None]:
@@ -214,7 +219,7 @@ def deepseek_tensors(weights: dict, schedule, c: dict) -> dict:
                 name = prefix.format(l=layer, e=e)
                 out[name + ".weight"] = _t(q.codes[index])
                 out[name + ".weight_scale_inv"] = _t(q.scales[index])
-    for layer in range(len(schedule)):
+    for layer in range(len(schedule)) if "wkv_b" not in fp8 else ():
         name = f"model.layers.{layer}.self_attn.kv_b_proj"
         out[name + ".weight"], out[name + ".weight_scale_inv"] = fp8_blocks(
             _t(weights["wkv_b"][layer]).astype(np.float32)
@@ -356,8 +361,10 @@ def expected_weights(spec_name: str, weights: dict, tensors: dict, c: dict) -> d
     [beta | a] padding columns, which the checkpoint lacks: zeros)."""
     import ml_dtypes
 
+    from mkdsl.quant import QTensor
+
     out = dict(weights)
-    if spec_name == "deepseek_v3":
+    if spec_name == "deepseek_v3" and not isinstance(weights["wkv_b"], QTensor):
         rows = []
         for layer in range(weights["wkv_b"].shape[0]):
             name = f"model.layers.{layer}.self_attn.kv_b_proj"
@@ -437,4 +444,106 @@ def demo_tensors(weights: dict, c: dict) -> dict:
         out[p + "gate_up.scales"] = _interleave(_t(g.scales[layer]), _t(u.scales[layer]), 0)
         out[p + "down.weight"] = _t(weights["w_down"].codes[layer])
         out[p + "down.weight_scale_inv"] = _t(weights["w_down"].scales[layer])
+    return out
+
+
+# ---------------------------------------------------------------------------- published headers
+# The full-size checkpoints' tensor names, shapes and stored types, as shared/facts/models.md
+# tabulates them (per layer kind where the layers differ), for a header-only plan of each spec.
+
+BF, F8, F32, U8 = "BF16", "F8_E4M3", "F32", "U8"
+
+
+def _fp8(name: str, out: int, inp: int) -> dict:
+    return {name + ".weight": ((out, inp), F8), name + ".weight_scale_inv": ((-(-out // 128), -(-inp // 128)), F32)}
+
+
+def _dsv3_layer(p: str, kind: str) -> dict:
+    t = {p + "input_layernorm.weight": ((7168,), BF), p + "post_attention_layernorm.weight": ((7168,), BF)}
+    t |= _fp8(p + "self_attn.q_a_proj", 1536, 7168) | {p + "self_attn.q_a_layernorm.weight": ((1536,), BF)}
+    t |= _fp8(p + "self_attn.q_b_proj", 24576, 1536) | _fp8(p + "self_attn.kv_a_proj_with_mqa", 576, 7168)
+    t |= {p + "self_attn.kv_a_layernorm.weight": ((512,), BF)} | _fp8(p + "self_attn.kv_b_proj", 32768, 512)
+    t |= _fp8(p + "self_attn.o_proj", 7168, 16384)
+    if kind == "dense":
+        return (
+            t
+            | _fp8(p + "mlp.gate_proj", 18432, 7168)
+            | _fp8(p + "mlp.up_proj", 18432, 7168)
+            | _fp8(p + "mlp.down_proj", 7168, 18432)
+        )
+    t |= {p + "mlp.gate.weight": ((256, 7168), BF), p + "mlp.gate.e_score_correction_bias": ((256,), F32)}
+    for e in [f"experts.{i}" for i in range(256)] + ["shared_experts"]:
+        t |= _fp8(f"{p}mlp.{e}.gate_proj", 2048, 7168) | _fp8(f"{p}mlp.{e}.up_proj", 2048, 7168)
+        t |= _fp8(f"{p}mlp.{e}.down_proj", 7168, 2048)
+    return t
+
+
+def _oss_layer(p: str, kind: str) -> dict:
+    t = {p + "input_layernorm.weight": ((2880,), BF), p + "post_attention_layernorm.weight": ((2880,), BF)}
+    for proj, out in (("q_proj", 4096), ("k_proj", 512), ("v_proj", 512)):
+        t |= {f"{p}self_attn.{proj}.weight": ((out, 2880), BF), f"{p}self_attn.{proj}.bias": ((out,), BF)}
+    t |= {p + "self_attn.o_proj.weight": ((2880, 4096), BF), p + "self_attn.o_proj.bias": ((2880,), BF)}
+    t |= {
+        p + "self_attn.sinks": ((64,), BF),
+        p + "mlp.router.weight": ((128, 2880), BF),
+        p + "mlp.router.bias": ((128,), BF),
+    }
+    for proj, out in (("gate_up_proj", 5760), ("down_proj", 2880)):
+        x = f"{p}mlp.experts.{proj}"
+        t |= {
+            x + "_blocks": ((128, out, 90, 16), U8),
+            x + "_scales": ((128, out, 90), U8),
+            x + "_bias": ((128, out), BF),
+        }
+    return t
+
+
+def _qwen_moe(p: str, experts: int, width: int, shared: bool) -> dict:
+    t = {p + "mlp.gate.weight": ((experts, 2048), BF)}
+    for e in [f"experts.{i}" for i in range(experts)] + (["shared_expert"] if shared else []):
+        t |= {f"{p}mlp.{e}.{g}_proj.weight": ((width, 2048), BF) for g in ("gate", "up")}
+        t |= {f"{p}mlp.{e}.down_proj.weight": ((2048, width), BF)}
+    return t | ({p + "mlp.shared_expert_gate.weight": ((1, 2048), BF)} if shared else {})
+
+
+def _qnext_layer(p: str, kind: str) -> dict:
+    t = {p + "input_layernorm.weight": ((2048,), BF), p + "post_attention_layernorm.weight": ((2048,), BF)}
+    if kind == "gdn":
+        a = p + "linear_attn."
+        t |= {a + "in_proj_qkvz.weight": ((12288, 2048), BF), a + "in_proj_ba.weight": ((64, 2048), BF)}
+        t |= {a + "conv1d.weight": ((8192, 1, 4), BF), a + "dt_bias": ((32,), BF), a + "A_log": ((32,), F32)}
+        t |= {a + "norm.weight": ((128,), BF), a + "out_proj.weight": ((2048, 4096), BF)}
+    else:
+        a = p + "self_attn."
+        t |= {a + "q_proj.weight": ((8192, 2048), BF), a + "k_proj.weight": ((512, 2048), BF)}
+        t |= {a + "v_proj.weight": ((512, 2048), BF), a + "o_proj.weight": ((2048, 4096), BF)}
+        t |= {a + "q_norm.weight": ((256,), BF), a + "k_norm.weight": ((256,), BF)}
+    return t | _qwen_moe(p, 512, 512, True)
+
+
+def _qwen3_layer(p: str, kind: str) -> dict:
+    t = {p + "input_layernorm.weight": ((2048,), BF), p + "post_attention_layernorm.weight": ((2048,), BF)}
+    a = p + "self_attn."
+    t |= {a + "q_proj.weight": ((4096, 2048), BF), a + "k_proj.weight": ((512, 2048), BF)}
+    t |= {a + "v_proj.weight": ((512, 2048), BF), a + "o_proj.weight": ((2048, 4096), BF)}
+    t |= {a + "q_norm.weight": ((128,), BF), a + "k_norm.weight": ((128,), BF)}
+    return t | _qwen_moe(p, 128, 768, False)
+
+
+# model -> (globals (vocabulary, hidden), per-layer tensors)
+HEADERS = {
+    "deepseek_v3": ((129280, 7168), _dsv3_layer),
+    "gpt_oss_120b": ((201088, 2880), _oss_layer),
+    "qwen3_next_80b_a3b": ((151936, 2048), _qnext_layer),
+    "qwen3_30b_a3b": ((151936, 2048), _qwen3_layer),
+}
+
+
+def published_header(name: str, schedule) -> dict:
+    """Tensor name -> (shape, stored type) of the full-size published checkpoint."""
+    (vocab, hidden), layer = HEADERS[name]
+    out = {"model.embed_tokens.weight": ((vocab, hidden), BF), "lm_head.weight": ((vocab, hidden), BF)}
+    out["model.norm.weight"] = ((hidden,), BF)
+    for i, kind in enumerate(schedule):
+        out |= layer(f"model.layers.{i}.", kind)
     return out

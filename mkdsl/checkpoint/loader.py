@@ -5,7 +5,8 @@ exist with a shape the mapping turns into the spec's, and a type that converts i
 dtype exactly, or a mapping that accepts rounding (`| round`). Every mistake is collected and
 reported together before any data is read, so nothing is half-loaded. The load then builds one
 spec weight at a time on the host (one stacked array: peak host memory is about the largest
-weight plus one stored tensor), places it (split over the mesh for a sharded kernel) and frees it.
+weight plus one stored tensor), places it and frees it; for a sharded kernel it builds one
+device's shard at a time instead (`shards.py`), so the host holds one shard, not the weight.
 
 Exact conversions: the same type, f16/bf16 to f32, and GGUF block formats (decoded in f32 as
 llama.cpp does) to f32. Anything else into bf16 (f32, f16, Q8_0, Q4_1) rounds to nearest even;
@@ -75,10 +76,12 @@ class LoadReport:
     target: dict = field(default_factory=dict)  # stored type -> spec dtype it rounded into
     seen: set = field(default_factory=set, repr=False)  # stored tensors read (one may feed two weights)
 
-    def read(self, names) -> None:
+    def read(self, names) -> int:
+        """Count the stored tensors read for the first time; how many."""
         new = set(names) - self.seen
         self.seen |= new
         self.tensors += len(new)
+        return len(new)
 
     def summary(self) -> str:
         line = f"loaded {self.tensors} tensors ({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f} s"
@@ -93,10 +96,11 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
     or a reader from `formats.open_checkpoint`)
     as `model`'s weights (a `mkdsl.Spec` or a `Model`), by the spec's mapping for that format.
 
-    `module`: the generated kernel module: each weight is laid out as it says (padded by its
-    `pad_weights` if it has one) and, for a sharded one, placed on `mesh` (default
-    `module.make_mesh()`) by its `weight_shardings`. `host=True` returns numpy arrays in the
-    spec's (and the reference's) layout.
+    `module`: the generated kernel module: each weight is laid out as it says (a quantised `w`
+    as `w_codes` and `w_scales`, padded as its `pad_weights` pads) and, for a sharded one, placed
+    on `mesh` (default `module.make_mesh()`) by its `weight_shardings`, one device's shard at a
+    time. `host=True` returns numpy arrays in the spec's (and the reference's) layout, a
+    quantised weight as a `QTensor`.
     Raises `CheckpointError` listing every missing or mismatched tensor before reading any data.
     """
     model = getattr(model, "model", model)
@@ -107,13 +111,16 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
         shardings = module.weight_shardings(mesh or module.make_mesh())
     report = LoadReport(reader.format)
     t0 = time.perf_counter()
-    total = sum(len(p.names) for wp in plans for p in wp.pieces)
+    total = len({n for wp in plans for p in wp.pieces for n in p.names})
     out = {}
     from tqdm import tqdm
 
     with tqdm(total=total, desc="loading", unit="tensor", file=sys.stderr, disable=not progress, leave=False) as bar:
         for wp in plans:
-            out.update(_place(_build(wp, reader, report, bar), wp.tensor.name, module, shardings, host))
+            if shardings is not None:  # one device's shard at a time
+                out.update(_place_sharded(wp, reader, report, bar, module, shardings))
+            else:
+                out.update(_place(_build(wp, reader, report, bar), wp.tensor.name, module, shardings, host))
     report.seconds = time.perf_counter() - t0
     return out, report
 
@@ -162,28 +169,33 @@ def _plan_weight(t: Tensor, src: WeightSource, reader, problems: list[str]) -> W
     lead = t.type.shape[: len(src.stack)]
     piece_shape = tuple(t.type.shape[len(src.stack) :])
     layers = [(i, s) for i, s in enumerate(t.slots) if s >= 0] if t.stacked else [(None, None)]
-    pieces, rounded, pairs = [], set(), {}
+    pieces, rounded, fits = [], set(), {}  # fits: stored shapes and types -> plan (None, or a PairPlan)
     for (layer, slot), idx in itertools.product(layers, itertools.product(*(range(n) for n in lead))):
         names = tuple(src.names(layer, idx))
-        where = f"`{t.name}`" + (f" (layer {layer})" if layer is not None else "") + f", spec line {src.span.line}"
         infos = [reader.info(n) for n in names]
         missing = [n for n, i in zip(names, infos) if i is None]
         if missing:
+            where = _where(t, src, layer)
             problems.append(f"missing tensor `{missing[0]}` for {where}: expected {_expected(t, src, piece_shape)}")
             continue
-        pair = None
-        if src.scales is not None:
-            key = tuple((i.shape, i.dtype) for i in infos)
-            pair = (
-                pairs[key] if key in pairs else pairs.setdefault(key, _plan_pair(t, src, *infos, piece_shape, rounded))
-            )
-            problem = pair if isinstance(pair, str) else None
-        else:
-            problem = _check_piece(t, src, infos, piece_shape, rounded)
-        if problem:
-            problems.append(f"{problem} for {where}")
+        key = tuple((i.shape, i.dtype) for i in infos)  # pieces alike in these fit alike
+        pair = fits.get(key)
+        if key not in fits:
+            if src.scales is not None:
+                pair = _plan_pair(t, src, *infos, piece_shape, rounded)
+                problem = pair if isinstance(pair, str) else None
+            else:
+                problem = _check_piece(t, src, infos, piece_shape, rounded)
+            if problem:  # not cached: the message names this piece's tensors
+                problems.append(f"{problem} for {_where(t, src, layer)}")
+            else:
+                fits[key] = pair
         pieces.append(Piece(((slot,) if layer is not None else ()) + idx, names, pair))
     return WeightPlan(t, src, tuple(pieces), tuple(sorted(rounded)))
+
+
+def _where(t: Tensor, src: WeightSource, layer: int | None) -> str:
+    return f"`{t.name}`" + (f" (layer {layer})" if layer is not None else "") + f", spec line {src.span.line}"
 
 
 def _expected(t: Tensor, src: WeightSource, piece_shape: tuple) -> str:
@@ -277,24 +289,31 @@ def _empty(t: Tensor):
 
 def _build(wp: WeightPlan, reader, report: LoadReport, bar):
     """One spec weight on the host, piece by piece."""
-    t = wp.tensor
-    out = _empty(t)
+    out = _empty(wp.tensor)
     for p in wp.pieces:
-        parts = [_read(reader, n) for n in p.names]
-        if p.pair is not None:
-            _put_pair(out, p, parts, wp, report)
+        parts = _piece(wp, p, reader, report, bar)
+        if isinstance(out, QTensor):
+            out.codes[p.index], out.scales[p.index] = parts
         else:
-            x = parts[0] if len(parts) == 1 else np.concatenate([a.astype(np.float32) for a in parts])
-            out[p.index] = apply_steps(x, wp.source.steps).astype(out.dtype)
-            for n in p.names:
-                stored = reader.info(n).dtype
-                if stored in wp.rounded:
-                    report.rounded[stored] += 1
-                    report.target[stored] = str(t.type.dtype)
-        report.read(p.names)
-        bar.update(len(p.names))
+            out[p.index] = parts[0]
     report.bytes += sum(a.nbytes for a in (out[:2] if isinstance(out, QTensor) else (out,)))
     return out
+
+
+def _piece(wp: WeightPlan, p: Piece, reader, report: LoadReport, bar) -> tuple[np.ndarray, ...]:
+    """One piece in the spec's dtype: (array,), or a quantised weight's (codes, scales)."""
+    t = wp.tensor
+    parts = [_read(reader, n) for n in p.names]
+    bar.update(report.read(p.names))
+    if p.pair is not None:
+        return _pair_piece(p, parts, wp, report)
+    x = parts[0] if len(parts) == 1 else np.concatenate([a.astype(np.float32) for a in parts])
+    for n in p.names:
+        stored = reader.info(n).dtype
+        if stored in wp.rounded:
+            report.rounded[stored] += 1
+            report.target[stored] = str(t.type.dtype)
+    return (apply_steps(x, wp.source.steps).astype(_np(t.type.dtype.numpy)),)
 
 
 def _read(reader, name: str) -> np.ndarray:
@@ -306,18 +325,27 @@ def _read(reader, name: str) -> np.ndarray:
         raise CheckpointError(f"tensor `{name}` cannot be read: {e}") from None
 
 
-def _put_pair(out, p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadReport) -> None:
-    """A stored pair's piece into the weight: re-packed into its storage, or decoded."""
+def _pair_piece(p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadReport) -> tuple:
+    """A stored pair's piece: re-packed into the spec's storage, or decoded into its plain dtype."""
     kind, dtype = p.pair.kind, wp.tensor.type.dtype
     elements, scales = apply_pair(kind.unpack(parts[0]), parts[1], wp.source.steps, p.pair.moves)
-    if isinstance(out, QTensor):
-        out.codes[p.index], out.scales[p.index] = STORAGE[dtype.name](elements, scales)
-        return
-    out[p.index] = kind.decode(elements, scales, p.pair.grid).astype(out.dtype)
+    if dtype.quantised:
+        return STORAGE[dtype.name](elements, scales)
     key = next((n for n in wp.rounded if "*" in n), None)
     if key is not None:
         report.rounded[key] += 1
         report.target[key] = str(dtype)
+    return (kind.decode(elements, scales, p.pair.grid).astype(_np(dtype.numpy)),)
+
+
+def _place_sharded(wp: WeightPlan, reader, report: LoadReport, bar, module, shardings) -> dict:
+    from mkdsl.checkpoint.shards import place_sharded
+
+    lead = len(wp.pieces[0].index) if wp.pieces else 0
+    pieces = {p.index: p for p in wp.pieces}
+    out = place_sharded(wp.tensor, pieces, lead, lambda p: _piece(wp, p, reader, report, bar), module, shardings)
+    report.bytes += sum(a.nbytes for a in out.values())
+    return out
 
 
 def _place(x, name: str, module, shardings, host: bool) -> dict:

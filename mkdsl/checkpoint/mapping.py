@@ -62,7 +62,7 @@ class WeightSource:
         """The stored tensors of one piece: the patterns' (then the scales', for a pair)."""
         values = {"l": layer, **dict(zip(self.stack, index, strict=True))}
         pats = self.patterns + ((self.scales,) if self.scales is not None else ())
-        return [_PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), p) for p in pats]
+        return [p.format_map(values) for p in pats]  # checked: `{name}` placeholders only, no other braces
 
 
 @dataclass(frozen=True)

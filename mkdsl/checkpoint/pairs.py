@@ -79,7 +79,7 @@ def _mx_decode(nib: np.ndarray, scales: np.ndarray, grid: Grid) -> np.ndarray:
     return np.where(nib & 8, -mag, mag) * power
 
 
-_FP8 = {"name": "fp8 with 128x128-style block scales", "grid": _block_grid, "unpack": lambda x: x}
+_FP8 = {"name": "fp8 codes with block scales", "grid": _block_grid, "unpack": lambda x: x}
 # (stored codes type, stored scales type) -> kind
 PAIRS: dict[tuple[str, str], PairKind] = {
     ("F8_E4M3", "F32"): PairKind(**_FP8, decode=_fp8_decode, formats=frozenset({"fp8_e4m3:block"}), exact=frozenset()),
