@@ -1,7 +1,7 @@
 """The planner: named passes from the graph IR to a `Plan`, run in a visible sequence.
 
     pad_rows -> check_lowering -> tile_streams -> pad_storage -> size_ring -> plan_collectives -> allocate_vmem
-             -> fit_ring -> check_budget -> check_hbm -> count_traffic -> schedule_traffic -> model_time
+             -> fit_ring -> check_budget -> check_hbm -> count_traffic -> schedule_traffic -> timeline.model_step
 
 The planner names no op: it asks each op's TPU lowering (mkdsl/backends/tpu/lowering.py) what it
 cannot lower, what buffers it needs and what its schedule moves, and the op (`OpDef`) how its
@@ -23,7 +23,7 @@ from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
-from mkdsl.plan import collectives, cost_model, hbm, roles
+from mkdsl.plan import collectives, hbm, roles, timeline
 from mkdsl.plan.buffers import assign_buffers, buffer_of
 from mkdsl.plan.types import Alloc, OpScratch, Plan, ScheduleItem, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
@@ -96,11 +96,20 @@ class _State:
         return next((st for st in seq.streams if st.node == at.node.outputs[0].name), None) if seq else None
 
 
-def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_depth: int | None = None) -> Plan:
+def make_plan(
+    model: Model,
+    batch: int = 1,
+    context: int | None = None,
+    ring_depth: int | None = None,
+    steps_per_call: int = 1,
+    static: dict[str, float] | None = None,
+) -> Plan:
     """Plan the decode step for `batch` rows reading `context` cached tokens each.
 
     `ring_depth` fixes the weight ring (the depth of a kernel planned at another batch: the emitted
     kernel is sized for the largest batch); by default the ring is sized for this batch.
+    `steps_per_call`: decode steps per device call (the dispatch is shared by them); `static`: op ->
+    compute / stream ratio of its loop in libtpu's schedule, used by the cost model where given.
     """
     s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
     pad_rows(s)
@@ -114,8 +123,9 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
     flops = sum(graph_flops.values())
     items = tuple(schedule_items(s))
     sched_bytes, dmas = schedule_traffic(model, items)
-    phases, comm_us = collectives.step_totals(model, s.collectives)
-    timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic, comm_us)
+    phases, _ = collectives.step_totals(model, s.collectives)
+    must_move = sum(t.bytes for t in traffic)
+    timing, costs = timeline.model_step(s, items, s.depth - 1, steps_per_call, static, must_move, flops)
     return Plan(
         model=model.name,
         profile=model.profile,
@@ -147,6 +157,7 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         pads=tuple(
             (name, axis, width) for name, axes in sorted(s.pads.items()) for axis, width in sorted(axes.items())
         ),
+        phases=costs,
     )
 
 
@@ -645,7 +656,7 @@ def schedule_items(s: _State) -> list[ScheduleItem]:
             lw = lowering_for(node.op)
             moved = lw.traffic(s, Site(g, i, node)) if lw is not None else None
             if moved is not None and (moved.bytes or moved.dmas):
-                items.append(ScheduleItem(g.name, _what(node), node.span.line, moved.bytes, moved.dmas))
+                items.append(ScheduleItem(g.name, _what(node), node.span.line, moved.bytes, moved.dmas, i))
     return items
 
 

@@ -8,7 +8,6 @@ runtime/*.py.jinja: the building blocks the generated module carries).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -26,6 +25,7 @@ from mkdsl.plan import roles
 from mkdsl.plan.buffers import buffer_of
 from mkdsl.plan.planner import ROW_TILE
 from mkdsl.plan.types import Alloc, OpScratch, Plan
+from mkdsl.plan.vmem import VMEM_PER_CORE
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The runtime parts lowerings may ask for (`Lowering.runtime`), in the order a module carries them.
@@ -455,5 +455,9 @@ def _ctor(a: Alloc) -> str:
 
 
 def vmem_limit(plan: Plan) -> int:
-    """The compiler's VMEM limit: the planned total plus headroom for Mosaic's own scratch, capped."""
-    return int(min(64 << 20, max(plan.vmem_cap, math.ceil(plan.vmem_total / (1 << 20)) * (1 << 20) + (4 << 20))))
+    """The compiler's VMEM limit: the core's whole VMEM. The planner fits its buffers under its cap;
+    Mosaic's own scratch comes on top and varies by kernel (2.7 MiB seen for Kimi K3, 4.8 MiB for
+    Mixtral's 4096-wide bf16 experts, which a limit of the plan + 4 MiB refused), and nothing else
+    uses the core's VMEM while the kernel runs."""
+    assert plan.vmem_total <= VMEM_PER_CORE
+    return VMEM_PER_CORE
