@@ -72,9 +72,10 @@ class FullSize:
     module: ModuleType
 
 
-def full_size(spec: Path, directory: Path, name: str) -> FullSize:
-    """The spec at full size, compiled by mkdsl and imported fresh from `directory`/kernel.py."""
-    out, _ = compile_source(spec.read_text(encoding="utf-8"), str(spec), None, None)
+def full_size(spec: Path, directory: Path, name: str, text: str | None = None) -> FullSize:
+    """The spec (or `text` in its place) at full size, compiled by mkdsl and imported fresh from
+    `directory`/kernel.py."""
+    out, _ = compile_source(spec.read_text(encoding="utf-8") if text is None else text, str(spec), None, None)
     path = directory / "kernel.py"
     path.write_text(out.files["kernel.py"], encoding="utf-8")
     return FullSize(out, path, load_module(path, name))
