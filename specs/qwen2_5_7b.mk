@@ -39,6 +39,18 @@ profile mini {
   TPN = 2
 }
 
+# Qwen2.5-32B, the same architecture (Qwen/Qwen2.5-32B-Instruct config.json: num_hidden_layers
+# 64, hidden_size 5120, 40 query / 8 KV heads of 128, intermediate_size 27648, the other values
+# as above) on 8 cores (4 chips): 5 query heads and 1 KV head per core.
+profile qwen2_5_32b {
+  L = 64
+  H = 5120
+  NH = 40
+  NKV = 8
+  F = 27648
+  TPN = 8
+}
+
 weight embed:      bf16[V, H]
 weight attn_norm:  bf16[H]             per layer
 weight wq:         bf16[H, NH*D @tp]   per layer

@@ -74,6 +74,7 @@ SLOW_TESTS = {
     "test_qwen2_5.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
     "test_olmo2.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
     "test_phi3.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
+    "test_deepseek_v2_lite.py": ("test_mini_kernel_matches_reference_sharded_interpret",),
     "test_run.py": (  # interpret-mode kernels of the Llama mini from a checkpoint
         "test_loaded_weights_run_a_kernel_step_equal_to_the_reference",
         "test_run_streams_text_and_closes_with_timings",

@@ -89,6 +89,18 @@ def test_full_size_spec_is_the_published_model():
     assert local.tensor("wq").full_shape == (28, 3584, 7 * 128) and local.tensor("wk").full_shape == (28, 3584, 128)
 
 
+def test_the_32b_profile_is_qwen2_5_32b_on_8_cores():
+    """The same body at Qwen2.5-32B's published sizes: 64 layers, 40:8 heads; 32,763,876,352
+    parameters from the config's shapes (the model card rounds to 32.5B, 31.0B of them outside
+    the embedding and head; the shapes give 31.2B); checks on 8 cores with 5 query heads and 1 KV
+    head each."""
+    model = load(str(SPEC), "qwen2_5_32b")
+    params = sum(int(np.prod(t.full_shape)) for t in model.tensors if t.kind == "weight")
+    assert params == 32_763_876_352
+    local = check_full_size(SPEC, devices=8, profile="qwen2_5_32b")
+    assert local.tensor("wq").full_shape == (64, 5120, 5 * 128) and local.tensor("wk").full_shape == (64, 5120, 128)
+
+
 @pytest.fixture(scope="module")
 def mini():
     return load(str(SPEC), "mini")

@@ -152,3 +152,18 @@ def test_the_split_norm_kernel_compiles_with_libtpu(tmp_path):
     module = verify.import_generated(out.files["kernel.py"], tmp_path, "split_norm_tpu")
     compiled, _ = compile_sharded(module, tpu7x_devices("tpu7x:2x2x1"), 4, 64)
     assert compiled is not None
+
+
+def test_an_unstacked_kv_cache_is_a_diagnostic_not_a_kernel_crash():
+    """A cache declared without `per layer` passed `mkdsl check` and failed when the kernel was
+    traced (it indexes caches by layer slot); now `check` says so at the declaration."""
+    from mkdsl.compiler import compile_source
+
+    text = SPLIT_NORM.replace("S, D] per layer", "S, D]")
+    with pytest.raises(SpecError) as info:
+        compile_source(text, "spec.mk", None, None)
+    got = [(d.span.line, d.message) for d in info.value.diagnostics]
+    assert got == [
+        (line, f"KV cache `{name}` must be declared `per layer` for the kernel")
+        for line, name in ((16, "k_cache"), (17, "v_cache"))
+    ]
