@@ -83,13 +83,14 @@ def op_latency_us(op: str, batch: int, tokens: int) -> float:
     return 0.0
 
 
-def compute_us(op: str, flops: int, stream_us: float, batch: int, tokens: int, static: dict | None):
-    """(compute us, its source) of one op run."""
+def compute_us(op: str, flops: int, stream_us: float, batch: int, tokens: int, static: dict | None, key: str = ""):
+    """(compute us, its source) of one op run; `static` is read at `key` (e.g. `linear:wq`), then `op`."""
     mxu = flops / measured.PEAK_BF16_FLOPS_PER_CORE * 1e6
     lat = op_latency_us(op, batch, tokens)
     best, source = max((mxu, "mxu"), (lat, "latency"))
-    if static and op in static and stream_us:
-        best, source = max((best, source), (static[op] * stream_us, "static"))
+    ratio = (static or {}).get(key, (static or {}).get(op))
+    if ratio is not None and stream_us:
+        best, source = max((best, source), (ratio * stream_us, "static"))
     return best, (source if best else "")
 
 

@@ -65,7 +65,9 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
         int8 = weight is not None and m.tensor(weight.name).type.dtype.name == "int8"
         name, rate = cost_model.bandwidth(node.op, step, ring, int8)
         stream_us = nbytes / rate * 1e6
-        comp, source = cost_model.compute_us(node.op, node_flops(s, g, i), stream_us, s.batch, s.context + 1, static)
+        key = f"linear:{weight.name}" if weight is not None else node.op
+        flops = node_flops(s, g, i)
+        comp, source = cost_model.compute_us(node.op, flops, stream_us, s.batch, s.context + 1, static, key)
         if nbytes or comp:
             what = next((it.what for it in by_node.get(i, ())), node.op)
             tile = nbytes // st.tiles if ring and st.tiles else 0
