@@ -51,19 +51,25 @@ def test_compute_hides_the_stream_within_a_phase_and_refills_the_ring():
 
 
 def test_each_stream_moves_at_its_measured_rate():
-    assert bandwidth("moe_experts", False, False, False)[1] == measured.EXPERT_STREAM_BYTES_PER_S
-    assert bandwidth("linear", False, True, True)[1] == measured.INT8_BANK_BYTES_PER_S
-    assert bandwidth("linear", True, True, False)[1] == measured.LONG_STREAM_BYTES_PER_S
-    assert bandwidth("linear", False, True, False)[1] == measured.RING_STREAM_BYTES_PER_S
-    assert bandwidth("attention", False, False, False)[1] == measured.RING_STREAM_BYTES_PER_S
+    assert bandwidth("experts", False, False, False)[1] == measured.EXPERT_STREAM_BYTES_PER_S  # routed experts
+    assert bandwidth("", False, True, True)[1] == measured.INT8_BANK_BYTES_PER_S  # int8 ring tiles
+    assert bandwidth("", True, True, False)[1] == measured.LONG_STREAM_BYTES_PER_S  # the output head
+    assert bandwidth("", False, True, False)[1] == measured.RING_STREAM_BYTES_PER_S  # ring tiles
+    assert bandwidth("", False, False, False)[1] == measured.RING_STREAM_BYTES_PER_S  # KV, state
 
 
 def test_compute_from_the_static_schedule_else_an_estimate():
     # 1e9 flops at the peak of one core
     assert compute_us("linear", 10**9, 1.0, 1, 1, None) == (pytest.approx(1e15 / 1153.5e12), "mxu")
-    assert compute_us("attention", 0, 0.1, 1, 500, None) == (pytest.approx(3.0), "latency")  # 2 x 250 tokens
-    assert compute_us("attention", 0, 0.1, 2, 250, None) == (pytest.approx(3.0), "latency")  # 2 rows
-    assert compute_us("route", 0, 0.0, 8, 1, None) == (pytest.approx(measured.TOPK_ROUTING_US), "latency")
+    tokens = {"latency": "cached_tokens"}
+    assert compute_us("attention", 0, 0.1, 1, 500, None, **tokens) == (pytest.approx(3.0), "latency")  # 2 x 250
+    assert compute_us("attention", 0, 0.1, 2, 250, None, **tokens) == (pytest.approx(3.0), "latency")  # 2 rows
+    top = compute_us("route", 0, 0.0, 8, 1, None, latency="routing")
+    assert top == (pytest.approx(measured.TOPK_ROUTING_US), "latency")
+    # The static ratio at the op's weight first, then at the op.
+    both = {"linear": 2.0, "linear:wq": 3.0}
+    assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wq") == (pytest.approx(3.0), "static")
+    assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wk") == (pytest.approx(2.0), "static")
     assert compute_us("delta_rule", 0, 0.5, 1, 1, {"delta_rule": 10.0}) == (pytest.approx(5.0), "static")
     assert compute_us("delta_rule", 0, 0.5, 1, 1, None) == (0.0, "")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Model
+from mkdsl.ops import OPS
 from mkdsl.plan.types import Plan
 
 
@@ -44,8 +45,14 @@ def _experts_unit(model: Model, node, kv_tile: int) -> int:
     return sum(storage_bytes(w.dtype, (d, tn) if i < 2 else (tn, d)) for i, w in enumerate(ws))
 
 
-# op -> bytes one iteration of its loop waits for
-UNITS = {"attention": _attention_unit, "mla_attention": _mla_unit, "moe_experts": _experts_unit}
+# the op's `loop_unit` trait -> bytes one iteration of its hot loop waits for
+UNITS = {"kv_tiles": _attention_unit, "latent_tiles": _mla_unit, "expert_tiles": _experts_unit}
+
+
+def _stream_op(model: Model, seq: str, value: str) -> str:
+    """The op of the node that produces `value` in the graph of sequence `seq`."""
+    g = model.step if seq == "epilogue" else model.kind(seq)
+    return next(n.op for n in g.nodes if n.outputs and n.outputs[0].name == value)
 
 
 def loop_units(model: Model, plan: Plan) -> dict[int, set[str]]:
@@ -54,10 +61,10 @@ def loop_units(model: Model, plan: Plan) -> dict[int, set[str]]:
     for seq in plan.sequences:
         for st in seq.streams:
             if st.nn > 1 and st.fmt == "bf16":
-                out[st.k * st.tn * 2].add(f"linear:{st.tensor}")
+                out[st.k * st.tn * 2].add(f"{_stream_op(model, seq.name, st.node)}:{st.tensor}")
     for g in (*model.kinds, model.step):
         for node in g.nodes:
-            unit = UNITS.get(node.op)
+            unit = UNITS.get(OPS[node.op].loop_unit) if node.op in OPS else None
             if unit is not None:
                 out[unit(model, node, plan.kv_tile)].add(node.op)
     return out
