@@ -106,3 +106,26 @@ def test_plan_reads_static_costs_and_says_what_is_wrong_with_them(tmp_path):
     r = plan("--static-costs", str(ROOT / "docs/static-costs-06837ae.json"), "--steps-per-call", "16")
     assert r.returncode == 0, r.stderr
     assert plan("--steps-per-call", "0").returncode == 2
+
+
+def test_loops_are_matched_to_ops_by_the_bytes_one_iteration_waits_for():
+    """plan/static_costs.py on the Kimi K3 mini plan: an MXFP4 expert tile set, an MLA latent tile
+    and a linear column block each match their op; bytes that match nothing are skipped."""
+    from mkdsl.bundles import LoopTiming
+    from mkdsl.dtypes import storage_bytes
+    from mkdsl.plan import static_costs
+
+    model = shard(load(str(ROOT / "specs/kimi_k3.mk"), "mini"))
+    plan = make_plan(model)
+    units = static_costs.loop_units(model, plan)
+    w1 = model.tensor("moe_w1").type
+    experts = 3 * storage_bytes(w1.dtype, (w1.shape[1], 128))  # mini: 128-column expert tiles
+    latent = plan.kv_tile * 256 * 2  # the 128 + 64 latent columns, padded to 256 lanes, bf16
+    assert units[experts] == {"moe_experts"} and units[latent] == {"mla_attention"}
+
+    def loop(address, nbytes, ratio):  # 100 bundles, the same number in its own body
+        return LoopTiming(address, 2, 100, 100, nbytes, 0, "VALU", 0.5, ratio * 1e-6, 1e-6)
+
+    found, skipped = static_costs.ratios(model, plan, [loop(1, experts, 2.0), loop(2, latent, 9.0), loop(3, 7, 5.0)])
+    assert found == {"moe_experts": 2.0, "mla_attention": 9.0}
+    assert skipped == [(3, "7 bytes: no op")]
