@@ -51,19 +51,25 @@ def test_compute_hides_the_stream_within_a_phase_and_refills_the_ring():
 
 
 def test_each_stream_moves_at_its_measured_rate():
-    assert bandwidth("moe_experts", False, False, False)[1] == measured.EXPERT_STREAM_BYTES_PER_S
-    assert bandwidth("linear", False, True, True)[1] == measured.INT8_BANK_BYTES_PER_S
-    assert bandwidth("linear", True, True, False)[1] == measured.LONG_STREAM_BYTES_PER_S
-    assert bandwidth("linear", False, True, False)[1] == measured.RING_STREAM_BYTES_PER_S
-    assert bandwidth("attention", False, False, False)[1] == measured.RING_STREAM_BYTES_PER_S
+    assert bandwidth("experts", False, False, False)[1] == measured.EXPERT_STREAM_BYTES_PER_S  # routed experts
+    assert bandwidth("", False, True, True)[1] == measured.INT8_BANK_BYTES_PER_S  # int8 ring tiles
+    assert bandwidth("", True, True, False)[1] == measured.LONG_STREAM_BYTES_PER_S  # the output head
+    assert bandwidth("", False, True, False)[1] == measured.RING_STREAM_BYTES_PER_S  # ring tiles
+    assert bandwidth("", False, False, False)[1] == measured.RING_STREAM_BYTES_PER_S  # KV, state
 
 
 def test_compute_from_the_static_schedule_else_an_estimate():
     # 1e9 flops at the peak of one core
     assert compute_us("linear", 10**9, 1.0, 1, 1, None) == (pytest.approx(1e15 / 1153.5e12), "mxu")
-    assert compute_us("attention", 0, 0.1, 1, 500, None) == (pytest.approx(3.0), "latency")  # 2 x 250 tokens
-    assert compute_us("attention", 0, 0.1, 2, 250, None) == (pytest.approx(3.0), "latency")  # 2 rows
-    assert compute_us("route", 0, 0.0, 8, 1, None) == (pytest.approx(measured.TOPK_ROUTING_US), "latency")
+    tokens = {"latency": "cached_tokens"}
+    assert compute_us("attention", 0, 0.1, 1, 500, None, **tokens) == (pytest.approx(3.0), "latency")  # 2 x 250
+    assert compute_us("attention", 0, 0.1, 2, 250, None, **tokens) == (pytest.approx(3.0), "latency")  # 2 rows
+    top = compute_us("route", 0, 0.0, 8, 1, None, latency="routing")
+    assert top == (pytest.approx(measured.TOPK_ROUTING_US), "latency")
+    # The static ratio at the op's weight first, then at the op.
+    both = {"linear": 2.0, "linear:wq": 3.0}
+    assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wq") == (pytest.approx(3.0), "static")
+    assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wk") == (pytest.approx(2.0), "static")
     assert compute_us("delta_rule", 0, 0.5, 1, 1, {"delta_rule": 10.0}) == (pytest.approx(5.0), "static")
     assert compute_us("delta_rule", 0, 0.5, 1, 1, None) == (0.0, "")
 
@@ -100,3 +106,26 @@ def test_plan_reads_static_costs_and_says_what_is_wrong_with_them(tmp_path):
     r = plan("--static-costs", str(ROOT / "docs/static-costs-06837ae.json"), "--steps-per-call", "16")
     assert r.returncode == 0, r.stderr
     assert plan("--steps-per-call", "0").returncode == 2
+
+
+def test_loops_are_matched_to_ops_by_the_bytes_one_iteration_waits_for():
+    """plan/static_costs.py on the Kimi K3 mini plan: an MXFP4 expert tile set, an MLA latent tile
+    and a linear column block each match their op; bytes that match nothing are skipped."""
+    from mkdsl.bundles import LoopTiming
+    from mkdsl.dtypes import storage_bytes
+    from mkdsl.plan import static_costs
+
+    model = shard(load(str(ROOT / "specs/kimi_k3.mk"), "mini"))
+    plan = make_plan(model)
+    units = static_costs.loop_units(model, plan)
+    w1 = model.tensor("moe_w1").type
+    experts = 3 * storage_bytes(w1.dtype, (w1.shape[1], 128))  # mini: 128-column expert tiles
+    latent = plan.kv_tile * 256 * 2  # the 128 + 64 latent columns, padded to 256 lanes, bf16
+    assert units[experts] == {"moe_experts"} and units[latent] == {"mla_attention"}
+
+    def loop(address, nbytes, ratio):  # 100 bundles, the same number in its own body
+        return LoopTiming(address, 2, 100, 100, nbytes, 0, "VALU", 0.5, ratio * 1e-6, 1e-6)
+
+    found, skipped = static_costs.ratios(model, plan, [loop(1, experts, 2.0), loop(2, latent, 9.0), loop(3, 7, 5.0)])
+    assert found == {"moe_experts": 2.0, "mla_attention": 9.0}
+    assert skipped == [(3, "7 bytes: no op")]

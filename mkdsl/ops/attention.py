@@ -144,6 +144,8 @@ register(
         shard="kv_heads",
         attends=True,
         data_dependent=True,
+        latency="cached_tokens",
+        loop_unit="kv_tiles",
         prefill=attention_prefill,
     )
 )

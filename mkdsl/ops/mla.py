@@ -210,6 +210,8 @@ register(
         reach=(("w_kvb", "own"),),
         attends=True,
         data_dependent=True,
+        latency="cached_tokens",
+        loop_unit="latent_tiles",
         prefill=mla_prefill,
     )
 )

@@ -87,6 +87,12 @@ class OpDef:
     traffic_group: str = ""  # bytes-per-step group of its weights ("" = the block it was inlined from)
     attends: bool = False  # its block counts as attention in the bytes-per-step split
     data_dependent: bool = False  # its first DMA waits for data computed in the same layer
+    # The measured per-op latency the cost model charges it (plan/cost_model.py LATENCIES):
+    # "cached_tokens" (decode attention, per 250 cached tokens per row) or "routing" (a top-k).
+    latency: str = ""
+    # What one iteration of its hot loop waits for, to match libtpu's loops to it
+    # (plan/static_costs.py UNITS): "kv_tiles", "latent_tiles" or "expert_tiles".
+    loop_unit: str = ""
     in_place: tuple[tuple[int, int], ...] = ()  # (output, operand) pairs that may share a buffer
     exchange: str = ""  # devices exchange its value: "sum", "gather" or "best" (an argmax)
     exchange_axes: str = "axes"  # the attribute holding the mesh axes of the exchange

@@ -63,9 +63,10 @@ class Charge:
     comm_us: float
 
 
-def bandwidth(op: str, graph_is_step: bool, ring: bool, int8: bool) -> tuple[str, float]:
-    """The measured stream a phase's bytes move at (measured.py's constants)."""
-    if op == "moe_experts":
+def bandwidth(group: str, graph_is_step: bool, ring: bool, int8: bool) -> tuple[str, float]:
+    """The measured stream a phase's bytes move at (measured.py's constants); `group` is the op's
+    `traffic_group` ("experts": routed-expert DMAs)."""
+    if group == "experts":
         return "EXPERT_STREAM_BYTES_PER_S", measured.EXPERT_STREAM_BYTES_PER_S
     if ring and int8:
         return "INT8_BANK_BYTES_PER_S", measured.INT8_BANK_BYTES_PER_S
@@ -74,22 +75,38 @@ def bandwidth(op: str, graph_is_step: bool, ring: bool, int8: bool) -> tuple[str
     return "RING_STREAM_BYTES_PER_S", measured.RING_STREAM_BYTES_PER_S
 
 
-def op_latency_us(op: str, batch: int, tokens: int) -> float:
-    """Measured per-op latencies (batch 1), scaled as documented in docs/performance.md."""
-    if op in ("attention", "mla_attention"):  # ~1.5 us per ~250 cached tokens, per row
-        return measured.ATTENTION_250_TOKENS_US * tokens / 250 * batch
-    if op == "route":
-        return measured.TOPK_ROUTING_US
-    return 0.0
+# Measured per-op latencies (batch 1), by the op's `latency` trait, scaled as docs/performance.md
+# says: decode attention ~1.5 us per ~250 cached tokens, per row (mkdsl's attention walks the
+# (row, KV tile) pairs one after the other); a rank-based top-k routing 0.7 us.
+LATENCIES = {
+    "cached_tokens": lambda batch, tokens: measured.ATTENTION_250_TOKENS_US * tokens / 250 * batch,
+    "routing": lambda batch, tokens: measured.TOPK_ROUTING_US,
+}
 
 
-def compute_us(op: str, flops: int, stream_us: float, batch: int, tokens: int, static: dict | None):
-    """(compute us, its source) of one op run."""
+def op_latency_us(latency: str, batch: int, tokens: int) -> float:
+    rule = LATENCIES.get(latency)
+    return rule(batch, tokens) if rule else 0.0
+
+
+def compute_us(
+    op: str,
+    flops: int,
+    stream_us: float,
+    batch: int,
+    tokens: int,
+    static: dict | None,
+    key: str = "",
+    latency: str = "",
+):
+    """(compute us, its source) of one op run; `static` is read at `key` (`OP:WEIGHT`), then `op`;
+    `latency` is the op's `latency` trait."""
     mxu = flops / measured.PEAK_BF16_FLOPS_PER_CORE * 1e6
-    lat = op_latency_us(op, batch, tokens)
+    lat = op_latency_us(latency, batch, tokens)
     best, source = max((mxu, "mxu"), (lat, "latency"))
-    if static and op in static and stream_us:
-        best, source = max((best, source), (static[op] * stream_us, "static"))
+    ratio = (static or {}).get(key, (static or {}).get(op))
+    if ratio is not None and stream_us:
+        best, source = max((best, source), (ratio * stream_us, "static"))
     return best, (source if best else "")
 
 

@@ -19,6 +19,12 @@ from mkdsl.plan.cost_model import Phase
 from mkdsl.plan.types import PhaseCost, ScheduleItem, Timing
 
 
+def streamed_weight(node):
+    from mkdsl.plan.planner import streamed_weight as weight
+
+    return weight(node)
+
+
 def node_flops(s, g: Graph, i: int) -> int:
     """Flops of one run of node i of graph g at the padded rows (as the old global MXU term)."""
     from mkdsl.plan.planner import _attrs, _concrete
@@ -47,7 +53,7 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
     out = []
     fetched = sum(it.bytes for it in by_node.get(-1, ()))
     if fetched:
-        name, rate = cost_model.bandwidth("", step, False, False)
+        name, rate = cost_model.bandwidth("", step, False, False)  # small op-issued DMAs
         out.append(Phase(g.name, "weights fetched whole", 0, "fetch", fetched, rate / 1e6, 0.0, "", name))
     for i, node in enumerate(g.nodes):
         if node.op == "layers":
@@ -61,11 +67,15 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
         nbytes = sum(it.bytes for it in by_node.get(i, ()))
         st = s.stream_of(Site(g, i, node))
         ring = st is not None
-        weight = node.arg("weight") if ring and node.op == "linear" else None
+        weight = streamed_weight(node) if ring else None
         int8 = weight is not None and m.tensor(weight.name).type.dtype.name == "int8"
-        name, rate = cost_model.bandwidth(node.op, step, ring, int8)
+        op = OPS[node.op]
+        name, rate = cost_model.bandwidth(op.traffic_group, step, ring, int8)
         stream_us = nbytes / rate * 1e6
-        comp, source = cost_model.compute_us(node.op, node_flops(s, g, i), stream_us, s.batch, s.context + 1, static)
+        key = f"{node.op}:{weight.name}" if weight is not None else node.op
+        flops = node_flops(s, g, i)
+        tokens = s.context + 1
+        comp, source = cost_model.compute_us(node.op, flops, stream_us, s.batch, tokens, static, key, op.latency)
         if nbytes or comp:
             what = next((it.what for it in by_node.get(i, ())), node.op)
             tile = nbytes // st.tiles if ring and st.tiles else 0
