@@ -9,12 +9,10 @@
 # Facts: ../shared/facts/models.md (section 1).
 #
 # Weights as the checkpoint ships them: FP8 e4m3 with one f32 scale per 128x128 block
-# (`weight_scale_inv`, multiplied) for every attention projection, the dense MLP, the experts and
-# the shared expert; bf16 for the embedding, the head, the norms and the router; f32 for the
-# correction bias. One exception, stated here: `wkv_b` is bf16, the checkpoint's fp8 kv_b_proj
-# dequantised at load (codes x block scale, rounded to bf16), because mla_attention's kernel reads
-# a bf16 w_kvb only. It is the matrix DeepSeek's own inference code uses there: its absorbed MLA
-# calls weight_dequant on kv_b_proj and multiplies in bf16.
+# (`weight_scale_inv`, multiplied) for every attention projection (kv_b_proj included: the MLA
+# kernel decodes its codes and applies the block scales), the dense MLP, the experts and the
+# shared expert; bf16 for the embedding, the head, the norms and the router; f32 for the
+# correction bias.
 # Not modelled: the multi-token-prediction layer (layer 61 in the checkpoint; plain decode skips
 # it) and the "dynamic" per-token fp8 quantisation of activations of DeepSeek's optional fp8 GEMM
 # path (its default path, like mkdsl's numeric contract, rounds activations to bf16).
@@ -99,7 +97,7 @@ weight q_norm:     bf16[QR]                                         per layer
 weight wq_b:       fp8_e4m3(block=128)[QR, NH*(NOPE+ROPE) @(ep, tp)] per layer
 weight wkv_a:      fp8_e4m3(block=128)[H, KVR + ROPE]               per layer
 weight kv_norm:    bf16[KVR]                                        per layer
-weight wkv_b:      bf16[KVR, NH*(NOPE+VD) @(ep, tp)]                per layer
+weight wkv_b:      fp8_e4m3(block=128)[KVR, NH*(NOPE+VD) @(ep, tp)] per layer
 weight wo:         fp8_e4m3(block=128)[NH*VD @(ep, tp), H]          per layer
 
 state kv_cache:    bf16[B, S, KVR + ROPE] per layer

@@ -13,7 +13,9 @@ times `192^-0.5 * m^2`; `o_j = Wv_j sum_t p_t ckv_t`; `x += Wo o`); then with
 the top-8 of c among them, weights `s / sum s * 2.5`, plus the shared SwiGLU expert. FP8 weights
 are decoded as the checkpoint defines them: code times its 128x128 block's f32 scale. It computes
 in float64 and rounds where the deployed model feeds or stores bf16: every matmul input (the bf16
-numeric contract of docs/language.md), the latent cache entries.
+numeric contract of docs/language.md; against the bf16 latent cache: the absorbed query, the rope
+query and the softmax's unnormalised weights, docs/architecture.md "Attention numerics"), the latent
+cache entries. `wkv_b` is fp8 with block scales too, decoded by the kernel.
 
 Tolerances (numpy vs reference): both round the same values to bf16, so they differ by f32
 rounding (~2^-24 relative per op) until that flips the bf16 rounding of one matmul input (2^-8
@@ -53,7 +55,7 @@ STARTS = (14, 0, SEQ_LEN - STEPS, 31)
 LOGIT_RTOL = 2.0**-7
 CACHE_RTOL = 2.0**-7
 ROUTE_TIE = 2.0**-10
-SEED = 5  # with these seeds (6 and 9) no routing decision is a near tie
+SEED = 8  # with these seeds (9 and 12) no routing decision is a near tie
 KERNEL_BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_DSV3_BATCHES", "4").split(","))
 
 
@@ -133,9 +135,9 @@ def mla_row(card, w, cache, x, pos, layer):
     out = np.zeros((card.nh, card.vd))
     for j in range(card.nh):
         q_lat = wkvb[:, j, : card.nope] @ bf16(q_nope[j])
-        s = (c @ q_lat + k_pe @ q_pe[j]) * card.scale
+        s = (c @ bf16(q_lat) + k_pe @ bf16(q_pe[j])) * card.scale  # bf16 MXU inputs against the bf16 cache
         p = np.exp(s - s.max())
-        out[j] = bf16(p @ c / p.sum()) @ wkvb[:, j, card.nope :]
+        out[j] = bf16(bf16(p) @ c / p.sum()) @ wkvb[:, j, card.nope :]  # the unnormalised weights in bf16
     return mm(out.reshape(-1), w["wo"][layer])
 
 
