@@ -114,6 +114,11 @@ class _Emitter:
             self.slot_tables[t.slots] = f"slots{len(self.slot_tables)}"
         return f"{self.slot_tables[t.slots]}_ref[{layer}]"
 
+    def slot_table(self, tensor: str) -> str:
+        """The module's table of `tensor`'s layer slices ("None": the layer index, or not stacked)."""
+        expr = self.slot_expr(tensor, "layer")
+        return expr.removesuffix("_ref[layer]").upper() if expr.endswith("_ref[layer]") else "None"
+
     # ------------------------------------------------------------------ nodes
 
     def lower_body(self, g: Graph, nodes, seq: str, layer: str = "li") -> tuple[list[str], list[dict]]:
@@ -210,7 +215,7 @@ class _Emitter:
                         start=st.start,
                         stacked=st.stacked,
                         line=st.line,
-                        slot_expr_issue=self.slot_expr(st.tensor, "layer"),
+                        slot_table=self.slot_table(st.tensor),
                         quant=bool(st.parts),
                         transposed=st.transposed,
                         valid=st.valid,
