@@ -497,18 +497,21 @@ def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
     def start(b):
         return pl.multiple_of(jnp.clip((tokens_ref[b] - offset) // EMB_BLOCK * EMB_BLOCK, 0, vocab - EMB_BLOCK), 8)
 
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start()
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait()
+    def each_row(body):  # one copy of the per-row code, whatever the batch
+        jax.lax.fori_loop(0, batch, lambda b, c: (body(b), c)[1], 0)
+
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start())
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait())
     width = table.shape[1]
     lane_row = jax.lax.broadcasted_iota(I32, (EMB_BLOCK, width), 0)
     out_row = jax.lax.broadcasted_iota(I32, out.shape, 0)
-    x = jnp.zeros(out.shape, F32)
-    for b in range(batch):
+    out[...] = jnp.zeros(out.shape, F32)
+
+    def pick(b):
         picked = jnp.where(lane_row == tokens_ref[b] - offset - start(b), block[b].astype(F32), 0.0)
-        x = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), x)
-    out[...] = x
+        out[...] = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), out[...])
+
+    each_row(pick)
 
 
 def row_argmax(x, chunk):
