@@ -89,7 +89,7 @@ def _attention_infer(args, attrs):
     heads, kv_heads = attrs["heads"], attrs["kv_heads"]
     window = attrs["window"]
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise OpError(f"window must be a positive number of tokens, got {window!r}", "window")
+        raise OpError(f"window must be a positive number of tokens (or 0: none), got {window!r}", "window")
     if len(args) > 6:
         _check_sinks(args[6], heads)
     for i, a in enumerate((q, k, v)):
@@ -137,6 +137,7 @@ register(
         _attention_cost,
         attrs={"heads": 1, "kv_heads": 1, "scale": None, "window": None},
         optional=1,
+        unset=(("window", 0),),  # `window=0`: every token (a block parameter's "no window")
         inout=("k_cache", "v_cache"),
         doc="Grouped-query decode attention (optional sliding window and per-head sink logits); writes k/v at "
         "each row's position in place.",
