@@ -672,6 +672,19 @@ class Stream:
     def tiles(self) -> int:
         return self.nk * self.nn
 
+    def copies(self, r, slot, k, n, bank):
+        """The DMA of tile (k, n) (layer slice `slot`) into ring bank `bank`."""
+        k0 = pl.multiple_of(k * self.tk, self.tk)
+        n0 = pl.multiple_of(n * self.tn, self.tn)
+        w = getattr(r, self.ref)
+        src = w.at[slot, pl.ds(k0, self.tk), pl.ds(n0, self.tn)] if self.stacked else w.at[pl.ds(k0, self.tk), pl.ds(n0, self.tn)]
+        return [pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, self.tk), pl.ds(0, self.tn)], r.ring_sem.at[bank])]
+
+    def wait(self, r, bank):
+        """Wait for this stream's tile in `bank` (the wait counts the tile's bytes, whatever tile)."""
+        for cp in self.copies(r, 0, 0, 0, bank):
+            cp.wait()
+
 
 class Refs:
     """The kernel's refs by name, in the order the pallas_call passes them."""
@@ -680,33 +693,125 @@ class Refs:
         self.__dict__.update(zip(names, refs, strict=True))
 
 
-def tile_copy(r, st: Stream, slot, j, bank):
-    """The DMA of tile j of stream `st` (layer slice `slot`) into ring bank `bank`."""
-    n = j // st.nk
-    k = j - n * st.nk
-    k0 = pl.multiple_of(k * st.tk, st.tk)
-    n0 = pl.multiple_of(n * st.tn, st.tn)
-    w = getattr(r, st.ref)
-    src = w.at[slot, pl.ds(k0, st.tk), pl.ds(n0, st.tn)] if st.stacked else w.at[pl.ds(k0, st.tk), pl.ds(n0, st.tn)]
-    return pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], r.ring_sem.at[bank])
+# ---------------------------------------------------------------------------------------
+# The weight ring's issue side. Every tile of a step has a global index g (LAYER_TILE_BASE[l] +
+# its stream's start + its index) and lives in bank g % RING_DEPTH. Its DMA is described at
+# build time by a row of the descriptor table (two words: arm | slot << 8, k | n << 16), where
+# an arm is one distinct stream shape (the DMA code that can move the tile). Issuing tile g is
+# then two SMEM loads and one DMA start; the arms it may be are known at trace time for each
+# consumer (`RingTables.ahead`), so a site picks among them by a short tree of compares (none
+# for one arm) instead of a chain over every stream of every layer kind.
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RingTables:
+    arms: tuple  # distinct stream shapes (start 0)
+    desc: np.ndarray  # int32 [2 * tiles]: per global tile, arm | slot << 8 and k | n << 16
+    static: tuple  # per global tile: (arm, slot, k, n) as ints, for issues at trace-time g
+    ahead: dict  # stream -> (sorted arms of the tiles its consumer issues, any past the end)
+
+    @property
+    def tiles(self) -> int:
+        return len(self.static)
+
+
+def ring_tables(kind_streams, epilogue_streams):
+    """The descriptor table of every global tile, from each layer kind's streams (with the slot
+    table of their layer slices, None: the layer index) and the epilogue's streams."""
+    arms, index, static = [], {}, []
+
+    def add(st, slot):
+        key = dataclasses.replace(st, start=0)
+        if key not in index:
+            index[key] = len(arms)
+            arms.append(key)
+        assert index[key] < 256 and 0 <= slot < 2**23 and st.nk < 2**16 and st.nn < 2**15, st
+        for j in range(st.tiles):
+            static.append((index[key], slot, j % st.nk, j // st.nk))
+
+    owners = []  # per stream instance: (stream, its first global tile)
+    for layer, kind in enumerate(LAYER_KIND):
+        for st, table in kind_streams[kind]:
+            assert len(static) == LAYER_TILE_BASE[layer] + st.start, (layer, st)
+            owners.append((st, len(static)))
+            add(st, (layer if table is None else int(table[layer])) if st.stacked else 0)
+    for st in epilogue_streams:
+        owners.append((st, len(static)))
+        add(st, 0)
+    ahead = {}
+    for st, first in owners:
+        arms_of, past = ahead.get(st, (set(), False))
+        for g in range(first + RING_DEPTH - 1, first + st.tiles + RING_DEPTH - 1):
+            if g < len(static):
+                arms_of = arms_of | {static[g][0]}
+            else:
+                past = True
+        ahead[st] = (arms_of, past)
+    ahead = {st: (tuple(sorted(a)), past) for st, (a, past) in ahead.items()}
+    desc = np.array([w for arm, slot, k, n in static for w in (arm | slot << 8, k | n << 16)] or [0, 0], np.int32)
+    return RingTables(tuple(arms), desc, tuple(static), ahead)
+
+
+def ring_issue(r, ring, desc, g, arms=None, past_end=True):
+    """Start the DMA of global tile g into bank g % RING_DEPTH from its descriptor (nothing past
+    the last tile). `arms`: the arms tile g may be (sorted, static); default all of them."""
+    if isinstance(g, int):  # known at trace time (the prologue): no table reads
+        if g < ring.tiles:
+            arm, slot, k, n = ring.static[g]
+            for cp in ring.arms[arm].copies(r, slot, k, n, g % RING_DEPTH):
+                cp.start()
+        return
+    arms = tuple(range(len(ring.arms))) if arms is None else arms
+
+    def start():
+        w0, w1 = desc[2 * g], desc[2 * g + 1]
+        slot, k, n, bank = w0 >> 8, w1 & 0xFFFF, w1 >> 16, g % RING_DEPTH
+
+        def tree(lo, hi):  # arms[lo:hi]: split on the arm id until one is left
+            if hi - lo == 1:
+                for cp in ring.arms[arms[lo]].copies(r, slot, k, n, bank):
+                    cp.start()
+                return
+            mid = (lo + hi) // 2
+            jax.lax.cond((w0 & 255) < arms[mid], lambda: tree(lo, mid), lambda: tree(mid, hi))
+
+        tree(0, len(arms))
+
+    if arms and past_end:
+        pl.when(g < ring.tiles)(start)
+    elif arms:
+        start()
+
+
+def k_columns(st, k):
+    """The input columns of K tile k (k a Python int or a traced one, when tk is lane-aligned)."""
+    return slice(k * st.tk, (k + 1) * st.tk) if isinstance(k, int) else pl.ds(pl.multiple_of(k * st.tk, st.tk), st.tk)
+
+
+def sum_k_tiles(st, rows, width, part):
+    """Sum of part(k) over the nk K tiles: a loop when the tiles' input columns are lane-aligned
+    (one copy of the tile code), else unrolled."""
+    if st.nk == 1:
+        return part(0)
+    if st.tk % 128 == 0:
+        return jax.lax.fori_loop(0, st.nk, lambda k, acc: acc + part(k), jnp.zeros((rows, width), F32))
+    acc = part(0)
+    for k in range(1, st.nk):
+        acc = acc + part(k)
+    return acc
 
 
 def linear(r, issue, st: Stream, slot, base, xb, out):
     """out = xb @ W: consume W's tiles from the ring, keeping RING_DEPTH - 1 tiles in flight."""
 
+    def tile(n, k):
+        g = base + n * st.nk + k
+        issue(g + RING_DEPTH - 1, st)
+        bank = g % RING_DEPTH
+        st.wait(r, bank)
+        return jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+
     def column_block(n, carry):
-        acc = None
-        for k in range(st.nk):
-            g = base + n * st.nk + k
-            issue(g + RING_DEPTH - 1)
-            bank = g % RING_DEPTH
-            tile_copy(r, st, 0, 0, bank).wait()
-            part = jnp.dot(
-                xb[:, k * st.tk : (k + 1) * st.tk],
-                r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)],
-                preferred_element_type=F32,
-            )
-            acc = part if acc is None else acc + part
+        acc = sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k))
         out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = acc[0 : out.shape[0]]  # the logits output has batch rows
         return carry
 
@@ -718,10 +823,14 @@ def rms_rows(x, w, eps):
 
 
 def rmsnorm(x, w, out, eps, heads):
-    """RMSNorm of each row (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
+    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
     d = x.shape[1] // heads
-    for h in range(heads):
-        out[:, h * d : (h + 1) * d] = rms_rows(x[:, h * d : (h + 1) * d], w, eps)
+
+    def head(h):
+        cols = head_cols(h, d)
+        out[:, cols] = rms_rows(x[:, cols], w, eps)
+
+    for_each_head(heads, d, head)
 
 
 def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):
@@ -767,18 +876,21 @@ def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
     def start(b):
         return pl.multiple_of(jnp.clip((tokens_ref[b] - offset) // EMB_BLOCK * EMB_BLOCK, 0, vocab - EMB_BLOCK), 8)
 
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start()
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait()
+    def each_row(body):  # one copy of the per-row code, whatever the batch
+        jax.lax.fori_loop(0, batch, lambda b, c: (body(b), c)[1], 0)
+
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start())
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait())
     width = table.shape[1]
     lane_row = jax.lax.broadcasted_iota(I32, (EMB_BLOCK, width), 0)
     out_row = jax.lax.broadcasted_iota(I32, out.shape, 0)
-    x = jnp.zeros(out.shape, F32)
-    for b in range(batch):
+    out[...] = jnp.zeros(out.shape, F32)
+
+    def pick(b):
         picked = jnp.where(lane_row == tokens_ref[b] - offset - start(b), block[b].astype(F32), 0.0)
-        x = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), x)
-    out[...] = x
+        out[...] = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), out[...])
+
+    each_row(pick)
 
 
 def row_argmax(x, chunk):
@@ -1641,6 +1753,22 @@ class QStream(Stream):
     transposed: bool = False  # stored [N, K] (a tied head); tiles are [tn, tk] in the bank
     valid: int = 0  # > 0: n is padded to whole tiles; the result has `valid` columns
 
+    def copies(self, r, slot, k, n, bank):
+        """The DMAs of tile (k, n) (layer slice `slot`): one per storage part, into `bank`."""
+        out = []
+        for suffix, ring, rdiv, cdiv in self.parts:
+            rows, cols = _part_tile(self, rdiv, cdiv)
+            if self.transposed:
+                r0, c0 = pl.multiple_of(n * rows, rows), pl.multiple_of(k * cols, cols)
+            else:
+                r0 = pl.multiple_of(k * rows, rows) if self.tk >= rdiv else k * self.tk // rdiv
+                c0 = 0 if cdiv > 1 else pl.multiple_of(n * cols, cols)
+            w = getattr(r, f"{self.ref}_{suffix}" if suffix else self.ref)
+            src = w.at[slot, pl.ds(r0, rows), pl.ds(c0, cols)] if self.stacked else w.at[pl.ds(r0, rows), pl.ds(c0, cols)]
+            dst = getattr(r, ring).at[bank, pl.ds(0, rows), pl.ds(0, cols)]
+            out.append(pltpu.make_async_copy(src, dst, r.ring_sem.at[bank]))
+        return out
+
 
 def _part_rows(st, rdiv):
     return max(1, st.tk // rdiv)
@@ -1653,29 +1781,6 @@ def _part_tile(st, rdiv, cdiv):
     if st.transposed:
         return st.tn, st.tk
     return _part_rows(st, rdiv), (st.n if cdiv > 1 else st.tn) // cdiv
-
-
-def qtile_copies(r, st, slot, j, bank):
-    """The DMAs of tile j of `st` (layer slice `slot`): one per storage part, into `bank`."""
-    n = j // st.nk
-    k = j - n * st.nk
-    out = []
-    for suffix, ring, rdiv, cdiv in st.parts:
-        rows, cols = _part_tile(st, rdiv, cdiv)
-        if st.transposed:
-            r0, c0 = pl.multiple_of(n * rows, rows), pl.multiple_of(k * cols, cols)
-        else:
-            r0 = pl.multiple_of(k * rows, rows) if st.tk >= rdiv else k * st.tk // rdiv
-            c0 = 0 if cdiv > 1 else pl.multiple_of(n * cols, cols)
-        w = getattr(r, f"{st.ref}_{suffix}" if suffix else st.ref)
-        src = w.at[slot, pl.ds(r0, rows), pl.ds(c0, cols)] if st.stacked else w.at[pl.ds(r0, rows), pl.ds(c0, cols)]
-        out.append(pltpu.make_async_copy(src, getattr(r, ring).at[bank, pl.ds(0, rows), pl.ds(0, cols)], r.ring_sem.at[bank]))
-    return out
-
-
-def qtile_start(r, st, slot, j, bank):
-    for cp in qtile_copies(r, st, slot, j, bank):
-        cp.start()
 
 
 def _tile_part(r, st, bank, i):
@@ -1754,17 +1859,15 @@ def qlinear(r, issue, st: QStream, slot, base, xb, out):
     its format; of a padded W's last column block only the valid columns are stored."""
     tile_dot = TILE_DOTS[st.fmt]
 
+    def tile(n, k):
+        g = base + n * st.nk + k
+        issue(g + RING_DEPTH - 1, st)
+        bank = g % RING_DEPTH
+        st.wait(r, bank)
+        return tile_dot(r, st, bank, xb[:, k_columns(st, k)], n)
+
     def column(n):
-        acc = None
-        for k in range(st.nk):
-            g = base + n * st.nk + k
-            issue(g + RING_DEPTH - 1)
-            bank = g % RING_DEPTH
-            for cp in qtile_copies(r, st, 0, 0, bank):
-                cp.wait()
-            part = tile_dot(r, st, bank, xb[:, k * st.tk : (k + 1) * st.tk], n)
-            acc = part if acc is None else acc + part
-        return acc[0 : out.shape[0]]  # the logits output has batch rows
+        return sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k))[0 : out.shape[0]]  # the logits output has batch rows
 
     def column_block(n, carry):
         out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = column(n)
@@ -1955,25 +2058,24 @@ class MoE:
         use, into list/count. Sparse set: pos[e] is trusted only if list[pos[e]] == e, so pos
         needs no clearing."""
         cap = self.batch * self.k
-        n = jnp.int32(0)
-        for b in range(self.batch):
 
-            def body(i, n, b=b):
-                g = self.ids_smem[b, i] - self.lo
-                held = (g >= 0) & (g < self.E)
-                e = jnp.clip(g, 0, self.E - 1)
-                p = self.pos[e]
-                pc = jnp.minimum(jnp.maximum(p, 0), cap - 1)
-                seen = jnp.logical_not(held) | ((p >= 0) & (p < n) & (self.list[pc] == e))
+        def body(t, n):  # choice t: row t // k, its (t % k)-th expert; one loop over all real rows
+            b = t // self.k
+            g = self.ids_smem[b, t - b * self.k] - self.lo
+            held = (g >= 0) & (g < self.E)
+            e = jnp.clip(g, 0, self.E - 1)
+            p = self.pos[e]
+            pc = jnp.minimum(jnp.maximum(p, 0), cap - 1)
+            seen = jnp.logical_not(held) | ((p >= 0) & (p < n) & (self.list[pc] == e))
 
-                @pl.when(jnp.logical_not(seen))
-                def _():
-                    self.list[n] = e
-                    self.pos[e] = n
+            @pl.when(jnp.logical_not(seen))
+            def _():
+                self.list[n] = e
+                self.pos[e] = n
 
-                return n + jnp.where(seen, 0, 1)
+            return n + jnp.where(seen, 0, 1)
 
-            n = jax.lax.fori_loop(0, self.k, body, n)
+        n = jax.lax.fori_loop(0, cap, body, jnp.int32(0))
         self.count[0] = n
 
     # ---------------------------------------------------------------- expert streaming
@@ -2179,6 +2281,15 @@ MOE_TILES = 73
 S_EPILOGUE_LOGITS = QStream("lm_head", k=7168, n=2048, tk=1792, tn=512, start=0, stacked=False, fmt="bf16", group=0, parts=(('', 'ring', 1, 1),), valid=2020)  # spec line 170
 EPILOGUE_TILES = 16
 
+# The streams of each layer kind (LAYER_KINDS order), each with the slot table its layer slice is
+# read from (None: the layer index), and the epilogue's; RING: the descriptor of every tile.
+KIND_STREAMS = (
+    ((S_DENSE_LINEAR, None), (S_DENSE_LINEAR_1, None), (S_DENSE_KV, None), (S_DENSE_LINEAR_2, None), (S_DENSE_LINEAR_3, SLOTS0), (S_DENSE_LINEAR_4, SLOTS0), (S_DENSE_LINEAR_5, SLOTS0), ),
+    ((S_MOE_LINEAR, None), (S_MOE_LINEAR_1, None), (S_MOE_KV, None), (S_MOE_LINEAR_2, None), (S_MOE_LINEAR_3, SLOTS1), (S_MOE_LINEAR_4, SLOTS1), (S_MOE_LINEAR_5, SLOTS1), (S_MOE_LINEAR_6, SLOTS1), ),
+)
+EPILOGUE_STREAMS = (S_EPILOGUE_LOGITS, )
+RING = ring_tables(KIND_STREAMS, EPILOGUE_STREAMS)
+
 
 def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
@@ -2231,7 +2342,6 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "ring_scales18": pltpu.VMEM((7, 14, 18), jnp.float32),
         "ring_scales2": pltpu.VMEM((7, 14, 2), jnp.float32),
         "ring_sem": pltpu.SemaphoreType.DMA((7,)),
-        "cursor": pltpu.SMEM((2,), jnp.int32),
         "f_attn_norm": pltpu.VMEM((16, 7168), jnp.bfloat16),
         "f_q_norm": pltpu.VMEM((16, 1536), jnp.bfloat16),
         "f_kv_norm": pltpu.VMEM((16, 512), jnp.bfloat16),
@@ -2328,7 +2438,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     scratch.update(step_scratch(batch, rows))  # the in-kernel step loop (wrapper/sampling.py.jinja)
     names = hbm_inputs + state_names + outputs + list(scratch)
 
-    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, slots0_ref, slots1_ref, seed_ref, *refs):
+    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, tile_desc_ref, slots0_ref, slots1_ref, seed_ref, *refs):
         r = Refs(names, refs)
         comm = Comm(r, axes=MESH_AXES, sizes=MESH_SHAPE)
         comm.enter()  # every peer is in this step's kernel before any exchange writes to it
@@ -2338,109 +2448,20 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             positions_ref[b] = positions_in[b]
 
         def decode_step(step, carry):  # one whole decode step; its drawn tokens feed the next
-            def issue(g):
-                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
-
-                def tiles_of(layer):
-                    return jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 0, DENSE_TILES, MOE_TILES)
-
-                def behind(cursor):
-                    layer, base = cursor
-                    return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
-
-                def advance(cursor):
-                    layer, base = cursor
-                    return layer + 1, base + tiles_of(layer)
-
-                # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
-                layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
-                r.cursor[0] = layer
-                r.cursor[1] = base
-                j, bank = g - base, g % RING_DEPTH
-                kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
-
-                @pl.when((layer < NUM_LAYERS) & (kind == 0))
-                def _():
-                    @pl.when((j >= S_DENSE_LINEAR.start) & (j < S_DENSE_LINEAR.start + S_DENSE_LINEAR.tiles))
-                    def _():
-                        qtile_start(r, S_DENSE_LINEAR, layer, j - S_DENSE_LINEAR.start, bank)
-
-                    @pl.when((j >= S_DENSE_LINEAR_1.start) & (j < S_DENSE_LINEAR_1.start + S_DENSE_LINEAR_1.tiles))
-                    def _():
-                        qtile_start(r, S_DENSE_LINEAR_1, layer, j - S_DENSE_LINEAR_1.start, bank)
-
-                    @pl.when((j >= S_DENSE_KV.start) & (j < S_DENSE_KV.start + S_DENSE_KV.tiles))
-                    def _():
-                        qtile_start(r, S_DENSE_KV, layer, j - S_DENSE_KV.start, bank)
-
-                    @pl.when((j >= S_DENSE_LINEAR_2.start) & (j < S_DENSE_LINEAR_2.start + S_DENSE_LINEAR_2.tiles))
-                    def _():
-                        qtile_start(r, S_DENSE_LINEAR_2, layer, j - S_DENSE_LINEAR_2.start, bank)
-
-                    @pl.when((j >= S_DENSE_LINEAR_3.start) & (j < S_DENSE_LINEAR_3.start + S_DENSE_LINEAR_3.tiles))
-                    def _():
-                        qtile_start(r, S_DENSE_LINEAR_3, slots0_ref[layer], j - S_DENSE_LINEAR_3.start, bank)
-
-                    @pl.when((j >= S_DENSE_LINEAR_4.start) & (j < S_DENSE_LINEAR_4.start + S_DENSE_LINEAR_4.tiles))
-                    def _():
-                        qtile_start(r, S_DENSE_LINEAR_4, slots0_ref[layer], j - S_DENSE_LINEAR_4.start, bank)
-
-                    @pl.when((j >= S_DENSE_LINEAR_5.start) & (j < S_DENSE_LINEAR_5.start + S_DENSE_LINEAR_5.tiles))
-                    def _():
-                        qtile_start(r, S_DENSE_LINEAR_5, slots0_ref[layer], j - S_DENSE_LINEAR_5.start, bank)
-
-
-                @pl.when((layer < NUM_LAYERS) & (kind == 1))
-                def _():
-                    @pl.when((j >= S_MOE_LINEAR.start) & (j < S_MOE_LINEAR.start + S_MOE_LINEAR.tiles))
-                    def _():
-                        qtile_start(r, S_MOE_LINEAR, layer, j - S_MOE_LINEAR.start, bank)
-
-                    @pl.when((j >= S_MOE_LINEAR_1.start) & (j < S_MOE_LINEAR_1.start + S_MOE_LINEAR_1.tiles))
-                    def _():
-                        qtile_start(r, S_MOE_LINEAR_1, layer, j - S_MOE_LINEAR_1.start, bank)
-
-                    @pl.when((j >= S_MOE_KV.start) & (j < S_MOE_KV.start + S_MOE_KV.tiles))
-                    def _():
-                        qtile_start(r, S_MOE_KV, layer, j - S_MOE_KV.start, bank)
-
-                    @pl.when((j >= S_MOE_LINEAR_2.start) & (j < S_MOE_LINEAR_2.start + S_MOE_LINEAR_2.tiles))
-                    def _():
-                        qtile_start(r, S_MOE_LINEAR_2, layer, j - S_MOE_LINEAR_2.start, bank)
-
-                    @pl.when((j >= S_MOE_LINEAR_3.start) & (j < S_MOE_LINEAR_3.start + S_MOE_LINEAR_3.tiles))
-                    def _():
-                        tile_copy(r, S_MOE_LINEAR_3, slots1_ref[layer], j - S_MOE_LINEAR_3.start, bank).start()
-
-                    @pl.when((j >= S_MOE_LINEAR_4.start) & (j < S_MOE_LINEAR_4.start + S_MOE_LINEAR_4.tiles))
-                    def _():
-                        qtile_start(r, S_MOE_LINEAR_4, slots1_ref[layer], j - S_MOE_LINEAR_4.start, bank)
-
-                    @pl.when((j >= S_MOE_LINEAR_5.start) & (j < S_MOE_LINEAR_5.start + S_MOE_LINEAR_5.tiles))
-                    def _():
-                        qtile_start(r, S_MOE_LINEAR_5, slots1_ref[layer], j - S_MOE_LINEAR_5.start, bank)
-
-                    @pl.when((j >= S_MOE_LINEAR_6.start) & (j < S_MOE_LINEAR_6.start + S_MOE_LINEAR_6.tiles))
-                    def _():
-                        qtile_start(r, S_MOE_LINEAR_6, slots1_ref[layer], j - S_MOE_LINEAR_6.start, bank)
-
-                @pl.when(layer == NUM_LAYERS)
-                def _():
-                    @pl.when((j >= S_EPILOGUE_LOGITS.start) & (j < S_EPILOGUE_LOGITS.start + S_EPILOGUE_LOGITS.tiles))
-                    def _():
-                        qtile_start(r, S_EPILOGUE_LOGITS, 0, j - S_EPILOGUE_LOGITS.start, bank)
-
-                    pass
+            def issue(g, consumer=None):
+                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing).
+                `consumer`: the stream whose tile g - RING_DEPTH + 1 is being consumed, which narrows
+                the arms tile g may be (RING.ahead); None: any."""
+                arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
+                ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
             attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=2, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.1352337788608801, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'kv_cache', 'cache_out': 'kv_cache_out', 'w_kvb': 'wkv_b'})
             attention1 = LatentAttention(r, positions_ref, 1, rows=rows, batch=batch, heads=2, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.1352337788608801, names={'ql': 'att1_ql', 'ol': 'att1_ol', 'wtiles': 'att1_wtiles', 'w_sem': 'att1_w_sem', 'tiles': 'att1_tiles', 'm': 'att1_m', 'l': 'att1_l', 'acc': 'att1_acc', 'new': 'att1_new', 'wb': 'att1_wb', 'kv_sem': 'att1_kv_sem', 'wb_sem': 'att1_wb_sem', 'cache': 'kv_cache', 'cache_out': 'kv_cache_out', 'w_kvb': 'wkv_b'})
             experts0_moe_23 = MoE(r, rows=rows, batch=batch, E=32, k=8, D=7168, F=256, tn=256, slots=4, names={'w1c': 'w_gate_codes', 'w1s': 'w_gate_scales', 'w3c': 'w_up_codes', 'w3s': 'w_up_scales', 'w2c': 'w_down_codes', 'w2s': 'w_down_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := jax.nn.silu(a0) * a1), t0)[-1], fmt='fp8_block', E_route=256, lo=comm.group_index(56) * 32)
 
             # ---- prologue: first tiles in flight, per-step tables ----
-            r.cursor[0] = 0
-            r.cursor[1] = 0
-            for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
-                issue(jnp.int32(g))
+            for g in range(RING_DEPTH - 1):
+                issue(g)
             rope0_cos, rope0_sin, rope0_up = rope_tables(positions_ref, rows, batch, d=192, offset=128, rotary=64, shift=1, freq=(1.0, 0.7498942017555237, 0.5623413324356079, 0.4216965138912201, 0.3162277638912201, 0.23713737726211548, 0.17782793939113617, 0.1333521455526352, 0.10000000149011612, 0.0749894231557846, 0.05623413249850273, 0.039006926119327545, 0.026879360899329185, 0.01837814599275589, 0.012447956018149853, 0.0083345090970397, 0.005499999970197678, 0.00356199755333364, 0.002249365206807852, 0.001370513578876853, 0.0007905694073997438, 0.0004149904125370085, 0.00017782794020604342, 3.333803761051968e-05, 2.499999936844688e-05, 1.8747356079984456e-05, 1.4058533452043775e-05, 1.0542412383074407e-05, 7.905694474175107e-06, 5.928434347879374e-06, 4.445698323252145e-06, 3.3338035336782923e-06), concentration=1.0)
             rope1_cos, rope1_sin, rope1_up = rope_tables(positions_ref, rows, batch, d=64, offset=0, rotary=64, shift=1, freq=(1.0, 0.7498942017555237, 0.5623413324356079, 0.4216965138912201, 0.3162277638912201, 0.23713737726211548, 0.17782793939113617, 0.1333521455526352, 0.10000000149011612, 0.0749894231557846, 0.05623413249850273, 0.039006926119327545, 0.026879360899329185, 0.01837814599275589, 0.012447956018149853, 0.0083345090970397, 0.005499999970197678, 0.00356199755333364, 0.002249365206807852, 0.001370513578876853, 0.0007905694073997438, 0.0004149904125370085, 0.00017782794020604342, 3.333803761051968e-05, 2.499999936844688e-05, 1.8747356079984456e-05, 1.4058533452043775e-05, 1.0542412383074407e-05, 7.905694474175107e-06, 5.928434347879374e-06, 4.445698323252145e-06, 3.3338035336782923e-06), concentration=1.0)
             kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
@@ -2467,12 +2488,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     fetch(r.mlp_norm, r.f_mlp_norm, r.fetch_sem.at[3], li, 16).start()
                     # spec line 154: x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
                     fetch(r.attn_norm, r.f_attn_norm, r.fetch_sem.at[0], li, 16).wait()
-                    rmsnorm(r.carry0[...], pick_row(r.f_attn_norm, li), r.v0_7168, eps=1e-06, heads=1)
+                    rmsnorm(r.carry0, pick_row(r.f_attn_norm, li), r.v0_7168, eps=1e-06, heads=1)
                     # spec line 130: q = yarn(linear(rmsnorm(linear(h, wq_a), q_norm, eps=EPS), wq_b), NH, ROPE, NOPE)
                     cast_into(r.v0_7168, r.v0_7168_bf16)
                     qlinear(r, issue, S_DENSE_LINEAR, li, base + S_DENSE_LINEAR.start, r.v0_7168_bf16, r.v1_1536)
                     fetch(r.q_norm, r.f_q_norm, r.fetch_sem.at[1], li, 16).wait()
-                    rmsnorm(r.v1_1536[...], pick_row(r.f_q_norm, li), r.v2_1536, eps=1e-06, heads=1)
+                    rmsnorm(r.v1_1536, pick_row(r.f_q_norm, li), r.v2_1536, eps=1e-06, heads=1)
                     cast_into(r.v2_1536, r.v2_1536_bf16)
                     qlinear(r, issue, S_DENSE_LINEAR_1, li, base + S_DENSE_LINEAR_1.start, r.v2_1536_bf16, r.v3_384)
                     # spec line 124: return rope(x, positions, heads=heads, theta=THETA, rotary_dim=dim, rotary_offset=offset,
@@ -2482,7 +2503,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     # spec line 132: c = rmsnorm(slice(kv, start=0, size=KVR), kv_norm, eps=EPS)
                     r.v6_512[...] = r.v5_576[...][:, 0 : 0 + 512]
                     fetch(r.kv_norm, r.f_kv_norm, r.fetch_sem.at[2], li, 16).wait()
-                    rmsnorm(r.v6_512[...], pick_row(r.f_kv_norm, li), r.v7_512, eps=1e-06, heads=1)
+                    rmsnorm(r.v6_512, pick_row(r.f_kv_norm, li), r.v7_512, eps=1e-06, heads=1)
                     # spec line 133: k_pe = yarn(slice(kv, start=KVR, size=ROPE), 1, ROPE, 0)
                     r.v8_64[...] = r.v5_576[...][:, 512 : 512 + 64]
                     # spec line 124: return rope(x, positions, heads=heads, theta=THETA, rotary_dim=dim, rotary_offset=offset,
@@ -2498,7 +2519,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v0_7168[...] = r.carry0[...] + r.v11_7168[...]
                     # spec line 155: return x + dense_mlp(rmsnorm(x, mlp_norm, eps=EPS))
                     fetch(r.mlp_norm, r.f_mlp_norm, r.fetch_sem.at[3], li, 16).wait()
-                    rmsnorm(r.v0_7168[...], pick_row(r.f_mlp_norm, li), r.v11_7168, eps=1e-06, heads=1)
+                    rmsnorm(r.v0_7168, pick_row(r.f_mlp_norm, li), r.v11_7168, eps=1e-06, heads=1)
                     # spec line 140: return linear(swiglu(linear(h, dense_gate), linear(h, dense_up)), dense_down)
                     cast_into(r.v11_7168, r.v11_7168_bf16)
                     qlinear(r, issue, S_DENSE_LINEAR_3, slots0_ref[li], base + S_DENSE_LINEAR_3.start, r.v11_7168_bf16, r.v12_2304)
@@ -2522,12 +2543,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     fetch(r.router_bias, r.f_router_bias, r.fetch_sem.at[4], slots1_ref[li], 8).start()
                     # spec line 159: x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
                     fetch(r.attn_norm, r.f_attn_norm, r.fetch_sem.at[0], li, 16).wait()
-                    rmsnorm(r.carry0[...], pick_row(r.f_attn_norm, li), r.v15_7168, eps=1e-06, heads=1)
+                    rmsnorm(r.carry0, pick_row(r.f_attn_norm, li), r.v15_7168, eps=1e-06, heads=1)
                     # spec line 130: q = yarn(linear(rmsnorm(linear(h, wq_a), q_norm, eps=EPS), wq_b), NH, ROPE, NOPE)
                     cast_into(r.v15_7168, r.v15_7168_bf16)
                     qlinear(r, issue, S_MOE_LINEAR, li, base + S_MOE_LINEAR.start, r.v15_7168_bf16, r.v2_1536)
                     fetch(r.q_norm, r.f_q_norm, r.fetch_sem.at[1], li, 16).wait()
-                    rmsnorm(r.v2_1536[...], pick_row(r.f_q_norm, li), r.v1_1536, eps=1e-06, heads=1)
+                    rmsnorm(r.v2_1536, pick_row(r.f_q_norm, li), r.v1_1536, eps=1e-06, heads=1)
                     cast_into(r.v1_1536, r.v1_1536_bf16)
                     qlinear(r, issue, S_MOE_LINEAR_1, li, base + S_MOE_LINEAR_1.start, r.v1_1536_bf16, r.v4_384)
                     # spec line 124: return rope(x, positions, heads=heads, theta=THETA, rotary_dim=dim, rotary_offset=offset,
@@ -2537,7 +2558,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     # spec line 132: c = rmsnorm(slice(kv, start=0, size=KVR), kv_norm, eps=EPS)
                     r.v7_512[...] = r.v5_576[...][:, 0 : 0 + 512]
                     fetch(r.kv_norm, r.f_kv_norm, r.fetch_sem.at[2], li, 16).wait()
-                    rmsnorm(r.v7_512[...], pick_row(r.f_kv_norm, li), r.v6_512, eps=1e-06, heads=1)
+                    rmsnorm(r.v7_512, pick_row(r.f_kv_norm, li), r.v6_512, eps=1e-06, heads=1)
                     # spec line 133: k_pe = yarn(slice(kv, start=KVR, size=ROPE), 1, ROPE, 0)
                     r.v9_64[...] = r.v5_576[...][:, 512 : 512 + 64]
                     # spec line 124: return rope(x, positions, heads=heads, theta=THETA, rotary_dim=dim, rotary_offset=offset,
@@ -2553,7 +2574,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v15_7168[...] = r.carry0[...] + r.v11_7168[...]
                     # spec line 160: return x + moe_ffn(rmsnorm(x, mlp_norm, eps=EPS))
                     fetch(r.mlp_norm, r.f_mlp_norm, r.fetch_sem.at[3], li, 16).wait()
-                    rmsnorm(r.v15_7168[...], pick_row(r.f_mlp_norm, li), r.v11_7168, eps=1e-06, heads=1)
+                    rmsnorm(r.v15_7168, pick_row(r.f_mlp_norm, li), r.v11_7168, eps=1e-06, heads=1)
                     # spec line 146: s = sigmoid(linear(h, router))
                     cast_into(r.v11_7168, r.v11_7168_bf16)
                     linear(r, issue, S_MOE_LINEAR_3, slots1_ref[li], base + S_MOE_LINEAR_3.start, r.v11_7168_bf16, r.v10_256)
@@ -2596,7 +2617,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[5], 0, 1).start()
             # spec line 170: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
             fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[5], 0, 1).wait()
-            rmsnorm(r.carry0[...], pick_row(r.f_final_norm, 0), r.v23_7168, eps=1e-06, heads=1)
+            rmsnorm(r.carry0, pick_row(r.f_final_norm, 0), r.v23_7168, eps=1e-06, heads=1)
             cast_into(r.v23_7168, r.v23_7168_bf16)
             qlinear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v23_7168_bf16, r.logits)
             # spec line 171: return logits, argmax(logits)
@@ -2615,7 +2636,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     def vmem():
         return pl.BlockSpec(memory_space=pltpu.VMEM)
 
-    n_scalars = 7  # tokens, positions, the layer tables, the sampling seed
+    n_scalars = 8  # tokens, positions, the layer tables, the tile descriptors, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
     layout = local_state_layout(batch, seq_len)
     call = pl.pallas_call(
@@ -2643,7 +2664,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     P = jax.sharding.PartitionSpec
 
     def per_device(tokens, positions, seed, *arrays):
-        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(SLOTS0), jnp.asarray(SLOTS1)]
+        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(RING.desc), jnp.asarray(SLOTS0), jnp.asarray(SLOTS1)]
         return call(tokens, positions, *tables, seed, *arrays)
 
     def split_of(name):

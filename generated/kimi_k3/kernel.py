@@ -695,6 +695,19 @@ class Stream:
     def tiles(self) -> int:
         return self.nk * self.nn
 
+    def copies(self, r, slot, k, n, bank):
+        """The DMA of tile (k, n) (layer slice `slot`) into ring bank `bank`."""
+        k0 = pl.multiple_of(k * self.tk, self.tk)
+        n0 = pl.multiple_of(n * self.tn, self.tn)
+        w = getattr(r, self.ref)
+        src = w.at[slot, pl.ds(k0, self.tk), pl.ds(n0, self.tn)] if self.stacked else w.at[pl.ds(k0, self.tk), pl.ds(n0, self.tn)]
+        return [pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, self.tk), pl.ds(0, self.tn)], r.ring_sem.at[bank])]
+
+    def wait(self, r, bank):
+        """Wait for this stream's tile in `bank` (the wait counts the tile's bytes, whatever tile)."""
+        for cp in self.copies(r, 0, 0, 0, bank):
+            cp.wait()
+
 
 class Refs:
     """The kernel's refs by name, in the order the pallas_call passes them."""
@@ -703,33 +716,125 @@ class Refs:
         self.__dict__.update(zip(names, refs, strict=True))
 
 
-def tile_copy(r, st: Stream, slot, j, bank):
-    """The DMA of tile j of stream `st` (layer slice `slot`) into ring bank `bank`."""
-    n = j // st.nk
-    k = j - n * st.nk
-    k0 = pl.multiple_of(k * st.tk, st.tk)
-    n0 = pl.multiple_of(n * st.tn, st.tn)
-    w = getattr(r, st.ref)
-    src = w.at[slot, pl.ds(k0, st.tk), pl.ds(n0, st.tn)] if st.stacked else w.at[pl.ds(k0, st.tk), pl.ds(n0, st.tn)]
-    return pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], r.ring_sem.at[bank])
+# ---------------------------------------------------------------------------------------
+# The weight ring's issue side. Every tile of a step has a global index g (LAYER_TILE_BASE[l] +
+# its stream's start + its index) and lives in bank g % RING_DEPTH. Its DMA is described at
+# build time by a row of the descriptor table (two words: arm | slot << 8, k | n << 16), where
+# an arm is one distinct stream shape (the DMA code that can move the tile). Issuing tile g is
+# then two SMEM loads and one DMA start; the arms it may be are known at trace time for each
+# consumer (`RingTables.ahead`), so a site picks among them by a short tree of compares (none
+# for one arm) instead of a chain over every stream of every layer kind.
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RingTables:
+    arms: tuple  # distinct stream shapes (start 0)
+    desc: np.ndarray  # int32 [2 * tiles]: per global tile, arm | slot << 8 and k | n << 16
+    static: tuple  # per global tile: (arm, slot, k, n) as ints, for issues at trace-time g
+    ahead: dict  # stream -> (sorted arms of the tiles its consumer issues, any past the end)
+
+    @property
+    def tiles(self) -> int:
+        return len(self.static)
+
+
+def ring_tables(kind_streams, epilogue_streams):
+    """The descriptor table of every global tile, from each layer kind's streams (with the slot
+    table of their layer slices, None: the layer index) and the epilogue's streams."""
+    arms, index, static = [], {}, []
+
+    def add(st, slot):
+        key = dataclasses.replace(st, start=0)
+        if key not in index:
+            index[key] = len(arms)
+            arms.append(key)
+        assert index[key] < 256 and 0 <= slot < 2**23 and st.nk < 2**16 and st.nn < 2**15, st
+        for j in range(st.tiles):
+            static.append((index[key], slot, j % st.nk, j // st.nk))
+
+    owners = []  # per stream instance: (stream, its first global tile)
+    for layer, kind in enumerate(LAYER_KIND):
+        for st, table in kind_streams[kind]:
+            assert len(static) == LAYER_TILE_BASE[layer] + st.start, (layer, st)
+            owners.append((st, len(static)))
+            add(st, (layer if table is None else int(table[layer])) if st.stacked else 0)
+    for st in epilogue_streams:
+        owners.append((st, len(static)))
+        add(st, 0)
+    ahead = {}
+    for st, first in owners:
+        arms_of, past = ahead.get(st, (set(), False))
+        for g in range(first + RING_DEPTH - 1, first + st.tiles + RING_DEPTH - 1):
+            if g < len(static):
+                arms_of = arms_of | {static[g][0]}
+            else:
+                past = True
+        ahead[st] = (arms_of, past)
+    ahead = {st: (tuple(sorted(a)), past) for st, (a, past) in ahead.items()}
+    desc = np.array([w for arm, slot, k, n in static for w in (arm | slot << 8, k | n << 16)] or [0, 0], np.int32)
+    return RingTables(tuple(arms), desc, tuple(static), ahead)
+
+
+def ring_issue(r, ring, desc, g, arms=None, past_end=True):
+    """Start the DMA of global tile g into bank g % RING_DEPTH from its descriptor (nothing past
+    the last tile). `arms`: the arms tile g may be (sorted, static); default all of them."""
+    if isinstance(g, int):  # known at trace time (the prologue): no table reads
+        if g < ring.tiles:
+            arm, slot, k, n = ring.static[g]
+            for cp in ring.arms[arm].copies(r, slot, k, n, g % RING_DEPTH):
+                cp.start()
+        return
+    arms = tuple(range(len(ring.arms))) if arms is None else arms
+
+    def start():
+        w0, w1 = desc[2 * g], desc[2 * g + 1]
+        slot, k, n, bank = w0 >> 8, w1 & 0xFFFF, w1 >> 16, g % RING_DEPTH
+
+        def tree(lo, hi):  # arms[lo:hi]: split on the arm id until one is left
+            if hi - lo == 1:
+                for cp in ring.arms[arms[lo]].copies(r, slot, k, n, bank):
+                    cp.start()
+                return
+            mid = (lo + hi) // 2
+            jax.lax.cond((w0 & 255) < arms[mid], lambda: tree(lo, mid), lambda: tree(mid, hi))
+
+        tree(0, len(arms))
+
+    if arms and past_end:
+        pl.when(g < ring.tiles)(start)
+    elif arms:
+        start()
+
+
+def k_columns(st, k):
+    """The input columns of K tile k (k a Python int or a traced one, when tk is lane-aligned)."""
+    return slice(k * st.tk, (k + 1) * st.tk) if isinstance(k, int) else pl.ds(pl.multiple_of(k * st.tk, st.tk), st.tk)
+
+
+def sum_k_tiles(st, rows, width, part):
+    """Sum of part(k) over the nk K tiles: a loop when the tiles' input columns are lane-aligned
+    (one copy of the tile code), else unrolled."""
+    if st.nk == 1:
+        return part(0)
+    if st.tk % 128 == 0:
+        return jax.lax.fori_loop(0, st.nk, lambda k, acc: acc + part(k), jnp.zeros((rows, width), F32))
+    acc = part(0)
+    for k in range(1, st.nk):
+        acc = acc + part(k)
+    return acc
 
 
 def linear(r, issue, st: Stream, slot, base, xb, out):
     """out = xb @ W: consume W's tiles from the ring, keeping RING_DEPTH - 1 tiles in flight."""
 
+    def tile(n, k):
+        g = base + n * st.nk + k
+        issue(g + RING_DEPTH - 1, st)
+        bank = g % RING_DEPTH
+        st.wait(r, bank)
+        return jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+
     def column_block(n, carry):
-        acc = None
-        for k in range(st.nk):
-            g = base + n * st.nk + k
-            issue(g + RING_DEPTH - 1)
-            bank = g % RING_DEPTH
-            tile_copy(r, st, 0, 0, bank).wait()
-            part = jnp.dot(
-                xb[:, k * st.tk : (k + 1) * st.tk],
-                r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)],
-                preferred_element_type=F32,
-            )
-            acc = part if acc is None else acc + part
+        acc = sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k))
         out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = acc[0 : out.shape[0]]  # the logits output has batch rows
         return carry
 
@@ -741,10 +846,14 @@ def rms_rows(x, w, eps):
 
 
 def rmsnorm(x, w, out, eps, heads):
-    """RMSNorm of each row (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
+    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
     d = x.shape[1] // heads
-    for h in range(heads):
-        out[:, h * d : (h + 1) * d] = rms_rows(x[:, h * d : (h + 1) * d], w, eps)
+
+    def head(h):
+        cols = head_cols(h, d)
+        out[:, cols] = rms_rows(x[:, cols], w, eps)
+
+    for_each_head(heads, d, head)
 
 
 def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):
@@ -790,18 +899,21 @@ def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
     def start(b):
         return pl.multiple_of(jnp.clip((tokens_ref[b] - offset) // EMB_BLOCK * EMB_BLOCK, 0, vocab - EMB_BLOCK), 8)
 
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start()
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait()
+    def each_row(body):  # one copy of the per-row code, whatever the batch
+        jax.lax.fori_loop(0, batch, lambda b, c: (body(b), c)[1], 0)
+
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start())
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait())
     width = table.shape[1]
     lane_row = jax.lax.broadcasted_iota(I32, (EMB_BLOCK, width), 0)
     out_row = jax.lax.broadcasted_iota(I32, out.shape, 0)
-    x = jnp.zeros(out.shape, F32)
-    for b in range(batch):
+    out[...] = jnp.zeros(out.shape, F32)
+
+    def pick(b):
         picked = jnp.where(lane_row == tokens_ref[b] - offset - start(b), block[b].astype(F32), 0.0)
-        x = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), x)
-    out[...] = x
+        out[...] = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), out[...])
+
+    each_row(pick)
 
 
 def row_argmax(x, chunk):
@@ -1990,25 +2102,24 @@ class MoE:
         use, into list/count. Sparse set: pos[e] is trusted only if list[pos[e]] == e, so pos
         needs no clearing."""
         cap = self.batch * self.k
-        n = jnp.int32(0)
-        for b in range(self.batch):
 
-            def body(i, n, b=b):
-                g = self.ids_smem[b, i] - self.lo
-                held = (g >= 0) & (g < self.E)
-                e = jnp.clip(g, 0, self.E - 1)
-                p = self.pos[e]
-                pc = jnp.minimum(jnp.maximum(p, 0), cap - 1)
-                seen = jnp.logical_not(held) | ((p >= 0) & (p < n) & (self.list[pc] == e))
+        def body(t, n):  # choice t: row t // k, its (t % k)-th expert; one loop over all real rows
+            b = t // self.k
+            g = self.ids_smem[b, t - b * self.k] - self.lo
+            held = (g >= 0) & (g < self.E)
+            e = jnp.clip(g, 0, self.E - 1)
+            p = self.pos[e]
+            pc = jnp.minimum(jnp.maximum(p, 0), cap - 1)
+            seen = jnp.logical_not(held) | ((p >= 0) & (p < n) & (self.list[pc] == e))
 
-                @pl.when(jnp.logical_not(seen))
-                def _():
-                    self.list[n] = e
-                    self.pos[e] = n
+            @pl.when(jnp.logical_not(seen))
+            def _():
+                self.list[n] = e
+                self.pos[e] = n
 
-                return n + jnp.where(seen, 0, 1)
+            return n + jnp.where(seen, 0, 1)
 
-            n = jax.lax.fori_loop(0, self.k, body, n)
+        n = jax.lax.fori_loop(0, cap, body, jnp.int32(0))
         self.count[0] = n
 
     # ---------------------------------------------------------------- expert streaming
@@ -2237,6 +2348,16 @@ MLA_MOE_TILES = 123
 S_EPILOGUE_LOGITS = Stream("lm_head", k=7168, n=5120, tk=1792, tn=512, start=0, stacked=False)  # spec line 217
 EPILOGUE_TILES = 40
 
+# The streams of each layer kind (LAYER_KINDS order), each with the slot table its layer slice is
+# read from (None: the layer index), and the epilogue's; RING: the descriptor of every tile.
+KIND_STREAMS = (
+    ((S_KDA_DENSE_LINEAR, SLOTS0), (S_KDA_DENSE_LINEAR_1, SLOTS0), (S_KDA_DENSE_LINEAR_2, SLOTS0), (S_KDA_DENSE_LINEAR_3, SLOTS0), (S_KDA_DENSE_LINEAR_4, SLOTS0), (S_KDA_DENSE_LINEAR_5, SLOTS0), (S_KDA_DENSE_LINEAR_6, SLOTS0), (S_KDA_DENSE_LINEAR_7, SLOTS0), (S_KDA_DENSE_LINEAR_8, SLOTS1), (S_KDA_DENSE_LINEAR_9, SLOTS1), (S_KDA_DENSE_LINEAR_10, SLOTS1), ),
+    ((S_KDA_MOE_LINEAR, SLOTS0), (S_KDA_MOE_LINEAR_1, SLOTS0), (S_KDA_MOE_LINEAR_2, SLOTS0), (S_KDA_MOE_LINEAR_3, SLOTS0), (S_KDA_MOE_LINEAR_4, SLOTS0), (S_KDA_MOE_LINEAR_5, SLOTS0), (S_KDA_MOE_LINEAR_6, SLOTS0), (S_KDA_MOE_LINEAR_7, SLOTS0), (S_KDA_MOE_LINEAR_8, SLOTS2), (S_KDA_MOE_LINEAR_9, SLOTS2), (S_KDA_MOE_LINEAR_10, SLOTS2), (S_KDA_MOE_LINEAR_11, SLOTS2), (S_KDA_MOE_SHARED, SLOTS2), (S_KDA_MOE_LINEAR_12, SLOTS2), ),
+    ((S_MLA_MOE_LINEAR, SLOTS3), (S_MLA_MOE_LINEAR_1, SLOTS3), (S_MLA_MOE_KV, SLOTS3), (S_MLA_MOE_LINEAR_2, SLOTS3), (S_MLA_MOE_LINEAR_3, SLOTS3), (S_MLA_MOE_LINEAR_4, SLOTS2), (S_MLA_MOE_LINEAR_5, SLOTS2), (S_MLA_MOE_LINEAR_6, SLOTS2), (S_MLA_MOE_LINEAR_7, SLOTS2), (S_MLA_MOE_SHARED, SLOTS2), (S_MLA_MOE_LINEAR_8, SLOTS2), ),
+)
+EPILOGUE_STREAMS = (S_EPILOGUE_LOGITS, )
+RING = ring_tables(KIND_STREAMS, EPILOGUE_STREAMS)
+
 
 def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
@@ -2282,7 +2403,6 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     scratch = {
         "ring": pltpu.VMEM((13, 1792, 512), jnp.bfloat16),
         "ring_sem": pltpu.SemaphoreType.DMA((13,)),
-        "cursor": pltpu.SMEM((2,), jnp.int32),
         "f_attn_res": pltpu.VMEM((16, 7168), jnp.bfloat16),
         "f_input_norm": pltpu.VMEM((16, 7168), jnp.bfloat16),
         "f_kda_conv_q": pltpu.VMEM((4, 384), jnp.bfloat16),
@@ -2400,7 +2520,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     scratch.update(step_scratch(batch, rows))  # the in-kernel step loop (wrapper/sampling.py.jinja)
     names = hbm_inputs + state_names + outputs + list(scratch)
 
-    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, slots0_ref, slots1_ref, slots2_ref, slots3_ref, seed_ref, *refs):
+    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, tile_desc_ref, slots0_ref, slots1_ref, slots2_ref, slots3_ref, seed_ref, *refs):
         r = Refs(names, refs)
         comm = Comm(r, axes=MESH_AXES, sizes=MESH_SHAPE)
         comm.enter()  # every peer is in this step's kernel before any exchange writes to it
@@ -2410,186 +2530,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             positions_ref[b] = positions_in[b]
 
         def decode_step(step, carry):  # one whole decode step; its drawn tokens feed the next
-            def issue(g):
-                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
-
-                def tiles_of(layer):
-                    return jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 0, KDA_DENSE_TILES, jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 1, KDA_MOE_TILES, MLA_MOE_TILES))
-
-                def behind(cursor):
-                    layer, base = cursor
-                    return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
-
-                def advance(cursor):
-                    layer, base = cursor
-                    return layer + 1, base + tiles_of(layer)
-
-                # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
-                layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
-                r.cursor[0] = layer
-                r.cursor[1] = base
-                j, bank = g - base, g % RING_DEPTH
-                kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
-
-                @pl.when((layer < NUM_LAYERS) & (kind == 0))
-                def _():
-                    @pl.when((j >= S_KDA_DENSE_LINEAR.start) & (j < S_KDA_DENSE_LINEAR.start + S_KDA_DENSE_LINEAR.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR, slots0_ref[layer], j - S_KDA_DENSE_LINEAR.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_1.start) & (j < S_KDA_DENSE_LINEAR_1.start + S_KDA_DENSE_LINEAR_1.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_1, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_1.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_2.start) & (j < S_KDA_DENSE_LINEAR_2.start + S_KDA_DENSE_LINEAR_2.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_2, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_2.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_3.start) & (j < S_KDA_DENSE_LINEAR_3.start + S_KDA_DENSE_LINEAR_3.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_3, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_3.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_4.start) & (j < S_KDA_DENSE_LINEAR_4.start + S_KDA_DENSE_LINEAR_4.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_4, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_4.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_5.start) & (j < S_KDA_DENSE_LINEAR_5.start + S_KDA_DENSE_LINEAR_5.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_5, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_5.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_6.start) & (j < S_KDA_DENSE_LINEAR_6.start + S_KDA_DENSE_LINEAR_6.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_6, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_6.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_7.start) & (j < S_KDA_DENSE_LINEAR_7.start + S_KDA_DENSE_LINEAR_7.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_7, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_7.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_8.start) & (j < S_KDA_DENSE_LINEAR_8.start + S_KDA_DENSE_LINEAR_8.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_8, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_8.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_9.start) & (j < S_KDA_DENSE_LINEAR_9.start + S_KDA_DENSE_LINEAR_9.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_9, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_9.start, bank).start()
-
-                    @pl.when((j >= S_KDA_DENSE_LINEAR_10.start) & (j < S_KDA_DENSE_LINEAR_10.start + S_KDA_DENSE_LINEAR_10.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_DENSE_LINEAR_10, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_10.start, bank).start()
-
-
-                @pl.when((layer < NUM_LAYERS) & (kind == 1))
-                def _():
-                    @pl.when((j >= S_KDA_MOE_LINEAR.start) & (j < S_KDA_MOE_LINEAR.start + S_KDA_MOE_LINEAR.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR, slots0_ref[layer], j - S_KDA_MOE_LINEAR.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_1.start) & (j < S_KDA_MOE_LINEAR_1.start + S_KDA_MOE_LINEAR_1.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_1, slots0_ref[layer], j - S_KDA_MOE_LINEAR_1.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_2.start) & (j < S_KDA_MOE_LINEAR_2.start + S_KDA_MOE_LINEAR_2.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_2, slots0_ref[layer], j - S_KDA_MOE_LINEAR_2.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_3.start) & (j < S_KDA_MOE_LINEAR_3.start + S_KDA_MOE_LINEAR_3.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_3, slots0_ref[layer], j - S_KDA_MOE_LINEAR_3.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_4.start) & (j < S_KDA_MOE_LINEAR_4.start + S_KDA_MOE_LINEAR_4.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_4, slots0_ref[layer], j - S_KDA_MOE_LINEAR_4.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_5.start) & (j < S_KDA_MOE_LINEAR_5.start + S_KDA_MOE_LINEAR_5.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_5, slots0_ref[layer], j - S_KDA_MOE_LINEAR_5.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_6.start) & (j < S_KDA_MOE_LINEAR_6.start + S_KDA_MOE_LINEAR_6.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_6, slots0_ref[layer], j - S_KDA_MOE_LINEAR_6.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_7.start) & (j < S_KDA_MOE_LINEAR_7.start + S_KDA_MOE_LINEAR_7.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_7, slots0_ref[layer], j - S_KDA_MOE_LINEAR_7.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_8.start) & (j < S_KDA_MOE_LINEAR_8.start + S_KDA_MOE_LINEAR_8.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_8, slots2_ref[layer], j - S_KDA_MOE_LINEAR_8.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_9.start) & (j < S_KDA_MOE_LINEAR_9.start + S_KDA_MOE_LINEAR_9.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_9, slots2_ref[layer], j - S_KDA_MOE_LINEAR_9.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_10.start) & (j < S_KDA_MOE_LINEAR_10.start + S_KDA_MOE_LINEAR_10.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_10, slots2_ref[layer], j - S_KDA_MOE_LINEAR_10.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_11.start) & (j < S_KDA_MOE_LINEAR_11.start + S_KDA_MOE_LINEAR_11.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_11, slots2_ref[layer], j - S_KDA_MOE_LINEAR_11.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_SHARED.start) & (j < S_KDA_MOE_SHARED.start + S_KDA_MOE_SHARED.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_SHARED, slots2_ref[layer], j - S_KDA_MOE_SHARED.start, bank).start()
-
-                    @pl.when((j >= S_KDA_MOE_LINEAR_12.start) & (j < S_KDA_MOE_LINEAR_12.start + S_KDA_MOE_LINEAR_12.tiles))
-                    def _():
-                        tile_copy(r, S_KDA_MOE_LINEAR_12, slots2_ref[layer], j - S_KDA_MOE_LINEAR_12.start, bank).start()
-
-
-                @pl.when((layer < NUM_LAYERS) & (kind == 2))
-                def _():
-                    @pl.when((j >= S_MLA_MOE_LINEAR.start) & (j < S_MLA_MOE_LINEAR.start + S_MLA_MOE_LINEAR.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_LINEAR, slots3_ref[layer], j - S_MLA_MOE_LINEAR.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_LINEAR_1.start) & (j < S_MLA_MOE_LINEAR_1.start + S_MLA_MOE_LINEAR_1.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_LINEAR_1, slots3_ref[layer], j - S_MLA_MOE_LINEAR_1.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_KV.start) & (j < S_MLA_MOE_KV.start + S_MLA_MOE_KV.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_KV, slots3_ref[layer], j - S_MLA_MOE_KV.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_LINEAR_2.start) & (j < S_MLA_MOE_LINEAR_2.start + S_MLA_MOE_LINEAR_2.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_LINEAR_2, slots3_ref[layer], j - S_MLA_MOE_LINEAR_2.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_LINEAR_3.start) & (j < S_MLA_MOE_LINEAR_3.start + S_MLA_MOE_LINEAR_3.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_LINEAR_3, slots3_ref[layer], j - S_MLA_MOE_LINEAR_3.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_LINEAR_4.start) & (j < S_MLA_MOE_LINEAR_4.start + S_MLA_MOE_LINEAR_4.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_LINEAR_4, slots2_ref[layer], j - S_MLA_MOE_LINEAR_4.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_LINEAR_5.start) & (j < S_MLA_MOE_LINEAR_5.start + S_MLA_MOE_LINEAR_5.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_LINEAR_5, slots2_ref[layer], j - S_MLA_MOE_LINEAR_5.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_LINEAR_6.start) & (j < S_MLA_MOE_LINEAR_6.start + S_MLA_MOE_LINEAR_6.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_LINEAR_6, slots2_ref[layer], j - S_MLA_MOE_LINEAR_6.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_LINEAR_7.start) & (j < S_MLA_MOE_LINEAR_7.start + S_MLA_MOE_LINEAR_7.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_LINEAR_7, slots2_ref[layer], j - S_MLA_MOE_LINEAR_7.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_SHARED.start) & (j < S_MLA_MOE_SHARED.start + S_MLA_MOE_SHARED.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_SHARED, slots2_ref[layer], j - S_MLA_MOE_SHARED.start, bank).start()
-
-                    @pl.when((j >= S_MLA_MOE_LINEAR_8.start) & (j < S_MLA_MOE_LINEAR_8.start + S_MLA_MOE_LINEAR_8.tiles))
-                    def _():
-                        tile_copy(r, S_MLA_MOE_LINEAR_8, slots2_ref[layer], j - S_MLA_MOE_LINEAR_8.start, bank).start()
-
-                @pl.when(layer == NUM_LAYERS)
-                def _():
-                    @pl.when((j >= S_EPILOGUE_LOGITS.start) & (j < S_EPILOGUE_LOGITS.start + S_EPILOGUE_LOGITS.tiles))
-                    def _():
-                        tile_copy(r, S_EPILOGUE_LOGITS, 0, j - S_EPILOGUE_LOGITS.start, bank).start()
-
-                    pass
+            def issue(g, consumer=None):
+                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing).
+                `consumer`: the stream whose tile g - RING_DEPTH + 1 is being consumed, which narrows
+                the arms tile g may be (RING.ahead); None: any."""
+                arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
+                ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
             attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=3, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.07216878364870322, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'mla_cache', 'cache_out': 'mla_cache_out', 'w_kvb': 'mla_wkvb'})
             conv0_kda_dense_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
@@ -2604,10 +2550,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             experts0_mla_moe_27 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
 
             # ---- prologue: first tiles in flight, per-step tables ----
-            r.cursor[0] = 0
-            r.cursor[1] = 0
-            for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
-                issue(jnp.int32(g))
+            for g in range(RING_DEPTH - 1):
+                issue(g)
             kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
             for i in range(1):
                 r.wb_pending[i] = 0
@@ -2645,7 +2589,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=0, block=12)
                     # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
                     fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                    rmsnorm(r.v0_7168[...], pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    rmsnorm(r.v0_7168, pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
                     # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
                     cast_into(r.v1_7168, r.v1_7168_bf16)
                     linear(r, issue, S_KDA_DENSE_LINEAR, slots0_ref[li], base + S_KDA_DENSE_LINEAR.start, r.v1_7168_bf16, r.v2_384)
@@ -2676,7 +2620,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     rule0_kda_dense_17(slots0_ref[li], r.v2_384, r.v3_384, r.v5_384, r.v7_384, r.v9_3, r.v4_384)
                     # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
                     fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
-                    rmsnorm(r.v4_384[...], pick_row(r.f_kda_onorm, slots0_ref[li]), r.v7_384, eps=1e-05, heads=3)
+                    rmsnorm(r.v4_384, pick_row(r.f_kda_onorm, slots0_ref[li]), r.v7_384, eps=1e-05, heads=3)
                     linear(r, issue, S_KDA_DENSE_LINEAR_6, slots0_ref[li], base + S_KDA_DENSE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
                     r.v5_384[...] = jax.nn.sigmoid(r.v4_384[...])
                     r.v4_384[...] = r.v7_384[...] * r.v5_384[...]
@@ -2691,7 +2635,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v0_7168, layer=0, block=12, after_snapshot=True, eps=1e-05)
                     # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
                     fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                    rmsnorm(r.v0_7168[...], pick_row(r.f_post_norm, li), r.v10_7168, eps=1e-05, heads=1)
+                    rmsnorm(r.v0_7168, pick_row(r.f_post_norm, li), r.v10_7168, eps=1e-05, heads=1)
                     # spec line 166: return linear(situ(linear(x, dense_gate), linear(x, dense_up)), dense_down)
                     cast_into(r.v10_7168, r.v10_7168_bf16)
                     linear(r, issue, S_KDA_DENSE_LINEAR_8, slots1_ref[li], base + S_KDA_DENSE_LINEAR_8.start, r.v10_7168_bf16, r.v11_1152)
@@ -2727,7 +2671,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
                     # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
                     fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                    rmsnorm(r.v10_7168[...], pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    rmsnorm(r.v10_7168, pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
                     # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
                     cast_into(r.v1_7168, r.v1_7168_bf16)
                     linear(r, issue, S_KDA_MOE_LINEAR, slots0_ref[li], base + S_KDA_MOE_LINEAR.start, r.v1_7168_bf16, r.v7_384)
@@ -2758,7 +2702,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     rule0_kda_moe_17(slots0_ref[li], r.v7_384, r.v5_384, r.v3_384, r.v2_384, r.v8_3, r.v4_384)
                     # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
                     fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
-                    rmsnorm(r.v4_384[...], pick_row(r.f_kda_onorm, slots0_ref[li]), r.v2_384, eps=1e-05, heads=3)
+                    rmsnorm(r.v4_384, pick_row(r.f_kda_onorm, slots0_ref[li]), r.v2_384, eps=1e-05, heads=3)
                     linear(r, issue, S_KDA_MOE_LINEAR_6, slots0_ref[li], base + S_KDA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
                     r.v3_384[...] = jax.nn.sigmoid(r.v4_384[...])
                     r.v4_384[...] = r.v2_384[...] * r.v3_384[...]
@@ -2773,7 +2717,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v10_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
                     # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
                     fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                    rmsnorm(r.v10_7168[...], pick_row(r.f_post_norm, li), r.v0_7168, eps=1e-05, heads=1)
+                    rmsnorm(r.v10_7168, pick_row(r.f_post_norm, li), r.v0_7168, eps=1e-05, heads=1)
                     # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
                     cast_into(r.v0_7168, r.v0_7168_bf16)
                     linear(r, issue, S_KDA_MOE_LINEAR_8, slots2_ref[li], base + S_KDA_MOE_LINEAR_8.start, r.v0_7168_bf16, r.v6_128)
@@ -2797,7 +2741,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v19_3584[...] = r.v20_3584[...]
                     comm.all_reduce(r.v19_3584, 31, wire=BF16, rows=8)
                     fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                    rmsnorm(r.v19_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
+                    rmsnorm(r.v19_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
                     shard_slice(r.v20_3584, r.v24_112, comm.group_index(31), ways=32)
                     cast_into(r.v24_112, r.v24_112_bf16)
                     linear(r, issue, S_KDA_MOE_LINEAR_12, slots2_ref[li], base + S_KDA_MOE_LINEAR_12.start, r.v24_112_bf16, r.v10_7168)
@@ -2826,12 +2770,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
                     # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
                     fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                    rmsnorm(r.v25_7168[...], pick_row(r.f_input_norm, li), r.v10_7168, eps=1e-05, heads=1)
+                    rmsnorm(r.v25_7168, pick_row(r.f_input_norm, li), r.v10_7168, eps=1e-05, heads=1)
                     # spec line 157: q = compact(linear(rmsnorm(linear(x, mla_wqa), mla_qnorm, eps=EPS), mla_wqb), block=QB, keep=QH)
                     cast_into(r.v10_7168, r.v10_7168_bf16)
                     linear(r, issue, S_MLA_MOE_LINEAR, slots3_ref[li], base + S_MLA_MOE_LINEAR.start, r.v10_7168_bf16, r.v26_1536)
                     fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).wait()
-                    rmsnorm(r.v26_1536[...], pick_row(r.f_mla_qnorm, slots3_ref[li]), r.v27_1536, eps=1e-05, heads=1)
+                    rmsnorm(r.v26_1536, pick_row(r.f_mla_qnorm, slots3_ref[li]), r.v27_1536, eps=1e-05, heads=1)
                     cast_into(r.v27_1536, r.v27_1536_bf16)
                     linear(r, issue, S_MLA_MOE_LINEAR_1, slots3_ref[li], base + S_MLA_MOE_LINEAR_1.start, r.v27_1536_bf16, r.v28_640)
                     r.v29_576[...] = compact_columns(r.v28_640[...], 640, 576)
@@ -2840,7 +2784,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     # spec line 159: c = rmsnorm(slice(kv, start=0, size=KVR), mla_kvnorm, eps=EPS)
                     r.v30_512[...] = r.v28_640[...][:, 0 : 0 + 512]
                     fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).wait()
-                    rmsnorm(r.v30_512[...], pick_row(r.f_mla_kvnorm, slots3_ref[li]), r.v31_512, eps=1e-05, heads=1)
+                    rmsnorm(r.v30_512, pick_row(r.f_mla_kvnorm, slots3_ref[li]), r.v31_512, eps=1e-05, heads=1)
                     # spec line 160: y = mla_attention(q, c, slice(kv, start=KVR, size=XK), mla_wkvb, mla_cache, positions,
                     r.v32_64[...] = r.v28_640[...][:, 512 : 512 + 64]
                     attention0(slots3_ref[li], r.v29_576, r.v31_512, r.v32_64, r.v7_384, slots3_ref[li])
@@ -2859,7 +2803,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     res_mix(r.carry0, r.v10_7168, pick_row(r.f_mlp_res, li), r.v25_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
                     # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
                     fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                    rmsnorm(r.v25_7168[...], pick_row(r.f_post_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    rmsnorm(r.v25_7168, pick_row(r.f_post_norm, li), r.v1_7168, eps=1e-05, heads=1)
                     # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
                     cast_into(r.v1_7168, r.v1_7168_bf16)
                     linear(r, issue, S_MLA_MOE_LINEAR_4, slots2_ref[li], base + S_MLA_MOE_LINEAR_4.start, r.v1_7168_bf16, r.v6_128)
@@ -2883,7 +2827,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v20_3584[...] = r.v19_3584[...]
                     comm.all_reduce(r.v20_3584, 31, wire=BF16, rows=8)
                     fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                    rmsnorm(r.v20_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v19_3584, eps=1e-05, heads=1)
+                    rmsnorm(r.v20_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v19_3584, eps=1e-05, heads=1)
                     shard_slice(r.v19_3584, r.v24_112, comm.group_index(31), ways=32)
                     cast_into(r.v24_112, r.v24_112_bf16)
                     linear(r, issue, S_MLA_MOE_LINEAR_8, slots2_ref[li], base + S_MLA_MOE_LINEAR_8.start, r.v24_112_bf16, r.v25_7168)
@@ -2910,7 +2854,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             res_mix(r.carry0, r.carry1, pick_row(r.f_out_res, 0), r.v33_7168, layer=92, block=12, after_snapshot=True, eps=1e-05)
             # spec line 217: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
             fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).wait()
-            rmsnorm(r.v33_7168[...], pick_row(r.f_final_norm, 0), r.v34_7168, eps=1e-05, heads=1)
+            rmsnorm(r.v33_7168, pick_row(r.f_final_norm, 0), r.v34_7168, eps=1e-05, heads=1)
             cast_into(r.v34_7168, r.v34_7168_bf16)
             linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v34_7168_bf16, r.logits)
             # spec line 218: return logits, argmax(logits)
@@ -2928,7 +2872,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     def vmem():
         return pl.BlockSpec(memory_space=pltpu.VMEM)
 
-    n_scalars = 9  # tokens, positions, the layer tables, the sampling seed
+    n_scalars = 10  # tokens, positions, the layer tables, the tile descriptors, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
     layout = local_state_layout(batch, seq_len)
     call = pl.pallas_call(
@@ -2956,7 +2900,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     P = jax.sharding.PartitionSpec
 
     def per_device(tokens, positions, seed, *arrays):
-        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(SLOTS0), jnp.asarray(SLOTS1), jnp.asarray(SLOTS2), jnp.asarray(SLOTS3)]
+        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(RING.desc), jnp.asarray(SLOTS0), jnp.asarray(SLOTS1), jnp.asarray(SLOTS2), jnp.asarray(SLOTS3)]
         return call(tokens, positions, *tables, seed, *arrays)
 
     def split_of(name):

@@ -495,6 +495,19 @@ class Stream:
     def tiles(self) -> int:
         return self.nk * self.nn
 
+    def copies(self, r, slot, k, n, bank):
+        """The DMA of tile (k, n) (layer slice `slot`) into ring bank `bank`."""
+        k0 = pl.multiple_of(k * self.tk, self.tk)
+        n0 = pl.multiple_of(n * self.tn, self.tn)
+        w = getattr(r, self.ref)
+        src = w.at[slot, pl.ds(k0, self.tk), pl.ds(n0, self.tn)] if self.stacked else w.at[pl.ds(k0, self.tk), pl.ds(n0, self.tn)]
+        return [pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, self.tk), pl.ds(0, self.tn)], r.ring_sem.at[bank])]
+
+    def wait(self, r, bank):
+        """Wait for this stream's tile in `bank` (the wait counts the tile's bytes, whatever tile)."""
+        for cp in self.copies(r, 0, 0, 0, bank):
+            cp.wait()
+
 
 class Refs:
     """The kernel's refs by name, in the order the pallas_call passes them."""
@@ -503,33 +516,125 @@ class Refs:
         self.__dict__.update(zip(names, refs, strict=True))
 
 
-def tile_copy(r, st: Stream, slot, j, bank):
-    """The DMA of tile j of stream `st` (layer slice `slot`) into ring bank `bank`."""
-    n = j // st.nk
-    k = j - n * st.nk
-    k0 = pl.multiple_of(k * st.tk, st.tk)
-    n0 = pl.multiple_of(n * st.tn, st.tn)
-    w = getattr(r, st.ref)
-    src = w.at[slot, pl.ds(k0, st.tk), pl.ds(n0, st.tn)] if st.stacked else w.at[pl.ds(k0, st.tk), pl.ds(n0, st.tn)]
-    return pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], r.ring_sem.at[bank])
+# ---------------------------------------------------------------------------------------
+# The weight ring's issue side. Every tile of a step has a global index g (LAYER_TILE_BASE[l] +
+# its stream's start + its index) and lives in bank g % RING_DEPTH. Its DMA is described at
+# build time by a row of the descriptor table (two words: arm | slot << 8, k | n << 16), where
+# an arm is one distinct stream shape (the DMA code that can move the tile). Issuing tile g is
+# then two SMEM loads and one DMA start; the arms it may be are known at trace time for each
+# consumer (`RingTables.ahead`), so a site picks among them by a short tree of compares (none
+# for one arm) instead of a chain over every stream of every layer kind.
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RingTables:
+    arms: tuple  # distinct stream shapes (start 0)
+    desc: np.ndarray  # int32 [2 * tiles]: per global tile, arm | slot << 8 and k | n << 16
+    static: tuple  # per global tile: (arm, slot, k, n) as ints, for issues at trace-time g
+    ahead: dict  # stream -> (sorted arms of the tiles its consumer issues, any past the end)
+
+    @property
+    def tiles(self) -> int:
+        return len(self.static)
+
+
+def ring_tables(kind_streams, epilogue_streams):
+    """The descriptor table of every global tile, from each layer kind's streams (with the slot
+    table of their layer slices, None: the layer index) and the epilogue's streams."""
+    arms, index, static = [], {}, []
+
+    def add(st, slot):
+        key = dataclasses.replace(st, start=0)
+        if key not in index:
+            index[key] = len(arms)
+            arms.append(key)
+        assert index[key] < 256 and 0 <= slot < 2**23 and st.nk < 2**16 and st.nn < 2**15, st
+        for j in range(st.tiles):
+            static.append((index[key], slot, j % st.nk, j // st.nk))
+
+    owners = []  # per stream instance: (stream, its first global tile)
+    for layer, kind in enumerate(LAYER_KIND):
+        for st, table in kind_streams[kind]:
+            assert len(static) == LAYER_TILE_BASE[layer] + st.start, (layer, st)
+            owners.append((st, len(static)))
+            add(st, (layer if table is None else int(table[layer])) if st.stacked else 0)
+    for st in epilogue_streams:
+        owners.append((st, len(static)))
+        add(st, 0)
+    ahead = {}
+    for st, first in owners:
+        arms_of, past = ahead.get(st, (set(), False))
+        for g in range(first + RING_DEPTH - 1, first + st.tiles + RING_DEPTH - 1):
+            if g < len(static):
+                arms_of = arms_of | {static[g][0]}
+            else:
+                past = True
+        ahead[st] = (arms_of, past)
+    ahead = {st: (tuple(sorted(a)), past) for st, (a, past) in ahead.items()}
+    desc = np.array([w for arm, slot, k, n in static for w in (arm | slot << 8, k | n << 16)] or [0, 0], np.int32)
+    return RingTables(tuple(arms), desc, tuple(static), ahead)
+
+
+def ring_issue(r, ring, desc, g, arms=None, past_end=True):
+    """Start the DMA of global tile g into bank g % RING_DEPTH from its descriptor (nothing past
+    the last tile). `arms`: the arms tile g may be (sorted, static); default all of them."""
+    if isinstance(g, int):  # known at trace time (the prologue): no table reads
+        if g < ring.tiles:
+            arm, slot, k, n = ring.static[g]
+            for cp in ring.arms[arm].copies(r, slot, k, n, g % RING_DEPTH):
+                cp.start()
+        return
+    arms = tuple(range(len(ring.arms))) if arms is None else arms
+
+    def start():
+        w0, w1 = desc[2 * g], desc[2 * g + 1]
+        slot, k, n, bank = w0 >> 8, w1 & 0xFFFF, w1 >> 16, g % RING_DEPTH
+
+        def tree(lo, hi):  # arms[lo:hi]: split on the arm id until one is left
+            if hi - lo == 1:
+                for cp in ring.arms[arms[lo]].copies(r, slot, k, n, bank):
+                    cp.start()
+                return
+            mid = (lo + hi) // 2
+            jax.lax.cond((w0 & 255) < arms[mid], lambda: tree(lo, mid), lambda: tree(mid, hi))
+
+        tree(0, len(arms))
+
+    if arms and past_end:
+        pl.when(g < ring.tiles)(start)
+    elif arms:
+        start()
+
+
+def k_columns(st, k):
+    """The input columns of K tile k (k a Python int or a traced one, when tk is lane-aligned)."""
+    return slice(k * st.tk, (k + 1) * st.tk) if isinstance(k, int) else pl.ds(pl.multiple_of(k * st.tk, st.tk), st.tk)
+
+
+def sum_k_tiles(st, rows, width, part):
+    """Sum of part(k) over the nk K tiles: a loop when the tiles' input columns are lane-aligned
+    (one copy of the tile code), else unrolled."""
+    if st.nk == 1:
+        return part(0)
+    if st.tk % 128 == 0:
+        return jax.lax.fori_loop(0, st.nk, lambda k, acc: acc + part(k), jnp.zeros((rows, width), F32))
+    acc = part(0)
+    for k in range(1, st.nk):
+        acc = acc + part(k)
+    return acc
 
 
 def linear(r, issue, st: Stream, slot, base, xb, out):
     """out = xb @ W: consume W's tiles from the ring, keeping RING_DEPTH - 1 tiles in flight."""
 
+    def tile(n, k):
+        g = base + n * st.nk + k
+        issue(g + RING_DEPTH - 1, st)
+        bank = g % RING_DEPTH
+        st.wait(r, bank)
+        return jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+
     def column_block(n, carry):
-        acc = None
-        for k in range(st.nk):
-            g = base + n * st.nk + k
-            issue(g + RING_DEPTH - 1)
-            bank = g % RING_DEPTH
-            tile_copy(r, st, 0, 0, bank).wait()
-            part = jnp.dot(
-                xb[:, k * st.tk : (k + 1) * st.tk],
-                r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)],
-                preferred_element_type=F32,
-            )
-            acc = part if acc is None else acc + part
+        acc = sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k))
         out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = acc[0 : out.shape[0]]  # the logits output has batch rows
         return carry
 
@@ -541,10 +646,14 @@ def rms_rows(x, w, eps):
 
 
 def rmsnorm(x, w, out, eps, heads):
-    """RMSNorm of each row (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
+    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
     d = x.shape[1] // heads
-    for h in range(heads):
-        out[:, h * d : (h + 1) * d] = rms_rows(x[:, h * d : (h + 1) * d], w, eps)
+
+    def head(h):
+        cols = head_cols(h, d)
+        out[:, cols] = rms_rows(x[:, cols], w, eps)
+
+    for_each_head(heads, d, head)
 
 
 def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):
@@ -590,18 +699,21 @@ def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
     def start(b):
         return pl.multiple_of(jnp.clip((tokens_ref[b] - offset) // EMB_BLOCK * EMB_BLOCK, 0, vocab - EMB_BLOCK), 8)
 
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start()
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait()
+    def each_row(body):  # one copy of the per-row code, whatever the batch
+        jax.lax.fori_loop(0, batch, lambda b, c: (body(b), c)[1], 0)
+
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start())
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait())
     width = table.shape[1]
     lane_row = jax.lax.broadcasted_iota(I32, (EMB_BLOCK, width), 0)
     out_row = jax.lax.broadcasted_iota(I32, out.shape, 0)
-    x = jnp.zeros(out.shape, F32)
-    for b in range(batch):
+    out[...] = jnp.zeros(out.shape, F32)
+
+    def pick(b):
         picked = jnp.where(lane_row == tokens_ref[b] - offset - start(b), block[b].astype(F32), 0.0)
-        x = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), x)
-    out[...] = x
+        out[...] = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), out[...])
+
+    each_row(pick)
 
 
 def row_argmax(x, chunk):
@@ -907,6 +1019,14 @@ DECODER_TILES = 7
 S_EPILOGUE_LOGITS = Stream("lm_head", k=128, n=256, tk=128, tn=256, start=0, stacked=False)  # spec line 45
 EPILOGUE_TILES = 1
 
+# The streams of each layer kind (LAYER_KINDS order), each with the slot table its layer slice is
+# read from (None: the layer index), and the epilogue's; RING: the descriptor of every tile.
+KIND_STREAMS = (
+    ((S_DECODER_LINEAR, None), (S_DECODER_LINEAR_1, None), (S_DECODER_LINEAR_2, None), (S_DECODER_LINEAR_3, None), (S_DECODER_LINEAR_4, None), (S_DECODER_LINEAR_5, None), (S_DECODER_LINEAR_6, None), ),
+)
+EPILOGUE_STREAMS = (S_EPILOGUE_LOGITS, )
+RING = ring_tables(KIND_STREAMS, EPILOGUE_STREAMS)
+
 
 def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
@@ -950,7 +1070,6 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
     scratch = {
         "ring": pltpu.VMEM((16, 256, 256), jnp.bfloat16),
         "ring_sem": pltpu.SemaphoreType.DMA((16,)),
-        "cursor": pltpu.SMEM((2,), jnp.int32),
         "f_norm1": pltpu.VMEM((2, 128), jnp.bfloat16),
         "f_norm2": pltpu.VMEM((2, 128), jnp.bfloat16),
         "f_out_norm": pltpu.VMEM((1, 128), jnp.bfloat16),
@@ -990,7 +1109,7 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
     scratch.update(step_scratch(batch, rows))  # the in-kernel step loop (wrapper/sampling.py.jinja)
     names = hbm_inputs + state_names + outputs + list(scratch)
 
-    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, seed_ref, *refs):
+    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, tile_desc_ref, seed_ref, *refs):
         r = Refs(names, refs)
         tokens_ref, positions_ref = r.step_tokens, r.step_positions  # the current step's, as the lowerings read them
         for b in range(batch):
@@ -998,72 +1117,18 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
             positions_ref[b] = positions_in[b]
 
         def decode_step(step, carry):  # one whole decode step; its drawn tokens feed the next
-            def issue(g):
-                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
-
-                def tiles_of(layer):
-                    return DECODER_TILES
-
-                def behind(cursor):
-                    layer, base = cursor
-                    return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
-
-                def advance(cursor):
-                    layer, base = cursor
-                    return layer + 1, base + tiles_of(layer)
-
-                # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
-                layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
-                r.cursor[0] = layer
-                r.cursor[1] = base
-                j, bank = g - base, g % RING_DEPTH
-                kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
-
-                @pl.when((layer < NUM_LAYERS) & (kind == 0))
-                def _():
-                    @pl.when((j >= S_DECODER_LINEAR.start) & (j < S_DECODER_LINEAR.start + S_DECODER_LINEAR.tiles))
-                    def _():
-                        tile_copy(r, S_DECODER_LINEAR, layer, j - S_DECODER_LINEAR.start, bank).start()
-
-                    @pl.when((j >= S_DECODER_LINEAR_1.start) & (j < S_DECODER_LINEAR_1.start + S_DECODER_LINEAR_1.tiles))
-                    def _():
-                        tile_copy(r, S_DECODER_LINEAR_1, layer, j - S_DECODER_LINEAR_1.start, bank).start()
-
-                    @pl.when((j >= S_DECODER_LINEAR_2.start) & (j < S_DECODER_LINEAR_2.start + S_DECODER_LINEAR_2.tiles))
-                    def _():
-                        tile_copy(r, S_DECODER_LINEAR_2, layer, j - S_DECODER_LINEAR_2.start, bank).start()
-
-                    @pl.when((j >= S_DECODER_LINEAR_3.start) & (j < S_DECODER_LINEAR_3.start + S_DECODER_LINEAR_3.tiles))
-                    def _():
-                        tile_copy(r, S_DECODER_LINEAR_3, layer, j - S_DECODER_LINEAR_3.start, bank).start()
-
-                    @pl.when((j >= S_DECODER_LINEAR_4.start) & (j < S_DECODER_LINEAR_4.start + S_DECODER_LINEAR_4.tiles))
-                    def _():
-                        tile_copy(r, S_DECODER_LINEAR_4, layer, j - S_DECODER_LINEAR_4.start, bank).start()
-
-                    @pl.when((j >= S_DECODER_LINEAR_5.start) & (j < S_DECODER_LINEAR_5.start + S_DECODER_LINEAR_5.tiles))
-                    def _():
-                        tile_copy(r, S_DECODER_LINEAR_5, layer, j - S_DECODER_LINEAR_5.start, bank).start()
-
-                    @pl.when((j >= S_DECODER_LINEAR_6.start) & (j < S_DECODER_LINEAR_6.start + S_DECODER_LINEAR_6.tiles))
-                    def _():
-                        tile_copy(r, S_DECODER_LINEAR_6, layer, j - S_DECODER_LINEAR_6.start, bank).start()
-
-                @pl.when(layer == NUM_LAYERS)
-                def _():
-                    @pl.when((j >= S_EPILOGUE_LOGITS.start) & (j < S_EPILOGUE_LOGITS.start + S_EPILOGUE_LOGITS.tiles))
-                    def _():
-                        tile_copy(r, S_EPILOGUE_LOGITS, 0, j - S_EPILOGUE_LOGITS.start, bank).start()
-
-                    pass
+            def issue(g, consumer=None):
+                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing).
+                `consumer`: the stream whose tile g - RING_DEPTH + 1 is being consumed, which narrows
+                the arms tile g may be (RING.ahead); None: any."""
+                arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
+                ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
             attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=2, kv_heads=1, dk=128, dv=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.08838834764831845, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)
 
             # ---- prologue: first tiles in flight, per-step tables ----
-            r.cursor[0] = 0
-            r.cursor[1] = 0
-            for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
-                issue(jnp.int32(g))
+            for g in range(RING_DEPTH - 1):
+                issue(g)
             rope0_cos, rope0_sin, rope0_up = rope_tables(positions_ref, rows, batch, d=128, offset=0, rotary=128, shift=64, freq=(1.0, 0.8659643530845642, 0.7498942017555237, 0.6493816375732422, 0.5623413324356079, 0.486967533826828, 0.4216965138912201, 0.3651741147041321, 0.3162277638912201, 0.2738419771194458, 0.23713737726211548, 0.20535250008106232, 0.17782793939113617, 0.1539926528930664, 0.1333521455526352, 0.11547819525003433, 0.10000000149011612, 0.08659642934799194, 0.0749894231557846, 0.06493816524744034, 0.05623413249850273, 0.04869675263762474, 0.04216964915394783, 0.03651741147041321, 0.03162277489900589, 0.0273841954767704, 0.023713737726211548, 0.02053525112569332, 0.017782794311642647, 0.015399265103042126, 0.013335213996469975, 0.011547819711267948, 0.009999999776482582, 0.00865964312106371, 0.007498942315578461, 0.006493816152215004, 0.005623413249850273, 0.004869675263762474, 0.0042169648222625256, 0.0036517411936074495, 0.003162277629598975, 0.0027384196873754263, 0.0023713738191872835, 0.0020535250660032034, 0.0017782794311642647, 0.0015399265103042126, 0.0013335214462131262, 0.0011547820176929235, 0.0010000000474974513, 0.0008659643353894353, 0.0007498941849917173, 0.0006493816035799682, 0.000562341301701963, 0.0004869675321970135, 0.0004216965171508491, 0.00036517411353997886, 0.0003162277571391314, 0.00027384195709601045, 0.00023713737027719617, 0.00020535250951070338, 0.00017782794020604342, 0.0001539926597615704, 0.0001333521504420787, 0.00011547820031410083), concentration=1.0)
             kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
             for i in range(1):
@@ -1085,7 +1150,7 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
                     fetch(r.norm2, r.f_norm2, r.fetch_sem.at[1], li, 2).start()
                     # spec line 32: h = rmsnorm(x, norm1)
                     fetch(r.norm1, r.f_norm1, r.fetch_sem.at[0], li, 2).wait()
-                    rmsnorm(r.carry0[...], pick_row(r.f_norm1, li), r.v0_128, eps=1e-05, heads=1)
+                    rmsnorm(r.carry0, pick_row(r.f_norm1, li), r.v0_128, eps=1e-05, heads=1)
                     # spec line 33: q = rope(linear(h, wq), pos, heads=NH)
                     cast_into(r.v0_128, r.v0_128_bf16)
                     linear(r, issue, S_DECODER_LINEAR, li, base + S_DECODER_LINEAR.start, r.v0_128_bf16, r.v1_256)
@@ -1102,7 +1167,7 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
                     r.v4_128[...] = r.carry0[...] + r.v3_128[...]
                     # spec line 37: h = rmsnorm(x, norm2)
                     fetch(r.norm2, r.f_norm2, r.fetch_sem.at[1], li, 2).wait()
-                    rmsnorm(r.v4_128[...], pick_row(r.f_norm2, li), r.v3_128, eps=1e-05, heads=1)
+                    rmsnorm(r.v4_128, pick_row(r.f_norm2, li), r.v3_128, eps=1e-05, heads=1)
                     # spec line 38: return x + linear(swiglu(linear(h, w_gate), linear(h, w_up)), w_down)
                     cast_into(r.v3_128, r.v3_128_bf16)
                     linear(r, issue, S_DECODER_LINEAR_4, li, base + S_DECODER_LINEAR_4.start, r.v3_128_bf16, r.v1_256)
@@ -1124,7 +1189,7 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
             fetch(r.out_norm, r.f_out_norm, r.fetch_sem.at[2], 0, 1).start()
             # spec line 45: logits = linear(rmsnorm(x, out_norm), lm_head)
             fetch(r.out_norm, r.f_out_norm, r.fetch_sem.at[2], 0, 1).wait()
-            rmsnorm(r.carry0[...], pick_row(r.f_out_norm, 0), r.v6_128, eps=1e-05, heads=1)
+            rmsnorm(r.carry0, pick_row(r.f_out_norm, 0), r.v6_128, eps=1e-05, heads=1)
             cast_into(r.v6_128, r.v6_128_bf16)
             linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v6_128_bf16, r.logits)
             # spec line 46: return logits, argmax(logits)
@@ -1142,7 +1207,7 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
     def vmem():
         return pl.BlockSpec(memory_space=pltpu.VMEM)
 
-    n_scalars = 5  # tokens, positions, the layer tables, the sampling seed
+    n_scalars = 6  # tokens, positions, the layer tables, the tile descriptors, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
     layout = state_layout(batch, seq_len)
     call = pl.pallas_call(
@@ -1170,7 +1235,7 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
     def one_step(flat, state, tokens, positions, seed):
         """One kernel call: (logits, the tokens the kernel drew [batch], new state, trace)."""
         seed = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), I32).reshape(1)
-        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE)]
+        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(RING.desc)]
         logits, next_tokens, *new_state = call(
             tokens.astype(I32),
             positions.astype(I32),

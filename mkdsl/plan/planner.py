@@ -379,7 +379,6 @@ def allocate_vmem(s: _State) -> None:
         purpose = f"weight ring ({dtype}): {s.depth} banks of [{rows}, {cols}]"
         _alloc(s, name, (s.depth, rows, cols), dtype, purpose, ring_span, memory)
     _alloc(s, "ring_sem", (s.depth,), "dma", "weight ring semaphores", ring_span, "SEM")
-    _alloc(s, "cursor", (2,), "int32", "tile issue cursor (layer, first tile)", NOWHERE, "SMEM")
     fetched = list(dict.fromkeys(name for g in [*m.kinds, m.step] for name in roles.fetched_weights(m, g)))
     for name in fetched:
         t = m.tensor(name)

@@ -114,6 +114,11 @@ class _Emitter:
             self.slot_tables[t.slots] = f"slots{len(self.slot_tables)}"
         return f"{self.slot_tables[t.slots]}_ref[{layer}]"
 
+    def slot_table(self, tensor: str) -> str:
+        """The module's table of `tensor`'s layer slices ("None": the layer index, or not stacked)."""
+        expr = self.slot_expr(tensor, "layer")
+        return expr.removesuffix("_ref[layer]").upper() if expr.endswith("_ref[layer]") else "None"
+
     # ------------------------------------------------------------------ nodes
 
     def lower_body(self, g: Graph, nodes, seq: str, layer: str = "li") -> tuple[list[str], list[dict]]:
@@ -210,7 +215,7 @@ class _Emitter:
                         start=st.start,
                         stacked=st.stacked,
                         line=st.line,
-                        slot_expr_issue=self.slot_expr(st.tensor, "layer"),
+                        slot_table=self.slot_table(st.tensor),
                         quant=bool(st.parts),
                         transposed=st.transposed,
                         valid=st.valid,
@@ -251,7 +256,6 @@ class _Emitter:
             prologue=prologue,
             carries=[c for c in carries if c["buf"] != c["init"]],  # values built in their carry need no copy
             epilogue=dict(seqs["epilogue"], body=epilogue_body, starts=epilogue_starts),
-            tiles_of_kind=self.tiles_of_kind(kinds),
             traced=[dict(name=v.name, buf=f"carry{i}", width=v.type.shape[1]) for i, v in enumerate(m.kinds[0].params)],
         )
 
@@ -392,15 +396,6 @@ class _Emitter:
             needed.update(lw.runtime, lw.runtime_of(self.m, at) if lw.runtime_of else ())
         parts = ["core"] + (["comm", "sharded"] if self.sharded else [])
         return [f"runtime/{p}.py.jinja" for p in parts] + [p for p in RUNTIME_PARTS if p in needed]
-
-    def tiles_of_kind(self, kinds: list[dict]) -> str:
-        if len(kinds) == 1:
-            return kinds[0]["const"]
-        kind = "layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]"
-        expr = kinds[-1]["const"]
-        for i, k in reversed(list(enumerate(kinds[:-1]))):
-            expr = f"jnp.where({kind} == {i}, {k['const']}, {expr})"
-        return expr
 
     def state(self, t) -> dict:
         dims = [d.name for d in self.m.dims]
