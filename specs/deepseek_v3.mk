@@ -17,8 +17,8 @@
 # it) and the "dynamic" per-token fp8 quantisation of activations of DeepSeek's optional fp8 GEMM
 # path (its default path, like mkdsl's numeric contract, rounds activations to bf16).
 # The `checkpoint hf` section at the end loads the published checkpoint: each fp8 `.weight` with
-# its `.weight_scale_inv` as one block-scaled weight (codes and scales transposed, bit for bit),
-# and kv_b_proj decoded into bf16 as said above.
+# its `.weight_scale_inv` as one block-scaled weight (codes and scales transposed, bit for bit,
+# kv_b_proj's included).
 model deepseek_v3
 
 const L     = 61          # layers
@@ -173,8 +173,8 @@ step(tokens, positions) {
 # prefix model.layers.N.; layer 61, the MTP layer, is not read). Matrices are stored [out, in]
 # (the spec's are [in, out]); an fp8 matrix is its codes `*` its 128x128 block scales, both
 # transposed. The dense MLP is read for layers 0 .. DENSE-1, the router and experts (one tensor
-# each, stacked over `{e}`) for the others. kv_b_proj is decoded into the spec's bf16 `wkv_b`
-# (code x block scale in f32, then rounded to bf16: `round`), as DeepSeek's weight_dequant does.
+# each, stacked over `{e}`) for the others. Nothing rounds: every weight is stored as the spec
+# declares it.
 checkpoint hf {
   embed       = "model.embed_tokens.weight"
   attn_norm   = "model.layers.{l}.input_layernorm.weight"
@@ -190,7 +190,7 @@ checkpoint hf {
                 * "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight_scale_inv" | transpose
   kv_norm     = "model.layers.{l}.self_attn.kv_a_layernorm.weight"
   wkv_b       = "model.layers.{l}.self_attn.kv_b_proj.weight"
-                * "model.layers.{l}.self_attn.kv_b_proj.weight_scale_inv" | transpose | round
+                * "model.layers.{l}.self_attn.kv_b_proj.weight_scale_inv" | transpose
   wo          = "model.layers.{l}.self_attn.o_proj.weight"
                 * "model.layers.{l}.self_attn.o_proj.weight_scale_inv" | transpose
   dense_gate  = "model.layers.{l}.mlp.gate_proj.weight" * "model.layers.{l}.mlp.gate_proj.weight_scale_inv" | transpose

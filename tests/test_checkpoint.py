@@ -484,3 +484,58 @@ def test_smollm2_mistakes_exit_1_naming_the_tensor(tmp_path, capsys, mistake):
         "dtype": r"tensor `model\.layers\.1\.mlp\.down_proj\.weight` is F16, which bf16 cannot hold exactly \(expected BF16",
     }[mistake]
     assert re.search(message, err), err
+
+
+DECODED = """
+model decoded
+const H = 256
+const V = 512
+dim B in 1 .. 8
+weight embed:   bf16[V, H]
+weight w_fp8:   bf16[H, H]   # from fp8 codes * 128x128 block scales, decoded
+weight w_mx:    f32[H, H]    # from MXFP4 blocks * E8M0 scales, decoded
+weight lm_head: bf16[H, V]
+layer l0(x) {
+  return x + linear(x, w_fp8) + linear(x, w_mx)
+}
+layers 1 { l0: otherwise }
+step(tokens, positions) {
+  x = layers(embedding(tokens, embed))
+  logits = linear(x, lm_head)
+  return logits, argmax(logits)
+}
+checkpoint hf {
+  embed   = "embed"
+  w_fp8   = "fp8.weight" * "fp8.weight_scale_inv" | transpose ROUND
+  w_mx    = "mx.blocks" * "mx.scales" | transpose
+  lm_head = "head" | transpose
+}
+"""
+
+
+@pytest.mark.parametrize("rounds", [True, False])
+def test_pairs_decode_into_a_plain_dtype(tmp_path, rounds):
+    """A pair into a plain dtype: fp8 x f32 block scale rounds (f32 product, then bf16), so only
+    with `round`; MXFP4 (e2m1 x 2^(byte - 127)) is exact in f32. Checked against numpy decodes."""
+    from checkpoint_writers import fp8_blocks, fp8_decode, openai_blocks
+
+    (tmp_path / "d.mk").write_text(DECODED.replace("ROUND", "| round" if rounds else ""))
+    spec = mkdsl.load(tmp_path / "d.mk")
+    rng = np.random.default_rng(0)
+    codes, scales = fp8_blocks(rng.standard_normal((256, 256)).astype(np.float32))
+    nib = rng.integers(0, 16, (256, 256)).astype(np.uint8)  # [out, in]
+    exps = rng.integers(120, 134, (256, 8)).astype(np.uint8)
+    bf = ml_dtypes.bfloat16
+    tensors = {"embed": np.ones((512, 256), bf), "head": np.ones((512, 256), bf), "mx.scales": exps}
+    tensors |= {"fp8.weight": codes, "fp8.weight_scale_inv": scales, "mx.blocks": openai_blocks(nib)}
+    path = _hf(tmp_path, tensors)
+    if not rounds:
+        with pytest.raises(CheckpointError, match=r"`fp8\.weight` F8_E4M3 \[256, 256\] \* .* decode to products bf16"):
+            mkdsl.load_weights(spec, path, host=True, progress=False)
+        return
+    loaded, report = mkdsl.load_weights(spec, path, host=True, progress=False)
+    assert same_weight(loaded["w_fp8"], fp8_decode(codes, scales).T.astype(bf))
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+    want = e2m1[nib] * 2.0 ** (np.repeat(exps, 32, axis=1).astype(np.float64) - 127)
+    assert same_weight(loaded["w_mx"], want.T.astype(np.float32))
+    assert dict(report.rounded) == {"F8_E4M3*F32": 1}
