@@ -1,7 +1,8 @@
 """Independent numpy decoding for the specs written as a new user would (Gemma 3, Mixtral,
 Qwen2.5): the published equations in float64, rounded where the deployed model feeds or stores
-bf16 (every matmul input, the KV cache entries, an expert's activation before its down
-projection: docs/language.md's numeric contract). Nothing here uses mkdsl's ops.
+bf16 (every matmul input, attention's query and softmax weights against the bf16 caches included,
+the KV cache entries, an expert's activation before its down projection: docs/language.md's
+numeric contract). Nothing here uses mkdsl's ops.
 
 Tolerances (numpy vs reference), as in tests/test_qwen3.py: both round the same values to bf16,
 so they differ by f32 rounding (~2^-24 relative per op) until that flips the bf16 rounding of one
@@ -69,13 +70,17 @@ def gelu_tanh(x):
 
 def attend(q, cache_k, cache_v, first, pos, scale):
     """Grouped-query softmax attention of q [heads, d] over cached tokens first..pos of
-    cache_k, cache_v [kv_heads, S, d]; query head h reads KV head h // (heads / kv_heads)."""
+    cache_k, cache_v [kv_heads, S, d]; query head h reads KV head h // (heads / kv_heads). Both
+    products are MXU matmuls against the bf16 cache, so their other inputs are rounded to bf16:
+    the query, and the softmax's unnormalised weights exp(s - max), divided by their f64 sum
+    after (docs/architecture.md, "Attention numerics")."""
     group = q.shape[0] // cache_k.shape[0]
     out = np.zeros_like(q)
     for head in range(q.shape[0]):
         j = head // group
-        s = cache_k[j, first : pos + 1] @ q[head] * scale
-        out[head] = softmax(s) @ cache_v[j, first : pos + 1]
+        s = cache_k[j, first : pos + 1] @ bf16(q[head]) * scale
+        e = np.exp(s - s.max())
+        out[head] = bf16(e) @ cache_v[j, first : pos + 1] / e.sum()
     return out.reshape(-1)
 
 
