@@ -17,8 +17,8 @@
 # it) and the "dynamic" per-token fp8 quantisation of activations of DeepSeek's optional fp8 GEMM
 # path (its default path, like mkdsl's numeric contract, rounds activations to bf16).
 # No `checkpoint hf` section yet: a mapping line names one stored tensor (or a concatenation), so
-# it cannot pair a `.weight` with its `.weight_scale_inv` as one block-scaled weight, nor dequantise
-# kv_b_proj into bf16, and the loader converts into plain dtypes only (mkdsl/checkpoint/loader.py).
+# it cannot pair a `.weight` with its `.weight_scale_inv` as one block-scaled weight, and the
+# loader converts into plain dtypes only (mkdsl/checkpoint/loader.py).
 model deepseek_v3
 
 const L     = 61          # layers
