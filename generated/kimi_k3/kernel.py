@@ -412,23 +412,41 @@ class Sampling:
 
 
 def _mix32(x):
-    """A bijective 32-bit hash (xor-shift-multiply rounds): each output bit depends on every input bit."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
+    """A bijective 32-bit hash (xor-shift-multiply rounds) of int32 `x` (wrapping products, logical
+    shifts: the same bits in XLA and in a kernel): each output bit depends on every input bit."""
+    x = x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+    x = x * jnp.int32(0x7FEB352D)
+    x = x ^ jax.lax.shift_right_logical(x, jnp.int32(15))
+    x = x * jnp.int32(0x846CA68B - 2**32)
+    return x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+
+
+def _int32(x):
+    """An integer array's 32 bits as int32 (uint32 seeds bit-cast, not clipped)."""
+    x = jnp.asarray(x)
+    return jax.lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.uint32 else x.astype(jnp.int32)
+
+
+def _row_keys(seed, positions, rows):
+    """Each row's key [rows, 1]: a hash of (seed, the row's position, the row)."""
+    key = _mix32(_int32(seed) ^ jnp.int32(0x9E3779B9 - 2**32))
+    return _mix32(_mix32(key ^ positions) ^ rows)
+
+
+def _uniform(keys, columns):
+    """u in (0, 1) for each row key [rows, 1] and global token id `columns` (int32, broadcast)."""
+    bits = _mix32(keys ^ _mix32(columns))
+    return (jax.lax.shift_right_logical(bits, jnp.int32(8)).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)
 
 
 def sample_uniform(seed, positions, vocab):
-    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id). Counter-based,
-    so a step's draws depend on nothing else: the same seed and positions give the same bits
-    whatever ran before, in one call or several, and however the vocabulary is split."""
-    seed = jnp.asarray(seed).astype(jnp.uint32)
-    rows = jnp.arange(positions.shape[0], dtype=jnp.uint32)
-    key = _mix32(_mix32(_mix32(seed ^ jnp.uint32(0x9E3779B9)) ^ positions.astype(jnp.uint32)) ^ rows)
-    bits = _mix32(key[:, None] ^ _mix32(jnp.arange(vocab, dtype=jnp.uint32))[None, :])
-    return ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)  # 24 bits: exact in f32
+    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id), 24 bits (exact
+    in f32). Counter-based, so a step's draws depend on nothing else: the same seed and positions
+    give the same bits whatever ran before, in one call or several, however the vocabulary is
+    split, in XLA or in the kernel (kernel_sample)."""
+    rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]
+    keys = _row_keys(seed, _int32(positions)[:, None], rows)
+    return _uniform(keys, jnp.arange(vocab, dtype=jnp.int32)[None, :])
 
 
 def sampling_mask(z, sampling):
@@ -457,6 +475,190 @@ def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None):
     z = sampling_mask(logits / jnp.float32(sampling.temperature), sampling)
     g = -jnp.log(-jnp.log(sample_uniform(seed, positions, logits.shape[-1])))
     return jnp.argmax(z + g, axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# The same draw inside the kernel (the lowering of the step's `argmax`, writing next_tokens),
+# over a vocabulary that may be split over the devices of `mask`: every reduction is a per-row
+# [batch, 1] value combined over the group with Comm.combine (the same bits on every device).
+#   temperature: z = logits / T, as sample_tokens.
+#   top_k: the k-th largest z, found exactly by building its order key bit by bit (32 passes,
+#     each a count of the z >= a candidate: integers, exact in any order): keeps z >= it, as
+#     sampling_mask.
+#   top_p: p = exp(z - max) / sum (the max and the sum combined over the group); token j is kept
+#     iff the mass of the tokens more likely than it, S(p_j) = sum of p_i > p_j, is < top_p:
+#     sampling_mask's rule (its sorted cumulative sum at the first of p_j's ties). The threshold
+#     is found by building the largest key with S >= top_p bit by bit (31 passes). Exact but for
+#     the order of the f32 sums: it can differ from the reference only when S(p_j) is within
+#     f32 rounding (~V x 2^-24) of top_p.
+#   draw: argmax(z + g), g = -log(-log u), u from `_uniform` of the global token id; each device
+#     takes its best (first on ties) and the group's best is combined as the greedy argmax is.
+# ---------------------------------------------------------------------------------------
+def _order_key(z):
+    """A signed int32 key in the order of f32 z (-0.0 counted as 0.0)."""
+    i = jax.lax.bitcast_convert_type(z + jnp.float32(0.0), jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _fold(x, chunk, fn, init):
+    """fn(columns [batch, chunk] of ref x, their first column, acc) over the row, chunk by chunk."""
+
+    def body(c, acc):
+        c0 = pl.multiple_of(c * chunk, chunk)
+        return fn(x[:, pl.ds(c0, chunk)], c0, acc)
+
+    return jax.lax.fori_loop(0, x.shape[1] // chunk, body, init)
+
+
+def _widen(v, rows, fill):
+    """[batch, 1] -> [rows, 1] (an exchange carries whole padded rows)."""
+    if v.shape[0] == rows:
+        return v
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    wide = jnp.full((rows, 1), fill, v.dtype)
+    for b in range(v.shape[0]):
+        wide = jnp.where(row == b, v[b : b + 1], wide)
+    return wide
+
+
+def _group(comm, mask, v, op):
+    """Per-row f32 v [batch, 1] combined over the devices of `mask` (alone: itself)."""
+    if comm is None:
+        return v
+    return comm.combine(_widen(v, comm.stage.shape[0], 0.0), mask, op)[0 : v.shape[0]]
+
+
+def _largest_key(count, bits, threshold):
+    """The largest key (of `bits` bits; 32: signed, ordered as _order_key) whose count(key) >=
+    threshold, for a count that falls as the key grows: built from the top bit down."""
+    top = jnp.int32(-(2**31)) if bits == 32 else jnp.int32(0)
+
+    def bit(i, u):
+        cand = u | jax.lax.shift_left(jnp.int32(1), jnp.int32(bits - 1) - i)
+        return jnp.where(count(cand ^ top) >= threshold, cand, u)
+
+    return jax.lax.fori_loop(0, bits, bit, jnp.zeros(count.shape, jnp.int32)) ^ top
+
+
+class _Counted:
+    """A per-row count over the (split) row of x, as a function of per-row keys [batch, 1]."""
+
+    def __init__(self, x, chunk, term, comm, mask):
+        self.x, self.chunk, self.term, self.comm, self.mask = x, chunk, term, comm, mask
+        self.shape = (x.shape[0], 1)
+
+    def __call__(self, key):
+        zero = jnp.zeros(self.shape, jnp.float32)
+        total = _fold(self.x, self.chunk, lambda v, c0, acc: acc + self.term(v, key), zero)
+        return _group(self.comm, self.mask, total, jnp.add)
+
+
+def _sum_where(v, keep, values):
+    """Per-row sum of `values` where `keep` (f32 [batch, 1])."""
+    return jnp.sum(jnp.where(keep, values, jnp.float32(0.0)), axis=1, keepdims=True)
+
+
+def _top_k_rule(sampling, x, chunk, comm, mask):
+    """keep(z) for z >= the k-th largest z of the (split) row."""
+    scale = jnp.float32(sampling.temperature)
+    term = lambda v, key: _sum_where(v, _order_key(v / scale) >= key, jnp.float32(1.0))  # noqa: E731
+    kth = _largest_key(_Counted(x, chunk, term, comm, mask), 32, jnp.float32(sampling.top_k))
+    return lambda z: _order_key(z) >= kth
+
+
+def _top_p_rule(keep_k, sampling, x, chunk, comm, mask):
+    """keep(z) for the tokens keep_k keeps whose more likely tokens hold < top_p of the mass."""
+    scale, rows = jnp.float32(sampling.temperature), (x.shape[0], 1)
+    masked = lambda z: jnp.where(keep_k(z), z, -jnp.inf)  # noqa: E731
+    top = _fold(x, chunk, lambda v, c0, m: jnp.maximum(m, jnp.max(masked(v / scale), axis=1, keepdims=True)),
+                jnp.full(rows, -jnp.inf, jnp.float32))
+    top = _group(comm, mask, top, jnp.maximum)
+    total = _fold(x, chunk, lambda v, c0, s: s + jnp.sum(jnp.exp(masked(v / scale) - top), axis=1, keepdims=True),
+                  jnp.zeros(rows, jnp.float32))
+    total = _group(comm, mask, total, jnp.add)
+    prob = lambda z: jnp.exp(masked(z) - top) / total  # noqa: E731  as jax.nn.softmax
+    bits = lambda z: jax.lax.bitcast_convert_type(prob(z), jnp.int32)  # noqa: E731  p >= 0: ordered as p
+    term = lambda v, key: _sum_where(v, bits(v / scale) > key, prob(v / scale))  # noqa: E731
+    edge = _largest_key(_Counted(x, chunk, term, comm, mask), 31, jnp.float32(sampling.top_p))
+    return lambda z: keep_k(z) & (bits(z) > edge)
+
+
+def _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask):
+    """score(columns [batch, chunk], their global token ids): the perturbed masked scaled logits
+    whose argmax is the draw (greedy: the logits)."""
+    if sampling.greedy:
+        return lambda v, cols: v
+    row = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    pos = jnp.zeros(row.shape, jnp.int32)
+    for b in range(x.shape[0]):
+        pos = jnp.where(row == b, positions_ref[b], pos)
+    keys = _row_keys(seed_ref[0], pos, row)
+    keep = lambda z: jnp.ones(z.shape, bool)  # noqa: E731
+    if sampling.top_k and sampling.top_k < vocab:
+        keep = _top_k_rule(sampling, x, chunk, comm, mask)
+    if sampling.top_p < 1:
+        keep = _top_p_rule(keep, sampling, x, chunk, comm, mask)
+    scale = jnp.float32(sampling.temperature)
+
+    def score(v, cols):
+        z = v / scale
+        g = -jnp.log(-jnp.log(_uniform(keys, cols)))
+        return jnp.where(keep(z), z + g, -jnp.inf)
+
+    return score
+
+
+def sampled_argmax(sampling, seed_ref, positions_ref, x, out, chunk, offset=0, comm=None, mask=None):
+    """out <- each row's next token from its logits x (ref f32 [batch, local vocab], this device's
+    columns offset.. of a vocabulary split over `mask`), drawn as sample_tokens draws it from
+    (seed_ref[0], positions_ref): the first argmax when greedy."""
+    vocab = x.shape[1] * (1 << bin(mask).count("1") if comm is not None else 1)  # the whole vocabulary
+    score = _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask)
+
+    def best(v, c0, acc):
+        cols = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1) + c0 + offset
+        s = score(v, cols)
+        m = jnp.max(s, axis=1, keepdims=True)
+        i = jnp.min(jnp.where(s == m, cols, jnp.int32(2**30)), axis=1, keepdims=True)
+        better = m > acc[0]
+        return jnp.where(better, m, acc[0]), jnp.where(better, i, acc[1])
+
+    rows = (x.shape[0], 1)
+    value, index = _fold(x, chunk, best, (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.int32)))
+    if comm is not None:
+        wide = comm.stage.shape[0]
+        value, index = comm.argmax(_widen(value, wide, -jnp.inf), _widen(index, wide, 0), mask)
+    out[...] = index[0 : out.shape[0]]
+
+
+# ---------------------------------------------------------------------------------------
+# Several decode steps in one kernel call: each step's drawn tokens become the next step's
+# input tokens. The lowerings read the step's tokens and positions as SMEM scalars
+# (tokens_ref[b], positions_ref[b]); a drawn token is a vector value, which reaches SMEM
+# through memory: a VMEM -> SMEM DMA of whole [rows, 128] i32 tiles, then scalar copies.
+# ---------------------------------------------------------------------------------------
+def step_scratch(batch, rows):
+    """The step loop's scratch: the current step's tokens and positions (SMEM), the drawn tokens
+    (what the step's `argmax` writes) and their staging for the DMA to SMEM."""
+    return {
+        "step_tokens": pltpu.SMEM((batch,), jnp.int32),
+        "step_positions": pltpu.SMEM((batch,), jnp.int32),
+        "next_tokens": pltpu.VMEM((batch, 1), jnp.int32),
+        "token_stage": pltpu.VMEM((rows, 128), jnp.int32),
+        "token_smem": pltpu.SMEM((rows, 128), jnp.int32),
+        "token_sem": pltpu.SemaphoreType.DMA((1,)),
+    }
+
+
+def feed_tokens(r, batch, step, positions_in):
+    """After decode step `step`: its drawn tokens are the next step's tokens, at positions + 1."""
+    r.token_stage[...] = jnp.broadcast_to(_widen(r.next_tokens[...], r.token_stage.shape[0], 0), r.token_stage.shape)
+    copy = pltpu.make_async_copy(r.token_stage, r.token_smem, r.token_sem.at[0])
+    copy.start()
+    copy.wait()
+    for b in range(batch):
+        r.step_tokens[b] = r.token_smem[b, 0]
+        r.step_positions[b] = positions_in[b] + step + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -963,6 +1165,17 @@ class Comm:
             src = out_ref.at[:, pl.ds(pl.multiple_of(mine * n, width), width)]
             got = self._exchange(k, src, self.recv, width)
             self._local_copy(got, out_ref.at[:, pl.ds(pl.multiple_of(theirs * n, width), width)])
+
+    def combine(self, value, mask, op):
+        """Per-row f32 [rows, 1] `value` combined over the group of `mask` with `op` (jnp.add,
+        jnp.maximum: commutative, so both peers of a phase compute the same bits and every device
+        ends equal). For the sampler's reductions (wrapper/sampling.py.jinja)."""
+        lanes = COMM_PAIR_LANES
+        for k in mask_bits(mask):
+            self.stage[...] = jnp.broadcast_to(value, (value.shape[0], 2 * lanes))
+            got = self._exchange(k, self.stage, self.recv, 2 * lanes)
+            value = op(value, got[:, 0:1])
+        return value
 
     def argmax(self, value, index, mask):
         """Combine per-row (max value f32 [rows, 1], its global column i32 [rows, 1]) over the
@@ -2003,12 +2216,13 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     LAYER_CARRIES, entry 0 as the layer stack receives it and entry l + 1 after layer l. The default
     build has no trace output and no trace copies.
 
-    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the kernel's own
-    argmax); `step` then takes a fifth argument, `seed` (an int, default 0), and its draws are a
-    function of (seed, each row's position, row, token) only. `steps_per_call=N` runs N decode
-    steps in one device call, each step's token fed to the next on the device (positions
-    advancing by one), and returns the N tokens as next_tokens i32 [batch, N] with the last
-    step's logits.
+    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the first argmax);
+    the kernel draws the token itself (`sampled_argmax`, over its share of a split vocabulary)
+    and `step` takes a fifth argument, `seed` (an int, default 0): the draws are a function of
+    (seed, each row's position, row, token) only, as `sample_tokens`'s. `steps_per_call=N` runs
+    N decode steps in one kernel call (a loop in the kernel, each step's token fed to the next
+    on the device, positions advancing by one) and returns the N tokens as next_tokens
+    i32 [batch, N] with the last step's logits.
     """
     check_sizes(batch, seq_len)
     if sampling is None:
@@ -2025,7 +2239,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     vectors = ["final_norm", "out_res", ]  # 1-D weights, passed as [1, N]
     padded = {"attn_res": 96, "mlp_res": 96, "input_norm": 96, "post_norm": 96, "kda_a_log": 72, "kda_dt_bias": 72, "kda_onorm": 80, "mla_qnorm": 32, "mla_kvnorm": 32, "moe_bias": 96, "moe_rnorm": 96, }  # vector stacks padded to whole fetch blocks
     state_names = list(STATE)
-    outputs = ["logits", "next_tokens"] + [f"{name}_out" for name in state_names]
+    outputs = ["logits", "chosen"] + [f"{name}_out" for name in state_names]  # chosen: every step's tokens
     traces = [f"{name}_trace" for name in LAYER_CARRIES] if layer_trace else []
     outputs += traces
     scratch = {
@@ -2146,519 +2360,530 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "kv_n": pltpu.SMEM((1,), jnp.int32),
         "wb_pending": pltpu.SMEM((1,), jnp.int32),
     }
+    scratch.update(step_scratch(batch, rows))  # the in-kernel step loop (wrapper/sampling.py.jinja)
     names = hbm_inputs + state_names + outputs + list(scratch)
 
-    def kernel(tokens_ref, positions_ref, layer_kind_ref, layer_base_ref, slots0_ref, slots1_ref, slots2_ref, slots3_ref, *refs):
+    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, slots0_ref, slots1_ref, slots2_ref, slots3_ref, seed_ref, *refs):
         r = Refs(names, refs)
         comm = Comm(r, axes=MESH_AXES, sizes=MESH_SHAPE)
         comm.enter()  # every peer is in this step's kernel before any exchange writes to it
+        tokens_ref, positions_ref = r.step_tokens, r.step_positions  # the current step's, as the lowerings read them
+        for b in range(batch):
+            tokens_ref[b] = tokens_in[b]
+            positions_ref[b] = positions_in[b]
 
-        def issue(g):
-            """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
+        def decode_step(step, carry):  # one whole decode step; its drawn tokens feed the next
+            def issue(g):
+                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
 
-            def tiles_of(layer):
-                return jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 0, KDA_DENSE_TILES, jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 1, KDA_MOE_TILES, MLA_MOE_TILES))
+                def tiles_of(layer):
+                    return jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 0, KDA_DENSE_TILES, jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 1, KDA_MOE_TILES, MLA_MOE_TILES))
 
-            def behind(cursor):
-                layer, base = cursor
-                return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
+                def behind(cursor):
+                    layer, base = cursor
+                    return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
 
-            def advance(cursor):
-                layer, base = cursor
-                return layer + 1, base + tiles_of(layer)
+                def advance(cursor):
+                    layer, base = cursor
+                    return layer + 1, base + tiles_of(layer)
 
-            # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
-            layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
-            r.cursor[0] = layer
-            r.cursor[1] = base
-            j, bank = g - base, g % RING_DEPTH
-            kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
+                # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
+                layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
+                r.cursor[0] = layer
+                r.cursor[1] = base
+                j, bank = g - base, g % RING_DEPTH
+                kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
 
-            @pl.when((layer < NUM_LAYERS) & (kind == 0))
-            def _():
-                @pl.when((j >= S_KDA_DENSE_LINEAR.start) & (j < S_KDA_DENSE_LINEAR.start + S_KDA_DENSE_LINEAR.tiles))
+                @pl.when((layer < NUM_LAYERS) & (kind == 0))
                 def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR, slots0_ref[layer], j - S_KDA_DENSE_LINEAR.start, bank).start()
+                    @pl.when((j >= S_KDA_DENSE_LINEAR.start) & (j < S_KDA_DENSE_LINEAR.start + S_KDA_DENSE_LINEAR.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR, slots0_ref[layer], j - S_KDA_DENSE_LINEAR.start, bank).start()
 
-                @pl.when((j >= S_KDA_DENSE_LINEAR_1.start) & (j < S_KDA_DENSE_LINEAR_1.start + S_KDA_DENSE_LINEAR_1.tiles))
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_1.start) & (j < S_KDA_DENSE_LINEAR_1.start + S_KDA_DENSE_LINEAR_1.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_1, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_1.start, bank).start()
+
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_2.start) & (j < S_KDA_DENSE_LINEAR_2.start + S_KDA_DENSE_LINEAR_2.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_2, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_2.start, bank).start()
+
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_3.start) & (j < S_KDA_DENSE_LINEAR_3.start + S_KDA_DENSE_LINEAR_3.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_3, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_3.start, bank).start()
+
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_4.start) & (j < S_KDA_DENSE_LINEAR_4.start + S_KDA_DENSE_LINEAR_4.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_4, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_4.start, bank).start()
+
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_5.start) & (j < S_KDA_DENSE_LINEAR_5.start + S_KDA_DENSE_LINEAR_5.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_5, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_5.start, bank).start()
+
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_6.start) & (j < S_KDA_DENSE_LINEAR_6.start + S_KDA_DENSE_LINEAR_6.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_6, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_6.start, bank).start()
+
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_7.start) & (j < S_KDA_DENSE_LINEAR_7.start + S_KDA_DENSE_LINEAR_7.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_7, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_7.start, bank).start()
+
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_8.start) & (j < S_KDA_DENSE_LINEAR_8.start + S_KDA_DENSE_LINEAR_8.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_8, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_8.start, bank).start()
+
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_9.start) & (j < S_KDA_DENSE_LINEAR_9.start + S_KDA_DENSE_LINEAR_9.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_9, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_9.start, bank).start()
+
+                    @pl.when((j >= S_KDA_DENSE_LINEAR_10.start) & (j < S_KDA_DENSE_LINEAR_10.start + S_KDA_DENSE_LINEAR_10.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_DENSE_LINEAR_10, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_10.start, bank).start()
+
+
+                @pl.when((layer < NUM_LAYERS) & (kind == 1))
                 def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_1, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_1.start, bank).start()
+                    @pl.when((j >= S_KDA_MOE_LINEAR.start) & (j < S_KDA_MOE_LINEAR.start + S_KDA_MOE_LINEAR.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR, slots0_ref[layer], j - S_KDA_MOE_LINEAR.start, bank).start()
 
-                @pl.when((j >= S_KDA_DENSE_LINEAR_2.start) & (j < S_KDA_DENSE_LINEAR_2.start + S_KDA_DENSE_LINEAR_2.tiles))
+                    @pl.when((j >= S_KDA_MOE_LINEAR_1.start) & (j < S_KDA_MOE_LINEAR_1.start + S_KDA_MOE_LINEAR_1.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_1, slots0_ref[layer], j - S_KDA_MOE_LINEAR_1.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_2.start) & (j < S_KDA_MOE_LINEAR_2.start + S_KDA_MOE_LINEAR_2.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_2, slots0_ref[layer], j - S_KDA_MOE_LINEAR_2.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_3.start) & (j < S_KDA_MOE_LINEAR_3.start + S_KDA_MOE_LINEAR_3.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_3, slots0_ref[layer], j - S_KDA_MOE_LINEAR_3.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_4.start) & (j < S_KDA_MOE_LINEAR_4.start + S_KDA_MOE_LINEAR_4.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_4, slots0_ref[layer], j - S_KDA_MOE_LINEAR_4.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_5.start) & (j < S_KDA_MOE_LINEAR_5.start + S_KDA_MOE_LINEAR_5.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_5, slots0_ref[layer], j - S_KDA_MOE_LINEAR_5.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_6.start) & (j < S_KDA_MOE_LINEAR_6.start + S_KDA_MOE_LINEAR_6.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_6, slots0_ref[layer], j - S_KDA_MOE_LINEAR_6.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_7.start) & (j < S_KDA_MOE_LINEAR_7.start + S_KDA_MOE_LINEAR_7.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_7, slots0_ref[layer], j - S_KDA_MOE_LINEAR_7.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_8.start) & (j < S_KDA_MOE_LINEAR_8.start + S_KDA_MOE_LINEAR_8.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_8, slots2_ref[layer], j - S_KDA_MOE_LINEAR_8.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_9.start) & (j < S_KDA_MOE_LINEAR_9.start + S_KDA_MOE_LINEAR_9.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_9, slots2_ref[layer], j - S_KDA_MOE_LINEAR_9.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_10.start) & (j < S_KDA_MOE_LINEAR_10.start + S_KDA_MOE_LINEAR_10.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_10, slots2_ref[layer], j - S_KDA_MOE_LINEAR_10.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_11.start) & (j < S_KDA_MOE_LINEAR_11.start + S_KDA_MOE_LINEAR_11.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_11, slots2_ref[layer], j - S_KDA_MOE_LINEAR_11.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_SHARED.start) & (j < S_KDA_MOE_SHARED.start + S_KDA_MOE_SHARED.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_SHARED, slots2_ref[layer], j - S_KDA_MOE_SHARED.start, bank).start()
+
+                    @pl.when((j >= S_KDA_MOE_LINEAR_12.start) & (j < S_KDA_MOE_LINEAR_12.start + S_KDA_MOE_LINEAR_12.tiles))
+                    def _():
+                        tile_copy(r, S_KDA_MOE_LINEAR_12, slots2_ref[layer], j - S_KDA_MOE_LINEAR_12.start, bank).start()
+
+
+                @pl.when((layer < NUM_LAYERS) & (kind == 2))
                 def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_2, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_2.start, bank).start()
+                    @pl.when((j >= S_MLA_MOE_LINEAR.start) & (j < S_MLA_MOE_LINEAR.start + S_MLA_MOE_LINEAR.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_LINEAR, slots3_ref[layer], j - S_MLA_MOE_LINEAR.start, bank).start()
 
-                @pl.when((j >= S_KDA_DENSE_LINEAR_3.start) & (j < S_KDA_DENSE_LINEAR_3.start + S_KDA_DENSE_LINEAR_3.tiles))
+                    @pl.when((j >= S_MLA_MOE_LINEAR_1.start) & (j < S_MLA_MOE_LINEAR_1.start + S_MLA_MOE_LINEAR_1.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_LINEAR_1, slots3_ref[layer], j - S_MLA_MOE_LINEAR_1.start, bank).start()
+
+                    @pl.when((j >= S_MLA_MOE_KV.start) & (j < S_MLA_MOE_KV.start + S_MLA_MOE_KV.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_KV, slots3_ref[layer], j - S_MLA_MOE_KV.start, bank).start()
+
+                    @pl.when((j >= S_MLA_MOE_LINEAR_2.start) & (j < S_MLA_MOE_LINEAR_2.start + S_MLA_MOE_LINEAR_2.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_LINEAR_2, slots3_ref[layer], j - S_MLA_MOE_LINEAR_2.start, bank).start()
+
+                    @pl.when((j >= S_MLA_MOE_LINEAR_3.start) & (j < S_MLA_MOE_LINEAR_3.start + S_MLA_MOE_LINEAR_3.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_LINEAR_3, slots3_ref[layer], j - S_MLA_MOE_LINEAR_3.start, bank).start()
+
+                    @pl.when((j >= S_MLA_MOE_LINEAR_4.start) & (j < S_MLA_MOE_LINEAR_4.start + S_MLA_MOE_LINEAR_4.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_LINEAR_4, slots2_ref[layer], j - S_MLA_MOE_LINEAR_4.start, bank).start()
+
+                    @pl.when((j >= S_MLA_MOE_LINEAR_5.start) & (j < S_MLA_MOE_LINEAR_5.start + S_MLA_MOE_LINEAR_5.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_LINEAR_5, slots2_ref[layer], j - S_MLA_MOE_LINEAR_5.start, bank).start()
+
+                    @pl.when((j >= S_MLA_MOE_LINEAR_6.start) & (j < S_MLA_MOE_LINEAR_6.start + S_MLA_MOE_LINEAR_6.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_LINEAR_6, slots2_ref[layer], j - S_MLA_MOE_LINEAR_6.start, bank).start()
+
+                    @pl.when((j >= S_MLA_MOE_LINEAR_7.start) & (j < S_MLA_MOE_LINEAR_7.start + S_MLA_MOE_LINEAR_7.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_LINEAR_7, slots2_ref[layer], j - S_MLA_MOE_LINEAR_7.start, bank).start()
+
+                    @pl.when((j >= S_MLA_MOE_SHARED.start) & (j < S_MLA_MOE_SHARED.start + S_MLA_MOE_SHARED.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_SHARED, slots2_ref[layer], j - S_MLA_MOE_SHARED.start, bank).start()
+
+                    @pl.when((j >= S_MLA_MOE_LINEAR_8.start) & (j < S_MLA_MOE_LINEAR_8.start + S_MLA_MOE_LINEAR_8.tiles))
+                    def _():
+                        tile_copy(r, S_MLA_MOE_LINEAR_8, slots2_ref[layer], j - S_MLA_MOE_LINEAR_8.start, bank).start()
+
+                @pl.when(layer == NUM_LAYERS)
                 def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_3, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_3.start, bank).start()
+                    @pl.when((j >= S_EPILOGUE_LOGITS.start) & (j < S_EPILOGUE_LOGITS.start + S_EPILOGUE_LOGITS.tiles))
+                    def _():
+                        tile_copy(r, S_EPILOGUE_LOGITS, 0, j - S_EPILOGUE_LOGITS.start, bank).start()
 
-                @pl.when((j >= S_KDA_DENSE_LINEAR_4.start) & (j < S_KDA_DENSE_LINEAR_4.start + S_KDA_DENSE_LINEAR_4.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_4, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_4.start, bank).start()
+                    pass
 
-                @pl.when((j >= S_KDA_DENSE_LINEAR_5.start) & (j < S_KDA_DENSE_LINEAR_5.start + S_KDA_DENSE_LINEAR_5.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_5, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_5.start, bank).start()
+            attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=3, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.07216878364870322, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'mla_cache', 'cache_out': 'mla_cache_out', 'w_kvb': 'mla_wkvb'})
+            conv0_kda_dense_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv0_kda_dense_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv0_kda_dense_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            rule0_kda_dense_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
+            conv0_kda_moe_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv0_kda_moe_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv0_kda_moe_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            rule0_kda_moe_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
+            experts0_kda_moe_34 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
+            experts0_mla_moe_27 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
 
-                @pl.when((j >= S_KDA_DENSE_LINEAR_6.start) & (j < S_KDA_DENSE_LINEAR_6.start + S_KDA_DENSE_LINEAR_6.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_6, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_6.start, bank).start()
+            # ---- prologue: first tiles in flight, per-step tables ----
+            r.cursor[0] = 0
+            r.cursor[1] = 0
+            for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
+                issue(jnp.int32(g))
+            kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
+            for i in range(1):
+                r.wb_pending[i] = 0
+            # spec line 214: blocks, prefix = res_init(embedding(tokens, embed), nblocks=NB)
+            embedding(r, r.embed, tokens_ref, batch, r.v25_7168, r.emb_block, r.emb_sem, offset=comm.group_index(31) * 5120)
+            r.v10_7168[...] = r.v25_7168[...]
+            comm.all_reduce_two_level(r.v10_7168, 31, wire=BF16, rows=8)
+            res_init(r.v10_7168, r.carry0, r.carry1)
 
-                @pl.when((j >= S_KDA_DENSE_LINEAR_7.start) & (j < S_KDA_DENSE_LINEAR_7.start + S_KDA_DENSE_LINEAR_7.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_7, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_7.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_8.start) & (j < S_KDA_DENSE_LINEAR_8.start + S_KDA_DENSE_LINEAR_8.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_8, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_8.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_9.start) & (j < S_KDA_DENSE_LINEAR_9.start + S_KDA_DENSE_LINEAR_9.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_9, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_9.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_10.start) & (j < S_KDA_DENSE_LINEAR_10.start + S_KDA_DENSE_LINEAR_10.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_10, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_10.start, bank).start()
-
-
-            @pl.when((layer < NUM_LAYERS) & (kind == 1))
-            def _():
-                @pl.when((j >= S_KDA_MOE_LINEAR.start) & (j < S_KDA_MOE_LINEAR.start + S_KDA_MOE_LINEAR.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR, slots0_ref[layer], j - S_KDA_MOE_LINEAR.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_1.start) & (j < S_KDA_MOE_LINEAR_1.start + S_KDA_MOE_LINEAR_1.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_1, slots0_ref[layer], j - S_KDA_MOE_LINEAR_1.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_2.start) & (j < S_KDA_MOE_LINEAR_2.start + S_KDA_MOE_LINEAR_2.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_2, slots0_ref[layer], j - S_KDA_MOE_LINEAR_2.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_3.start) & (j < S_KDA_MOE_LINEAR_3.start + S_KDA_MOE_LINEAR_3.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_3, slots0_ref[layer], j - S_KDA_MOE_LINEAR_3.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_4.start) & (j < S_KDA_MOE_LINEAR_4.start + S_KDA_MOE_LINEAR_4.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_4, slots0_ref[layer], j - S_KDA_MOE_LINEAR_4.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_5.start) & (j < S_KDA_MOE_LINEAR_5.start + S_KDA_MOE_LINEAR_5.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_5, slots0_ref[layer], j - S_KDA_MOE_LINEAR_5.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_6.start) & (j < S_KDA_MOE_LINEAR_6.start + S_KDA_MOE_LINEAR_6.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_6, slots0_ref[layer], j - S_KDA_MOE_LINEAR_6.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_7.start) & (j < S_KDA_MOE_LINEAR_7.start + S_KDA_MOE_LINEAR_7.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_7, slots0_ref[layer], j - S_KDA_MOE_LINEAR_7.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_8.start) & (j < S_KDA_MOE_LINEAR_8.start + S_KDA_MOE_LINEAR_8.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_8, slots2_ref[layer], j - S_KDA_MOE_LINEAR_8.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_9.start) & (j < S_KDA_MOE_LINEAR_9.start + S_KDA_MOE_LINEAR_9.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_9, slots2_ref[layer], j - S_KDA_MOE_LINEAR_9.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_10.start) & (j < S_KDA_MOE_LINEAR_10.start + S_KDA_MOE_LINEAR_10.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_10, slots2_ref[layer], j - S_KDA_MOE_LINEAR_10.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_11.start) & (j < S_KDA_MOE_LINEAR_11.start + S_KDA_MOE_LINEAR_11.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_11, slots2_ref[layer], j - S_KDA_MOE_LINEAR_11.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_SHARED.start) & (j < S_KDA_MOE_SHARED.start + S_KDA_MOE_SHARED.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_SHARED, slots2_ref[layer], j - S_KDA_MOE_SHARED.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_12.start) & (j < S_KDA_MOE_LINEAR_12.start + S_KDA_MOE_LINEAR_12.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_12, slots2_ref[layer], j - S_KDA_MOE_LINEAR_12.start, bank).start()
-
-
-            @pl.when((layer < NUM_LAYERS) & (kind == 2))
-            def _():
-                @pl.when((j >= S_MLA_MOE_LINEAR.start) & (j < S_MLA_MOE_LINEAR.start + S_MLA_MOE_LINEAR.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR, slots3_ref[layer], j - S_MLA_MOE_LINEAR.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_1.start) & (j < S_MLA_MOE_LINEAR_1.start + S_MLA_MOE_LINEAR_1.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_1, slots3_ref[layer], j - S_MLA_MOE_LINEAR_1.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_KV.start) & (j < S_MLA_MOE_KV.start + S_MLA_MOE_KV.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_KV, slots3_ref[layer], j - S_MLA_MOE_KV.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_2.start) & (j < S_MLA_MOE_LINEAR_2.start + S_MLA_MOE_LINEAR_2.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_2, slots3_ref[layer], j - S_MLA_MOE_LINEAR_2.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_3.start) & (j < S_MLA_MOE_LINEAR_3.start + S_MLA_MOE_LINEAR_3.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_3, slots3_ref[layer], j - S_MLA_MOE_LINEAR_3.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_4.start) & (j < S_MLA_MOE_LINEAR_4.start + S_MLA_MOE_LINEAR_4.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_4, slots2_ref[layer], j - S_MLA_MOE_LINEAR_4.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_5.start) & (j < S_MLA_MOE_LINEAR_5.start + S_MLA_MOE_LINEAR_5.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_5, slots2_ref[layer], j - S_MLA_MOE_LINEAR_5.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_6.start) & (j < S_MLA_MOE_LINEAR_6.start + S_MLA_MOE_LINEAR_6.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_6, slots2_ref[layer], j - S_MLA_MOE_LINEAR_6.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_7.start) & (j < S_MLA_MOE_LINEAR_7.start + S_MLA_MOE_LINEAR_7.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_7, slots2_ref[layer], j - S_MLA_MOE_LINEAR_7.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_SHARED.start) & (j < S_MLA_MOE_SHARED.start + S_MLA_MOE_SHARED.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_SHARED, slots2_ref[layer], j - S_MLA_MOE_SHARED.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_8.start) & (j < S_MLA_MOE_LINEAR_8.start + S_MLA_MOE_LINEAR_8.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_8, slots2_ref[layer], j - S_MLA_MOE_LINEAR_8.start, bank).start()
-
-            @pl.when(layer == NUM_LAYERS)
-            def _():
-                @pl.when((j >= S_EPILOGUE_LOGITS.start) & (j < S_EPILOGUE_LOGITS.start + S_EPILOGUE_LOGITS.tiles))
-                def _():
-                    tile_copy(r, S_EPILOGUE_LOGITS, 0, j - S_EPILOGUE_LOGITS.start, bank).start()
-
-                pass
-
-        attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=3, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.07216878364870322, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'mla_cache', 'cache_out': 'mla_cache_out', 'w_kvb': 'mla_wkvb'})
-        conv0_kda_dense_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv0_kda_dense_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv0_kda_dense_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        rule0_kda_dense_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
-        conv0_kda_moe_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv0_kda_moe_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv0_kda_moe_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        rule0_kda_moe_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
-        experts0_kda_moe_34 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
-        experts0_mla_moe_27 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
-
-        # ---- prologue: first tiles in flight, per-step tables ----
-        r.cursor[0] = 0
-        r.cursor[1] = 0
-        for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
-            issue(jnp.int32(g))
-        kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
-        for i in range(1):
-            r.wb_pending[i] = 0
-        # spec line 214: blocks, prefix = res_init(embedding(tokens, embed), nblocks=NB)
-        embedding(r, r.embed, tokens_ref, batch, r.v25_7168, r.emb_block, r.emb_sem, offset=comm.group_index(31) * 5120)
-        r.v10_7168[...] = r.v25_7168[...]
-        comm.all_reduce_two_level(r.v10_7168, 31, wire=BF16, rows=8)
-        res_init(r.v10_7168, r.carry0, r.carry1)
-
-        # ---- the layer stack ----
-        if layer_trace:
-            pltpu.sync_copy(r.carry0, r.blocks_trace.at[0])
-            pltpu.sync_copy(r.carry1, r.prefix_trace.at[0])
-
-        def layer(li, carry):
-            base = layer_base_ref[li]
-
-            @pl.when(layer_kind_ref[li] == 0)
-            def _():
-                # layer kind `kda_dense` (spec line 183)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
-                fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).start()
-                fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).start()
-                fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).start()
-                fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).start()
-                fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).start()
-                fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).start()
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
-                # spec line 184: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
-                res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v0_7168, layer=0, block=12, after_snapshot=False, eps=1e-05)
-                # spec line 185: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
-                res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=0, block=12)
-                # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                rmsnorm(r.v0_7168[...], pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
-                # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
-                cast_into(r.v1_7168, r.v1_7168_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR, slots0_ref[li], base + S_KDA_DENSE_LINEAR.start, r.v1_7168_bf16, r.v2_384)
-                fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
-                conv0_kda_dense_4(slots0_ref[li], r.v2_384, r.f_kda_conv_q, r.v3_384)
-                l2norm(r.v3_384, r.v2_384, heads=3, scale=0.08838834764831845, eps=1e-06)
-                # spec line 148: k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
-                linear(r, issue, S_KDA_DENSE_LINEAR_1, slots0_ref[li], base + S_KDA_DENSE_LINEAR_1.start, r.v1_7168_bf16, r.v3_384)
-                fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
-                conv0_kda_dense_7(slots0_ref[li], r.v3_384, r.f_kda_conv_k, r.v4_384)
-                l2norm(r.v4_384, r.v3_384, heads=3, scale=1.0, eps=1e-06)
-                # spec line 149: v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
-                linear(r, issue, S_KDA_DENSE_LINEAR_2, slots0_ref[li], base + S_KDA_DENSE_LINEAR_2.start, r.v1_7168_bf16, r.v4_384)
-                fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).wait()
-                conv0_kda_dense_10(slots0_ref[li], r.v4_384, r.f_kda_conv_v, r.v5_384)
-                # spec line 150: g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
-                linear(r, issue, S_KDA_DENSE_LINEAR_3, slots0_ref[li], base + S_KDA_DENSE_LINEAR_3.start, r.v1_7168_bf16, r.v6_128)
-                cast_into(r.v6_128, r.v6_128_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR_4, slots0_ref[li], base + S_KDA_DENSE_LINEAR_4.start, r.v6_128_bf16, r.v4_384)
-                fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
-                fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).wait()
-                kda_gate(r.v4_384, pick_row(r.f_kda_a_log, slots0_ref[li]), pick_row(r.f_kda_dt_bias, slots0_ref[li]), r.v7_384, r.gate0_scale, heads=3, lower=-5.0)
-                # spec line 151: beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
-                linear(r, issue, S_KDA_DENSE_LINEAR_5, slots0_ref[li], base + S_KDA_DENSE_LINEAR_5.start, r.v1_7168_bf16, r.v6_128)
-                r.v8_3[...] = compact_columns(r.v6_128[...], 128, 3)
-                r.v9_3[...] = jax.nn.sigmoid(r.v8_3[...])
-                # spec line 152: o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
-                rule0_kda_dense_17(slots0_ref[li], r.v2_384, r.v3_384, r.v5_384, r.v7_384, r.v9_3, r.v4_384)
-                # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
-                fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
-                rmsnorm(r.v4_384[...], pick_row(r.f_kda_onorm, slots0_ref[li]), r.v7_384, eps=1e-05, heads=3)
-                linear(r, issue, S_KDA_DENSE_LINEAR_6, slots0_ref[li], base + S_KDA_DENSE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
-                r.v5_384[...] = jax.nn.sigmoid(r.v4_384[...])
-                r.v4_384[...] = r.v7_384[...] * r.v5_384[...]
-                cast_into(r.v4_384, r.v4_384_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR_7, slots0_ref[li], base + S_KDA_DENSE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
-                # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
-                r.v0_7168[...] = r.v1_7168[...]
-                comm.all_reduce_two_level(r.v0_7168, 31, wire=BF16, rows=8)
-                r.v1_7168[...] = r.carry1[...] + r.v0_7168[...]
-                # spec line 187: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
-                res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v0_7168, layer=0, block=12, after_snapshot=True, eps=1e-05)
-                # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                rmsnorm(r.v0_7168[...], pick_row(r.f_post_norm, li), r.v10_7168, eps=1e-05, heads=1)
-                # spec line 166: return linear(situ(linear(x, dense_gate), linear(x, dense_up)), dense_down)
-                cast_into(r.v10_7168, r.v10_7168_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR_8, slots1_ref[li], base + S_KDA_DENSE_LINEAR_8.start, r.v10_7168_bf16, r.v11_1152)
-                linear(r, issue, S_KDA_DENSE_LINEAR_9, slots1_ref[li], base + S_KDA_DENSE_LINEAR_9.start, r.v10_7168_bf16, r.v12_1152)
-                r.v13_1152[...] = situ(r.v11_1152[...], r.v12_1152[...], 4.0, 25.0)
-                cast_into(r.v13_1152, r.v13_1152_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR_10, slots1_ref[li], base + S_KDA_DENSE_LINEAR_10.start, r.v13_1152_bf16, r.v10_7168)
-                # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
-                r.v0_7168[...] = r.v10_7168[...]
-                comm.all_reduce_two_level(r.v0_7168, 31, wire=BF16, rows=8)
-                r.v10_7168[...] = r.v1_7168[...] + r.v0_7168[...]
-                r.carry1[...] = r.v10_7168[...]
-
-            @pl.when(layer_kind_ref[li] == 1)
-            def _():
-                # layer kind `kda_moe` (spec line 191)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
-                fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).start()
-                fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).start()
-                fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).start()
-                fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).start()
-                fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).start()
-                fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).start()
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
-                fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).start()
-                fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).start()
-                # spec line 192: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
-                res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v10_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
-                # spec line 193: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
-                res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
-                # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                rmsnorm(r.v10_7168[...], pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
-                # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
-                cast_into(r.v1_7168, r.v1_7168_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR, slots0_ref[li], base + S_KDA_MOE_LINEAR.start, r.v1_7168_bf16, r.v7_384)
-                fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
-                conv0_kda_moe_4(slots0_ref[li], r.v7_384, r.f_kda_conv_q, r.v5_384)
-                l2norm(r.v5_384, r.v7_384, heads=3, scale=0.08838834764831845, eps=1e-06)
-                # spec line 148: k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
-                linear(r, issue, S_KDA_MOE_LINEAR_1, slots0_ref[li], base + S_KDA_MOE_LINEAR_1.start, r.v1_7168_bf16, r.v5_384)
-                fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
-                conv0_kda_moe_7(slots0_ref[li], r.v5_384, r.f_kda_conv_k, r.v4_384)
-                l2norm(r.v4_384, r.v5_384, heads=3, scale=1.0, eps=1e-06)
-                # spec line 149: v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
-                linear(r, issue, S_KDA_MOE_LINEAR_2, slots0_ref[li], base + S_KDA_MOE_LINEAR_2.start, r.v1_7168_bf16, r.v4_384)
-                fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).wait()
-                conv0_kda_moe_10(slots0_ref[li], r.v4_384, r.f_kda_conv_v, r.v3_384)
-                # spec line 150: g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
-                linear(r, issue, S_KDA_MOE_LINEAR_3, slots0_ref[li], base + S_KDA_MOE_LINEAR_3.start, r.v1_7168_bf16, r.v6_128)
-                cast_into(r.v6_128, r.v6_128_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR_4, slots0_ref[li], base + S_KDA_MOE_LINEAR_4.start, r.v6_128_bf16, r.v4_384)
-                fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
-                fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).wait()
-                kda_gate(r.v4_384, pick_row(r.f_kda_a_log, slots0_ref[li]), pick_row(r.f_kda_dt_bias, slots0_ref[li]), r.v2_384, r.gate0_scale, heads=3, lower=-5.0)
-                # spec line 151: beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
-                linear(r, issue, S_KDA_MOE_LINEAR_5, slots0_ref[li], base + S_KDA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v6_128)
-                r.v9_3[...] = compact_columns(r.v6_128[...], 128, 3)
-                r.v8_3[...] = jax.nn.sigmoid(r.v9_3[...])
-                # spec line 152: o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
-                rule0_kda_moe_17(slots0_ref[li], r.v7_384, r.v5_384, r.v3_384, r.v2_384, r.v8_3, r.v4_384)
-                # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
-                fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
-                rmsnorm(r.v4_384[...], pick_row(r.f_kda_onorm, slots0_ref[li]), r.v2_384, eps=1e-05, heads=3)
-                linear(r, issue, S_KDA_MOE_LINEAR_6, slots0_ref[li], base + S_KDA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
-                r.v3_384[...] = jax.nn.sigmoid(r.v4_384[...])
-                r.v4_384[...] = r.v2_384[...] * r.v3_384[...]
-                cast_into(r.v4_384, r.v4_384_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR_7, slots0_ref[li], base + S_KDA_MOE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
-                # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
-                r.v10_7168[...] = r.v1_7168[...]
-                comm.all_reduce_two_level(r.v10_7168, 31, wire=BF16, rows=8)
-                r.v1_7168[...] = r.carry1[...] + r.v10_7168[...]
-                # spec line 195: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
-                res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v10_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
-                # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                rmsnorm(r.v10_7168[...], pick_row(r.f_post_norm, li), r.v0_7168, eps=1e-05, heads=1)
-                # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
-                cast_into(r.v0_7168, r.v0_7168_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR_8, slots2_ref[li], base + S_KDA_MOE_LINEAR_8.start, r.v0_7168_bf16, r.v6_128)
-                comm.all_gather(r.v6_128, r.v14_1024, 28)
-                r.v15_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
-                r.v16_896[...] = jax.nn.sigmoid(r.v15_896[...])
-                fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
-                experts0_kda_moe_34.route(r.v16_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
-                experts0_kda_moe_34.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
-                # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
-                linear(r, issue, S_KDA_MOE_LINEAR_9, slots2_ref[li], base + S_KDA_MOE_LINEAR_9.start, r.v0_7168_bf16, r.v16_896)
-                comm.all_gather(r.v16_896, r.v19_3584, 3)
-                experts0_kda_moe_34.experts(slots2_ref[li], r.v19_3584, r.v17_16, r.v20_3584, prefetched=True)
-                # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
-                linear(r, issue, S_KDA_MOE_LINEAR_10, slots2_ref[li], base + S_KDA_MOE_LINEAR_10.start, r.v0_7168_bf16, r.v21_256)
-                linear(r, issue, S_KDA_MOE_LINEAR_11, slots2_ref[li], base + S_KDA_MOE_LINEAR_11.start, r.v0_7168_bf16, r.v22_256)
-                r.v23_256[...] = situ(r.v21_256[...], r.v22_256[...], 4.0, 25.0)
-                cast_into(r.v23_256, r.v23_256_bf16)
-                linear(r, issue, S_KDA_MOE_SHARED, slots2_ref[li], base + S_KDA_MOE_SHARED.start, r.v23_256_bf16, r.v0_7168)
-                # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
-                r.v19_3584[...] = r.v20_3584[...]
-                comm.all_reduce(r.v19_3584, 31, wire=BF16, rows=8)
-                fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                rmsnorm(r.v19_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
-                shard_slice(r.v20_3584, r.v24_112, comm.group_index(31), ways=32)
-                cast_into(r.v24_112, r.v24_112_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR_12, slots2_ref[li], base + S_KDA_MOE_LINEAR_12.start, r.v24_112_bf16, r.v10_7168)
-                r.v25_7168[...] = r.v10_7168[...] + r.v0_7168[...]
-                # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                r.v0_7168[...] = r.v25_7168[...]
-                comm.all_reduce_two_level(r.v0_7168, 31, wire=BF16, rows=8)
-                r.v25_7168[...] = r.v1_7168[...] + r.v0_7168[...]
-                r.carry1[...] = r.v25_7168[...]
-
-            @pl.when(layer_kind_ref[li] == 2)
-            def _():
-                # layer kind `mla_moe` (spec line 199)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
-                fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).start()
-                fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).start()
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
-                fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).start()
-                fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).start()
-                # spec line 200: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
-                res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v25_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
-                # spec line 201: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
-                res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
-                # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                rmsnorm(r.v25_7168[...], pick_row(r.f_input_norm, li), r.v10_7168, eps=1e-05, heads=1)
-                # spec line 157: q = compact(linear(rmsnorm(linear(x, mla_wqa), mla_qnorm, eps=EPS), mla_wqb), block=QB, keep=QH)
-                cast_into(r.v10_7168, r.v10_7168_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR, slots3_ref[li], base + S_MLA_MOE_LINEAR.start, r.v10_7168_bf16, r.v26_1536)
-                fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).wait()
-                rmsnorm(r.v26_1536[...], pick_row(r.f_mla_qnorm, slots3_ref[li]), r.v27_1536, eps=1e-05, heads=1)
-                cast_into(r.v27_1536, r.v27_1536_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR_1, slots3_ref[li], base + S_MLA_MOE_LINEAR_1.start, r.v27_1536_bf16, r.v28_640)
-                r.v29_576[...] = compact_columns(r.v28_640[...], 640, 576)
-                # spec line 158: kv = linear(x, mla_wkva)
-                linear(r, issue, S_MLA_MOE_KV, slots3_ref[li], base + S_MLA_MOE_KV.start, r.v10_7168_bf16, r.v28_640)
-                # spec line 159: c = rmsnorm(slice(kv, start=0, size=KVR), mla_kvnorm, eps=EPS)
-                r.v30_512[...] = r.v28_640[...][:, 0 : 0 + 512]
-                fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).wait()
-                rmsnorm(r.v30_512[...], pick_row(r.f_mla_kvnorm, slots3_ref[li]), r.v31_512, eps=1e-05, heads=1)
-                # spec line 160: y = mla_attention(q, c, slice(kv, start=KVR, size=XK), mla_wkvb, mla_cache, positions,
-                r.v32_64[...] = r.v28_640[...][:, 512 : 512 + 64]
-                attention0(slots3_ref[li], r.v29_576, r.v31_512, r.v32_64, r.v7_384)
-                # spec line 162: return linear(y * sigmoid(linear(x, mla_wg)), mla_wo)
-                linear(r, issue, S_MLA_MOE_LINEAR_2, slots3_ref[li], base + S_MLA_MOE_LINEAR_2.start, r.v10_7168_bf16, r.v5_384)
-                r.v4_384[...] = jax.nn.sigmoid(r.v5_384[...])
-                r.v5_384[...] = r.v7_384[...] * r.v4_384[...]
-                cast_into(r.v5_384, r.v5_384_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR_3, slots3_ref[li], base + S_MLA_MOE_LINEAR_3.start, r.v5_384_bf16, r.v10_7168)
-                # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
-                r.v25_7168[...] = r.v10_7168[...]
-                comm.all_reduce_two_level(r.v25_7168, 31, wire=BF16, rows=8)
-                r.v10_7168[...] = r.carry1[...] + r.v25_7168[...]
-                # spec line 203: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
-                res_mix(r.carry0, r.v10_7168, pick_row(r.f_mlp_res, li), r.v25_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
-                # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                rmsnorm(r.v25_7168[...], pick_row(r.f_post_norm, li), r.v1_7168, eps=1e-05, heads=1)
-                # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
-                cast_into(r.v1_7168, r.v1_7168_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR_4, slots2_ref[li], base + S_MLA_MOE_LINEAR_4.start, r.v1_7168_bf16, r.v6_128)
-                comm.all_gather(r.v6_128, r.v14_1024, 28)
-                r.v16_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
-                r.v15_896[...] = jax.nn.sigmoid(r.v16_896[...])
-                fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
-                experts0_mla_moe_27.route(r.v15_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
-                experts0_mla_moe_27.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
-                # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
-                linear(r, issue, S_MLA_MOE_LINEAR_5, slots2_ref[li], base + S_MLA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v15_896)
-                comm.all_gather(r.v15_896, r.v20_3584, 3)
-                experts0_mla_moe_27.experts(slots2_ref[li], r.v20_3584, r.v17_16, r.v19_3584, prefetched=True)
-                # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
-                linear(r, issue, S_MLA_MOE_LINEAR_6, slots2_ref[li], base + S_MLA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v23_256)
-                linear(r, issue, S_MLA_MOE_LINEAR_7, slots2_ref[li], base + S_MLA_MOE_LINEAR_7.start, r.v1_7168_bf16, r.v22_256)
-                r.v21_256[...] = situ(r.v23_256[...], r.v22_256[...], 4.0, 25.0)
-                cast_into(r.v21_256, r.v21_256_bf16)
-                linear(r, issue, S_MLA_MOE_SHARED, slots2_ref[li], base + S_MLA_MOE_SHARED.start, r.v21_256_bf16, r.v1_7168)
-                # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
-                r.v20_3584[...] = r.v19_3584[...]
-                comm.all_reduce(r.v20_3584, 31, wire=BF16, rows=8)
-                fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                rmsnorm(r.v20_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v19_3584, eps=1e-05, heads=1)
-                shard_slice(r.v19_3584, r.v24_112, comm.group_index(31), ways=32)
-                cast_into(r.v24_112, r.v24_112_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR_8, slots2_ref[li], base + S_MLA_MOE_LINEAR_8.start, r.v24_112_bf16, r.v25_7168)
-                r.v0_7168[...] = r.v25_7168[...] + r.v1_7168[...]
-                # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                r.v1_7168[...] = r.v0_7168[...]
-                comm.all_reduce_two_level(r.v1_7168, 31, wire=BF16, rows=8)
-                r.v0_7168[...] = r.v10_7168[...] + r.v1_7168[...]
-                r.carry1[...] = r.v0_7168[...]
+            # ---- the layer stack ----
             if layer_trace:
-                pltpu.sync_copy(r.carry0, r.blocks_trace.at[li + 1])
-                pltpu.sync_copy(r.carry1, r.prefix_trace.at[li + 1])
+                pltpu.sync_copy(r.carry0, r.blocks_trace.at[0])
+                pltpu.sync_copy(r.carry1, r.prefix_trace.at[0])
 
+            def layer(li, carry):
+                base = layer_base_ref[li]
+
+                @pl.when(layer_kind_ref[li] == 0)
+                def _():
+                    # layer kind `kda_dense` (spec line 183)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
+                    fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).start()
+                    fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).start()
+                    fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).start()
+                    fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).start()
+                    fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).start()
+                    fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).start()
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
+                    # spec line 184: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
+                    res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v0_7168, layer=0, block=12, after_snapshot=False, eps=1e-05)
+                    # spec line 185: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
+                    res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=0, block=12)
+                    # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
+                    rmsnorm(r.v0_7168[...], pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
+                    cast_into(r.v1_7168, r.v1_7168_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR, slots0_ref[li], base + S_KDA_DENSE_LINEAR.start, r.v1_7168_bf16, r.v2_384)
+                    fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
+                    conv0_kda_dense_4(slots0_ref[li], r.v2_384, r.f_kda_conv_q, r.v3_384)
+                    l2norm(r.v3_384, r.v2_384, heads=3, scale=0.08838834764831845, eps=1e-06)
+                    # spec line 148: k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_1, slots0_ref[li], base + S_KDA_DENSE_LINEAR_1.start, r.v1_7168_bf16, r.v3_384)
+                    fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
+                    conv0_kda_dense_7(slots0_ref[li], r.v3_384, r.f_kda_conv_k, r.v4_384)
+                    l2norm(r.v4_384, r.v3_384, heads=3, scale=1.0, eps=1e-06)
+                    # spec line 149: v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_2, slots0_ref[li], base + S_KDA_DENSE_LINEAR_2.start, r.v1_7168_bf16, r.v4_384)
+                    fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).wait()
+                    conv0_kda_dense_10(slots0_ref[li], r.v4_384, r.f_kda_conv_v, r.v5_384)
+                    # spec line 150: g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_3, slots0_ref[li], base + S_KDA_DENSE_LINEAR_3.start, r.v1_7168_bf16, r.v6_128)
+                    cast_into(r.v6_128, r.v6_128_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_4, slots0_ref[li], base + S_KDA_DENSE_LINEAR_4.start, r.v6_128_bf16, r.v4_384)
+                    fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
+                    fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).wait()
+                    kda_gate(r.v4_384, pick_row(r.f_kda_a_log, slots0_ref[li]), pick_row(r.f_kda_dt_bias, slots0_ref[li]), r.v7_384, r.gate0_scale, heads=3, lower=-5.0)
+                    # spec line 151: beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
+                    linear(r, issue, S_KDA_DENSE_LINEAR_5, slots0_ref[li], base + S_KDA_DENSE_LINEAR_5.start, r.v1_7168_bf16, r.v6_128)
+                    r.v8_3[...] = compact_columns(r.v6_128[...], 128, 3)
+                    r.v9_3[...] = jax.nn.sigmoid(r.v8_3[...])
+                    # spec line 152: o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
+                    rule0_kda_dense_17(slots0_ref[li], r.v2_384, r.v3_384, r.v5_384, r.v7_384, r.v9_3, r.v4_384)
+                    # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
+                    fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
+                    rmsnorm(r.v4_384[...], pick_row(r.f_kda_onorm, slots0_ref[li]), r.v7_384, eps=1e-05, heads=3)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_6, slots0_ref[li], base + S_KDA_DENSE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
+                    r.v5_384[...] = jax.nn.sigmoid(r.v4_384[...])
+                    r.v4_384[...] = r.v7_384[...] * r.v5_384[...]
+                    cast_into(r.v4_384, r.v4_384_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_7, slots0_ref[li], base + S_KDA_DENSE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
+                    # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+                    r.v0_7168[...] = r.v1_7168[...]
+                    comm.all_reduce_two_level(r.v0_7168, 31, wire=BF16, rows=8)
+                    r.v1_7168[...] = r.carry1[...] + r.v0_7168[...]
+                    # spec line 187: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
+                    res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v0_7168, layer=0, block=12, after_snapshot=True, eps=1e-05)
+                    # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
+                    rmsnorm(r.v0_7168[...], pick_row(r.f_post_norm, li), r.v10_7168, eps=1e-05, heads=1)
+                    # spec line 166: return linear(situ(linear(x, dense_gate), linear(x, dense_up)), dense_down)
+                    cast_into(r.v10_7168, r.v10_7168_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_8, slots1_ref[li], base + S_KDA_DENSE_LINEAR_8.start, r.v10_7168_bf16, r.v11_1152)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_9, slots1_ref[li], base + S_KDA_DENSE_LINEAR_9.start, r.v10_7168_bf16, r.v12_1152)
+                    r.v13_1152[...] = situ(r.v11_1152[...], r.v12_1152[...], 4.0, 25.0)
+                    cast_into(r.v13_1152, r.v13_1152_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_10, slots1_ref[li], base + S_KDA_DENSE_LINEAR_10.start, r.v13_1152_bf16, r.v10_7168)
+                    # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
+                    r.v0_7168[...] = r.v10_7168[...]
+                    comm.all_reduce_two_level(r.v0_7168, 31, wire=BF16, rows=8)
+                    r.v10_7168[...] = r.v1_7168[...] + r.v0_7168[...]
+                    r.carry1[...] = r.v10_7168[...]
+
+                @pl.when(layer_kind_ref[li] == 1)
+                def _():
+                    # layer kind `kda_moe` (spec line 191)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
+                    fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).start()
+                    fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).start()
+                    fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).start()
+                    fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).start()
+                    fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).start()
+                    fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).start()
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
+                    fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).start()
+                    fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).start()
+                    # spec line 192: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
+                    res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v10_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
+                    # spec line 193: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
+                    res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
+                    # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
+                    rmsnorm(r.v10_7168[...], pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
+                    cast_into(r.v1_7168, r.v1_7168_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR, slots0_ref[li], base + S_KDA_MOE_LINEAR.start, r.v1_7168_bf16, r.v7_384)
+                    fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
+                    conv0_kda_moe_4(slots0_ref[li], r.v7_384, r.f_kda_conv_q, r.v5_384)
+                    l2norm(r.v5_384, r.v7_384, heads=3, scale=0.08838834764831845, eps=1e-06)
+                    # spec line 148: k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
+                    linear(r, issue, S_KDA_MOE_LINEAR_1, slots0_ref[li], base + S_KDA_MOE_LINEAR_1.start, r.v1_7168_bf16, r.v5_384)
+                    fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
+                    conv0_kda_moe_7(slots0_ref[li], r.v5_384, r.f_kda_conv_k, r.v4_384)
+                    l2norm(r.v4_384, r.v5_384, heads=3, scale=1.0, eps=1e-06)
+                    # spec line 149: v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
+                    linear(r, issue, S_KDA_MOE_LINEAR_2, slots0_ref[li], base + S_KDA_MOE_LINEAR_2.start, r.v1_7168_bf16, r.v4_384)
+                    fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).wait()
+                    conv0_kda_moe_10(slots0_ref[li], r.v4_384, r.f_kda_conv_v, r.v3_384)
+                    # spec line 150: g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
+                    linear(r, issue, S_KDA_MOE_LINEAR_3, slots0_ref[li], base + S_KDA_MOE_LINEAR_3.start, r.v1_7168_bf16, r.v6_128)
+                    cast_into(r.v6_128, r.v6_128_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR_4, slots0_ref[li], base + S_KDA_MOE_LINEAR_4.start, r.v6_128_bf16, r.v4_384)
+                    fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
+                    fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).wait()
+                    kda_gate(r.v4_384, pick_row(r.f_kda_a_log, slots0_ref[li]), pick_row(r.f_kda_dt_bias, slots0_ref[li]), r.v2_384, r.gate0_scale, heads=3, lower=-5.0)
+                    # spec line 151: beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
+                    linear(r, issue, S_KDA_MOE_LINEAR_5, slots0_ref[li], base + S_KDA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v6_128)
+                    r.v9_3[...] = compact_columns(r.v6_128[...], 128, 3)
+                    r.v8_3[...] = jax.nn.sigmoid(r.v9_3[...])
+                    # spec line 152: o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
+                    rule0_kda_moe_17(slots0_ref[li], r.v7_384, r.v5_384, r.v3_384, r.v2_384, r.v8_3, r.v4_384)
+                    # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
+                    fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
+                    rmsnorm(r.v4_384[...], pick_row(r.f_kda_onorm, slots0_ref[li]), r.v2_384, eps=1e-05, heads=3)
+                    linear(r, issue, S_KDA_MOE_LINEAR_6, slots0_ref[li], base + S_KDA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
+                    r.v3_384[...] = jax.nn.sigmoid(r.v4_384[...])
+                    r.v4_384[...] = r.v2_384[...] * r.v3_384[...]
+                    cast_into(r.v4_384, r.v4_384_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR_7, slots0_ref[li], base + S_KDA_MOE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
+                    # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+                    r.v10_7168[...] = r.v1_7168[...]
+                    comm.all_reduce_two_level(r.v10_7168, 31, wire=BF16, rows=8)
+                    r.v1_7168[...] = r.carry1[...] + r.v10_7168[...]
+                    # spec line 195: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
+                    res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v10_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
+                    # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
+                    rmsnorm(r.v10_7168[...], pick_row(r.f_post_norm, li), r.v0_7168, eps=1e-05, heads=1)
+                    # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
+                    cast_into(r.v0_7168, r.v0_7168_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR_8, slots2_ref[li], base + S_KDA_MOE_LINEAR_8.start, r.v0_7168_bf16, r.v6_128)
+                    comm.all_gather(r.v6_128, r.v14_1024, 28)
+                    r.v15_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
+                    r.v16_896[...] = jax.nn.sigmoid(r.v15_896[...])
+                    fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
+                    experts0_kda_moe_34.route(r.v16_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
+                    experts0_kda_moe_34.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
+                    # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+                    linear(r, issue, S_KDA_MOE_LINEAR_9, slots2_ref[li], base + S_KDA_MOE_LINEAR_9.start, r.v0_7168_bf16, r.v16_896)
+                    comm.all_gather(r.v16_896, r.v19_3584, 3)
+                    experts0_kda_moe_34.experts(slots2_ref[li], r.v19_3584, r.v17_16, r.v20_3584, prefetched=True)
+                    # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
+                    linear(r, issue, S_KDA_MOE_LINEAR_10, slots2_ref[li], base + S_KDA_MOE_LINEAR_10.start, r.v0_7168_bf16, r.v21_256)
+                    linear(r, issue, S_KDA_MOE_LINEAR_11, slots2_ref[li], base + S_KDA_MOE_LINEAR_11.start, r.v0_7168_bf16, r.v22_256)
+                    r.v23_256[...] = situ(r.v21_256[...], r.v22_256[...], 4.0, 25.0)
+                    cast_into(r.v23_256, r.v23_256_bf16)
+                    linear(r, issue, S_KDA_MOE_SHARED, slots2_ref[li], base + S_KDA_MOE_SHARED.start, r.v23_256_bf16, r.v0_7168)
+                    # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
+                    r.v19_3584[...] = r.v20_3584[...]
+                    comm.all_reduce(r.v19_3584, 31, wire=BF16, rows=8)
+                    fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
+                    rmsnorm(r.v19_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
+                    shard_slice(r.v20_3584, r.v24_112, comm.group_index(31), ways=32)
+                    cast_into(r.v24_112, r.v24_112_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR_12, slots2_ref[li], base + S_KDA_MOE_LINEAR_12.start, r.v24_112_bf16, r.v10_7168)
+                    r.v25_7168[...] = r.v10_7168[...] + r.v0_7168[...]
+                    # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+                    r.v0_7168[...] = r.v25_7168[...]
+                    comm.all_reduce_two_level(r.v0_7168, 31, wire=BF16, rows=8)
+                    r.v25_7168[...] = r.v1_7168[...] + r.v0_7168[...]
+                    r.carry1[...] = r.v25_7168[...]
+
+                @pl.when(layer_kind_ref[li] == 2)
+                def _():
+                    # layer kind `mla_moe` (spec line 199)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
+                    fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).start()
+                    fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).start()
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
+                    fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).start()
+                    fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).start()
+                    # spec line 200: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
+                    res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v25_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
+                    # spec line 201: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
+                    res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
+                    # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
+                    rmsnorm(r.v25_7168[...], pick_row(r.f_input_norm, li), r.v10_7168, eps=1e-05, heads=1)
+                    # spec line 157: q = compact(linear(rmsnorm(linear(x, mla_wqa), mla_qnorm, eps=EPS), mla_wqb), block=QB, keep=QH)
+                    cast_into(r.v10_7168, r.v10_7168_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR, slots3_ref[li], base + S_MLA_MOE_LINEAR.start, r.v10_7168_bf16, r.v26_1536)
+                    fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).wait()
+                    rmsnorm(r.v26_1536[...], pick_row(r.f_mla_qnorm, slots3_ref[li]), r.v27_1536, eps=1e-05, heads=1)
+                    cast_into(r.v27_1536, r.v27_1536_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR_1, slots3_ref[li], base + S_MLA_MOE_LINEAR_1.start, r.v27_1536_bf16, r.v28_640)
+                    r.v29_576[...] = compact_columns(r.v28_640[...], 640, 576)
+                    # spec line 158: kv = linear(x, mla_wkva)
+                    linear(r, issue, S_MLA_MOE_KV, slots3_ref[li], base + S_MLA_MOE_KV.start, r.v10_7168_bf16, r.v28_640)
+                    # spec line 159: c = rmsnorm(slice(kv, start=0, size=KVR), mla_kvnorm, eps=EPS)
+                    r.v30_512[...] = r.v28_640[...][:, 0 : 0 + 512]
+                    fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).wait()
+                    rmsnorm(r.v30_512[...], pick_row(r.f_mla_kvnorm, slots3_ref[li]), r.v31_512, eps=1e-05, heads=1)
+                    # spec line 160: y = mla_attention(q, c, slice(kv, start=KVR, size=XK), mla_wkvb, mla_cache, positions,
+                    r.v32_64[...] = r.v28_640[...][:, 512 : 512 + 64]
+                    attention0(slots3_ref[li], r.v29_576, r.v31_512, r.v32_64, r.v7_384)
+                    # spec line 162: return linear(y * sigmoid(linear(x, mla_wg)), mla_wo)
+                    linear(r, issue, S_MLA_MOE_LINEAR_2, slots3_ref[li], base + S_MLA_MOE_LINEAR_2.start, r.v10_7168_bf16, r.v5_384)
+                    r.v4_384[...] = jax.nn.sigmoid(r.v5_384[...])
+                    r.v5_384[...] = r.v7_384[...] * r.v4_384[...]
+                    cast_into(r.v5_384, r.v5_384_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR_3, slots3_ref[li], base + S_MLA_MOE_LINEAR_3.start, r.v5_384_bf16, r.v10_7168)
+                    # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
+                    r.v25_7168[...] = r.v10_7168[...]
+                    comm.all_reduce_two_level(r.v25_7168, 31, wire=BF16, rows=8)
+                    r.v10_7168[...] = r.carry1[...] + r.v25_7168[...]
+                    # spec line 203: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
+                    res_mix(r.carry0, r.v10_7168, pick_row(r.f_mlp_res, li), r.v25_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
+                    # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
+                    rmsnorm(r.v25_7168[...], pick_row(r.f_post_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
+                    cast_into(r.v1_7168, r.v1_7168_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR_4, slots2_ref[li], base + S_MLA_MOE_LINEAR_4.start, r.v1_7168_bf16, r.v6_128)
+                    comm.all_gather(r.v6_128, r.v14_1024, 28)
+                    r.v16_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
+                    r.v15_896[...] = jax.nn.sigmoid(r.v16_896[...])
+                    fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
+                    experts0_mla_moe_27.route(r.v15_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
+                    experts0_mla_moe_27.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
+                    # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+                    linear(r, issue, S_MLA_MOE_LINEAR_5, slots2_ref[li], base + S_MLA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v15_896)
+                    comm.all_gather(r.v15_896, r.v20_3584, 3)
+                    experts0_mla_moe_27.experts(slots2_ref[li], r.v20_3584, r.v17_16, r.v19_3584, prefetched=True)
+                    # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
+                    linear(r, issue, S_MLA_MOE_LINEAR_6, slots2_ref[li], base + S_MLA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v23_256)
+                    linear(r, issue, S_MLA_MOE_LINEAR_7, slots2_ref[li], base + S_MLA_MOE_LINEAR_7.start, r.v1_7168_bf16, r.v22_256)
+                    r.v21_256[...] = situ(r.v23_256[...], r.v22_256[...], 4.0, 25.0)
+                    cast_into(r.v21_256, r.v21_256_bf16)
+                    linear(r, issue, S_MLA_MOE_SHARED, slots2_ref[li], base + S_MLA_MOE_SHARED.start, r.v21_256_bf16, r.v1_7168)
+                    # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
+                    r.v20_3584[...] = r.v19_3584[...]
+                    comm.all_reduce(r.v20_3584, 31, wire=BF16, rows=8)
+                    fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
+                    rmsnorm(r.v20_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v19_3584, eps=1e-05, heads=1)
+                    shard_slice(r.v19_3584, r.v24_112, comm.group_index(31), ways=32)
+                    cast_into(r.v24_112, r.v24_112_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR_8, slots2_ref[li], base + S_MLA_MOE_LINEAR_8.start, r.v24_112_bf16, r.v25_7168)
+                    r.v0_7168[...] = r.v25_7168[...] + r.v1_7168[...]
+                    # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+                    r.v1_7168[...] = r.v0_7168[...]
+                    comm.all_reduce_two_level(r.v1_7168, 31, wire=BF16, rows=8)
+                    r.v0_7168[...] = r.v10_7168[...] + r.v1_7168[...]
+                    r.carry1[...] = r.v0_7168[...]
+                if layer_trace:
+                    pltpu.sync_copy(r.carry0, r.blocks_trace.at[li + 1])
+                    pltpu.sync_copy(r.carry1, r.prefix_trace.at[li + 1])
+
+                return carry
+
+            jax.lax.fori_loop(0, NUM_LAYERS, layer, 0)
+
+            # ---- epilogue: after the last layer ----
+            base = layer_base_ref[NUM_LAYERS]
+            fetch(r.out_res, r.f_out_res, r.fetch_sem.at[14], 0, 1).start()
+            fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).start()
+            # spec line 216: x = res_mix(blocks, prefix, out_res, layer=L - 1, block=BLOCK, after_snapshot=true)
+            fetch(r.out_res, r.f_out_res, r.fetch_sem.at[14], 0, 1).wait()
+            res_mix(r.carry0, r.carry1, pick_row(r.f_out_res, 0), r.v33_7168, layer=92, block=12, after_snapshot=True, eps=1e-05)
+            # spec line 217: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
+            fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).wait()
+            rmsnorm(r.v33_7168[...], pick_row(r.f_final_norm, 0), r.v34_7168, eps=1e-05, heads=1)
+            cast_into(r.v34_7168, r.v34_7168_bf16)
+            linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v34_7168_bf16, r.logits)
+            # spec line 218: return logits, argmax(logits)
+            sampled_argmax(sampling, seed_ref, positions_ref, r.logits, r.next_tokens, chunk=1280, offset=comm.group_index(31) * 5120, comm=comm, mask=31)
+            attention0.drain()
+            r.chosen[step] = r.next_tokens[...]
+            feed_tokens(r, batch, step, positions_in)
             return carry
 
-        jax.lax.fori_loop(0, NUM_LAYERS, layer, 0)
-
-        # ---- epilogue: after the last layer ----
-        base = layer_base_ref[NUM_LAYERS]
-        fetch(r.out_res, r.f_out_res, r.fetch_sem.at[14], 0, 1).start()
-        fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).start()
-        # spec line 216: x = res_mix(blocks, prefix, out_res, layer=L - 1, block=BLOCK, after_snapshot=true)
-        fetch(r.out_res, r.f_out_res, r.fetch_sem.at[14], 0, 1).wait()
-        res_mix(r.carry0, r.carry1, pick_row(r.f_out_res, 0), r.v33_7168, layer=92, block=12, after_snapshot=True, eps=1e-05)
-        # spec line 217: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
-        fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).wait()
-        rmsnorm(r.v33_7168[...], pick_row(r.f_final_norm, 0), r.v34_7168, eps=1e-05, heads=1)
-        cast_into(r.v34_7168, r.v34_7168_bf16)
-        linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v34_7168_bf16, r.logits)
-        # spec line 218: return logits, argmax(logits)
-        argmax_across(comm, r.logits, r.next_tokens, chunk=1280, offset=comm.group_index(31) * 5120, mask=31)
-        attention0.drain()
+        jax.lax.fori_loop(0, steps_per_call, decode_step, 0)
 
     def hbm():
         return pl.BlockSpec(memory_space=pl.ANY)
@@ -2666,14 +2891,14 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     def vmem():
         return pl.BlockSpec(memory_space=pltpu.VMEM)
 
-    n_scalars = 8
+    n_scalars = 9  # tokens, positions, the layer tables, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
     layout = local_state_layout(batch, seq_len)
     call = pl.pallas_call(
         kernel,
         out_shape=[
             jax.ShapeDtypeStruct((batch, 5120), F32),
-            jax.ShapeDtypeStruct((batch, 1), I32),
+            jax.ShapeDtypeStruct((steps_per_call, batch, 1), I32),
             *[layout[name] for name in state_names],
             *[jax.ShapeDtypeStruct((NUM_LAYERS + 1, rows, width), F32) for width in LAYER_CARRIES.values() if layer_trace],
         ],
@@ -2693,9 +2918,9 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     mesh = mesh if mesh is not None else make_mesh()
     P = jax.sharding.PartitionSpec
 
-    def per_device(tokens, positions, *arrays):
+    def per_device(tokens, positions, seed, *arrays):
         tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(SLOTS0), jnp.asarray(SLOTS1), jnp.asarray(SLOTS2), jnp.asarray(SLOTS3)]
-        return call(tokens, positions, *tables, *arrays)
+        return call(tokens, positions, *tables, seed, *arrays)
 
     def split_of(name):
         return (None, *WEIGHT_SPLIT[name]) if name in vectors else WEIGHT_SPLIT[name]
@@ -2704,44 +2929,34 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     device_call = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(), P(), *[P(*split_of(name)) for name in hbm_inputs], *state_specs),
+        in_specs=(P(), P(), P(), *[P(*split_of(name)) for name in hbm_inputs], *state_specs),
         out_specs=(P(None, LOGITS_SPLIT), P(), *state_specs, *[P() for _ in traces]),
         check_vma=False,
     )
 
-    def one_step(flat, state, tokens, positions):
-        """One kernel call: (logits, the kernel's greedy tokens [batch], new state, trace)."""
+    def one_step(flat, state, tokens, positions, seed):
+        """One kernel call: (logits, the tokens the kernel drew [batch], new state, trace)."""
+        seed = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), I32).reshape(1)
         logits, next_tokens, *new_state = device_call(
             tokens.astype(I32),
             positions.astype(I32),
+            seed,
             *[flat[name] for name in hbm_inputs],
             *[state[name] for name in state_names],
         )
         new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
         new_state = dict(zip(state_names, new_state, strict=True))
         trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)} if layer_trace else {}
-        return logits, next_tokens.reshape(batch), new_state, trace
+        next_tokens = next_tokens[:, :, 0].T  # [batch, steps_per_call]
+        return logits, next_tokens.reshape(batch) if steps_per_call == 1 else next_tokens, new_state, trace
 
     def step(weights, state, tokens, positions, seed):
         flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
         for name, rows in padded.items():
             flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
         tokens, positions = tokens.astype(I32), positions.astype(I32)
-        if steps_per_call == 1:
-            logits, greedy, new_state, trace = one_step(flat, state, tokens, positions)
-            next_tokens = sample_tokens(logits, positions, seed, sampling, greedy)
-            return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
-
-        def decode(i, carry):  # step i's token is step i + 1's input, on the device
-            state, last, chosen, _ = carry
-            logits, greedy, state, _ = one_step(flat, state, last, positions + i)
-            last = sample_tokens(logits, positions + i, seed, sampling, greedy)
-            return state, last, chosen.at[:, i].set(last), logits
-
-        chosen = jnp.zeros((batch, steps_per_call), I32)
-        logits = jnp.zeros((batch, 5120), F32)
-        new_state, _, chosen, logits = jax.lax.fori_loop(0, steps_per_call, decode, (state, tokens, chosen, logits))
-        return logits, chosen, new_state
+        logits, next_tokens, new_state, trace = one_step(flat, state, tokens, positions, seed)
+        return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
 
     jitted = jax.jit(step, donate_argnums=(1,))
     return CheckedStep(jitted, batch, seq_len, steps_per_call)

@@ -367,23 +367,41 @@ class Sampling:
 
 
 def _mix32(x):
-    """A bijective 32-bit hash (xor-shift-multiply rounds): each output bit depends on every input bit."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
+    """A bijective 32-bit hash (xor-shift-multiply rounds) of int32 `x` (wrapping products, logical
+    shifts: the same bits in XLA and in a kernel): each output bit depends on every input bit."""
+    x = x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+    x = x * jnp.int32(0x7FEB352D)
+    x = x ^ jax.lax.shift_right_logical(x, jnp.int32(15))
+    x = x * jnp.int32(0x846CA68B - 2**32)
+    return x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+
+
+def _int32(x):
+    """An integer array's 32 bits as int32 (uint32 seeds bit-cast, not clipped)."""
+    x = jnp.asarray(x)
+    return jax.lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.uint32 else x.astype(jnp.int32)
+
+
+def _row_keys(seed, positions, rows):
+    """Each row's key [rows, 1]: a hash of (seed, the row's position, the row)."""
+    key = _mix32(_int32(seed) ^ jnp.int32(0x9E3779B9 - 2**32))
+    return _mix32(_mix32(key ^ positions) ^ rows)
+
+
+def _uniform(keys, columns):
+    """u in (0, 1) for each row key [rows, 1] and global token id `columns` (int32, broadcast)."""
+    bits = _mix32(keys ^ _mix32(columns))
+    return (jax.lax.shift_right_logical(bits, jnp.int32(8)).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)
 
 
 def sample_uniform(seed, positions, vocab):
-    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id). Counter-based,
-    so a step's draws depend on nothing else: the same seed and positions give the same bits
-    whatever ran before, in one call or several, and however the vocabulary is split."""
-    seed = jnp.asarray(seed).astype(jnp.uint32)
-    rows = jnp.arange(positions.shape[0], dtype=jnp.uint32)
-    key = _mix32(_mix32(_mix32(seed ^ jnp.uint32(0x9E3779B9)) ^ positions.astype(jnp.uint32)) ^ rows)
-    bits = _mix32(key[:, None] ^ _mix32(jnp.arange(vocab, dtype=jnp.uint32))[None, :])
-    return ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)  # 24 bits: exact in f32
+    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id), 24 bits (exact
+    in f32). Counter-based, so a step's draws depend on nothing else: the same seed and positions
+    give the same bits whatever ran before, in one call or several, however the vocabulary is
+    split, in XLA or in the kernel (kernel_sample)."""
+    rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]
+    keys = _row_keys(seed, _int32(positions)[:, None], rows)
+    return _uniform(keys, jnp.arange(vocab, dtype=jnp.int32)[None, :])
 
 
 def sampling_mask(z, sampling):
@@ -412,6 +430,190 @@ def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None):
     z = sampling_mask(logits / jnp.float32(sampling.temperature), sampling)
     g = -jnp.log(-jnp.log(sample_uniform(seed, positions, logits.shape[-1])))
     return jnp.argmax(z + g, axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# The same draw inside the kernel (the lowering of the step's `argmax`, writing next_tokens),
+# over a vocabulary that may be split over the devices of `mask`: every reduction is a per-row
+# [batch, 1] value combined over the group with Comm.combine (the same bits on every device).
+#   temperature: z = logits / T, as sample_tokens.
+#   top_k: the k-th largest z, found exactly by building its order key bit by bit (32 passes,
+#     each a count of the z >= a candidate: integers, exact in any order): keeps z >= it, as
+#     sampling_mask.
+#   top_p: p = exp(z - max) / sum (the max and the sum combined over the group); token j is kept
+#     iff the mass of the tokens more likely than it, S(p_j) = sum of p_i > p_j, is < top_p:
+#     sampling_mask's rule (its sorted cumulative sum at the first of p_j's ties). The threshold
+#     is found by building the largest key with S >= top_p bit by bit (31 passes). Exact but for
+#     the order of the f32 sums: it can differ from the reference only when S(p_j) is within
+#     f32 rounding (~V x 2^-24) of top_p.
+#   draw: argmax(z + g), g = -log(-log u), u from `_uniform` of the global token id; each device
+#     takes its best (first on ties) and the group's best is combined as the greedy argmax is.
+# ---------------------------------------------------------------------------------------
+def _order_key(z):
+    """A signed int32 key in the order of f32 z (-0.0 counted as 0.0)."""
+    i = jax.lax.bitcast_convert_type(z + jnp.float32(0.0), jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _fold(x, chunk, fn, init):
+    """fn(columns [batch, chunk] of ref x, their first column, acc) over the row, chunk by chunk."""
+
+    def body(c, acc):
+        c0 = pl.multiple_of(c * chunk, chunk)
+        return fn(x[:, pl.ds(c0, chunk)], c0, acc)
+
+    return jax.lax.fori_loop(0, x.shape[1] // chunk, body, init)
+
+
+def _widen(v, rows, fill):
+    """[batch, 1] -> [rows, 1] (an exchange carries whole padded rows)."""
+    if v.shape[0] == rows:
+        return v
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    wide = jnp.full((rows, 1), fill, v.dtype)
+    for b in range(v.shape[0]):
+        wide = jnp.where(row == b, v[b : b + 1], wide)
+    return wide
+
+
+def _group(comm, mask, v, op):
+    """Per-row f32 v [batch, 1] combined over the devices of `mask` (alone: itself)."""
+    if comm is None:
+        return v
+    return comm.combine(_widen(v, comm.stage.shape[0], 0.0), mask, op)[0 : v.shape[0]]
+
+
+def _largest_key(count, bits, threshold):
+    """The largest key (of `bits` bits; 32: signed, ordered as _order_key) whose count(key) >=
+    threshold, for a count that falls as the key grows: built from the top bit down."""
+    top = jnp.int32(-(2**31)) if bits == 32 else jnp.int32(0)
+
+    def bit(i, u):
+        cand = u | jax.lax.shift_left(jnp.int32(1), jnp.int32(bits - 1) - i)
+        return jnp.where(count(cand ^ top) >= threshold, cand, u)
+
+    return jax.lax.fori_loop(0, bits, bit, jnp.zeros(count.shape, jnp.int32)) ^ top
+
+
+class _Counted:
+    """A per-row count over the (split) row of x, as a function of per-row keys [batch, 1]."""
+
+    def __init__(self, x, chunk, term, comm, mask):
+        self.x, self.chunk, self.term, self.comm, self.mask = x, chunk, term, comm, mask
+        self.shape = (x.shape[0], 1)
+
+    def __call__(self, key):
+        zero = jnp.zeros(self.shape, jnp.float32)
+        total = _fold(self.x, self.chunk, lambda v, c0, acc: acc + self.term(v, key), zero)
+        return _group(self.comm, self.mask, total, jnp.add)
+
+
+def _sum_where(v, keep, values):
+    """Per-row sum of `values` where `keep` (f32 [batch, 1])."""
+    return jnp.sum(jnp.where(keep, values, jnp.float32(0.0)), axis=1, keepdims=True)
+
+
+def _top_k_rule(sampling, x, chunk, comm, mask):
+    """keep(z) for z >= the k-th largest z of the (split) row."""
+    scale = jnp.float32(sampling.temperature)
+    term = lambda v, key: _sum_where(v, _order_key(v / scale) >= key, jnp.float32(1.0))  # noqa: E731
+    kth = _largest_key(_Counted(x, chunk, term, comm, mask), 32, jnp.float32(sampling.top_k))
+    return lambda z: _order_key(z) >= kth
+
+
+def _top_p_rule(keep_k, sampling, x, chunk, comm, mask):
+    """keep(z) for the tokens keep_k keeps whose more likely tokens hold < top_p of the mass."""
+    scale, rows = jnp.float32(sampling.temperature), (x.shape[0], 1)
+    masked = lambda z: jnp.where(keep_k(z), z, -jnp.inf)  # noqa: E731
+    top = _fold(x, chunk, lambda v, c0, m: jnp.maximum(m, jnp.max(masked(v / scale), axis=1, keepdims=True)),
+                jnp.full(rows, -jnp.inf, jnp.float32))
+    top = _group(comm, mask, top, jnp.maximum)
+    total = _fold(x, chunk, lambda v, c0, s: s + jnp.sum(jnp.exp(masked(v / scale) - top), axis=1, keepdims=True),
+                  jnp.zeros(rows, jnp.float32))
+    total = _group(comm, mask, total, jnp.add)
+    prob = lambda z: jnp.exp(masked(z) - top) / total  # noqa: E731  as jax.nn.softmax
+    bits = lambda z: jax.lax.bitcast_convert_type(prob(z), jnp.int32)  # noqa: E731  p >= 0: ordered as p
+    term = lambda v, key: _sum_where(v, bits(v / scale) > key, prob(v / scale))  # noqa: E731
+    edge = _largest_key(_Counted(x, chunk, term, comm, mask), 31, jnp.float32(sampling.top_p))
+    return lambda z: keep_k(z) & (bits(z) > edge)
+
+
+def _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask):
+    """score(columns [batch, chunk], their global token ids): the perturbed masked scaled logits
+    whose argmax is the draw (greedy: the logits)."""
+    if sampling.greedy:
+        return lambda v, cols: v
+    row = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    pos = jnp.zeros(row.shape, jnp.int32)
+    for b in range(x.shape[0]):
+        pos = jnp.where(row == b, positions_ref[b], pos)
+    keys = _row_keys(seed_ref[0], pos, row)
+    keep = lambda z: jnp.ones(z.shape, bool)  # noqa: E731
+    if sampling.top_k and sampling.top_k < vocab:
+        keep = _top_k_rule(sampling, x, chunk, comm, mask)
+    if sampling.top_p < 1:
+        keep = _top_p_rule(keep, sampling, x, chunk, comm, mask)
+    scale = jnp.float32(sampling.temperature)
+
+    def score(v, cols):
+        z = v / scale
+        g = -jnp.log(-jnp.log(_uniform(keys, cols)))
+        return jnp.where(keep(z), z + g, -jnp.inf)
+
+    return score
+
+
+def sampled_argmax(sampling, seed_ref, positions_ref, x, out, chunk, offset=0, comm=None, mask=None):
+    """out <- each row's next token from its logits x (ref f32 [batch, local vocab], this device's
+    columns offset.. of a vocabulary split over `mask`), drawn as sample_tokens draws it from
+    (seed_ref[0], positions_ref): the first argmax when greedy."""
+    vocab = x.shape[1] * (1 << bin(mask).count("1") if comm is not None else 1)  # the whole vocabulary
+    score = _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask)
+
+    def best(v, c0, acc):
+        cols = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1) + c0 + offset
+        s = score(v, cols)
+        m = jnp.max(s, axis=1, keepdims=True)
+        i = jnp.min(jnp.where(s == m, cols, jnp.int32(2**30)), axis=1, keepdims=True)
+        better = m > acc[0]
+        return jnp.where(better, m, acc[0]), jnp.where(better, i, acc[1])
+
+    rows = (x.shape[0], 1)
+    value, index = _fold(x, chunk, best, (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.int32)))
+    if comm is not None:
+        wide = comm.stage.shape[0]
+        value, index = comm.argmax(_widen(value, wide, -jnp.inf), _widen(index, wide, 0), mask)
+    out[...] = index[0 : out.shape[0]]
+
+
+# ---------------------------------------------------------------------------------------
+# Several decode steps in one kernel call: each step's drawn tokens become the next step's
+# input tokens. The lowerings read the step's tokens and positions as SMEM scalars
+# (tokens_ref[b], positions_ref[b]); a drawn token is a vector value, which reaches SMEM
+# through memory: a VMEM -> SMEM DMA of whole [rows, 128] i32 tiles, then scalar copies.
+# ---------------------------------------------------------------------------------------
+def step_scratch(batch, rows):
+    """The step loop's scratch: the current step's tokens and positions (SMEM), the drawn tokens
+    (what the step's `argmax` writes) and their staging for the DMA to SMEM."""
+    return {
+        "step_tokens": pltpu.SMEM((batch,), jnp.int32),
+        "step_positions": pltpu.SMEM((batch,), jnp.int32),
+        "next_tokens": pltpu.VMEM((batch, 1), jnp.int32),
+        "token_stage": pltpu.VMEM((rows, 128), jnp.int32),
+        "token_smem": pltpu.SMEM((rows, 128), jnp.int32),
+        "token_sem": pltpu.SemaphoreType.DMA((1,)),
+    }
+
+
+def feed_tokens(r, batch, step, positions_in):
+    """After decode step `step`: its drawn tokens are the next step's tokens, at positions + 1."""
+    r.token_stage[...] = jnp.broadcast_to(_widen(r.next_tokens[...], r.token_stage.shape[0], 0), r.token_stage.shape)
+    copy = pltpu.make_async_copy(r.token_stage, r.token_smem, r.token_sem.at[0])
+    copy.start()
+    copy.wait()
+    for b in range(batch):
+        r.step_tokens[b] = r.token_smem[b, 0]
+        r.step_positions[b] = positions_in[b] + step + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -918,6 +1120,17 @@ class Comm:
             src = out_ref.at[:, pl.ds(pl.multiple_of(mine * n, width), width)]
             got = self._exchange(k, src, self.recv, width)
             self._local_copy(got, out_ref.at[:, pl.ds(pl.multiple_of(theirs * n, width), width)])
+
+    def combine(self, value, mask, op):
+        """Per-row f32 [rows, 1] `value` combined over the group of `mask` with `op` (jnp.add,
+        jnp.maximum: commutative, so both peers of a phase compute the same bits and every device
+        ends equal). For the sampler's reductions (wrapper/sampling.py.jinja)."""
+        lanes = COMM_PAIR_LANES
+        for k in mask_bits(mask):
+            self.stage[...] = jnp.broadcast_to(value, (value.shape[0], 2 * lanes))
+            got = self._exchange(k, self.stage, self.recv, 2 * lanes)
+            value = op(value, got[:, 0:1])
+        return value
 
     def argmax(self, value, index, mask):
         """Combine per-row (max value f32 [rows, 1], its global column i32 [rows, 1]) over the
@@ -1791,12 +2004,13 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     LAYER_CARRIES, entry 0 as the layer stack receives it and entry l + 1 after layer l. The default
     build has no trace output and no trace copies.
 
-    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the kernel's own
-    argmax); `step` then takes a fifth argument, `seed` (an int, default 0), and its draws are a
-    function of (seed, each row's position, row, token) only. `steps_per_call=N` runs N decode
-    steps in one device call, each step's token fed to the next on the device (positions
-    advancing by one), and returns the N tokens as next_tokens i32 [batch, N] with the last
-    step's logits.
+    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the first argmax);
+    the kernel draws the token itself (`sampled_argmax`, over its share of a split vocabulary)
+    and `step` takes a fifth argument, `seed` (an int, default 0): the draws are a function of
+    (seed, each row's position, row, token) only, as `sample_tokens`'s. `steps_per_call=N` runs
+    N decode steps in one kernel call (a loop in the kernel, each step's token fed to the next
+    on the device, positions advancing by one) and returns the N tokens as next_tokens
+    i32 [batch, N] with the last step's logits.
     """
     check_sizes(batch, seq_len)
     if sampling is None:
@@ -1813,7 +2027,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     vectors = ["final_norm", ]  # 1-D weights, passed as [1, N]
     padded = {"gdn_a_log": 40, "gdn_dt_bias": 40, "gdn_norm": 48, }  # vector stacks padded to whole fetch blocks
     state_names = list(STATE)
-    outputs = ["logits", "next_tokens"] + [f"{name}_out" for name in state_names]
+    outputs = ["logits", "chosen"] + [f"{name}_out" for name in state_names]  # chosen: every step's tokens
     traces = [f"{name}_trace" for name in LAYER_CARRIES] if layer_trace else []
     outputs += traces
     scratch = {
@@ -1910,330 +2124,341 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "kv_n": pltpu.SMEM((1,), jnp.int32),
         "wb_pending": pltpu.SMEM((1,), jnp.int32),
     }
+    scratch.update(step_scratch(batch, rows))  # the in-kernel step loop (wrapper/sampling.py.jinja)
     names = hbm_inputs + state_names + outputs + list(scratch)
 
-    def kernel(tokens_ref, positions_ref, layer_kind_ref, layer_base_ref, slots0_ref, slots1_ref, *refs):
+    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, slots0_ref, slots1_ref, seed_ref, *refs):
         r = Refs(names, refs)
         comm = Comm(r, axes=MESH_AXES, sizes=MESH_SHAPE)
         comm.enter()  # every peer is in this step's kernel before any exchange writes to it
+        tokens_ref, positions_ref = r.step_tokens, r.step_positions  # the current step's, as the lowerings read them
+        for b in range(batch):
+            tokens_ref[b] = tokens_in[b]
+            positions_ref[b] = positions_in[b]
 
-        def issue(g):
-            """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
+        def decode_step(step, carry):  # one whole decode step; its drawn tokens feed the next
+            def issue(g):
+                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
 
-            def tiles_of(layer):
-                return jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 0, GDN_TILES, FULL_ATTN_TILES)
+                def tiles_of(layer):
+                    return jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 0, GDN_TILES, FULL_ATTN_TILES)
 
-            def behind(cursor):
-                layer, base = cursor
-                return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
+                def behind(cursor):
+                    layer, base = cursor
+                    return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
 
-            def advance(cursor):
-                layer, base = cursor
-                return layer + 1, base + tiles_of(layer)
+                def advance(cursor):
+                    layer, base = cursor
+                    return layer + 1, base + tiles_of(layer)
 
-            # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
-            layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
-            r.cursor[0] = layer
-            r.cursor[1] = base
-            j, bank = g - base, g % RING_DEPTH
-            kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
+                # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
+                layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
+                r.cursor[0] = layer
+                r.cursor[1] = base
+                j, bank = g - base, g % RING_DEPTH
+                kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
 
-            @pl.when((layer < NUM_LAYERS) & (kind == 0))
-            def _():
-                @pl.when((j >= S_GDN_LINEAR.start) & (j < S_GDN_LINEAR.start + S_GDN_LINEAR.tiles))
+                @pl.when((layer < NUM_LAYERS) & (kind == 0))
                 def _():
-                    tile_copy(r, S_GDN_LINEAR, slots0_ref[layer], j - S_GDN_LINEAR.start, bank).start()
+                    @pl.when((j >= S_GDN_LINEAR.start) & (j < S_GDN_LINEAR.start + S_GDN_LINEAR.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_LINEAR, slots0_ref[layer], j - S_GDN_LINEAR.start, bank).start()
 
-                @pl.when((j >= S_GDN_LINEAR_1.start) & (j < S_GDN_LINEAR_1.start + S_GDN_LINEAR_1.tiles))
+                    @pl.when((j >= S_GDN_LINEAR_1.start) & (j < S_GDN_LINEAR_1.start + S_GDN_LINEAR_1.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_LINEAR_1, slots0_ref[layer], j - S_GDN_LINEAR_1.start, bank).start()
+
+                    @pl.when((j >= S_GDN_LINEAR_2.start) & (j < S_GDN_LINEAR_2.start + S_GDN_LINEAR_2.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_LINEAR_2, slots0_ref[layer], j - S_GDN_LINEAR_2.start, bank).start()
+
+                    @pl.when((j >= S_GDN_BA.start) & (j < S_GDN_BA.start + S_GDN_BA.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_BA, slots0_ref[layer], j - S_GDN_BA.start, bank).start()
+
+                    @pl.when((j >= S_GDN_LINEAR_3.start) & (j < S_GDN_LINEAR_3.start + S_GDN_LINEAR_3.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_LINEAR_3, slots0_ref[layer], j - S_GDN_LINEAR_3.start, bank).start()
+
+                    @pl.when((j >= S_GDN_LINEAR_4.start) & (j < S_GDN_LINEAR_4.start + S_GDN_LINEAR_4.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_LINEAR_4, slots0_ref[layer], j - S_GDN_LINEAR_4.start, bank).start()
+
+                    @pl.when((j >= S_GDN_LINEAR_5.start) & (j < S_GDN_LINEAR_5.start + S_GDN_LINEAR_5.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_LINEAR_5, layer, j - S_GDN_LINEAR_5.start, bank).start()
+
+                    @pl.when((j >= S_GDN_LINEAR_6.start) & (j < S_GDN_LINEAR_6.start + S_GDN_LINEAR_6.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_LINEAR_6, layer, j - S_GDN_LINEAR_6.start, bank).start()
+
+                    @pl.when((j >= S_GDN_LINEAR_7.start) & (j < S_GDN_LINEAR_7.start + S_GDN_LINEAR_7.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_LINEAR_7, layer, j - S_GDN_LINEAR_7.start, bank).start()
+
+                    @pl.when((j >= S_GDN_SHARED.start) & (j < S_GDN_SHARED.start + S_GDN_SHARED.tiles))
+                    def _():
+                        tile_copy(r, S_GDN_SHARED, layer, j - S_GDN_SHARED.start, bank).start()
+
+
+                @pl.when((layer < NUM_LAYERS) & (kind == 1))
                 def _():
-                    tile_copy(r, S_GDN_LINEAR_1, slots0_ref[layer], j - S_GDN_LINEAR_1.start, bank).start()
+                    @pl.when((j >= S_FULL_ATTN_LINEAR.start) & (j < S_FULL_ATTN_LINEAR.start + S_FULL_ATTN_LINEAR.tiles))
+                    def _():
+                        tile_copy(r, S_FULL_ATTN_LINEAR, slots1_ref[layer], j - S_FULL_ATTN_LINEAR.start, bank).start()
 
-                @pl.when((j >= S_GDN_LINEAR_2.start) & (j < S_GDN_LINEAR_2.start + S_GDN_LINEAR_2.tiles))
+                    @pl.when((j >= S_FULL_ATTN_LINEAR_1.start) & (j < S_FULL_ATTN_LINEAR_1.start + S_FULL_ATTN_LINEAR_1.tiles))
+                    def _():
+                        tile_copy(r, S_FULL_ATTN_LINEAR_1, slots1_ref[layer], j - S_FULL_ATTN_LINEAR_1.start, bank).start()
+
+                    @pl.when((j >= S_FULL_ATTN_LINEAR_2.start) & (j < S_FULL_ATTN_LINEAR_2.start + S_FULL_ATTN_LINEAR_2.tiles))
+                    def _():
+                        tile_copy(r, S_FULL_ATTN_LINEAR_2, slots1_ref[layer], j - S_FULL_ATTN_LINEAR_2.start, bank).start()
+
+                    @pl.when((j >= S_FULL_ATTN_LINEAR_3.start) & (j < S_FULL_ATTN_LINEAR_3.start + S_FULL_ATTN_LINEAR_3.tiles))
+                    def _():
+                        tile_copy(r, S_FULL_ATTN_LINEAR_3, slots1_ref[layer], j - S_FULL_ATTN_LINEAR_3.start, bank).start()
+
+                    @pl.when((j >= S_FULL_ATTN_LINEAR_4.start) & (j < S_FULL_ATTN_LINEAR_4.start + S_FULL_ATTN_LINEAR_4.tiles))
+                    def _():
+                        tile_copy(r, S_FULL_ATTN_LINEAR_4, slots1_ref[layer], j - S_FULL_ATTN_LINEAR_4.start, bank).start()
+
+                    @pl.when((j >= S_FULL_ATTN_LINEAR_5.start) & (j < S_FULL_ATTN_LINEAR_5.start + S_FULL_ATTN_LINEAR_5.tiles))
+                    def _():
+                        tile_copy(r, S_FULL_ATTN_LINEAR_5, layer, j - S_FULL_ATTN_LINEAR_5.start, bank).start()
+
+                    @pl.when((j >= S_FULL_ATTN_LINEAR_6.start) & (j < S_FULL_ATTN_LINEAR_6.start + S_FULL_ATTN_LINEAR_6.tiles))
+                    def _():
+                        tile_copy(r, S_FULL_ATTN_LINEAR_6, layer, j - S_FULL_ATTN_LINEAR_6.start, bank).start()
+
+                    @pl.when((j >= S_FULL_ATTN_LINEAR_7.start) & (j < S_FULL_ATTN_LINEAR_7.start + S_FULL_ATTN_LINEAR_7.tiles))
+                    def _():
+                        tile_copy(r, S_FULL_ATTN_LINEAR_7, layer, j - S_FULL_ATTN_LINEAR_7.start, bank).start()
+
+                    @pl.when((j >= S_FULL_ATTN_SHARED.start) & (j < S_FULL_ATTN_SHARED.start + S_FULL_ATTN_SHARED.tiles))
+                    def _():
+                        tile_copy(r, S_FULL_ATTN_SHARED, layer, j - S_FULL_ATTN_SHARED.start, bank).start()
+
+                @pl.when(layer == NUM_LAYERS)
                 def _():
-                    tile_copy(r, S_GDN_LINEAR_2, slots0_ref[layer], j - S_GDN_LINEAR_2.start, bank).start()
+                    @pl.when((j >= S_EPILOGUE_LOGITS.start) & (j < S_EPILOGUE_LOGITS.start + S_EPILOGUE_LOGITS.tiles))
+                    def _():
+                        tile_copy(r, S_EPILOGUE_LOGITS, 0, j - S_EPILOGUE_LOGITS.start, bank).start()
 
-                @pl.when((j >= S_GDN_BA.start) & (j < S_GDN_BA.start + S_GDN_BA.tiles))
-                def _():
-                    tile_copy(r, S_GDN_BA, slots0_ref[layer], j - S_GDN_BA.start, bank).start()
+                    pass
 
-                @pl.when((j >= S_GDN_LINEAR_3.start) & (j < S_GDN_LINEAR_3.start + S_GDN_LINEAR_3.tiles))
-                def _():
-                    tile_copy(r, S_GDN_LINEAR_3, slots0_ref[layer], j - S_GDN_LINEAR_3.start, bank).start()
+            attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=8, kv_heads=1, dk=256, dv=256, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.0625, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)
+            conv0_gdn_2 = ShortConv(r.gdn_q_conv, r.gdn_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv0_gdn_5 = ShortConv(r.gdn_k_conv, r.gdn_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv1_gdn_8 = ShortConv(r.gdn_v_conv, r.gdn_v_conv_out, r.conv1_buf, r.conv1_sem, batch)
+            rule0_gdn_20 = DeltaRule(r.gdn_state, r.gdn_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 4, group=2, scalar_decay=True)
+            experts0_gdn_34 = MoE(r, rows=rows, batch=batch, E=64, k=10, D=2048, F=512, tn=256, slots=4, names={'w1': 'moe_w1', 'w3': 'moe_w3', 'w2': 'moe_w2'}, prefix='experts0_', act=lambda a0, a1: ((t0 := jax.nn.silu(a0) * a1), t0)[-1], fmt='bf16', E_route=512, lo=comm.group_index(7) * 64)
+            experts0_full_attn_21 = MoE(r, rows=rows, batch=batch, E=64, k=10, D=2048, F=512, tn=256, slots=4, names={'w1': 'moe_w1', 'w3': 'moe_w3', 'w2': 'moe_w2'}, prefix='experts0_', act=lambda a0, a1: ((t0 := jax.nn.silu(a0) * a1), t0)[-1], fmt='bf16', E_route=512, lo=comm.group_index(7) * 64)
 
-                @pl.when((j >= S_GDN_LINEAR_4.start) & (j < S_GDN_LINEAR_4.start + S_GDN_LINEAR_4.tiles))
-                def _():
-                    tile_copy(r, S_GDN_LINEAR_4, slots0_ref[layer], j - S_GDN_LINEAR_4.start, bank).start()
+            # ---- prologue: first tiles in flight, per-step tables ----
+            r.cursor[0] = 0
+            r.cursor[1] = 0
+            for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
+                issue(jnp.int32(g))
+            rope0_cos, rope0_sin, rope0_up = rope_tables(positions_ref, rows, batch, d=256, offset=0, rotary=64, shift=32, freq=(1.0, 0.6042963862419128, 0.3651741147041321, 0.22067341208457947, 0.1333521455526352, 0.08058422058820724, 0.04869675263762474, 0.029427271336317062, 0.017782794311642647, 0.010746078565716743, 0.006493816152215004, 0.003924189601093531, 0.0023713738191872835, 0.0014330125413835049, 0.0008659643353894353, 0.0005232990952208638, 0.0003162277571391314, 0.00019109529966954142, 0.00011547820031410083, 6.978306191740558e-05, 4.2169649532297626e-05, 2.5482968339929357e-05, 1.539926597615704e-05, 9.305720595875755e-06, 5.62341347176698e-06, 3.398208264115965e-06, 2.053525122391875e-06, 1.2409377632138785e-06, 7.498941840822226e-07, 4.531583499556291e-07, 2.7384197665014653e-07, 1.6548170833630138e-07), concentration=1.0)
+            kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
+            for i in range(1):
+                r.wb_pending[i] = 0
+            # spec line 169: x = layers(embedding(tokens, embed))
+            embedding(r, r.embed, tokens_ref, batch, r.carry0, r.emb_block, r.emb_sem)
 
-                @pl.when((j >= S_GDN_LINEAR_5.start) & (j < S_GDN_LINEAR_5.start + S_GDN_LINEAR_5.tiles))
-                def _():
-                    tile_copy(r, S_GDN_LINEAR_5, layer, j - S_GDN_LINEAR_5.start, bank).start()
-
-                @pl.when((j >= S_GDN_LINEAR_6.start) & (j < S_GDN_LINEAR_6.start + S_GDN_LINEAR_6.tiles))
-                def _():
-                    tile_copy(r, S_GDN_LINEAR_6, layer, j - S_GDN_LINEAR_6.start, bank).start()
-
-                @pl.when((j >= S_GDN_LINEAR_7.start) & (j < S_GDN_LINEAR_7.start + S_GDN_LINEAR_7.tiles))
-                def _():
-                    tile_copy(r, S_GDN_LINEAR_7, layer, j - S_GDN_LINEAR_7.start, bank).start()
-
-                @pl.when((j >= S_GDN_SHARED.start) & (j < S_GDN_SHARED.start + S_GDN_SHARED.tiles))
-                def _():
-                    tile_copy(r, S_GDN_SHARED, layer, j - S_GDN_SHARED.start, bank).start()
-
-
-            @pl.when((layer < NUM_LAYERS) & (kind == 1))
-            def _():
-                @pl.when((j >= S_FULL_ATTN_LINEAR.start) & (j < S_FULL_ATTN_LINEAR.start + S_FULL_ATTN_LINEAR.tiles))
-                def _():
-                    tile_copy(r, S_FULL_ATTN_LINEAR, slots1_ref[layer], j - S_FULL_ATTN_LINEAR.start, bank).start()
-
-                @pl.when((j >= S_FULL_ATTN_LINEAR_1.start) & (j < S_FULL_ATTN_LINEAR_1.start + S_FULL_ATTN_LINEAR_1.tiles))
-                def _():
-                    tile_copy(r, S_FULL_ATTN_LINEAR_1, slots1_ref[layer], j - S_FULL_ATTN_LINEAR_1.start, bank).start()
-
-                @pl.when((j >= S_FULL_ATTN_LINEAR_2.start) & (j < S_FULL_ATTN_LINEAR_2.start + S_FULL_ATTN_LINEAR_2.tiles))
-                def _():
-                    tile_copy(r, S_FULL_ATTN_LINEAR_2, slots1_ref[layer], j - S_FULL_ATTN_LINEAR_2.start, bank).start()
-
-                @pl.when((j >= S_FULL_ATTN_LINEAR_3.start) & (j < S_FULL_ATTN_LINEAR_3.start + S_FULL_ATTN_LINEAR_3.tiles))
-                def _():
-                    tile_copy(r, S_FULL_ATTN_LINEAR_3, slots1_ref[layer], j - S_FULL_ATTN_LINEAR_3.start, bank).start()
-
-                @pl.when((j >= S_FULL_ATTN_LINEAR_4.start) & (j < S_FULL_ATTN_LINEAR_4.start + S_FULL_ATTN_LINEAR_4.tiles))
-                def _():
-                    tile_copy(r, S_FULL_ATTN_LINEAR_4, slots1_ref[layer], j - S_FULL_ATTN_LINEAR_4.start, bank).start()
-
-                @pl.when((j >= S_FULL_ATTN_LINEAR_5.start) & (j < S_FULL_ATTN_LINEAR_5.start + S_FULL_ATTN_LINEAR_5.tiles))
-                def _():
-                    tile_copy(r, S_FULL_ATTN_LINEAR_5, layer, j - S_FULL_ATTN_LINEAR_5.start, bank).start()
-
-                @pl.when((j >= S_FULL_ATTN_LINEAR_6.start) & (j < S_FULL_ATTN_LINEAR_6.start + S_FULL_ATTN_LINEAR_6.tiles))
-                def _():
-                    tile_copy(r, S_FULL_ATTN_LINEAR_6, layer, j - S_FULL_ATTN_LINEAR_6.start, bank).start()
-
-                @pl.when((j >= S_FULL_ATTN_LINEAR_7.start) & (j < S_FULL_ATTN_LINEAR_7.start + S_FULL_ATTN_LINEAR_7.tiles))
-                def _():
-                    tile_copy(r, S_FULL_ATTN_LINEAR_7, layer, j - S_FULL_ATTN_LINEAR_7.start, bank).start()
-
-                @pl.when((j >= S_FULL_ATTN_SHARED.start) & (j < S_FULL_ATTN_SHARED.start + S_FULL_ATTN_SHARED.tiles))
-                def _():
-                    tile_copy(r, S_FULL_ATTN_SHARED, layer, j - S_FULL_ATTN_SHARED.start, bank).start()
-
-            @pl.when(layer == NUM_LAYERS)
-            def _():
-                @pl.when((j >= S_EPILOGUE_LOGITS.start) & (j < S_EPILOGUE_LOGITS.start + S_EPILOGUE_LOGITS.tiles))
-                def _():
-                    tile_copy(r, S_EPILOGUE_LOGITS, 0, j - S_EPILOGUE_LOGITS.start, bank).start()
-
-                pass
-
-        attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=8, kv_heads=1, dk=256, dv=256, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.0625, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)
-        conv0_gdn_2 = ShortConv(r.gdn_q_conv, r.gdn_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv0_gdn_5 = ShortConv(r.gdn_k_conv, r.gdn_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv1_gdn_8 = ShortConv(r.gdn_v_conv, r.gdn_v_conv_out, r.conv1_buf, r.conv1_sem, batch)
-        rule0_gdn_20 = DeltaRule(r.gdn_state, r.gdn_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 4, group=2, scalar_decay=True)
-        experts0_gdn_34 = MoE(r, rows=rows, batch=batch, E=64, k=10, D=2048, F=512, tn=256, slots=4, names={'w1': 'moe_w1', 'w3': 'moe_w3', 'w2': 'moe_w2'}, prefix='experts0_', act=lambda a0, a1: ((t0 := jax.nn.silu(a0) * a1), t0)[-1], fmt='bf16', E_route=512, lo=comm.group_index(7) * 64)
-        experts0_full_attn_21 = MoE(r, rows=rows, batch=batch, E=64, k=10, D=2048, F=512, tn=256, slots=4, names={'w1': 'moe_w1', 'w3': 'moe_w3', 'w2': 'moe_w2'}, prefix='experts0_', act=lambda a0, a1: ((t0 := jax.nn.silu(a0) * a1), t0)[-1], fmt='bf16', E_route=512, lo=comm.group_index(7) * 64)
-
-        # ---- prologue: first tiles in flight, per-step tables ----
-        r.cursor[0] = 0
-        r.cursor[1] = 0
-        for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
-            issue(jnp.int32(g))
-        rope0_cos, rope0_sin, rope0_up = rope_tables(positions_ref, rows, batch, d=256, offset=0, rotary=64, shift=32, freq=(1.0, 0.6042963862419128, 0.3651741147041321, 0.22067341208457947, 0.1333521455526352, 0.08058422058820724, 0.04869675263762474, 0.029427271336317062, 0.017782794311642647, 0.010746078565716743, 0.006493816152215004, 0.003924189601093531, 0.0023713738191872835, 0.0014330125413835049, 0.0008659643353894353, 0.0005232990952208638, 0.0003162277571391314, 0.00019109529966954142, 0.00011547820031410083, 6.978306191740558e-05, 4.2169649532297626e-05, 2.5482968339929357e-05, 1.539926597615704e-05, 9.305720595875755e-06, 5.62341347176698e-06, 3.398208264115965e-06, 2.053525122391875e-06, 1.2409377632138785e-06, 7.498941840822226e-07, 4.531583499556291e-07, 2.7384197665014653e-07, 1.6548170833630138e-07), concentration=1.0)
-        kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
-        for i in range(1):
-            r.wb_pending[i] = 0
-        # spec line 169: x = layers(embedding(tokens, embed))
-        embedding(r, r.embed, tokens_ref, batch, r.carry0, r.emb_block, r.emb_sem)
-
-        # ---- the layer stack ----
-        if layer_trace:
-            pltpu.sync_copy(r.carry0, r.x_trace.at[0])
-
-        def layer(li, carry):
-            base = layer_base_ref[li]
-
-            @pl.when(layer_kind_ref[li] == 0)
-            def _():
-                # layer kind `gdn` (spec line 153)
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[0], li, 16).start()
-                fetch(r.gdn_conv_q, r.f_gdn_conv_q, r.fetch_sem.at[1], slots0_ref[li], 0).start()
-                fetch(r.gdn_conv_k, r.f_gdn_conv_k, r.fetch_sem.at[2], slots0_ref[li], 0).start()
-                fetch(r.gdn_conv_v, r.f_gdn_conv_v, r.fetch_sem.at[3], slots0_ref[li], 0).start()
-                fetch(r.gdn_a_log, r.f_gdn_a_log, r.fetch_sem.at[4], slots0_ref[li], 8).start()
-                fetch(r.gdn_dt_bias, r.f_gdn_dt_bias, r.fetch_sem.at[5], slots0_ref[li], 8).start()
-                fetch(r.gdn_norm, r.f_gdn_norm, r.fetch_sem.at[6], slots0_ref[li], 16).start()
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).start()
-                fetch(r.shared_egate, r.f_shared_egate, r.fetch_sem.at[8], li, 16).start()
-                # spec line 154: x = x + gated_deltanet(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[0], li, 16).wait()
-                rmsnorm(r.carry0[...], (1.0 + pick_row(r.f_input_norm, li)), r.v0_2048, eps=1e-06, heads=1)
-                # spec line 125: q = l2norm(short_conv(linear(h, gdn_wq), gdn_conv_q, gdn_q_conv), heads=NK, scale=DK ** -0.5, eps=EPS)
-                cast_into(r.v0_2048, r.v0_2048_bf16)
-                linear(r, issue, S_GDN_LINEAR, slots0_ref[li], base + S_GDN_LINEAR.start, r.v0_2048_bf16, r.v1_256)
-                fetch(r.gdn_conv_q, r.f_gdn_conv_q, r.fetch_sem.at[1], slots0_ref[li], 0).wait()
-                conv0_gdn_2(slots0_ref[li], r.v1_256, r.f_gdn_conv_q, r.v2_256)
-                l2norm(r.v2_256, r.v1_256, heads=2, scale=0.08838834764831845, eps=1e-06)
-                # spec line 126: k = l2norm(short_conv(linear(h, gdn_wk), gdn_conv_k, gdn_k_conv), heads=NK, eps=EPS)
-                linear(r, issue, S_GDN_LINEAR_1, slots0_ref[li], base + S_GDN_LINEAR_1.start, r.v0_2048_bf16, r.v2_256)
-                fetch(r.gdn_conv_k, r.f_gdn_conv_k, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
-                conv0_gdn_5(slots0_ref[li], r.v2_256, r.f_gdn_conv_k, r.v3_256)
-                l2norm(r.v3_256, r.v2_256, heads=2, scale=1.0, eps=1e-06)
-                # spec line 127: v = short_conv(linear(h, gdn_wv), gdn_conv_v, gdn_v_conv)
-                linear(r, issue, S_GDN_LINEAR_2, slots0_ref[li], base + S_GDN_LINEAR_2.start, r.v0_2048_bf16, r.v4_512)
-                fetch(r.gdn_conv_v, r.f_gdn_conv_v, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
-                conv1_gdn_8(slots0_ref[li], r.v4_512, r.f_gdn_conv_v, r.v5_512)
-                # spec line 128: ba = linear(h, gdn_wba)
-                linear(r, issue, S_GDN_BA, slots0_ref[li], base + S_GDN_BA.start, r.v0_2048_bf16, r.v6_128)
-                # spec line 129: beta = sigmoid(slice(ba, start=0, size=NV))
-                r.v7_32[...] = r.v6_128[...][:, 0 : 0 + 32]
-                r.v8_32[...] = jax.nn.sigmoid(r.v7_32[...])
-                # spec line 130: g = -exp(gdn_a_log) * softplus(slice(ba, start=NV, size=NV) + gdn_dt_bias)   # one decay per value head
-                fetch(r.gdn_a_log, r.f_gdn_a_log, r.fetch_sem.at[4], slots0_ref[li], 8).wait()
-                r.v9_32_vec[...] = jnp.exp(pick_row(r.f_gdn_a_log, slots0_ref[li]))
-                r.v10_32_vec[...] = -r.v9_32_vec[...]
-                r.v7_32[...] = r.v6_128[...][:, 32 : 32 + 32]
-                fetch(r.gdn_dt_bias, r.f_gdn_dt_bias, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
-                r.v11_32[...] = r.v7_32[...] + pick_row(r.f_gdn_dt_bias, slots0_ref[li])
-                r.v7_32[...] = jnp.maximum(r.v11_32[...], 0.0) + jnp.log1p(jnp.exp(-jnp.abs(r.v11_32[...])))
-                r.v11_32[...] = r.v10_32_vec[...] * r.v7_32[...]
-                # spec line 131: o = delta_rule(q, k, v, g, beta, gdn_state, heads=NV, key_heads=NK)
-                shard_slice(r.v11_32, r.v12_4, comm.group_index(7), ways=8)
-                shard_slice(r.v8_32, r.v13_4, comm.group_index(7), ways=8)
-                rule0_gdn_20(slots0_ref[li], r.v1_256, r.v2_256, r.v5_512, r.v12_4, r.v13_4, r.v4_512)
-                # spec line 132: return linear(rmsnorm(o, gdn_norm, heads=NV, eps=EPS) * silu(linear(h, gdn_wz)), gdn_wo)
-                fetch(r.gdn_norm, r.f_gdn_norm, r.fetch_sem.at[6], slots0_ref[li], 16).wait()
-                rmsnorm(r.v4_512[...], pick_row(r.f_gdn_norm, slots0_ref[li]), r.v5_512, eps=1e-06, heads=4)
-                linear(r, issue, S_GDN_LINEAR_3, slots0_ref[li], base + S_GDN_LINEAR_3.start, r.v0_2048_bf16, r.v4_512)
-                r.v14_512[...] = jax.nn.silu(r.v4_512[...])
-                r.v4_512[...] = r.v5_512[...] * r.v14_512[...]
-                cast_into(r.v4_512, r.v4_512_bf16)
-                linear(r, issue, S_GDN_LINEAR_4, slots0_ref[li], base + S_GDN_LINEAR_4.start, r.v4_512_bf16, r.v0_2048)
-                # spec line 154: x = x + gated_deltanet(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
-                r.v15_2048[...] = r.v0_2048[...]
-                comm.all_reduce(r.v15_2048, 7, wire=F32, rows=8)
-                r.v0_2048[...] = r.carry0[...] + r.v15_2048[...]
-                # spec line 155: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).wait()
-                rmsnorm(r.v0_2048[...], (1.0 + pick_row(r.f_post_norm, li)), r.v15_2048, eps=1e-06, heads=1)
-                # spec line 147: p, ids = topk(softmax(linear(h, moe_router)), k=TOPK)
-                cast_into(r.v15_2048, r.v15_2048_bf16)
-                linear(r, issue, S_GDN_LINEAR_5, li, base + S_GDN_LINEAR_5.start, r.v15_2048_bf16, r.v4_512)
-                r.v14_512[...] = jax.nn.softmax(r.v4_512[...], axis=-1)
-                topk_into(r.v14_512[...], r.v16_10, r.v17_10, 10)
-                # spec line 148: routed = moe_experts(h, p / rowsum(p), ids, moe_w1, moe_w3, moe_w2, act=swiglu)
-                r.v18_1[...] = jnp.sum(r.v16_10[...], axis=-1, keepdims=True)
-                r.v19_10[...] = r.v16_10[...] / r.v18_1[...]
-                experts0_gdn_34.take_ids(r.v17_10)
-                experts0_gdn_34.experts(li, r.v15_2048, r.v19_10, r.v20_2048)
-                # spec line 149: shared = linear(swiglu(linear(h, shared_gate), linear(h, shared_up)), shared_down)
-                linear(r, issue, S_GDN_LINEAR_6, li, base + S_GDN_LINEAR_6.start, r.v15_2048_bf16, r.v2_256)
-                linear(r, issue, S_GDN_LINEAR_7, li, base + S_GDN_LINEAR_7.start, r.v15_2048_bf16, r.v1_256)
-                r.v3_256[...] = jax.nn.silu(r.v2_256[...]) * r.v1_256[...]
-                cast_into(r.v3_256, r.v3_256_bf16)
-                linear(r, issue, S_GDN_SHARED, li, base + S_GDN_SHARED.start, r.v3_256_bf16, r.v21_2048)
-                # spec line 150: return routed + shared * sigmoid(rowsum(h * shared_egate))
-                fetch(r.shared_egate, r.f_shared_egate, r.fetch_sem.at[8], li, 16).wait()
-                r.v22_2048[...] = r.v15_2048[...] * pick_row(r.f_shared_egate, li)
-                r.v18_1[...] = jnp.sum(r.v22_2048[...], axis=-1, keepdims=True)
-                r.v23_1[...] = jax.nn.sigmoid(r.v18_1[...])
-                r.v22_2048[...] = r.v21_2048[...]
-                comm.all_reduce(r.v22_2048, 1, wire=F32, rows=8)
-                r.v21_2048[...] = r.v22_2048[...] * r.v23_1[...]
-                r.v22_2048[...] = r.v20_2048[...]
-                comm.all_reduce(r.v22_2048, 7, wire=F32, rows=8)
-                r.v20_2048[...] = r.v22_2048[...] + r.v21_2048[...]
-                # spec line 155: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
-                r.v21_2048[...] = r.v0_2048[...] + r.v20_2048[...]
-                r.carry0[...] = r.v21_2048[...]
-
-            @pl.when(layer_kind_ref[li] == 1)
-            def _():
-                # layer kind `full_attn` (spec line 158)
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[0], li, 16).start()
-                fetch(r.attn_qnorm, r.f_attn_qnorm, r.fetch_sem.at[9], slots1_ref[li], 12).start()
-                fetch(r.attn_knorm, r.f_attn_knorm, r.fetch_sem.at[10], slots1_ref[li], 12).start()
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).start()
-                fetch(r.shared_egate, r.f_shared_egate, r.fetch_sem.at[8], li, 16).start()
-                # spec line 159: x = x + gated_attention(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[0], li, 16).wait()
-                rmsnorm(r.carry0[...], (1.0 + pick_row(r.f_input_norm, li)), r.v22_2048, eps=1e-06, heads=1)
-                # spec line 136: q = rope(rmsnorm(linear(h, attn_wq), attn_qnorm, heads=NH, eps=EPS, offset=1.0), positions,
-                cast_into(r.v22_2048, r.v22_2048_bf16)
-                linear(r, issue, S_FULL_ATTN_LINEAR, slots1_ref[li], base + S_FULL_ATTN_LINEAR.start, r.v22_2048_bf16, r.v21_2048)
-                fetch(r.attn_qnorm, r.f_attn_qnorm, r.fetch_sem.at[9], slots1_ref[li], 12).wait()
-                rmsnorm(r.v21_2048[...], (1.0 + pick_row(r.f_attn_qnorm, slots1_ref[li])), r.v20_2048, eps=1e-06, heads=8)
-                rope(r.v20_2048, r.v21_2048, rope0_cos, rope0_sin, rope0_up, heads=8, shift=32)
-                # spec line 138: k = rope(rmsnorm(linear(h, attn_wk), attn_knorm, heads=NKV, eps=EPS, offset=1.0), positions,
-                linear(r, issue, S_FULL_ATTN_LINEAR_1, slots1_ref[li], base + S_FULL_ATTN_LINEAR_1.start, r.v22_2048_bf16, r.v3_256)
-                fetch(r.attn_knorm, r.f_attn_knorm, r.fetch_sem.at[10], slots1_ref[li], 12).wait()
-                rmsnorm(r.v3_256[...], (1.0 + pick_row(r.f_attn_knorm, slots1_ref[li])), r.v2_256, eps=1e-06, heads=1)
-                rope(r.v2_256, r.v3_256, rope0_cos, rope0_sin, rope0_up, heads=1, shift=32)
-                # spec line 140: o = attention(q, k, linear(h, attn_wv), k_cache, v_cache, positions, heads=NH, kv_heads=NKV)
-                linear(r, issue, S_FULL_ATTN_LINEAR_2, slots1_ref[li], base + S_FULL_ATTN_LINEAR_2.start, r.v22_2048_bf16, r.v2_256)
-                attention0(slots1_ref[li], r.v21_2048, r.v3_256, r.v2_256, r.v20_2048)
-                # spec line 141: return linear(o * sigmoid(linear(h, attn_wg)), attn_wo)
-                linear(r, issue, S_FULL_ATTN_LINEAR_3, slots1_ref[li], base + S_FULL_ATTN_LINEAR_3.start, r.v22_2048_bf16, r.v21_2048)
-                r.v22_2048[...] = jax.nn.sigmoid(r.v21_2048[...])
-                r.v21_2048[...] = r.v20_2048[...] * r.v22_2048[...]
-                cast_into(r.v21_2048, r.v21_2048_bf16)
-                linear(r, issue, S_FULL_ATTN_LINEAR_4, slots1_ref[li], base + S_FULL_ATTN_LINEAR_4.start, r.v21_2048_bf16, r.v22_2048)
-                # spec line 159: x = x + gated_attention(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
-                r.v21_2048[...] = r.v22_2048[...]
-                comm.all_reduce(r.v21_2048, 1, wire=F32, rows=8)
-                r.v22_2048[...] = r.carry0[...] + r.v21_2048[...]
-                # spec line 160: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).wait()
-                rmsnorm(r.v22_2048[...], (1.0 + pick_row(r.f_post_norm, li)), r.v21_2048, eps=1e-06, heads=1)
-                # spec line 147: p, ids = topk(softmax(linear(h, moe_router)), k=TOPK)
-                cast_into(r.v21_2048, r.v21_2048_bf16)
-                linear(r, issue, S_FULL_ATTN_LINEAR_5, li, base + S_FULL_ATTN_LINEAR_5.start, r.v21_2048_bf16, r.v14_512)
-                r.v5_512[...] = jax.nn.softmax(r.v14_512[...], axis=-1)
-                topk_into(r.v5_512[...], r.v19_10, r.v17_10, 10)
-                # spec line 148: routed = moe_experts(h, p / rowsum(p), ids, moe_w1, moe_w3, moe_w2, act=swiglu)
-                r.v23_1[...] = jnp.sum(r.v19_10[...], axis=-1, keepdims=True)
-                r.v16_10[...] = r.v19_10[...] / r.v23_1[...]
-                experts0_full_attn_21.take_ids(r.v17_10)
-                experts0_full_attn_21.experts(li, r.v21_2048, r.v16_10, r.v20_2048)
-                # spec line 149: shared = linear(swiglu(linear(h, shared_gate), linear(h, shared_up)), shared_down)
-                linear(r, issue, S_FULL_ATTN_LINEAR_6, li, base + S_FULL_ATTN_LINEAR_6.start, r.v21_2048_bf16, r.v2_256)
-                linear(r, issue, S_FULL_ATTN_LINEAR_7, li, base + S_FULL_ATTN_LINEAR_7.start, r.v21_2048_bf16, r.v3_256)
-                r.v1_256[...] = jax.nn.silu(r.v2_256[...]) * r.v3_256[...]
-                cast_into(r.v1_256, r.v1_256_bf16)
-                linear(r, issue, S_FULL_ATTN_SHARED, li, base + S_FULL_ATTN_SHARED.start, r.v1_256_bf16, r.v15_2048)
-                # spec line 150: return routed + shared * sigmoid(rowsum(h * shared_egate))
-                fetch(r.shared_egate, r.f_shared_egate, r.fetch_sem.at[8], li, 16).wait()
-                r.v0_2048[...] = r.v21_2048[...] * pick_row(r.f_shared_egate, li)
-                r.v23_1[...] = jnp.sum(r.v0_2048[...], axis=-1, keepdims=True)
-                r.v18_1[...] = jax.nn.sigmoid(r.v23_1[...])
-                r.v0_2048[...] = r.v15_2048[...]
-                comm.all_reduce(r.v0_2048, 1, wire=F32, rows=8)
-                r.v15_2048[...] = r.v0_2048[...] * r.v18_1[...]
-                r.v0_2048[...] = r.v20_2048[...]
-                comm.all_reduce(r.v0_2048, 7, wire=F32, rows=8)
-                r.v20_2048[...] = r.v0_2048[...] + r.v15_2048[...]
-                # spec line 160: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
-                r.v15_2048[...] = r.v22_2048[...] + r.v20_2048[...]
-                r.carry0[...] = r.v15_2048[...]
+            # ---- the layer stack ----
             if layer_trace:
-                pltpu.sync_copy(r.carry0, r.x_trace.at[li + 1])
+                pltpu.sync_copy(r.carry0, r.x_trace.at[0])
 
+            def layer(li, carry):
+                base = layer_base_ref[li]
+
+                @pl.when(layer_kind_ref[li] == 0)
+                def _():
+                    # layer kind `gdn` (spec line 153)
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[0], li, 16).start()
+                    fetch(r.gdn_conv_q, r.f_gdn_conv_q, r.fetch_sem.at[1], slots0_ref[li], 0).start()
+                    fetch(r.gdn_conv_k, r.f_gdn_conv_k, r.fetch_sem.at[2], slots0_ref[li], 0).start()
+                    fetch(r.gdn_conv_v, r.f_gdn_conv_v, r.fetch_sem.at[3], slots0_ref[li], 0).start()
+                    fetch(r.gdn_a_log, r.f_gdn_a_log, r.fetch_sem.at[4], slots0_ref[li], 8).start()
+                    fetch(r.gdn_dt_bias, r.f_gdn_dt_bias, r.fetch_sem.at[5], slots0_ref[li], 8).start()
+                    fetch(r.gdn_norm, r.f_gdn_norm, r.fetch_sem.at[6], slots0_ref[li], 16).start()
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).start()
+                    fetch(r.shared_egate, r.f_shared_egate, r.fetch_sem.at[8], li, 16).start()
+                    # spec line 154: x = x + gated_deltanet(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[0], li, 16).wait()
+                    rmsnorm(r.carry0[...], (1.0 + pick_row(r.f_input_norm, li)), r.v0_2048, eps=1e-06, heads=1)
+                    # spec line 125: q = l2norm(short_conv(linear(h, gdn_wq), gdn_conv_q, gdn_q_conv), heads=NK, scale=DK ** -0.5, eps=EPS)
+                    cast_into(r.v0_2048, r.v0_2048_bf16)
+                    linear(r, issue, S_GDN_LINEAR, slots0_ref[li], base + S_GDN_LINEAR.start, r.v0_2048_bf16, r.v1_256)
+                    fetch(r.gdn_conv_q, r.f_gdn_conv_q, r.fetch_sem.at[1], slots0_ref[li], 0).wait()
+                    conv0_gdn_2(slots0_ref[li], r.v1_256, r.f_gdn_conv_q, r.v2_256)
+                    l2norm(r.v2_256, r.v1_256, heads=2, scale=0.08838834764831845, eps=1e-06)
+                    # spec line 126: k = l2norm(short_conv(linear(h, gdn_wk), gdn_conv_k, gdn_k_conv), heads=NK, eps=EPS)
+                    linear(r, issue, S_GDN_LINEAR_1, slots0_ref[li], base + S_GDN_LINEAR_1.start, r.v0_2048_bf16, r.v2_256)
+                    fetch(r.gdn_conv_k, r.f_gdn_conv_k, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
+                    conv0_gdn_5(slots0_ref[li], r.v2_256, r.f_gdn_conv_k, r.v3_256)
+                    l2norm(r.v3_256, r.v2_256, heads=2, scale=1.0, eps=1e-06)
+                    # spec line 127: v = short_conv(linear(h, gdn_wv), gdn_conv_v, gdn_v_conv)
+                    linear(r, issue, S_GDN_LINEAR_2, slots0_ref[li], base + S_GDN_LINEAR_2.start, r.v0_2048_bf16, r.v4_512)
+                    fetch(r.gdn_conv_v, r.f_gdn_conv_v, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
+                    conv1_gdn_8(slots0_ref[li], r.v4_512, r.f_gdn_conv_v, r.v5_512)
+                    # spec line 128: ba = linear(h, gdn_wba)
+                    linear(r, issue, S_GDN_BA, slots0_ref[li], base + S_GDN_BA.start, r.v0_2048_bf16, r.v6_128)
+                    # spec line 129: beta = sigmoid(slice(ba, start=0, size=NV))
+                    r.v7_32[...] = r.v6_128[...][:, 0 : 0 + 32]
+                    r.v8_32[...] = jax.nn.sigmoid(r.v7_32[...])
+                    # spec line 130: g = -exp(gdn_a_log) * softplus(slice(ba, start=NV, size=NV) + gdn_dt_bias)   # one decay per value head
+                    fetch(r.gdn_a_log, r.f_gdn_a_log, r.fetch_sem.at[4], slots0_ref[li], 8).wait()
+                    r.v9_32_vec[...] = jnp.exp(pick_row(r.f_gdn_a_log, slots0_ref[li]))
+                    r.v10_32_vec[...] = -r.v9_32_vec[...]
+                    r.v7_32[...] = r.v6_128[...][:, 32 : 32 + 32]
+                    fetch(r.gdn_dt_bias, r.f_gdn_dt_bias, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
+                    r.v11_32[...] = r.v7_32[...] + pick_row(r.f_gdn_dt_bias, slots0_ref[li])
+                    r.v7_32[...] = jnp.maximum(r.v11_32[...], 0.0) + jnp.log1p(jnp.exp(-jnp.abs(r.v11_32[...])))
+                    r.v11_32[...] = r.v10_32_vec[...] * r.v7_32[...]
+                    # spec line 131: o = delta_rule(q, k, v, g, beta, gdn_state, heads=NV, key_heads=NK)
+                    shard_slice(r.v11_32, r.v12_4, comm.group_index(7), ways=8)
+                    shard_slice(r.v8_32, r.v13_4, comm.group_index(7), ways=8)
+                    rule0_gdn_20(slots0_ref[li], r.v1_256, r.v2_256, r.v5_512, r.v12_4, r.v13_4, r.v4_512)
+                    # spec line 132: return linear(rmsnorm(o, gdn_norm, heads=NV, eps=EPS) * silu(linear(h, gdn_wz)), gdn_wo)
+                    fetch(r.gdn_norm, r.f_gdn_norm, r.fetch_sem.at[6], slots0_ref[li], 16).wait()
+                    rmsnorm(r.v4_512[...], pick_row(r.f_gdn_norm, slots0_ref[li]), r.v5_512, eps=1e-06, heads=4)
+                    linear(r, issue, S_GDN_LINEAR_3, slots0_ref[li], base + S_GDN_LINEAR_3.start, r.v0_2048_bf16, r.v4_512)
+                    r.v14_512[...] = jax.nn.silu(r.v4_512[...])
+                    r.v4_512[...] = r.v5_512[...] * r.v14_512[...]
+                    cast_into(r.v4_512, r.v4_512_bf16)
+                    linear(r, issue, S_GDN_LINEAR_4, slots0_ref[li], base + S_GDN_LINEAR_4.start, r.v4_512_bf16, r.v0_2048)
+                    # spec line 154: x = x + gated_deltanet(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
+                    r.v15_2048[...] = r.v0_2048[...]
+                    comm.all_reduce(r.v15_2048, 7, wire=F32, rows=8)
+                    r.v0_2048[...] = r.carry0[...] + r.v15_2048[...]
+                    # spec line 155: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).wait()
+                    rmsnorm(r.v0_2048[...], (1.0 + pick_row(r.f_post_norm, li)), r.v15_2048, eps=1e-06, heads=1)
+                    # spec line 147: p, ids = topk(softmax(linear(h, moe_router)), k=TOPK)
+                    cast_into(r.v15_2048, r.v15_2048_bf16)
+                    linear(r, issue, S_GDN_LINEAR_5, li, base + S_GDN_LINEAR_5.start, r.v15_2048_bf16, r.v4_512)
+                    r.v14_512[...] = jax.nn.softmax(r.v4_512[...], axis=-1)
+                    topk_into(r.v14_512[...], r.v16_10, r.v17_10, 10)
+                    # spec line 148: routed = moe_experts(h, p / rowsum(p), ids, moe_w1, moe_w3, moe_w2, act=swiglu)
+                    r.v18_1[...] = jnp.sum(r.v16_10[...], axis=-1, keepdims=True)
+                    r.v19_10[...] = r.v16_10[...] / r.v18_1[...]
+                    experts0_gdn_34.take_ids(r.v17_10)
+                    experts0_gdn_34.experts(li, r.v15_2048, r.v19_10, r.v20_2048)
+                    # spec line 149: shared = linear(swiglu(linear(h, shared_gate), linear(h, shared_up)), shared_down)
+                    linear(r, issue, S_GDN_LINEAR_6, li, base + S_GDN_LINEAR_6.start, r.v15_2048_bf16, r.v2_256)
+                    linear(r, issue, S_GDN_LINEAR_7, li, base + S_GDN_LINEAR_7.start, r.v15_2048_bf16, r.v1_256)
+                    r.v3_256[...] = jax.nn.silu(r.v2_256[...]) * r.v1_256[...]
+                    cast_into(r.v3_256, r.v3_256_bf16)
+                    linear(r, issue, S_GDN_SHARED, li, base + S_GDN_SHARED.start, r.v3_256_bf16, r.v21_2048)
+                    # spec line 150: return routed + shared * sigmoid(rowsum(h * shared_egate))
+                    fetch(r.shared_egate, r.f_shared_egate, r.fetch_sem.at[8], li, 16).wait()
+                    r.v22_2048[...] = r.v15_2048[...] * pick_row(r.f_shared_egate, li)
+                    r.v18_1[...] = jnp.sum(r.v22_2048[...], axis=-1, keepdims=True)
+                    r.v23_1[...] = jax.nn.sigmoid(r.v18_1[...])
+                    r.v22_2048[...] = r.v21_2048[...]
+                    comm.all_reduce(r.v22_2048, 1, wire=F32, rows=8)
+                    r.v21_2048[...] = r.v22_2048[...] * r.v23_1[...]
+                    r.v22_2048[...] = r.v20_2048[...]
+                    comm.all_reduce(r.v22_2048, 7, wire=F32, rows=8)
+                    r.v20_2048[...] = r.v22_2048[...] + r.v21_2048[...]
+                    # spec line 155: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
+                    r.v21_2048[...] = r.v0_2048[...] + r.v20_2048[...]
+                    r.carry0[...] = r.v21_2048[...]
+
+                @pl.when(layer_kind_ref[li] == 1)
+                def _():
+                    # layer kind `full_attn` (spec line 158)
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[0], li, 16).start()
+                    fetch(r.attn_qnorm, r.f_attn_qnorm, r.fetch_sem.at[9], slots1_ref[li], 12).start()
+                    fetch(r.attn_knorm, r.f_attn_knorm, r.fetch_sem.at[10], slots1_ref[li], 12).start()
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).start()
+                    fetch(r.shared_egate, r.f_shared_egate, r.fetch_sem.at[8], li, 16).start()
+                    # spec line 159: x = x + gated_attention(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[0], li, 16).wait()
+                    rmsnorm(r.carry0[...], (1.0 + pick_row(r.f_input_norm, li)), r.v22_2048, eps=1e-06, heads=1)
+                    # spec line 136: q = rope(rmsnorm(linear(h, attn_wq), attn_qnorm, heads=NH, eps=EPS, offset=1.0), positions,
+                    cast_into(r.v22_2048, r.v22_2048_bf16)
+                    linear(r, issue, S_FULL_ATTN_LINEAR, slots1_ref[li], base + S_FULL_ATTN_LINEAR.start, r.v22_2048_bf16, r.v21_2048)
+                    fetch(r.attn_qnorm, r.f_attn_qnorm, r.fetch_sem.at[9], slots1_ref[li], 12).wait()
+                    rmsnorm(r.v21_2048[...], (1.0 + pick_row(r.f_attn_qnorm, slots1_ref[li])), r.v20_2048, eps=1e-06, heads=8)
+                    rope(r.v20_2048, r.v21_2048, rope0_cos, rope0_sin, rope0_up, heads=8, shift=32)
+                    # spec line 138: k = rope(rmsnorm(linear(h, attn_wk), attn_knorm, heads=NKV, eps=EPS, offset=1.0), positions,
+                    linear(r, issue, S_FULL_ATTN_LINEAR_1, slots1_ref[li], base + S_FULL_ATTN_LINEAR_1.start, r.v22_2048_bf16, r.v3_256)
+                    fetch(r.attn_knorm, r.f_attn_knorm, r.fetch_sem.at[10], slots1_ref[li], 12).wait()
+                    rmsnorm(r.v3_256[...], (1.0 + pick_row(r.f_attn_knorm, slots1_ref[li])), r.v2_256, eps=1e-06, heads=1)
+                    rope(r.v2_256, r.v3_256, rope0_cos, rope0_sin, rope0_up, heads=1, shift=32)
+                    # spec line 140: o = attention(q, k, linear(h, attn_wv), k_cache, v_cache, positions, heads=NH, kv_heads=NKV)
+                    linear(r, issue, S_FULL_ATTN_LINEAR_2, slots1_ref[li], base + S_FULL_ATTN_LINEAR_2.start, r.v22_2048_bf16, r.v2_256)
+                    attention0(slots1_ref[li], r.v21_2048, r.v3_256, r.v2_256, r.v20_2048)
+                    # spec line 141: return linear(o * sigmoid(linear(h, attn_wg)), attn_wo)
+                    linear(r, issue, S_FULL_ATTN_LINEAR_3, slots1_ref[li], base + S_FULL_ATTN_LINEAR_3.start, r.v22_2048_bf16, r.v21_2048)
+                    r.v22_2048[...] = jax.nn.sigmoid(r.v21_2048[...])
+                    r.v21_2048[...] = r.v20_2048[...] * r.v22_2048[...]
+                    cast_into(r.v21_2048, r.v21_2048_bf16)
+                    linear(r, issue, S_FULL_ATTN_LINEAR_4, slots1_ref[li], base + S_FULL_ATTN_LINEAR_4.start, r.v21_2048_bf16, r.v22_2048)
+                    # spec line 159: x = x + gated_attention(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
+                    r.v21_2048[...] = r.v22_2048[...]
+                    comm.all_reduce(r.v21_2048, 1, wire=F32, rows=8)
+                    r.v22_2048[...] = r.carry0[...] + r.v21_2048[...]
+                    # spec line 160: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).wait()
+                    rmsnorm(r.v22_2048[...], (1.0 + pick_row(r.f_post_norm, li)), r.v21_2048, eps=1e-06, heads=1)
+                    # spec line 147: p, ids = topk(softmax(linear(h, moe_router)), k=TOPK)
+                    cast_into(r.v21_2048, r.v21_2048_bf16)
+                    linear(r, issue, S_FULL_ATTN_LINEAR_5, li, base + S_FULL_ATTN_LINEAR_5.start, r.v21_2048_bf16, r.v14_512)
+                    r.v5_512[...] = jax.nn.softmax(r.v14_512[...], axis=-1)
+                    topk_into(r.v5_512[...], r.v19_10, r.v17_10, 10)
+                    # spec line 148: routed = moe_experts(h, p / rowsum(p), ids, moe_w1, moe_w3, moe_w2, act=swiglu)
+                    r.v23_1[...] = jnp.sum(r.v19_10[...], axis=-1, keepdims=True)
+                    r.v16_10[...] = r.v19_10[...] / r.v23_1[...]
+                    experts0_full_attn_21.take_ids(r.v17_10)
+                    experts0_full_attn_21.experts(li, r.v21_2048, r.v16_10, r.v20_2048)
+                    # spec line 149: shared = linear(swiglu(linear(h, shared_gate), linear(h, shared_up)), shared_down)
+                    linear(r, issue, S_FULL_ATTN_LINEAR_6, li, base + S_FULL_ATTN_LINEAR_6.start, r.v21_2048_bf16, r.v2_256)
+                    linear(r, issue, S_FULL_ATTN_LINEAR_7, li, base + S_FULL_ATTN_LINEAR_7.start, r.v21_2048_bf16, r.v3_256)
+                    r.v1_256[...] = jax.nn.silu(r.v2_256[...]) * r.v3_256[...]
+                    cast_into(r.v1_256, r.v1_256_bf16)
+                    linear(r, issue, S_FULL_ATTN_SHARED, li, base + S_FULL_ATTN_SHARED.start, r.v1_256_bf16, r.v15_2048)
+                    # spec line 150: return routed + shared * sigmoid(rowsum(h * shared_egate))
+                    fetch(r.shared_egate, r.f_shared_egate, r.fetch_sem.at[8], li, 16).wait()
+                    r.v0_2048[...] = r.v21_2048[...] * pick_row(r.f_shared_egate, li)
+                    r.v23_1[...] = jnp.sum(r.v0_2048[...], axis=-1, keepdims=True)
+                    r.v18_1[...] = jax.nn.sigmoid(r.v23_1[...])
+                    r.v0_2048[...] = r.v15_2048[...]
+                    comm.all_reduce(r.v0_2048, 1, wire=F32, rows=8)
+                    r.v15_2048[...] = r.v0_2048[...] * r.v18_1[...]
+                    r.v0_2048[...] = r.v20_2048[...]
+                    comm.all_reduce(r.v0_2048, 7, wire=F32, rows=8)
+                    r.v20_2048[...] = r.v0_2048[...] + r.v15_2048[...]
+                    # spec line 160: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
+                    r.v15_2048[...] = r.v22_2048[...] + r.v20_2048[...]
+                    r.carry0[...] = r.v15_2048[...]
+                if layer_trace:
+                    pltpu.sync_copy(r.carry0, r.x_trace.at[li + 1])
+
+                return carry
+
+            jax.lax.fori_loop(0, NUM_LAYERS, layer, 0)
+
+            # ---- epilogue: after the last layer ----
+            base = layer_base_ref[NUM_LAYERS]
+            fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[11], 0, 1).start()
+            # spec line 170: logits = linear(rmsnorm(x, final_norm, eps=EPS, offset=1.0), lm_head)
+            fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[11], 0, 1).wait()
+            rmsnorm(r.carry0[...], (1.0 + pick_row(r.f_final_norm, 0)), r.v24_2048, eps=1e-06, heads=1)
+            cast_into(r.v24_2048, r.v24_2048_bf16)
+            linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v24_2048_bf16, r.logits)
+            # spec line 171: return logits, argmax(logits)
+            sampled_argmax(sampling, seed_ref, positions_ref, r.logits, r.next_tokens, chunk=128)
+            attention0.drain()
+            r.chosen[step] = r.next_tokens[...]
+            feed_tokens(r, batch, step, positions_in)
             return carry
 
-        jax.lax.fori_loop(0, NUM_LAYERS, layer, 0)
-
-        # ---- epilogue: after the last layer ----
-        base = layer_base_ref[NUM_LAYERS]
-        fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[11], 0, 1).start()
-        # spec line 170: logits = linear(rmsnorm(x, final_norm, eps=EPS, offset=1.0), lm_head)
-        fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[11], 0, 1).wait()
-        rmsnorm(r.carry0[...], (1.0 + pick_row(r.f_final_norm, 0)), r.v24_2048, eps=1e-06, heads=1)
-        cast_into(r.v24_2048, r.v24_2048_bf16)
-        linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v24_2048_bf16, r.logits)
-        # spec line 171: return logits, argmax(logits)
-        argmax(r.logits, r.next_tokens, chunk=128)
-        attention0.drain()
+        jax.lax.fori_loop(0, steps_per_call, decode_step, 0)
 
     def hbm():
         return pl.BlockSpec(memory_space=pl.ANY)
@@ -2241,14 +2466,14 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     def vmem():
         return pl.BlockSpec(memory_space=pltpu.VMEM)
 
-    n_scalars = 6
+    n_scalars = 7  # tokens, positions, the layer tables, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
     layout = local_state_layout(batch, seq_len)
     call = pl.pallas_call(
         kernel,
         out_shape=[
             jax.ShapeDtypeStruct((batch, 151936), F32),
-            jax.ShapeDtypeStruct((batch, 1), I32),
+            jax.ShapeDtypeStruct((steps_per_call, batch, 1), I32),
             *[layout[name] for name in state_names],
             *[jax.ShapeDtypeStruct((NUM_LAYERS + 1, rows, width), F32) for width in LAYER_CARRIES.values() if layer_trace],
         ],
@@ -2268,9 +2493,9 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     mesh = mesh if mesh is not None else make_mesh()
     P = jax.sharding.PartitionSpec
 
-    def per_device(tokens, positions, *arrays):
+    def per_device(tokens, positions, seed, *arrays):
         tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(SLOTS0), jnp.asarray(SLOTS1)]
-        return call(tokens, positions, *tables, *arrays)
+        return call(tokens, positions, *tables, seed, *arrays)
 
     def split_of(name):
         return (None, *WEIGHT_SPLIT[name]) if name in vectors else WEIGHT_SPLIT[name]
@@ -2279,44 +2504,34 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     device_call = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(), P(), *[P(*split_of(name)) for name in hbm_inputs], *state_specs),
+        in_specs=(P(), P(), P(), *[P(*split_of(name)) for name in hbm_inputs], *state_specs),
         out_specs=(P(None, LOGITS_SPLIT), P(), *state_specs, *[P() for _ in traces]),
         check_vma=False,
     )
 
-    def one_step(flat, state, tokens, positions):
-        """One kernel call: (logits, the kernel's greedy tokens [batch], new state, trace)."""
+    def one_step(flat, state, tokens, positions, seed):
+        """One kernel call: (logits, the tokens the kernel drew [batch], new state, trace)."""
+        seed = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), I32).reshape(1)
         logits, next_tokens, *new_state = device_call(
             tokens.astype(I32),
             positions.astype(I32),
+            seed,
             *[flat[name] for name in hbm_inputs],
             *[state[name] for name in state_names],
         )
         new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
         new_state = dict(zip(state_names, new_state, strict=True))
         trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)} if layer_trace else {}
-        return logits, next_tokens.reshape(batch), new_state, trace
+        next_tokens = next_tokens[:, :, 0].T  # [batch, steps_per_call]
+        return logits, next_tokens.reshape(batch) if steps_per_call == 1 else next_tokens, new_state, trace
 
     def step(weights, state, tokens, positions, seed):
         flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
         for name, rows in padded.items():
             flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
         tokens, positions = tokens.astype(I32), positions.astype(I32)
-        if steps_per_call == 1:
-            logits, greedy, new_state, trace = one_step(flat, state, tokens, positions)
-            next_tokens = sample_tokens(logits, positions, seed, sampling, greedy)
-            return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
-
-        def decode(i, carry):  # step i's token is step i + 1's input, on the device
-            state, last, chosen, _ = carry
-            logits, greedy, state, _ = one_step(flat, state, last, positions + i)
-            last = sample_tokens(logits, positions + i, seed, sampling, greedy)
-            return state, last, chosen.at[:, i].set(last), logits
-
-        chosen = jnp.zeros((batch, steps_per_call), I32)
-        logits = jnp.zeros((batch, 151936), F32)
-        new_state, _, chosen, logits = jax.lax.fori_loop(0, steps_per_call, decode, (state, tokens, chosen, logits))
-        return logits, chosen, new_state
+        logits, next_tokens, new_state, trace = one_step(flat, state, tokens, positions, seed)
+        return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
 
     jitted = jax.jit(step, donate_argnums=(1,))
     return CheckedStep(jitted, batch, seq_len, steps_per_call)
