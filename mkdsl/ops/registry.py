@@ -99,6 +99,13 @@ class OpDef:
     # Attributes that name a spec block of elementwise ops (an `ir.BlockAttr`): attribute -> the
     # types of the block's parameters, from the op's operands (the block returns the first's type).
     block_attrs: tuple[tuple[str, Callable[[list[Operand]], tuple[TensorType, ...]]], ...] = ()
+    # Attribute values that mean "not given" (the default, None), so that a block's constant
+    # parameter can switch an optional feature off: attention's `window=0` is no window.
+    unset: tuple[tuple[str, object], ...] = ()
+    # The op written as simpler ops (the same function), for the shard pass where an op over whole
+    # rows meets a row split over devices: `(node) -> nodes` whose last output is the node's.
+    # RMSNorm of a split row: each device sums its squares, and the sum's all-reduce follows.
+    row_split: Callable | None = None
     optional: int = 0  # how many trailing operands a call may leave out (e.g. the expert biases)
     # Prefill over a whole prompt (mkdsl/ops/prefill.py): `(rows, *arrays, **attrs)` -> as
     # `reference`; None runs `reference` over the prompt's B*T rows (row-wise ops). Required

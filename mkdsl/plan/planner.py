@@ -1,6 +1,6 @@
 """The planner: named passes from the graph IR to a `Plan`, run in a visible sequence.
 
-    pad_rows -> check_lowering -> tile_streams -> size_ring -> plan_collectives -> allocate_vmem
+    pad_rows -> check_lowering -> tile_streams -> pad_storage -> size_ring -> plan_collectives -> allocate_vmem
              -> fit_ring -> check_budget -> check_hbm -> count_traffic -> schedule_traffic -> timeline.model_step
 
 The planner names no op: it asks each op's TPU lowering (mkdsl/backends/tpu/lowering.py) what it
@@ -60,6 +60,7 @@ class _State:
     collectives: list = field(default_factory=list)  # collectives.Collective of every graph (sharded models)
     hbm: int = 0  # bytes one device holds in HBM (largest batch, shortest cache)
     hbm_tokens: int = 0  # the longest cache that fits at the largest batch
+    pads: dict = field(default_factory=dict)  # tensor -> {axis: padded width}: stored wider (pad_storage)
 
     def hint(self, name: str, default: int) -> int:
         h = self.model.hint(name)
@@ -153,6 +154,9 @@ def make_plan(
         collective_id=0 if s.collectives else None,
         hbm_bytes=s.hbm,
         hbm_max_cache=s.hbm_tokens,
+        pads=tuple(
+            (name, axis, width) for name, axes in sorted(s.pads.items()) for axis, width in sorted(axes.items())
+        ),
         phases=costs,
     )
 
@@ -244,6 +248,31 @@ def tile_streams(s: _State) -> None:
             streams.append(stream)
             start += stream.tiles
         s.sequences.append(Sequence(g.name, tuple(streams)))
+
+
+def pad_storage(s: _State) -> None:
+    """The tensors stored wider than one device's shape, zero-padded so that whole tiles hold them:
+    a streamed matrix's outputs to whole 128-lane tiles, and what lowerings ask (`Lowering.pads`,
+    e.g. expert widths). The kernel reads the padded tensor; only the valid part reaches a value."""
+    asked: list[tuple[str, int, int]] = [
+        (st.tensor, -2 if st.transposed else -1, st.n) for st in all_streams(s) if st.valid
+    ]
+    for at in sites(s.model):
+        lw = lowering_for(at.node.op)
+        if lw is not None and lw.pads is not None:
+            asked += [(name, axis, w) for name, axes in lw.pads(s.model, at).items() for axis, w in axes.items()]
+    for name, axis, width in asked:
+        t = s.model.tensor(name)
+        axis = axis - len(t.type.shape) if axis >= 0 else axis
+        have = s.pads.setdefault(name, {}).setdefault(axis, width)
+        if have != width:
+            s.errors.append(
+                Diagnostic(
+                    t.span,
+                    f"`{name}` is read padded to {have} and to {width} along axis {axis} by different ops",
+                    "give each op its own copy of the weight",
+                )
+            )
 
 
 def _epilogue(model: Model) -> Graph:
@@ -350,11 +379,17 @@ def allocate_vmem(s: _State) -> None:
         purpose = f"weight ring ({dtype}): {s.depth} banks of [{rows}, {cols}]"
         _alloc(s, name, (s.depth, rows, cols), dtype, purpose, ring_span, memory)
     _alloc(s, "ring_sem", (s.depth,), "dma", "weight ring semaphores", ring_span, "SEM")
-    _alloc(s, "cursor", (2,), "int32", "tile issue cursor (layer, first tile)", NOWHERE, "SMEM")
     fetched = list(dict.fromkeys(name for g in [*m.kinds, m.step] for name in roles.fetched_weights(m, g)))
     for name in fetched:
         t = m.tensor(name)
-        _alloc(s, f"f_{name}", roles.fetch_shape(t), t.type.dtype.numpy, f"`{name}` fetched per layer", t.span)
+        _alloc(
+            s,
+            f"f_{name}",
+            roles.fetch_shape(roles.stored(t, s.pads)),
+            t.type.dtype.numpy,
+            f"`{name}` fetched per layer",
+            t.span,
+        )
     if fetched:
         _alloc(s, "fetch_sem", (len(fetched),), "dma", "fetch semaphores", NOWHERE, "SEM")
     if s.collectives:
@@ -431,6 +466,10 @@ def _allocate_comm(s: _State) -> None:
         s, "comm_recv", (2 * bits, "rows", f32w), "float32", "collectives: f32 receive slots, 2 per index bit", NOWHERE
     )
     _alloc(s, "comm_stage", ("rows", 2 * collectives.PAIR_LANES), "float32", "collectives: argmax message", NOWHERE)
+    unaligned = [c.width for c in s.collectives if c.exchange == "sum" and c.width % 128 and wire(m) == "f32"]
+    if unaligned:  # a partial of such a width travels padded to whole lanes
+        width = collectives.lanes(max(unaligned))
+        _alloc(s, "comm_pad", ("rows", width), "float32", "collectives: partial padded to whole lanes", NOWHERE)
     if two_level:
         half = max(c.width for c in two_level) // 2
         xr = collectives.exchange_rows(m) or "rows"
@@ -510,14 +549,23 @@ def check_budget(s: _State) -> None:
 def check_hbm(s: _State) -> None:
     """Weights, state at the largest batch and cache, and the outputs must fit one core's HBM."""
     vocab = _type_of(s.model, s.model.step, s.model.step.results[0]).shape[1]
-    padded = {st.tensor: (-2 if st.transposed else -1, st.n) for st in all_streams(s) if st.valid}
-    items = hbm.hbm_items(s.model, vocab, hbm.build_sizes(s.model, cache="low"), padded)
+    items = hbm.hbm_items(s.model, vocab, hbm.build_sizes(s.model, cache="low"), s.pads)
     s.hbm = sum(b for _, b in items)
-    s.hbm_tokens = hbm.max_cache(s.model, vocab, padded)
+    s.hbm_tokens = hbm.max_cache(s.model, vocab, s.pads)
     s.errors.extend(hbm.check_hbm(s.model, items, devices(s.model)))
 
 
-PASSES = (check_lowering, tile_streams, size_ring, plan_collectives, allocate_vmem, fit_ring, check_budget, check_hbm)
+PASSES = (
+    check_lowering,
+    tile_streams,
+    pad_storage,
+    size_ring,
+    plan_collectives,
+    allocate_vmem,
+    fit_ring,
+    check_budget,
+    check_hbm,
+)
 
 
 # ---------------------------------------------------------------------------- traffic
@@ -602,7 +650,7 @@ def schedule_items(s: _State) -> list[ScheduleItem]:
     for g in [*m.kinds, m.step]:
         for name in roles.fetched_weights(m, g):
             t = m.tensor(name)
-            items.append(ScheduleItem(g.name, f"`{name}` fetch", t.span.line, _fetch_bytes(t), 1))
+            items.append(ScheduleItem(g.name, f"`{name}` fetch", t.span.line, _fetch_bytes(roles.stored(t, s.pads)), 1))
         for i, node in enumerate(g.nodes):
             lw = lowering_for(node.op)
             moved = lw.traffic(s, Site(g, i, node)) if lw is not None else None

@@ -189,6 +189,7 @@ class Plan:
     graph_flops: tuple[tuple[str, int], ...] = ()  # (graph, flops of all its runs per step); they sum to flops
     hbm_bytes: int = 0  # what one device holds in HBM: weights, state (largest batch, shortest cache), outputs
     hbm_max_cache: int = 0  # the longest cache (tokens) whose state fits one device's HBM at the largest batch
+    pads: tuple[tuple[str, int, int], ...] = ()  # (tensor, axis, padded width): stored wider than one device's shape
     phases: tuple[PhaseCost, ...] = ()  # the modeled step, phase by phase; their `us` and the dispatch sum to it
 
     @property
