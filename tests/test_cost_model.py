@@ -71,6 +71,9 @@ def test_compute_from_the_static_schedule_else_an_estimate():
     assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wq") == (pytest.approx(3.0), "static")
     assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wk") == (pytest.approx(2.0), "static")
     assert compute_us("delta_rule", 0, 0.5, 1, 1, {"delta_rule": 10.0}) == (pytest.approx(5.0), "static")
+    # Where the compiler's schedule is known it replaces the estimate, even below it.
+    fast = compute_us("attention", 0, 0.1, 1, 500, {"attention": 2.0}, **tokens)
+    assert fast == (pytest.approx(0.2), "static")
     assert compute_us("delta_rule", 0, 0.5, 1, 1, None) == (0.0, "")
 
 
@@ -122,6 +125,10 @@ def test_loops_are_matched_to_ops_by_the_bytes_one_iteration_waits_for():
     experts = 3 * storage_bytes(w1.dtype, (w1.shape[1], 128))  # mini: 128-column expert tiles
     latent = plan.kv_tile * 256 * 2  # the 128 + 64 latent columns, padded to 256 lanes, bf16
     assert units[experts] == {"moe_experts"} and units[latent] == {"mla_attention"}
+    llama = shard(load(str(ROOT / "specs/llama3_8b.mk")))
+    wq = next(st for seq in make_plan(llama).sequences for st in seq.streams if st.tensor == "wq")
+    by_tile = static_costs.loop_units(llama, make_plan(llama))
+    assert "linear:wq" in by_tile[wq.tk * wq.tn * 2] and "linear:wq" in by_tile[wq.k * wq.tn * 2]  # a tile, a block
 
     def loop(address, nbytes, ratio):  # 100 bundles, the same number in its own body
         return LoopTiming(address, 2, 100, 100, nbytes, 0, "VALU", 0.5, ratio * 1e-6, 1e-6)

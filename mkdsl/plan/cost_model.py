@@ -17,9 +17,10 @@ flight ahead of the ops, at most `depth - 1` of the coming tiles. Then
                            land meanwhile (the kernel issues no new ones while it waits)
     step               = dispatch / steps_per_call + the sum of every phase's t
 
-compute is the static schedule's when one is given (compute / stream ratio per op from
-`mkdsl plan --static`, `static`), else an estimate: flops at the MXU's peak, or the op's measured
-latency where measured.py has one, whichever is larger.
+compute is the static schedule's when one is given for the op (compute / stream ratio from
+`mkdsl plan --static --save-costs`, `static`; at least its flops at the MXU's peak), else an
+estimate: flops at the MXU's peak, or the op's measured latency where measured.py has one,
+whichever is larger.
 """
 
 from __future__ import annotations
@@ -102,11 +103,11 @@ def compute_us(
     """(compute us, its source) of one op run; `static` is read at `key` (`OP:WEIGHT`), then `op`;
     `latency` is the op's `latency` trait."""
     mxu = flops / measured.PEAK_BF16_FLOPS_PER_CORE * 1e6
-    lat = op_latency_us(latency, batch, tokens)
-    best, source = max((mxu, "mxu"), (lat, "latency"))
     ratio = (static or {}).get(key, (static or {}).get(op))
-    if ratio is not None and stream_us:
-        best, source = max((best, source), (ratio * stream_us, "static"))
+    if ratio is not None and stream_us:  # the compiler's own schedule replaces the estimate
+        best, source = max((mxu, "mxu"), (ratio * stream_us, "static"))
+    else:
+        best, source = max((mxu, "mxu"), (op_latency_us(latency, batch, tokens), "latency"))
     return best, (source if best else "")
 
 

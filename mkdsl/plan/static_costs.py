@@ -1,8 +1,8 @@
 """The static schedule as the cost model's compute: `mkdsl plan --static --save-costs FILE`.
 
 libtpu's final bundles name no op, so each loop that waits for bytes is matched to the ops by
-its bytes per iteration: a `linear` column block waits for its `nk` tiles (keyed by its weight:
-`linear:NAME`), an `attention` KV tile for one K and one V tile, an `mla_attention` tile for one
+its bytes per iteration: a `linear` column block waits for its `nk` tiles, a loop over its tiles
+for one (keyed by its weight: `linear:NAME`), an `attention` KV tile for one K and one V tile, an `mla_attention` tile for one
 latent-cache tile (lane-padded), a `moe_experts` tile set for one tile of each expert matrix. A
 loop whose bytes match one key gives it its compute / stream ratio (the slowest such loop, as the
 loop that binds), its compute being the loop's whole body with nested loops counted once (a
@@ -60,8 +60,12 @@ def loop_units(model: Model, plan: Plan) -> dict[int, set[str]]:
     out: dict[int, set[str]] = defaultdict(set)
     for seq in plan.sequences:
         for st in seq.streams:
-            if st.nn > 1 and st.fmt == "bf16":
-                out[st.k * st.tn * 2].add(f"{_stream_op(model, seq.name, st.node)}:{st.tensor}")
+            if st.fmt == "bf16":  # a loop over column blocks waits for nk tiles, one over tiles for one
+                key = f"{_stream_op(model, seq.name, st.node)}:{st.tensor}"
+                if st.nn > 1:
+                    out[st.k * st.tn * 2].add(key)
+                if st.tiles > 1:
+                    out[st.tk * st.tn * 2].add(key)
     for g in (*model.kinds, model.step):
         for node in g.nodes:
             unit = UNITS.get(OPS[node.op].loop_unit) if node.op in OPS else None
