@@ -86,7 +86,7 @@ def load_runtime(comm_path: Path = COMM) -> dict:
 def shapes(sizes):
     """name -> per-device shape (leading ITERS) of the kernel's inputs and outputs."""
     ep, tp = sizes
-    ins = {"a": W, "b": W, "c": W, "d": WD, "g": GW, "h": GW, "v": VW, "t": W, "u": W, "o": WD, "w": W}
+    ins = {"a": W, "b": W, "c": W, "d": WD, "g": GW, "h": GW, "v": VW, "t": W, "u": W, "o": WD, "w": W, "f": W, "e": WD}
     outs = {
         "A": (W, "f4"),  # RS+AG over all, f32 wire
         "B": (W, "f4"),  # RS+AG over tp, f32
@@ -103,13 +103,15 @@ def shapes(sizes):
         "U": (W, "f4"),  # chip-hierarchical over all, bf16 wire, inner one-shot
         "O": (WD, "f4"),  # one-shot over all, f32
         "X": (W, "f4"),  # one-shot over all, bf16
+        "F": (W, "f4"),  # F and E: RS+AG over ep, bf16, fused into the same two exchanges
+        "E": (WD, "f4"),
     }
     return ({k: (ITERS, ROWS, n) for k, n in ins.items()}, {k: ((ITERS, ROWS, n), t) for k, (n, t) in outs.items()})
 
 
 def body_of(ns, r, comm, local_argmax):
-    """One iteration: 21 exchanges, 7 over each mask (odd, so each mask's parity differs from one
-    iteration to the next), all through the same scratch."""
+    """One iteration: 23 exchanges, 7 over all, 7 over tp and 9 over ep (odd, so each mask's
+    parity differs from one iteration to the next), all through the same scratch."""
     import jax.numpy as jnp
 
     F32, BF16 = jnp.float32, jnp.bfloat16
@@ -128,6 +130,9 @@ def body_of(ns, r, comm, local_argmax):
         ):
             getattr(r, name)[it] = getattr(r, src)[it]
             getattr(comm, method)(getattr(r, name).at[it], mask, wire=wire)
+        r.F[it] = r.f[it]
+        r.E[it] = r.e[it]
+        comm.all_reduce(r.F.at[it], m_ep, wire=BF16, fused=(r.E.at[it],))
         comm.all_gather(r.g.at[it], r.GT.at[it], m_tp)
         value, col = local_argmax(r.v[it, 0:x])
         value, index = comm.argmax(value, comm.idx * VW + col, every)
@@ -163,9 +168,10 @@ def build(ns: dict, mesh, sizes, interpret=None):
     every = ns["axis_mask"](AXES, sizes, AXES)
     masks = [ns["axis_mask"](AXES, sizes, names) for names in (("tp",), ("ep",))] + [every, 1, every ^ 1]
     slots = dict.fromkeys(masks, 128)  # the hierarchical all-reduce exchanges over bit 0, then the rest
-    # Every message fits 128 int32 lanes; the widest staging is an RS over all devices of one
-    # 128-lane chunk each.
-    spec = ns["comm_scratch"](WIRE_ROWS, slots, 128 * ep * tp, half_width=W)
+    slots[ns["axis_mask"](AXES, sizes, ("ep",))] = 256  # the fused pair: two 128-lane chunks per message
+    # Other messages fit 128 int32 lanes; the widest staging is an RS over all devices of one
+    # 128-lane chunk each, or the fused RS over ep of 256 lanes each.
+    spec = ns["comm_scratch"](WIRE_ROWS, slots, max(128 * ep * tp, 256 * ep), half_width=W)
     scratch = {**spec, "ge": ("VMEM", (ROWS, GW * ep), jnp.float32)}
     names = [*ins, *outs, *scratch]
     I32 = jnp.int32
@@ -415,6 +421,8 @@ def test_collectives_interpret_8_devices(tmp_path):
         ("D", "d", every, True, "bf16 RS+AG over all (one non-empty chunk)", rs_ag_sum),
         ("O", "o", every, False, "f32 one-shot over all", oneshot_sum),
         ("X", "w", every, True, "bf16 one-shot over all", oneshot_sum),
+        ("F", "f", ep, True, "bf16 RS+AG over ep, fused with E", rs_ag_sum),
+        ("E", "e", ep, True, "bf16 RS+AG over ep, fused with F", rs_ag_sum),
         ("T", "t", every, False, "f32 chip-hierarchical over all", hier_sum(rs_ag_sum)),
         ("U", "u", every, True, "bf16 chip-hierarchical over all, one-shot inside", hier_sum(oneshot_sum)),
     ):
@@ -448,6 +456,86 @@ def test_collectives_compile_tpu7x(topology, sizes):
     ]
     compiled = fn.lower(*avals).compile()
     assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
+    """Kimi K3 (32 cores): every all-reduce is the cheapest of the runtime's options, all-gathers
+    and the argmax are one direct phase to every peer, messages carry 8 rows (batch <= 8), and
+    the receive buffers are as wide as the widest message over each mask."""
+    from mkdsl import load
+    from mkdsl.plan import collectives as co
+    from mkdsl.plan.planner import make_plan
+
+    spec = load(ROOT / "specs" / "kimi_k3.mk")
+    plan = make_plan(spec.local, batch=1, context=1152)
+    assert plan.collectives and plan.exchange_phases == co.step_totals(spec.local, list(plan.collectives))[0]
+    for c in plan.collectives:
+        assert all(p.rows == 8 for p in c.phases), c
+        if c.exchange == "sum" and not c.fused:
+            options = co.all_reduce_options(co.mask_of(spec.local.mesh, c.axes), c.width, 8, "bf16")
+            assert c.time_us() == pytest.approx(min(sum(p.time_us() for p in o[2]) for o in options)), c
+            assert c.wire == "bf16" and len(c.phases) <= 4
+        else:
+            (phase,) = c.phases
+            assert phase.peers == co.group_size(co.mask_of(spec.local.mesh, c.axes)) - 1
+    slots, stage, half = co.comm_buffers(list(plan.collectives))
+    assert slots[0b11111] == 128 and stage == 32 * 128  # an RS over 32 of 256 bf16 columns: 128 lanes each
+    assert co.direct_latency_us(7) == pytest.approx(2.65) and co.direct_latency_us(1) == pytest.approx(2.1)
+    # The measured check of the direct fit: an all-reduce of [8, 8192] bf16 over 8 cores as RS + AG
+    # took 7.28 us; the model's two phases of 7 x [8, 512 bf16] = 57 KB each give 7.44 us.
+    assert sum(p.time_us() for p in co.reduce_phases("rs_ag", 0b111, 8192, 8, "bf16")) == pytest.approx(7.28, rel=0.05)
+
+
+FUSED_SPEC = """\
+model fused_pair
+
+const L = 2
+const H = 256
+const V = 256
+
+dim B in 1 .. 8
+
+mesh { tp = 2 }
+
+weight embed:   bf16[V, H]
+weight norm1:   bf16[H]          per layer
+weight wa:      bf16[H @tp, H]   per layer
+weight wb:      bf16[H @tp, H]   per layer
+weight norm_f:  bf16[H]
+weight lm_head: bf16[H, V]
+
+layer dense(x) {
+  h = rmsnorm(x, norm1)
+  return x + linear(h, wa) * linear(h, wb)
+}
+
+layers L { dense: otherwise }
+
+step(tokens, positions) {
+  x = layers(embedding(tokens, embed))
+  logits = linear(rmsnorm(x, norm_f), lm_head)
+  return logits, argmax(logits)
+}
+"""
+
+
+@pytest.mark.timeout(300)
+def test_adjacent_all_reduces_run_fused_and_match_the_reference(tmp_path):
+    """Two row-split projections multiplied: the shard pass puts their all-reduces side by side,
+    the planner fuses them into one exchange (one-shot: cheaper than two over a chip's two cores),
+    and the kernel, on 2 devices in TPU interpret mode with the race detector, matches the
+    reference layer by layer (mkdsl/verify.py's bounds)."""
+    from mkdsl import verify
+    from mkdsl.compiler import compile_source
+
+    out, _ = compile_source(FUSED_SPEC, "fused_pair.mk", None)
+    dense = [c for c in out.plan.collectives if c.graph == "dense"]
+    assert len(dense) == 1 and dense[0].fused and len(dense[0].phases) == 1, dense
+    source = out.files["kernel.py"]
+    assert source.count(", fused=(r.") == 1 and "all-reduced with the next node's value" in source
+    module = verify.import_generated(source, tmp_path, "fused_pair")
+    result = verify.check_batch(out.model, module, verify.LayerChecker(out.model), batch=3, steps=1, seed=4)
+    assert not result.failures, result.failures
 
 
 if __name__ == "__main__":  # the interpret run's subprocess: python test_comm.py OUT.npz COMM_PATH SEED

@@ -950,58 +950,81 @@ class Comm:
         return x_ref if rows == x_ref.shape[0] else x_ref.at[pl.ds(0, rows)]
 
     # ---------------------------------------------------------------- building blocks
-    def _reduce_scatter(self, x, mask, cw, wire):
-        """My chunk (columns g*cw ..) of the group's sum of x [rows, n]: f32 [rows, cw], summed
-        in group-index order, rounded to the wire type (so it equals what the peers receive)."""
-        rows = x.shape[0]
+    def _reduce_scatter(self, xs, cws, mask, wire):
+        """My chunks (columns g*cw ..) of the group's sums of the values xs ([rows, n] refs, chunk
+        widths cws), in one phase: f32 [rows, cw] each, summed in group-index order, rounded to
+        the wire type (so each equals what the peers receive). The message to member j holds
+        chunk j of every value, side by side."""
+        rows = xs[0].shape[0]
         group = 1 << len(mask_bits(mask))
-        mw = cw // 2 if wire == BF16 else cw
+        mws = [cw // 2 if wire == BF16 else cw for cw in cws]
+        offs = [sum(mws[:i]) for i in range(len(mws))]
+        mw = sum(mws)
         for c in range(group):
-            self.stage[0:rows, c * mw : (c + 1) * mw] = pack(chunk(x, c, cw), wire)
-        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(j * mw, mw), mw)], mw, rows)
-        total = None
+            for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
+                self.stage[0:rows, c * mw + o : c * mw + o + m] = pack(chunk(x, c, cw), wire)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(j * mw, 128), mw)], mw, rows)
+        totals = [None] * len(xs)
         for c in range(group):
-            part = unpack(self._received(got, c, mw, rows, self.stage[0:rows, c * mw : (c + 1) * mw]), wire)
-            total = part if total is None else total + part
-        return total.astype(BF16).astype(F32) if wire == BF16 else total
+            msg = self._received(got, c, mw, rows, self.stage[0:rows, c * mw : (c + 1) * mw])
+            for i, (m, o) in enumerate(zip(mws, offs, strict=True)):
+                part = unpack(msg[:, o : o + m], wire)
+                totals[i] = part if totals[i] is None else totals[i] + part
+        return [t.astype(BF16).astype(F32) if wire == BF16 else t for t in totals]
 
-    def _gather_chunks(self, own, x, mask, cw, wire):
-        """x [rows, n] <- the group's chunks (member c's own [rows, cw] at columns c*cw ..)."""
-        rows, n = x.shape
+    def _gather_chunks(self, owns, xs, cws, mask, wire):
+        """Each x of xs [rows, n] <- the group's chunks of it (member c's own [rows, cw] at
+        columns c*cw ..), all in one phase."""
+        rows = xs[0].shape[0]
         group = 1 << len(mask_bits(mask))
-        mw = cw // 2 if wire == BF16 else cw
-        self.stage[0:rows, 0:mw] = pack(own, wire)
+        mws = [cw // 2 if wire == BF16 else cw for cw in cws]
+        offs = [sum(mws[:i]) for i in range(len(mws))]
+        mw = sum(mws)
+        for own, m, o in zip(owns, mws, offs, strict=True):
+            self.stage[0:rows, o : o + m] = pack(own, wire)
         got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, mw)], mw, rows)
         for c in range(group):
-            lo, hi = c * cw, min((c + 1) * cw, n)
-            if hi > lo:
-                x[:, lo:hi] = unpack(self._received(got, c, mw, rows, self.stage[0:rows, 0:mw]), wire)[:, 0 : hi - lo]
+            msg = self._received(got, c, mw, rows, self.stage[0:rows, 0:mw])
+            for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
+                lo, hi = c * cw, min((c + 1) * cw, x.shape[1])
+                if hi > lo:
+                    x[:, lo:hi] = unpack(msg[:, o : o + m], wire)[:, 0 : hi - lo]
 
     # ---------------------------------------------------------------- collectives
-    def all_reduce(self, x_ref, mask, wire=F32):
+    def all_reduce(self, x_ref, mask, wire=F32, fused=()):
         """x_ref (f32 [rows, n], VMEM) <- its sum over the devices of `mask`, in place, in two
         direct phases: reduce-scatter (member c sums column chunk c, in group-index order) and
         all-gather of the sums. wire=BF16 sends bf16 (each partial rounded to bf16, added in
-        f32, the sum rounded to bf16 once). Rows past self.rows keep this device's partial."""
-        x = self._rows(x_ref)
-        cw = chunk_width(x.shape[1], 1 << len(mask_bits(mask)), wire)
-        self._gather_chunks(self._reduce_scatter(x, mask, cw, wire), x, mask, cw, wire)
+        f32, the sum rounded to bf16 once). Rows past self.rows keep this device's partial.
+        fused: more refs all-reduced over the same mask in the same two phases (their chunks
+        travel in the same messages): one exchange's latency for all of them."""
+        xs = [self._rows(x) for x in (x_ref, *fused)]
+        group = 1 << len(mask_bits(mask))
+        cws = [chunk_width(x.shape[1], group, wire) for x in xs]
+        self._gather_chunks(self._reduce_scatter(xs, cws, mask, wire), xs, cws, mask, wire)
 
-    def all_reduce_oneshot(self, x_ref, mask, wire=F32):
+    def all_reduce_oneshot(self, x_ref, mask, wire=F32, fused=()):
         """all_reduce in one direct phase: every device sends its whole partial to every peer and
         adds the group's partials in group-index order (the same order everywhere, so every
-        device ends with the same bits). Fewer phases, G - 1 times the bytes."""
-        x = self._rows(x_ref)
-        rows, n = x.shape
-        cw = chunk_width(n, 1, wire)
-        mw = cw // 2 if wire == BF16 else cw
-        self.stage[0:rows, 0:mw] = pack(chunk(x, 0, cw), wire)
+        device ends with the same bits). Fewer phases, G - 1 times the bytes. fused: more refs
+        in the same messages."""
+        xs = [self._rows(x) for x in (x_ref, *fused)]
+        rows = xs[0].shape[0]
+        cws = [chunk_width(x.shape[1], 1, wire) for x in xs]
+        mws = [cw // 2 if wire == BF16 else cw for cw in cws]
+        offs = [sum(mws[:i]) for i in range(len(mws))]
+        mw = sum(mws)
+        for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
+            self.stage[0:rows, o : o + m] = pack(chunk(x, 0, cw), wire)
         got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, mw)], mw, rows)
-        total = None
+        totals = [None] * len(xs)
         for c in range(1 << len(mask_bits(mask))):
-            part = unpack(self._received(got, c, mw, rows, self.stage[0:rows, 0:mw]), wire)
-            total = part if total is None else total + part
-        x[...] = total[:, 0:n]
+            msg = self._received(got, c, mw, rows, self.stage[0:rows, 0:mw])
+            for i, (m, o) in enumerate(zip(mws, offs, strict=True)):
+                part = unpack(msg[:, o : o + m], wire)
+                totals[i] = part if totals[i] is None else totals[i] + part
+        for x, t in zip(xs, totals, strict=True):
+            x[...] = t[:, 0 : x.shape[1]]
 
     def all_reduce_hier(self, x_ref, mask, wire=F32, inner="all_reduce"):
         """all_reduce chip first: the lowest bit of `mask` (bit 0: the chip's two cores) reduce-
@@ -1012,9 +1035,9 @@ class Comm:
         low = mask & -mask
         cw = chunk_width(n, 2, wire)
         half = self.half.at[pl.ds(0, rows), pl.ds(0, cw)]
-        half[...] = self._reduce_scatter(x, low, cw, wire)
+        (half[...],) = self._reduce_scatter([x], [cw], low, wire)
         getattr(self, inner)(half, mask ^ low, wire)
-        self._gather_chunks(half[...], x, low, cw, wire)
+        self._gather_chunks([half[...]], [x], [cw], low, wire)
 
     def all_gather(self, x_ref, out_ref, mask):
         """out_ref (f32 [rows, n * G]) <- the group's x_ref (f32 [rows, n]) by group index, in one
@@ -2437,6 +2460,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         embedding(r, r.embed, tokens_ref, batch, r.v25_7168, r.emb_block, r.emb_sem, offset=comm.group_index(31) * 5120)
         r.v10_7168[...] = r.v25_7168[...]
         comm.all_reduce(r.v10_7168, 31, wire=BF16)
+
         res_init(r.v10_7168, r.carry0, r.carry1)
 
         # ---- the layer stack ----
@@ -2507,6 +2531,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
                 r.v0_7168[...] = r.v1_7168[...]
                 comm.all_reduce(r.v0_7168, 31, wire=BF16)
+
                 r.v1_7168[...] = r.carry1[...] + r.v0_7168[...]
                 # spec line 187: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
                 fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
@@ -2524,6 +2549,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
                 r.v0_7168[...] = r.v10_7168[...]
                 comm.all_reduce(r.v0_7168, 31, wire=BF16)
+
                 r.v10_7168[...] = r.v1_7168[...] + r.v0_7168[...]
                 r.carry1[...] = r.v10_7168[...]
 
@@ -2589,6 +2615,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
                 r.v10_7168[...] = r.v1_7168[...]
                 comm.all_reduce(r.v10_7168, 31, wire=BF16)
+
                 r.v1_7168[...] = r.carry1[...] + r.v10_7168[...]
                 # spec line 195: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
                 fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
@@ -2618,6 +2645,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
                 r.v19_3584[...] = r.v20_3584[...]
                 comm.all_reduce_hier(r.v19_3584, 31, wire=BF16, inner="all_reduce_oneshot")
+
                 fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
                 rmsnorm(r.v19_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
                 shard_slice(r.v20_3584, r.v24_112, comm.group_index(31), ways=32)
@@ -2627,6 +2655,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
                 r.v0_7168[...] = r.v25_7168[...]
                 comm.all_reduce(r.v0_7168, 31, wire=BF16)
+
                 r.v25_7168[...] = r.v1_7168[...] + r.v0_7168[...]
                 r.carry1[...] = r.v25_7168[...]
 
@@ -2675,6 +2704,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
                 r.v25_7168[...] = r.v10_7168[...]
                 comm.all_reduce(r.v25_7168, 31, wire=BF16)
+
                 r.v10_7168[...] = r.carry1[...] + r.v25_7168[...]
                 # spec line 203: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
                 fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
@@ -2704,6 +2734,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
                 r.v20_3584[...] = r.v19_3584[...]
                 comm.all_reduce_hier(r.v20_3584, 31, wire=BF16, inner="all_reduce_oneshot")
+
                 fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
                 rmsnorm(r.v20_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v19_3584, eps=1e-05, heads=1)
                 shard_slice(r.v19_3584, r.v24_112, comm.group_index(31), ways=32)
@@ -2713,6 +2744,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
                 r.v1_7168[...] = r.v0_7168[...]
                 comm.all_reduce(r.v1_7168, 31, wire=BF16)
+
                 r.v0_7168[...] = r.v10_7168[...] + r.v1_7168[...]
                 r.carry1[...] = r.v0_7168[...]
             if layer_trace:

@@ -78,6 +78,7 @@ class Collective:
     wire: str = "f32"  # what the values travel as
     inner: str = ""  # hier: the algorithm of the cross-chip all-reduce of the half
     half: int = 0  # hier: f32 columns of the half a core keeps
+    fused: tuple[str, ...] = ()  # values of the node just before, all-reduced in the same exchanges
 
     def time_us(self) -> float:
         """Modeled time of the whole collective: its phases one after the other."""
@@ -94,7 +95,8 @@ class Collective:
     @property
     def label(self) -> str:
         inner = f", {self.inner} inside" if self.inner else ""
-        return f"{self.op} ({self.algorithm}{inner})"
+        fused = "".join(f", fused with `{v}`" for v in self.fused)
+        return f"{self.op} ({self.algorithm}{inner}{fused})"
 
 
 def direct_latency_us(peers: int) -> float:
@@ -211,17 +213,65 @@ def _node_collective(model: Model, g: Graph, node, rows: int, wire: str) -> Coll
     if kind == "best":
         phase = Phase(mask, peers, rows, PAIR_LANES, PAIR_LANES)
         return Collective(**base, algorithm="best", phases=(phase,), exchange=kind)
-    options = all_reduce_options(mask, lanes(n), rows, wire)
+    options = all_reduce_options(mask, n, rows, wire)
     algorithm, inner, phases = min(options, key=lambda o: sum(p.time_us() for p in o[2]))
-    half = chunk_width(lanes(n), 2, wire) if algorithm == "hier" else 0
+    half = chunk_width(n, 2, wire) if algorithm == "hier" else 0
     return Collective(**base, algorithm=algorithm, phases=phases, exchange=kind, wire=wire, inner=inner, half=half)
 
 
 def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Collective]:
     """The collectives of one graph of the per-device model; `rows`: the padded rows."""
     on_wire = min(exchange_rows(model) or rows, rows)
-    found = (_node_collective(model, g, node, on_wire, wire) for node in g.nodes)
-    return [c for c in found if c is not None]
+    found = [(i, _node_collective(model, g, node, on_wire, wire)) for i, node in enumerate(g.nodes)]
+    return fuse_adjacent([(i, c) for i, c in found if c is not None])
+
+
+def fuse_adjacent(found: list[tuple[int, Collective]]) -> list[Collective]:
+    """Merge an all-reduce into the next node's when that node is an all-reduce over the same
+    axes and wire (no op between them, so both inputs are ready at the second) and the same
+    exchanges carrying both values are modeled cheaper than the two as chosen."""
+    out: list[Collective] = []
+    prev: tuple[int, Collective] | None = None
+    for i, c in found:
+        if prev is not None and prev[0] == i - 1 and _fusable(prev[1], c):
+            fused = _fused(prev[1], c)
+            if fused.time_us() < prev[1].time_us() + c.time_us():
+                out[-1] = fused
+                prev = None
+                continue
+        out.append(c)
+        prev = (i, c)
+    return out
+
+
+def _fusable(a: Collective, b: Collective) -> bool:
+    return a.exchange == b.exchange == "sum" and a.axes == b.axes and not a.fused and a.wire == b.wire
+
+
+def _fused(a: Collective, b: Collective) -> Collective:
+    """b with a's value in the same exchanges (rs_ag or oneshot, the cheaper): each message holds
+    a's part beside b's."""
+    mask = mask_of_phases(a)
+    options = []
+    for algorithm in ("rs_ag", "oneshot"):
+        one, two = (reduce_phases(algorithm, mask, c.width, c.phases[0].rows, c.wire) for c in (a, b))
+        phases = tuple(
+            Phase(mask, p.peers, p.rows, p.lanes + q.lanes, p.stage + q.stage) for p, q in zip(one, two, strict=True)
+        )
+        options.append(
+            Collective(
+                b.graph, b.op, b.value, b.axes, algorithm, phases, b.line, b.width, b.exchange, b.wire, fused=(a.value,)
+            )
+        )
+    return min(options, key=Collective.time_us)
+
+
+def mask_of_phases(c: Collective) -> int:
+    """The whole mask of a collective: the union of its phases' masks."""
+    out = 0
+    for p in c.phases:
+        out |= p.mask
+    return out
 
 
 def step_totals(model: Model, found: list[Collective]) -> tuple[int, float]:
