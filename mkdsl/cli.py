@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from mkdsl import __version__
 from mkdsl.checkpoint.formats import CheckpointError
@@ -184,13 +185,21 @@ def cmd_plan(args) -> int:
     try:
         from mkdsl.shard import shard
 
-        model = shard(model)  # the per-device model: plans and figures are per device (core)
-        wide = make_plan(model, batch=rows.high, context=args.context)
+        options = _cost_options(args)
+        model_whole, model = model, shard(model)  # the per-device model: plans and figures are per device (core)
+        wide = make_plan(model, batch=rows.high, context=args.context, **options)
         depth = wide.ring_depth  # the kernel's ring is sized for the largest batch
-        plan = make_plan(model, batch=args.batch, context=args.context, ring_depth=depth)
+        plan = make_plan(model, batch=args.batch, context=args.context, ring_depth=depth, **options)
     except SpecError as e:
         e.source = source
         raise
+    if args.placement:
+        from mkdsl.plan import placement
+
+        print(placement.render(model_whole, placement.choose(model_whole, args.batch, args.context), args.batch))
+        return 0
+    if args.save_costs and not args.static:
+        raise UsageError("--save-costs needs --static (it saves what the libtpu schedule says)")
     if args.static:
         if not args.clock_ghz > 0:
             raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
@@ -202,6 +211,24 @@ def cmd_plan(args) -> int:
     else:
         print(render_summary(model, plan, args.spec, breakdown(model, plan)))
     return 0
+
+
+def _cost_options(args) -> dict:
+    """The cost model's options of `mkdsl plan`: steps per device call, static compute ratios."""
+    import json
+
+    if args.steps_per_call < 1:
+        raise UsageError(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
+    static = None
+    if args.static_costs:
+        try:
+            data = json.loads(Path(args.static_costs).read_text(encoding="utf-8"))
+            static = {str(k): float(v) for k, v in data["compute_over_stream"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(
+                f"--static-costs {args.static_costs}: not a JSON object with `compute_over_stream` (op -> number): {e}"
+            ) from None
+    return {"steps_per_call": args.steps_per_call, "static": static}
 
 
 def _plan_static(args, source: str) -> int:
@@ -227,6 +254,15 @@ def _plan_static(args, source: str) -> int:
         util = bundles.parse_utilization(dump.utilization.read_text()) if dump.utilization else None
         timings = bundles.time_loops(found, util, clock_hz=clock)
     print(bundles.render_static(out.model.name, dump, timings, len(found), clock))
+    if args.save_costs:
+        from mkdsl.plan import static_costs
+
+        ratios, skipped = static_costs.ratios(out.model, out.plan, timings)
+        source = (
+            f"mkdsl plan {args.spec} --static (libtpu, {dump.topology}, batch {args.batch}), loops matched by bytes"
+        )
+        static_costs.save(Path(args.save_costs), ratios, skipped, clock, source)
+        print(f"\ncompute / stream per op for --static-costs: {ratios or 'none matched'} -> {args.save_costs}")
     return 0
 
 
@@ -498,27 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=2, help="decode steps per batch (default 2)")
     c.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the spec's mesh size)")
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
-    c = spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan)
-    shown = c.add_mutually_exclusive_group()
-    shown.add_argument(
-        "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
-    )
-    shown.add_argument("--json", action="store_true", help="the plan as JSON (schema: docs/plan-schema.json)")
-    shown.add_argument(
-        "--static",
-        action="store_true",
-        help="compile with libtpu (compile-only TPU7x) and time each loop of the final bundles against its stream",
-    )
-    c.add_argument(
-        "--clock-ghz", type=float, default=1.9, help="assumed TPU7x clock for --static (not public; default 1.9)"
-    )
-    c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
-    c.add_argument(
-        "--context",
-        type=int,
-        default=None,
-        help="cached tokens per row (default: a quarter of the cache, at most 4096)",
-    )
+    _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
     _run_parser(spec_command)
     c = spec_command(
         "bench", "time the kernel's step: ms/step, tokens/s and % of the HBM floor (CPU: interpret mode)", cmd_bench
@@ -535,6 +551,50 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
     c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
     return p
+
+
+def _plan_parser(c) -> None:
+    """`mkdsl plan`'s options: what it shows, the plan's batch and context, the cost model's options."""
+    shown = c.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
+    )
+    shown.add_argument("--json", action="store_true", help="the plan as JSON (schema: docs/plan-schema.json)")
+    shown.add_argument(
+        "--placement",
+        action="store_true",
+        help="re-plan with each weight above its 1/N share split further; compare the modeled steps",
+    )
+    shown.add_argument(
+        "--static",
+        action="store_true",
+        help="compile with libtpu (compile-only TPU7x) and time each loop of the final bundles against its stream",
+    )
+    c.add_argument(
+        "--clock-ghz", type=float, default=1.9, help="assumed TPU7x clock for --static (not public; default 1.9)"
+    )
+    c.add_argument(
+        "--save-costs",
+        metavar="FILE",
+        default=None,
+        help="with --static: write each op's compute / stream ratio (loops matched by bytes) for --static-costs",
+    )
+    c.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
+    c.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="cached tokens per row (default: a quarter of the cache, at most 4096)",
+    )
+    c.add_argument(
+        "--steps-per-call", type=int, default=1, help="decode steps per device call, sharing its dispatch (default 1)"
+    )
+    c.add_argument(
+        "--static-costs",
+        metavar="FILE",
+        default=None,
+        help="JSON with `compute_over_stream` (op -> ratio from --static): the cost model's compute per op",
+    )
 
 
 def _run_parser(spec_command) -> None:

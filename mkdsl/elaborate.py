@@ -547,6 +547,11 @@ def _shown(e: Expr) -> str:
     return "..."
 
 
+def _means_unset(op, name: str, v) -> bool:
+    """Whether `v` is the value the op reads as "attribute not given" (`OpDef.unset`)."""
+    return any(n == name and type(v) is type(u) and v == u for n, u in op.unset)
+
+
 def graph_value_type(graph: Graph, ref: Ref) -> TensorType:
     for v in graph.params:
         if v.name == ref.name:
@@ -873,7 +878,7 @@ class _Context:
             v = self.scalar_value(k.value, env, g)
             if v is None or not self.representable(k, v.first if isinstance(v, LayerExpr) else v):
                 ok = False
-            attrs[k.name] = v
+            attrs[k.name] = None if _means_unset(op, k.name, v) else v
         for name, default in op.attrs.items():
             if name not in attrs:
                 if default is REQUIRED:

@@ -30,7 +30,7 @@ from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.ops.prefill import Rows
 from mkdsl.quant import QTensor, register_pytree
-from mkdsl.reference import _run_graph
+from mkdsl.reference import _no_nesting, _run_graph
 from mkdsl.sampling import Sampling, sample_tokens
 
 
@@ -80,6 +80,53 @@ def _prompt_rows(tokens, lengths, start) -> tuple[Rows, object, object]:
     return Rows(batch, length, positions, (t < lengths[:, None]).reshape(-1)), lengths, start
 
 
+def _prompt_inputs(model: Model, tokens, lengths, start) -> tuple[Rows, dict, object, object]:
+    """The prompt's rows, the step's inputs over them (tokens, positions), lengths and start."""
+    tokens = jnp.asarray(tokens)
+    rows, lengths, start = _prompt_rows(tokens, lengths, start)
+    token_name, position_name = (v.name for v in model.inputs)
+    return rows, {token_name: tokens.reshape(-1).astype(jnp.int32), position_name: rows.positions}, lengths, start
+
+
+def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries, lengths=None, start=None):
+    """Layer `index` alone over a prompt's B*T rows, unjitted: (the carries it passes on, each
+    [B*T, ...], and the state after its writes). Fed the carries token-by-token decoding enters
+    the layer with, it checks one layer's prefill rules in place, where rounding differences
+    cannot compound through the stack (as mkdsl/verify.py checks a kernel)."""
+    rows, inputs, _, _ = _prompt_inputs(model, tokens, lengths, start)
+    state, graph = dict(state), model.kind(model.schedule[index])
+    weights = reference_weights(model, weights)
+    out = _run_graph(model, graph, list(carries), weights, state, inputs, index, _no_nesting, _caller([rows]))
+    return out, state
+
+
+def run_prefill(model: Model, sampling, weights, state, tokens, lengths=None, start=None, seed=0, feed=None):
+    """The prefill, unjitted (build_prefill's body). `feed(index, carries) -> carries` replaces
+    what layer `index` (the epilogue: index L) receives: a debug hook, to feed the prefill the
+    carries token-by-token decoding has there (run_prefill_layer's check, for the epilogue)."""
+    weights = reference_weights(model, weights)
+    rows, inputs, lengths, start = _prompt_inputs(model, tokens, lengths, start)
+    token_name, position_name = (v.name for v in model.inputs)
+    state, current = dict(state), [rows]
+    last = jnp.arange(rows.batch) * rows.length + lengths - 1  # each row's last token
+    call = _caller(current)
+    feed = feed or (lambda _, carries: carries)
+
+    def run_layers(carries):
+        for layer, kind in enumerate(model.schedule):
+            carries = feed(layer, carries)
+            carries = _run_graph(model, model.kind(kind), carries, weights, state, inputs, layer, run_layers, call)
+        carries = feed(len(model.schedule), carries)
+        # the epilogue sees one row per prompt row: its last token
+        inputs.update({token_name: inputs[token_name][last], position_name: start + lengths - 1})
+        current[0] = Rows(rows.batch, 1, inputs[position_name], jnp.ones((rows.batch,), bool))
+        return [c[last] for c in carries]
+
+    logits, greedy = _run_graph(model, model.step, [], weights, state, inputs, None, run_layers, call)
+    seed = np.uint32(seed % 2**32) if isinstance(seed, int) else seed
+    return logits, sample_tokens(logits, inputs[position_name], seed, sampling, greedy), state
+
+
 def build_prefill(
     model: Model,
     *,
@@ -93,30 +140,9 @@ def build_prefill(
     module's `state_shardings(mesh)`) places the new state; `donate` donates the input state."""
     check_prefill(model)
     sampling = Sampling() if sampling is None else sampling
-    token_name, position_name = (v.name for v in model.inputs)
 
     def prefill(weights, state, tokens, lengths=None, start=None, seed=0):
-        weights = reference_weights(model, weights)
-        tokens = jnp.asarray(tokens)
-        rows, lengths, start = _prompt_rows(tokens, lengths, start)
-        state = dict(state)
-        current = [rows]
-        inputs = {token_name: tokens.reshape(-1).astype(jnp.int32), position_name: rows.positions}
-        last = jnp.arange(rows.batch) * rows.length + lengths - 1  # each row's last token
-        call = _caller(current)
-
-        def run_layers(carries):
-            for layer, kind in enumerate(model.schedule):
-                carries = _run_graph(model, model.kind(kind), carries, weights, state, inputs, layer, run_layers, call)
-            # the epilogue sees one row per prompt row: its last token
-            inputs.update({token_name: inputs[token_name][last], position_name: start + lengths - 1})
-            current[0] = Rows(rows.batch, 1, inputs[position_name], jnp.ones((rows.batch,), bool))
-            return [c[last] for c in carries]
-
-        logits, greedy = _run_graph(model, model.step, [], weights, state, inputs, None, run_layers, call)
-        seed = np.uint32(seed % 2**32) if isinstance(seed, int) else seed
-        next_tokens = sample_tokens(logits, inputs[position_name], seed, sampling, greedy)
-        return logits, next_tokens, state
+        return run_prefill(model, sampling, weights, state, tokens, lengths, start, seed)
 
     register_pytree()
     if not jit:

@@ -59,17 +59,19 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         f"| weight bytes per step | {_bytes(plan.weight_bytes)} |",
         f"| state bytes per step (KV read + written) | {_bytes(plan.state_bytes)} |",
         f"| bytes the schedule moves | {_bytes(plan.schedule_bytes)} |",
-        f"| HBM floor at {t.hbm_bytes_per_s / 1e12:.1f} TB/s (modeled) | {t.floor_us:.1f} us |",
+        f"| HBM floor at {t.hbm_bytes_per_s / 1e12:.2f} TB/s (modeled) | {t.floor_us:.1f} us |",
         f"| modeled step time | {t.modeled_us:.1f} us ({t.modeled_us / t.floor_us:.3f} x floor) |",
         f"| modeled tokens/s per sequence | {t.tokens_per_s:.1f} |",
         f"| DMAs per step | {plan.dma_count} |",
         f"| VMEM planned (explicit) | {_mib(plan.vmem_total)} of {_mib(plan.vmem_cap)} cap |",
         "| HBM per device | " + hbm_line(plan).removeprefix("HBM per device ") + " |",
         "",
-        "Modeled time = max(stream, MXU) + fixed + bubbles + issue" + (" + collectives:" if plan.mesh else ":"),
-        f"stream {t.stream_us:.1f} us, MXU {t.mxu_us:.1f} us, fixed {t.fixed_us:.1f} us, "
-        f"bubbles {t.bubble_us:.1f} us, DMA issue {t.issue_us:.1f} us"
-        + (f", collectives {t.comm_us:.1f} us." if plan.mesh else "."),
+        "Modeled time = dispatch + every phase in order, each op max(its compute, its bytes not yet landed)"
+        + (", each collective its exchange phases:" if plan.mesh else ":"),
+        f"stream {t.stream_us:.1f} us (every phase's bytes at its measured rate), compute {t.compute_us:.1f} us "
+        f"(of which MXU at peak {t.mxu_us:.1f} us), dispatch {t.fixed_us:.1f} us"
+        + (f", collectives {t.comm_us:.1f} us" if plan.mesh else "")
+        + f"; overlapped {t.overlap_us:.1f} us.",
         "",
         *(_devices(model, plan, wide) if plan.mesh else []),
         "## Layers",
@@ -168,7 +170,7 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         "| figure (modeled) | value |",
         "|---|---|",
         f"| weight + state bytes per core per step | {_bytes(plan.weight_bytes + plan.state_bytes)} |",
-        f"| HBM floor per core at {t.hbm_bytes_per_s / 1e12:.1f} TB/s | {t.floor_us:.1f} us |",
+        f"| HBM floor per core at {t.hbm_bytes_per_s / 1e12:.2f} TB/s | {t.floor_us:.1f} us |",
         f"| exchange phases per step | {plan.exchange_phases} |",
         f"| collectives per step | {t.comm_us:.1f} us |",
         f"| modeled step time | {t.modeled_us:.1f} us |",

@@ -90,18 +90,20 @@ class Decoder:
 
 
 def unpad_weights(weights: dict, pads: dict) -> dict:
-    """The kernel's padded matrices (the module's PADDED: name -> (axis, valid, padded, blocks))
-    back in the spec's layout, which the prefill (like the reference) reads."""
+    """The kernel's padded arrays (the module's PADDED: name -> per padded axis (axis, valid,
+    padded, blocks)) back in the spec's layout, which the prefill (like the reference) reads."""
     import jax.numpy as jnp
 
     out = dict(weights)
-    for name, (axis, valid, padded, blocks) in pads.items():
+    for name, axes in pads.items():
         w = out[name]
-        if w.shape[axis] != padded * blocks:
+        if any(w.shape[axis] != padded * blocks for axis, _, padded, blocks in axes):
             continue  # not padded
-        w = jnp.moveaxis(w, axis, -1)
-        parts = jnp.reshape(w, (*w.shape[:-1], blocks, padded))[..., :valid]
-        out[name] = jnp.moveaxis(jnp.reshape(parts, (*w.shape[:-1], blocks * valid)), -1, axis)
+        for axis, valid, padded, blocks in axes:
+            w = jnp.moveaxis(w, axis, -1)
+            parts = jnp.reshape(w, (*w.shape[:-1], blocks, padded))[..., :valid]
+            w = jnp.moveaxis(jnp.reshape(parts, (*w.shape[:-1], blocks * valid)), -1, axis)
+        out[name] = w
     return out
 
 

@@ -1,6 +1,7 @@
 """Sampling the next token, for the reference and prefill: the very code the generated module
-carries (backends/tpu/templates/wrapper/sampling.py.jinja, plain Python), executed here, so that
-the kernel's step and the reference choose the same token from the same logits, seed and
+carries (backends/tpu/templates/wrapper/sampling.py.jinja, plain Python), executed here; the
+kernel's in-kernel draw there (`sampled_argmax`) shares its hash and keep rules, so that the
+kernel's step and the reference choose the same token from the same logits, seed and
 positions. `Sampling(temperature, top_k, top_p)`, `sample_tokens(logits, positions, seed,
 sampling)`, `sample_uniform(seed, positions, vocab)`."""
 

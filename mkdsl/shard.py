@@ -35,6 +35,14 @@ class Place:
 WHOLE = Place("R")
 
 
+class Rewrite(Exception):  # noqa: N818 (a rule's answer, not an error)
+    """A rule's answer that the node is to be sharded as these simpler nodes (`OpDef.row_split`)."""
+
+    def __init__(self, nodes: list[Node]):
+        super().__init__("rewrite")
+        self.nodes = nodes
+
+
 class ShardError(Exception):
     def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
@@ -145,7 +153,10 @@ class _Sharder:
         rule = RULES.get(OPS[node.op].shard)  # the op's rule family (OpDef.shard)
         if rule is None:
             raise ShardError("no sharding rule for this op yet")
-        need, outs, attrs = rule(self, node, places)
+        try:
+            need, outs, attrs = rule(self, node, places)
+        except Rewrite as r:
+            return [m for n in r.nodes for m in self.node(g, n, place, types, converted)]
         pre: list[Node] = []
         inputs = list(node.inputs)
         for i, want in need.items():
@@ -307,6 +318,9 @@ def _per_head(s: _Sharder, node: Node, x: Place, heads_attr: str = "heads"):
 
 def _rule_norm(s: _Sharder, node: Node, places):
     x = places[0]
+    split_rows = OPS[node.op].row_split
+    if x.kind == "S" and split_rows and places[1:2] == [x] and (nodes := split_rows(node)):
+        raise Rewrite(nodes)  # a whole-row norm of a row split like its weight
     local = _per_head(s, node, x)
     if local is None or node.attr.get("heads", 1) == 1:
         return _rule_whole(s, node, places)

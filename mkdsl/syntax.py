@@ -194,13 +194,15 @@ class CkptStep:
 
 @dataclass(frozen=True)
 class CkptEntry:
-    """`weight = "pattern" | step ...`: where one weight comes from (several patterns: concatenated)."""
+    """`weight = "pattern" | step ...`: where one weight comes from (several patterns: concatenated;
+    `"codes" * "scales"`: a quantised tensor stored as its codes and their scales)."""
 
     span: Span
     weight: str
     patterns: tuple[str, ...]
     pattern_spans: tuple[Span, ...]
     steps: tuple[CkptStep, ...]
+    scales: tuple[str, Span] | None = None
 
 
 @dataclass(frozen=True)
@@ -254,10 +256,19 @@ class _ToAst(Transformer_NonRecursive):
         return CheckpointDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
 
     def ckpt_entry(self, meta, c):
-        strings = c[1]
+        strings, rest = c[1], list(c[2:])
+        scales = rest.pop(0) if rest and isinstance(rest[0], tuple) else None
         return CkptEntry(
-            Span.of(c[0]), str(c[0]), tuple(str(t)[1:-1] for t in strings), tuple(map(Span.of, strings)), tuple(c[2:])
+            Span.of(c[0]),
+            str(c[0]),
+            tuple(str(t)[1:-1] for t in strings),
+            tuple(map(Span.of, strings)),
+            tuple(rest),
+            scales,
         )
+
+    def ckpt_scales(self, meta, c):
+        return (str(c[0])[1:-1], Span.of(c[0]))
 
     def ckpt_source(self, meta, c):
         return tuple(c)

@@ -341,16 +341,18 @@ def check_seq_len(module) -> int:
 
 
 def check_batch(
-    model, module, checker, batch: int, steps: int, seed: int, progress=None, interpret=None
+    model, module, checker, batch: int, steps: int, seed: int, progress=None, interpret=None, load=None
 ) -> BatchResult:
     """`steps` decode steps of the kernel in TPU interpret mode, each checked layer by layer.
-    `interpret`: other `InterpretParams` than `interpret_params()` (e.g. without the race detector)."""
+    `interpret`: other `InterpretParams` than `interpret_params()` (e.g. without the race detector).
+    `load`: what the random weights pass through first (a test's checkpoint round trip)."""
     import time
 
     from mkdsl.random_params import random_params
 
     seq_len = check_seq_len(module)
     weights, state = random_params(model, {"B": batch, "S": seq_len}, seed)
+    weights = load(weights) if load is not None else weights
     from mkdsl.elaborate import graph_value_type
 
     vocab = graph_value_type(model.step, model.step.results[0]).shape[1]  # the logits' width

@@ -9,18 +9,16 @@
 # Facts: ../shared/facts/models.md (section 1).
 #
 # Weights as the checkpoint ships them: FP8 e4m3 with one f32 scale per 128x128 block
-# (`weight_scale_inv`, multiplied) for every attention projection, the dense MLP, the experts and
-# the shared expert; bf16 for the embedding, the head, the norms and the router; f32 for the
-# correction bias. One exception, stated here: `wkv_b` is bf16, the checkpoint's fp8 kv_b_proj
-# dequantised at load (codes x block scale, rounded to bf16), because mla_attention's kernel reads
-# a bf16 w_kvb only. It is the matrix DeepSeek's own inference code uses there: its absorbed MLA
-# calls weight_dequant on kv_b_proj and multiplies in bf16.
+# (`weight_scale_inv`, multiplied) for every attention projection (kv_b_proj included: the MLA
+# kernel decodes its codes and applies the block scales), the dense MLP, the experts and the
+# shared expert; bf16 for the embedding, the head, the norms and the router; f32 for the
+# correction bias.
 # Not modelled: the multi-token-prediction layer (layer 61 in the checkpoint; plain decode skips
 # it) and the "dynamic" per-token fp8 quantisation of activations of DeepSeek's optional fp8 GEMM
 # path (its default path, like mkdsl's numeric contract, rounds activations to bf16).
-# No `checkpoint hf` section yet: a mapping line names one stored tensor (or a concatenation), so
-# it cannot pair a `.weight` with its `.weight_scale_inv` as one block-scaled weight, nor dequantise
-# kv_b_proj into bf16, and the loader converts into plain dtypes only (mkdsl/checkpoint/loader.py).
+# The `checkpoint hf` section at the end loads the published checkpoint: each fp8 `.weight` with
+# its `.weight_scale_inv` as one block-scaled weight (codes and scales transposed, bit for bit),
+# and kv_b_proj decoded into bf16 as said above.
 model deepseek_v3
 
 const L     = 61          # layers
@@ -99,7 +97,7 @@ weight q_norm:     bf16[QR]                                         per layer
 weight wq_b:       fp8_e4m3(block=128)[QR, NH*(NOPE+ROPE) @(ep, tp)] per layer
 weight wkv_a:      fp8_e4m3(block=128)[H, KVR + ROPE]               per layer
 weight kv_norm:    bf16[KVR]                                        per layer
-weight wkv_b:      bf16[KVR, NH*(NOPE+VD) @(ep, tp)]                per layer
+weight wkv_b:      fp8_e4m3(block=128)[KVR, NH*(NOPE+VD) @(ep, tp)] per layer
 weight wo:         fp8_e4m3(block=128)[NH*VD @(ep, tp), H]          per layer
 
 state kv_cache:    bf16[B, S, KVR + ROPE] per layer
@@ -169,4 +167,47 @@ step(tokens, positions) {
   x = layers(embedding(tokens, embed))
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
+}
+
+# Where each weight comes from in the published Hugging Face checkpoint (deepseek-ai/DeepSeek-V3;
+# prefix model.layers.N.; layer 61, the MTP layer, is not read). Matrices are stored [out, in]
+# (the spec's are [in, out]); an fp8 matrix is its codes `*` its 128x128 block scales, both
+# transposed. The dense MLP is read for layers 0 .. DENSE-1, the router and experts (one tensor
+# each, stacked over `{e}`) for the others. kv_b_proj is decoded into the spec's bf16 `wkv_b`
+# (code x block scale in f32, then rounded to bf16: `round`), as DeepSeek's weight_dequant does.
+checkpoint hf {
+  embed       = "model.embed_tokens.weight"
+  attn_norm   = "model.layers.{l}.input_layernorm.weight"
+  mlp_norm    = "model.layers.{l}.post_attention_layernorm.weight"
+  final_norm  = "model.norm.weight"
+  lm_head     = "lm_head.weight" | transpose
+  wq_a        = "model.layers.{l}.self_attn.q_a_proj.weight"
+                * "model.layers.{l}.self_attn.q_a_proj.weight_scale_inv" | transpose
+  q_norm      = "model.layers.{l}.self_attn.q_a_layernorm.weight"
+  wq_b        = "model.layers.{l}.self_attn.q_b_proj.weight"
+                * "model.layers.{l}.self_attn.q_b_proj.weight_scale_inv" | transpose
+  wkv_a       = "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight"
+                * "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight_scale_inv" | transpose
+  kv_norm     = "model.layers.{l}.self_attn.kv_a_layernorm.weight"
+  wkv_b       = "model.layers.{l}.self_attn.kv_b_proj.weight"
+                * "model.layers.{l}.self_attn.kv_b_proj.weight_scale_inv" | transpose | round
+  wo          = "model.layers.{l}.self_attn.o_proj.weight"
+                * "model.layers.{l}.self_attn.o_proj.weight_scale_inv" | transpose
+  dense_gate  = "model.layers.{l}.mlp.gate_proj.weight" * "model.layers.{l}.mlp.gate_proj.weight_scale_inv" | transpose
+  dense_up    = "model.layers.{l}.mlp.up_proj.weight" * "model.layers.{l}.mlp.up_proj.weight_scale_inv" | transpose
+  dense_down  = "model.layers.{l}.mlp.down_proj.weight" * "model.layers.{l}.mlp.down_proj.weight_scale_inv" | transpose
+  router      = "model.layers.{l}.mlp.gate.weight" | transpose
+  router_bias = "model.layers.{l}.mlp.gate.e_score_correction_bias"
+  w_gate      = "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"
+                * "model.layers.{l}.mlp.experts.{e}.gate_proj.weight_scale_inv" | transpose
+  w_up        = "model.layers.{l}.mlp.experts.{e}.up_proj.weight"
+                * "model.layers.{l}.mlp.experts.{e}.up_proj.weight_scale_inv" | transpose
+  w_down      = "model.layers.{l}.mlp.experts.{e}.down_proj.weight"
+                * "model.layers.{l}.mlp.experts.{e}.down_proj.weight_scale_inv" | transpose
+  shared_gate = "model.layers.{l}.mlp.shared_experts.gate_proj.weight"
+                * "model.layers.{l}.mlp.shared_experts.gate_proj.weight_scale_inv" | transpose
+  shared_up   = "model.layers.{l}.mlp.shared_experts.up_proj.weight"
+                * "model.layers.{l}.mlp.shared_experts.up_proj.weight_scale_inv" | transpose
+  shared_down = "model.layers.{l}.mlp.shared_experts.down_proj.weight"
+                * "model.layers.{l}.mlp.shared_experts.down_proj.weight_scale_inv" | transpose
 }

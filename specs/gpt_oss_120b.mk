@@ -10,10 +10,10 @@
 # As published, with two notes on how the checkpoint's tensors become these weights:
 # - The fused gate_up projection [5760] interleaves its halves (gate = u[0::2], up = u[1::2]);
 #   the spec declares the gate (w1, b1) and up (w3, b3) experts separately, de-interleaved.
-# - There is no `checkpoint hf` section: the loader converts into plain dtypes only (bf16, f32),
-#   so it can read neither the MXFP4 experts (blocks [E, out, in/32, 16] + E8M0 scales, to be
-#   re-packed into mkdsl's uint32 [E, in/8, out] codes) nor de-interleave gate_up (no strided
-#   rows step). Both are loader work, not a change to the model.
+# - The `checkpoint hf` section at the end loads the published checkpoint: it re-packs the MXFP4
+#   experts (blocks [E, out, in/32, 16] + E8M0 scales [E, out, in/32]) into mkdsl's uint32
+#   [E, in/8, out] codes and [E, in/32, out] scales, bit for bit, and de-interleaves gate_up
+#   (`group_rows` over its rows, in groups of 2).
 #
 # Deployment: 4 TPU7x cores (2 chips), ep 2 x tp 2. Attention is split by KV head over tp (4 KV
 # heads and 32 query heads per core; the two ep halves compute it alike); the experts by owner
@@ -138,4 +138,37 @@ step(tokens, positions) {
   x = layers(embedding(tokens, embed))
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
+}
+
+# Where each weight comes from in the published Hugging Face checkpoint (openai/gpt-oss-120b;
+# prefix model.layers.N.): bf16 matrices stored [out, in] (the spec's are [in, out]); the experts
+# fused per layer, [E, ...], as MXFP4 blocks `*` their scales; gate_up's rows interleave gate
+# (even) and up (odd), so `group_rows(groups=FE, start=0, stop=1, dim=1)` of its 2 x FE rows
+# takes the gate, `start=1, stop=2` the up projection (its bias likewise).
+checkpoint hf {
+  embed      = "model.embed_tokens.weight"
+  attn_norm  = "model.layers.{l}.input_layernorm.weight"
+  wq         = "model.layers.{l}.self_attn.q_proj.weight" | transpose
+  bq         = "model.layers.{l}.self_attn.q_proj.bias"
+  wk         = "model.layers.{l}.self_attn.k_proj.weight" | transpose
+  bk         = "model.layers.{l}.self_attn.k_proj.bias"
+  wv         = "model.layers.{l}.self_attn.v_proj.weight" | transpose
+  bv         = "model.layers.{l}.self_attn.v_proj.bias"
+  sinks      = "model.layers.{l}.self_attn.sinks"
+  wo         = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  bo         = "model.layers.{l}.self_attn.o_proj.bias"
+  mlp_norm   = "model.layers.{l}.post_attention_layernorm.weight"
+  router     = "model.layers.{l}.mlp.router.weight" | transpose
+  router_b   = "model.layers.{l}.mlp.router.bias"
+  w1         = "model.layers.{l}.mlp.experts.gate_up_proj_blocks" * "model.layers.{l}.mlp.experts.gate_up_proj_scales"
+               | group_rows(groups=FE, start=0, stop=1, dim=1) | transpose
+  b1         = "model.layers.{l}.mlp.experts.gate_up_proj_bias" | group_rows(groups=FE, start=0, stop=1, dim=1)
+  w3         = "model.layers.{l}.mlp.experts.gate_up_proj_blocks" * "model.layers.{l}.mlp.experts.gate_up_proj_scales"
+               | group_rows(groups=FE, start=1, stop=2, dim=1) | transpose
+  b3         = "model.layers.{l}.mlp.experts.gate_up_proj_bias" | group_rows(groups=FE, start=1, stop=2, dim=1)
+  w2         = "model.layers.{l}.mlp.experts.down_proj_blocks" * "model.layers.{l}.mlp.experts.down_proj_scales"
+               | transpose
+  b2         = "model.layers.{l}.mlp.experts.down_proj_bias"
+  final_norm = "model.norm.weight"
+  lm_head    = "lm_head.weight" | transpose
 }

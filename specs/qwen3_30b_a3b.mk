@@ -89,3 +89,24 @@ step(tokens, positions) {
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
 }
+
+# Where each weight comes from in the published Hugging Face checkpoint (Qwen/Qwen3-30B-A3B, bf16):
+# matrices are stored [out, in] (the spec's are [in, out]); each expert is its own tensor,
+# stacked over `{e}`.
+checkpoint hf {
+  embed      = "model.embed_tokens.weight"
+  attn_norm  = "model.layers.{l}.input_layernorm.weight"
+  wq         = "model.layers.{l}.self_attn.q_proj.weight" | transpose
+  wk         = "model.layers.{l}.self_attn.k_proj.weight" | transpose
+  wv         = "model.layers.{l}.self_attn.v_proj.weight" | transpose
+  q_norm     = "model.layers.{l}.self_attn.q_norm.weight"
+  k_norm     = "model.layers.{l}.self_attn.k_norm.weight"
+  wo         = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  mlp_norm   = "model.layers.{l}.post_attention_layernorm.weight"
+  router     = "model.layers.{l}.mlp.gate.weight" | transpose
+  w_gate     = "model.layers.{l}.mlp.experts.{e}.gate_proj.weight" | transpose
+  w_up       = "model.layers.{l}.mlp.experts.{e}.up_proj.weight" | transpose
+  w_down     = "model.layers.{l}.mlp.experts.{e}.down_proj.weight" | transpose
+  final_norm = "model.norm.weight"
+  lm_head    = "lm_head.weight" | transpose
+}

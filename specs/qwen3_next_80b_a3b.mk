@@ -6,8 +6,8 @@
 # config.json and model card of Qwen/Qwen3-Next-80B-A3B-Instruct and its reference implementation.
 #
 # Weights are declared in the order the equations use them, as [in, out] matrices (the
-# checkpoint's [out, in] transposed). The checkpoint loader regroups these checkpoint tensors
-# (prefix model.layers.N.):
+# checkpoint's [out, in] transposed). The `checkpoint hf` section at the end regroups these
+# checkpoint tensors (prefix model.layers.N.):
 # * linear_attn.in_proj_qkvz.weight [12288, 2048] is grouped per key head g (16 groups of 768
 #   rows: q_g 128 | k_g 128 | v_2g, v_2g+1 256 | z_2g, z_2g+1 256): gdn_wq takes the q_g rows of
 #   every group in head order, gdn_wk the k_g rows, gdn_wv the v rows, gdn_wz the z rows.
@@ -169,4 +169,50 @@ step(tokens, positions) {
   x = layers(embedding(tokens, embed))
   logits = linear(rmsnorm(x, final_norm, eps=EPS, offset=1.0), lm_head)
   return logits, argmax(logits)
+}
+
+# Where each weight comes from in the published Hugging Face checkpoint (bf16; prefix
+# model.layers.N.), regrouped as the comment at the top says: `group_rows` takes one part of
+# every key head's group of in_proj_qkvz rows (q 128 | k 128 | v 2 x 128 | z 2 x 128) and of
+# every head's query | gate rows of q_proj; `regroup` puts in_proj_ba's b rows (2 per key head)
+# before its a rows, `pad` adds the zero columns up to BA; the conv's three channel ranges lose
+# its [C, 1, 4] middle dimension; experts are stacked over `{e}`.
+checkpoint hf {
+  embed        = "model.embed_tokens.weight"
+  lm_head      = "lm_head.weight" | transpose
+  final_norm   = "model.norm.weight"
+  input_norm   = "model.layers.{l}.input_layernorm.weight"
+  post_norm    = "model.layers.{l}.post_attention_layernorm.weight"
+  gdn_wq       = "model.layers.{l}.linear_attn.in_proj_qkvz.weight"
+                 | group_rows(groups=NK, start=0, stop=DK) | transpose
+  gdn_wk       = "model.layers.{l}.linear_attn.in_proj_qkvz.weight"
+                 | group_rows(groups=NK, start=DK, stop=2*DK) | transpose
+  gdn_wv       = "model.layers.{l}.linear_attn.in_proj_qkvz.weight"
+                 | group_rows(groups=NK, start=2*DK, stop=2*DK + NV//NK*DV) | transpose
+  gdn_wz       = "model.layers.{l}.linear_attn.in_proj_qkvz.weight"
+                 | group_rows(groups=NK, start=2*DK + NV//NK*DV, stop=2*DK + 2*(NV//NK)*DV) | transpose
+  gdn_wba      = "model.layers.{l}.linear_attn.in_proj_ba.weight" | regroup(groups=NK, parts=2) | pad(BA) | transpose
+  gdn_conv_q   = "model.layers.{l}.linear_attn.conv1d.weight" | rows(0, NK*DK) | squeeze(1) | transpose
+  gdn_conv_k   = "model.layers.{l}.linear_attn.conv1d.weight" | rows(NK*DK, 2*NK*DK) | squeeze(1) | transpose
+  gdn_conv_v   = "model.layers.{l}.linear_attn.conv1d.weight"
+                 | rows(2*NK*DK, 2*NK*DK + NV*DV) | squeeze(1) | transpose
+  gdn_a_log    = "model.layers.{l}.linear_attn.A_log"
+  gdn_dt_bias  = "model.layers.{l}.linear_attn.dt_bias"
+  gdn_norm     = "model.layers.{l}.linear_attn.norm.weight"
+  gdn_wo       = "model.layers.{l}.linear_attn.out_proj.weight" | transpose
+  attn_wq      = "model.layers.{l}.self_attn.q_proj.weight" | group_rows(groups=NH, start=0, stop=HD) | transpose
+  attn_wg      = "model.layers.{l}.self_attn.q_proj.weight" | group_rows(groups=NH, start=HD, stop=2*HD) | transpose
+  attn_wk      = "model.layers.{l}.self_attn.k_proj.weight" | transpose
+  attn_wv      = "model.layers.{l}.self_attn.v_proj.weight" | transpose
+  attn_qnorm   = "model.layers.{l}.self_attn.q_norm.weight"
+  attn_knorm   = "model.layers.{l}.self_attn.k_norm.weight"
+  attn_wo      = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  moe_router   = "model.layers.{l}.mlp.gate.weight" | transpose
+  moe_w1       = "model.layers.{l}.mlp.experts.{e}.gate_proj.weight" | transpose
+  moe_w3       = "model.layers.{l}.mlp.experts.{e}.up_proj.weight" | transpose
+  moe_w2       = "model.layers.{l}.mlp.experts.{e}.down_proj.weight" | transpose
+  shared_gate  = "model.layers.{l}.mlp.shared_expert.gate_proj.weight" | transpose
+  shared_up    = "model.layers.{l}.mlp.shared_expert.up_proj.weight" | transpose
+  shared_down  = "model.layers.{l}.mlp.shared_expert.down_proj.weight" | transpose
+  shared_egate = "model.layers.{l}.mlp.shared_expert_gate.weight" | squeeze(0)
 }

@@ -23,7 +23,8 @@ from mkdsl.random_params import random_params
 # Qwen3-Next's head dim 256 with the first 64 lanes rotating (theta 1e7); `mla`: DeepSeek-V3's
 # MLA with decoupled rope: the 64 rope lanes after the 128 nope lanes of each query head and the
 # shared k_pe rotate with interleaved pairs and YaRN, and the softmax scale is 192^-0.5 * m^2,
-# m = 0.1 * ln(40) + 1; gpt-oss's concentration is 0.1 * ln(32) + 1.
+# m = 0.1 * ln(40) + 1, and DeepSeek-V3's fp8 w_kvb with 128 x 128 scale squares (WKVB, below);
+# gpt-oss's concentration is 0.1 * ln(32) + 1.
 WINDOWED = """
 model win
 const H = 128
@@ -98,6 +99,8 @@ step(tokens, pos) {
 }
 """
 
+WKVB = "fp8_e4m3(block=128)"  # the MLA layer's w_kvb as DeepSeek-V3 ships it (bf16 MLA: the Kimi K3 tests)
+
 
 def run_checked(text: str, name: str, starts: list[int], tmp_path, seq_len: int = 64, steps: int = 2) -> dict:
     """`steps` kernel steps from random caches, each checked layer by layer against the reference."""
@@ -132,7 +135,7 @@ def run_checked(text: str, name: str, starts: list[int], tmp_path, seq_len: int 
 def test_window_sinks_rope_variants_head_dims_and_mla_match_the_reference(tmp_path):
     """Row 0 at 40 reads tiles 1-2 only in the windowed layer (keys 25..40); row 1 at 16 is the
     first token of tile 1 (its window reaches back into tile 0); the global layer reads every tile."""
-    worst = run_checked(WINDOWED.replace("WKVB_DTYPE", "bf16"), "win", [40, 16], tmp_path, steps=1)
+    worst = run_checked(WINDOWED.replace("WKVB_DTYPE", WKVB), "win", [40, 16], tmp_path, steps=1)
     assert worst["carries"] <= 1
 
 
@@ -155,16 +158,19 @@ def test_plan_counts_only_the_tiles_the_window_reaches(context):
     assert windowed < full or context < 16
 
 
-def test_fp8_w_kvb_is_a_positioned_diagnostic(tmp_path, monkeypatch, capsys):
-    """An fp8 w_kvb once compiled and failed when the kernel ran; it is now reported at its line."""
+def test_w_kvb_with_scales_in_groups_is_a_positioned_diagnostic(tmp_path, monkeypatch, capsys):
+    """The kernel decodes bf16 and block-scaled fp8 w_kvb; other formats are reported at their line."""
     from mkdsl.cli import main
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "spec.mk").write_text(WINDOWED.replace("WKVB_DTYPE", "fp8_e4m3"), encoding="utf-8")
+    (tmp_path / "spec.mk").write_text(WINDOWED.replace("WKVB_DTYPE", "fp8_e4m3(group=128)"), encoding="utf-8")
     assert main(["check", "spec.mk"]) == 1
     err = capsys.readouterr().err
     line = next(i for i, t in enumerate(WINDOWED.splitlines(), 1) if t.startswith("weight wkvb"))
-    assert f"spec.mk:{line}:8: error: `wkvb` is fp8_e4m3: mla_attention's kernel reads a bf16 w_kvb only" in err
+    want = (
+        f"spec.mk:{line}:8: error: `wkvb` is fp8_e4m3(group=128): mla_attention's kernel reads a bf16 or block-scaled"
+    )
+    assert want in err
 
 
 # GQA 8:1 on 2 devices: the one KV head is replicated (k, v and the caches whole on each device),
@@ -228,7 +234,7 @@ def test_kernels_compile_with_libtpu(name, tmp_path):
     head dims 64 and 256 needed the head-major buffers in 128-lane chunks)."""
     from mkdsl import tpu_compile
 
-    text = {"win": WINDOWED.replace("WKVB_DTYPE", "bf16"), "rep": REPLICATED}[name]
+    text = {"win": WINDOWED.replace("WKVB_DTYPE", WKVB), "rep": REPLICATED}[name]
     out, _ = compile_source(text, f"{name}.mk", None, None)
     module = verify.import_generated(out.files["kernel.py"], tmp_path, f"{name}_compile")
     devices = tpu_compile.tpu7x_devices(tpu_compile.topology_for(module))

@@ -78,3 +78,37 @@ def test_plan_static_rejects_a_bad_clock():
         text=True,
     )
     assert done.returncode == 2 and "--clock-ghz" in done.stderr
+
+
+def test_the_kv_tile_loop_gives_attention_its_static_ratio(tmp_path):
+    """`--save-costs`: loops matched to ops by their bytes per iteration, ratios for --static-costs."""
+    import json
+
+    from mkdsl.compiler import compile_source
+    from mkdsl.plan import static_costs
+
+    found, util = _dump()
+    timings = bundles.time_loops(found, util)
+    out, _ = compile_source((ROOT / "specs" / "tiny.mk").read_text(), str(ROOT / "specs" / "tiny.mk"), None)
+    ratios, skipped = static_costs.ratios(out.model, out.plan, timings)
+    kv = next(t for t in timings if t.depth == 2 and t.self_bytes)
+    assert ratios == {"attention": kv.ratio}  # the one loop that waits for a K and a V tile
+    assert skipped and all("no op" in why for _, why in skipped)  # the layer loop's small fetches
+    path = tmp_path / "costs.json"
+    static_costs.save(path, ratios, skipped, bundles.ASSUMED_CLOCK_HZ, "test")
+    assert json.loads(path.read_text())["compute_over_stream"] == {"attention": kv.ratio}
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdsl", "plan", str(ROOT / "specs" / "tiny.mk"), "--static-costs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_save_costs_needs_static():
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdsl", "plan", str(ROOT / "specs" / "tiny.mk"), "--save-costs", "x.json"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "--static" in done.stderr

@@ -1,6 +1,13 @@
-"""Checkpoint mappings and the loader: synthetic Hugging Face and GGUF checkpoints of the Llama
-mini (real tensor names and layouts, random values) load exactly into the spec's layout, and
-every mismatch is reported, naming the tensor, before anything is loaded."""
+"""Checkpoint mappings and the loader: synthetic Hugging Face and GGUF checkpoints (real tensor
+names and layouts, mini sizes, random values) load exactly into the spec's layout, and every
+mismatch is reported, naming the tensor, before anything is loaded.
+
+The Llama family (Llama 3, SmolLM2) is written by `hf_tensors` / `gguf_tensors`; DeepSeek-V3
+(fp8 with block scales), gpt-oss (MXFP4 experts, fused interleaved gate_up), Qwen3-Next (tensors
+fused per key head) and Qwen3-30B-A3B by `checkpoint_writers.PUBLISHED`, as their published
+checkpoints lay them out. That loaded weights also run a kernel step equal to the reference is
+checked by the models' mini kernel tests, which take their weights through these checkpoints
+(`checkpoint_writers.through_checkpoint`), and for the Llama mini by tests/test_run.py."""
 
 from __future__ import annotations
 
@@ -13,15 +20,22 @@ import numpy as np
 import pytest
 from checkpoint_writers import (
     LLAMA_NAMES,
+    PUBLISHED,
     decode_blocks,
+    demo_tensors,
+    expected_weights,
     gguf_tensors,
     hf_tensors,
+    published_header,
+    same_weight,
     write_gguf,
+    write_sharded,
 )
 from safetensors.numpy import save_file
 
 import mkdsl
 from mkdsl.checkpoint.formats import CheckpointError
+from mkdsl.cli import main
 from mkdsl.diagnostics import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,3 +184,303 @@ def test_mapping_mistakes_are_diagnostics(tmp_path, old, new, message):
     text = e.value.render(str(bad), bad.read_text())
     assert re.search(message, text, re.S), text
     assert re.search(r"bad\.mk:\d+:\d+: error", text)
+
+
+# ---------------------------------------------------------------------------- published layouts
+
+
+# Per spec, one stored tensor per kind of mistake: missing, a wrong shape (how to spoil it), a wrong
+# dtype (F16 for bf16: not exact; bf16 codes for fp8), and the message each gives: it names the
+# tensor, what was found and what was expected.
+def _cut(index):
+    return lambda x: np.ascontiguousarray(x[index])
+
+
+def _f16(x):
+    return x.astype(np.float16)
+
+
+MISTAKES = {
+    "qwen3_30b_a3b": (
+        ("model.layers.1.mlp.experts.5.up_proj.weight", None, r"expected \[256, 256\]"),
+        (
+            "model.layers.0.self_attn.k_proj.weight",
+            _cut(np.s_[:-128]),
+            r"is BF16 \[128, 256\] \(after `transpose`: \[256, 128\]\); expected \[256, 256\]",
+        ),
+        ("model.layers.0.mlp.gate.weight", _f16, r"is F16, which bf16 cannot hold exactly \(expected BF16"),
+    ),
+    "deepseek_v3": (
+        (
+            "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv",
+            None,
+            r"expected F8_E4M3 \* F32 holding \[256, 256\]",
+        ),
+        (
+            "model.layers.0.self_attn.q_b_proj.weight",
+            _cut(np.s_[:-128]),
+            r"F8_E4M3 \[1408, 256\] \* .* F32 \[12, 2\]: scales \[12, 2\] are not one per 128x128 block of "
+            r"codes \[1408, 256\] \(expected \[11, 2\]\)",
+        ),
+        (
+            "model.layers.1.mlp.shared_experts.up_proj.weight",
+            lambda x: x.astype(ml_dtypes.bfloat16),
+            r"BF16 \[256, 256\] \* .* are not a pair that holds fp8_e4m3\(block=128\) \(expected F8_E4M3 \* F32",
+        ),
+    ),
+    "gpt_oss_120b": (
+        ("model.layers.1.mlp.experts.down_proj_scales", None, r"expected U8 \* U8 holding \[8, 256, 256\]"),
+        (
+            "model.layers.0.mlp.experts.gate_up_proj_blocks",
+            _cut(np.s_[:, :, :-1]),
+            r"U8 \[8, 512, 7, 16\] \* .* U8 \[8, 512, 8\]: codes .* are not MXFP4 blocks",
+        ),
+        ("model.layers.1.mlp.experts.gate_up_proj_bias", _f16, r"is F16, which bf16 cannot hold exactly"),
+    ),
+    "qwen3_next_80b_a3b": (
+        ("model.layers.3.self_attn.q_proj.weight", None, r"for `attn_wq` \(layer 3\).*expected \[256, 1024\]"),
+        (
+            "model.layers.0.linear_attn.in_proj_qkvz.weight",
+            _cut(np.s_[:-1]),
+            r"is BF16 \[1535, 256\]: `group_rows\(groups=2, start=0, stop=128\)` needs dimension 0 \(1535\) "
+            r"to be 2 equal groups .*; expected \[256, 256\] after the steps for `gdn_wq`",
+        ),
+        ("model.layers.2.linear_attn.in_proj_ba.weight", _f16, r"is F16, which bf16 cannot hold exactly"),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PUBLISHED))
+def published(request, tmp_path_factory):
+    """A mini spec, its random weights, the published checkpoint's tensors and what loading them
+    gives; the tensors but the ones `MISTAKES` spoils written once, as a shared base file."""
+    name = request.param
+    spec = mkdsl.load(ROOT / "specs" / f"{name}.mk", "mini")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=3)
+    m = spec.model
+    tensors = PUBLISHED[name](weights, m.schedule, m.const)
+    base = tmp_path_factory.mktemp(name) / "base.safetensors"
+    spoiled = [n for n, _, _ in MISTAKES[name]]
+    save_file({n: x for n, x in tensors.items() if n not in spoiled}, str(base))
+    return name, spec, tensors, expected_weights(name, weights, tensors, m.const), base
+
+
+def _sharded(root: Path, base: Path, tensors: dict, spoiled: list[str]) -> Path:
+    return write_sharded(root, base, {n: tensors[n] for n in spoiled if n in tensors}, set(tensors) - set(spoiled))
+
+
+def test_published_layouts_load_bit_exactly(published, tmp_path):
+    """Every weight equals the spec-layout weight the checkpoint was written from, bit for bit
+    (fp8 codes and scales transposed, MXFP4 re-packed, fused rows regrouped), except what the
+    checkpoint holds otherwise (expected_weights: DeepSeek's kv_b_proj decoded to bf16, the
+    zero padding of Qwen3-Next's [beta | a])."""
+    name, spec, tensors, want, base = published
+    spoiled = [n for n, _, _ in MISTAKES[name]]
+    root = _sharded(tmp_path, base, tensors, spoiled)
+    loaded, report = mkdsl.load_weights(spec, root, host=True, progress=False)
+    assert set(loaded) == set(want)
+    bad = [w for w in want if not same_weight(loaded[w], want[w])]
+    assert not bad, f"{name}: loaded differently: {bad}"
+    assert report.tensors == len(tensors)
+    bf16_kvb = name == "deepseek_v3" and not spec.model.tensor("wkv_b").type.dtype.quantised
+    rounded = {"F8_E4M3*F32": 2} if bf16_kvb else {}  # kv_b_proj decoded into a bf16 wkv_b
+    assert dict(report.rounded) == rounded, report.summary()
+
+
+@pytest.mark.parametrize("mistake", [0, 1, 2], ids=["missing", "shape", "dtype"])
+def test_published_layout_mistakes_exit_1_naming_the_tensor(published, tmp_path, capsys, mistake):
+    name, spec, tensors, _, base = published
+    spoiled = [n for n, _, _ in MISTAKES[name]]
+    victim, spoil, message = MISTAKES[name][mistake]
+    bad = dict(tensors)
+    if spoil is None:
+        del bad[victim]
+    else:
+        bad[victim] = spoil(bad[victim])
+    root = _sharded(tmp_path, base, bad, spoiled)
+    argv = ["run", str(ROOT / "specs" / f"{name}.mk"), "-p", "mini", "--weights", str(root), "--prompt", "x"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"`{victim}`" in err and re.search(message, err), err
+    assert "Traceback" not in err
+
+
+def test_published_layouts_load_onto_the_devices_in_the_kernels_layout(published, tmp_path):
+    """With the generated module: every array the kernel takes (a quantised `w` as `w_codes` and
+    `w_scales`, padded as `pad_weights` pads), at its layout and split over the module's mesh."""
+    from mkdsl import verify
+    from mkdsl.compiler import compile_source
+    from mkdsl.random_params import kernel_weights
+
+    name, spec, tensors, want, base = published
+    out, _ = compile_source(spec.source, str(spec.path), "mini", None)
+    module = verify.import_generated(out.files["kernel.py"], tmp_path, f"{name}_mini")
+    root = _sharded(tmp_path, base, tensors, [n for n, _, _ in MISTAKES[name]])
+    loaded, _ = mkdsl.load_weights(spec, root, module=module, progress=False)
+    layout, shardings = module.weight_layout(), module.weight_shardings(module.make_mesh())
+    assert set(loaded) == set(layout)
+    host = getattr(module, "pad_weights", dict)(kernel_weights(want))
+    for n, x in loaded.items():
+        assert (x.shape, x.dtype) == (layout[n].shape, layout[n].dtype), n
+        assert x.sharding.is_equivalent_to(shardings[n], x.ndim), n
+        assert same_weight(np.asarray(x), np.asarray(host[n])), n
+
+
+DOCS = ROOT / "docs" / "language.md"
+
+
+def test_the_manuals_example_loads_its_fused_interleaved_quantised_checkpoint(tmp_path):
+    """docs/language.md's `checkpoint_demo`: its checkpoint as the prose lays it out (q and k rows
+    fused per head, MXFP4 gate/up rows alternating, fp8 block-scaled down, norms [1, H]) loads into
+    the spec's weights bit for bit."""
+    text = DOCS.read_text(encoding="utf-8")
+    block = re.search(r"```mk\n(# Weights whose checkpoint.*?model checkpoint_demo.*?)```", text, re.S)
+    assert block, "the manual's checkpoint_demo example"
+    (tmp_path / "demo.mk").write_text(block.group(1))
+    spec = mkdsl.load(tmp_path / "demo.mk")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=16, seed=2)
+    save_file(demo_tensors(weights, spec.model.const), str(tmp_path / "model.safetensors"))
+    loaded, _ = mkdsl.load_weights(spec, tmp_path / "model.safetensors", host=True, progress=False)
+    assert [n for n in weights if not same_weight(loaded[n], weights[n])] == []
+
+
+def test_the_manuals_step_table_lists_every_step():
+    from mkdsl.checkpoint.steps import STEPS
+
+    text = DOCS.read_text(encoding="utf-8")
+    for name, sd in STEPS.items():
+        d = dict(sd.defaults)
+        args = ", ".join(f"{p}={d[p]}" if p in d else p for p in sd.params)
+        row = (f"| `{name}({args})` |" if args else f"| `{name}` |") + f" {sd.doc} |"
+        assert row in text, row
+    assert len(
+        re.findall(r"^\| `(\w+)[(`]", text.split("## Checkpoints")[1].split("## What compiles")[0], re.M)
+    ) == len(STEPS)
+
+
+DSV3 = ROOT / "specs" / "deepseek_v3.mk"
+WQ_A = '"model.layers.{l}.self_attn.q_a_proj.weight"\n                * "model.layers.{l}.self_attn.q_a_proj.weight_scale_inv"'
+
+
+@pytest.mark.parametrize(
+    "new, message",
+    [
+        (
+            '"model.layers.{l}.self_attn.q_a_proj.weight"',
+            r"`wq_a` is fp8_e4m3\(block=128\), stored as codes and scales",
+        ),
+        ('["a{l}", "b{l}"] * "c{l}"', r"`\*` pairs one codes pattern with one scales pattern, not a list"),
+        ('"a{l}" * "c{l}.{e}"', r"the patterns of a concatenation or a pair must use the same placeholders"),
+        (WQ_A + " | group_rows(groups=2, start=0)", r"`group_rows` takes \(groups, start, stop, dim=0\)"),
+    ],
+)
+def test_pair_mistakes_are_diagnostics(tmp_path, new, message):
+    text = DSV3.read_text()
+    assert WQ_A in text
+    bad = tmp_path / "bad.mk"
+    bad.write_text(text.replace(WQ_A, new, 1))
+    with pytest.raises(SpecError) as e:
+        mkdsl.load(bad, "mini")
+    rendered = e.value.render(str(bad), bad.read_text())
+    assert re.search(message, rendered, re.S), rendered
+
+
+def test_steps_move_scales_only_in_whole_groups():
+    """A quantised tensor's scales move with its elements only where a step keeps each group of
+    elements sharing a scale whole (the short last group too); otherwise the step is refused."""
+    from mkdsl.checkpoint.mapping import Step, mapped_grid
+    from mkdsl.checkpoint.steps import Grid
+
+    grid = Grid((256, 300), (128, 128))  # scales [2, 3], the last column block 44 wide
+    scales = np.arange(6).reshape(2, 3)
+
+    def rows(start, stop, dim):
+        return (Step("rows", (("start", start), ("stop", stop), ("dim", dim)), None),)
+
+    out, moves = mapped_grid(grid, rows(128, 256, 0))
+    assert out.shape == (128, 300) and moves[0](scales).tolist() == [[3, 4, 5]]
+    out, moves = mapped_grid(grid, rows(256, 300, 1))
+    assert out.shape == (256, 44) and moves[0](scales).tolist() == [[2], [5]]
+    for bad in (rows(0, 64, 0), rows(100, 228, 1)):
+        out, why = mapped_grid(grid, bad)
+        assert out is None and "splits the scale groups of dimension" in why, why
+    regroup = (Step("regroup", (("groups", 2), ("parts", 1), ("dim", 0)), None),)
+    assert mapped_grid(grid, regroup)[0] == grid
+
+
+def test_a_file_that_cannot_be_read_is_an_error_naming_the_tensor(llama, tmp_path, monkeypatch):
+    """Truncated: refused when opened. Failing while the data is read (an I/O error after the
+    header checked out): an error naming the tensor, not a traceback, and no weights returned."""
+    from mkdsl.checkpoint.formats import open_checkpoint
+
+    spec, weights = llama
+    path = _hf(tmp_path, hf_tensors(weights, 2))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-4096])
+    with pytest.raises(CheckpointError, match=r"not a readable safetensors file"):
+        mkdsl.load_weights(spec, truncated, host=True, progress=False)
+    reader = open_checkpoint(path)
+    read = reader.read
+
+    def failing(name):
+        if name == "model.layers.1.mlp.down_proj.weight":
+            raise OSError("Input/output error")
+        return read(name)
+
+    monkeypatch.setattr(reader, "read", failing)
+    with pytest.raises(CheckpointError, match=r"tensor `model\.layers\.1\.mlp\.down_proj\.weight` cannot be read"):
+        mkdsl.load_weights(spec, reader, host=True, progress=False)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_full_size_mappings_fit_the_published_headers(name, tmp_path):
+    """At the published sizes, every tensor each mapping names exists in the checkpoint's header
+    (names, shapes and types as shared/facts/models.md tabulates them) and fits its weight: the
+    plan finds no problem. Nothing is read (a header-only reader)."""
+    from mkdsl.checkpoint.formats import Stored
+    from mkdsl.checkpoint.loader import plan_load
+
+    model = mkdsl.load(ROOT / "specs" / f"{name}.mk").model
+    header = published_header(name, model.schedule)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": len(model.schedule)}))
+
+    class Header:
+        format, root = "hf", tmp_path
+
+        def info(self, n):
+            return Stored(n, *header[n]) if n in header else None
+
+    plans = plan_load(model, Header())
+    used = {n for wp in plans for p in wp.pieces for n in p.names}
+    assert used == set(header), sorted(set(header) - used)[:5]
+
+
+def test_every_spec_with_a_mapping_is_tested():
+    """A spec that gains a checkpoint section must gain its layout here: the Llama family through
+    `hf_tensors` / `gguf_tensors` (MAPPED; its kernel step from a checkpoint: tests/test_run.py,
+    tests/test_smollm2.py), the others through `PUBLISHED` (their kernel tests load from it)."""
+    with_mapping = {p.stem for p in (ROOT / "specs").glob("*.mk") if re.search(r"^checkpoint ", p.read_text(), re.M)}
+    assert with_mapping == set(MAPPED) | set(PUBLISHED)
+
+
+@pytest.mark.parametrize("mistake", ["missing", "shape", "dtype"])
+def test_smollm2_mistakes_exit_1_naming_the_tensor(tmp_path, capsys, mistake):
+    spec = mkdsl.load(ROOT / "specs" / "smollm2_135m.mk", "mini")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=4)
+    tensors = hf_tensors(weights, 2)
+    name = "model.layers.1.mlp.down_proj.weight"
+    if mistake == "missing":
+        del tensors[name]
+    elif mistake == "shape":
+        tensors[name] = np.ascontiguousarray(tensors[name][:, :-32])
+    else:
+        tensors[name] = tensors[name].astype(np.float16)
+    argv = ["run", str(ROOT / "specs" / "smollm2_135m.mk"), "-p", "mini", "--weights", str(_hf(tmp_path, tensors))]
+    assert main([*argv, "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    message = {
+        "missing": r"missing tensor `model\.layers\.1\.mlp\.down_proj\.weight` for `w_down` \(layer 1\).*: expected \[\d+, \d+\]",
+        "shape": r"tensor `model\.layers\.1\.mlp\.down_proj\.weight` is BF16 \[\d+, \d+\] \(after `transpose`: .*\); expected",
+        "dtype": r"tensor `model\.layers\.1\.mlp\.down_proj\.weight` is F16, which bf16 cannot hold exactly \(expected BF16",
+    }[mistake]
+    assert re.search(message, err), err

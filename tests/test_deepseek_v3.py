@@ -13,7 +13,9 @@ times `192^-0.5 * m^2`; `o_j = Wv_j sum_t p_t ckv_t`; `x += Wo o`); then with
 the top-8 of c among them, weights `s / sum s * 2.5`, plus the shared SwiGLU expert. FP8 weights
 are decoded as the checkpoint defines them: code times its 128x128 block's f32 scale. It computes
 in float64 and rounds where the deployed model feeds or stores bf16: every matmul input (the bf16
-numeric contract of docs/language.md), the latent cache entries.
+numeric contract of docs/language.md; against the bf16 latent cache: the absorbed query, the rope
+query and the softmax's unnormalised weights, docs/architecture.md "Attention numerics"), the latent
+cache entries. `wkv_b` is fp8 with block scales too, decoded by the kernel.
 
 Tolerances (numpy vs reference): both round the same values to bf16, so they differ by f32
 rounding (~2^-24 relative per op) until that flips the bf16 rounding of one matmul input (2^-8
@@ -31,16 +33,14 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
+from checkpoint_writers import through_checkpoint
+from model_checks import check_steps, mini_kernel
 
-from mkdsl import verify
-from mkdsl.compiler import compile_source
 from mkdsl.elaborate import load
 from mkdsl.quant import QTensor
 from mkdsl.random_params import random_params
@@ -55,7 +55,7 @@ STARTS = (14, 0, SEQ_LEN - STEPS, 31)
 LOGIT_RTOL = 2.0**-7
 CACHE_RTOL = 2.0**-7
 ROUTE_TIE = 2.0**-10
-SEED = 5  # with these seeds (6 and 9) no routing decision is a near tie
+SEED = 8  # with these seeds (9 and 12) no routing decision is a near tie
 KERNEL_BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_DSV3_BATCHES", "4").split(","))
 
 
@@ -135,9 +135,9 @@ def mla_row(card, w, cache, x, pos, layer):
     out = np.zeros((card.nh, card.vd))
     for j in range(card.nh):
         q_lat = wkvb[:, j, : card.nope] @ bf16(q_nope[j])
-        s = (c @ q_lat + k_pe @ q_pe[j]) * card.scale
+        s = (c @ bf16(q_lat) + k_pe @ bf16(q_pe[j])) * card.scale  # bf16 MXU inputs against the bf16 cache
         p = np.exp(s - s.max())
-        out[j] = bf16(p @ c / p.sum()) @ wkvb[:, j, card.nope :]
+        out[j] = bf16(bf16(p) @ c / p.sum()) @ wkvb[:, j, card.nope :]  # the unnormalised weights in bf16
     return mm(out.reshape(-1), w["wo"][layer])
 
 
@@ -227,33 +227,21 @@ def test_reference_matches_an_independent_numpy_decode(batch, mini):
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    text = SPEC.read_text(encoding="utf-8") + "\nhints { kv_tile = 16 }  # two steps cross a 16-token tile cheaply\n"
-    out, _ = compile_source(text, str(SPEC), "mini", None)
-    module = verify.import_generated(out.files["kernel.py"], tmp_path_factory.mktemp("dsv3_mini"), "dsv3_mini_kv16")
-    assert module.MESH_SHAPE == (2, 2) and module.KV_TILE == 16
-    return out.model, module, verify.LayerChecker(out.model)
+    # two steps cross a 16-token tile cheaply
+    kernel = mini_kernel(SPEC, tmp_path_factory.mktemp("dsv3_mini"), "dsv3_mini_kv16", "kv_tile = 16")
+    assert kernel.module.MESH_SHAPE == (2, 2) and kernel.module.KV_TILE == 16
+    return kernel
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
-def test_mini_kernel_matches_reference_sharded_interpret(batch, kernel, record_property):
+def test_mini_kernel_matches_reference_sharded_interpret(batch, kernel, record_property, tmp_path):
     """Layer by layer (mkdsl.verify.LayerChecker, bounds derived there), two steps, the second from
-    the kernel's own state and tokens; no race, no NaN."""
-    model, module, checker = kernel
-    weights, state = random_params(model, {"B": batch, "S": SEQ_LEN}, seed=10 + batch)
+    the kernel's own state and tokens; no race, no NaN. The weights come through a synthetic
+    checkpoint in the published layout (fp8 with block scales), loaded by the spec's mapping."""
+    weights, state = random_params(kernel.model, {"B": batch, "S": SEQ_LEN}, seed=10 + batch)
+    weights = through_checkpoint(kernel.model, weights, tmp_path)
     tokens = np.random.default_rng(batch).integers(0, 1024, batch).astype(np.int32)
     positions = np.asarray(STARTS[:batch], np.int32)
-    step = module.build_decode_step(batch, SEQ_LEN, interpret=verify.interpret_params(), layer_trace=True)
-    pltpu.reset_tpu_interpret_mode_state()
-    worst: dict[str, float] = {}
-    t0 = time.perf_counter()
-    for i in range(KERNEL_STEPS):
-        out = verify.run_kernel(step, weights, state, tokens, positions, sharded=True, pad=module.pad_weights)
-        assert not verify.races_found(), f"step {i}: the race detector reported a race"
-        result = checker.check(weights, state, tokens, positions, out)
-        assert result.ok, f"batch {batch} step {i}: " + "; ".join(result.failures[:8])
-        for item, ratio in result.worst.items():
-            worst[item] = max(worst.get(item, 0.0), ratio)
-        state, tokens, positions = out.state, out.next_tokens.astype(np.int32), positions + 1
-    print(f"\ndeepseek_v3 mini batch {batch}: worst error / bound {worst}; {time.perf_counter() - t0:.0f} s")
+    worst = check_steps(kernel, weights, state, tokens, positions, SEQ_LEN, KERNEL_STEPS, "deepseek_v3 mini")
     record_property(f"batch{batch}_worst_of_bound", round(max(worst.values()), 4))

@@ -33,18 +33,15 @@ logits within ROUTE_TIE = 2^-10 of the largest) fails as "pick another seed"; no
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import time
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
+from checkpoint_writers import through_checkpoint
+from model_checks import check_steps, mini_kernel
 
-from mkdsl import verify
-from mkdsl.compiler import compile_source
 from mkdsl.elaborate import load
 from mkdsl.plan.hbm import tensor_bytes
 from mkdsl.random_params import random_params
@@ -239,37 +236,21 @@ def test_reference_matches_an_independent_numpy_decode(batch, mini):
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
-    text = SPEC.read_text(encoding="utf-8") + "\nhints { kv_tile = 16 }  # the window covers 8 tiles, not one\n"
-    out, _ = compile_source(text, str(SPEC), "mini", None)
-    path = tmp_path_factory.mktemp("gpt_oss_mini") / "kernel.py"
-    path.write_text(out.files["kernel.py"], encoding="utf-8")
-    spec = importlib.util.spec_from_file_location("gpt_oss_mini_kv16", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.MESH_SHAPE == (1, 2) and module.KV_TILE == 16
-    return out.model, module, verify.LayerChecker(out.model)
+    # the window covers 8 tiles, not one
+    kernel = mini_kernel(SPEC, tmp_path_factory.mktemp("gpt_oss_mini"), "gpt_oss_mini_kv16", "kv_tile = 16")
+    assert kernel.module.MESH_SHAPE == (1, 2) and kernel.module.KV_TILE == 16
+    return kernel
 
 
 @pytest.mark.timeout(900)
-def test_mini_kernel_matches_reference_sharded_interpret(kernel, record_property):
+def test_mini_kernel_matches_reference_sharded_interpret(kernel, record_property, tmp_path):
     """Batch 4, layer by layer (mkdsl.verify.LayerChecker, bounds derived there), three steps, each
-    from the kernel's own state and tokens; no race, no NaN."""
-    model, module, checker = kernel
+    from the kernel's own state and tokens; no race, no NaN. The weights come through a synthetic
+    checkpoint in the published layout (MXFP4 blocks, fused gate_up), loaded by the spec's mapping."""
     batch = 4
-    weights, state = oss_params(model, batch, seed=10 + batch)
+    weights, state = oss_params(kernel.model, batch, seed=10 + batch)
+    weights = through_checkpoint(kernel.model, weights, tmp_path)
     tokens = np.random.default_rng(batch).integers(0, 1024, batch).astype(np.int32)
     positions = np.asarray(STARTS[:batch], np.int32)
-    step = module.build_decode_step(batch, SEQ_LEN, interpret=verify.interpret_params(), layer_trace=True)
-    pltpu.reset_tpu_interpret_mode_state()
-    worst: dict[str, float] = {}
-    t0 = time.perf_counter()
-    for i in range(STEPS):
-        out = verify.run_kernel(step, weights, state, tokens, positions, sharded=True, pad=module.pad_weights)
-        assert not verify.races_found(), f"step {i}: the race detector reported a race"
-        result = checker.check(weights, state, tokens, positions, out)
-        assert result.ok, f"step {i}: " + "; ".join(result.failures[:8])
-        for item, ratio in result.worst.items():
-            worst[item] = max(worst.get(item, 0.0), ratio)
-        state, tokens, positions = out.state, out.next_tokens.astype(np.int32), positions + 1
-    print(f"\ngpt-oss mini batch {batch}: worst error / bound {worst}; {time.perf_counter() - t0:.0f} s")
+    worst = check_steps(kernel, weights, state, tokens, positions, SEQ_LEN, STEPS, "gpt-oss mini")
     record_property("worst_of_bound", round(max(worst.values()), 4))

@@ -285,12 +285,38 @@ def test_compact(seed, b, blocks, block, kfrac, dt):
 # ---------------------------------------------------------------- MLA
 
 
-def mla_oracle(q, c_kv, k_extra, w, cache, positions, heads, nope, extra, vdim, scale, store):
+def mla_head_bf16_cache(q_nope, q_ext, w_uk, w_uv, lat, ext, scale):
+    """One head against a bf16 cache, in the reference's contract (docs/architecture.md, "Attention
+    numerics"): q_lat = q_nope·W_UKᵀ in f32, then q_lat, q_extra and e_t = exp(s_t - max) rounded
+    to bf16 for the two cache products, o_lat = Σ bf16(e_t)·c_t / Σ e_t, y = bf16(o_lat)·W_UV. A
+    value the reference computes in f32 and then rounds may round the other way when it lies
+    within its f32 error of a rounding boundary (`bf16_rounded`'s gap); the bound carries each gap
+    forward. Returns (y, atol)."""
+    q_lat = w_uk @ q_nope
+    ql_b, ql_gap = bf16_rounded(q_lat, f32_dot_error(q_nope, w_uk.T))
+    qe_b = bf16(q_ext)
+    s = (lat @ ql_b + ext @ qe_b) * scale
+    # the reference's scores: its two f32 dots, the q_lat roundings that may differ, the sum and scale
+    e_s = scale * (np.abs(lat) @ ql_gap + f32_dot_error(ql_b, lat.T) + f32_dot_error(qe_b, ext.T)) + 3 * U * np.abs(s)
+    eps = 2 * e_s.max() + U * (np.abs(s).max() + s.max() - s.min())  # of s - max
+    e = np.exp(s - s.max())
+    rel = 1.01 * eps + 4 * U  # of each f32 e_t (XLA's exp within ~2 ulp)
+    e_b, e_gap = bf16_rounded(e, rel * e)
+    den = e.sum()
+    o_lat = e_b @ lat / den
+    num_err = e_gap @ np.abs(lat) + f32_dot_error(e_b, lat)
+    e_o = num_err / den + np.abs(o_lat) * (1.01 * rel + (len(e) + 4) * U) + TINY
+    o_b, gap = bf16_rounded(o_lat, e_o)
+    return o_b @ w_uv, gap @ np.abs(w_uv) + (len(o_b) + 4) * U * ((np.abs(o_b) + gap) @ np.abs(w_uv)) + TINY
+
+
+def mla_oracle(q, c_kv, k_extra, w, cache, positions, heads, nope, extra, vdim, scale, store, bf16_cache=False):
     """One decode step of MLA in the expanded form (float64): write store([c_kv | k_extra]) at
     each row's position; per head h the keys are [c_t·W_UK_h | e_t] and the values c_t·W_UV_h,
     formed explicitly for every token t <= position; scores bf16(q_nope)·k_nope_t + q_extra·e_t
     (times scale), softmax, P·V. The latent design rounds o_lat = Σ p_t·c_t to bf16 before
     W_UV: `want` adds that one rounding to the expanded result, (bf16(o_lat) - o_lat)·W_UV.
+    A bf16 cache rounds the operands of its products too: `mla_head_bf16_cache`.
     Returns (want, new cache, atol)."""
     b, r = c_kv.shape
     cache = cache.copy()
@@ -304,6 +330,10 @@ def mla_oracle(q, c_kv, k_extra, w, cache, positions, heads, nope, extra, vdim, 
             w_uk, w_uv = w[:, base : base + nope], w[:, base + nope : base + nope + vdim]
             qh = q[row, h * (nope + extra) : (h + 1) * (nope + extra)]
             q_nope, q_ext = bf16(qh[:nope]), qh[nope:]
+            cols = slice(h * vdim, (h + 1) * vdim)
+            if bf16_cache:
+                want[row, cols], atol[row, cols] = mla_head_bf16_cache(q_nope, q_ext, w_uk, w_uv, lat, ext, scale)
+                continue
             keys = np.array([lat[t] @ w_uk for t in range(p + 1)])  # [t, nope]
             values = np.array([lat[t] @ w_uv for t in range(p + 1)])  # [t, vdim]
             s = np.array([(keys[t] @ q_nope + ext[t] @ q_ext) * scale for t in range(p + 1)])
@@ -319,7 +349,6 @@ def mla_oracle(q, c_kv, k_extra, w, cache, positions, heads, nope, extra, vdim, 
             abs_o = sum(prob[t] * np.abs(lat[t]) for t in range(p + 1))
             e_o = (2.1 * eps + (2 * p + 24) * U) * abs_o
             o_b, gap = bf16_rounded(o_lat, e_o)
-            cols = slice(h * vdim, (h + 1) * vdim)
             want[row, cols] = y + (o_b - o_lat) @ w_uv
             atol[row, cols] = gap @ np.abs(w_uv) + (r + 4) * U * ((np.abs(o_b) + gap) @ np.abs(w_uv)) + TINY
     return want, cache, atol
@@ -388,6 +417,7 @@ def test_mla_attention_matches_expanded_form_over_decode_steps(
             vdim,
             (nope + extra) ** -0.5 if scale is None else scale,
             store,
+            bf16_cache,
         )
         assert out.dtype == np.float32 and new_cache.dtype == cache.dtype
         exact(new_cache, cache_v, f"step {step}: latent cache (row written at each position, nothing else)")

@@ -47,7 +47,7 @@ step(tokens, positions) {
 def test_deepseek_v3_sized_fp8_block_scaled_linear_compiles_for_tpu7x(tmp_path):
     out, _ = compile_source(SPEC, str(tmp_path / "ds.mk"), None, tmp_path / "ds")
     module = verify.import_generated(out.files["kernel.py"], tmp_path, "ds_kernel")
-    assert module.PADDED == {"kv_a_codes": (-1, 576, 640, 1)}
+    assert module.PADDED == {"kv_a_codes": ((-1, 576, 640, 1),)}
     assert module.VMEM_LIMIT_BYTES <= 64 * MIB
     compiled, seconds = compile_one_core(module, tpu7x_devices("tpu7x:2x2x1")[0], 8, 256)
     assert compiled is not None, seconds

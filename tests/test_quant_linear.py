@@ -210,12 +210,12 @@ def test_padded_outputs_a_tied_head_and_a_split_vocabulary_match_the_reference(t
     out = _compiled(PADDED, tmp_path, "padn")
     module = verify.import_generated(out.files["kernel.py"], tmp_path, "padn_kernel")
     assert module.PADDED == {
-        "embed": (-2, 200, 256, 2),
-        "w_kv_codes": (-1, 96, 128, 2),
-        "w_kv_scales": (-1, 96, 128, 2),
-        "w_q_codes": (-1, 192, 256, 1),
-        "w_o": (-1, 576, 640, 1),
-        "w_p": (-1, 576, 640, 1),
+        "embed": ((-2, 200, 256, 2),),
+        "w_kv_codes": ((-1, 96, 128, 2),),
+        "w_kv_scales": ((-1, 96, 128, 2),),
+        "w_q_codes": ((-1, 192, 256, 1),),
+        "w_o": ((-1, 576, 640, 1),),
+        "w_p": ((-1, 576, 640, 1),),
     }
     assert module.WEIGHTS["embed"][0] == (512, 576) and module.LOCAL_WEIGHTS["embed"] == (256, 576)
     assert module.WEIGHTS["w_q_scales"][0] == (1, 2, 2)  # block scales already cover the padding

@@ -20,14 +20,15 @@ against the planner's 44.04 MiB (0.889); 21.27 GB of arguments per core.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
 import jax
 import pytest
 from compile_helpers import MIB, compile_sharded, compiler_vmem, load_module, summary_fixture, tpu7x_devices
+from model_checks import HBM_PER_CORE, RATIO, full_size  # RATIO: compiler / planner VMEM
 
-from mkdsl.compiler import compile_source
 from mkdsl.tpu_compile import SCOPED, TINY_LIMIT, UNITS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,10 +36,6 @@ SPEC = ROOT / "specs" / "qwen3_next_80b_a3b.mk"
 TOPOLOGY = "tpu7x:2x2x1"
 SEQ_LEN = 8192
 BATCH = 1
-# compiler / planner VMEM: the compiler may reuse buffers the planner keeps apart (below 1), and
-# +30% would mean a buffer the planner missed (the Kimi K3 bounds, measured there at 0.93)
-RATIO = (0.5, 1.3)
-HBM_PER_CORE = 94.7e9  # usable HBM per TPU7x core
 TINY = TINY_LIMIT  # the patched VMEM limit, far below the kernel's need
 
 report = summary_fixture("Qwen3-Next-80B-A3B on 8 TPU7x cores: libtpu compile and VMEM vs the mkdsl planner")
@@ -56,8 +53,13 @@ def scoped_vmem(module, compile_step) -> tuple[float, float]:
 
 
 def without_attention(text: str) -> str:
-    """The spec with the gated-attention layer kind, its block, weights and caches left out."""
-    lines = [ln for ln in text.splitlines() if "per layer(full_attn)" not in ln and "full_attn: (l + 1)" not in ln]
+    """The spec with the gated-attention layer kind, its block, weights, caches and their checkpoint
+    mappings (`  attn_... = "..."`) left out."""
+    lines = [
+        ln
+        for ln in text.splitlines()
+        if "per layer(full_attn)" not in ln and "full_attn: (l + 1)" not in ln and not re.match(r"  attn_\w+ += ", ln)
+    ]
     text = "\n".join(lines) + "\n"
     for head in ("block gated_attention(h) {", "layer full_attn(x) {"):
         start = text.index(head)
@@ -67,12 +69,9 @@ def without_attention(text: str) -> str:
 
 @pytest.mark.timeout(1800)
 def test_gdn_and_moe_layers_compile(tmp_path, report, record_property):
-    text = without_attention(SPEC.read_text(encoding="utf-8"))
-    out, _ = compile_source(text, str(SPEC), None, None)
+    full = full_size(SPEC, tmp_path, "qwen3_next_gdn_kernel", without_attention(SPEC.read_text(encoding="utf-8")))
+    out, module = full.out, full.module
     assert set(out.model.schedule) == {"gdn"} and len(out.model.schedule) == 48
-    path = tmp_path / "kernel.py"
-    path.write_text(out.files["kernel.py"], encoding="utf-8")
-    module = load_module(path, "qwen3_next_gdn_kernel")
     devices = tpu7x_devices(TOPOLOGY)
     compiled, seconds = compile_sharded(module, devices, BATCH, SEQ_LEN)
     memory = compiled.memory_analysis()
@@ -90,10 +89,8 @@ def test_gdn_and_moe_layers_compile(tmp_path, report, record_property):
 
 @pytest.mark.timeout(1800)
 def test_qwen3_next_compiles_for_8_tpu7x_cores(tmp_path, report, record_property):
-    out, _ = compile_source(SPEC.read_text(encoding="utf-8"), str(SPEC), None, None)
-    path = tmp_path / "kernel.py"
-    path.write_text(out.files["kernel.py"], encoding="utf-8")
-    module = load_module(path, "qwen3_next_kernel")
+    full = full_size(SPEC, tmp_path, "qwen3_next_kernel")
+    out, path, module = full.out, full.path, full.module
     devices = tpu7x_devices(TOPOLOGY)
     assert len(devices) == 8 and devices[0].device_kind == "TPU7x"
     assert module.NUM_LAYERS == 48 and module.MESH_SHAPE == (4, 2), "not the published model and layout"

@@ -154,5 +154,8 @@ def test_unpad_weights_undoes_the_modules_padding():
 
     w = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)  # 2 devices' blocks of 2 columns
     padded = np.concatenate([np.pad(p, [(0, 0), (0, 0), (0, 3)]) for p in np.split(w, 2, axis=-1)], axis=-1)
-    back = unpad_weights({"w": padded, "t": np.swapaxes(padded, -1, -2)}, {"w": (-1, 2, 5, 2), "t": (-2, 2, 5, 2)})
+    both = np.pad(padded, [(0, 0), (0, 2), (0, 0)])  # also its rows, 3 of them padded to 5 (one block)
+    pads = {"w": ((-1, 2, 5, 2),), "t": ((-2, 2, 5, 2),), "b": ((-2, 3, 5, 1), (-1, 2, 5, 2))}
+    back = unpad_weights({"w": padded, "t": np.swapaxes(padded, -1, -2), "b": both}, pads)
     assert np.array_equal(back["w"], w) and np.array_equal(back["t"], np.swapaxes(w, -1, -2))
+    assert np.array_equal(back["b"], w)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -114,3 +115,108 @@ def test_masks_keep_ties_and_at_least_one_token():
 def test_invalid_sampling_is_a_value_error(bad):
     with pytest.raises(ValueError):
         Sampling(**bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_module():
+    return mkdsl.load_kernel(mkdsl.load("specs/tiny.mk"))
+
+
+def _kernel_draws(module, sampling, logits: np.ndarray, positions: np.ndarray, seed: int) -> np.ndarray:
+    """The kernel's own sampler (the generated module's `sampled_argmax`, what the step's epilogue
+    runs) in a one-block Pallas kernel, interpret mode."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from mkdsl.verify import interpret_params
+
+    rows = logits.shape[0]
+
+    def kernel(seed_ref, positions_ref, x_ref, out_ref):
+        module.sampled_argmax(sampling, seed_ref, positions_ref, x_ref, out_ref, chunk=128)
+
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, 1), jnp.int32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(), in_specs=[vmem], out_specs=vmem),
+        interpret=interpret_params(),
+    )
+    seed_bits = np.array([seed], np.uint32).view(np.int32)
+    return np.asarray(call(jnp.asarray(seed_bits), jnp.asarray(positions, jnp.int32), jnp.asarray(logits))).reshape(
+        rows
+    )
+
+
+@pytest.mark.parametrize(
+    "t,k,p", [(0.8, 0, 1.0), (1.0, 20, 0.9), (1.5, 0, 0.5), (0.7, 5, 1.0), (2.0, 1, 1.0), (0.0, 0, 1.0)]
+)
+def test_the_kernel_draws_exactly_as_the_reference(tiny_module, t, k, p):
+    """In the kernel (bit-built top-k and top-p thresholds, the hash per token id) the same
+    tokens as sample_tokens for a seed; top_k 1 and temperature 0 are the greedy argmax."""
+    logits = _logits(16, 512, seed=8)
+    positions = (np.arange(16) * 37 % 300).astype(np.int32)
+    sampling = Sampling(t, k, p)
+    theirs = np.asarray(sample_tokens(jnp.asarray(logits), jnp.asarray(positions), np.uint32(2**31 + 5), sampling))
+    ours = _kernel_draws(tiny_module, tiny_module.Sampling(t, k, p), logits, positions, 2**31 + 5)
+    assert (ours == theirs).all(), (ours, theirs)
+    if sampling.greedy or k == 1:
+        assert (ours == logits.argmax(axis=-1)).all()
+    else:  # a draw, not the argmax: the test can tell the two apart
+        assert (ours != logits.argmax(axis=-1)).any()
+
+
+def _sharded_draws(sampling, logits: np.ndarray, positions: np.ndarray, seed: int) -> np.ndarray:
+    """The kernel's sampler over a vocabulary split over 8 devices (a 4 x 2 mesh, each holding
+    its columns), exchanging with the collectives' Comm; every device's token, [8, batch]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.sharding import PartitionSpec as P
+    from test_comm import load_runtime
+
+    from mkdsl.sampling import TEMPLATE
+    from mkdsl.verify import interpret_params
+
+    ns = load_runtime()
+    exec(compile(TEMPLATE.read_text(encoding="utf-8"), str(TEMPLATE), "exec"), ns)
+    axes, sizes, batch = ("ep", "tp"), (4, 2), logits.shape[0]
+    scratch = ns["comm_scratch"](8, 3, 256)  # 8 padded rows (batch 5: the exchange widens), 3 index bits
+
+    def kernel(seed_ref, positions_ref, x_ref, out_ref, *refs):
+        comm = ns["Comm"](ns["Refs"](list(scratch), refs), axes=axes, sizes=sizes)
+        every = comm.mask()
+        comm.enter(every)
+        offset = comm.group_index(every) * x_ref.shape[1]
+        ns["sampled_argmax"](sampling, seed_ref, positions_ref, x_ref, out_ref, 128, offset, comm, every)
+
+    vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
+    call = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, 1), jnp.int32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(),
+            in_specs=[vmem],
+            out_specs=vmem,
+            scratch_shapes=ns["comm_scratch_shapes"](scratch),
+        ),
+        compiler_params=pltpu.CompilerParams(collective_id=0),
+        interpret=interpret_params(),
+    )
+    mesh = jax.make_mesh(sizes, axes, devices=jax.devices()[:8])
+    fn = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=(P(), P(), P(None, axes)), out_specs=P(axes), check_vma=False))
+    seed_bits = jnp.asarray(np.array([seed], np.uint32).view(np.int32))
+    put = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
+    out = fn(put(seed_bits, P()), put(jnp.asarray(positions, jnp.int32), P()), put(logits, P(None, axes)))
+    return np.asarray(out).reshape(8, batch)
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, 20, 0.9), (0.0, 0, 1.0)])
+def test_the_kernel_draws_as_the_reference_over_a_split_vocabulary(t, k, p):
+    """Split over 8 devices (thresholds from counts and sums combined over the group, each
+    device's best draw combined as the greedy argmax is): every device takes the reference's token."""
+    logits = _logits(5, 1024, seed=9)
+    positions = np.array([0, 3, 17, 200, 4095], np.int32)
+    want = np.asarray(sample_tokens(jnp.asarray(logits), jnp.asarray(positions), np.uint32(77), Sampling(t, k, p)))
+    got = _sharded_draws(Sampling(t, k, p), logits, positions, 77)
+    assert (got == want[None, :]).all(), (got, want)

@@ -36,7 +36,7 @@ KV_TILE = 256
 KV_SLOTS = 3
 ROW_TILE = 16
 BATCH_RANGE = (1, 8)
-VMEM_LIMIT_BYTES = 60817408
+VMEM_LIMIT_BYTES = 67108864
 
 # Layer kinds, in dispatch order, and the kind of each layer.
 LAYER_KINDS = ("kda_dense", "kda_moe", "mla_moe", )
@@ -412,23 +412,41 @@ class Sampling:
 
 
 def _mix32(x):
-    """A bijective 32-bit hash (xor-shift-multiply rounds): each output bit depends on every input bit."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
+    """A bijective 32-bit hash (xor-shift-multiply rounds) of int32 `x` (wrapping products, logical
+    shifts: the same bits in XLA and in a kernel): each output bit depends on every input bit."""
+    x = x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+    x = x * jnp.int32(0x7FEB352D)
+    x = x ^ jax.lax.shift_right_logical(x, jnp.int32(15))
+    x = x * jnp.int32(0x846CA68B - 2**32)
+    return x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+
+
+def _int32(x):
+    """An integer array's 32 bits as int32 (uint32 seeds bit-cast, not clipped)."""
+    x = jnp.asarray(x)
+    return jax.lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.uint32 else x.astype(jnp.int32)
+
+
+def _row_keys(seed, positions, rows):
+    """Each row's key [rows, 1]: a hash of (seed, the row's position, the row)."""
+    key = _mix32(_int32(seed) ^ jnp.int32(0x9E3779B9 - 2**32))
+    return _mix32(_mix32(key ^ positions) ^ rows)
+
+
+def _uniform(keys, columns):
+    """u in (0, 1) for each row key [rows, 1] and global token id `columns` (int32, broadcast)."""
+    bits = _mix32(keys ^ _mix32(columns))
+    return (jax.lax.shift_right_logical(bits, jnp.int32(8)).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)
 
 
 def sample_uniform(seed, positions, vocab):
-    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id). Counter-based,
-    so a step's draws depend on nothing else: the same seed and positions give the same bits
-    whatever ran before, in one call or several, and however the vocabulary is split."""
-    seed = jnp.asarray(seed).astype(jnp.uint32)
-    rows = jnp.arange(positions.shape[0], dtype=jnp.uint32)
-    key = _mix32(_mix32(_mix32(seed ^ jnp.uint32(0x9E3779B9)) ^ positions.astype(jnp.uint32)) ^ rows)
-    bits = _mix32(key[:, None] ^ _mix32(jnp.arange(vocab, dtype=jnp.uint32))[None, :])
-    return ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)  # 24 bits: exact in f32
+    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id), 24 bits (exact
+    in f32). Counter-based, so a step's draws depend on nothing else: the same seed and positions
+    give the same bits whatever ran before, in one call or several, however the vocabulary is
+    split, in XLA or in the kernel (kernel_sample)."""
+    rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]
+    keys = _row_keys(seed, _int32(positions)[:, None], rows)
+    return _uniform(keys, jnp.arange(vocab, dtype=jnp.int32)[None, :])
 
 
 def sampling_mask(z, sampling):
@@ -457,6 +475,190 @@ def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None):
     z = sampling_mask(logits / jnp.float32(sampling.temperature), sampling)
     g = -jnp.log(-jnp.log(sample_uniform(seed, positions, logits.shape[-1])))
     return jnp.argmax(z + g, axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# The same draw inside the kernel (the lowering of the step's `argmax`, writing next_tokens),
+# over a vocabulary that may be split over the devices of `mask`: every reduction is a per-row
+# [batch, 1] value combined over the group with Comm.combine (the same bits on every device).
+#   temperature: z = logits / T, as sample_tokens.
+#   top_k: the k-th largest z, found exactly by building its order key bit by bit (32 passes,
+#     each a count of the z >= a candidate: integers, exact in any order): keeps z >= it, as
+#     sampling_mask.
+#   top_p: p = exp(z - max) / sum (the max and the sum combined over the group); token j is kept
+#     iff the mass of the tokens more likely than it, S(p_j) = sum of p_i > p_j, is < top_p:
+#     sampling_mask's rule (its sorted cumulative sum at the first of p_j's ties). The threshold
+#     is found by building the largest key with S >= top_p bit by bit (31 passes). Exact but for
+#     the order of the f32 sums: it can differ from the reference only when S(p_j) is within
+#     f32 rounding (~V x 2^-24) of top_p.
+#   draw: argmax(z + g), g = -log(-log u), u from `_uniform` of the global token id; each device
+#     takes its best (first on ties) and the group's best is combined as the greedy argmax is.
+# ---------------------------------------------------------------------------------------
+def _order_key(z):
+    """A signed int32 key in the order of f32 z (-0.0 counted as 0.0)."""
+    i = jax.lax.bitcast_convert_type(z + jnp.float32(0.0), jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _fold(x, chunk, fn, init):
+    """fn(columns [batch, chunk] of ref x, their first column, acc) over the row, chunk by chunk."""
+
+    def body(c, acc):
+        c0 = pl.multiple_of(c * chunk, chunk)
+        return fn(x[:, pl.ds(c0, chunk)], c0, acc)
+
+    return jax.lax.fori_loop(0, x.shape[1] // chunk, body, init)
+
+
+def _widen(v, rows, fill):
+    """[batch, 1] -> [rows, 1] (an exchange carries whole padded rows)."""
+    if v.shape[0] == rows:
+        return v
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    wide = jnp.full((rows, 1), fill, v.dtype)
+    for b in range(v.shape[0]):
+        wide = jnp.where(row == b, v[b : b + 1], wide)
+    return wide
+
+
+def _group(comm, mask, v, op):
+    """Per-row f32 v [batch, 1] combined over the devices of `mask` (alone: itself)."""
+    if comm is None:
+        return v
+    return comm.combine(_widen(v, comm.stage.shape[0], 0.0), mask, op)[0 : v.shape[0]]
+
+
+def _largest_key(count, bits, threshold):
+    """The largest key (of `bits` bits; 32: signed, ordered as _order_key) whose count(key) >=
+    threshold, for a count that falls as the key grows: built from the top bit down."""
+    top = jnp.int32(-(2**31)) if bits == 32 else jnp.int32(0)
+
+    def bit(i, u):
+        cand = u | jax.lax.shift_left(jnp.int32(1), jnp.int32(bits - 1) - i)
+        return jnp.where(count(cand ^ top) >= threshold, cand, u)
+
+    return jax.lax.fori_loop(0, bits, bit, jnp.zeros(count.shape, jnp.int32)) ^ top
+
+
+class _Counted:
+    """A per-row count over the (split) row of x, as a function of per-row keys [batch, 1]."""
+
+    def __init__(self, x, chunk, term, comm, mask):
+        self.x, self.chunk, self.term, self.comm, self.mask = x, chunk, term, comm, mask
+        self.shape = (x.shape[0], 1)
+
+    def __call__(self, key):
+        zero = jnp.zeros(self.shape, jnp.float32)
+        total = _fold(self.x, self.chunk, lambda v, c0, acc: acc + self.term(v, key), zero)
+        return _group(self.comm, self.mask, total, jnp.add)
+
+
+def _sum_where(v, keep, values):
+    """Per-row sum of `values` where `keep` (f32 [batch, 1])."""
+    return jnp.sum(jnp.where(keep, values, jnp.float32(0.0)), axis=1, keepdims=True)
+
+
+def _top_k_rule(sampling, x, chunk, comm, mask):
+    """keep(z) for z >= the k-th largest z of the (split) row."""
+    scale = jnp.float32(sampling.temperature)
+    term = lambda v, key: _sum_where(v, _order_key(v / scale) >= key, jnp.float32(1.0))  # noqa: E731
+    kth = _largest_key(_Counted(x, chunk, term, comm, mask), 32, jnp.float32(sampling.top_k))
+    return lambda z: _order_key(z) >= kth
+
+
+def _top_p_rule(keep_k, sampling, x, chunk, comm, mask):
+    """keep(z) for the tokens keep_k keeps whose more likely tokens hold < top_p of the mass."""
+    scale, rows = jnp.float32(sampling.temperature), (x.shape[0], 1)
+    masked = lambda z: jnp.where(keep_k(z), z, -jnp.inf)  # noqa: E731
+    top = _fold(x, chunk, lambda v, c0, m: jnp.maximum(m, jnp.max(masked(v / scale), axis=1, keepdims=True)),
+                jnp.full(rows, -jnp.inf, jnp.float32))
+    top = _group(comm, mask, top, jnp.maximum)
+    total = _fold(x, chunk, lambda v, c0, s: s + jnp.sum(jnp.exp(masked(v / scale) - top), axis=1, keepdims=True),
+                  jnp.zeros(rows, jnp.float32))
+    total = _group(comm, mask, total, jnp.add)
+    prob = lambda z: jnp.exp(masked(z) - top) / total  # noqa: E731  as jax.nn.softmax
+    bits = lambda z: jax.lax.bitcast_convert_type(prob(z), jnp.int32)  # noqa: E731  p >= 0: ordered as p
+    term = lambda v, key: _sum_where(v, bits(v / scale) > key, prob(v / scale))  # noqa: E731
+    edge = _largest_key(_Counted(x, chunk, term, comm, mask), 31, jnp.float32(sampling.top_p))
+    return lambda z: keep_k(z) & (bits(z) > edge)
+
+
+def _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask):
+    """score(columns [batch, chunk], their global token ids): the perturbed masked scaled logits
+    whose argmax is the draw (greedy: the logits)."""
+    if sampling.greedy:
+        return lambda v, cols: v
+    row = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    pos = jnp.zeros(row.shape, jnp.int32)
+    for b in range(x.shape[0]):
+        pos = jnp.where(row == b, positions_ref[b], pos)
+    keys = _row_keys(seed_ref[0], pos, row)
+    keep = lambda z: jnp.ones(z.shape, bool)  # noqa: E731
+    if sampling.top_k and sampling.top_k < vocab:
+        keep = _top_k_rule(sampling, x, chunk, comm, mask)
+    if sampling.top_p < 1:
+        keep = _top_p_rule(keep, sampling, x, chunk, comm, mask)
+    scale = jnp.float32(sampling.temperature)
+
+    def score(v, cols):
+        z = v / scale
+        g = -jnp.log(-jnp.log(_uniform(keys, cols)))
+        return jnp.where(keep(z), z + g, -jnp.inf)
+
+    return score
+
+
+def sampled_argmax(sampling, seed_ref, positions_ref, x, out, chunk, offset=0, comm=None, mask=None):
+    """out <- each row's next token from its logits x (ref f32 [batch, local vocab], this device's
+    columns offset.. of a vocabulary split over `mask`), drawn as sample_tokens draws it from
+    (seed_ref[0], positions_ref): the first argmax when greedy."""
+    vocab = x.shape[1] * (1 << bin(mask).count("1") if comm is not None else 1)  # the whole vocabulary
+    score = _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask)
+
+    def best(v, c0, acc):
+        cols = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1) + c0 + offset
+        s = score(v, cols)
+        m = jnp.max(s, axis=1, keepdims=True)
+        i = jnp.min(jnp.where(s == m, cols, jnp.int32(2**30)), axis=1, keepdims=True)
+        better = m > acc[0]
+        return jnp.where(better, m, acc[0]), jnp.where(better, i, acc[1])
+
+    rows = (x.shape[0], 1)
+    value, index = _fold(x, chunk, best, (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.int32)))
+    if comm is not None:
+        wide = comm.stage.shape[0]
+        value, index = comm.argmax(_widen(value, wide, -jnp.inf), _widen(index, wide, 0), mask)
+    out[...] = index[0 : out.shape[0]]
+
+
+# ---------------------------------------------------------------------------------------
+# Several decode steps in one kernel call: each step's drawn tokens become the next step's
+# input tokens. The lowerings read the step's tokens and positions as SMEM scalars
+# (tokens_ref[b], positions_ref[b]); a drawn token is a vector value, which reaches SMEM
+# through memory: a VMEM -> SMEM DMA of whole [rows, 128] i32 tiles, then scalar copies.
+# ---------------------------------------------------------------------------------------
+def step_scratch(batch, rows):
+    """The step loop's scratch: the current step's tokens and positions (SMEM), the drawn tokens
+    (what the step's `argmax` writes) and their staging for the DMA to SMEM."""
+    return {
+        "step_tokens": pltpu.SMEM((batch,), jnp.int32),
+        "step_positions": pltpu.SMEM((batch,), jnp.int32),
+        "next_tokens": pltpu.VMEM((batch, 1), jnp.int32),
+        "token_stage": pltpu.VMEM((rows, 128), jnp.int32),
+        "token_smem": pltpu.SMEM((rows, 128), jnp.int32),
+        "token_sem": pltpu.SemaphoreType.DMA((1,)),
+    }
+
+
+def feed_tokens(r, batch, step, positions_in):
+    """After decode step `step`: its drawn tokens are the next step's tokens, at positions + 1."""
+    r.token_stage[...] = jnp.broadcast_to(_widen(r.next_tokens[...], r.token_stage.shape[0], 0), r.token_stage.shape)
+    copy = pltpu.make_async_copy(r.token_stage, r.token_smem, r.token_sem.at[0])
+    copy.start()
+    copy.wait()
+    for b in range(batch):
+        r.step_tokens[b] = r.token_smem[b, 0]
+        r.step_positions[b] = positions_in[b] + step + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -493,6 +695,19 @@ class Stream:
     def tiles(self) -> int:
         return self.nk * self.nn
 
+    def copies(self, r, slot, k, n, bank):
+        """The DMA of tile (k, n) (layer slice `slot`) into ring bank `bank`."""
+        k0 = pl.multiple_of(k * self.tk, self.tk)
+        n0 = pl.multiple_of(n * self.tn, self.tn)
+        w = getattr(r, self.ref)
+        src = w.at[slot, pl.ds(k0, self.tk), pl.ds(n0, self.tn)] if self.stacked else w.at[pl.ds(k0, self.tk), pl.ds(n0, self.tn)]
+        return [pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, self.tk), pl.ds(0, self.tn)], r.ring_sem.at[bank])]
+
+    def wait(self, r, bank):
+        """Wait for this stream's tile in `bank` (the wait counts the tile's bytes, whatever tile)."""
+        for cp in self.copies(r, 0, 0, 0, bank):
+            cp.wait()
+
 
 class Refs:
     """The kernel's refs by name, in the order the pallas_call passes them."""
@@ -501,33 +716,125 @@ class Refs:
         self.__dict__.update(zip(names, refs, strict=True))
 
 
-def tile_copy(r, st: Stream, slot, j, bank):
-    """The DMA of tile j of stream `st` (layer slice `slot`) into ring bank `bank`."""
-    n = j // st.nk
-    k = j - n * st.nk
-    k0 = pl.multiple_of(k * st.tk, st.tk)
-    n0 = pl.multiple_of(n * st.tn, st.tn)
-    w = getattr(r, st.ref)
-    src = w.at[slot, pl.ds(k0, st.tk), pl.ds(n0, st.tn)] if st.stacked else w.at[pl.ds(k0, st.tk), pl.ds(n0, st.tn)]
-    return pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], r.ring_sem.at[bank])
+# ---------------------------------------------------------------------------------------
+# The weight ring's issue side. Every tile of a step has a global index g (LAYER_TILE_BASE[l] +
+# its stream's start + its index) and lives in bank g % RING_DEPTH. Its DMA is described at
+# build time by a row of the descriptor table (two words: arm | slot << 8, k | n << 16), where
+# an arm is one distinct stream shape (the DMA code that can move the tile). Issuing tile g is
+# then two SMEM loads and one DMA start; the arms it may be are known at trace time for each
+# consumer (`RingTables.ahead`), so a site picks among them by a short tree of compares (none
+# for one arm) instead of a chain over every stream of every layer kind.
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RingTables:
+    arms: tuple  # distinct stream shapes (start 0)
+    desc: np.ndarray  # int32 [2 * tiles]: per global tile, arm | slot << 8 and k | n << 16
+    static: tuple  # per global tile: (arm, slot, k, n) as ints, for issues at trace-time g
+    ahead: dict  # stream -> (sorted arms of the tiles its consumer issues, any past the end)
+
+    @property
+    def tiles(self) -> int:
+        return len(self.static)
+
+
+def ring_tables(kind_streams, epilogue_streams):
+    """The descriptor table of every global tile, from each layer kind's streams (with the slot
+    table of their layer slices, None: the layer index) and the epilogue's streams."""
+    arms, index, static = [], {}, []
+
+    def add(st, slot):
+        key = dataclasses.replace(st, start=0)
+        if key not in index:
+            index[key] = len(arms)
+            arms.append(key)
+        assert index[key] < 256 and 0 <= slot < 2**23 and st.nk < 2**16 and st.nn < 2**15, st
+        for j in range(st.tiles):
+            static.append((index[key], slot, j % st.nk, j // st.nk))
+
+    owners = []  # per stream instance: (stream, its first global tile)
+    for layer, kind in enumerate(LAYER_KIND):
+        for st, table in kind_streams[kind]:
+            assert len(static) == LAYER_TILE_BASE[layer] + st.start, (layer, st)
+            owners.append((st, len(static)))
+            add(st, (layer if table is None else int(table[layer])) if st.stacked else 0)
+    for st in epilogue_streams:
+        owners.append((st, len(static)))
+        add(st, 0)
+    ahead = {}
+    for st, first in owners:
+        arms_of, past = ahead.get(st, (set(), False))
+        for g in range(first + RING_DEPTH - 1, first + st.tiles + RING_DEPTH - 1):
+            if g < len(static):
+                arms_of = arms_of | {static[g][0]}
+            else:
+                past = True
+        ahead[st] = (arms_of, past)
+    ahead = {st: (tuple(sorted(a)), past) for st, (a, past) in ahead.items()}
+    desc = np.array([w for arm, slot, k, n in static for w in (arm | slot << 8, k | n << 16)] or [0, 0], np.int32)
+    return RingTables(tuple(arms), desc, tuple(static), ahead)
+
+
+def ring_issue(r, ring, desc, g, arms=None, past_end=True):
+    """Start the DMA of global tile g into bank g % RING_DEPTH from its descriptor (nothing past
+    the last tile). `arms`: the arms tile g may be (sorted, static); default all of them."""
+    if isinstance(g, int):  # known at trace time (the prologue): no table reads
+        if g < ring.tiles:
+            arm, slot, k, n = ring.static[g]
+            for cp in ring.arms[arm].copies(r, slot, k, n, g % RING_DEPTH):
+                cp.start()
+        return
+    arms = tuple(range(len(ring.arms))) if arms is None else arms
+
+    def start():
+        w0, w1 = desc[2 * g], desc[2 * g + 1]
+        slot, k, n, bank = w0 >> 8, w1 & 0xFFFF, w1 >> 16, g % RING_DEPTH
+
+        def tree(lo, hi):  # arms[lo:hi]: split on the arm id until one is left
+            if hi - lo == 1:
+                for cp in ring.arms[arms[lo]].copies(r, slot, k, n, bank):
+                    cp.start()
+                return
+            mid = (lo + hi) // 2
+            jax.lax.cond((w0 & 255) < arms[mid], lambda: tree(lo, mid), lambda: tree(mid, hi))
+
+        tree(0, len(arms))
+
+    if arms and past_end:
+        pl.when(g < ring.tiles)(start)
+    elif arms:
+        start()
+
+
+def k_columns(st, k):
+    """The input columns of K tile k (k a Python int or a traced one, when tk is lane-aligned)."""
+    return slice(k * st.tk, (k + 1) * st.tk) if isinstance(k, int) else pl.ds(pl.multiple_of(k * st.tk, st.tk), st.tk)
+
+
+def sum_k_tiles(st, rows, width, part):
+    """Sum of part(k) over the nk K tiles: a loop when the tiles' input columns are lane-aligned
+    (one copy of the tile code), else unrolled."""
+    if st.nk == 1:
+        return part(0)
+    if st.tk % 128 == 0:
+        return jax.lax.fori_loop(0, st.nk, lambda k, acc: acc + part(k), jnp.zeros((rows, width), F32))
+    acc = part(0)
+    for k in range(1, st.nk):
+        acc = acc + part(k)
+    return acc
 
 
 def linear(r, issue, st: Stream, slot, base, xb, out):
     """out = xb @ W: consume W's tiles from the ring, keeping RING_DEPTH - 1 tiles in flight."""
 
+    def tile(n, k):
+        g = base + n * st.nk + k
+        issue(g + RING_DEPTH - 1, st)
+        bank = g % RING_DEPTH
+        st.wait(r, bank)
+        return jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+
     def column_block(n, carry):
-        acc = None
-        for k in range(st.nk):
-            g = base + n * st.nk + k
-            issue(g + RING_DEPTH - 1)
-            bank = g % RING_DEPTH
-            tile_copy(r, st, 0, 0, bank).wait()
-            part = jnp.dot(
-                xb[:, k * st.tk : (k + 1) * st.tk],
-                r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)],
-                preferred_element_type=F32,
-            )
-            acc = part if acc is None else acc + part
+        acc = sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k))
         out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = acc[0 : out.shape[0]]  # the logits output has batch rows
         return carry
 
@@ -539,10 +846,14 @@ def rms_rows(x, w, eps):
 
 
 def rmsnorm(x, w, out, eps, heads):
-    """RMSNorm of each row (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
+    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
     d = x.shape[1] // heads
-    for h in range(heads):
-        out[:, h * d : (h + 1) * d] = rms_rows(x[:, h * d : (h + 1) * d], w, eps)
+
+    def head(h):
+        cols = head_cols(h, d)
+        out[:, cols] = rms_rows(x[:, cols], w, eps)
+
+    for_each_head(heads, d, head)
 
 
 def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):
@@ -588,18 +899,21 @@ def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
     def start(b):
         return pl.multiple_of(jnp.clip((tokens_ref[b] - offset) // EMB_BLOCK * EMB_BLOCK, 0, vocab - EMB_BLOCK), 8)
 
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start()
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait()
+    def each_row(body):  # one copy of the per-row code, whatever the batch
+        jax.lax.fori_loop(0, batch, lambda b, c: (body(b), c)[1], 0)
+
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start())
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait())
     width = table.shape[1]
     lane_row = jax.lax.broadcasted_iota(I32, (EMB_BLOCK, width), 0)
     out_row = jax.lax.broadcasted_iota(I32, out.shape, 0)
-    x = jnp.zeros(out.shape, F32)
-    for b in range(batch):
+    out[...] = jnp.zeros(out.shape, F32)
+
+    def pick(b):
         picked = jnp.where(lane_row == tokens_ref[b] - offset - start(b), block[b].astype(F32), 0.0)
-        x = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), x)
-    out[...] = x
+        out[...] = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), out[...])
+
+    each_row(pick)
 
 
 def row_argmax(x, chunk):
@@ -1051,6 +1365,20 @@ class Comm:
         if rows < out_ref.shape[0]:
             out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
 
+    def combine(self, value, mask, op):
+        """Per-row f32 [rows, 1] `value` combined over the group of `mask` with `op` (jnp.add,
+        jnp.maximum), in one direct phase: every device folds the group's values in group-index
+        order, so every device ends with the same bits. For the sampler's reductions
+        (wrapper/sampling.py.jinja); rows: at most self.rows."""
+        rows = value.shape[0]
+        self.stage[0:rows, 0:COMM_LANES] = pack(jnp.broadcast_to(value, (rows, COMM_LANES)), F32)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, COMM_LANES)], COMM_LANES, rows)
+        out = None
+        for c in range(1 << len(mask_bits(mask))):
+            v = unpack(self._received(got, c, COMM_LANES, rows, self.stage[0:rows, 0:COMM_LANES]), F32)[:, 0:1]
+            out = v if out is None else op(out, v)
+        return out
+
     def argmax(self, value, index, mask):
         """Combine per-row (max value f32 [rows, 1], its global column i32 [rows, 1]) over the
         group of `mask` in one direct phase: every device gets the group's max and the smallest
@@ -1099,6 +1427,15 @@ def argmax_across(comm, x, out, chunk, offset, mask):
         value, index = wide_v, wide_i
     value, index = comm.argmax(value, index + offset, mask)
     out[...] = index[0 : out.shape[0]]
+def mxu_dot(x, cached, dims):
+    """x (f32) times a cache tile on the MXU, f32 accumulation: a bf16 tile takes x rounded to bf16
+    (one bf16 pass, as the reference's `mxu_operand` rounds it); another tile is upcast, at full f32
+    precision."""
+    if cached.dtype == BF16:
+        return jax.lax.dot_general(x.astype(BF16), cached, dims, preferred_element_type=F32)
+    return jax.lax.dot_general(x, cached.astype(F32), dims, preferred_element_type=F32, precision=HIGHEST)
+
+
 def first_tile(pos, kv_tile, window):
     """The first KV tile a row at `pos` reads: 0, or with a window the tile of pos - window + 1."""
     if window is None:
@@ -1289,23 +1626,27 @@ class Attention:
         return (t <= pos) & (t > pos - self.window)
 
     def attend(self, buf, b, t0, pos):
+        """One KV tile for row b: every KV head's scores first, then the softmax updates, then the
+        value products, each state read before any is written (no false store -> load chains), so
+        the heads' MXU pushes and vector work overlap."""
         ts = self.kv_tile
         valid = self.seen(t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1), pos)
-        valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
+        groups = [pl.ds(g * self.group, self.group) for g in range(self.kv_load)]
+        scores = []
         for g in range(self.kv_load):
-            hs = pl.ds(g * self.group, self.group)
             q = self.heads_at(self.q2d, g * self.group * self.rows + b, self.group, self.dk, stride=self.rows)
-            k = self.ktiles[buf, g].astype(F32)
-            v = jnp.where(valid_rows, self.vtiles[buf, g].astype(F32), 0.0)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST) * self.scale
-            s = jnp.where(valid, s, NEG_INF)
-            m_prev = self.m[hs, :]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.exp(s - m_new)
-            self.l[hs, :] = alpha * self.l[hs, :] + jnp.sum(p, axis=1, keepdims=True)
-            self.acc[hs, :] = alpha * self.acc[hs, :] + jnp.dot(p, v, preferred_element_type=F32, precision=HIGHEST)
-            self.m[hs, :] = m_new
+            s = mxu_dot(q, self.ktiles[buf, g], (((1,), (1,)), ((), ()))) * self.scale
+            scores.append(jnp.where(valid, s, NEG_INF))
+        m_prev, l_prev, acc_prev = ([ref[hs, :] for hs in groups] for ref in (self.m, self.l, self.acc))
+        m_new = [jnp.maximum(m, jnp.max(s, axis=1, keepdims=True)) for m, s in zip(m_prev, scores, strict=True)]
+        alpha = [jnp.exp(m - mn) for m, mn in zip(m_prev, m_new, strict=True)]
+        p = [jnp.exp(s - mn) for s, mn in zip(scores, m_new, strict=True)]
+        # keys not seen weigh exp(-inf) = 0: 0 * v, as in the reference
+        pv = [mxu_dot(p[g], self.vtiles[buf, g], (((1,), (0,)), ((), ()))) for g in range(self.kv_load)]
+        for g, hs in enumerate(groups):
+            self.l[hs, :] = alpha[g] * l_prev[g] + jnp.sum(p[g], axis=1, keepdims=True)
+            self.acc[hs, :] = alpha[g] * acc_prev[g] + pv[g]
+            self.m[hs, :] = m_new[g]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1317,28 +1658,33 @@ class LatentAttention:
     q_lat_h = bf16(q_nope_h) @ W_UK_h^T is built head by head (pass 1); the latent cache then
     streams in KV tiles once for all heads with an online softmax (pass 2); y_h =
     bf16(o_lat_h) @ W_UV_h (pass 3). W_UK_h and W_UV_h are disjoint column blocks of w_kvb,
-    so each weight byte is read once, through a small ring of [R, 128]-wide tiles.
+    so each weight byte is read once, through a small ring of [R, 128]-wide tiles (bf16, or fp8
+    codes with block scales: `absorb_q`, `absorb_o`).
     """
 
     def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, nope, extra, vdim, kv_tile, kv_slots, scale,
-                 names):
+                 names, block=0):
         self.r, self.positions_ref, self.op_id = r, positions_ref, op_id
         self.rows, self.batch, self.heads = rows, batch, heads
         self.nope, self.extra, self.vdim = nope, extra, vdim
         self.kv_tile, self.kv_slots, self.scale = kv_tile, kv_slots, scale
+        self.block = block  # w_kvb: bf16 (0), or fp8 codes with one scale per [block, block] square
         for key, name in names.items():
             setattr(self, key, getattr(r, name))
         self.w_slots = self.wtiles.shape[0]
+        self.hp = self.ql.shape[1] // rows  # row b's heads are rows b * hp .. b * hp + heads - 1 (hp: heads padded to 8)
 
     # -- the weight tiles: UK of heads 0..H-1, then UV of heads 0..H-1
     def wcopy(self, slot, t, buf):
+        """The DMA of weight tile t; slot: w_kvb's layer slice (None: one w_kvb for every layer)."""
+        w = self.w_kvb if slot is None else self.w_kvb.at[slot]
         width = self.nope + self.vdim
         if t < self.heads:
             cols, size = t * width, self.nope
         else:
             cols, size = (t - self.heads) * width + self.nope, self.vdim
         return pltpu.make_async_copy(
-            self.w_kvb.at[slot, :, pl.ds(cols, size)], self.wtiles.at[buf, :, pl.ds(0, size)], self.w_sem.at[buf]
+            w.at[:, pl.ds(cols, size)], self.wtiles.at[buf, :, pl.ds(0, size)], self.w_sem.at[buf]
         )
 
     def wtile(self, slot, t):
@@ -1371,26 +1717,30 @@ class LatentAttention:
                 self.writeback(0, b, 0).wait()
             self.r.wb_pending[self.op_id] = 0
 
-    def __call__(self, slot, q, c_kv, k_extra, out):
+    def __call__(self, slot, q, c_kv, k_extra, out, w_slot):
+        """slot: the cache's layer slice; w_slot: w_kvb's (None if it is not stacked)."""
         rows, heads, nope, extra, vdim = self.rows, self.heads, self.nope, self.extra, self.vdim
         width = c_kv.shape[1]
         self.drain()
         for t in range(min(self.w_slots - 1, 2 * heads)):
-            self.wcopy(slot, t, t).start()
+            self.wcopy(w_slot, t, t).start()
         for j in range(self.kv_slots - 1):
             self.issue(slot, jnp.int32(j))
+        if self.block:  # the layer's scale squares of w_kvb, read as scalars
+            src = self.w_scales if w_slot is None else self.w_scales.at[w_slot]
+            scales = pltpu.make_async_copy(src, self.wscale, self.ws_sem.at[0])
+            scales.start()
+            scales.wait()
         self.ql[width // 128] = jnp.zeros(self.ql.shape[1:], F32)  # lanes past `extra` stay zero
         self.new[:, 0:width] = c_kv[...]
         self.new[:, width : width + extra] = k_extra[...]
         for h in range(heads):  # pass 1: absorb W_UK into q
-            buf = self.wtile(slot, h)
+            buf = self.wtile(w_slot, h)
             qh = h * (nope + extra)
-            q_nope = q[:, qh : qh + nope].astype(BF16)
-            q_lat = jax.lax.dot_general(q_nope, self.wtiles[buf, :, 0:nope], (((1,), (1,)), ((), ())),
-                                        preferred_element_type=F32)
+            q_lat = self.absorb_q(q[:, qh : qh + nope].astype(BF16), buf, h)
             for c in range(width // 128):
-                self.ql[c, h * rows : (h + 1) * rows, :] = q_lat[:, c * 128 : (c + 1) * 128]
-            self.ql[width // 128, h * rows : (h + 1) * rows, 0:extra] = q[:, qh + nope : qh + nope + extra]
+                self.ql[c, pl.ds(h, rows, stride=self.hp), :] = q_lat[:, c * 128 : (c + 1) * 128]
+            self.ql[width // 128, pl.ds(h, rows, stride=self.hp), 0:extra] = q[:, qh + nope : qh + nope + extra]
         self.ol[...] = jnp.zeros(self.ol.shape, F32)
 
         def tile(j, carry):  # pass 2: stream the cache once for all heads
@@ -1411,42 +1761,78 @@ class LatentAttention:
             def _():
                 self.patch_new_token(slot, b, buf, t0, pos)
 
-            ts = self.kv_tile
-            kv = self.tiles[buf].astype(F32)
-            valid = (t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1)) <= pos
-            valid_rows = (t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0)) <= pos
-            s = jnp.zeros((heads, ts), F32)
-            for c in range(self.ql.shape[0]):  # 128-lane chunks: strided loads need a 128-wide array
-                qc = self.ql[c, pl.ds(b, heads, stride=rows), :]
-                kc = kv[:, c * 128 : min((c + 1) * 128, width + extra)]
-                qc = qc[:, 0 : kc.shape[1]]
-                s = s + jax.lax.dot_general(qc, kc, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST)
-            s = s * self.scale
-            s = jnp.where(valid, s, NEG_INF)
-            m_prev = self.m[...]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.exp(s - m_new)
-            self.l[...] = alpha * self.l[...] + jnp.sum(p, axis=1, keepdims=True)
-            v = jnp.where(valid_rows, kv[:, 0:width], 0.0)
-            self.acc[...] = alpha * self.acc[...] + jnp.dot(p, v, preferred_element_type=F32, precision=HIGHEST)
-            self.m[...] = m_new
+            self.attend(buf, b, t0, pos)
 
             @pl.when(pos < t0 + self.kv_tile)
             def _():
                 o = self.acc[...] / self.l[...]
                 for c in range(self.ol.shape[0]):
-                    self.ol[c, pl.ds(b, heads, stride=rows), :] = o[:, c * 128 : (c + 1) * 128]
+                    self.ol[c, self.row_heads(b), :] = o[:, c * 128 : (c + 1) * 128]
 
             return carry
 
         jax.lax.fori_loop(0, self.r.kv_n[0], tile, 0)
         self.r.wb_pending[self.op_id] = 1
         for h in range(heads):  # pass 3: W_UV
-            buf = self.wtile(slot, heads + h)
-            o_lat = jnp.concatenate([self.ol[c, h * rows : (h + 1) * rows, :] for c in range(self.ol.shape[0])],
+            buf = self.wtile(w_slot, heads + h)
+            o_lat = jnp.concatenate([self.ol[c, pl.ds(h, rows, stride=self.hp), :] for c in range(self.ol.shape[0])],
                                     axis=1).astype(BF16)
-            out[:, h * vdim : (h + 1) * vdim] = jnp.dot(o_lat, self.wtiles[buf, :, 0:vdim], preferred_element_type=F32)
+            out[:, h * vdim : (h + 1) * vdim] = self.absorb_o(o_lat, buf, h)
+
+    # -- the absorbed products: a bf16 w_kvb tile is one dot; an fp8 one is decoded to bf16 (exact) and
+    # each scale square's part of the product is scaled in f32 (`spread_scales`, runtime/decode.py.jinja)
+    def absorb_q(self, q_nope, buf, h):
+        """bf16(q_nope) @ W_UK_h^T: [rows, R]. With block scales the scale varies along R (rows of w_kvb)
+        and along the contracted nope columns: one dot per column square, times its scales spread on R."""
+        w = self.wtiles[buf, :, 0 : self.nope].astype(BF16)
+        dims = (((1,), (1,)), ((), ()))
+        if not self.block:
+            return jax.lax.dot_general(q_nope, w, dims, preferred_element_type=F32)
+        b, col0, acc = self.block, h * (self.nope + self.vdim) // self.block, None
+        for c in range(self.nope // b):
+            part = jax.lax.dot_general(q_nope[:, c * b : (c + 1) * b], w[:, c * b : (c + 1) * b], dims,
+                                       preferred_element_type=F32)
+            part = part * spread_scales(lambda i, c=c: self.wscale[i, col0 + c], w.shape[0], b)
+            acc = part if acc is None else acc + part
+        return acc
+
+    def absorb_o(self, o_lat, buf, h):
+        """bf16(o_lat) @ W_UV_h: [rows, vdim]; with block scales one dot per row square of R, times
+        its scales spread over the value columns."""
+        w = self.wtiles[buf, :, 0 : self.vdim].astype(BF16)
+        if not self.block:
+            return jnp.dot(o_lat, w, preferred_element_type=F32)
+        b, col0, acc = self.block, (h * (self.nope + self.vdim) + self.nope) // self.block, None
+        for i in range(w.shape[0] // b):
+            part = jnp.dot(o_lat[:, i * b : (i + 1) * b], w[i * b : (i + 1) * b, :], preferred_element_type=F32)
+            part = part * spread_scales(lambda c, i=i: self.wscale[i, col0 + c], self.vdim, b)
+            acc = part if acc is None else acc + part
+        return acc
+
+    def row_heads(self, b):
+        """Row b's heads in the row-major buffers `ql` and `ol`: one aligned contiguous load in the
+        tile loop (a strided gather of `heads` rows there costs a load per head and tile)."""
+        return pl.ds(pl.multiple_of(b * self.hp, 8), self.heads)
+
+    def attend(self, buf, b, t0, pos):
+        """One latent tile for row b's heads: bf16 scores and values on the MXU (`mxu_dot`)."""
+        ts, width, heads = self.kv_tile, self.new.shape[1] - self.extra, self.heads
+        kv = self.tiles[buf]
+        valid = (t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1)) <= pos
+        s = jnp.zeros((heads, ts), F32)
+        for c in range(self.ql.shape[0]):  # 128-lane chunks: strided loads need a 128-wide array
+            kc = kv[:, c * 128 : min((c + 1) * 128, width + self.extra)]
+            qc = self.ql[c, self.row_heads(b), :][:, 0 : kc.shape[1]]
+            s = s + mxu_dot(qc, kc, (((1,), (1,)), ((), ())))
+        s = jnp.where(valid, s * self.scale, NEG_INF)
+        m_prev = self.m[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.exp(s - m_new)
+        self.l[...] = alpha * self.l[...] + jnp.sum(p, axis=1, keepdims=True)
+        # keys past `pos` weigh exp(-inf) = 0: 0 * their (finite) cache rows, as in the reference
+        self.acc[...] = alpha * self.acc[...] + mxu_dot(p, kv[:, 0:width], (((1,), (0,)), ((), ())))
+        self.m[...] = m_new
 
     def patch_new_token(self, slot, b, buf, t0, pos):
         off = pos - t0
@@ -1534,103 +1920,100 @@ class ShortConv:
             c.wait()
 
 
+def when(cond, body):
+    """body() under `cond`: at trace time for a Python bool, else as `pl.when`."""
+    if isinstance(cond, bool):
+        if cond:
+            body()
+    else:
+        pl.when(cond)(body)
+
+
+def broadcast_rows(rows, width):
+    """[1, d] f32 rows -> [d, width] matrices M with M[i, :] = row[i]: the rows as columns, broadcast
+    over the lanes, built on the MXU (otherwise idle here) rather than by a lane permute per vreg on
+    the cross-lane unit. Each row is split into three bf16 pieces that sum to it (8 + 8 + 8
+    significant bits of f32's 24), the pieces are transposed to columns once, and a 0/1 selector
+    [16, width] adds a row's three pieces in f32: exact up to the order of that 3-term f32 sum."""
+    d = rows[0].shape[1]
+    pieces = []
+    for x in rows:
+        hi = x.astype(BF16)
+        rest = x - hi.astype(F32)
+        mid = rest.astype(BF16)
+        pieces += [hi.astype(F32), mid.astype(F32), rest - mid.astype(F32)]
+    stack = jnp.concatenate(pieces + [jnp.zeros((16 - len(pieces), d), F32)], axis=0)  # [16, d]
+    cols = jnp.transpose(stack).astype(BF16)  # [d, 16]
+    sel = jax.lax.broadcasted_iota(I32, (16, width), 0) // 3
+    return [jnp.dot(cols, (sel == i).astype(BF16), preferred_element_type=F32) for i in range(len(rows))]
+
+
 class DeltaRule:
-    """Gated delta rule, one [dk, dv] f32 state per (row, head) streamed through VMEM slots.
+    """Gated delta rule, one [dk, dv] f32 state per (row, value head); a VMEM slot holds `per`
+    consecutive value heads of one row ([per, dk, dv], one DMA each way), streamed through
+    `slots` read and write slots (read `slots - 1` ahead, written back in place).
 
-    Per row b and head h: S' = exp(g) * S (g scales the key rows, or the whole state with
-    `scalar_decay`: one g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q; value
-    head h reads q and k of key head h // group. States are read `slots - 1` ahead and written
-    back in place.
-
-    With one decay per head and several value heads per key head (Gated DeltaNet), the `group`
-    value heads of a key head share q and k, and a scalar decay scales a state's columns as well
-    as its rows: they are updated together as one [dk, group * dv] state (one slot, `group`
-    DMAs each way), so each product is one dot `group * dv` wide and the loop runs once per key
-    head. Otherwise a slot holds one head's state.
+    Per value head h: S' = exp(g) * S (g scales the key rows, or with `scalar_decay` the whole
+    state: one g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q; head h reads q
+    and k of key head h // group. The products are vector-unit f32 multiply-and-sum over the
+    state's dk rows (a [1, dk] x [dk, dv] f32 MXU dot at full precision is six bf16 passes in
+    series); the slot's heads are unrolled, so their chains interleave and the loop runs once
+    per (row, slot), not once per head.
     """
 
     def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False):
         self.state, self.state_out, self.s_in, self.s_out, self.sem = state, state_out, s_in, s_out, sem
         self.batch, self.heads, self.group, self.scalar_decay = batch, heads, group, scalar_decay
-        self.per = group if scalar_decay else 1  # value heads per slot
+        self.slots, self.per = s_in.shape[0], s_in.shape[1]
         self.units = heads // self.per  # slots' worth per row
-        self.slots = s_in.shape[0]
 
-    def copies(self, slot, i, s, out):
-        b, u, dv = i // self.units, i % self.units, self.s_in.shape[2] // self.per
-        hbm = self.state_out if out else self.state
-        copies = []
+    def copy(self, slot, i, s, out):
+        b, u = i // self.units, i % self.units
+        vmem = (self.s_out if out else self.s_in).at[s]
+        row = (self.state_out if out else self.state).at[slot, b, pl.ds(u * self.per, self.per)]
+        src, dst = (vmem, row) if out else (row, vmem)
+        return pltpu.make_async_copy(src, dst, self.sem.at[int(out), s])
+
+    def update(self, row, u, s, q, k, v, g, beta, out):
+        """The slot's heads; decay, k and q as lane-broadcast [dk, dv] matrices (`broadcast_rows`)."""
+        dk, dv = self.s_in.shape[2], self.s_in.shape[3]
         for j in range(self.per):
-            vmem = (self.s_out if out else self.s_in).at[s] if self.per == 1 else (self.s_out if out else self.s_in).at[s, :, pl.ds(j * dv, dv)]
-            row = hbm.at[slot, b, u * self.per + j]
-            src, dst = (vmem, row) if out else (row, vmem)
-            copies.append(pltpu.make_async_copy(src, dst, self.sem.at[int(out), s]))
-        return copies
-
-    def start(self, slot, i, s, out):
-        for c in self.copies(slot, i, s, out):
-            c.start()
-
-    def wait(self, slot, s, out):
-        for c in self.copies(slot, 0, s, out):
-            c.wait()
-
-    def spread(self, row, u, dv, f):
-        """[1, per * dv]: f(value of head u * per + j) on head j's dv lanes."""
-        lane = jax.lax.broadcasted_iota(I32, (1, self.per * dv), 1) // dv
-        spread = jnp.zeros((1, self.per * dv), F32)
-        for j in range(self.per):
-            spread = jnp.where(lane == j, f(lane_pick(row, u * self.per + j)), spread)
-        return spread
+            h = u * self.per + j
+            kc, vc = head_cols(h // self.group, dk), head_cols(h, dv)
+            if self.scalar_decay:
+                (k_b, q_b), s1 = broadcast_rows([k[row, kc], q[row, kc]], dv), self.s_in[s, j] * jnp.exp(lane_pick(g[row, :], h))
+            else:
+                d_b, k_b, q_b = broadcast_rows([jnp.exp(g[row, head_cols(h, dk)]), k[row, kc], q[row, kc]], dv)
+                s1 = self.s_in[s, j] * d_b
+            ks = jnp.sum(s1 * k_b, axis=0, keepdims=True)  # [1, dv]: S'^T k
+            qs = jnp.sum(s1 * q_b, axis=0, keepdims=True)  # S'^T q, beside S'^T k: o = S^T q = S'^T q + (q.k) u
+            upd = lane_pick(beta[row, :], h) * (v[row, vc] - ks)
+            self.s_out[s, j] = s1 + k_b * upd
+            out[row, vc] = qs + jnp.sum(q[row, kc] * k[row, kc], axis=1, keepdims=True) * upd
 
     def __call__(self, slot, q, k, v, g, beta, out):
-        n, slots, units, per = self.batch * self.units, self.slots, self.units, self.per
-        dk, width = self.s_in.shape[1], self.s_in.shape[2]
+        n, slots, units = self.batch * self.units, self.slots, self.units
         out[...] = jnp.zeros(out.shape, F32)
         for i in range(min(slots - 1, n)):
-            self.start(slot, i, i, out=False)
-        row8 = jax.lax.broadcasted_iota(I32, (8, dk), 0)
+            self.copy(slot, i, i, out=False).start()
 
         def step(b, u, carry):
             i = b * units + u
             s = i % slots
-
-            @pl.when(i + slots - 1 < n)
-            def _():
-                self.start(slot, i + slots - 1, (i + slots - 1) % slots, out=False)
-
-            self.wait(slot, s, out=False)
-
-            @pl.when(i >= slots)
-            def _():
-                self.wait(slot, s, out=True)  # the write-back that last used this out slot
-
-            key = u if per > 1 or self.group == 1 else u // self.group
-            kc, vc = head_cols(key, dk), head_cols(u, width)
-            row = slice(b, b + 1)  # rows are static: a dynamic single-row load is not aligned
-            k_row = k[row, kc]
-            if per > 1:  # one decay per value head: scale each head's columns
-                decay = jnp.ones((1, dk), F32)
-                col_decay = self.spread(g[row, :], u, width // per, jnp.exp)
-                b_row = self.spread(beta[row, :], u, width // per, lambda x: x)
-            elif self.scalar_decay:
-                decay = jnp.broadcast_to(jnp.exp(lane_pick(g[row, :], u)), (1, dk))
-            else:
-                decay = jnp.exp(g[row, head_cols(u, dk)])
-            cols = jnp.transpose(jnp.where(row8 == 0, decay, jnp.where(row8 == 1, k_row, 0.0)))  # [dk, 8]
-            s1 = self.s_in[s] * col_decay if per > 1 else self.s_in[s] * cols[:, 0:1]
-            ks = jnp.dot(k_row, s1, preferred_element_type=F32, precision=HIGHEST)
-            u_row = (b_row if per > 1 else lane_pick(beta[row, :], u)) * (v[row, vc] - ks)
-            s2 = s1 + cols[:, 1:2] * u_row
-            self.s_out[s] = s2
-            self.start(slot, i, s, out=True)
-            out[row, vc] = jnp.dot(q[row, kc], s2, preferred_element_type=F32, precision=HIGHEST)
+            when(i + slots - 1 < n, lambda: self.copy(slot, i + slots - 1, (i + slots - 1) % slots, out=False).start())
+            self.copy(slot, 0, s, out=False).wait()
+            when(i >= slots, lambda: self.copy(slot, 0, s, out=True).wait())  # the write-back that last used it
+            self.update(slice(b, b + 1), u, s, q, k, v, g, beta, out)  # rows static: a dynamic row load is unaligned
+            self.copy(slot, i, s, out=True).start()
             return carry
 
         for b in range(self.batch):
-            jax.lax.fori_loop(0, units, lambda u, c, b=b: step(b, u, c), 0)
+            if units == 1:
+                step(b, 0, 0)
+            else:
+                jax.lax.fori_loop(0, units, lambda u, c, b=b: step(b, u, c), 0)
         for i in range(max(0, n - slots), n):
-            self.wait(slot, i % slots, out=True)
+            self.copy(slot, 0, i % slots, out=True).wait()
 
 
 # ---------------------------------------------------------------------------------------
@@ -1777,16 +2160,21 @@ class MoE:
 
     Expert parallel: this device holds experts lo .. lo+E-1 of the E_route the router chooses
     from (lo may be a traced scalar); it runs only the chosen experts it holds.
+
+    Padded widths: D and F are the widths the expert arrays are stored at (zeros beyond Dv latent
+    rows and Fv expert columns, so every tile is whole); z and the output have Dv columns, and
+    the sum runs in the `acc` scratch at width D when Dv < D.
     """
 
     def __init__(
         self, r, *, rows, batch, E, k, D, F, tn, slots, names, prefix, act, fmt="mxfp4", kc=None, dc=None,
-        E_route=None, lo=0, b2_here=True,
+        E_route=None, lo=0, b2_here=True, Dv=None, Fv=None,
     ):
         self.rows, self.batch, self.E, self.k, self.D, self.F = rows, batch, E, k, D, F
         self.E_route, self.lo = E_route or E, lo
         self.act, self.fmt, self.pieces, self.b2_here = act, fmt, MOE_PIECES[fmt], b2_here
         self.tn, self.slots = tn, slots
+        self.Dv, self.Fv = Dv or D, Fv or F
         self.kc, self.dc = moe_dims(D, F, tn, kc, dc)
         self.nf = F // tn
         for key in self.pieces:
@@ -1794,6 +2182,7 @@ class MoE:
         self.bias = {key: getattr(r, names[key]) if key in names else None for key in ("b1", "b3", "b2")}
         for key in (*self.pieces, *MOE_SCRATCH):
             setattr(self, key, getattr(r, prefix + key))
+        self.acc = getattr(r, prefix + "acc") if self.Dv < D else None
         self._ids = None
         self._weights = None
 
@@ -1848,58 +2237,65 @@ class MoE:
         use, into list/count. Sparse set: pos[e] is trusted only if list[pos[e]] == e, so pos
         needs no clearing."""
         cap = self.batch * self.k
-        n = jnp.int32(0)
-        for b in range(self.batch):
 
-            def body(i, n, b=b):
-                g = self.ids_smem[b, i] - self.lo
-                held = (g >= 0) & (g < self.E)
-                e = jnp.clip(g, 0, self.E - 1)
-                p = self.pos[e]
-                pc = jnp.minimum(jnp.maximum(p, 0), cap - 1)
-                seen = jnp.logical_not(held) | ((p >= 0) & (p < n) & (self.list[pc] == e))
+        def body(t, n):  # choice t: row t // k, its (t % k)-th expert; one loop over all real rows
+            b = t // self.k
+            g = self.ids_smem[b, t - b * self.k] - self.lo
+            held = (g >= 0) & (g < self.E)
+            e = jnp.clip(g, 0, self.E - 1)
+            p = self.pos[e]
+            pc = jnp.minimum(jnp.maximum(p, 0), cap - 1)
+            seen = jnp.logical_not(held) | ((p >= 0) & (p < n) & (self.list[pc] == e))
 
-                @pl.when(jnp.logical_not(seen))
-                def _():
-                    self.list[n] = e
-                    self.pos[e] = n
+            @pl.when(jnp.logical_not(seen))
+            def _():
+                self.list[n] = e
+                self.pos[e] = n
 
-                return n + jnp.where(seen, 0, 1)
+            return n + jnp.where(seen, 0, 1)
 
-            n = jax.lax.fori_loop(0, self.k, body, n)
+        n = jax.lax.fori_loop(0, cap, body, jnp.int32(0))
         self.count[0] = n
 
     # ---------------------------------------------------------------- expert streaming
     def copies(self, layer_slot, e, c, slot):
-        """The DMAs of column tile c of expert e (layer slice layer_slot) into `slot`."""
+        """The DMAs of column tile c of expert e into `slot`; layer_slot: the layer slice of the
+        three weights, or (w1's, w3's, w2's) where they are stacked over different layers (None:
+        an unstacked weight, one array for every layer)."""
+        slots = layer_slot if isinstance(layer_slot, tuple) else (layer_slot,) * 3
+        per_weight = dict(zip("132", slots, strict=True))  # w1, w3, w2 by their digit
+        h = {}
+        for key in self.pieces:
+            ref, s = getattr(self, "h_" + key), per_weight[key[1]]
+            h[key] = ref if s is None else ref.at[s]
         tn = self.tn
         n0 = pl.multiple_of(c * tn, tn)
         if self.fmt == "bf16":
             src = {
-                "w1": self.h_w1.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w3": self.h_w3.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w2": self.h_w2.at[layer_slot, e, pl.ds(n0, tn), :],
+                "w1": h["w1"].at[e, :, pl.ds(n0, tn)],
+                "w3": h["w3"].at[e, :, pl.ds(n0, tn)],
+                "w2": h["w2"].at[e, pl.ds(n0, tn), :],
             }
         elif self.fmt == "fp8_block":
             b0 = c * (tn // FP8_BLOCK)
             src = {
-                "w1c": self.h_w1c.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w1s": self.h_w1s.at[layer_slot, e, :, pl.ds(b0, tn // FP8_BLOCK)],
-                "w3c": self.h_w3c.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w3s": self.h_w3s.at[layer_slot, e, :, pl.ds(b0, tn // FP8_BLOCK)],
-                "w2c": self.h_w2c.at[layer_slot, e, pl.ds(n0, tn), :],
-                "w2s": self.h_w2s.at[layer_slot, e, pl.ds(b0, tn // FP8_BLOCK), :],
+                "w1c": h["w1c"].at[e, :, pl.ds(n0, tn)],
+                "w1s": h["w1s"].at[e, :, pl.ds(b0, tn // FP8_BLOCK)],
+                "w3c": h["w3c"].at[e, :, pl.ds(n0, tn)],
+                "w3s": h["w3s"].at[e, :, pl.ds(b0, tn // FP8_BLOCK)],
+                "w2c": h["w2c"].at[e, pl.ds(n0, tn), :],
+                "w2s": h["w2s"].at[e, pl.ds(b0, tn // FP8_BLOCK), :],
             }
         else:
             f8 = pl.multiple_of(c * (tn // 8), tn // 8)
             f32_ = pl.multiple_of(c * (tn // 32), tn // 32)
             src = {
-                "w1c": self.h_w1c.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w1s": self.h_w1s.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w3c": self.h_w3c.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w3s": self.h_w3s.at[layer_slot, e, :, pl.ds(n0, tn)],
-                "w2c": self.h_w2c.at[layer_slot, e, pl.ds(f8, tn // 8), :],
-                "w2s": self.h_w2s.at[layer_slot, e, pl.ds(f32_, tn // 32), :],
+                "w1c": h["w1c"].at[e, :, pl.ds(n0, tn)],
+                "w1s": h["w1s"].at[e, :, pl.ds(n0, tn)],
+                "w3c": h["w3c"].at[e, :, pl.ds(n0, tn)],
+                "w3s": h["w3s"].at[e, :, pl.ds(n0, tn)],
+                "w2c": h["w2c"].at[e, pl.ds(f8, tn // 8), :],
+                "w2s": h["w2s"].at[e, pl.ds(f32_, tn // 32), :],
             }
         return [
             pltpu.make_async_copy(src[key], getattr(self, key).at[slot], self.sem.at[i, slot])
@@ -1982,15 +2378,21 @@ class MoE:
         if not prefetched:
             self.prefetch(layer_slot)
         real = jax.lax.broadcasted_iota(I32, (rows, 1), 0) < self.batch
-        self.zb[...] = jnp.where(real, z_ref[...], 0.0).astype(BF16)
-        out_ref[...] = jnp.zeros((rows, D), F32)
+        z = jnp.where(real, z_ref[...], 0.0).astype(BF16)
+        out = out_ref if self.acc is None else self.acc  # [rows, D]: the sum at the padded width
+        if self.Dv < D:
+            self.zb[...] = jnp.zeros((rows, D), BF16)
+            self.zb[:, 0 : self.Dv] = z
+        else:
+            self.zb[...] = z
+        out[...] = jnp.zeros((rows, D), F32)
         ids = ids_ref[...]
         wts = weights_ref[...]
 
         def tile(t, carry):
             self.issue(layer_slot, t + S - 1)  # into the slot consumed by tile t-1
             slot = t % S
-            for cp in self.copies(0, 0, 0, slot):
+            for cp in self.copies(layer_slot, 0, 0, slot):  # the shapes of any tile set
                 cp.wait()
             j = t // self.nf
             e = self.list[j]
@@ -2009,7 +2411,10 @@ class MoE:
                 g = g + self.bias_row("b1", e, n0, tn)
             if self.bias["b3"] is not None:
                 u = u + self.bias_row("b3", e, n0, tn)
-            h = self.act(g, u).astype(BF16)
+            h = self.act(g, u)
+            if self.Fv < self.F:  # padded expert columns: zero whatever act(0, 0) is
+                h = jnp.where(jax.lax.broadcasted_iota(I32, (1, tn), 1) + n0 < self.Fv, h, 0.0)
+            h = h.astype(BF16)
             # the down bias is added once per expert: at its first tile, on one device of its columns
             first = jnp.logical_and(t - j * self.nf == 0, self.b2_here)
 
@@ -2018,13 +2423,15 @@ class MoE:
                 y = self.down(slot, d0, h)
                 if self.bias["b2"] is not None:
                     y = y + jnp.where(first, self.bias_row("b2", e, d0, dc), 0.0)
-                out_ref[:, pl.ds(d0, dc)] += w_e * y
+                out[:, pl.ds(d0, dc)] += w_e * y
                 return carry
 
             jax.lax.fori_loop(0, D // dc, d_chunk, 0)
             return carry
 
         jax.lax.fori_loop(0, self.count[0] * self.nf, tile, 0)
+        if self.acc is not None:
+            out_ref[...] = self.acc[:, 0 : self.Dv]
 
 
 # ---------------------------------------------------------------------------------------
@@ -2076,6 +2483,16 @@ MLA_MOE_TILES = 123
 S_EPILOGUE_LOGITS = Stream("lm_head", k=7168, n=5120, tk=1792, tn=512, start=0, stacked=False)  # spec line 217
 EPILOGUE_TILES = 40
 
+# The streams of each layer kind (LAYER_KINDS order), each with the slot table its layer slice is
+# read from (None: the layer index), and the epilogue's; RING: the descriptor of every tile.
+KIND_STREAMS = (
+    ((S_KDA_DENSE_LINEAR, SLOTS0), (S_KDA_DENSE_LINEAR_1, SLOTS0), (S_KDA_DENSE_LINEAR_2, SLOTS0), (S_KDA_DENSE_LINEAR_3, SLOTS0), (S_KDA_DENSE_LINEAR_4, SLOTS0), (S_KDA_DENSE_LINEAR_5, SLOTS0), (S_KDA_DENSE_LINEAR_6, SLOTS0), (S_KDA_DENSE_LINEAR_7, SLOTS0), (S_KDA_DENSE_LINEAR_8, SLOTS1), (S_KDA_DENSE_LINEAR_9, SLOTS1), (S_KDA_DENSE_LINEAR_10, SLOTS1), ),
+    ((S_KDA_MOE_LINEAR, SLOTS0), (S_KDA_MOE_LINEAR_1, SLOTS0), (S_KDA_MOE_LINEAR_2, SLOTS0), (S_KDA_MOE_LINEAR_3, SLOTS0), (S_KDA_MOE_LINEAR_4, SLOTS0), (S_KDA_MOE_LINEAR_5, SLOTS0), (S_KDA_MOE_LINEAR_6, SLOTS0), (S_KDA_MOE_LINEAR_7, SLOTS0), (S_KDA_MOE_LINEAR_8, SLOTS2), (S_KDA_MOE_LINEAR_9, SLOTS2), (S_KDA_MOE_LINEAR_10, SLOTS2), (S_KDA_MOE_LINEAR_11, SLOTS2), (S_KDA_MOE_SHARED, SLOTS2), (S_KDA_MOE_LINEAR_12, SLOTS2), ),
+    ((S_MLA_MOE_LINEAR, SLOTS3), (S_MLA_MOE_LINEAR_1, SLOTS3), (S_MLA_MOE_KV, SLOTS3), (S_MLA_MOE_LINEAR_2, SLOTS3), (S_MLA_MOE_LINEAR_3, SLOTS3), (S_MLA_MOE_LINEAR_4, SLOTS2), (S_MLA_MOE_LINEAR_5, SLOTS2), (S_MLA_MOE_LINEAR_6, SLOTS2), (S_MLA_MOE_LINEAR_7, SLOTS2), (S_MLA_MOE_SHARED, SLOTS2), (S_MLA_MOE_LINEAR_8, SLOTS2), ),
+)
+EPILOGUE_STREAMS = (S_EPILOGUE_LOGITS, )
+RING = ring_tables(KIND_STREAMS, EPILOGUE_STREAMS)
+
 
 def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
@@ -2092,12 +2509,13 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     LAYER_CARRIES, entry 0 as the layer stack receives it and entry l + 1 after layer l. The default
     build has no trace output and no trace copies.
 
-    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the kernel's own
-    argmax); `step` then takes a fifth argument, `seed` (an int, default 0), and its draws are a
-    function of (seed, each row's position, row, token) only. `steps_per_call=N` runs N decode
-    steps in one device call, each step's token fed to the next on the device (positions
-    advancing by one), and returns the N tokens as next_tokens i32 [batch, N] with the last
-    step's logits.
+    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the first argmax);
+    the kernel draws the token itself (`sampled_argmax`, over its share of a split vocabulary)
+    and `step` takes a fifth argument, `seed` (an int, default 0): the draws are a function of
+    (seed, each row's position, row, token) only, as `sample_tokens`'s. `steps_per_call=N` runs
+    N decode steps in one kernel call (a loop in the kernel, each step's token fed to the next
+    on the device, positions advancing by one) and returns the N tokens as next_tokens
+    i32 [batch, N] with the last step's logits.
     """
     check_sizes(batch, seq_len)
     if sampling is None:
@@ -2114,13 +2532,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     vectors = ["final_norm", "out_res", ]  # 1-D weights, passed as [1, N]
     padded = {"attn_res": 96, "mlp_res": 96, "input_norm": 96, "post_norm": 96, "kda_a_log": 72, "kda_dt_bias": 72, "kda_onorm": 80, "mla_qnorm": 32, "mla_kvnorm": 32, "moe_bias": 96, "moe_rnorm": 96, }  # vector stacks padded to whole fetch blocks
     state_names = list(STATE)
-    outputs = ["logits", "next_tokens"] + [f"{name}_out" for name in state_names]
+    outputs = ["logits", "chosen"] + [f"{name}_out" for name in state_names]  # chosen: every step's tokens
     traces = [f"{name}_trace" for name in LAYER_CARRIES] if layer_trace else []
     outputs += traces
     scratch = {
         "ring": pltpu.VMEM((13, 1792, 512), jnp.bfloat16),
         "ring_sem": pltpu.SemaphoreType.DMA((13,)),
-        "cursor": pltpu.SMEM((2,), jnp.int32),
         "f_attn_res": pltpu.VMEM((16, 7168), jnp.bfloat16),
         "f_input_norm": pltpu.VMEM((16, 7168), jnp.bfloat16),
         "f_kda_conv_q": pltpu.VMEM((4, 384), jnp.bfloat16),
@@ -2202,8 +2619,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "conv0_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "v6_128_bf16": pltpu.VMEM((rows, 128), jnp.bfloat16),
         "gate0_scale": pltpu.VMEM((1, 384), jnp.float32),
-        "rule0_in": pltpu.VMEM((3, 128, 128), jnp.float32),
-        "rule0_out": pltpu.VMEM((3, 128, 128), jnp.float32),
+        "rule0_in": pltpu.VMEM((3, 3, 128, 128), jnp.float32),
+        "rule0_out": pltpu.VMEM((3, 3, 128, 128), jnp.float32),
         "rule0_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "v4_384_bf16": pltpu.VMEM((rows, 384), jnp.bfloat16),
         "v10_7168_bf16": pltpu.VMEM((rows, 7168), jnp.bfloat16),
@@ -2226,8 +2643,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "v23_256_bf16": pltpu.VMEM((rows, 256), jnp.bfloat16),
         "v24_112_bf16": pltpu.VMEM((rows, 112), jnp.bfloat16),
         "v27_1536_bf16": pltpu.VMEM((rows, 1536), jnp.bfloat16),
-        "att0_ql": pltpu.VMEM((5, 3 * rows, 128), jnp.float32),
-        "att0_ol": pltpu.VMEM((4, 3 * rows, 128), jnp.float32),
+        "att0_ql": pltpu.VMEM((5, 8 * rows, 128), jnp.float32),
+        "att0_ol": pltpu.VMEM((4, 8 * rows, 128), jnp.float32),
         "att0_wtiles": pltpu.VMEM((3, 512, 128), jnp.bfloat16),
         "att0_w_sem": pltpu.SemaphoreType.DMA((3,)),
         "att0_tiles": pltpu.VMEM((3, 256, 576), jnp.bfloat16),
@@ -2248,528 +2665,363 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "kv_n": pltpu.SMEM((1,), jnp.int32),
         "wb_pending": pltpu.SMEM((1,), jnp.int32),
     }
+    scratch.update(step_scratch(batch, rows))  # the in-kernel step loop (wrapper/sampling.py.jinja)
     names = hbm_inputs + state_names + outputs + list(scratch)
 
-    def kernel(tokens_ref, positions_ref, layer_kind_ref, layer_base_ref, slots0_ref, slots1_ref, slots2_ref, slots3_ref, *refs):
+    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, tile_desc_ref, slots0_ref, slots1_ref, slots2_ref, slots3_ref, seed_ref, *refs):
         r = Refs(names, refs)
         comm = Comm(r, axes=MESH_AXES, sizes=MESH_SHAPE)
         comm.enter()  # every peer is in this step's kernel before any exchange writes to it
+        tokens_ref, positions_ref = r.step_tokens, r.step_positions  # the current step's, as the lowerings read them
+        for b in range(batch):
+            tokens_ref[b] = tokens_in[b]
+            positions_ref[b] = positions_in[b]
 
-        def issue(g):
-            """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
+        def decode_step(step, carry):  # one whole decode step; its drawn tokens feed the next
+            def issue(g, consumer=None):
+                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing).
+                `consumer`: the stream whose tile g - RING_DEPTH + 1 is being consumed, which narrows
+                the arms tile g may be (RING.ahead); None: any."""
+                arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
+                ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
-            def tiles_of(layer):
-                return jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 0, KDA_DENSE_TILES, jnp.where(layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)] == 1, KDA_MOE_TILES, MLA_MOE_TILES))
+            attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=3, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.07216878364870322, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'mla_cache', 'cache_out': 'mla_cache_out', 'w_kvb': 'mla_wkvb'})
+            conv0_kda_dense_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv0_kda_dense_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv0_kda_dense_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            rule0_kda_dense_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
+            conv0_kda_moe_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv0_kda_moe_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            conv0_kda_moe_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
+            rule0_kda_moe_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
+            experts0_kda_moe_34 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
+            experts0_mla_moe_27 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
 
-            def behind(cursor):
-                layer, base = cursor
-                return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
+            # ---- prologue: first tiles in flight, per-step tables ----
+            for g in range(RING_DEPTH - 1):
+                issue(g)
+            kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
+            for i in range(1):
+                r.wb_pending[i] = 0
+            # spec line 214: blocks, prefix = res_init(embedding(tokens, embed), nblocks=NB)
+            embedding(r, r.embed, tokens_ref, batch, r.v25_7168, r.emb_block, r.emb_sem, offset=comm.group_index(31) * 5120)
+            r.v10_7168[...] = r.v25_7168[...]
+            comm.all_reduce(r.v10_7168, 31, wire=BF16)
 
-            def advance(cursor):
-                layer, base = cursor
-                return layer + 1, base + tiles_of(layer)
+            res_init(r.v10_7168, r.carry0, r.carry1)
 
-            # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
-            layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
-            r.cursor[0] = layer
-            r.cursor[1] = base
-            j, bank = g - base, g % RING_DEPTH
-            kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
-
-            @pl.when((layer < NUM_LAYERS) & (kind == 0))
-            def _():
-                @pl.when((j >= S_KDA_DENSE_LINEAR.start) & (j < S_KDA_DENSE_LINEAR.start + S_KDA_DENSE_LINEAR.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR, slots0_ref[layer], j - S_KDA_DENSE_LINEAR.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_1.start) & (j < S_KDA_DENSE_LINEAR_1.start + S_KDA_DENSE_LINEAR_1.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_1, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_1.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_2.start) & (j < S_KDA_DENSE_LINEAR_2.start + S_KDA_DENSE_LINEAR_2.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_2, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_2.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_3.start) & (j < S_KDA_DENSE_LINEAR_3.start + S_KDA_DENSE_LINEAR_3.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_3, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_3.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_4.start) & (j < S_KDA_DENSE_LINEAR_4.start + S_KDA_DENSE_LINEAR_4.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_4, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_4.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_5.start) & (j < S_KDA_DENSE_LINEAR_5.start + S_KDA_DENSE_LINEAR_5.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_5, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_5.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_6.start) & (j < S_KDA_DENSE_LINEAR_6.start + S_KDA_DENSE_LINEAR_6.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_6, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_6.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_7.start) & (j < S_KDA_DENSE_LINEAR_7.start + S_KDA_DENSE_LINEAR_7.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_7, slots0_ref[layer], j - S_KDA_DENSE_LINEAR_7.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_8.start) & (j < S_KDA_DENSE_LINEAR_8.start + S_KDA_DENSE_LINEAR_8.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_8, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_8.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_9.start) & (j < S_KDA_DENSE_LINEAR_9.start + S_KDA_DENSE_LINEAR_9.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_9, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_9.start, bank).start()
-
-                @pl.when((j >= S_KDA_DENSE_LINEAR_10.start) & (j < S_KDA_DENSE_LINEAR_10.start + S_KDA_DENSE_LINEAR_10.tiles))
-                def _():
-                    tile_copy(r, S_KDA_DENSE_LINEAR_10, slots1_ref[layer], j - S_KDA_DENSE_LINEAR_10.start, bank).start()
-
-
-            @pl.when((layer < NUM_LAYERS) & (kind == 1))
-            def _():
-                @pl.when((j >= S_KDA_MOE_LINEAR.start) & (j < S_KDA_MOE_LINEAR.start + S_KDA_MOE_LINEAR.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR, slots0_ref[layer], j - S_KDA_MOE_LINEAR.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_1.start) & (j < S_KDA_MOE_LINEAR_1.start + S_KDA_MOE_LINEAR_1.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_1, slots0_ref[layer], j - S_KDA_MOE_LINEAR_1.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_2.start) & (j < S_KDA_MOE_LINEAR_2.start + S_KDA_MOE_LINEAR_2.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_2, slots0_ref[layer], j - S_KDA_MOE_LINEAR_2.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_3.start) & (j < S_KDA_MOE_LINEAR_3.start + S_KDA_MOE_LINEAR_3.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_3, slots0_ref[layer], j - S_KDA_MOE_LINEAR_3.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_4.start) & (j < S_KDA_MOE_LINEAR_4.start + S_KDA_MOE_LINEAR_4.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_4, slots0_ref[layer], j - S_KDA_MOE_LINEAR_4.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_5.start) & (j < S_KDA_MOE_LINEAR_5.start + S_KDA_MOE_LINEAR_5.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_5, slots0_ref[layer], j - S_KDA_MOE_LINEAR_5.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_6.start) & (j < S_KDA_MOE_LINEAR_6.start + S_KDA_MOE_LINEAR_6.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_6, slots0_ref[layer], j - S_KDA_MOE_LINEAR_6.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_7.start) & (j < S_KDA_MOE_LINEAR_7.start + S_KDA_MOE_LINEAR_7.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_7, slots0_ref[layer], j - S_KDA_MOE_LINEAR_7.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_8.start) & (j < S_KDA_MOE_LINEAR_8.start + S_KDA_MOE_LINEAR_8.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_8, slots2_ref[layer], j - S_KDA_MOE_LINEAR_8.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_9.start) & (j < S_KDA_MOE_LINEAR_9.start + S_KDA_MOE_LINEAR_9.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_9, slots2_ref[layer], j - S_KDA_MOE_LINEAR_9.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_10.start) & (j < S_KDA_MOE_LINEAR_10.start + S_KDA_MOE_LINEAR_10.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_10, slots2_ref[layer], j - S_KDA_MOE_LINEAR_10.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_11.start) & (j < S_KDA_MOE_LINEAR_11.start + S_KDA_MOE_LINEAR_11.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_11, slots2_ref[layer], j - S_KDA_MOE_LINEAR_11.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_SHARED.start) & (j < S_KDA_MOE_SHARED.start + S_KDA_MOE_SHARED.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_SHARED, slots2_ref[layer], j - S_KDA_MOE_SHARED.start, bank).start()
-
-                @pl.when((j >= S_KDA_MOE_LINEAR_12.start) & (j < S_KDA_MOE_LINEAR_12.start + S_KDA_MOE_LINEAR_12.tiles))
-                def _():
-                    tile_copy(r, S_KDA_MOE_LINEAR_12, slots2_ref[layer], j - S_KDA_MOE_LINEAR_12.start, bank).start()
-
-
-            @pl.when((layer < NUM_LAYERS) & (kind == 2))
-            def _():
-                @pl.when((j >= S_MLA_MOE_LINEAR.start) & (j < S_MLA_MOE_LINEAR.start + S_MLA_MOE_LINEAR.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR, slots3_ref[layer], j - S_MLA_MOE_LINEAR.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_1.start) & (j < S_MLA_MOE_LINEAR_1.start + S_MLA_MOE_LINEAR_1.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_1, slots3_ref[layer], j - S_MLA_MOE_LINEAR_1.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_KV.start) & (j < S_MLA_MOE_KV.start + S_MLA_MOE_KV.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_KV, slots3_ref[layer], j - S_MLA_MOE_KV.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_2.start) & (j < S_MLA_MOE_LINEAR_2.start + S_MLA_MOE_LINEAR_2.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_2, slots3_ref[layer], j - S_MLA_MOE_LINEAR_2.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_3.start) & (j < S_MLA_MOE_LINEAR_3.start + S_MLA_MOE_LINEAR_3.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_3, slots3_ref[layer], j - S_MLA_MOE_LINEAR_3.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_4.start) & (j < S_MLA_MOE_LINEAR_4.start + S_MLA_MOE_LINEAR_4.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_4, slots2_ref[layer], j - S_MLA_MOE_LINEAR_4.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_5.start) & (j < S_MLA_MOE_LINEAR_5.start + S_MLA_MOE_LINEAR_5.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_5, slots2_ref[layer], j - S_MLA_MOE_LINEAR_5.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_6.start) & (j < S_MLA_MOE_LINEAR_6.start + S_MLA_MOE_LINEAR_6.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_6, slots2_ref[layer], j - S_MLA_MOE_LINEAR_6.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_7.start) & (j < S_MLA_MOE_LINEAR_7.start + S_MLA_MOE_LINEAR_7.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_7, slots2_ref[layer], j - S_MLA_MOE_LINEAR_7.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_SHARED.start) & (j < S_MLA_MOE_SHARED.start + S_MLA_MOE_SHARED.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_SHARED, slots2_ref[layer], j - S_MLA_MOE_SHARED.start, bank).start()
-
-                @pl.when((j >= S_MLA_MOE_LINEAR_8.start) & (j < S_MLA_MOE_LINEAR_8.start + S_MLA_MOE_LINEAR_8.tiles))
-                def _():
-                    tile_copy(r, S_MLA_MOE_LINEAR_8, slots2_ref[layer], j - S_MLA_MOE_LINEAR_8.start, bank).start()
-
-            @pl.when(layer == NUM_LAYERS)
-            def _():
-                @pl.when((j >= S_EPILOGUE_LOGITS.start) & (j < S_EPILOGUE_LOGITS.start + S_EPILOGUE_LOGITS.tiles))
-                def _():
-                    tile_copy(r, S_EPILOGUE_LOGITS, 0, j - S_EPILOGUE_LOGITS.start, bank).start()
-
-                pass
-
-        attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=3, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.07216878364870322, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'mla_cache', 'cache_out': 'mla_cache_out', 'w_kvb': 'mla_wkvb'})
-        conv0_kda_dense_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv0_kda_dense_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv0_kda_dense_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        rule0_kda_dense_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
-        conv0_kda_moe_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv0_kda_moe_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        conv0_kda_moe_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
-        rule0_kda_moe_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
-        experts0_kda_moe_34 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
-        experts0_mla_moe_27 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
-
-        # ---- prologue: first tiles in flight, per-step tables ----
-        r.cursor[0] = 0
-        r.cursor[1] = 0
-        for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
-            issue(jnp.int32(g))
-        kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
-        for i in range(1):
-            r.wb_pending[i] = 0
-        # spec line 214: blocks, prefix = res_init(embedding(tokens, embed), nblocks=NB)
-        embedding(r, r.embed, tokens_ref, batch, r.v25_7168, r.emb_block, r.emb_sem, offset=comm.group_index(31) * 5120)
-        r.v10_7168[...] = r.v25_7168[...]
-        comm.all_reduce(r.v10_7168, 31, wire=BF16)
-
-        res_init(r.v10_7168, r.carry0, r.carry1)
-
-        # ---- the layer stack ----
-        if layer_trace:
-            pltpu.sync_copy(r.carry0, r.blocks_trace.at[0])
-            pltpu.sync_copy(r.carry1, r.prefix_trace.at[0])
-
-        def layer(li, carry):
-            base = layer_base_ref[li]
-
-            @pl.when(layer_kind_ref[li] == 0)
-            def _():
-                # layer kind `kda_dense` (spec line 183)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
-                fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).start()
-                fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).start()
-                fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).start()
-                fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).start()
-                fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).start()
-                fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).start()
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
-                # spec line 184: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
-                res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v0_7168, layer=0, block=12, after_snapshot=False, eps=1e-05)
-                # spec line 185: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
-                res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=0, block=12)
-                # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                rmsnorm(r.v0_7168[...], pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
-                # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
-                cast_into(r.v1_7168, r.v1_7168_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR, slots0_ref[li], base + S_KDA_DENSE_LINEAR.start, r.v1_7168_bf16, r.v2_384)
-                fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
-                conv0_kda_dense_4(slots0_ref[li], r.v2_384, r.f_kda_conv_q, r.v3_384)
-                l2norm(r.v3_384, r.v2_384, heads=3, scale=0.08838834764831845, eps=1e-06)
-                # spec line 148: k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
-                linear(r, issue, S_KDA_DENSE_LINEAR_1, slots0_ref[li], base + S_KDA_DENSE_LINEAR_1.start, r.v1_7168_bf16, r.v3_384)
-                fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
-                conv0_kda_dense_7(slots0_ref[li], r.v3_384, r.f_kda_conv_k, r.v4_384)
-                l2norm(r.v4_384, r.v3_384, heads=3, scale=1.0, eps=1e-06)
-                # spec line 149: v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
-                linear(r, issue, S_KDA_DENSE_LINEAR_2, slots0_ref[li], base + S_KDA_DENSE_LINEAR_2.start, r.v1_7168_bf16, r.v4_384)
-                fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).wait()
-                conv0_kda_dense_10(slots0_ref[li], r.v4_384, r.f_kda_conv_v, r.v5_384)
-                # spec line 150: g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
-                linear(r, issue, S_KDA_DENSE_LINEAR_3, slots0_ref[li], base + S_KDA_DENSE_LINEAR_3.start, r.v1_7168_bf16, r.v6_128)
-                cast_into(r.v6_128, r.v6_128_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR_4, slots0_ref[li], base + S_KDA_DENSE_LINEAR_4.start, r.v6_128_bf16, r.v4_384)
-                fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
-                fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).wait()
-                kda_gate(r.v4_384, pick_row(r.f_kda_a_log, slots0_ref[li]), pick_row(r.f_kda_dt_bias, slots0_ref[li]), r.v7_384, r.gate0_scale, heads=3, lower=-5.0)
-                # spec line 151: beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
-                linear(r, issue, S_KDA_DENSE_LINEAR_5, slots0_ref[li], base + S_KDA_DENSE_LINEAR_5.start, r.v1_7168_bf16, r.v6_128)
-                r.v8_3[...] = compact_columns(r.v6_128[...], 128, 3)
-                r.v9_3[...] = jax.nn.sigmoid(r.v8_3[...])
-                # spec line 152: o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
-                rule0_kda_dense_17(slots0_ref[li], r.v2_384, r.v3_384, r.v5_384, r.v7_384, r.v9_3, r.v4_384)
-                # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
-                fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
-                rmsnorm(r.v4_384[...], pick_row(r.f_kda_onorm, slots0_ref[li]), r.v7_384, eps=1e-05, heads=3)
-                linear(r, issue, S_KDA_DENSE_LINEAR_6, slots0_ref[li], base + S_KDA_DENSE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
-                r.v5_384[...] = jax.nn.sigmoid(r.v4_384[...])
-                r.v4_384[...] = r.v7_384[...] * r.v5_384[...]
-                cast_into(r.v4_384, r.v4_384_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR_7, slots0_ref[li], base + S_KDA_DENSE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
-                # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
-                r.v0_7168[...] = r.v1_7168[...]
-                comm.all_reduce(r.v0_7168, 31, wire=BF16)
-
-                r.v1_7168[...] = r.carry1[...] + r.v0_7168[...]
-                # spec line 187: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
-                res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v0_7168, layer=0, block=12, after_snapshot=True, eps=1e-05)
-                # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                rmsnorm(r.v0_7168[...], pick_row(r.f_post_norm, li), r.v10_7168, eps=1e-05, heads=1)
-                # spec line 166: return linear(situ(linear(x, dense_gate), linear(x, dense_up)), dense_down)
-                cast_into(r.v10_7168, r.v10_7168_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR_8, slots1_ref[li], base + S_KDA_DENSE_LINEAR_8.start, r.v10_7168_bf16, r.v11_1152)
-                linear(r, issue, S_KDA_DENSE_LINEAR_9, slots1_ref[li], base + S_KDA_DENSE_LINEAR_9.start, r.v10_7168_bf16, r.v12_1152)
-                r.v13_1152[...] = situ(r.v11_1152[...], r.v12_1152[...], 4.0, 25.0)
-                cast_into(r.v13_1152, r.v13_1152_bf16)
-                linear(r, issue, S_KDA_DENSE_LINEAR_10, slots1_ref[li], base + S_KDA_DENSE_LINEAR_10.start, r.v13_1152_bf16, r.v10_7168)
-                # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
-                r.v0_7168[...] = r.v10_7168[...]
-                comm.all_reduce(r.v0_7168, 31, wire=BF16)
-
-                r.v10_7168[...] = r.v1_7168[...] + r.v0_7168[...]
-                r.carry1[...] = r.v10_7168[...]
-
-            @pl.when(layer_kind_ref[li] == 1)
-            def _():
-                # layer kind `kda_moe` (spec line 191)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
-                fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).start()
-                fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).start()
-                fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).start()
-                fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).start()
-                fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).start()
-                fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).start()
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
-                fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).start()
-                fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).start()
-                # spec line 192: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
-                res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v10_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
-                # spec line 193: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
-                res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
-                # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                rmsnorm(r.v10_7168[...], pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
-                # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
-                cast_into(r.v1_7168, r.v1_7168_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR, slots0_ref[li], base + S_KDA_MOE_LINEAR.start, r.v1_7168_bf16, r.v7_384)
-                fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
-                conv0_kda_moe_4(slots0_ref[li], r.v7_384, r.f_kda_conv_q, r.v5_384)
-                l2norm(r.v5_384, r.v7_384, heads=3, scale=0.08838834764831845, eps=1e-06)
-                # spec line 148: k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
-                linear(r, issue, S_KDA_MOE_LINEAR_1, slots0_ref[li], base + S_KDA_MOE_LINEAR_1.start, r.v1_7168_bf16, r.v5_384)
-                fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
-                conv0_kda_moe_7(slots0_ref[li], r.v5_384, r.f_kda_conv_k, r.v4_384)
-                l2norm(r.v4_384, r.v5_384, heads=3, scale=1.0, eps=1e-06)
-                # spec line 149: v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
-                linear(r, issue, S_KDA_MOE_LINEAR_2, slots0_ref[li], base + S_KDA_MOE_LINEAR_2.start, r.v1_7168_bf16, r.v4_384)
-                fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).wait()
-                conv0_kda_moe_10(slots0_ref[li], r.v4_384, r.f_kda_conv_v, r.v3_384)
-                # spec line 150: g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
-                linear(r, issue, S_KDA_MOE_LINEAR_3, slots0_ref[li], base + S_KDA_MOE_LINEAR_3.start, r.v1_7168_bf16, r.v6_128)
-                cast_into(r.v6_128, r.v6_128_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR_4, slots0_ref[li], base + S_KDA_MOE_LINEAR_4.start, r.v6_128_bf16, r.v4_384)
-                fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
-                fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).wait()
-                kda_gate(r.v4_384, pick_row(r.f_kda_a_log, slots0_ref[li]), pick_row(r.f_kda_dt_bias, slots0_ref[li]), r.v2_384, r.gate0_scale, heads=3, lower=-5.0)
-                # spec line 151: beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
-                linear(r, issue, S_KDA_MOE_LINEAR_5, slots0_ref[li], base + S_KDA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v6_128)
-                r.v9_3[...] = compact_columns(r.v6_128[...], 128, 3)
-                r.v8_3[...] = jax.nn.sigmoid(r.v9_3[...])
-                # spec line 152: o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
-                rule0_kda_moe_17(slots0_ref[li], r.v7_384, r.v5_384, r.v3_384, r.v2_384, r.v8_3, r.v4_384)
-                # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
-                fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
-                rmsnorm(r.v4_384[...], pick_row(r.f_kda_onorm, slots0_ref[li]), r.v2_384, eps=1e-05, heads=3)
-                linear(r, issue, S_KDA_MOE_LINEAR_6, slots0_ref[li], base + S_KDA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
-                r.v3_384[...] = jax.nn.sigmoid(r.v4_384[...])
-                r.v4_384[...] = r.v2_384[...] * r.v3_384[...]
-                cast_into(r.v4_384, r.v4_384_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR_7, slots0_ref[li], base + S_KDA_MOE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
-                # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
-                r.v10_7168[...] = r.v1_7168[...]
-                comm.all_reduce(r.v10_7168, 31, wire=BF16)
-
-                r.v1_7168[...] = r.carry1[...] + r.v10_7168[...]
-                # spec line 195: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
-                res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v10_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
-                # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                rmsnorm(r.v10_7168[...], pick_row(r.f_post_norm, li), r.v0_7168, eps=1e-05, heads=1)
-                # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
-                cast_into(r.v0_7168, r.v0_7168_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR_8, slots2_ref[li], base + S_KDA_MOE_LINEAR_8.start, r.v0_7168_bf16, r.v6_128)
-                comm.all_gather(r.v6_128, r.v14_1024, 28)
-                r.v15_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
-                r.v16_896[...] = jax.nn.sigmoid(r.v15_896[...])
-                fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
-                experts0_kda_moe_34.route(r.v16_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
-                experts0_kda_moe_34.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
-                # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
-                linear(r, issue, S_KDA_MOE_LINEAR_9, slots2_ref[li], base + S_KDA_MOE_LINEAR_9.start, r.v0_7168_bf16, r.v16_896)
-                comm.all_gather(r.v16_896, r.v19_3584, 3)
-                experts0_kda_moe_34.experts(slots2_ref[li], r.v19_3584, r.v17_16, r.v20_3584, prefetched=True)
-                # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
-                linear(r, issue, S_KDA_MOE_LINEAR_10, slots2_ref[li], base + S_KDA_MOE_LINEAR_10.start, r.v0_7168_bf16, r.v21_256)
-                linear(r, issue, S_KDA_MOE_LINEAR_11, slots2_ref[li], base + S_KDA_MOE_LINEAR_11.start, r.v0_7168_bf16, r.v22_256)
-                r.v23_256[...] = situ(r.v21_256[...], r.v22_256[...], 4.0, 25.0)
-                cast_into(r.v23_256, r.v23_256_bf16)
-                linear(r, issue, S_KDA_MOE_SHARED, slots2_ref[li], base + S_KDA_MOE_SHARED.start, r.v23_256_bf16, r.v0_7168)
-                # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
-                r.v19_3584[...] = r.v20_3584[...]
-                comm.all_reduce_hier(r.v19_3584, 31, wire=BF16, inner="all_reduce_oneshot")
-
-                fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                rmsnorm(r.v19_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
-                shard_slice(r.v20_3584, r.v24_112, comm.group_index(31), ways=32)
-                cast_into(r.v24_112, r.v24_112_bf16)
-                linear(r, issue, S_KDA_MOE_LINEAR_12, slots2_ref[li], base + S_KDA_MOE_LINEAR_12.start, r.v24_112_bf16, r.v10_7168)
-                r.v25_7168[...] = r.v10_7168[...] + r.v0_7168[...]
-                # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                r.v0_7168[...] = r.v25_7168[...]
-                comm.all_reduce(r.v0_7168, 31, wire=BF16)
-
-                r.v25_7168[...] = r.v1_7168[...] + r.v0_7168[...]
-                r.carry1[...] = r.v25_7168[...]
-
-            @pl.when(layer_kind_ref[li] == 2)
-            def _():
-                # layer kind `mla_moe` (spec line 199)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
-                fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).start()
-                fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).start()
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
-                fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).start()
-                fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).start()
-                # spec line 200: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
-                fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
-                res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v25_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
-                # spec line 201: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
-                res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
-                # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
-                fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                rmsnorm(r.v25_7168[...], pick_row(r.f_input_norm, li), r.v10_7168, eps=1e-05, heads=1)
-                # spec line 157: q = compact(linear(rmsnorm(linear(x, mla_wqa), mla_qnorm, eps=EPS), mla_wqb), block=QB, keep=QH)
-                cast_into(r.v10_7168, r.v10_7168_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR, slots3_ref[li], base + S_MLA_MOE_LINEAR.start, r.v10_7168_bf16, r.v26_1536)
-                fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).wait()
-                rmsnorm(r.v26_1536[...], pick_row(r.f_mla_qnorm, slots3_ref[li]), r.v27_1536, eps=1e-05, heads=1)
-                cast_into(r.v27_1536, r.v27_1536_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR_1, slots3_ref[li], base + S_MLA_MOE_LINEAR_1.start, r.v27_1536_bf16, r.v28_640)
-                r.v29_576[...] = compact_columns(r.v28_640[...], 640, 576)
-                # spec line 158: kv = linear(x, mla_wkva)
-                linear(r, issue, S_MLA_MOE_KV, slots3_ref[li], base + S_MLA_MOE_KV.start, r.v10_7168_bf16, r.v28_640)
-                # spec line 159: c = rmsnorm(slice(kv, start=0, size=KVR), mla_kvnorm, eps=EPS)
-                r.v30_512[...] = r.v28_640[...][:, 0 : 0 + 512]
-                fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).wait()
-                rmsnorm(r.v30_512[...], pick_row(r.f_mla_kvnorm, slots3_ref[li]), r.v31_512, eps=1e-05, heads=1)
-                # spec line 160: y = mla_attention(q, c, slice(kv, start=KVR, size=XK), mla_wkvb, mla_cache, positions,
-                r.v32_64[...] = r.v28_640[...][:, 512 : 512 + 64]
-                attention0(slots3_ref[li], r.v29_576, r.v31_512, r.v32_64, r.v7_384)
-                # spec line 162: return linear(y * sigmoid(linear(x, mla_wg)), mla_wo)
-                linear(r, issue, S_MLA_MOE_LINEAR_2, slots3_ref[li], base + S_MLA_MOE_LINEAR_2.start, r.v10_7168_bf16, r.v5_384)
-                r.v4_384[...] = jax.nn.sigmoid(r.v5_384[...])
-                r.v5_384[...] = r.v7_384[...] * r.v4_384[...]
-                cast_into(r.v5_384, r.v5_384_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR_3, slots3_ref[li], base + S_MLA_MOE_LINEAR_3.start, r.v5_384_bf16, r.v10_7168)
-                # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
-                r.v25_7168[...] = r.v10_7168[...]
-                comm.all_reduce(r.v25_7168, 31, wire=BF16)
-
-                r.v10_7168[...] = r.carry1[...] + r.v25_7168[...]
-                # spec line 203: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
-                fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
-                res_mix(r.carry0, r.v10_7168, pick_row(r.f_mlp_res, li), r.v25_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
-                # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                rmsnorm(r.v25_7168[...], pick_row(r.f_post_norm, li), r.v1_7168, eps=1e-05, heads=1)
-                # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
-                cast_into(r.v1_7168, r.v1_7168_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR_4, slots2_ref[li], base + S_MLA_MOE_LINEAR_4.start, r.v1_7168_bf16, r.v6_128)
-                comm.all_gather(r.v6_128, r.v14_1024, 28)
-                r.v16_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
-                r.v15_896[...] = jax.nn.sigmoid(r.v16_896[...])
-                fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
-                experts0_mla_moe_27.route(r.v15_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
-                experts0_mla_moe_27.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
-                # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
-                linear(r, issue, S_MLA_MOE_LINEAR_5, slots2_ref[li], base + S_MLA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v15_896)
-                comm.all_gather(r.v15_896, r.v20_3584, 3)
-                experts0_mla_moe_27.experts(slots2_ref[li], r.v20_3584, r.v17_16, r.v19_3584, prefetched=True)
-                # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
-                linear(r, issue, S_MLA_MOE_LINEAR_6, slots2_ref[li], base + S_MLA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v23_256)
-                linear(r, issue, S_MLA_MOE_LINEAR_7, slots2_ref[li], base + S_MLA_MOE_LINEAR_7.start, r.v1_7168_bf16, r.v22_256)
-                r.v21_256[...] = situ(r.v23_256[...], r.v22_256[...], 4.0, 25.0)
-                cast_into(r.v21_256, r.v21_256_bf16)
-                linear(r, issue, S_MLA_MOE_SHARED, slots2_ref[li], base + S_MLA_MOE_SHARED.start, r.v21_256_bf16, r.v1_7168)
-                # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
-                r.v20_3584[...] = r.v19_3584[...]
-                comm.all_reduce_hier(r.v20_3584, 31, wire=BF16, inner="all_reduce_oneshot")
-
-                fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                rmsnorm(r.v20_3584[...], pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v19_3584, eps=1e-05, heads=1)
-                shard_slice(r.v19_3584, r.v24_112, comm.group_index(31), ways=32)
-                cast_into(r.v24_112, r.v24_112_bf16)
-                linear(r, issue, S_MLA_MOE_LINEAR_8, slots2_ref[li], base + S_MLA_MOE_LINEAR_8.start, r.v24_112_bf16, r.v25_7168)
-                r.v0_7168[...] = r.v25_7168[...] + r.v1_7168[...]
-                # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                r.v1_7168[...] = r.v0_7168[...]
-                comm.all_reduce(r.v1_7168, 31, wire=BF16)
-
-                r.v0_7168[...] = r.v10_7168[...] + r.v1_7168[...]
-                r.carry1[...] = r.v0_7168[...]
+            # ---- the layer stack ----
             if layer_trace:
-                pltpu.sync_copy(r.carry0, r.blocks_trace.at[li + 1])
-                pltpu.sync_copy(r.carry1, r.prefix_trace.at[li + 1])
+                pltpu.sync_copy(r.carry0, r.blocks_trace.at[0])
+                pltpu.sync_copy(r.carry1, r.prefix_trace.at[0])
 
+            def layer(li, carry):
+                base = layer_base_ref[li]
+
+                @pl.when(layer_kind_ref[li] == 0)
+                def _():
+                    # layer kind `kda_dense` (spec line 183)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
+                    fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).start()
+                    fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).start()
+                    fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).start()
+                    fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).start()
+                    fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).start()
+                    fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).start()
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
+                    # spec line 184: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
+                    res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v0_7168, layer=0, block=12, after_snapshot=False, eps=1e-05)
+                    # spec line 185: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
+                    res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=0, block=12)
+                    # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
+                    rmsnorm(r.v0_7168, pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
+                    cast_into(r.v1_7168, r.v1_7168_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR, slots0_ref[li], base + S_KDA_DENSE_LINEAR.start, r.v1_7168_bf16, r.v2_384)
+                    fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
+                    conv0_kda_dense_4(slots0_ref[li], r.v2_384, r.f_kda_conv_q, r.v3_384)
+                    l2norm(r.v3_384, r.v2_384, heads=3, scale=0.08838834764831845, eps=1e-06)
+                    # spec line 148: k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_1, slots0_ref[li], base + S_KDA_DENSE_LINEAR_1.start, r.v1_7168_bf16, r.v3_384)
+                    fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
+                    conv0_kda_dense_7(slots0_ref[li], r.v3_384, r.f_kda_conv_k, r.v4_384)
+                    l2norm(r.v4_384, r.v3_384, heads=3, scale=1.0, eps=1e-06)
+                    # spec line 149: v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_2, slots0_ref[li], base + S_KDA_DENSE_LINEAR_2.start, r.v1_7168_bf16, r.v4_384)
+                    fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).wait()
+                    conv0_kda_dense_10(slots0_ref[li], r.v4_384, r.f_kda_conv_v, r.v5_384)
+                    # spec line 150: g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_3, slots0_ref[li], base + S_KDA_DENSE_LINEAR_3.start, r.v1_7168_bf16, r.v6_128)
+                    cast_into(r.v6_128, r.v6_128_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_4, slots0_ref[li], base + S_KDA_DENSE_LINEAR_4.start, r.v6_128_bf16, r.v4_384)
+                    fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
+                    fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).wait()
+                    kda_gate(r.v4_384, pick_row(r.f_kda_a_log, slots0_ref[li]), pick_row(r.f_kda_dt_bias, slots0_ref[li]), r.v7_384, r.gate0_scale, heads=3, lower=-5.0)
+                    # spec line 151: beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
+                    linear(r, issue, S_KDA_DENSE_LINEAR_5, slots0_ref[li], base + S_KDA_DENSE_LINEAR_5.start, r.v1_7168_bf16, r.v6_128)
+                    r.v8_3[...] = compact_columns(r.v6_128[...], 128, 3)
+                    r.v9_3[...] = jax.nn.sigmoid(r.v8_3[...])
+                    # spec line 152: o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
+                    rule0_kda_dense_17(slots0_ref[li], r.v2_384, r.v3_384, r.v5_384, r.v7_384, r.v9_3, r.v4_384)
+                    # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
+                    fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
+                    rmsnorm(r.v4_384, pick_row(r.f_kda_onorm, slots0_ref[li]), r.v7_384, eps=1e-05, heads=3)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_6, slots0_ref[li], base + S_KDA_DENSE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
+                    r.v5_384[...] = jax.nn.sigmoid(r.v4_384[...])
+                    r.v4_384[...] = r.v7_384[...] * r.v5_384[...]
+                    cast_into(r.v4_384, r.v4_384_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_7, slots0_ref[li], base + S_KDA_DENSE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
+                    # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+                    r.v0_7168[...] = r.v1_7168[...]
+                    comm.all_reduce(r.v0_7168, 31, wire=BF16)
+
+                    r.v1_7168[...] = r.carry1[...] + r.v0_7168[...]
+                    # spec line 187: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
+                    res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v0_7168, layer=0, block=12, after_snapshot=True, eps=1e-05)
+                    # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
+                    rmsnorm(r.v0_7168, pick_row(r.f_post_norm, li), r.v10_7168, eps=1e-05, heads=1)
+                    # spec line 166: return linear(situ(linear(x, dense_gate), linear(x, dense_up)), dense_down)
+                    cast_into(r.v10_7168, r.v10_7168_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_8, slots1_ref[li], base + S_KDA_DENSE_LINEAR_8.start, r.v10_7168_bf16, r.v11_1152)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_9, slots1_ref[li], base + S_KDA_DENSE_LINEAR_9.start, r.v10_7168_bf16, r.v12_1152)
+                    r.v13_1152[...] = situ(r.v11_1152[...], r.v12_1152[...], 4.0, 25.0)
+                    cast_into(r.v13_1152, r.v13_1152_bf16)
+                    linear(r, issue, S_KDA_DENSE_LINEAR_10, slots1_ref[li], base + S_KDA_DENSE_LINEAR_10.start, r.v13_1152_bf16, r.v10_7168)
+                    # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
+                    r.v0_7168[...] = r.v10_7168[...]
+                    comm.all_reduce(r.v0_7168, 31, wire=BF16)
+
+                    r.v10_7168[...] = r.v1_7168[...] + r.v0_7168[...]
+                    r.carry1[...] = r.v10_7168[...]
+
+                @pl.when(layer_kind_ref[li] == 1)
+                def _():
+                    # layer kind `kda_moe` (spec line 191)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
+                    fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).start()
+                    fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).start()
+                    fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).start()
+                    fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).start()
+                    fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).start()
+                    fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).start()
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
+                    fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).start()
+                    fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).start()
+                    # spec line 192: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
+                    res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v10_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
+                    # spec line 193: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
+                    res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
+                    # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
+                    rmsnorm(r.v10_7168, pick_row(r.f_input_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    # spec line 147: q = l2norm(short_conv(linear(x, kda_wq), kda_conv_q, kda_q_conv), heads=NH, scale=D ** -0.5)
+                    cast_into(r.v1_7168, r.v1_7168_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR, slots0_ref[li], base + S_KDA_MOE_LINEAR.start, r.v1_7168_bf16, r.v7_384)
+                    fetch(r.kda_conv_q, r.f_kda_conv_q, r.fetch_sem.at[2], slots0_ref[li], 0).wait()
+                    conv0_kda_moe_4(slots0_ref[li], r.v7_384, r.f_kda_conv_q, r.v5_384)
+                    l2norm(r.v5_384, r.v7_384, heads=3, scale=0.08838834764831845, eps=1e-06)
+                    # spec line 148: k = l2norm(short_conv(linear(x, kda_wk), kda_conv_k, kda_k_conv), heads=NH)
+                    linear(r, issue, S_KDA_MOE_LINEAR_1, slots0_ref[li], base + S_KDA_MOE_LINEAR_1.start, r.v1_7168_bf16, r.v5_384)
+                    fetch(r.kda_conv_k, r.f_kda_conv_k, r.fetch_sem.at[3], slots0_ref[li], 0).wait()
+                    conv0_kda_moe_7(slots0_ref[li], r.v5_384, r.f_kda_conv_k, r.v4_384)
+                    l2norm(r.v4_384, r.v5_384, heads=3, scale=1.0, eps=1e-06)
+                    # spec line 149: v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
+                    linear(r, issue, S_KDA_MOE_LINEAR_2, slots0_ref[li], base + S_KDA_MOE_LINEAR_2.start, r.v1_7168_bf16, r.v4_384)
+                    fetch(r.kda_conv_v, r.f_kda_conv_v, r.fetch_sem.at[4], slots0_ref[li], 0).wait()
+                    conv0_kda_moe_10(slots0_ref[li], r.v4_384, r.f_kda_conv_v, r.v3_384)
+                    # spec line 150: g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
+                    linear(r, issue, S_KDA_MOE_LINEAR_3, slots0_ref[li], base + S_KDA_MOE_LINEAR_3.start, r.v1_7168_bf16, r.v6_128)
+                    cast_into(r.v6_128, r.v6_128_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR_4, slots0_ref[li], base + S_KDA_MOE_LINEAR_4.start, r.v6_128_bf16, r.v4_384)
+                    fetch(r.kda_a_log, r.f_kda_a_log, r.fetch_sem.at[5], slots0_ref[li], 8).wait()
+                    fetch(r.kda_dt_bias, r.f_kda_dt_bias, r.fetch_sem.at[6], slots0_ref[li], 8).wait()
+                    kda_gate(r.v4_384, pick_row(r.f_kda_a_log, slots0_ref[li]), pick_row(r.f_kda_dt_bias, slots0_ref[li]), r.v2_384, r.gate0_scale, heads=3, lower=-5.0)
+                    # spec line 151: beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
+                    linear(r, issue, S_KDA_MOE_LINEAR_5, slots0_ref[li], base + S_KDA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v6_128)
+                    r.v9_3[...] = compact_columns(r.v6_128[...], 128, 3)
+                    r.v8_3[...] = jax.nn.sigmoid(r.v9_3[...])
+                    # spec line 152: o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
+                    rule0_kda_moe_17(slots0_ref[li], r.v7_384, r.v5_384, r.v3_384, r.v2_384, r.v8_3, r.v4_384)
+                    # spec line 153: return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
+                    fetch(r.kda_onorm, r.f_kda_onorm, r.fetch_sem.at[7], slots0_ref[li], 16).wait()
+                    rmsnorm(r.v4_384, pick_row(r.f_kda_onorm, slots0_ref[li]), r.v2_384, eps=1e-05, heads=3)
+                    linear(r, issue, S_KDA_MOE_LINEAR_6, slots0_ref[li], base + S_KDA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v4_384)
+                    r.v3_384[...] = jax.nn.sigmoid(r.v4_384[...])
+                    r.v4_384[...] = r.v2_384[...] * r.v3_384[...]
+                    cast_into(r.v4_384, r.v4_384_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR_7, slots0_ref[li], base + S_KDA_MOE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
+                    # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
+                    r.v10_7168[...] = r.v1_7168[...]
+                    comm.all_reduce(r.v10_7168, 31, wire=BF16)
+
+                    r.v1_7168[...] = r.carry1[...] + r.v10_7168[...]
+                    # spec line 195: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
+                    res_mix(r.carry0, r.v1_7168, pick_row(r.f_mlp_res, li), r.v10_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
+                    # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
+                    rmsnorm(r.v10_7168, pick_row(r.f_post_norm, li), r.v0_7168, eps=1e-05, heads=1)
+                    # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
+                    cast_into(r.v0_7168, r.v0_7168_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR_8, slots2_ref[li], base + S_KDA_MOE_LINEAR_8.start, r.v0_7168_bf16, r.v6_128)
+                    comm.all_gather(r.v6_128, r.v14_1024, 28)
+                    r.v15_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
+                    r.v16_896[...] = jax.nn.sigmoid(r.v15_896[...])
+                    fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
+                    experts0_kda_moe_34.route(r.v16_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
+                    experts0_kda_moe_34.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
+                    # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+                    linear(r, issue, S_KDA_MOE_LINEAR_9, slots2_ref[li], base + S_KDA_MOE_LINEAR_9.start, r.v0_7168_bf16, r.v16_896)
+                    comm.all_gather(r.v16_896, r.v19_3584, 3)
+                    experts0_kda_moe_34.experts(slots2_ref[li], r.v19_3584, r.v17_16, r.v20_3584, prefetched=True)
+                    # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
+                    linear(r, issue, S_KDA_MOE_LINEAR_10, slots2_ref[li], base + S_KDA_MOE_LINEAR_10.start, r.v0_7168_bf16, r.v21_256)
+                    linear(r, issue, S_KDA_MOE_LINEAR_11, slots2_ref[li], base + S_KDA_MOE_LINEAR_11.start, r.v0_7168_bf16, r.v22_256)
+                    r.v23_256[...] = situ(r.v21_256[...], r.v22_256[...], 4.0, 25.0)
+                    cast_into(r.v23_256, r.v23_256_bf16)
+                    linear(r, issue, S_KDA_MOE_SHARED, slots2_ref[li], base + S_KDA_MOE_SHARED.start, r.v23_256_bf16, r.v0_7168)
+                    # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
+                    r.v19_3584[...] = r.v20_3584[...]
+                    comm.all_reduce_hier(r.v19_3584, 31, wire=BF16, inner="all_reduce_oneshot")
+
+                    fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
+                    rmsnorm(r.v19_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
+                    shard_slice(r.v20_3584, r.v24_112, comm.group_index(31), ways=32)
+                    cast_into(r.v24_112, r.v24_112_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR_12, slots2_ref[li], base + S_KDA_MOE_LINEAR_12.start, r.v24_112_bf16, r.v10_7168)
+                    r.v25_7168[...] = r.v10_7168[...] + r.v0_7168[...]
+                    # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+                    r.v0_7168[...] = r.v25_7168[...]
+                    comm.all_reduce(r.v0_7168, 31, wire=BF16)
+
+                    r.v25_7168[...] = r.v1_7168[...] + r.v0_7168[...]
+                    r.carry1[...] = r.v25_7168[...]
+
+                @pl.when(layer_kind_ref[li] == 2)
+                def _():
+                    # layer kind `mla_moe` (spec line 199)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).start()
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).start()
+                    fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).start()
+                    fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).start()
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).start()
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).start()
+                    fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).start()
+                    fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).start()
+                    # spec line 200: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
+                    fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
+                    res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v25_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
+                    # spec line 201: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
+                    res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
+                    # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
+                    fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
+                    rmsnorm(r.v25_7168, pick_row(r.f_input_norm, li), r.v10_7168, eps=1e-05, heads=1)
+                    # spec line 157: q = compact(linear(rmsnorm(linear(x, mla_wqa), mla_qnorm, eps=EPS), mla_wqb), block=QB, keep=QH)
+                    cast_into(r.v10_7168, r.v10_7168_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR, slots3_ref[li], base + S_MLA_MOE_LINEAR.start, r.v10_7168_bf16, r.v26_1536)
+                    fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).wait()
+                    rmsnorm(r.v26_1536, pick_row(r.f_mla_qnorm, slots3_ref[li]), r.v27_1536, eps=1e-05, heads=1)
+                    cast_into(r.v27_1536, r.v27_1536_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR_1, slots3_ref[li], base + S_MLA_MOE_LINEAR_1.start, r.v27_1536_bf16, r.v28_640)
+                    r.v29_576[...] = compact_columns(r.v28_640[...], 640, 576)
+                    # spec line 158: kv = linear(x, mla_wkva)
+                    linear(r, issue, S_MLA_MOE_KV, slots3_ref[li], base + S_MLA_MOE_KV.start, r.v10_7168_bf16, r.v28_640)
+                    # spec line 159: c = rmsnorm(slice(kv, start=0, size=KVR), mla_kvnorm, eps=EPS)
+                    r.v30_512[...] = r.v28_640[...][:, 0 : 0 + 512]
+                    fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).wait()
+                    rmsnorm(r.v30_512, pick_row(r.f_mla_kvnorm, slots3_ref[li]), r.v31_512, eps=1e-05, heads=1)
+                    # spec line 160: y = mla_attention(q, c, slice(kv, start=KVR, size=XK), mla_wkvb, mla_cache, positions,
+                    r.v32_64[...] = r.v28_640[...][:, 512 : 512 + 64]
+                    attention0(slots3_ref[li], r.v29_576, r.v31_512, r.v32_64, r.v7_384, slots3_ref[li])
+                    # spec line 162: return linear(y * sigmoid(linear(x, mla_wg)), mla_wo)
+                    linear(r, issue, S_MLA_MOE_LINEAR_2, slots3_ref[li], base + S_MLA_MOE_LINEAR_2.start, r.v10_7168_bf16, r.v5_384)
+                    r.v4_384[...] = jax.nn.sigmoid(r.v5_384[...])
+                    r.v5_384[...] = r.v7_384[...] * r.v4_384[...]
+                    cast_into(r.v5_384, r.v5_384_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR_3, slots3_ref[li], base + S_MLA_MOE_LINEAR_3.start, r.v5_384_bf16, r.v10_7168)
+                    # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
+                    r.v25_7168[...] = r.v10_7168[...]
+                    comm.all_reduce(r.v25_7168, 31, wire=BF16)
+
+                    r.v10_7168[...] = r.carry1[...] + r.v25_7168[...]
+                    # spec line 203: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
+                    fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
+                    res_mix(r.carry0, r.v10_7168, pick_row(r.f_mlp_res, li), r.v25_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
+                    # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+                    fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
+                    rmsnorm(r.v25_7168, pick_row(r.f_post_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
+                    cast_into(r.v1_7168, r.v1_7168_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR_4, slots2_ref[li], base + S_MLA_MOE_LINEAR_4.start, r.v1_7168_bf16, r.v6_128)
+                    comm.all_gather(r.v6_128, r.v14_1024, 28)
+                    r.v16_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
+                    r.v15_896[...] = jax.nn.sigmoid(r.v16_896[...])
+                    fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
+                    experts0_mla_moe_27.route(r.v15_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
+                    experts0_mla_moe_27.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
+                    # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+                    linear(r, issue, S_MLA_MOE_LINEAR_5, slots2_ref[li], base + S_MLA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v15_896)
+                    comm.all_gather(r.v15_896, r.v20_3584, 3)
+                    experts0_mla_moe_27.experts(slots2_ref[li], r.v20_3584, r.v17_16, r.v19_3584, prefetched=True)
+                    # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
+                    linear(r, issue, S_MLA_MOE_LINEAR_6, slots2_ref[li], base + S_MLA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v23_256)
+                    linear(r, issue, S_MLA_MOE_LINEAR_7, slots2_ref[li], base + S_MLA_MOE_LINEAR_7.start, r.v1_7168_bf16, r.v22_256)
+                    r.v21_256[...] = situ(r.v23_256[...], r.v22_256[...], 4.0, 25.0)
+                    cast_into(r.v21_256, r.v21_256_bf16)
+                    linear(r, issue, S_MLA_MOE_SHARED, slots2_ref[li], base + S_MLA_MOE_SHARED.start, r.v21_256_bf16, r.v1_7168)
+                    # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
+                    r.v20_3584[...] = r.v19_3584[...]
+                    comm.all_reduce_hier(r.v20_3584, 31, wire=BF16, inner="all_reduce_oneshot")
+
+                    fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
+                    rmsnorm(r.v20_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v19_3584, eps=1e-05, heads=1)
+                    shard_slice(r.v19_3584, r.v24_112, comm.group_index(31), ways=32)
+                    cast_into(r.v24_112, r.v24_112_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR_8, slots2_ref[li], base + S_MLA_MOE_LINEAR_8.start, r.v24_112_bf16, r.v25_7168)
+                    r.v0_7168[...] = r.v25_7168[...] + r.v1_7168[...]
+                    # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
+                    r.v1_7168[...] = r.v0_7168[...]
+                    comm.all_reduce(r.v1_7168, 31, wire=BF16)
+
+                    r.v0_7168[...] = r.v10_7168[...] + r.v1_7168[...]
+                    r.carry1[...] = r.v0_7168[...]
+                if layer_trace:
+                    pltpu.sync_copy(r.carry0, r.blocks_trace.at[li + 1])
+                    pltpu.sync_copy(r.carry1, r.prefix_trace.at[li + 1])
+
+                return carry
+
+            jax.lax.fori_loop(0, NUM_LAYERS, layer, 0)
+
+            # ---- epilogue: after the last layer ----
+            base = layer_base_ref[NUM_LAYERS]
+            fetch(r.out_res, r.f_out_res, r.fetch_sem.at[14], 0, 1).start()
+            fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).start()
+            # spec line 216: x = res_mix(blocks, prefix, out_res, layer=L - 1, block=BLOCK, after_snapshot=true)
+            fetch(r.out_res, r.f_out_res, r.fetch_sem.at[14], 0, 1).wait()
+            res_mix(r.carry0, r.carry1, pick_row(r.f_out_res, 0), r.v33_7168, layer=92, block=12, after_snapshot=True, eps=1e-05)
+            # spec line 217: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
+            fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).wait()
+            rmsnorm(r.v33_7168, pick_row(r.f_final_norm, 0), r.v34_7168, eps=1e-05, heads=1)
+            cast_into(r.v34_7168, r.v34_7168_bf16)
+            linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v34_7168_bf16, r.logits)
+            # spec line 218: return logits, argmax(logits)
+            sampled_argmax(sampling, seed_ref, positions_ref, r.logits, r.next_tokens, chunk=1280, offset=comm.group_index(31) * 5120, comm=comm, mask=31)
+            attention0.drain()
+            r.chosen[step] = r.next_tokens[...]
+            feed_tokens(r, batch, step, positions_in)
             return carry
 
-        jax.lax.fori_loop(0, NUM_LAYERS, layer, 0)
-
-        # ---- epilogue: after the last layer ----
-        base = layer_base_ref[NUM_LAYERS]
-        fetch(r.out_res, r.f_out_res, r.fetch_sem.at[14], 0, 1).start()
-        fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).start()
-        # spec line 216: x = res_mix(blocks, prefix, out_res, layer=L - 1, block=BLOCK, after_snapshot=true)
-        fetch(r.out_res, r.f_out_res, r.fetch_sem.at[14], 0, 1).wait()
-        res_mix(r.carry0, r.carry1, pick_row(r.f_out_res, 0), r.v33_7168, layer=92, block=12, after_snapshot=True, eps=1e-05)
-        # spec line 217: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
-        fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).wait()
-        rmsnorm(r.v33_7168[...], pick_row(r.f_final_norm, 0), r.v34_7168, eps=1e-05, heads=1)
-        cast_into(r.v34_7168, r.v34_7168_bf16)
-        linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v34_7168_bf16, r.logits)
-        # spec line 218: return logits, argmax(logits)
-        argmax_across(comm, r.logits, r.next_tokens, chunk=1280, offset=comm.group_index(31) * 5120, mask=31)
-        attention0.drain()
+        jax.lax.fori_loop(0, steps_per_call, decode_step, 0)
 
     def hbm():
         return pl.BlockSpec(memory_space=pl.ANY)
@@ -2777,14 +3029,14 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     def vmem():
         return pl.BlockSpec(memory_space=pltpu.VMEM)
 
-    n_scalars = 8
+    n_scalars = 10  # tokens, positions, the layer tables, the tile descriptors, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
     layout = local_state_layout(batch, seq_len)
     call = pl.pallas_call(
         kernel,
         out_shape=[
             jax.ShapeDtypeStruct((batch, 5120), F32),
-            jax.ShapeDtypeStruct((batch, 1), I32),
+            jax.ShapeDtypeStruct((steps_per_call, batch, 1), I32),
             *[layout[name] for name in state_names],
             *[jax.ShapeDtypeStruct((NUM_LAYERS + 1, rows, width), F32) for width in LAYER_CARRIES.values() if layer_trace],
         ],
@@ -2804,9 +3056,9 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     mesh = mesh if mesh is not None else make_mesh()
     P = jax.sharding.PartitionSpec
 
-    def per_device(tokens, positions, *arrays):
-        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(SLOTS0), jnp.asarray(SLOTS1), jnp.asarray(SLOTS2), jnp.asarray(SLOTS3)]
-        return call(tokens, positions, *tables, *arrays)
+    def per_device(tokens, positions, seed, *arrays):
+        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(RING.desc), jnp.asarray(SLOTS0), jnp.asarray(SLOTS1), jnp.asarray(SLOTS2), jnp.asarray(SLOTS3)]
+        return call(tokens, positions, *tables, seed, *arrays)
 
     def split_of(name):
         return (None, *WEIGHT_SPLIT[name]) if name in vectors else WEIGHT_SPLIT[name]
@@ -2815,44 +3067,34 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     device_call = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(), P(), *[P(*split_of(name)) for name in hbm_inputs], *state_specs),
+        in_specs=(P(), P(), P(), *[P(*split_of(name)) for name in hbm_inputs], *state_specs),
         out_specs=(P(None, LOGITS_SPLIT), P(), *state_specs, *[P() for _ in traces]),
         check_vma=False,
     )
 
-    def one_step(flat, state, tokens, positions):
-        """One kernel call: (logits, the kernel's greedy tokens [batch], new state, trace)."""
+    def one_step(flat, state, tokens, positions, seed):
+        """One kernel call: (logits, the tokens the kernel drew [batch], new state, trace)."""
+        seed = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), I32).reshape(1)
         logits, next_tokens, *new_state = device_call(
             tokens.astype(I32),
             positions.astype(I32),
+            seed,
             *[flat[name] for name in hbm_inputs],
             *[state[name] for name in state_names],
         )
         new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
         new_state = dict(zip(state_names, new_state, strict=True))
         trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)} if layer_trace else {}
-        return logits, next_tokens.reshape(batch), new_state, trace
+        next_tokens = next_tokens[:, :, 0].T  # [batch, steps_per_call]
+        return logits, next_tokens.reshape(batch) if steps_per_call == 1 else next_tokens, new_state, trace
 
     def step(weights, state, tokens, positions, seed):
         flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
         for name, rows in padded.items():
             flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
         tokens, positions = tokens.astype(I32), positions.astype(I32)
-        if steps_per_call == 1:
-            logits, greedy, new_state, trace = one_step(flat, state, tokens, positions)
-            next_tokens = sample_tokens(logits, positions, seed, sampling, greedy)
-            return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
-
-        def decode(i, carry):  # step i's token is step i + 1's input, on the device
-            state, last, chosen, _ = carry
-            logits, greedy, state, _ = one_step(flat, state, last, positions + i)
-            last = sample_tokens(logits, positions + i, seed, sampling, greedy)
-            return state, last, chosen.at[:, i].set(last), logits
-
-        chosen = jnp.zeros((batch, steps_per_call), I32)
-        logits = jnp.zeros((batch, 5120), F32)
-        new_state, _, chosen, logits = jax.lax.fori_loop(0, steps_per_call, decode, (state, tokens, chosen, logits))
-        return logits, chosen, new_state
+        logits, next_tokens, new_state, trace = one_step(flat, state, tokens, positions, seed)
+        return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
 
     jitted = jax.jit(step, donate_argnums=(1,))
     return CheckedStep(jitted, batch, seq_len, steps_per_call)

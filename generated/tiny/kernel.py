@@ -36,7 +36,7 @@ KV_TILE = 256
 KV_SLOTS = 3
 ROW_TILE = 16
 BATCH_RANGE = (1, 8)
-VMEM_LIMIT_BYTES = 60817408
+VMEM_LIMIT_BYTES = 67108864
 
 # Layer kinds, in dispatch order, and the kind of each layer.
 LAYER_KINDS = ("decoder", )
@@ -212,23 +212,41 @@ class Sampling:
 
 
 def _mix32(x):
-    """A bijective 32-bit hash (xor-shift-multiply rounds): each output bit depends on every input bit."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
+    """A bijective 32-bit hash (xor-shift-multiply rounds) of int32 `x` (wrapping products, logical
+    shifts: the same bits in XLA and in a kernel): each output bit depends on every input bit."""
+    x = x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+    x = x * jnp.int32(0x7FEB352D)
+    x = x ^ jax.lax.shift_right_logical(x, jnp.int32(15))
+    x = x * jnp.int32(0x846CA68B - 2**32)
+    return x ^ jax.lax.shift_right_logical(x, jnp.int32(16))
+
+
+def _int32(x):
+    """An integer array's 32 bits as int32 (uint32 seeds bit-cast, not clipped)."""
+    x = jnp.asarray(x)
+    return jax.lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.uint32 else x.astype(jnp.int32)
+
+
+def _row_keys(seed, positions, rows):
+    """Each row's key [rows, 1]: a hash of (seed, the row's position, the row)."""
+    key = _mix32(_int32(seed) ^ jnp.int32(0x9E3779B9 - 2**32))
+    return _mix32(_mix32(key ^ positions) ^ rows)
+
+
+def _uniform(keys, columns):
+    """u in (0, 1) for each row key [rows, 1] and global token id `columns` (int32, broadcast)."""
+    bits = _mix32(keys ^ _mix32(columns))
+    return (jax.lax.shift_right_logical(bits, jnp.int32(8)).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)
 
 
 def sample_uniform(seed, positions, vocab):
-    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id). Counter-based,
-    so a step's draws depend on nothing else: the same seed and positions give the same bits
-    whatever ran before, in one call or several, and however the vocabulary is split."""
-    seed = jnp.asarray(seed).astype(jnp.uint32)
-    rows = jnp.arange(positions.shape[0], dtype=jnp.uint32)
-    key = _mix32(_mix32(_mix32(seed ^ jnp.uint32(0x9E3779B9)) ^ positions.astype(jnp.uint32)) ^ rows)
-    bits = _mix32(key[:, None] ^ _mix32(jnp.arange(vocab, dtype=jnp.uint32))[None, :])
-    return ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)  # 24 bits: exact in f32
+    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id), 24 bits (exact
+    in f32). Counter-based, so a step's draws depend on nothing else: the same seed and positions
+    give the same bits whatever ran before, in one call or several, however the vocabulary is
+    split, in XLA or in the kernel (kernel_sample)."""
+    rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]
+    keys = _row_keys(seed, _int32(positions)[:, None], rows)
+    return _uniform(keys, jnp.arange(vocab, dtype=jnp.int32)[None, :])
 
 
 def sampling_mask(z, sampling):
@@ -257,6 +275,190 @@ def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None):
     z = sampling_mask(logits / jnp.float32(sampling.temperature), sampling)
     g = -jnp.log(-jnp.log(sample_uniform(seed, positions, logits.shape[-1])))
     return jnp.argmax(z + g, axis=-1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# The same draw inside the kernel (the lowering of the step's `argmax`, writing next_tokens),
+# over a vocabulary that may be split over the devices of `mask`: every reduction is a per-row
+# [batch, 1] value combined over the group with Comm.combine (the same bits on every device).
+#   temperature: z = logits / T, as sample_tokens.
+#   top_k: the k-th largest z, found exactly by building its order key bit by bit (32 passes,
+#     each a count of the z >= a candidate: integers, exact in any order): keeps z >= it, as
+#     sampling_mask.
+#   top_p: p = exp(z - max) / sum (the max and the sum combined over the group); token j is kept
+#     iff the mass of the tokens more likely than it, S(p_j) = sum of p_i > p_j, is < top_p:
+#     sampling_mask's rule (its sorted cumulative sum at the first of p_j's ties). The threshold
+#     is found by building the largest key with S >= top_p bit by bit (31 passes). Exact but for
+#     the order of the f32 sums: it can differ from the reference only when S(p_j) is within
+#     f32 rounding (~V x 2^-24) of top_p.
+#   draw: argmax(z + g), g = -log(-log u), u from `_uniform` of the global token id; each device
+#     takes its best (first on ties) and the group's best is combined as the greedy argmax is.
+# ---------------------------------------------------------------------------------------
+def _order_key(z):
+    """A signed int32 key in the order of f32 z (-0.0 counted as 0.0)."""
+    i = jax.lax.bitcast_convert_type(z + jnp.float32(0.0), jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _fold(x, chunk, fn, init):
+    """fn(columns [batch, chunk] of ref x, their first column, acc) over the row, chunk by chunk."""
+
+    def body(c, acc):
+        c0 = pl.multiple_of(c * chunk, chunk)
+        return fn(x[:, pl.ds(c0, chunk)], c0, acc)
+
+    return jax.lax.fori_loop(0, x.shape[1] // chunk, body, init)
+
+
+def _widen(v, rows, fill):
+    """[batch, 1] -> [rows, 1] (an exchange carries whole padded rows)."""
+    if v.shape[0] == rows:
+        return v
+    row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    wide = jnp.full((rows, 1), fill, v.dtype)
+    for b in range(v.shape[0]):
+        wide = jnp.where(row == b, v[b : b + 1], wide)
+    return wide
+
+
+def _group(comm, mask, v, op):
+    """Per-row f32 v [batch, 1] combined over the devices of `mask` (alone: itself)."""
+    if comm is None:
+        return v
+    return comm.combine(_widen(v, comm.stage.shape[0], 0.0), mask, op)[0 : v.shape[0]]
+
+
+def _largest_key(count, bits, threshold):
+    """The largest key (of `bits` bits; 32: signed, ordered as _order_key) whose count(key) >=
+    threshold, for a count that falls as the key grows: built from the top bit down."""
+    top = jnp.int32(-(2**31)) if bits == 32 else jnp.int32(0)
+
+    def bit(i, u):
+        cand = u | jax.lax.shift_left(jnp.int32(1), jnp.int32(bits - 1) - i)
+        return jnp.where(count(cand ^ top) >= threshold, cand, u)
+
+    return jax.lax.fori_loop(0, bits, bit, jnp.zeros(count.shape, jnp.int32)) ^ top
+
+
+class _Counted:
+    """A per-row count over the (split) row of x, as a function of per-row keys [batch, 1]."""
+
+    def __init__(self, x, chunk, term, comm, mask):
+        self.x, self.chunk, self.term, self.comm, self.mask = x, chunk, term, comm, mask
+        self.shape = (x.shape[0], 1)
+
+    def __call__(self, key):
+        zero = jnp.zeros(self.shape, jnp.float32)
+        total = _fold(self.x, self.chunk, lambda v, c0, acc: acc + self.term(v, key), zero)
+        return _group(self.comm, self.mask, total, jnp.add)
+
+
+def _sum_where(v, keep, values):
+    """Per-row sum of `values` where `keep` (f32 [batch, 1])."""
+    return jnp.sum(jnp.where(keep, values, jnp.float32(0.0)), axis=1, keepdims=True)
+
+
+def _top_k_rule(sampling, x, chunk, comm, mask):
+    """keep(z) for z >= the k-th largest z of the (split) row."""
+    scale = jnp.float32(sampling.temperature)
+    term = lambda v, key: _sum_where(v, _order_key(v / scale) >= key, jnp.float32(1.0))  # noqa: E731
+    kth = _largest_key(_Counted(x, chunk, term, comm, mask), 32, jnp.float32(sampling.top_k))
+    return lambda z: _order_key(z) >= kth
+
+
+def _top_p_rule(keep_k, sampling, x, chunk, comm, mask):
+    """keep(z) for the tokens keep_k keeps whose more likely tokens hold < top_p of the mass."""
+    scale, rows = jnp.float32(sampling.temperature), (x.shape[0], 1)
+    masked = lambda z: jnp.where(keep_k(z), z, -jnp.inf)  # noqa: E731
+    top = _fold(x, chunk, lambda v, c0, m: jnp.maximum(m, jnp.max(masked(v / scale), axis=1, keepdims=True)),
+                jnp.full(rows, -jnp.inf, jnp.float32))
+    top = _group(comm, mask, top, jnp.maximum)
+    total = _fold(x, chunk, lambda v, c0, s: s + jnp.sum(jnp.exp(masked(v / scale) - top), axis=1, keepdims=True),
+                  jnp.zeros(rows, jnp.float32))
+    total = _group(comm, mask, total, jnp.add)
+    prob = lambda z: jnp.exp(masked(z) - top) / total  # noqa: E731  as jax.nn.softmax
+    bits = lambda z: jax.lax.bitcast_convert_type(prob(z), jnp.int32)  # noqa: E731  p >= 0: ordered as p
+    term = lambda v, key: _sum_where(v, bits(v / scale) > key, prob(v / scale))  # noqa: E731
+    edge = _largest_key(_Counted(x, chunk, term, comm, mask), 31, jnp.float32(sampling.top_p))
+    return lambda z: keep_k(z) & (bits(z) > edge)
+
+
+def _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask):
+    """score(columns [batch, chunk], their global token ids): the perturbed masked scaled logits
+    whose argmax is the draw (greedy: the logits)."""
+    if sampling.greedy:
+        return lambda v, cols: v
+    row = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    pos = jnp.zeros(row.shape, jnp.int32)
+    for b in range(x.shape[0]):
+        pos = jnp.where(row == b, positions_ref[b], pos)
+    keys = _row_keys(seed_ref[0], pos, row)
+    keep = lambda z: jnp.ones(z.shape, bool)  # noqa: E731
+    if sampling.top_k and sampling.top_k < vocab:
+        keep = _top_k_rule(sampling, x, chunk, comm, mask)
+    if sampling.top_p < 1:
+        keep = _top_p_rule(keep, sampling, x, chunk, comm, mask)
+    scale = jnp.float32(sampling.temperature)
+
+    def score(v, cols):
+        z = v / scale
+        g = -jnp.log(-jnp.log(_uniform(keys, cols)))
+        return jnp.where(keep(z), z + g, -jnp.inf)
+
+    return score
+
+
+def sampled_argmax(sampling, seed_ref, positions_ref, x, out, chunk, offset=0, comm=None, mask=None):
+    """out <- each row's next token from its logits x (ref f32 [batch, local vocab], this device's
+    columns offset.. of a vocabulary split over `mask`), drawn as sample_tokens draws it from
+    (seed_ref[0], positions_ref): the first argmax when greedy."""
+    vocab = x.shape[1] * (1 << bin(mask).count("1") if comm is not None else 1)  # the whole vocabulary
+    score = _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask)
+
+    def best(v, c0, acc):
+        cols = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1) + c0 + offset
+        s = score(v, cols)
+        m = jnp.max(s, axis=1, keepdims=True)
+        i = jnp.min(jnp.where(s == m, cols, jnp.int32(2**30)), axis=1, keepdims=True)
+        better = m > acc[0]
+        return jnp.where(better, m, acc[0]), jnp.where(better, i, acc[1])
+
+    rows = (x.shape[0], 1)
+    value, index = _fold(x, chunk, best, (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.int32)))
+    if comm is not None:
+        wide = comm.stage.shape[0]
+        value, index = comm.argmax(_widen(value, wide, -jnp.inf), _widen(index, wide, 0), mask)
+    out[...] = index[0 : out.shape[0]]
+
+
+# ---------------------------------------------------------------------------------------
+# Several decode steps in one kernel call: each step's drawn tokens become the next step's
+# input tokens. The lowerings read the step's tokens and positions as SMEM scalars
+# (tokens_ref[b], positions_ref[b]); a drawn token is a vector value, which reaches SMEM
+# through memory: a VMEM -> SMEM DMA of whole [rows, 128] i32 tiles, then scalar copies.
+# ---------------------------------------------------------------------------------------
+def step_scratch(batch, rows):
+    """The step loop's scratch: the current step's tokens and positions (SMEM), the drawn tokens
+    (what the step's `argmax` writes) and their staging for the DMA to SMEM."""
+    return {
+        "step_tokens": pltpu.SMEM((batch,), jnp.int32),
+        "step_positions": pltpu.SMEM((batch,), jnp.int32),
+        "next_tokens": pltpu.VMEM((batch, 1), jnp.int32),
+        "token_stage": pltpu.VMEM((rows, 128), jnp.int32),
+        "token_smem": pltpu.SMEM((rows, 128), jnp.int32),
+        "token_sem": pltpu.SemaphoreType.DMA((1,)),
+    }
+
+
+def feed_tokens(r, batch, step, positions_in):
+    """After decode step `step`: its drawn tokens are the next step's tokens, at positions + 1."""
+    r.token_stage[...] = jnp.broadcast_to(_widen(r.next_tokens[...], r.token_stage.shape[0], 0), r.token_stage.shape)
+    copy = pltpu.make_async_copy(r.token_stage, r.token_smem, r.token_sem.at[0])
+    copy.start()
+    copy.wait()
+    for b in range(batch):
+        r.step_tokens[b] = r.token_smem[b, 0]
+        r.step_positions[b] = positions_in[b] + step + 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -293,6 +495,19 @@ class Stream:
     def tiles(self) -> int:
         return self.nk * self.nn
 
+    def copies(self, r, slot, k, n, bank):
+        """The DMA of tile (k, n) (layer slice `slot`) into ring bank `bank`."""
+        k0 = pl.multiple_of(k * self.tk, self.tk)
+        n0 = pl.multiple_of(n * self.tn, self.tn)
+        w = getattr(r, self.ref)
+        src = w.at[slot, pl.ds(k0, self.tk), pl.ds(n0, self.tn)] if self.stacked else w.at[pl.ds(k0, self.tk), pl.ds(n0, self.tn)]
+        return [pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, self.tk), pl.ds(0, self.tn)], r.ring_sem.at[bank])]
+
+    def wait(self, r, bank):
+        """Wait for this stream's tile in `bank` (the wait counts the tile's bytes, whatever tile)."""
+        for cp in self.copies(r, 0, 0, 0, bank):
+            cp.wait()
+
 
 class Refs:
     """The kernel's refs by name, in the order the pallas_call passes them."""
@@ -301,33 +516,125 @@ class Refs:
         self.__dict__.update(zip(names, refs, strict=True))
 
 
-def tile_copy(r, st: Stream, slot, j, bank):
-    """The DMA of tile j of stream `st` (layer slice `slot`) into ring bank `bank`."""
-    n = j // st.nk
-    k = j - n * st.nk
-    k0 = pl.multiple_of(k * st.tk, st.tk)
-    n0 = pl.multiple_of(n * st.tn, st.tn)
-    w = getattr(r, st.ref)
-    src = w.at[slot, pl.ds(k0, st.tk), pl.ds(n0, st.tn)] if st.stacked else w.at[pl.ds(k0, st.tk), pl.ds(n0, st.tn)]
-    return pltpu.make_async_copy(src, r.ring.at[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], r.ring_sem.at[bank])
+# ---------------------------------------------------------------------------------------
+# The weight ring's issue side. Every tile of a step has a global index g (LAYER_TILE_BASE[l] +
+# its stream's start + its index) and lives in bank g % RING_DEPTH. Its DMA is described at
+# build time by a row of the descriptor table (two words: arm | slot << 8, k | n << 16), where
+# an arm is one distinct stream shape (the DMA code that can move the tile). Issuing tile g is
+# then two SMEM loads and one DMA start; the arms it may be are known at trace time for each
+# consumer (`RingTables.ahead`), so a site picks among them by a short tree of compares (none
+# for one arm) instead of a chain over every stream of every layer kind.
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RingTables:
+    arms: tuple  # distinct stream shapes (start 0)
+    desc: np.ndarray  # int32 [2 * tiles]: per global tile, arm | slot << 8 and k | n << 16
+    static: tuple  # per global tile: (arm, slot, k, n) as ints, for issues at trace-time g
+    ahead: dict  # stream -> (sorted arms of the tiles its consumer issues, any past the end)
+
+    @property
+    def tiles(self) -> int:
+        return len(self.static)
+
+
+def ring_tables(kind_streams, epilogue_streams):
+    """The descriptor table of every global tile, from each layer kind's streams (with the slot
+    table of their layer slices, None: the layer index) and the epilogue's streams."""
+    arms, index, static = [], {}, []
+
+    def add(st, slot):
+        key = dataclasses.replace(st, start=0)
+        if key not in index:
+            index[key] = len(arms)
+            arms.append(key)
+        assert index[key] < 256 and 0 <= slot < 2**23 and st.nk < 2**16 and st.nn < 2**15, st
+        for j in range(st.tiles):
+            static.append((index[key], slot, j % st.nk, j // st.nk))
+
+    owners = []  # per stream instance: (stream, its first global tile)
+    for layer, kind in enumerate(LAYER_KIND):
+        for st, table in kind_streams[kind]:
+            assert len(static) == LAYER_TILE_BASE[layer] + st.start, (layer, st)
+            owners.append((st, len(static)))
+            add(st, (layer if table is None else int(table[layer])) if st.stacked else 0)
+    for st in epilogue_streams:
+        owners.append((st, len(static)))
+        add(st, 0)
+    ahead = {}
+    for st, first in owners:
+        arms_of, past = ahead.get(st, (set(), False))
+        for g in range(first + RING_DEPTH - 1, first + st.tiles + RING_DEPTH - 1):
+            if g < len(static):
+                arms_of = arms_of | {static[g][0]}
+            else:
+                past = True
+        ahead[st] = (arms_of, past)
+    ahead = {st: (tuple(sorted(a)), past) for st, (a, past) in ahead.items()}
+    desc = np.array([w for arm, slot, k, n in static for w in (arm | slot << 8, k | n << 16)] or [0, 0], np.int32)
+    return RingTables(tuple(arms), desc, tuple(static), ahead)
+
+
+def ring_issue(r, ring, desc, g, arms=None, past_end=True):
+    """Start the DMA of global tile g into bank g % RING_DEPTH from its descriptor (nothing past
+    the last tile). `arms`: the arms tile g may be (sorted, static); default all of them."""
+    if isinstance(g, int):  # known at trace time (the prologue): no table reads
+        if g < ring.tiles:
+            arm, slot, k, n = ring.static[g]
+            for cp in ring.arms[arm].copies(r, slot, k, n, g % RING_DEPTH):
+                cp.start()
+        return
+    arms = tuple(range(len(ring.arms))) if arms is None else arms
+
+    def start():
+        w0, w1 = desc[2 * g], desc[2 * g + 1]
+        slot, k, n, bank = w0 >> 8, w1 & 0xFFFF, w1 >> 16, g % RING_DEPTH
+
+        def tree(lo, hi):  # arms[lo:hi]: split on the arm id until one is left
+            if hi - lo == 1:
+                for cp in ring.arms[arms[lo]].copies(r, slot, k, n, bank):
+                    cp.start()
+                return
+            mid = (lo + hi) // 2
+            jax.lax.cond((w0 & 255) < arms[mid], lambda: tree(lo, mid), lambda: tree(mid, hi))
+
+        tree(0, len(arms))
+
+    if arms and past_end:
+        pl.when(g < ring.tiles)(start)
+    elif arms:
+        start()
+
+
+def k_columns(st, k):
+    """The input columns of K tile k (k a Python int or a traced one, when tk is lane-aligned)."""
+    return slice(k * st.tk, (k + 1) * st.tk) if isinstance(k, int) else pl.ds(pl.multiple_of(k * st.tk, st.tk), st.tk)
+
+
+def sum_k_tiles(st, rows, width, part):
+    """Sum of part(k) over the nk K tiles: a loop when the tiles' input columns are lane-aligned
+    (one copy of the tile code), else unrolled."""
+    if st.nk == 1:
+        return part(0)
+    if st.tk % 128 == 0:
+        return jax.lax.fori_loop(0, st.nk, lambda k, acc: acc + part(k), jnp.zeros((rows, width), F32))
+    acc = part(0)
+    for k in range(1, st.nk):
+        acc = acc + part(k)
+    return acc
 
 
 def linear(r, issue, st: Stream, slot, base, xb, out):
     """out = xb @ W: consume W's tiles from the ring, keeping RING_DEPTH - 1 tiles in flight."""
 
+    def tile(n, k):
+        g = base + n * st.nk + k
+        issue(g + RING_DEPTH - 1, st)
+        bank = g % RING_DEPTH
+        st.wait(r, bank)
+        return jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+
     def column_block(n, carry):
-        acc = None
-        for k in range(st.nk):
-            g = base + n * st.nk + k
-            issue(g + RING_DEPTH - 1)
-            bank = g % RING_DEPTH
-            tile_copy(r, st, 0, 0, bank).wait()
-            part = jnp.dot(
-                xb[:, k * st.tk : (k + 1) * st.tk],
-                r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)],
-                preferred_element_type=F32,
-            )
-            acc = part if acc is None else acc + part
+        acc = sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k))
         out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = acc[0 : out.shape[0]]  # the logits output has batch rows
         return carry
 
@@ -339,10 +646,14 @@ def rms_rows(x, w, eps):
 
 
 def rmsnorm(x, w, out, eps, heads):
-    """RMSNorm of each row (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
+    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
     d = x.shape[1] // heads
-    for h in range(heads):
-        out[:, h * d : (h + 1) * d] = rms_rows(x[:, h * d : (h + 1) * d], w, eps)
+
+    def head(h):
+        cols = head_cols(h, d)
+        out[:, cols] = rms_rows(x[:, cols], w, eps)
+
+    for_each_head(heads, d, head)
 
 
 def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):
@@ -388,18 +699,21 @@ def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
     def start(b):
         return pl.multiple_of(jnp.clip((tokens_ref[b] - offset) // EMB_BLOCK * EMB_BLOCK, 0, vocab - EMB_BLOCK), 8)
 
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start()
-    for b in range(batch):
-        pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait()
+    def each_row(body):  # one copy of the per-row code, whatever the batch
+        jax.lax.fori_loop(0, batch, lambda b, c: (body(b), c)[1], 0)
+
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(start(b), EMB_BLOCK)], block.at[b], sem.at[0]).start())
+    each_row(lambda b: pltpu.make_async_copy(table.at[pl.ds(0, EMB_BLOCK)], block.at[b], sem.at[0]).wait())
     width = table.shape[1]
     lane_row = jax.lax.broadcasted_iota(I32, (EMB_BLOCK, width), 0)
     out_row = jax.lax.broadcasted_iota(I32, out.shape, 0)
-    x = jnp.zeros(out.shape, F32)
-    for b in range(batch):
+    out[...] = jnp.zeros(out.shape, F32)
+
+    def pick(b):
         picked = jnp.where(lane_row == tokens_ref[b] - offset - start(b), block[b].astype(F32), 0.0)
-        x = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), x)
-    out[...] = x
+        out[...] = jnp.where(out_row == b, jnp.sum(picked, axis=0, keepdims=True), out[...])
+
+    each_row(pick)
 
 
 def row_argmax(x, chunk):
@@ -480,6 +794,15 @@ def lane_pick(row, i):
     """Element i of a [1, n] row as a [1, 1] value (i may be traced)."""
     lane = jax.lax.broadcasted_iota(I32, row.shape, 1)
     return jnp.sum(jnp.where(lane == i, row, 0.0), axis=1, keepdims=True)
+def mxu_dot(x, cached, dims):
+    """x (f32) times a cache tile on the MXU, f32 accumulation: a bf16 tile takes x rounded to bf16
+    (one bf16 pass, as the reference's `mxu_operand` rounds it); another tile is upcast, at full f32
+    precision."""
+    if cached.dtype == BF16:
+        return jax.lax.dot_general(x.astype(BF16), cached, dims, preferred_element_type=F32)
+    return jax.lax.dot_general(x, cached.astype(F32), dims, preferred_element_type=F32, precision=HIGHEST)
+
+
 def first_tile(pos, kv_tile, window):
     """The first KV tile a row at `pos` reads: 0, or with a window the tile of pos - window + 1."""
     if window is None:
@@ -670,23 +993,27 @@ class Attention:
         return (t <= pos) & (t > pos - self.window)
 
     def attend(self, buf, b, t0, pos):
+        """One KV tile for row b: every KV head's scores first, then the softmax updates, then the
+        value products, each state read before any is written (no false store -> load chains), so
+        the heads' MXU pushes and vector work overlap."""
         ts = self.kv_tile
         valid = self.seen(t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1), pos)
-        valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
+        groups = [pl.ds(g * self.group, self.group) for g in range(self.kv_load)]
+        scores = []
         for g in range(self.kv_load):
-            hs = pl.ds(g * self.group, self.group)
             q = self.heads_at(self.q2d, g * self.group * self.rows + b, self.group, self.dk, stride=self.rows)
-            k = self.ktiles[buf, g].astype(F32)
-            v = jnp.where(valid_rows, self.vtiles[buf, g].astype(F32), 0.0)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST) * self.scale
-            s = jnp.where(valid, s, NEG_INF)
-            m_prev = self.m[hs, :]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.exp(s - m_new)
-            self.l[hs, :] = alpha * self.l[hs, :] + jnp.sum(p, axis=1, keepdims=True)
-            self.acc[hs, :] = alpha * self.acc[hs, :] + jnp.dot(p, v, preferred_element_type=F32, precision=HIGHEST)
-            self.m[hs, :] = m_new
+            s = mxu_dot(q, self.ktiles[buf, g], (((1,), (1,)), ((), ()))) * self.scale
+            scores.append(jnp.where(valid, s, NEG_INF))
+        m_prev, l_prev, acc_prev = ([ref[hs, :] for hs in groups] for ref in (self.m, self.l, self.acc))
+        m_new = [jnp.maximum(m, jnp.max(s, axis=1, keepdims=True)) for m, s in zip(m_prev, scores, strict=True)]
+        alpha = [jnp.exp(m - mn) for m, mn in zip(m_prev, m_new, strict=True)]
+        p = [jnp.exp(s - mn) for s, mn in zip(scores, m_new, strict=True)]
+        # keys not seen weigh exp(-inf) = 0: 0 * v, as in the reference
+        pv = [mxu_dot(p[g], self.vtiles[buf, g], (((1,), (0,)), ((), ()))) for g in range(self.kv_load)]
+        for g, hs in enumerate(groups):
+            self.l[hs, :] = alpha[g] * l_prev[g] + jnp.sum(p[g], axis=1, keepdims=True)
+            self.acc[hs, :] = alpha[g] * acc_prev[g] + pv[g]
+            self.m[hs, :] = m_new[g]
 
 
 # ---------------------------------------------------------------------------------------
@@ -705,6 +1032,14 @@ DECODER_TILES = 7
 S_EPILOGUE_LOGITS = Stream("lm_head", k=128, n=256, tk=128, tn=256, start=0, stacked=False)  # spec line 45
 EPILOGUE_TILES = 1
 
+# The streams of each layer kind (LAYER_KINDS order), each with the slot table its layer slice is
+# read from (None: the layer index), and the epilogue's; RING: the descriptor of every tile.
+KIND_STREAMS = (
+    ((S_DECODER_LINEAR, None), (S_DECODER_LINEAR_1, None), (S_DECODER_LINEAR_2, None), (S_DECODER_LINEAR_3, None), (S_DECODER_LINEAR_4, None), (S_DECODER_LINEAR_5, None), (S_DECODER_LINEAR_6, None), ),
+)
+EPILOGUE_STREAMS = (S_EPILOGUE_LOGITS, )
+RING = ring_tables(KIND_STREAMS, EPILOGUE_STREAMS)
+
 
 def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
@@ -719,12 +1054,13 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
     LAYER_CARRIES, entry 0 as the layer stack receives it and entry l + 1 after layer l. The default
     build has no trace output and no trace copies.
 
-    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the kernel's own
-    argmax); `step` then takes a fifth argument, `seed` (an int, default 0), and its draws are a
-    function of (seed, each row's position, row, token) only. `steps_per_call=N` runs N decode
-    steps in one device call, each step's token fed to the next on the device (positions
-    advancing by one), and returns the N tokens as next_tokens i32 [batch, N] with the last
-    step's logits.
+    `sampling`: a `Sampling(temperature, top_k, top_p)` (default greedy: the first argmax);
+    the kernel draws the token itself (`sampled_argmax`, over its share of a split vocabulary)
+    and `step` takes a fifth argument, `seed` (an int, default 0): the draws are a function of
+    (seed, each row's position, row, token) only, as `sample_tokens`'s. `steps_per_call=N` runs
+    N decode steps in one kernel call (a loop in the kernel, each step's token fed to the next
+    on the device, positions advancing by one) and returns the N tokens as next_tokens
+    i32 [batch, N] with the last step's logits.
     """
     check_sizes(batch, seq_len)
     if sampling is None:
@@ -741,13 +1077,12 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
     vectors = ["out_norm", ]  # 1-D weights, passed as [1, N]
     padded = {}  # vector stacks padded to whole fetch blocks
     state_names = list(STATE)
-    outputs = ["logits", "next_tokens"] + [f"{name}_out" for name in state_names]
+    outputs = ["logits", "chosen"] + [f"{name}_out" for name in state_names]  # chosen: every step's tokens
     traces = [f"{name}_trace" for name in LAYER_CARRIES] if layer_trace else []
     outputs += traces
     scratch = {
         "ring": pltpu.VMEM((16, 256, 256), jnp.bfloat16),
         "ring_sem": pltpu.SemaphoreType.DMA((16,)),
-        "cursor": pltpu.SMEM((2,), jnp.int32),
         "f_norm1": pltpu.VMEM((2, 128), jnp.bfloat16),
         "f_norm2": pltpu.VMEM((2, 128), jnp.bfloat16),
         "f_out_norm": pltpu.VMEM((1, 128), jnp.bfloat16),
@@ -784,143 +1119,100 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
         "kv_n": pltpu.SMEM((1,), jnp.int32),
         "wb_pending": pltpu.SMEM((1,), jnp.int32),
     }
+    scratch.update(step_scratch(batch, rows))  # the in-kernel step loop (wrapper/sampling.py.jinja)
     names = hbm_inputs + state_names + outputs + list(scratch)
 
-    def kernel(tokens_ref, positions_ref, layer_kind_ref, layer_base_ref, *refs):
+    def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, tile_desc_ref, seed_ref, *refs):
         r = Refs(names, refs)
+        tokens_ref, positions_ref = r.step_tokens, r.step_positions  # the current step's, as the lowerings read them
+        for b in range(batch):
+            tokens_ref[b] = tokens_in[b]
+            positions_ref[b] = positions_in[b]
 
-        def issue(g):
-            """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing)."""
+        def decode_step(step, carry):  # one whole decode step; its drawn tokens feed the next
+            def issue(g, consumer=None):
+                """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing).
+                `consumer`: the stream whose tile g - RING_DEPTH + 1 is being consumed, which narrows
+                the arms tile g may be (RING.ahead); None: any."""
+                arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
+                ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
-            def tiles_of(layer):
-                return DECODER_TILES
+            attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=2, kv_heads=1, dk=128, dv=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.08838834764831845, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)
 
-            def behind(cursor):
-                layer, base = cursor
-                return (layer < NUM_LAYERS) & (g >= base + tiles_of(layer))
+            # ---- prologue: first tiles in flight, per-step tables ----
+            for g in range(RING_DEPTH - 1):
+                issue(g)
+            rope0_cos, rope0_sin, rope0_up = rope_tables(positions_ref, rows, batch, d=128, offset=0, rotary=128, shift=64, freq=(1.0, 0.8659643530845642, 0.7498942017555237, 0.6493816375732422, 0.5623413324356079, 0.486967533826828, 0.4216965138912201, 0.3651741147041321, 0.3162277638912201, 0.2738419771194458, 0.23713737726211548, 0.20535250008106232, 0.17782793939113617, 0.1539926528930664, 0.1333521455526352, 0.11547819525003433, 0.10000000149011612, 0.08659642934799194, 0.0749894231557846, 0.06493816524744034, 0.05623413249850273, 0.04869675263762474, 0.04216964915394783, 0.03651741147041321, 0.03162277489900589, 0.0273841954767704, 0.023713737726211548, 0.02053525112569332, 0.017782794311642647, 0.015399265103042126, 0.013335213996469975, 0.011547819711267948, 0.009999999776482582, 0.00865964312106371, 0.007498942315578461, 0.006493816152215004, 0.005623413249850273, 0.004869675263762474, 0.0042169648222625256, 0.0036517411936074495, 0.003162277629598975, 0.0027384196873754263, 0.0023713738191872835, 0.0020535250660032034, 0.0017782794311642647, 0.0015399265103042126, 0.0013335214462131262, 0.0011547820176929235, 0.0010000000474974513, 0.0008659643353894353, 0.0007498941849917173, 0.0006493816035799682, 0.000562341301701963, 0.0004869675321970135, 0.0004216965171508491, 0.00036517411353997886, 0.0003162277571391314, 0.00027384195709601045, 0.00023713737027719617, 0.00020535250951070338, 0.00017782794020604342, 0.0001539926597615704, 0.0001333521504420787, 0.00011547820031410083), concentration=1.0)
+            kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
+            for i in range(1):
+                r.wb_pending[i] = 0
+            # spec line 44: x = layers(embedding(tokens, embed))
+            embedding(r, r.embed, tokens_ref, batch, r.carry0, r.emb_block, r.emb_sem)
 
-            def advance(cursor):
-                layer, base = cursor
-                return layer + 1, base + tiles_of(layer)
-
-            # Calls come with increasing g, so the cursor (layer, its first tile) only moves forward.
-            layer, base = jax.lax.while_loop(behind, advance, (r.cursor[0], r.cursor[1]))
-            r.cursor[0] = layer
-            r.cursor[1] = base
-            j, bank = g - base, g % RING_DEPTH
-            kind = layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]
-
-            @pl.when((layer < NUM_LAYERS) & (kind == 0))
-            def _():
-                @pl.when((j >= S_DECODER_LINEAR.start) & (j < S_DECODER_LINEAR.start + S_DECODER_LINEAR.tiles))
-                def _():
-                    tile_copy(r, S_DECODER_LINEAR, layer, j - S_DECODER_LINEAR.start, bank).start()
-
-                @pl.when((j >= S_DECODER_LINEAR_1.start) & (j < S_DECODER_LINEAR_1.start + S_DECODER_LINEAR_1.tiles))
-                def _():
-                    tile_copy(r, S_DECODER_LINEAR_1, layer, j - S_DECODER_LINEAR_1.start, bank).start()
-
-                @pl.when((j >= S_DECODER_LINEAR_2.start) & (j < S_DECODER_LINEAR_2.start + S_DECODER_LINEAR_2.tiles))
-                def _():
-                    tile_copy(r, S_DECODER_LINEAR_2, layer, j - S_DECODER_LINEAR_2.start, bank).start()
-
-                @pl.when((j >= S_DECODER_LINEAR_3.start) & (j < S_DECODER_LINEAR_3.start + S_DECODER_LINEAR_3.tiles))
-                def _():
-                    tile_copy(r, S_DECODER_LINEAR_3, layer, j - S_DECODER_LINEAR_3.start, bank).start()
-
-                @pl.when((j >= S_DECODER_LINEAR_4.start) & (j < S_DECODER_LINEAR_4.start + S_DECODER_LINEAR_4.tiles))
-                def _():
-                    tile_copy(r, S_DECODER_LINEAR_4, layer, j - S_DECODER_LINEAR_4.start, bank).start()
-
-                @pl.when((j >= S_DECODER_LINEAR_5.start) & (j < S_DECODER_LINEAR_5.start + S_DECODER_LINEAR_5.tiles))
-                def _():
-                    tile_copy(r, S_DECODER_LINEAR_5, layer, j - S_DECODER_LINEAR_5.start, bank).start()
-
-                @pl.when((j >= S_DECODER_LINEAR_6.start) & (j < S_DECODER_LINEAR_6.start + S_DECODER_LINEAR_6.tiles))
-                def _():
-                    tile_copy(r, S_DECODER_LINEAR_6, layer, j - S_DECODER_LINEAR_6.start, bank).start()
-
-            @pl.when(layer == NUM_LAYERS)
-            def _():
-                @pl.when((j >= S_EPILOGUE_LOGITS.start) & (j < S_EPILOGUE_LOGITS.start + S_EPILOGUE_LOGITS.tiles))
-                def _():
-                    tile_copy(r, S_EPILOGUE_LOGITS, 0, j - S_EPILOGUE_LOGITS.start, bank).start()
-
-                pass
-
-        attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=2, kv_heads=1, dk=128, dv=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.08838834764831845, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)
-
-        # ---- prologue: first tiles in flight, per-step tables ----
-        r.cursor[0] = 0
-        r.cursor[1] = 0
-        for g in range(min(RING_DEPTH - 1, int(LAYER_TILE_BASE[-1]) + EPILOGUE_TILES)):
-            issue(jnp.int32(g))
-        rope0_cos, rope0_sin, rope0_up = rope_tables(positions_ref, rows, batch, d=128, offset=0, rotary=128, shift=64, freq=(1.0, 0.8659643530845642, 0.7498942017555237, 0.6493816375732422, 0.5623413324356079, 0.486967533826828, 0.4216965138912201, 0.3651741147041321, 0.3162277638912201, 0.2738419771194458, 0.23713737726211548, 0.20535250008106232, 0.17782793939113617, 0.1539926528930664, 0.1333521455526352, 0.11547819525003433, 0.10000000149011612, 0.08659642934799194, 0.0749894231557846, 0.06493816524744034, 0.05623413249850273, 0.04869675263762474, 0.04216964915394783, 0.03651741147041321, 0.03162277489900589, 0.0273841954767704, 0.023713737726211548, 0.02053525112569332, 0.017782794311642647, 0.015399265103042126, 0.013335213996469975, 0.011547819711267948, 0.009999999776482582, 0.00865964312106371, 0.007498942315578461, 0.006493816152215004, 0.005623413249850273, 0.004869675263762474, 0.0042169648222625256, 0.0036517411936074495, 0.003162277629598975, 0.0027384196873754263, 0.0023713738191872835, 0.0020535250660032034, 0.0017782794311642647, 0.0015399265103042126, 0.0013335214462131262, 0.0011547820176929235, 0.0010000000474974513, 0.0008659643353894353, 0.0007498941849917173, 0.0006493816035799682, 0.000562341301701963, 0.0004869675321970135, 0.0004216965171508491, 0.00036517411353997886, 0.0003162277571391314, 0.00027384195709601045, 0.00023713737027719617, 0.00020535250951070338, 0.00017782794020604342, 0.0001539926597615704, 0.0001333521504420787, 0.00011547820031410083), concentration=1.0)
-        kv_tables(positions_ref, batch, KV_TILE, r.kv_row, r.kv_t0, r.kv_n)
-        for i in range(1):
-            r.wb_pending[i] = 0
-        # spec line 44: x = layers(embedding(tokens, embed))
-        embedding(r, r.embed, tokens_ref, batch, r.carry0, r.emb_block, r.emb_sem)
-
-        # ---- the layer stack ----
-        if layer_trace:
-            pltpu.sync_copy(r.carry0, r.x_trace.at[0])
-
-        def layer(li, carry):
-            base = layer_base_ref[li]
-
-            @pl.when(layer_kind_ref[li] == 0)
-            def _():
-                # layer kind `decoder` (spec line 31)
-                fetch(r.norm1, r.f_norm1, r.fetch_sem.at[0], li, 2).start()
-                fetch(r.norm2, r.f_norm2, r.fetch_sem.at[1], li, 2).start()
-                # spec line 32: h = rmsnorm(x, norm1)
-                fetch(r.norm1, r.f_norm1, r.fetch_sem.at[0], li, 2).wait()
-                rmsnorm(r.carry0[...], pick_row(r.f_norm1, li), r.v0_128, eps=1e-05, heads=1)
-                # spec line 33: q = rope(linear(h, wq), pos, heads=NH)
-                cast_into(r.v0_128, r.v0_128_bf16)
-                linear(r, issue, S_DECODER_LINEAR, li, base + S_DECODER_LINEAR.start, r.v0_128_bf16, r.v1_256)
-                rope(r.v1_256, r.v2_256, rope0_cos, rope0_sin, rope0_up, heads=2, shift=64)
-                # spec line 34: k = rope(linear(h, wk), pos, heads=NKV)
-                linear(r, issue, S_DECODER_LINEAR_1, li, base + S_DECODER_LINEAR_1.start, r.v0_128_bf16, r.v3_128)
-                rope(r.v3_128, r.v4_128, rope0_cos, rope0_sin, rope0_up, heads=1, shift=64)
-                # spec line 35: a = attention(q, k, linear(h, wv), k_cache, v_cache, pos, heads=NH, kv_heads=NKV)
-                linear(r, issue, S_DECODER_LINEAR_2, li, base + S_DECODER_LINEAR_2.start, r.v0_128_bf16, r.v3_128)
-                attention0(li, r.v2_256, r.v4_128, r.v3_128, r.v1_256)
-                # spec line 36: x = x + linear(a, wo)
-                cast_into(r.v1_256, r.v1_256_bf16)
-                linear(r, issue, S_DECODER_LINEAR_3, li, base + S_DECODER_LINEAR_3.start, r.v1_256_bf16, r.v3_128)
-                r.v4_128[...] = r.carry0[...] + r.v3_128[...]
-                # spec line 37: h = rmsnorm(x, norm2)
-                fetch(r.norm2, r.f_norm2, r.fetch_sem.at[1], li, 2).wait()
-                rmsnorm(r.v4_128[...], pick_row(r.f_norm2, li), r.v3_128, eps=1e-05, heads=1)
-                # spec line 38: return x + linear(swiglu(linear(h, w_gate), linear(h, w_up)), w_down)
-                cast_into(r.v3_128, r.v3_128_bf16)
-                linear(r, issue, S_DECODER_LINEAR_4, li, base + S_DECODER_LINEAR_4.start, r.v3_128_bf16, r.v1_256)
-                linear(r, issue, S_DECODER_LINEAR_5, li, base + S_DECODER_LINEAR_5.start, r.v3_128_bf16, r.v2_256)
-                r.v5_256[...] = jax.nn.silu(r.v1_256[...]) * r.v2_256[...]
-                cast_into(r.v5_256, r.v5_256_bf16)
-                linear(r, issue, S_DECODER_LINEAR_6, li, base + S_DECODER_LINEAR_6.start, r.v5_256_bf16, r.v3_128)
-                r.v0_128[...] = r.v4_128[...] + r.v3_128[...]
-                r.carry0[...] = r.v0_128[...]
+            # ---- the layer stack ----
             if layer_trace:
-                pltpu.sync_copy(r.carry0, r.x_trace.at[li + 1])
+                pltpu.sync_copy(r.carry0, r.x_trace.at[0])
 
+            def layer(li, carry):
+                base = layer_base_ref[li]
+
+                @pl.when(layer_kind_ref[li] == 0)
+                def _():
+                    # layer kind `decoder` (spec line 31)
+                    fetch(r.norm1, r.f_norm1, r.fetch_sem.at[0], li, 2).start()
+                    fetch(r.norm2, r.f_norm2, r.fetch_sem.at[1], li, 2).start()
+                    # spec line 32: h = rmsnorm(x, norm1)
+                    fetch(r.norm1, r.f_norm1, r.fetch_sem.at[0], li, 2).wait()
+                    rmsnorm(r.carry0, pick_row(r.f_norm1, li), r.v0_128, eps=1e-05, heads=1)
+                    # spec line 33: q = rope(linear(h, wq), pos, heads=NH)
+                    cast_into(r.v0_128, r.v0_128_bf16)
+                    linear(r, issue, S_DECODER_LINEAR, li, base + S_DECODER_LINEAR.start, r.v0_128_bf16, r.v1_256)
+                    rope(r.v1_256, r.v2_256, rope0_cos, rope0_sin, rope0_up, heads=2, shift=64)
+                    # spec line 34: k = rope(linear(h, wk), pos, heads=NKV)
+                    linear(r, issue, S_DECODER_LINEAR_1, li, base + S_DECODER_LINEAR_1.start, r.v0_128_bf16, r.v3_128)
+                    rope(r.v3_128, r.v4_128, rope0_cos, rope0_sin, rope0_up, heads=1, shift=64)
+                    # spec line 35: a = attention(q, k, linear(h, wv), k_cache, v_cache, pos, heads=NH, kv_heads=NKV)
+                    linear(r, issue, S_DECODER_LINEAR_2, li, base + S_DECODER_LINEAR_2.start, r.v0_128_bf16, r.v3_128)
+                    attention0(li, r.v2_256, r.v4_128, r.v3_128, r.v1_256)
+                    # spec line 36: x = x + linear(a, wo)
+                    cast_into(r.v1_256, r.v1_256_bf16)
+                    linear(r, issue, S_DECODER_LINEAR_3, li, base + S_DECODER_LINEAR_3.start, r.v1_256_bf16, r.v3_128)
+                    r.v4_128[...] = r.carry0[...] + r.v3_128[...]
+                    # spec line 37: h = rmsnorm(x, norm2)
+                    fetch(r.norm2, r.f_norm2, r.fetch_sem.at[1], li, 2).wait()
+                    rmsnorm(r.v4_128, pick_row(r.f_norm2, li), r.v3_128, eps=1e-05, heads=1)
+                    # spec line 38: return x + linear(swiglu(linear(h, w_gate), linear(h, w_up)), w_down)
+                    cast_into(r.v3_128, r.v3_128_bf16)
+                    linear(r, issue, S_DECODER_LINEAR_4, li, base + S_DECODER_LINEAR_4.start, r.v3_128_bf16, r.v1_256)
+                    linear(r, issue, S_DECODER_LINEAR_5, li, base + S_DECODER_LINEAR_5.start, r.v3_128_bf16, r.v2_256)
+                    r.v5_256[...] = jax.nn.silu(r.v1_256[...]) * r.v2_256[...]
+                    cast_into(r.v5_256, r.v5_256_bf16)
+                    linear(r, issue, S_DECODER_LINEAR_6, li, base + S_DECODER_LINEAR_6.start, r.v5_256_bf16, r.v3_128)
+                    r.v0_128[...] = r.v4_128[...] + r.v3_128[...]
+                    r.carry0[...] = r.v0_128[...]
+                if layer_trace:
+                    pltpu.sync_copy(r.carry0, r.x_trace.at[li + 1])
+
+                return carry
+
+            jax.lax.fori_loop(0, NUM_LAYERS, layer, 0)
+
+            # ---- epilogue: after the last layer ----
+            base = layer_base_ref[NUM_LAYERS]
+            fetch(r.out_norm, r.f_out_norm, r.fetch_sem.at[2], 0, 1).start()
+            # spec line 45: logits = linear(rmsnorm(x, out_norm), lm_head)
+            fetch(r.out_norm, r.f_out_norm, r.fetch_sem.at[2], 0, 1).wait()
+            rmsnorm(r.carry0, pick_row(r.f_out_norm, 0), r.v6_128, eps=1e-05, heads=1)
+            cast_into(r.v6_128, r.v6_128_bf16)
+            linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v6_128_bf16, r.logits)
+            # spec line 46: return logits, argmax(logits)
+            sampled_argmax(sampling, seed_ref, positions_ref, r.logits, r.next_tokens, chunk=256)
+            attention0.drain()
+            r.chosen[step] = r.next_tokens[...]
+            feed_tokens(r, batch, step, positions_in)
             return carry
 
-        jax.lax.fori_loop(0, NUM_LAYERS, layer, 0)
-
-        # ---- epilogue: after the last layer ----
-        base = layer_base_ref[NUM_LAYERS]
-        fetch(r.out_norm, r.f_out_norm, r.fetch_sem.at[2], 0, 1).start()
-        # spec line 45: logits = linear(rmsnorm(x, out_norm), lm_head)
-        fetch(r.out_norm, r.f_out_norm, r.fetch_sem.at[2], 0, 1).wait()
-        rmsnorm(r.carry0[...], pick_row(r.f_out_norm, 0), r.v6_128, eps=1e-05, heads=1)
-        cast_into(r.v6_128, r.v6_128_bf16)
-        linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v6_128_bf16, r.logits)
-        # spec line 46: return logits, argmax(logits)
-        argmax(r.logits, r.next_tokens, chunk=256)
-        attention0.drain()
+        jax.lax.fori_loop(0, steps_per_call, decode_step, 0)
 
     def hbm():
         return pl.BlockSpec(memory_space=pl.ANY)
@@ -928,14 +1220,14 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
     def vmem():
         return pl.BlockSpec(memory_space=pltpu.VMEM)
 
-    n_scalars = 4
+    n_scalars = 6  # tokens, positions, the layer tables, the tile descriptors, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
     layout = state_layout(batch, seq_len)
     call = pl.pallas_call(
         kernel,
         out_shape=[
             jax.ShapeDtypeStruct((batch, 256), F32),
-            jax.ShapeDtypeStruct((batch, 1), I32),
+            jax.ShapeDtypeStruct((steps_per_call, batch, 1), I32),
             *[layout[name] for name in state_names],
             *[jax.ShapeDtypeStruct((NUM_LAYERS + 1, rows, width), F32) for width in LAYER_CARRIES.values() if layer_trace],
         ],
@@ -953,41 +1245,31 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
     )
 
 
-    def one_step(flat, state, tokens, positions):
-        """One kernel call: (logits, the kernel's greedy tokens [batch], new state, trace)."""
-        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE)]
+    def one_step(flat, state, tokens, positions, seed):
+        """One kernel call: (logits, the tokens the kernel drew [batch], new state, trace)."""
+        seed = jax.lax.bitcast_convert_type(seed.astype(jnp.uint32), I32).reshape(1)
+        tables = [jnp.asarray(LAYER_KIND), jnp.asarray(LAYER_TILE_BASE), jnp.asarray(RING.desc)]
         logits, next_tokens, *new_state = call(
             tokens.astype(I32),
             positions.astype(I32),
             *tables,
+            seed,
             *[flat[name] for name in hbm_inputs],
             *[state[name] for name in state_names],
         )
         new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
         new_state = dict(zip(state_names, new_state, strict=True))
         trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)} if layer_trace else {}
-        return logits, next_tokens.reshape(batch), new_state, trace
+        next_tokens = next_tokens[:, :, 0].T  # [batch, steps_per_call]
+        return logits, next_tokens.reshape(batch) if steps_per_call == 1 else next_tokens, new_state, trace
 
     def step(weights, state, tokens, positions, seed):
         flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
         for name, rows in padded.items():
             flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
         tokens, positions = tokens.astype(I32), positions.astype(I32)
-        if steps_per_call == 1:
-            logits, greedy, new_state, trace = one_step(flat, state, tokens, positions)
-            next_tokens = sample_tokens(logits, positions, seed, sampling, greedy)
-            return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
-
-        def decode(i, carry):  # step i's token is step i + 1's input, on the device
-            state, last, chosen, _ = carry
-            logits, greedy, state, _ = one_step(flat, state, last, positions + i)
-            last = sample_tokens(logits, positions + i, seed, sampling, greedy)
-            return state, last, chosen.at[:, i].set(last), logits
-
-        chosen = jnp.zeros((batch, steps_per_call), I32)
-        logits = jnp.zeros((batch, 256), F32)
-        new_state, _, chosen, logits = jax.lax.fori_loop(0, steps_per_call, decode, (state, tokens, chosen, logits))
-        return logits, chosen, new_state
+        logits, next_tokens, new_state, trace = one_step(flat, state, tokens, positions, seed)
+        return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
 
     jitted = jax.jit(step, donate_argnums=(1,))
     return CheckedStep(jitted, batch, seq_len, steps_per_call)

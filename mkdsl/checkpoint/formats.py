@@ -8,6 +8,7 @@ decodes them (Q8_0: `d * q`; Q4_1: `d * q + m`, with f16 `d`, `m`).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,11 +78,14 @@ class SafetensorsReader:
         self.root = next(iter(files.values())).parent
         self._handles = {}
         self._where: dict[str, object] = {}
+        self._file: dict[str, Path] = {}
         try:
             for key, f in files.items():
                 h = self._handles[key] = safe_open(str(f), framework="numpy")
                 for name in h.keys():
-                    self._where[name] = h
+                    if weight_map is None or weight_map.get(name) == key:  # the index says where each tensor is
+                        self._where[name] = h
+                        self._file[name] = f
         except Exception as e:  # safetensors raises its own error types for a damaged header
             raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
         if weight_map is not None:
@@ -112,7 +116,36 @@ class SafetensorsReader:
         return Stored(name, tuple(s.get_shape()), s.get_dtype())
 
     def read(self, name: str) -> np.ndarray:
+        kind = self._where[name].get_slice(name).get_dtype()
+        if kind in RAW_TYPES:  # the safetensors package's numpy reader knows no fp8
+            return _read_raw(self._file[name], name, RAW_TYPES[kind])
         return self._where[name].get_tensor(name)
+
+
+# Stored types that numpy reads only through ml_dtypes: read from the file's bytes.
+RAW_TYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+@functools.lru_cache(maxsize=8)
+def _header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's header: an 8-byte little-endian length, then JSON (name -> dtype,
+    shape, data_offsets relative to the end of the header); the data follows."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return 8 + n, json.loads(f.read(n))
+
+
+def _read_raw(path: Path, name: str, dtype: str) -> np.ndarray:
+    """One tensor read from its bytes."""
+    import ml_dtypes
+
+    start, header = _header(path)
+    entry = header[name]
+    lo, hi = entry["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(start + lo)
+        data = f.read(hi - lo)
+    return np.frombuffer(data, getattr(ml_dtypes, dtype)).reshape(entry["shape"])
 
 
 class GGUFReader:

@@ -5,11 +5,16 @@ exist with a shape the mapping turns into the spec's, and a type that converts i
 dtype exactly, or a mapping that accepts rounding (`| round`). Every mistake is collected and
 reported together before any data is read, so nothing is half-loaded. The load then builds one
 spec weight at a time on the host (one stacked array: peak host memory is about the largest
-weight plus one stored tensor), places it (split over the mesh for a sharded kernel) and frees it.
+weight plus one stored tensor), places it and frees it; for a sharded kernel it builds one
+device's shard at a time instead (`shards.py`), so the host holds one shard, not the weight.
 
 Exact conversions: the same type, f16/bf16 to f32, and GGUF block formats (decoded in f32 as
 llama.cpp does) to f32. Anything else into bf16 (f32, f16, Q8_0, Q4_1) rounds to nearest even;
 the mapping must say `| round`, and the report counts the rounded tensors by stored type.
+A quantised weight comes from a stored `codes * scales` pair (`pairs.PAIRS`): its codes and
+scales are moved by the steps and re-packed into the spec's storage, bit for bit; decoded into a
+plain dtype, an fp8 pair rounds (`round`, counted as `F8_E4M3*F32`) and an MXFP4 one does not.
+A stored tensor that feeds two weights (gpt-oss's fused gate_up) is read once for each.
 """
 
 from __future__ import annotations
@@ -24,10 +29,24 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mkdsl.checkpoint.formats import CheckpointError, Stored, exact, open_checkpoint
-from mkdsl.checkpoint.mapping import FORMATS, WeightSource, apply_steps, mapped_shape
+from mkdsl.checkpoint.mapping import FORMATS, WeightSource, apply_pair, apply_steps, mapped_grid, mapped_shape
+from mkdsl.checkpoint.pairs import PAIRS, STORAGE, PairKind, target_groups
+from mkdsl.checkpoint.steps import Grid
+from mkdsl.dtypes import storage
 from mkdsl.ir import Model, Tensor
+from mkdsl.quant import QTensor
 
 MAX_REPORTED = 12  # mistakes listed in one error (the rest are counted)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """How a stored `codes * scales` pair becomes a weight: its kind, the grid after the steps
+    and what each step does to the scales (`mapping.mapped_grid`)."""
+
+    kind: PairKind
+    grid: Grid
+    moves: tuple
 
 
 @dataclass(frozen=True)
@@ -35,7 +54,8 @@ class Piece:
     """One slice of a spec weight (a layer's, an expert's) and the stored tensors it is made of."""
 
     index: tuple[int, ...]  # into the spec weight's full shape
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # a pair: the codes', then the scales'
+    pair: PairPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +74,14 @@ class LoadReport:
     seconds: float = 0.0
     rounded: Counter = field(default_factory=Counter)  # stored type -> tensors rounded
     target: dict = field(default_factory=dict)  # stored type -> spec dtype it rounded into
+    seen: set = field(default_factory=set, repr=False)  # stored tensors read (one may feed two weights)
+
+    def read(self, names) -> int:
+        """Count the stored tensors read for the first time; how many."""
+        new = set(names) - self.seen
+        self.seen |= new
+        self.tensors += len(new)
+        return len(new)
 
     def summary(self) -> str:
         line = f"loaded {self.tensors} tensors ({self.bytes / 2**20:.1f} MiB) in {self.seconds:.1f} s"
@@ -68,10 +96,11 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
     or a reader from `formats.open_checkpoint`)
     as `model`'s weights (a `mkdsl.Spec` or a `Model`), by the spec's mapping for that format.
 
-    `module`: the generated kernel module: each weight is laid out as it says (padded by its
-    `pad_weights` if it has one) and, for a sharded one, placed on `mesh` (default
-    `module.make_mesh()`) by its `weight_shardings`. `host=True` returns numpy arrays in the
-    spec's (and the reference's) layout.
+    `module`: the generated kernel module: each weight is laid out as it says (a quantised `w`
+    as `w_codes` and `w_scales`, padded as its `pad_weights` pads) and, for a sharded one, placed
+    on `mesh` (default `module.make_mesh()`) by its `weight_shardings`, one device's shard at a
+    time. `host=True` returns numpy arrays in the spec's (and the reference's) layout, a
+    quantised weight as a `QTensor`.
     Raises `CheckpointError` listing every missing or mismatched tensor before reading any data.
     """
     model = getattr(model, "model", model)
@@ -82,13 +111,16 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
         shardings = module.weight_shardings(mesh or module.make_mesh())
     report = LoadReport(reader.format)
     t0 = time.perf_counter()
-    total = sum(len(p.names) for wp in plans for p in wp.pieces)
+    total = len({n for wp in plans for p in wp.pieces for n in p.names})
     out = {}
     from tqdm import tqdm
 
     with tqdm(total=total, desc="loading", unit="tensor", file=sys.stderr, disable=not progress, leave=False) as bar:
         for wp in plans:
-            out[wp.tensor.name] = _place(_build(wp, reader, report, bar), wp.tensor.name, module, shardings, host)
+            if shardings is not None:  # one device's shard at a time
+                out.update(_place_sharded(wp, reader, report, bar, module, shardings))
+            else:
+                out.update(_place(_build(wp, reader, report, bar), wp.tensor.name, module, shardings, host))
     report.seconds = time.perf_counter() - t0
     return out, report
 
@@ -137,20 +169,40 @@ def _plan_weight(t: Tensor, src: WeightSource, reader, problems: list[str]) -> W
     lead = t.type.shape[: len(src.stack)]
     piece_shape = tuple(t.type.shape[len(src.stack) :])
     layers = [(i, s) for i, s in enumerate(t.slots) if s >= 0] if t.stacked else [(None, None)]
-    pieces, rounded = [], set()
+    pieces, rounded, fits = [], set(), {}  # fits: stored shapes and types -> plan (None, or a PairPlan)
     for (layer, slot), idx in itertools.product(layers, itertools.product(*(range(n) for n in lead))):
         names = tuple(src.names(layer, idx))
-        where = f"`{t.name}`" + (f" (layer {layer})" if layer is not None else "") + f", spec line {src.span.line}"
         infos = [reader.info(n) for n in names]
         missing = [n for n, i in zip(names, infos) if i is None]
         if missing:
-            problems.append(f"missing tensor `{missing[0]}` for {where}: expected {_shape(piece_shape)}")
+            where = _where(t, src, layer)
+            problems.append(f"missing tensor `{missing[0]}` for {where}: expected {_expected(t, src, piece_shape)}")
             continue
-        problem = _check_piece(t, src, infos, piece_shape, rounded)
-        if problem:
-            problems.append(f"{problem} for {where}")
-        pieces.append(Piece(((slot,) if layer is not None else ()) + idx, names))
+        key = tuple((i.shape, i.dtype) for i in infos)  # pieces alike in these fit alike
+        pair = fits.get(key)
+        if key not in fits:
+            if src.scales is not None:
+                pair = _plan_pair(t, src, *infos, piece_shape, rounded)
+                problem = pair if isinstance(pair, str) else None
+            else:
+                problem = _check_piece(t, src, infos, piece_shape, rounded)
+            if problem:  # not cached: the message names this piece's tensors
+                problems.append(f"{problem} for {_where(t, src, layer)}")
+            else:
+                fits[key] = pair
+        pieces.append(Piece(((slot,) if layer is not None else ()) + idx, names, pair))
     return WeightPlan(t, src, tuple(pieces), tuple(sorted(rounded)))
+
+
+def _where(t: Tensor, src: WeightSource, layer: int | None) -> str:
+    return f"`{t.name}`" + (f" (layer {layer})" if layer is not None else "") + f", spec line {src.span.line}"
+
+
+def _expected(t: Tensor, src: WeightSource, piece_shape: tuple) -> str:
+    if src.scales is None:
+        return _shape(piece_shape)
+    kinds = [f"{c} * {s}" for (c, s), k in PAIRS.items() if t.type.dtype.fmt in k.formats] or list(PAIRS)
+    return f"{' or '.join(kinds)} holding {_shape(piece_shape)} values after the steps"
 
 
 def _check_piece(t: Tensor, src: WeightSource, infos: list[Stored], want: tuple, rounded: set) -> str | None:
@@ -159,15 +211,11 @@ def _check_piece(t: Tensor, src: WeightSource, infos: list[Stored], want: tuple,
         return f"tensors {', '.join(f'`{i.name}` {_shape(i.shape)}' for i in infos)} cannot be concatenated"
     shape = (sum(i.shape[0] for i in infos), *first.shape[1:]) if len(infos) > 1 else first.shape
     got, why = mapped_shape(shape, src.steps)
-    steps = " | ".join(str(s) for s in src.steps if s.name != "round")
     if got is None:
-        return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}: {why}"
+        return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}: {why}; expected {_shape(want)} after the steps"
     if got != want:
-        after = f" (after `{steps}`: {_shape(got)})" if steps else ""
-        return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}{after}; expected {_shape(want)}"
+        return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}{_after(src, got)}; expected {_shape(want)}"
     target = t.type.dtype
-    if target.quantised:
-        return f"the spec's {target} cannot be loaded: the loader converts into plain dtypes only (bf16, f32)"
     for i in infos:
         if exact(i.dtype, target.numpy):
             continue
@@ -178,6 +226,41 @@ def _check_piece(t: Tensor, src: WeightSource, infos: list[Stored], want: tuple,
             )
         rounded.add(i.dtype)
     return None
+
+
+def _after(src: WeightSource, got: tuple) -> str:
+    steps = " | ".join(str(s) for s in src.steps if s.name != "round")
+    return f" (after `{steps}`: {_shape(got)})" if steps else ""
+
+
+def _plan_pair(t: Tensor, src: WeightSource, codes: Stored, scales: Stored, want: tuple, rounded: set):
+    """How a `codes * scales` pair becomes the weight (a PairPlan), or what is wrong with it."""
+    pair = f"`{codes.name}` {codes.dtype} {_shape(codes.shape)} * `{scales.name}` {scales.dtype} {_shape(scales.shape)}"
+    target = t.type.dtype
+    kind = PAIRS.get((codes.dtype, scales.dtype))
+    if kind is None or (target.quantised and target.fmt not in kind.formats):
+        return f"tensors {pair} are not a pair that holds {target} (expected {_expected(t, src, want)})"
+    grid = kind.grid(codes.shape, scales.shape, target.block)
+    if isinstance(grid, str):
+        return f"tensors {pair}: {grid}; expected {_expected(t, src, want)}"
+    out, moves = mapped_grid(grid, src.steps)
+    if out is None:
+        return f"tensors {pair} ({kind.name}, values {_shape(grid.shape)}): {moves}; expected {_shape(want)} after the steps"
+    if out.shape != want:
+        return f"tensors {pair} hold values {_shape(grid.shape)}{_after(src, out.shape)}; expected {_shape(want)}"
+    if target.quantised and out.groups != target_groups(target, len(want)):
+        need = target_groups(target, len(want))
+        return (
+            f"tensors {pair}: after the steps a scale covers {_shape(out.groups)} values; {target} has {_shape(need)}"
+        )
+    if not target.quantised and target.numpy not in kind.exact:
+        if not src.rounds:
+            return (
+                f"tensors {pair} ({kind.name}) decode to products {target} cannot hold exactly "
+                "(add `| round` to the mapping to accept rounding)"
+            )
+        rounded.add(f"{codes.dtype}*{scales.dtype}")
+    return PairPlan(kind, out, tuple(moves))
 
 
 def _exact_types(target: str) -> str:
@@ -191,35 +274,91 @@ def _shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _build(wp: WeightPlan, reader, report: LoadReport, bar) -> np.ndarray:
-    """One spec weight on the host, piece by piece."""
-    import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
+def _np(name: str) -> np.dtype:
+    import ml_dtypes
 
-    t = wp.tensor
-    dtype = np.dtype(t.type.dtype.numpy) if t.type.dtype.numpy != "bfloat16" else ml_dtypes.bfloat16
-    out = np.empty(tuple(t.full_shape), dtype)
+    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+
+
+def _empty(t: Tensor):
+    """The weight's host array(s) to fill: a QTensor for a quantised dtype."""
+    dtype = t.type.dtype
+    parts = [np.empty(p.shape, _np(p.dtype)) for p in storage(dtype, tuple(t.full_shape))]
+    return QTensor(*parts, dtype.fmt, dtype.block or dtype.group) if dtype.quantised else parts[0]
+
+
+def _build(wp: WeightPlan, reader, report: LoadReport, bar):
+    """One spec weight on the host, piece by piece."""
+    out = _empty(wp.tensor)
     for p in wp.pieces:
-        parts = [reader.read(n) for n in p.names]
-        x = parts[0] if len(parts) == 1 else np.concatenate([a.astype(np.float32) for a in parts])
-        out[p.index] = apply_steps(x, wp.source.steps).astype(dtype)
-        for n in p.names:
-            stored = reader.info(n).dtype
-            if stored in wp.rounded:
-                report.rounded[stored] += 1
-                report.target[stored] = str(t.type.dtype)
-        report.tensors += len(p.names)
-        bar.update(len(p.names))
-    report.bytes += out.nbytes
+        parts = _piece(wp, p, reader, report, bar)
+        if isinstance(out, QTensor):
+            out.codes[p.index], out.scales[p.index] = parts
+        else:
+            out[p.index] = parts[0]
+    report.bytes += sum(a.nbytes for a in (out[:2] if isinstance(out, QTensor) else (out,)))
     return out
 
 
-def _place(x: np.ndarray, name: str, module, shardings, host: bool):
-    """On the device(s), in the module's layout (`pad_weights`: matrices padded to whole tiles)."""
+def _piece(wp: WeightPlan, p: Piece, reader, report: LoadReport, bar) -> tuple[np.ndarray, ...]:
+    """One piece in the spec's dtype: (array,), or a quantised weight's (codes, scales)."""
+    t = wp.tensor
+    parts = [_read(reader, n) for n in p.names]
+    bar.update(report.read(p.names))
+    if p.pair is not None:
+        return _pair_piece(p, parts, wp, report)
+    x = parts[0] if len(parts) == 1 else np.concatenate([a.astype(np.float32) for a in parts])
+    for n in p.names:
+        stored = reader.info(n).dtype
+        if stored in wp.rounded:
+            report.rounded[stored] += 1
+            report.target[stored] = str(t.type.dtype)
+    return (apply_steps(x, wp.source.steps).astype(_np(t.type.dtype.numpy)),)
+
+
+def _read(reader, name: str) -> np.ndarray:
+    """One stored tensor's data; a file that the header promised more than it holds (truncated,
+    damaged) is a CheckpointError, and what was built so far is dropped with the call."""
+    try:
+        return reader.read(name)
+    except Exception as e:  # safetensors, gguf and numpy each raise their own error types
+        raise CheckpointError(f"tensor `{name}` cannot be read: {e}") from None
+
+
+def _pair_piece(p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadReport) -> tuple:
+    """A stored pair's piece: re-packed into the spec's storage, or decoded into its plain dtype."""
+    kind, dtype = p.pair.kind, wp.tensor.type.dtype
+    elements, scales = apply_pair(kind.unpack(parts[0]), parts[1], wp.source.steps, p.pair.moves)
+    if dtype.quantised:
+        return STORAGE[dtype.name](elements, scales)
+    key = next((n for n in wp.rounded if "*" in n), None)
+    if key is not None:
+        report.rounded[key] += 1
+        report.target[key] = str(dtype)
+    return (kind.decode(elements, scales, p.pair.grid).astype(_np(dtype.numpy)),)
+
+
+def _place_sharded(wp: WeightPlan, reader, report: LoadReport, bar, module, shardings) -> dict:
+    from mkdsl.checkpoint.shards import place_sharded
+
+    lead = len(wp.pieces[0].index) if wp.pieces else 0
+    pieces = {p.index: p for p in wp.pieces}
+    out = place_sharded(wp.tensor, pieces, lead, lambda p: _piece(wp, p, reader, report, bar), module, shardings)
+    report.bytes += sum(a.nbytes for a in out.values())
+    return out
+
+
+def _place(x, name: str, module, shardings, host: bool) -> dict:
+    """On the device(s), in the module's layout (`pad_weights`: matrices padded to whole tiles;
+    a quantised `w` as `w_codes` and `w_scales`)."""
     if host:
-        return x
+        return {name: x}
     import jax
 
+    parts = {f"{name}_codes": x.codes, f"{name}_scales": x.scales} if isinstance(x, QTensor) else {name: x}
     pad = getattr(module, "pad_weights", None)
     if pad is not None:
-        x = pad({name: x})[name]
-    return jax.device_put(x, shardings[name]) if shardings is not None else jax.device_put(x)
+        parts = pad(parts)
+    return {
+        n: jax.device_put(a, shardings[n]) if shardings is not None else jax.device_put(a) for n, a in parts.items()
+    }

@@ -4,20 +4,21 @@ A spec's `checkpoint FORMAT { weight = "name pattern" | step | ... }` section is
 (called by the elaborator) into `CheckpointMap` records that the loader reads. A pattern names
 the stored tensor; `{l}` is the layer index, and any other placeholder (`{e}`) runs over the
 leading dimensions of one layer's slice, in order, its tensors stacked along them. A list of
-patterns is concatenated along dimension 0. Steps run in order on the stored tensor (numpy
-shape, `[out, in]` for a Hugging Face or GGUF matrix); each step is a `StepDef` registered in
-`STEPS` by name.
+patterns is concatenated along dimension 0; `"codes" * "scales"` is one quantised tensor stored
+as two (the loader's `formats.PAIRS` say how each stored kind reads). Steps run in order on the
+stored tensor (numpy shape, `[out, in]` for a Hugging Face or GGUF matrix; a quantised one's
+elements, its scales moving with them); each step is a `StepDef` registered in `steps.STEPS`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 
+from mkdsl.checkpoint.steps import STEPS, Grid, StepDef, step_apply, step_grid, step_shape
 from mkdsl.diagnostics import Reporter, Span, did_you_mean
 
 FORMATS = {"hf": "Hugging Face safetensors", "gguf": "GGUF (llama.cpp)"}
@@ -41,14 +42,16 @@ class Step:
 
 @dataclass(frozen=True)
 class WeightSource:
-    """One weight's source: stored tensor names (concatenated), the steps, and the placeholders
-    other than `{l}` that stack one layer's tensors along its leading dimensions."""
+    """One weight's source: stored tensor names (concatenated; or the codes of a quantised
+    tensor whose scales `scales` names), the steps, and the placeholders other than `{l}` that
+    stack one layer's tensors along its leading dimensions."""
 
     weight: str
     patterns: tuple[str, ...]
     steps: tuple[Step, ...]
     stack: tuple[str, ...]
     span: Span = field(compare=False)
+    scales: str | None = None
 
     @property
     def rounds(self) -> bool:
@@ -56,8 +59,10 @@ class WeightSource:
         return any(s.name == "round" for s in self.steps)
 
     def names(self, layer: int | None, index: tuple[int, ...] = ()) -> list[str]:
+        """The stored tensors of one piece: the patterns' (then the scales', for a pair)."""
         values = {"l": layer, **dict(zip(self.stack, index, strict=True))}
-        return [_PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), p) for p in self.patterns]
+        pats = self.patterns + ((self.scales,) if self.scales is not None else ())
+        return [p.format_map(values) for p in pats]  # checked: `{name}` placeholders only, no other braces
 
 
 @dataclass(frozen=True)
@@ -73,55 +78,10 @@ class CheckpointMap:
 # ---------------------------------------------------------------------------- steps
 
 
-@dataclass(frozen=True)
-class StepDef:
-    """A mapping step: its parameters, its shape rule (None, or why the shape does not fit) and
-    what it does to the array."""
-
-    params: tuple[str, ...]
-    shape: Callable[[tuple[int, ...], dict[str, int]], tuple[int, ...] | str]
-    apply: Callable[[np.ndarray, dict[str, int]], np.ndarray]
-    doc: str
-
-
-def _transpose_shape(s, a):
-    return s[:-2] + (s[-1], s[-2]) if len(s) >= 2 else "`transpose` needs at least 2 dimensions"
-
-
-def _unpermute_shape(s, a):
-    h = a["heads"]
-    if not s or h < 1 or s[0] % (2 * h):
-        return f"`unpermute(heads={h})` needs dimension 0 ({s[0] if s else '-'}) to be a multiple of 2 x {h}"
-    return s
-
-
-def _unpermute(x, a):
-    """llama.cpp stores row 2j+s of each head where Hugging Face has row s*d/2+j (its rope
-    pairs adjacent rows); regroup each head's rows as (d/2, 2) and transpose back to (2, d/2)."""
-    h = a["heads"]
-    d = x.shape[0] // h
-    return x.reshape(h, d // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
-
-
-def _rows_shape(s, a):
-    lo, hi = a["start"], a["stop"]
-    if not s or not 0 <= lo < hi <= s[0]:
-        return f"`rows({lo}, {hi})` needs 0 <= start < stop <= {s[0] if s else '-'} (dimension 0)"
-    return (hi - lo,) + s[1:]
-
-
-STEPS: dict[str, StepDef] = {
-    "transpose": StepDef((), _transpose_shape, lambda x, a: np.swapaxes(x, -1, -2), "swap the last two dimensions"),
-    "unpermute": StepDef(("heads",), _unpermute_shape, _unpermute, "undo llama.cpp's q/k row permutation"),
-    "rows": StepDef(("start", "stop"), _rows_shape, lambda x, a: x[a["start"] : a["stop"]], "rows start..stop-1"),
-    "round": StepDef((), lambda s, a: s, lambda x, a: x, "accept rounding into the spec's dtype"),
-}
-
-
 def mapped_shape(shape: tuple[int, ...], steps: tuple[Step, ...]) -> tuple[tuple[int, ...] | None, str]:
     """The shape after `steps`, or (None, why not)."""
     for st in steps:
-        out = STEPS[st.name].shape(shape, st.arg)
+        out = step_shape(STEPS[st.name], shape, st.arg)
         if isinstance(out, str):
             return None, out
         shape = out
@@ -130,8 +90,30 @@ def mapped_shape(shape: tuple[int, ...], steps: tuple[Step, ...]) -> tuple[tuple
 
 def apply_steps(x: np.ndarray, steps: tuple[Step, ...]) -> np.ndarray:
     for st in steps:
-        x = STEPS[st.name].apply(x, st.arg)
+        x = step_apply(STEPS[st.name], x, st.arg)
     return x
+
+
+def mapped_grid(grid: Grid, steps: tuple[Step, ...]) -> tuple[Grid | None, list | str]:
+    """A quantised tensor's grid after `steps` and, per step, what it does to the scales (None:
+    the same as to the elements); or (None, why not)."""
+    moves = []
+    for st in steps:
+        out = step_grid(STEPS[st.name], grid, st.arg)
+        if isinstance(out, str):
+            return None, f"`{st}`: {out}"
+        grid, move = out
+        moves.append(move)
+    return grid, moves
+
+
+def apply_pair(codes: np.ndarray, scales: np.ndarray, steps: tuple[Step, ...], moves: list):
+    """(codes, scales) after `steps`; `moves` from `mapped_grid`."""
+    for st, move in zip(steps, moves, strict=True):
+        sd = STEPS[st.name]
+        codes = step_apply(sd, codes, st.arg)
+        scales = move(scales) if move is not None else step_apply(sd, scales, st.arg)
+    return codes, scales
 
 
 # ---------------------------------------------------------------------------- checking
@@ -173,10 +155,11 @@ def _check_entries(d, tensors: dict, consts, rep: Reporter, declared: set) -> li
             rep.error(e.span, f"checkpoint {d.format}: `{e.weight}` is mapped twice (first at line {mapped[e.weight]})")
             continue
         mapped[e.weight] = e.span.line
-        stack = _check_patterns(d.format, e, t, rep)
+        stack = _check_patterns(d.format, e, t, rep) if _check_pair(d.format, e, t, rep) else None
         steps = tuple(s for s in (_check_step(d.format, st, consts, rep) for st in e.steps) if s is not None)
         if stack is not None and len(steps) == len(e.steps):
-            sources.append(WeightSource(e.weight, e.patterns, steps, stack, e.span))
+            scales = e.scales[0] if e.scales is not None else None
+            sources.append(WeightSource(e.weight, e.patterns, steps, stack, e.span, scales))
     missing = [n for n, t in tensors.items() if t.kind == "weight" and n not in mapped]
     if missing:
         rep.error(
@@ -192,10 +175,26 @@ def _list(names: list[str]) -> str:
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
+def _check_pair(fmt: str, e, t, rep: Reporter) -> bool:
+    """A quantised weight comes from a `"codes" * "scales"` pair, one pattern each."""
+    if e.scales is not None and len(e.patterns) > 1:
+        rep.error(e.scales[1], f"checkpoint {fmt}: `*` pairs one codes pattern with one scales pattern, not a list")
+        return False
+    if t.type.dtype.quantised and e.scales is None:
+        rep.error(
+            e.pattern_spans[0],
+            f"checkpoint {fmt}: `{e.weight}` is {t.type.dtype}, stored as codes and scales",
+            'name both: `"codes name" * "scales name"`',
+        )
+        return False
+    return True
+
+
 def _check_patterns(fmt: str, e, t, rep: Reporter) -> tuple[str, ...] | None:
     """The stacking placeholders of the entry's patterns, or None after reporting a mistake."""
     found = None
-    for pattern, span in zip(e.patterns, e.pattern_spans, strict=True):
+    pairs = list(zip(e.patterns, e.pattern_spans, strict=True)) + ([e.scales] if e.scales is not None else [])
+    for pattern, span in pairs:
         names = _PLACEHOLDER.findall(pattern)
         bad = next((n for n in names if not _IDENT.fullmatch(n)), None)
         if bad is not None or "{" in _PLACEHOLDER.sub("", pattern) or "}" in _PLACEHOLDER.sub("", pattern):
@@ -210,7 +209,7 @@ def _check_patterns(fmt: str, e, t, rep: Reporter) -> tuple[str, ...] | None:
             rep.error(span, f"pattern {pattern!r} stacks {len(stack)} dimensions; `{e.weight}` has {len(t.type.shape)}")
             return None
         if found is not None and stack != found:
-            rep.error(span, "the patterns of a concatenation must use the same placeholders")
+            rep.error(span, "the patterns of a concatenation or a pair must use the same placeholders")
             return None
         found = stack
     return found
@@ -229,10 +228,11 @@ def _check_step(fmt: str, st, consts, rep: Reporter) -> Step | None:
             rep.error(kw.span, f"`{st.name}` takes {_params(sd)}; `{kw.name}` is not one or given twice")
             return None
         given[kw.name] = kw.value
-    if len(st.args) > len(sd.params) or set(given) != set(sd.params):
+    optional = dict(sd.defaults)
+    if len(st.args) > len(sd.params) or not set(sd.params) - set(optional) <= set(given):
         rep.error(st.span, f"`{st.name}` takes {_params(sd)}")
         return None
-    args = {}
+    args = dict(optional)
     for name, expr in given.items():
         v = consts.eval_int(expr, f"`{st.name}`'s `{name}`", minimum=0)
         if v is None:
@@ -242,4 +242,6 @@ def _check_step(fmt: str, st, consts, rep: Reporter) -> Step | None:
 
 
 def _params(sd: StepDef) -> str:
-    return f"({', '.join(sd.params)})" if sd.params else "no arguments"
+    optional = dict(sd.defaults)
+    names = [f"{p}={optional[p]}" if p in optional else p for p in sd.params]
+    return f"({', '.join(names)})" if names else "no arguments"

@@ -21,9 +21,10 @@ def attention(q, k, v, k_cache, v_cache, positions, sinks=None, *, heads, kv_hea
     """Decode attention: write this token's k/v at `positions`, then attend over the keys at
     positions p-window+1..p (0..p without a window).
 
-    Grouped-query: query head h reads KV head h // (heads // kv_heads). Scores and softmax in
-    f32; cached keys/values are read back in the cache's dtype, as a kernel would. `sinks`
-    ([heads]) adds one unscaled logit per head to the softmax's denominator only.
+    Grouped-query: query head h reads KV head h // (heads // kv_heads). Cached keys/values are
+    read back in the cache's dtype, as a kernel would; the two products follow the MXU contract
+    of `mxu_operand` (docs/architecture.md, "Attention numerics"). `sinks` ([heads]) adds one
+    unscaled logit per head to the softmax's denominator only.
     """
     b = q.shape[0]
     dk, dv = k_cache.shape[-1], v_cache.shape[-1]
@@ -31,27 +32,36 @@ def attention(q, k, v, k_cache, v_cache, positions, sinks=None, *, heads, kv_hea
     k_cache = k_cache.at[rows, :, positions].set(k.reshape(b, kv_heads, dk).astype(k_cache.dtype))
     v_cache = v_cache.at[rows, :, positions].set(v.reshape(b, kv_heads, dv).astype(v_cache.dtype))
     scale = dk**-0.5 if scale is None else scale
-    qh = q.astype(jnp.float32).reshape(b, kv_heads, heads // kv_heads, dk)
+    qh = mxu_operand(q.reshape(b, kv_heads, heads // kv_heads, dk), k_cache.dtype)
     s = jnp.einsum("bkgd,bksd->bkgs", qh, k_cache.astype(jnp.float32), precision="highest") * scale
     t = jnp.arange(k_cache.shape[2])[None, None, None, :]
     p = positions[:, None, None, None]
     seen = (t <= p) if window is None else (t <= p) & (t > p - window)
-    p = _softmax_with_sinks(jnp.where(seen, s, -jnp.inf), sinks, (1, kv_heads, heads // kv_heads, 1))
-    o = jnp.einsum("bkgs,bksd->bkgd", p, v_cache.astype(jnp.float32), precision="highest")
+    e, denom = softmax_parts(jnp.where(seen, s, -jnp.inf), sinks, (1, kv_heads, heads // kv_heads, 1))
+    e = mxu_operand(e, v_cache.dtype)
+    o = jnp.einsum("bkgs,bksd->bkgd", e, v_cache.astype(jnp.float32), precision="highest") / denom
     return o.reshape(b, heads * dv), k_cache, v_cache
 
 
-def _softmax_with_sinks(s, sinks, shape):
-    """softmax over the last axis, with e^sinks (one per query head, broadcast as `shape`) added to
-    each denominator only."""
+def mxu_operand(x, cache_dtype):
+    """What multiplies a cache of `cache_dtype` on the MXU, as f32: rounded to bf16 when the cache is
+    bf16 (a bf16 x bf16 product, exact in f32, accumulated in f32), else x in f32 (full-precision
+    f32 products). Queries and the softmax's unnormalised weights go through this."""
+    x = x.astype(jnp.float32)
+    return x.astype(jnp.bfloat16).astype(jnp.float32) if cache_dtype == jnp.bfloat16 else x
+
+
+def softmax_parts(s, sinks, shape):
+    """The softmax over the last axis as (e, denominator): e = exp(s - max), unnormalised (a kernel's
+    online softmax multiplies these by the values, then divides); e^sinks (one per query head,
+    broadcast as `shape`) is added to each denominator only."""
     m = jnp.max(s, axis=-1, keepdims=True)
-    if sinks is None:
-        e = jnp.exp(s - m)
-        return e / jnp.sum(e, axis=-1, keepdims=True)
-    sink = sinks.astype(jnp.float32).reshape(shape)
-    m = jnp.maximum(m, sink)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(shape)
+        m = jnp.maximum(m, sink)
     e = jnp.exp(s - m)
-    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    return e, denom if sinks is None else denom + jnp.exp(sink - m)
 
 
 def attention_prefill(
@@ -59,20 +69,21 @@ def attention_prefill(
 ):
     """Prefill: write every prompt token's k/v at its position, then each token attends causally
     over 0..its position (earlier cached tokens and the prompt so far; within the window if there
-    is one), as `attention` per token."""
+    is one), as `attention` per token, with its roundings."""
     n, (bsz, t) = q.shape[0], (rows.batch, rows.length)
     dk, dv, size = k_cache.shape[-1], v_cache.shape[-1], k_cache.shape[2]
     b, at = rows.row_ids(), rows.write_positions(size)
     k_cache = k_cache.at[b, :, at].set(k.reshape(n, kv_heads, dk).astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[b, :, at].set(v.reshape(n, kv_heads, dv).astype(v_cache.dtype), mode="drop")
     scale = dk**-0.5 if scale is None else scale
-    qh = q.astype(jnp.float32).reshape(bsz, t, kv_heads, heads // kv_heads, dk)
+    qh = mxu_operand(q.reshape(bsz, t, kv_heads, heads // kv_heads, dk), k_cache.dtype)
     s = jnp.einsum("btkgd,bksd->btkgs", qh, k_cache.astype(jnp.float32), precision="highest") * scale
     pos = positions.reshape(bsz, t)[:, :, None, None, None]
     key = jnp.arange(size)[None, None, None, None, :]
     seen = (key <= pos) if window is None else (key <= pos) & (key > pos - window)
-    p = _softmax_with_sinks(jnp.where(seen, s, -jnp.inf), sinks, (1, 1, kv_heads, heads // kv_heads, 1))
-    o = jnp.einsum("btkgs,bksd->btkgd", p, v_cache.astype(jnp.float32), precision="highest")
+    e, denom = softmax_parts(jnp.where(seen, s, -jnp.inf), sinks, (1, 1, kv_heads, heads // kv_heads, 1))
+    e = mxu_operand(e, v_cache.dtype)
+    o = jnp.einsum("btkgs,bksd->btkgd", e, v_cache.astype(jnp.float32), precision="highest") / denom
     return o.reshape(n, heads * dv), k_cache, v_cache
 
 
@@ -89,7 +100,7 @@ def _attention_infer(args, attrs):
     heads, kv_heads = attrs["heads"], attrs["kv_heads"]
     window = attrs["window"]
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise OpError(f"window must be a positive number of tokens, got {window!r}", "window")
+        raise OpError(f"window must be a positive number of tokens (or 0: none), got {window!r}", "window")
     if len(args) > 6:
         _check_sinks(args[6], heads)
     for i, a in enumerate((q, k, v)):
@@ -137,12 +148,15 @@ register(
         _attention_cost,
         attrs={"heads": 1, "kv_heads": 1, "scale": None, "window": None},
         optional=1,
+        unset=(("window", 0),),  # `window=0`: every token (a block parameter's "no window")
         inout=("k_cache", "v_cache"),
         doc="Grouped-query decode attention (optional sliding window and per-head sink logits); writes k/v at "
         "each row's position in place.",
         shard="kv_heads",
         attends=True,
         data_dependent=True,
+        latency="cached_tokens",
+        loop_unit="kv_tiles",
         prefill=attention_prefill,
     )
 )

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from mkdsl.dtypes import F32
 from mkdsl.ir import TensorType
-from mkdsl.lazy import jax, jnp
+from mkdsl.lazy import jnp
+from mkdsl.ops.attention import mxu_operand, softmax_parts
 from mkdsl.ops.linear import weight_f32
 from mkdsl.ops.registry import (
     REQUIRED,
@@ -98,7 +99,9 @@ def mla_attention(q, c_kv, k_extra, w_kvb, cache, positions, heads, nope, extra,
 
     Writes [c_kv | k_extra] (in the cache's dtype) at each row's position, then per head h:
     q_lat = bf16(q_nope)·W_UKᵀ, scores (q_lat·c_t + q_extra·e_t)·scale over t <= position,
-    f32 softmax, o_lat = Σ p_t·c_t, y = bf16(o_lat)·W_UV. W_UK/W_UV of head h are the column
+    f32 softmax, o_lat = Σ p_t·c_t, y = bf16(o_lat)·W_UV; the two products with the cache follow
+    the MXU contract of ops/attention.py's `mxu_operand` (q_lat, q_extra and the softmax's
+    unnormalised weights rounded to bf16 for a bf16 cache). W_UK/W_UV of head h are the column
     blocks [h·(nope+vdim), +nope) and [+nope, +vdim) of w_kvb [R, heads·(nope+vdim)].
     """
     b, r = c_kv.shape
@@ -112,12 +115,14 @@ def mla_attention(q, c_kv, k_extra, w_kvb, cache, positions, heads, nope, extra,
     q_nope = qh[..., :nope].astype(jnp.bfloat16).astype(jnp.float32)
     q_lat = jnp.einsum("bhn,rhn->bhr", q_nope, w_uk, precision="highest")
     c = cache.astype(jnp.float32)
+    q_lat, q_extra = mxu_operand(q_lat, cache.dtype), mxu_operand(qh[..., nope:], cache.dtype)
     s = jnp.einsum("bhr,bsr->bhs", q_lat, c[..., :r], precision="highest")
-    s = (s + jnp.einsum("bhe,bse->bhs", qh[..., nope:], c[..., r:], precision="highest")) * scale
+    s = (s + jnp.einsum("bhe,bse->bhs", q_extra, c[..., r:], precision="highest")) * scale
     t = jnp.arange(cache.shape[1])
     s = jnp.where(t[None, None, :] <= positions[:, None, None], s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o_lat = jnp.einsum("bhs,bsr->bhr", p, c[..., :r], precision="highest")
+    e, denom = softmax_parts(s, None, None)
+    e = mxu_operand(e, cache.dtype)
+    o_lat = jnp.einsum("bhs,bsr->bhr", e, c[..., :r], precision="highest") / denom
     o_lat = o_lat.astype(jnp.bfloat16).astype(jnp.float32)
     y = jnp.einsum("bhr,rhv->bhv", o_lat, w_uv, precision="highest")
     return y.reshape(b, heads * vdim), cache
@@ -137,12 +142,14 @@ def mla_prefill(rows, q, c_kv, k_extra, w_kvb, cache, positions, heads, nope, ex
     q_nope = qh[..., :nope].astype(jnp.bfloat16).astype(jnp.float32)
     q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, precision="highest")
     c = cache.astype(jnp.float32)
+    q_lat, q_extra = mxu_operand(q_lat, cache.dtype), mxu_operand(qh[..., nope:], cache.dtype)
     s = jnp.einsum("bthr,bsr->bths", q_lat, c[..., :r], precision="highest")
-    s = (s + jnp.einsum("bthe,bse->bths", qh[..., nope:], c[..., r:], precision="highest")) * scale
+    s = (s + jnp.einsum("bthe,bse->bths", q_extra, c[..., r:], precision="highest")) * scale
     pos = positions.reshape(bsz, t)[:, :, None, None]
     s = jnp.where(jnp.arange(size)[None, None, None, :] <= pos, s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    o_lat = jnp.einsum("bths,bsr->bthr", p, c[..., :r], precision="highest")
+    e, denom = softmax_parts(s, None, None)
+    e = mxu_operand(e, cache.dtype)
+    o_lat = jnp.einsum("bths,bsr->bthr", e, c[..., :r], precision="highest") / denom
     o_lat = o_lat.astype(jnp.bfloat16).astype(jnp.float32)
     y = jnp.einsum("bthr,rhv->bthv", o_lat, w_uv, precision="highest")
     return y.reshape(n, heads * vdim), cache
@@ -210,6 +217,8 @@ register(
         reach=(("w_kvb", "own"),),
         attends=True,
         data_dependent=True,
+        latency="cached_tokens",
+        loop_unit="latent_tiles",
         prefill=mla_prefill,
     )
 )

@@ -82,6 +82,7 @@ register(
         outputs=2,
         doc="(weights, ids): top-k experts by scores + bias; weights are the unbiased scores, renormalised.",
         shard="whole",
+        latency="routing",
     )
 )
 
@@ -193,6 +194,7 @@ register(
         reach=(("w1", "own"), ("w3", "own"), ("w2", "own")),
         traffic_group="experts",
         data_dependent=True,
+        loop_unit="expert_tiles",
         block_attrs=(("act", _act_params),),
         optional=3,
     )

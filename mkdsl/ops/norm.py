@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mkdsl.dtypes import F32
-from mkdsl.ir import TensorType
+from mkdsl.ir import Node, Ref, TensorType, Value
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import (
     Cost,
@@ -44,6 +44,30 @@ def rmsnorm(x, w, eps, heads=1, offset=0.0):
     return (y * (offset + w.astype(jnp.float32))).reshape(b, n)
 
 
+def rmsnorm_row_split(node: Node) -> list[Node]:
+    """`rmsnorm(x, w)` over whole rows as `x * rsqrt(rowsum(x * x) * (1/N) + eps) * (offset + w)`,
+    so that a row split over devices is normalised by the sum of every device's squares."""
+    x, w = node.inputs
+    (out,) = node.outputs
+    b, n = out.type.shape
+    a = node.attr
+    chain: list[Node] = []
+
+    def step(op: str, inputs: tuple[Ref, ...], shape: tuple, name: str | None = None, **attrs) -> Ref:
+        value = Value(name or f"{out.name}__{op}{len(chain)}", TensorType(F32, shape), node.span)
+        chain.append(Node(op, inputs, tuple(attrs.items()), (value,), (), node.span, node.block))
+        return Ref("value", value.name)
+
+    ss = step("rowsum", (step("mul", (x, x), (b, n)),), (b, 1))
+    r = step(
+        "rsqrt", (step("add_scalar", (step("mul_scalar", (ss,), (b, 1), s=1.0 / n),), (b, 1), s=a["eps"]),), (b, 1)
+    )
+    if a["offset"] != 0.0:
+        w = step("add_scalar", (w,), (n,), s=a["offset"])
+    step("mul", (step("mul", (x, r), (b, n)), w), (b, n), name=out.name)
+    return chain
+
+
 register(
     OpDef(
         "rmsnorm",
@@ -54,5 +78,6 @@ register(
         attrs={"eps": 1e-5, "heads": 1, "offset": 0.0},
         doc="RMSNorm: x·rsqrt(mean(x²)+eps)·(offset + weight), f32; `heads=n` normalises n equal slices.",
         shard="norm",
+        row_split=lambda node: rmsnorm_row_split(node) if node.attr["heads"] == 1 else None,
     )
 )

@@ -87,12 +87,25 @@ class OpDef:
     traffic_group: str = ""  # bytes-per-step group of its weights ("" = the block it was inlined from)
     attends: bool = False  # its block counts as attention in the bytes-per-step split
     data_dependent: bool = False  # its first DMA waits for data computed in the same layer
+    # The measured per-op latency the cost model charges it (plan/cost_model.py LATENCIES):
+    # "cached_tokens" (decode attention, per 250 cached tokens per row) or "routing" (a top-k).
+    latency: str = ""
+    # What one iteration of its hot loop waits for, to match libtpu's loops to it
+    # (plan/static_costs.py UNITS): "kv_tiles", "latent_tiles" or "expert_tiles".
+    loop_unit: str = ""
     in_place: tuple[tuple[int, int], ...] = ()  # (output, operand) pairs that may share a buffer
     exchange: str = ""  # devices exchange its value: "sum", "gather" or "best" (an argmax)
     exchange_axes: str = "axes"  # the attribute holding the mesh axes of the exchange
     # Attributes that name a spec block of elementwise ops (an `ir.BlockAttr`): attribute -> the
     # types of the block's parameters, from the op's operands (the block returns the first's type).
     block_attrs: tuple[tuple[str, Callable[[list[Operand]], tuple[TensorType, ...]]], ...] = ()
+    # Attribute values that mean "not given" (the default, None), so that a block's constant
+    # parameter can switch an optional feature off: attention's `window=0` is no window.
+    unset: tuple[tuple[str, object], ...] = ()
+    # The op written as simpler ops (the same function), for the shard pass where an op over whole
+    # rows meets a row split over devices: `(node) -> nodes` whose last output is the node's.
+    # RMSNorm of a split row: each device sums its squares, and the sum's all-reduce follows.
+    row_split: Callable | None = None
     optional: int = 0  # how many trailing operands a call may leave out (e.g. the expert biases)
     # Prefill over a whole prompt (mkdsl/ops/prefill.py): `(rows, *arrays, **attrs)` -> as
     # `reference`; None runs `reference` over the prompt's B*T rows (row-wise ops). Required

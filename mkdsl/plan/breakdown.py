@@ -1,13 +1,9 @@
-"""Where the modeled step time goes: the cost model's sum (plan/cost_model.py) split by graph
-(each layer kind, and the step outside the layer stack) and by cost kind, item by item.
+"""Where the modeled step time goes: the cost model's phases (plan/cost_model.py, plan/timeline.py)
+split by graph (each layer kind, and the step outside the layer stack) and by cost kind.
 
-    modeled = max(stream, mxu) + fixed + bubbles + issue + comm
-
-Only the larger of stream and MXU time counts (the other is hidden under it), so every item of
-the bounding one is charged and the other's are not. Each schedule item's bytes, each graph's
-flops, each collective, each data-dependent wait and each DMA's issue cost is charged to the
-graph it runs in, times the runs of that graph per step; the kernel's entry and first tile go
-to the step. The shares sum to the modeled step time. Every figure is *modeled*.
+Each phase's modeled time is charged to what it waits for: its stream (bytes not yet landed),
+its compute, or its exchange; the device call's dispatch is charged to the step as fixed. The
+shares sum to the modeled step time. Every figure is *modeled*.
 """
 
 from __future__ import annotations
@@ -16,9 +12,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from mkdsl.ir import Model
-from mkdsl.ops import OPS
-from mkdsl.plan import cost_model
-from mkdsl.plan.planner import graph_runs
 from mkdsl.plan.types import Plan
 
 COST_KINDS = ("stream", "compute", "collectives", "fixed")
@@ -39,7 +32,7 @@ class Cost:
 @dataclass(frozen=True)
 class Breakdown:
     modeled_us: float
-    bound: str  # "stream" or "compute": the larger of the two, the one charged
+    bound: str  # "stream" or "compute": the one more of the step waits for
     graphs: tuple[str, ...]  # layer kinds in dispatch order, then the step
     costs: tuple[Cost, ...]  # every item, in graph order
 
@@ -63,35 +56,16 @@ class Breakdown:
 
 def breakdown(model: Model, plan: Plan) -> Breakdown:
     """The plan's modeled time split into charged items (their sum is `plan.timing.modeled_us`)."""
-    t, runs = plan.timing, graph_runs(model)
-    bound = "compute" if t.mxu_us > t.stream_us else "stream"
-    costs: list[Cost] = []
-    for g in (*(k.name for k in model.kinds), model.step.name):
-        costs += _graph_costs(model, plan, g, runs[g], bound)
-    kernel = Cost(model.step.name, "fixed", "kernel entry and the first weight tile", 0, 1, t.fixed_us)
-    graphs = tuple(k.name for k in model.kinds if runs[k.name]) + (model.step.name,)
-    return Breakdown(t.modeled_us, bound, graphs, tuple(c for c in [*costs, kernel] if c.runs))
-
-
-def _graph_costs(model: Model, plan: Plan, g: str, runs: int, bound: str) -> list[Cost]:
     t = plan.timing
-    items = [i for i in plan.schedule_items if i.graph == g]
-    out = []
-    if bound == "stream":
-        out += [Cost(g, "stream", i.what, i.line, runs, i.bytes * runs / t.hbm_bytes_per_s * 1e6) for i in items]
-    else:
-        flops = dict(plan.graph_flops).get(g, 0)
-        out.append(Cost(g, "compute", "matmuls and vector ops", 0, runs, flops / cost_model.PEAK_BF16_FLOPS * 1e6))
-    for c in plan.collectives:
-        if c.graph == g:
-            what = f"{c.op}{' (two-level)' if c.two_level else ''} of `{c.value}`"
-            out.append(Cost(g, "collectives", what, c.line, runs, c.time_us() * runs))
-    if g != model.step.name:  # the cost model charges data-dependent waits in the layers only
-        for n in model.kind(g).nodes:
-            if OPS[n.op].data_dependent:
-                what = f"{n.op} waits for data-dependent DMAs"
-                out.append(Cost(g, "fixed", what, n.span.line, runs, cost_model.DMA_LATENCY_US * runs))
-    dmas = sum(i.dmas for i in items)
-    if dmas:
-        out.append(Cost(g, "fixed", f"issuing {dmas} DMAs", 0, runs, dmas * runs * cost_model.ISSUE_US))
-    return out
+    costs: list[Cost] = []
+    for p in plan.phases:
+        for kind, us in (("stream", p.stream_us), ("compute", p.compute_us), ("collectives", p.comm_us)):
+            if us > 0:
+                costs.append(Cost(p.graph, kind, p.what, p.line, p.runs, us))
+    per = f" ({t.steps_per_call} steps per call)" if t.steps_per_call > 1 else ""
+    costs.append(Cost(model.step.name, "fixed", f"dispatch of the device call{per}", 0, 1, t.fixed_us))
+    order = [k.name for k in model.kinds if model.schedule.count(k.name)] + [model.step.name]
+    costs.sort(key=lambda c: order.index(c.graph))
+    stream, compute = (sum(c.us for c in costs if c.kind == k) for k in ("stream", "compute"))
+    bound = "compute" if compute > stream else "stream"
+    return Breakdown(t.modeled_us, bound, tuple(order), tuple(costs))

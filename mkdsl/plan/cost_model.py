@@ -1,47 +1,160 @@
-"""The modeled step time. No TPU measured any of this: every figure here is *modeled*.
+"""The modeled step time, built from measured components. No TPU ran any of this kernel: every
+figure here is *modeled*, from isolated measurements of single components (plan/measured.py, each
+with its source) and the plan's own bytes, flops and exchanges. No constant is fitted to an
+end-to-end step time.
 
-    floor   = bytes that must move (weights read + state read/written) / HBM bandwidth
-    stream  = bytes the schedule moves (whole tiles, KV tiles, resident vectors) / bandwidth
-    mxu     = flops at the padded row count / peak bf16 rate of one core
-    modeled = max(stream, mxu) + fixed + bubbles + issue + comm
+The step is a sequence of phases, in the kernel's order: the prologue, each layer's ops and
+collectives (the schedule's layers one after the other), the epilogue. A phase is one op (its
+stream bytes at the measured bandwidth of its kind of stream, and its compute) or one collective
+(the time plan/collectives.py gives it). The kernel's weight ring keeps `depth - 1` tiles in
+flight across op and layer boundaries (`linear` in runtime/core.py.jinja issues tile g + depth - 1
+before it waits for tile g); this file follows it as a fluid: `ahead`, the ring bytes landed or in
+flight ahead of the ops, at most `depth - 1` of the coming tiles. Then
 
-comm:    sharded models only: every exchange phase of the in-kernel collectives, one after the
-         other (plan/collectives.py); counted as not overlapping the weight stream.
-fixed:   kernel entry and exit, plus the first tile's DMA before any compute can start.
-bubbles: one DMA latency per op whose stream starts from data computed in the layer (KV and
-         recurrent state streams, expert weights chosen by the router): the ring cannot hide it.
-issue:   the scalar core's cost to issue each DMA descriptor.
+    op on the ring     t = max(compute, (bytes - ahead) / bandwidth)   (the ring refills meanwhile)
+    op-issued stream   t = max(compute, bytes / bandwidth)             (KV, state, experts, fetches)
+    collective         t = its exchange phases, one after the other; the tiles already in flight
+                           land meanwhile (the kernel issues no new ones while it waits)
+    step               = dispatch / steps_per_call + the sum of every phase's t
+
+compute is the static schedule's when one is given (compute / stream ratio per op from
+`mkdsl plan --static`, `static`), else an estimate: flops at the MXU's peak, or the op's measured
+latency where measured.py has one, whichever is larger.
 """
 
 from __future__ import annotations
 
-from mkdsl.ir import Model
-from mkdsl.ops import OPS
-from mkdsl.plan.types import TensorTraffic, Timing
+from dataclasses import dataclass
 
-HBM_BYTES_PER_S = 3.2e12  # achievable HBM read per TPU7x core (measured by a public kernel)
-PEAK_BF16_FLOPS = 2307e12 / 2  # per core: half the chip's 2307 TFLOP/s
-ENTRY_US = 2.0  # kernel launch and exit (assumed)
-DMA_LATENCY_US = 1.0  # first byte of a DMA after issue (assumed)
-ISSUE_US = 0.01  # per DMA descriptor (assumed: a few dozen scalar cycles)
+from mkdsl.plan import measured
+
+FLOOR_BYTES_PER_S = measured.RING_STREAM_BYTES_PER_S  # the HBM floor's rate: the dense ring's
 
 
-def model_time(
-    model: Model,
-    bank_bytes: int,
-    schedule_bytes: int,
+@dataclass(frozen=True)
+class Phase:
+    """One op or collective of one graph, per run: what it streams and computes, or exchanges."""
+
+    graph: str
+    what: str
+    line: int
+    op: str
+    bytes: int  # what it streams per run
+    rate: float  # bytes per us of its stream (`bandwidth`)
+    compute_us: float
+    source: str  # where compute comes from: "mxu", "latency", "static" (or "" for none)
+    bandwidth: str  # the measured stream it moves at (measured.py's name)
+    ring: bool = False  # streamed through the weight ring (tiles issued ahead by earlier ops)
+    tile_bytes: int = 0  # one ring tile (ring phases)
+    exchange_us: float = 0.0  # a collective: its exchange phases
+
+    @property
+    def stream_us(self) -> float:
+        return self.bytes / self.rate if self.bytes else 0.0
+
+
+@dataclass(frozen=True)
+class Charge:
+    """A phase's modeled time in one run, split into what it waits for."""
+
+    phase: Phase
+    stream_us: float  # waiting for bytes
+    compute_us: float
+    comm_us: float
+
+
+def bandwidth(group: str, graph_is_step: bool, ring: bool, int8: bool) -> tuple[str, float]:
+    """The measured stream a phase's bytes move at (measured.py's constants); `group` is the op's
+    `traffic_group` ("experts": routed-expert DMAs)."""
+    if group == "experts":
+        return "EXPERT_STREAM_BYTES_PER_S", measured.EXPERT_STREAM_BYTES_PER_S
+    if ring and int8:
+        return "INT8_BANK_BYTES_PER_S", measured.INT8_BANK_BYTES_PER_S
+    if ring and graph_is_step:  # the output head: one long stream after the layers
+        return "LONG_STREAM_BYTES_PER_S", measured.LONG_STREAM_BYTES_PER_S
+    return "RING_STREAM_BYTES_PER_S", measured.RING_STREAM_BYTES_PER_S
+
+
+# Measured per-op latencies (batch 1), by the op's `latency` trait, scaled as docs/performance.md
+# says: decode attention ~1.5 us per ~250 cached tokens, per row (mkdsl's attention walks the
+# (row, KV tile) pairs one after the other); a rank-based top-k routing 0.7 us.
+LATENCIES = {
+    "cached_tokens": lambda batch, tokens: measured.ATTENTION_250_TOKENS_US * tokens / 250 * batch,
+    "routing": lambda batch, tokens: measured.TOPK_ROUTING_US,
+}
+
+
+def op_latency_us(latency: str, batch: int, tokens: int) -> float:
+    rule = LATENCIES.get(latency)
+    return rule(batch, tokens) if rule else 0.0
+
+
+def compute_us(
+    op: str,
     flops: int,
-    dmas: int,
-    traffic: tuple[TensorTraffic, ...],
-    comm_us: float = 0.0,
-) -> Timing:
-    must_move = sum(t.bytes for t in traffic)
-    floor = must_move / HBM_BYTES_PER_S * 1e6
-    stream = schedule_bytes / HBM_BYTES_PER_S * 1e6
-    mxu = flops / PEAK_BF16_FLOPS * 1e6
-    fixed = ENTRY_US + DMA_LATENCY_US + bank_bytes / HBM_BYTES_PER_S * 1e6  # the first tile must land
-    waits = sum(1 for kind in model.schedule for n in model.kind(kind).nodes if OPS[n.op].data_dependent)
-    bubbles = waits * DMA_LATENCY_US
-    issue = dmas * ISSUE_US
-    modeled = max(stream, mxu) + fixed + bubbles + issue + comm_us
-    return Timing(HBM_BYTES_PER_S, floor, stream, mxu, fixed, bubbles, issue, modeled, comm_us)
+    stream_us: float,
+    batch: int,
+    tokens: int,
+    static: dict | None,
+    key: str = "",
+    latency: str = "",
+):
+    """(compute us, its source) of one op run; `static` is read at `key` (`OP:WEIGHT`), then `op`;
+    `latency` is the op's `latency` trait."""
+    mxu = flops / measured.PEAK_BF16_FLOPS_PER_CORE * 1e6
+    lat = op_latency_us(latency, batch, tokens)
+    best, source = max((mxu, "mxu"), (lat, "latency"))
+    ratio = (static or {}).get(key, (static or {}).get(op))
+    if ratio is not None and stream_us:
+        best, source = max((best, source), (ratio * stream_us, "static"))
+    return best, (source if best else "")
+
+
+RING_RATE = measured.RING_STREAM_BYTES_PER_S / 1e6  # ring bytes per us
+
+
+def run_phase(p: Phase, ahead: float, cap: float) -> tuple[Charge, float]:
+    """One phase's charge and the ring bytes ahead after it (the fluid ring of the docstring).
+    `cap`: what the ring may hold ahead here (its slots times the coming tiles); bytes already
+    landed stay, the ring only stops growing past it."""
+    if p.exchange_us:
+        t, used, gain, wait = p.exchange_us, 0.0, RING_RATE * p.exchange_us, 0.0
+    elif p.ring:
+        wait = max(0.0, p.bytes - ahead) / p.rate
+        t = max(p.compute_us, wait)
+        used, gain = p.bytes, p.rate * t
+    else:
+        wait = t = p.stream_us
+        t = max(p.compute_us, wait)
+        used, gain = 0.0, RING_RATE * (t - wait)
+    left = max(0.0, min(ahead + gain - used, max(cap, ahead - used)))
+    if p.exchange_us:
+        return Charge(p, 0.0, 0.0, t), left
+    return _split(p, t, wait), left
+
+
+def _split(p: Phase, t: float, wait: float) -> Charge:
+    if p.compute_us >= wait:
+        return Charge(p, 0.0, t, 0.0)
+    return Charge(p, t, 0.0, 0.0)
+
+
+def simulate(order: list[list[Phase]], slots: int) -> list[Charge]:
+    """Every phase of the step in order (one list per graph run), the ring starting empty; the
+    ring keeps `slots` tiles in flight, each the size of the next ring phase's tiles."""
+    flat = [p for run in order for p in run]
+    caps, nxt = [0.0] * len(flat), 0.0
+    for i in range(len(flat) - 1, -1, -1):
+        if flat[i].ring:
+            nxt = float(flat[i].tile_bytes)
+        caps[i] = slots * nxt
+    ahead, out = 0.0, []
+    for p, cap in zip(flat, caps, strict=True):
+        c, ahead = run_phase(p, ahead, cap)
+        out.append(c)
+    return out
+
+
+def dispatch_us(steps_per_call: int) -> float:
+    """Kernel dispatch, XLA glue and entry barrier, per device call, shared by its steps."""
+    return measured.DISPATCH_US / steps_per_call

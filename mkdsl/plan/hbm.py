@@ -37,12 +37,11 @@ def build_sizes(model: Model, cache: str = "low", tokens: int | None = None) -> 
     return {rows.name: rows.high, **{d.name: tokens or getattr(d, cache) for d in rest}}
 
 
-def tensor_bytes(t: Tensor, sizes: dict[str, int], padded: dict[str, tuple[int, int]] | None = None) -> int:
+def tensor_bytes(t: Tensor, sizes: dict[str, int], padded: dict[str, dict[int, int]] | None = None) -> int:
     """One device's bytes of `t` as the kernel stores it (per-device shape, build dims at `sizes`,
-    a streamed matrix's outputs padded: `padded[name] = (axis, padded width)`)."""
+    the axes its readers pad at their padded width: `padded[name] = {axis: width}`, `Plan.pads`)."""
     shape = [sizes.get(d, d) if isinstance(d, str) else d for d in t.full_shape]
-    if padded and t.name in padded:
-        axis, width = padded[t.name]
+    for axis, width in (padded or {}).get(t.name, {}).items():
         shape[axis] = width
     return storage_bytes(t.type.dtype, tuple(shape))
 

@@ -1,7 +1,7 @@
 """The planner: named passes from the graph IR to a `Plan`, run in a visible sequence.
 
-    pad_rows -> check_lowering -> tile_streams -> size_ring -> plan_collectives -> allocate_vmem
-             -> fit_ring -> check_budget -> check_hbm -> count_traffic -> schedule_traffic -> model_time
+    pad_rows -> check_lowering -> tile_streams -> pad_storage -> size_ring -> plan_collectives -> allocate_vmem
+             -> fit_ring -> check_budget -> check_hbm -> count_traffic -> schedule_traffic -> timeline.model_step
 
 The planner names no op: it asks each op's TPU lowering (mkdsl/backends/tpu/lowering.py) what it
 cannot lower, what buffers it needs and what its schedule moves, and the op (`OpDef`) how its
@@ -23,7 +23,7 @@ from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
-from mkdsl.plan import collectives, cost_model, hbm, roles
+from mkdsl.plan import collectives, hbm, roles, timeline
 from mkdsl.plan.buffers import assign_buffers, buffer_of
 from mkdsl.plan.types import Alloc, OpScratch, Plan, ScheduleItem, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
@@ -60,6 +60,7 @@ class _State:
     collectives: list = field(default_factory=list)  # collectives.Collective of every graph (sharded models)
     hbm: int = 0  # bytes one device holds in HBM (largest batch, shortest cache)
     hbm_tokens: int = 0  # the longest cache that fits at the largest batch
+    pads: dict = field(default_factory=dict)  # tensor -> {axis: padded width}: stored wider (pad_storage)
 
     def hint(self, name: str, default: int) -> int:
         h = self.model.hint(name)
@@ -95,11 +96,20 @@ class _State:
         return next((st for st in seq.streams if st.node == at.node.outputs[0].name), None) if seq else None
 
 
-def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_depth: int | None = None) -> Plan:
+def make_plan(
+    model: Model,
+    batch: int = 1,
+    context: int | None = None,
+    ring_depth: int | None = None,
+    steps_per_call: int = 1,
+    static: dict[str, float] | None = None,
+) -> Plan:
     """Plan the decode step for `batch` rows reading `context` cached tokens each.
 
     `ring_depth` fixes the weight ring (the depth of a kernel planned at another batch: the emitted
     kernel is sized for the largest batch); by default the ring is sized for this batch.
+    `steps_per_call`: decode steps per device call (the dispatch is shared by them); `static`: op ->
+    compute / stream ratio of its loop in libtpu's schedule, used by the cost model where given.
     """
     s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
     pad_rows(s)
@@ -113,8 +123,9 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
     flops = sum(graph_flops.values())
     items = tuple(schedule_items(s))
     sched_bytes, dmas = schedule_traffic(model, items)
-    phases, comm_us = collectives.step_totals(model, s.collectives)
-    timing = cost_model.model_time(model, bank_bytes(s), sched_bytes, flops, dmas, traffic, comm_us)
+    phases, _ = collectives.step_totals(model, s.collectives)
+    must_move = sum(t.bytes for t in traffic)
+    timing, costs = timeline.model_step(s, items, s.depth - 1, steps_per_call, static, must_move, flops)
     return Plan(
         model=model.name,
         profile=model.profile,
@@ -143,6 +154,10 @@ def make_plan(model: Model, batch: int = 1, context: int | None = None, ring_dep
         collective_id=0 if s.collectives else None,
         hbm_bytes=s.hbm,
         hbm_max_cache=s.hbm_tokens,
+        pads=tuple(
+            (name, axis, width) for name, axes in sorted(s.pads.items()) for axis, width in sorted(axes.items())
+        ),
+        phases=costs,
     )
 
 
@@ -233,6 +248,31 @@ def tile_streams(s: _State) -> None:
             streams.append(stream)
             start += stream.tiles
         s.sequences.append(Sequence(g.name, tuple(streams)))
+
+
+def pad_storage(s: _State) -> None:
+    """The tensors stored wider than one device's shape, zero-padded so that whole tiles hold them:
+    a streamed matrix's outputs to whole 128-lane tiles, and what lowerings ask (`Lowering.pads`,
+    e.g. expert widths). The kernel reads the padded tensor; only the valid part reaches a value."""
+    asked: list[tuple[str, int, int]] = [
+        (st.tensor, -2 if st.transposed else -1, st.n) for st in all_streams(s) if st.valid
+    ]
+    for at in sites(s.model):
+        lw = lowering_for(at.node.op)
+        if lw is not None and lw.pads is not None:
+            asked += [(name, axis, w) for name, axes in lw.pads(s.model, at).items() for axis, w in axes.items()]
+    for name, axis, width in asked:
+        t = s.model.tensor(name)
+        axis = axis - len(t.type.shape) if axis >= 0 else axis
+        have = s.pads.setdefault(name, {}).setdefault(axis, width)
+        if have != width:
+            s.errors.append(
+                Diagnostic(
+                    t.span,
+                    f"`{name}` is read padded to {have} and to {width} along axis {axis} by different ops",
+                    "give each op its own copy of the weight",
+                )
+            )
 
 
 def _epilogue(model: Model) -> Graph:
@@ -339,11 +379,17 @@ def allocate_vmem(s: _State) -> None:
         purpose = f"weight ring ({dtype}): {s.depth} banks of [{rows}, {cols}]"
         _alloc(s, name, (s.depth, rows, cols), dtype, purpose, ring_span, memory)
     _alloc(s, "ring_sem", (s.depth,), "dma", "weight ring semaphores", ring_span, "SEM")
-    _alloc(s, "cursor", (2,), "int32", "tile issue cursor (layer, first tile)", NOWHERE, "SMEM")
     fetched = list(dict.fromkeys(name for g in [*m.kinds, m.step] for name in roles.fetched_weights(m, g)))
     for name in fetched:
         t = m.tensor(name)
-        _alloc(s, f"f_{name}", roles.fetch_shape(t), t.type.dtype.numpy, f"`{name}` fetched per layer", t.span)
+        _alloc(
+            s,
+            f"f_{name}",
+            roles.fetch_shape(roles.stored(t, s.pads)),
+            t.type.dtype.numpy,
+            f"`{name}` fetched per layer",
+            t.span,
+        )
     if fetched:
         _alloc(s, "fetch_sem", (len(fetched),), "dma", "fetch semaphores", NOWHERE, "SEM")
     if s.collectives:
@@ -487,14 +533,23 @@ def check_budget(s: _State) -> None:
 def check_hbm(s: _State) -> None:
     """Weights, state at the largest batch and cache, and the outputs must fit one core's HBM."""
     vocab = _type_of(s.model, s.model.step, s.model.step.results[0]).shape[1]
-    padded = {st.tensor: (-2 if st.transposed else -1, st.n) for st in all_streams(s) if st.valid}
-    items = hbm.hbm_items(s.model, vocab, hbm.build_sizes(s.model, cache="low"), padded)
+    items = hbm.hbm_items(s.model, vocab, hbm.build_sizes(s.model, cache="low"), s.pads)
     s.hbm = sum(b for _, b in items)
-    s.hbm_tokens = hbm.max_cache(s.model, vocab, padded)
+    s.hbm_tokens = hbm.max_cache(s.model, vocab, s.pads)
     s.errors.extend(hbm.check_hbm(s.model, items, devices(s.model)))
 
 
-PASSES = (check_lowering, tile_streams, size_ring, plan_collectives, allocate_vmem, fit_ring, check_budget, check_hbm)
+PASSES = (
+    check_lowering,
+    tile_streams,
+    pad_storage,
+    size_ring,
+    plan_collectives,
+    allocate_vmem,
+    fit_ring,
+    check_budget,
+    check_hbm,
+)
 
 
 # ---------------------------------------------------------------------------- traffic
@@ -579,12 +634,12 @@ def schedule_items(s: _State) -> list[ScheduleItem]:
     for g in [*m.kinds, m.step]:
         for name in roles.fetched_weights(m, g):
             t = m.tensor(name)
-            items.append(ScheduleItem(g.name, f"`{name}` fetch", t.span.line, _fetch_bytes(t), 1))
+            items.append(ScheduleItem(g.name, f"`{name}` fetch", t.span.line, _fetch_bytes(roles.stored(t, s.pads)), 1))
         for i, node in enumerate(g.nodes):
             lw = lowering_for(node.op)
             moved = lw.traffic(s, Site(g, i, node)) if lw is not None else None
             if moved is not None and (moved.bytes or moved.dmas):
-                items.append(ScheduleItem(g.name, _what(node), node.span.line, moved.bytes, moved.dmas))
+                items.append(ScheduleItem(g.name, _what(node), node.span.line, moved.bytes, moved.dmas, i))
     return items
 
 

@@ -10,7 +10,9 @@ Each op says which of its operands are streamed or its own (`OpDef.reach`).
 
 from __future__ import annotations
 
-from mkdsl.ir import Graph, Model, Tensor
+import dataclasses
+
+from mkdsl.ir import Graph, Model, Tensor, TensorType
 from mkdsl.ops import OPS
 
 
@@ -52,3 +54,11 @@ def fetch_shape(t: Tensor) -> tuple[int, ...]:
     if len(t.type.shape) == 1:
         return (fetch_block(t), t.type.shape[0])
     return tuple(t.type.shape)
+
+
+def stored(t: Tensor, pads: dict[str, dict[int, int]]) -> Tensor:
+    """`t` as the kernel stores it: the axes its readers pad (`Plan.pads`) at their padded width."""
+    shape = list(t.type.shape)
+    for axis, width in pads.get(t.name, {}).items():
+        shape[axis] = width
+    return dataclasses.replace(t, type=TensorType(t.type.dtype, tuple(shape)))

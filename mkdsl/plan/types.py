@@ -112,25 +112,52 @@ class ScheduleItem:
     line: int  # spec line of the op or declaration
     bytes: int
     dmas: int
+    node: int = -1  # index of the node in its graph that moves it (-1: a weight fetched whole)
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """One phase of the step (an op or a collective of one graph), all its runs per step together:
+    the modeled time it waits for bytes, computes, or exchanges (plan/cost_model.py)."""
+
+    graph: str
+    what: str
+    line: int  # spec line (0: the kernel's own)
+    op: str
+    runs: int
+    stream_us: float
+    compute_us: float
+    comm_us: float
+    source: str  # where its compute figure comes from: "mxu", "latency", "static", ""
+    bandwidth: str  # the measured stream rate its bytes move at (plan/measured.py)
+
+    @property
+    def us(self) -> float:
+        return self.stream_us + self.compute_us + self.comm_us
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Modeled figures (no TPU measured them): the HBM floor and the schedule's time."""
+    """Modeled figures (no TPU measured them), from measured components (plan/cost_model.py)."""
 
-    hbm_bytes_per_s: float
-    floor_us: float
-    stream_us: float  # bytes the schedule moves / bandwidth
-    mxu_us: float
-    fixed_us: float  # kernel entry, pipeline fill, drain
-    bubble_us: float  # per-layer waits the schedule cannot hide (data-dependent DMAs)
-    issue_us: float  # DMA descriptor issue cost
+    hbm_bytes_per_s: float  # the HBM floor's rate (the measured dense-ring stream)
+    floor_us: float  # bytes that must move / that rate
+    stream_us: float  # every phase's bytes at its measured stream rate, one after the other
+    mxu_us: float  # all flops at the MXU's peak
+    compute_us: float  # every phase's compute: static schedule, measured latency or MXU peak
+    fixed_us: float  # dispatch per step (a device call's cost over its steps)
     modeled_us: float
     comm_us: float = 0.0  # exchange phases of the in-kernel collectives (sharded models)
+    steps_per_call: int = 1
 
     @property
     def tokens_per_s(self) -> float:
         return 1e6 / self.modeled_us
+
+    @property
+    def overlap_us(self) -> float:
+        """Time the phases' streams spend hidden (under compute, exchanges or the ring's lookahead)."""
+        return self.stream_us + self.compute_us + self.comm_us + self.fixed_us - self.modeled_us
 
 
 @dataclass(frozen=True)
@@ -162,6 +189,8 @@ class Plan:
     graph_flops: tuple[tuple[str, int], ...] = ()  # (graph, flops of all its runs per step); they sum to flops
     hbm_bytes: int = 0  # what one device holds in HBM: weights, state (largest batch, shortest cache), outputs
     hbm_max_cache: int = 0  # the longest cache (tokens) whose state fits one device's HBM at the largest batch
+    pads: tuple[tuple[str, int, int], ...] = ()  # (tensor, axis, padded width): stored wider than one device's shape
+    phases: tuple[PhaseCost, ...] = ()  # the modeled step, phase by phase; their `us` and the dispatch sum to it
 
     @property
     def devices(self) -> int:

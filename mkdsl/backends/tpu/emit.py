@@ -8,7 +8,6 @@ runtime/*.py.jinja: the building blocks the generated module carries).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -26,6 +25,7 @@ from mkdsl.plan import roles
 from mkdsl.plan.buffers import buffer_of
 from mkdsl.plan.planner import ROW_TILE
 from mkdsl.plan.types import Alloc, OpScratch, Plan
+from mkdsl.plan.vmem import VMEM_PER_CORE
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The runtime parts lowerings may ask for (`Lowering.runtime`), in the order a module carries them.
@@ -113,6 +113,11 @@ class _Emitter:
         if t.slots not in self.slot_tables:
             self.slot_tables[t.slots] = f"slots{len(self.slot_tables)}"
         return f"{self.slot_tables[t.slots]}_ref[{layer}]"
+
+    def slot_table(self, tensor: str) -> str:
+        """The module's table of `tensor`'s layer slices ("None": the layer index, or not stacked)."""
+        expr = self.slot_expr(tensor, "layer")
+        return expr.removesuffix("_ref[layer]").upper() if expr.endswith("_ref[layer]") else "None"
 
     # ------------------------------------------------------------------ nodes
 
@@ -210,7 +215,7 @@ class _Emitter:
                         start=st.start,
                         stacked=st.stacked,
                         line=st.line,
-                        slot_expr_issue=self.slot_expr(st.tensor, "layer"),
+                        slot_table=self.slot_table(st.tensor),
                         quant=bool(st.parts),
                         transposed=st.transposed,
                         valid=st.valid,
@@ -251,7 +256,6 @@ class _Emitter:
             prologue=prologue,
             carries=[c for c in carries if c["buf"] != c["init"]],  # values built in their carry need no copy
             epilogue=dict(seqs["epilogue"], body=epilogue_body, starts=epilogue_starts),
-            tiles_of_kind=self.tiles_of_kind(kinds),
             traced=[dict(name=v.name, buf=f"carry{i}", width=v.type.shape[1]) for i, v in enumerate(m.kinds[0].params)],
         )
 
@@ -274,34 +278,48 @@ class _Emitter:
         ]
         return dict(layer_kind=repr(layer_kind), layer_base=repr(bases), slot_tables=slot_tables)
 
-    def padded_columns(self) -> dict[str, tuple[int, int, int, int]]:
-        """Storage arrays stored with their outputs padded per device to whole 128-lane tiles:
-        name -> (axis, outputs per device, padded, devices along them); the axis is the rows of a
-        transposed matrix, else the columns. Block scales need none."""
+    def padded_arrays(self) -> dict[str, tuple[tuple[int, int, int, int], ...]]:
+        """Storage arrays stored wider than one device's slice (the plan's `pads`: a streamed
+        matrix's outputs to whole 128-lane tiles, expert widths, ...): name -> per padded axis
+        (axis, width per device, padded width, devices along it). Parts a padding leaves alone
+        (e.g. block scales that already cover the padded width) are not listed."""
+        pads: dict[str, dict[int, int]] = {}
+        for name, axis, width in self.plan.pads:
+            pads.setdefault(name, {})[axis] = width
         out = {}
-        for st in (st for seq in self.plan.sequences for st in seq.streams if st.valid):
-            w = self.whole.tensor(st.tensor)
-            axis = -2 if st.transposed else -1
-            blocks = w.type.shape[axis] // st.valid
-            for part in storage(w.type.dtype, w.full_shape):
-                if part.shape[axis] == w.type.shape[axis]:
-                    out[_part_name(w.name, part)] = (axis, st.valid, st.n, blocks)
+        for name, axes in pads.items():
+            local, whole = self.m.tensor(name), self.whole.tensor(name)
+            if local.kind != "weight":
+                continue
+            wide = roles.stored(local, pads)
+            parts = zip(
+                storage(local.type.dtype, local.full_shape),
+                storage(local.type.dtype, wide.full_shape),
+                storage(whole.type.dtype, whole.full_shape),
+                strict=True,
+            )
+            for part, padded, glob in parts:
+                entry = tuple(
+                    (axis, part.shape[axis], padded.shape[axis], glob.shape[axis] // part.shape[axis])
+                    for axis in sorted(axes)
+                    if padded.shape[axis] != part.shape[axis]
+                )
+                if entry:
+                    out[_part_name(name, part)] = entry
         return out
 
     def arrays(self) -> dict:
         """The kernel's weight and state arrays: global and per-device layouts, splits, fetch padding."""
-        m, weights, pads = self.m, list(self.m.weights), self.padded_columns()
+        m, weights, pads = self.m, list(self.m.weights), self.padded_arrays()
 
         def shape(name: str, dims: tuple, local: bool) -> str:
-            if name not in pads:
-                return repr(tuple(dims))
-            axis, valid, padded, blocks = pads[name]
             dims = list(dims)
-            dims[axis] = padded if local else padded * blocks
+            for axis, _, padded, blocks in pads.get(name, ()):
+                dims[axis] = padded if local else padded * blocks
             return repr(tuple(dims))
 
         return dict(
-            pads=[dict(name=k, axis=v[0], valid=v[1], padded=v[2], blocks=v[3]) for k, v in pads.items()],
+            pads=[dict(name=k, axes=repr(v)) for k, v in pads.items()],
             weights=[
                 dict(
                     name=_part_name(w.name, part),
@@ -379,15 +397,6 @@ class _Emitter:
         parts = ["core"] + (["comm", "sharded"] if self.sharded else [])
         return [f"runtime/{p}.py.jinja" for p in parts] + [p for p in RUNTIME_PARTS if p in needed]
 
-    def tiles_of_kind(self, kinds: list[dict]) -> str:
-        if len(kinds) == 1:
-            return kinds[0]["const"]
-        kind = "layer_kind_ref[jnp.minimum(layer, NUM_LAYERS - 1)]"
-        expr = kinds[-1]["const"]
-        for i, k in reversed(list(enumerate(kinds[:-1]))):
-            expr = f"jnp.where({kind} == {i}, {k['const']}, {expr})"
-        return expr
-
     def state(self, t) -> dict:
         dims = [d.name for d in self.m.dims]
         names = {dims[0]: "batch", **({dims[1]: "seq_len"} if len(dims) > 1 else {})}
@@ -441,5 +450,9 @@ def _ctor(a: Alloc) -> str:
 
 
 def vmem_limit(plan: Plan) -> int:
-    """The compiler's VMEM limit: the planned total plus headroom for Mosaic's own scratch, capped."""
-    return int(min(64 << 20, max(plan.vmem_cap, math.ceil(plan.vmem_total / (1 << 20)) * (1 << 20) + (4 << 20))))
+    """The compiler's VMEM limit: the core's whole VMEM. The planner fits its buffers under its cap;
+    Mosaic's own scratch comes on top and varies by kernel (2.7 MiB seen for Kimi K3, 4.8 MiB for
+    Mixtral's 4096-wide bf16 experts, which a limit of the plan + 4 MiB refused), and nothing else
+    uses the core's VMEM while the kernel runs."""
+    assert plan.vmem_total <= VMEM_PER_CORE
+    return VMEM_PER_CORE

@@ -85,25 +85,6 @@ class EmitContext(Protocol):
     def setup_once(self, fn: Callable[[EmitContext], list[str]]) -> None: ...
 
 
-def same_slots(model: Model, at: Site, names: list[str], why: str) -> list[Diagnostic]:
-    """A diagnostic at each of the tensors `names` (operands of one node) that is not stacked like
-    the first: a lowering that reads them all at one layer slot would read another layer's slice."""
-    first = model.tensor(names[0])
-    key = (first.stacked, first.slots)
-    out = []
-    for name in names[1:]:
-        t = model.tensor(name)
-        if (t.stacked, t.slots) != key:
-            out.append(
-                Diagnostic(
-                    t.span,
-                    f"`{t.name}` is stacked over other layers than `{first.name}`: {why}",
-                    f"declare `{t.name}` and `{first.name}` with the same `per layer` stacking",
-                )
-            )
-    return out
-
-
 def _no_check(model: Model, at: Site) -> list[Diagnostic]:
     return []
 
@@ -131,6 +112,9 @@ class Lowering:
     runtime: tuple[str, ...] = ()  # runtime parts it needs, as templates ("runtime/<part>.py.jinja")
     runtime_of: Callable[[Model, Site], tuple[str, ...]] | None = None  # more parts, by node (e.g. decoders)
     layer_attrs: bool = False  # takes layer-dependent attributes as traced scalars
+    # tensors it needs stored wider than their per-device shape (zero-padded): name -> {axis of one
+    # layer's shape (negative): padded width}; the planner collects them into `Plan.pads`
+    pads: Callable[[Model, Site], dict[str, dict[int, int]]] | None = None
 
 
 LOWERINGS: dict[str, Lowering] = {}

@@ -51,6 +51,8 @@ def _check(model: Model, at: Site) -> list[Diagnostic]:
             out.append(
                 Diagnostic(c.span, f"KV cache `{c.name}` is {c.type.dtype}: the kernel streams bf16 caches only")
             )
+        if not c.stacked:  # the kernel addresses a cache by its layer slot
+            out.append(Diagnostic(c.span, f"KV cache `{c.name}` must be declared `per layer` for the kernel"))
     return out
 
 

@@ -9,7 +9,8 @@ from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import Model
 
-DELTA_SLOTS = 3  # recurrent states in flight
+DELTA_SLOTS = 3  # recurrent-state slots in flight
+DELTA_SLOT_BYTES = 512 * 1024  # one slot's states at most: 3 read and 3 write slots stay within 3 MiB of VMEM
 KDA = ("runtime/kda.py.jinja",)  # the runtime part holding ShortConv, l2norm, kda_gate and DeltaRule
 
 
@@ -103,16 +104,16 @@ def _scalar_decay(at: Site) -> bool:
     return graph_value_type(at.graph, at.node.arg("g")).shape[1] == at.node.attr["heads"]
 
 
-def _per_slot(at: Site) -> int:
-    """Value heads updated together in one slot: a key head's group when the decay is one scalar
-    per head (they share q and k, and the decay scales columns as well as rows), else one."""
-    heads = at.node.attr["heads"]
-    return heads // (at.node.attr.get("key_heads") or heads) if _scalar_decay(at) else 1
+def per_slot(heads: int, dk: int, dv: int) -> int:
+    """Value heads of a row updated together in one slot: the most that divide `heads` and fit
+    DELTA_SLOT_BYTES (all of them when they fit), so the loop runs once per (row, slot)."""
+    fits = [c for c in range(1, heads + 1) if heads % c == 0 and c * dk * dv * 4 <= DELTA_SLOT_BYTES]
+    return max(fits, default=1)
 
 
 def _rule_scratch(s: PlanContext, at: Site) -> dict:
-    _, _, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
-    slots = (DELTA_SLOTS, dk, _per_slot(at) * dv)
+    _, heads, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
+    slots = (DELTA_SLOTS, per_slot(heads, dk, dv), dk, dv)
     return {
         "in": (slots, "float32", f"recurrent states read ({DELTA_SLOTS} slots)", "VMEM"),
         "out": (slots, "float32", f"recurrent states written ({DELTA_SLOTS} slots)", "VMEM"),
@@ -121,8 +122,9 @@ def _rule_scratch(s: PlanContext, at: Site) -> dict:
 
 
 def _rule_traffic(s: PlanContext, at: Site) -> Traffic:
-    """Each head's state read and written, two DMAs per row and head."""
-    return Traffic(s.cost(at).state_bytes, 2 * s.batch * at.node.attr["heads"])
+    """Each row's states read and written, one DMA per slot each way."""
+    _, heads, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
+    return Traffic(s.cost(at).state_bytes, 2 * s.batch * (heads // per_slot(heads, dk, dv)))
 
 
 def _rule_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:

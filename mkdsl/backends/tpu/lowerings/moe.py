@@ -15,7 +15,6 @@ from mkdsl.backends.tpu.lowering import (
     Site,
     Traffic,
     register_lowering,
-    same_slots,
 )
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import BlockAttr, Graph, Model, Node
@@ -68,20 +67,37 @@ def act_lambda(block: BlockAttr) -> str:
     return f"lambda {params}: ({', '.join(steps)}, {result})[-1]" if steps else f"lambda {params}: {result}"
 
 
+def padded_widths(d: int, f: int) -> tuple[int, int]:
+    """(latent, expert) widths as the kernel stores the experts: the expert width `f` in whole
+    128-lane tiles, the latent width `d` in whole decode chunks (`latent_chunk`), so every tile
+    DMA and decode chunk is tile-aligned. The extra rows and columns are zeros."""
+    fp = -(-f // 128) * 128
+    chunk = latent_chunk(fp)
+    return (256 if d <= 256 else 512 if d <= 512 else -(-d // chunk) * chunk), fp
+
+
+def latent_chunk(fp: int) -> int:
+    """Latent rows decoded at a time: 512 beside 256-column tiles, 1024 beside 128-column ones
+    (the same decoded bf16 chunk; an MXFP4 chunk's scale rows then start on a whole [32, 128]
+    uint8 tile, which libtpu needs to prove for a narrow tile's loads)."""
+    return 512 if fp % 256 == 0 else 1024
+
+
+def expert_dims(model: Model, node: Node) -> tuple[int, int, int, int, int]:
+    """(experts, latent width, expert width, padded latent, padded expert width) per device."""
+    e, d, f = model.tensor(node.arg("w1").name).type.shape
+    return (e, d, f, *padded_widths(d, f))
+
+
 def moe_tiling(model: Model, node: Node) -> tuple[int | None, int, list[str]]:
     """(columns per expert tile, tile sets in flight, what prevents lowering) of a moe_experts node."""
-    _, d, f = model.tensor(node.arg("w1").name).type.shape
+    _, _, _, _, fp = expert_dims(model, node)
     h = model.hint("expert_slots")
     slots = EXPERT_SLOTS if h is None else h.value
-    tn = next((t for t in (EXPERT_TILE, 256, 128) if f % t == 0), None)
-    kc = min(d, 512)
+    tn = next(t for t in (EXPERT_TILE, 256, 128) if fp % t == 0)
     problems = []
     if expert_format(model, node) not in FORMATS:
         problems.append("the three expert weights must all be mxfp4, bf16 or fp8 with block=128 scales")
-    if tn is None:
-        problems.append(f"the expert width {f} must be a multiple of 128")
-    if d % kc or (kc % 512 and kc != d) or kc % 256:
-        problems.append(f"the latent width {d} must be a multiple of 512 (or 256 if smaller)")
     if slots < 2:
         problems.append(f"expert_slots must be at least 2, got {slots}")
     return (None if problems else tn), slots, problems
@@ -99,9 +115,22 @@ def _experts_of(g: Graph, route: Node) -> list[tuple[int, Node]]:
 
 def _check_experts(model: Model, at: Site) -> list[Diagnostic]:
     _, _, problems = moe_tiling(model, at.node)
-    out = [Diagnostic(at.node.span, "moe_experts cannot be lowered: " + "; ".join(problems))] if problems else []
-    names = [r.name for r in at.node.inputs[3:] if r.kind == "tensor"]  # w1, w3, w2 and the biases
-    return out + same_slots(model, at, names, "moe_experts' kernel reads every expert weight at w1's layer slot")
+    return [Diagnostic(at.node.span, "moe_experts cannot be lowered: " + "; ".join(problems))] if problems else []
+
+
+def _pads(model: Model, at: Site) -> dict[str, dict[int, int]]:
+    """The expert arrays stored at the padded widths (`padded_widths`), zeros beyond the valid ones."""
+    node = at.node
+    _, d, f, dp, fp = expert_dims(model, node)
+    widths = {"w1": (dp, fp), "w3": (dp, fp), "w2": (fp, dp), "b1": (fp,), "b3": (fp,), "b2": (dp,)}
+    valid = {"w1": (d, f), "w3": (d, f), "w2": (f, d), "b1": (f,), "b3": (f,), "b2": (d,)}
+    names = {w: node.arg(w).name for w in WEIGHTS} | biases(node)
+    out = {}
+    for key, name in names.items():
+        axes = {i - len(valid[key]): p for i, (p, v) in enumerate(zip(widths[key], valid[key], strict=True)) if p != v}
+        if axes:
+            out[name] = axes
+    return out
 
 
 def _check_route(model: Model, at: Site) -> list[Diagnostic]:
@@ -121,7 +150,7 @@ def _check_route(model: Model, at: Site) -> list[Diagnostic]:
 
 def _scratch(s: PlanContext, at: Site) -> dict:
     node = at.node
-    experts, d, f = s.model.tensor(node.arg("w1").name).type.shape
+    experts, d_valid, _, d, f = expert_dims(s.model, node)  # the tiles hold the padded widths
     k = s.type_of(at.graph, node.arg("ids")).shape[1]  # ids are [B, k]
     tn, slots, _ = moe_tiling(s.model, node)
     if tn is None:
@@ -154,6 +183,8 @@ def _scratch(s: PlanContext, at: Site) -> dict:
             "w2c": ((*tiles, tn // 8, d), "uint32", "expert W2 codes", "VMEM"),
             "w2s": ((*tiles, tn // 32, d), "uint8", "expert W2 scales", "VMEM"),
         }
+    if d_valid < d:
+        parts["acc"] = (("rows", d), "float32", "expert sum at the padded latent width", "VMEM")
     return parts | {
         "sem": ((len(PIECES[fmt]), slots), "dma", "expert tile semaphores", "SEM"),
         "zb": (("rows", d), "bfloat16", "latent input (bf16)", "VMEM"),
@@ -169,13 +200,14 @@ def _scratch(s: PlanContext, at: Site) -> dict:
 def _traffic(s: PlanContext, at: Site) -> Traffic:
     """The distinct experts chosen (as the op's cost counts them), in tile sets of one DMA per piece."""
     node = at.node
-    e, _, f = s.model.tensor(node.arg("w1").name).type.shape
+    e, d, f, dp, fp = expert_dims(s.model, node)
     total_e = node.attr.get("experts_total", e)
     k = s.type_of(at.graph, node.arg("ids")).shape[1]  # ids are [B, k]
     experts = -(-min(total_e, s.batch * k) * e // total_e)
     tn, _, _ = moe_tiling(s.model, node)
     pieces = len(PIECES.get(expert_format(s.model, node), PIECES["mxfp4"]))
-    return Traffic(s.cost(at).weight_bytes, pieces * experts * (f // (tn or 128)) + 1)
+    moved = s.cost(at).weight_bytes * dp * fp // (d * f)  # the padded tiles move whole
+    return Traffic(moved, pieces * experts * (fp // (tn or 128)) + 1)
 
 
 def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
@@ -187,7 +219,7 @@ def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
         return obj
     built.add(obj)
     w1, w3, w2 = (node.arg(w).name for w in WEIGHTS)
-    e, d, f = em.m.tensor(w1).type.shape
+    e, d_valid, f_valid, d, f = expert_dims(em.m, node)
     k = em.value_width(g, node.arg("ids"))
     tn, slots, _ = moe_tiling(em.m, node)  # as the planner sized the tile sets
     fmt = expert_format(em.m, node)
@@ -210,6 +242,10 @@ def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
     if "b2" in names and f_axes:
         extra += f", b2_here={em.group_index(f_axes)} == 0"
     fmt_arg = "" if fmt == "mxfp4" else f", fmt={fmt!r}"
+    if (d_valid, f_valid) != (d, f):
+        extra += f", Dv={d_valid}, Fv={f_valid}"
+    if min(d, latent_chunk(f)) != min(d, 512):
+        extra += f", kc={latent_chunk(f)}"
     em.objects.append(
         f"{obj} = MoE(r, rows=rows, batch=batch, E={e}, k={k}, D={d}, F={f}, tn={tn}, slots={slots}, "
         f"names={names!r}, prefix={sc.prefix + '_'!r}, act={act_lambda(node.attr['act'])}{fmt_arg}{extra})"
@@ -223,8 +259,16 @@ def _route_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> 
         obj=_moe_object(em, at.graph, idx, experts),
         scores=ins[0],
         bias=em.fetched(at.node.arg("bias").name, pre),
-        slot=em.slot_expr(experts.arg("w1").name, em.layer_var),
+        slot=_slots(em, experts),
     )
+
+
+def _slots(em: EmitContext, node: Node) -> str:
+    """The layer slice the experts' tiles are read at: one expression, or (w1's, w3's, w2's)
+    where the three are stacked over different layers; None for an unstacked weight."""
+    tensors = [em.m.tensor(node.arg(w).name) for w in WEIGHTS]
+    slots = [em.slot_expr(t.name, em.layer_var) if t.stacked else "None" for t in tensors]
+    return slots[0] if len(set(slots)) == 1 else f"({', '.join(slots)})"
 
 
 def _experts_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
@@ -233,7 +277,7 @@ def _experts_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -
     routed = _router(at.graph, at.node) is not None
     return dict(
         obj=_moe_object(em, at.graph, at.index, at.node),
-        slot=em.slot_expr(at.node.arg("w1").name, em.layer_var),
+        slot=_slots(em, at.node),
         z=ins[0],
         weights=ins[1],
         ids=None if routed else ins[2],
@@ -254,5 +298,6 @@ register_lowering(
         synchronous=True,
         traffic=_traffic,
         runtime=MOE,
+        pads=_pads,
     )
 )

@@ -1,4 +1,6 @@
-"""`argmax`: an in-kernel scan of each row; split over a mesh, the devices combine their bests."""
+"""`argmax`: an in-kernel scan of each row; split over a mesh, the devices combine their bests.
+The step's next token (the argmax writing `next_tokens`) is drawn by `sampled_argmax`
+(wrapper/sampling.py.jinja): the argmax itself when greedy, else the seeded draw."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ def _argmax_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
     width = em.value_width(at.graph, at.node.arg("x"))
     axes = at.node.attr.get("shard_axes", ())
     n = dict(x=ins[0], chunk=chunk(width), mask=em.mask(axes) if axes else None)
+    n["sampled"] = em.output(at) == "next_tokens"  # the step's token: drawn as `sampling` says, in the kernel
     if axes:
         n.update(offset=f"{em.group_index(axes)} * {width}")
     return n

@@ -1,0 +1,104 @@
+"""Quantised tensors a checkpoint stores as two, its codes and their scales (`"codes" * "scales"`
+in a mapping): the kinds of pairs the loader reads, by their stored types, each read into one
+element per value and a scale grid (`steps.Grid`), and how elements become the spec's storage.
+
+Exact by construction: codes and scales are only moved and re-packed, never re-quantised.
+Decoding into a plain dtype (a spec weight held in bf16) multiplies in f32 as the format's own
+reference does: exact for MXFP4 (an e2m1 value times a power of two, short of overflow), one f32
+rounding for fp8 times an f32 scale, which the mapping must accept with `round`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from mkdsl.checkpoint.steps import Grid
+from mkdsl.dtypes import DType
+from mkdsl.quant import E2M1_VALUES, pack_nibbles
+
+
+@dataclass(frozen=True)
+class PairKind:
+    """One stored kind: its name, the stored types of codes and scales, its grid from the stored
+    shapes (and the spec's block, 0 if none), the elements from the stored codes, the values in
+    f32, the spec format (`DType.fmt`) it holds exactly, the plain dtypes its values fit exactly."""
+
+    name: str
+    grid: Callable[[tuple, tuple, int], Grid | str]
+    unpack: Callable[[np.ndarray], np.ndarray]
+    decode: Callable[[np.ndarray, np.ndarray, Grid], np.ndarray]
+    formats: frozenset[str]
+    exact: frozenset[str]
+
+
+def _expand(scales: np.ndarray, grid: Grid) -> np.ndarray:
+    """One scale per element."""
+    for axis, g in enumerate(grid.groups):
+        if g > 1:
+            scales = np.repeat(scales, g, axis=axis)
+    return scales[tuple(slice(0, n) for n in grid.shape)]
+
+
+def _block_grid(codes: tuple, scales: tuple, block: int) -> Grid | str:
+    """fp8 codes [..., n, k] and one f32 scale per [b, b] square, `[..., ceil(n/b), ceil(k/b)]`
+    (DeepSeek-V3's `weight_scale_inv`). The block is the spec's, or else read off the shapes."""
+    if len(codes) < 2 or len(scales) != len(codes) or scales[:-2] != codes[:-2]:
+        return f"codes {list(codes)} and scales {list(scales)} are not a block-scaled matrix"
+    b = block or max(-(-n // max(s, 1)) for n, s in zip(codes[-2:], scales[-2:], strict=True))
+    want = codes[:-2] + tuple(-(-n // b) for n in codes[-2:])
+    if scales != want or b & (b - 1):
+        return f"scales {list(scales)} are not one per {b}x{b} block of codes {list(codes)} (expected {list(want)})"
+    return Grid(codes, (1,) * (len(codes) - 2) + (b, b))
+
+
+def _fp8_decode(codes: np.ndarray, scales: np.ndarray, grid: Grid) -> np.ndarray:
+    return codes.astype(np.float32) * _expand(scales.astype(np.float32), grid)
+
+
+def _mx_grid(codes: tuple, scales: tuple, block: int) -> Grid | str:
+    """OpenAI's MXFP4: codes uint8 [..., n, k/32, 16], two e2m1 codes a byte; one E8M0 scale byte
+    per 32 inputs, [..., n, k/32]."""
+    if len(codes) < 3 or codes[-1] != 16 or scales != codes[:-1]:
+        return f"codes {list(codes)} and scales {list(scales)} are not MXFP4 blocks ([..., n, k/32, 16] and [..., n, k/32])"
+    return Grid(codes[:-2] + (codes[-2] * 32,), (1,) * (len(codes) - 2) + (32,))
+
+
+def _mx_unpack(codes: np.ndarray) -> np.ndarray:
+    """Byte b of block g holds input 32g + 2b in its low nibble and 32g + 2b + 1 in its high one."""
+    nib = np.stack([codes & 15, codes >> 4], axis=-1)
+    return nib.reshape(*codes.shape[:-2], codes.shape[-2] * 32)
+
+
+def _mx_decode(nib: np.ndarray, scales: np.ndarray, grid: Grid) -> np.ndarray:
+    """e2m1 (bit 3 the sign) times 2^(byte - 127), as mkdsl/quant.py decodes mxfp4."""
+    mag = E2M1_VALUES[nib & 7]
+    power = np.ldexp(np.float32(1), _expand(scales, grid).astype(np.int32) - 127).astype(np.float32)
+    return np.where(nib & 8, -mag, mag) * power
+
+
+_FP8 = {"name": "fp8 codes with block scales", "grid": _block_grid, "unpack": lambda x: x}
+# (stored codes type, stored scales type) -> kind
+PAIRS: dict[tuple[str, str], PairKind] = {
+    ("F8_E4M3", "F32"): PairKind(**_FP8, decode=_fp8_decode, formats=frozenset({"fp8_e4m3:block"}), exact=frozenset()),
+    ("F8_E5M2", "F32"): PairKind(**_FP8, decode=_fp8_decode, formats=frozenset({"fp8_e5m2:block"}), exact=frozenset()),
+    ("U8", "U8"): PairKind(
+        "MXFP4 blocks", _mx_grid, _mx_unpack, _mx_decode, frozenset({"mxfp4"}), frozenset({"float32", "bfloat16"})
+    ),
+}
+
+
+def target_groups(dtype: DType, ndim: int) -> tuple[int, ...]:
+    """The scale grid of a spec quantised dtype over its logical [..., K, N] shape."""
+    lead = (1,) * (ndim - 2)
+    return lead + ((dtype.block, dtype.block) if dtype.block else (dtype.group, 1))
+
+
+# Spec dtype name -> (elements [..., K, N], scales) in its storage (mkdsl/dtypes.py `storage`).
+STORAGE: dict[str, Callable] = {
+    "mxfp4": lambda e, s: (pack_nibbles(e), s.astype(np.uint8)),
+    "fp8_e4m3": lambda e, s: (e, s.astype(np.float32)),
+    "fp8_e5m2": lambda e, s: (e, s.astype(np.float32)),
+}

@@ -1,0 +1,128 @@
+"""The step as the cost model sees it: phases in the kernel's order, built from the plan's pieces
+(schedule items, op costs, collectives), then timed by plan/cost_model.py. Every figure is
+*modeled*.
+
+One phase per op that streams or computes and per collective, in graph order; the weights a
+graph fetches whole (norm vectors) form one op-issued phase at its start. The step runs its
+prologue, each layer of the schedule, then its epilogue.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from mkdsl.backends.tpu.lowering import Site
+from mkdsl.ir import Graph
+from mkdsl.ops import OPS
+from mkdsl.plan import cost_model
+from mkdsl.plan.cost_model import Phase
+from mkdsl.plan.types import PhaseCost, ScheduleItem, Timing
+
+
+def streamed_weight(node):
+    from mkdsl.plan.planner import streamed_weight as weight
+
+    return weight(node)
+
+
+def node_flops(s, g: Graph, i: int) -> int:
+    """Flops of one run of node i of graph g at the padded rows (as the old global MXU term)."""
+    from mkdsl.plan.planner import _attrs, _concrete
+
+    node = g.nodes[i]
+    if node.op not in OPS:
+        return 0
+    dims = [d.name for d in s.model.dims]
+    sizes = {dims[0]: s.rows, **{d: s.context + 1 for d in dims[1:]}}
+    types = [_concrete(s.type_of(g, r), sizes) for r in node.inputs]
+    outs = [_concrete(v.type, sizes) for v in node.outputs]
+    return OPS[node.op].cost(types, outs, _attrs(node)).flops
+
+
+def _exchanges(s) -> dict[tuple[str, str], object]:
+    return {(c.graph, c.value): c for c in s.collectives}
+
+
+def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) -> list[Phase]:
+    """The phases of one run of g (for the step: prologue and epilogue, split at `layers`)."""
+    m, step = s.model, g is s.model.step
+    by_node = defaultdict(list)
+    for it in items:
+        by_node[it.node].append(it)
+    exch = _exchanges(s)
+    out = []
+    fetched = sum(it.bytes for it in by_node.get(-1, ()))
+    if fetched:
+        name, rate = cost_model.bandwidth("", step, False, False)  # small op-issued DMAs
+        out.append(Phase(g.name, "weights fetched whole", 0, "fetch", fetched, rate / 1e6, 0.0, "", name))
+    for i, node in enumerate(g.nodes):
+        if node.op == "layers":
+            out.append(Phase(g.name, "layers", node.span.line, "layers", 0, 1.0, 0.0, "", ""))
+            continue
+        c = exch.get((g.name, node.outputs[0].name)) if node.outputs else None
+        if c is not None and OPS[node.op].exchange:
+            what = f"{c.op}{' (two-level)' if c.two_level else ''} of `{c.value}`"
+            out.append(Phase(g.name, what, node.span.line, node.op, 0, 1.0, 0.0, "", "", exchange_us=c.time_us()))
+            continue
+        nbytes = sum(it.bytes for it in by_node.get(i, ()))
+        st = s.stream_of(Site(g, i, node))
+        ring = st is not None
+        weight = streamed_weight(node) if ring else None
+        int8 = weight is not None and m.tensor(weight.name).type.dtype.name == "int8"
+        op = OPS[node.op]
+        name, rate = cost_model.bandwidth(op.traffic_group, step, ring, int8)
+        stream_us = nbytes / rate * 1e6
+        key = f"{node.op}:{weight.name}" if weight is not None else node.op
+        flops = node_flops(s, g, i)
+        tokens = s.context + 1
+        comp, source = cost_model.compute_us(node.op, flops, stream_us, s.batch, tokens, static, key, op.latency)
+        if nbytes or comp:
+            what = next((it.what for it in by_node.get(i, ())), node.op)
+            tile = nbytes // st.tiles if ring and st.tiles else 0
+            out.append(Phase(g.name, what, node.span.line, node.op, nbytes, rate / 1e6, comp, source, name, ring, tile))
+    return out
+
+
+def step_order(s, items, static) -> list[list[Phase]]:
+    """Every graph run of the step, in order: prologue, the layers of the schedule, epilogue."""
+    m = s.model
+    kinds = {k.name: graph_phases(s, k, [it for it in items if it.graph == k.name], static) for k in m.kinds}
+    top = graph_phases(s, m.step, [it for it in items if it.graph == m.step.name], static)
+    cut = next((i for i, p in enumerate(top) if p.op == "layers"), len(top))
+    return [top[:cut], *(kinds[k] for k in m.schedule), [p for p in top[cut + 1 :]]]
+
+
+def model_step(s, items, slots: int, steps_per_call: int, static: dict | None, must_move: int, flops: int):
+    """(Timing, per-phase costs per step) of the plan's step."""
+    order = step_order(s, items, static)
+    charges = cost_model.simulate(order, slots)
+    costs: dict[tuple, list[float]] = {}
+    keys: dict[tuple, tuple] = {}
+    for ch in charges:
+        p = ch.phase
+        key = (p.graph, p.what, p.line)
+        acc = costs.setdefault(key, [0, 0.0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += ch.stream_us
+        acc[2] += ch.compute_us
+        acc[3] += ch.comm_us
+        keys[key] = (p.op, p.source, p.bandwidth, p.bytes, p.compute_us)
+    out = tuple(
+        PhaseCost(g, what, line, keys[g, what, line][0], int(a[0]), a[1], a[2], a[3], *keys[g, what, line][1:3])
+        for (g, what, line), a in costs.items()
+    )
+    phases = [p for run in order for p in run]
+    fixed = cost_model.dispatch_us(steps_per_call)
+    modeled = fixed + sum(c.stream_us + c.compute_us + c.comm_us for c in charges)
+    timing = Timing(
+        hbm_bytes_per_s=cost_model.FLOOR_BYTES_PER_S,
+        floor_us=must_move / cost_model.FLOOR_BYTES_PER_S * 1e6,
+        stream_us=sum(p.stream_us for p in phases),
+        mxu_us=flops / cost_model.measured.PEAK_BF16_FLOPS_PER_CORE * 1e6,
+        compute_us=sum(p.compute_us for p in phases),
+        fixed_us=fixed,
+        modeled_us=modeled,
+        comm_us=sum(p.exchange_us for p in phases),
+        steps_per_call=steps_per_call,
+    )
+    return timing, out

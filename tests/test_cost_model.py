@@ -1,0 +1,131 @@
+"""The cost model built from measured components (issue 12, point 4): each phase at its measured
+stream rate, compute from the static schedule or a documented estimate, the ring's tiles in flight
+landing during exchanges, the dispatch per device call. Hand-worked figures; all modeled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mkdsl.elaborate import load
+from mkdsl.plan import make_plan, measured
+from mkdsl.plan.cost_model import Phase, bandwidth, compute_us, simulate
+from mkdsl.shard import shard
+
+ROOT = Path(__file__).resolve().parent.parent
+RATE = measured.RING_STREAM_BYTES_PER_S / 1e6  # ring bytes per us
+MB = 1_000_000
+
+
+def ring_op(nbytes: float, compute: float = 0.0, tile: float = RATE) -> Phase:
+    """A `linear` on the ring: `nbytes` in tiles of `tile` bytes (default 1 us of stream)."""
+    return Phase("k", "linear", 1, "linear", int(nbytes), RATE, compute, "", "RING", ring=True, tile_bytes=int(tile))
+
+
+def exchange(us: float) -> Phase:
+    return Phase("k", "all_reduce", 2, "all_reduce", 0, 1.0, 0.0, "", "", exchange_us=us)
+
+
+def total(phases, slots) -> float:
+    return sum(c.stream_us + c.compute_us + c.comm_us for c in simulate([phases], slots))
+
+
+def test_tiles_in_flight_land_during_an_exchange():
+    op = ring_op(2 * RATE)  # 2 us of ring bytes, in two tiles of 1 us
+    assert total([op], 0) == pytest.approx(2.0)  # nothing ahead: the op waits for all its bytes
+    # A 5 us exchange first: with 2 tiles in flight, all of the op's bytes land meanwhile.
+    assert total([exchange(5), op], 2) == pytest.approx(5.0)
+    # With 1 tile in flight only 1 us of bytes lands: the op still waits 1 us.
+    assert total([exchange(5), op], 1) == pytest.approx(6.0)
+    # Small tiles: 4 slots of quarter-us tiles hold 1 us of bytes.
+    assert total([exchange(5), ring_op(2 * RATE, tile=RATE / 4)], 4) == pytest.approx(6.0)
+    # Nothing streams after the exchange: nothing to land, nothing gained.
+    assert total([exchange(5)], 8) == pytest.approx(5.0)
+
+
+def test_compute_hides_the_stream_within_a_phase_and_refills_the_ring():
+    assert total([ring_op(2 * RATE, compute=3.0)], 0) == pytest.approx(3.0)
+    # The first op computes 3 us over 1 us of bytes: the next op's 2 us of bytes land meanwhile.
+    assert total([ring_op(RATE, compute=3.0), ring_op(2 * RATE)], 4) == pytest.approx(3.0)
+
+
+def test_each_stream_moves_at_its_measured_rate():
+    assert bandwidth("experts", False, False, False)[1] == measured.EXPERT_STREAM_BYTES_PER_S  # routed experts
+    assert bandwidth("", False, True, True)[1] == measured.INT8_BANK_BYTES_PER_S  # int8 ring tiles
+    assert bandwidth("", True, True, False)[1] == measured.LONG_STREAM_BYTES_PER_S  # the output head
+    assert bandwidth("", False, True, False)[1] == measured.RING_STREAM_BYTES_PER_S  # ring tiles
+    assert bandwidth("", False, False, False)[1] == measured.RING_STREAM_BYTES_PER_S  # KV, state
+
+
+def test_compute_from_the_static_schedule_else_an_estimate():
+    # 1e9 flops at the peak of one core
+    assert compute_us("linear", 10**9, 1.0, 1, 1, None) == (pytest.approx(1e15 / 1153.5e12), "mxu")
+    tokens = {"latency": "cached_tokens"}
+    assert compute_us("attention", 0, 0.1, 1, 500, None, **tokens) == (pytest.approx(3.0), "latency")  # 2 x 250
+    assert compute_us("attention", 0, 0.1, 2, 250, None, **tokens) == (pytest.approx(3.0), "latency")  # 2 rows
+    top = compute_us("route", 0, 0.0, 8, 1, None, latency="routing")
+    assert top == (pytest.approx(measured.TOPK_ROUTING_US), "latency")
+    # The static ratio at the op's weight first, then at the op.
+    both = {"linear": 2.0, "linear:wq": 3.0}
+    assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wq") == (pytest.approx(3.0), "static")
+    assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wk") == (pytest.approx(2.0), "static")
+    assert compute_us("delta_rule", 0, 0.5, 1, 1, {"delta_rule": 10.0}) == (pytest.approx(5.0), "static")
+    assert compute_us("delta_rule", 0, 0.5, 1, 1, None) == (0.0, "")
+
+
+def test_dispatch_is_shared_by_the_steps_of_a_call():
+    model = shard(load(str(ROOT / "specs/tiny.mk")))
+    one, many = make_plan(model), make_plan(model, steps_per_call=16)
+    assert one.timing.fixed_us == pytest.approx(measured.DISPATCH_US)
+    assert many.timing.fixed_us == pytest.approx(measured.DISPATCH_US / 16)
+    assert one.timing.modeled_us - many.timing.modeled_us == pytest.approx(measured.DISPATCH_US * 15 / 16)
+
+
+def test_static_ratios_slow_the_ops_they_name():
+    model = shard(load(str(ROOT / "specs/tiny.mk")))
+    base = make_plan(model)
+    slow = make_plan(model, static={"attention": 100.0})
+    att = [p for p in slow.phases if p.op == "attention"]
+    assert att and all(p.source == "static" for p in att)
+    assert slow.timing.modeled_us > base.timing.modeled_us
+
+
+def test_plan_reads_static_costs_and_says_what_is_wrong_with_them(tmp_path):
+    import subprocess
+    import sys
+
+    def plan(*args):
+        cmd = [sys.executable, "-m", "mkdsl", "plan", "specs/tiny.mk", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"ratios": {}}')
+    r = plan("--static-costs", str(bad))
+    assert r.returncode == 2 and "compute_over_stream" in r.stderr
+    r = plan("--static-costs", str(ROOT / "docs/static-costs-06837ae.json"), "--steps-per-call", "16")
+    assert r.returncode == 0, r.stderr
+    assert plan("--steps-per-call", "0").returncode == 2
+
+
+def test_loops_are_matched_to_ops_by_the_bytes_one_iteration_waits_for():
+    """plan/static_costs.py on the Kimi K3 mini plan: an MXFP4 expert tile set, an MLA latent tile
+    and a linear column block each match their op; bytes that match nothing are skipped."""
+    from mkdsl.bundles import LoopTiming
+    from mkdsl.dtypes import storage_bytes
+    from mkdsl.plan import static_costs
+
+    model = shard(load(str(ROOT / "specs/kimi_k3.mk"), "mini"))
+    plan = make_plan(model)
+    units = static_costs.loop_units(model, plan)
+    w1 = model.tensor("moe_w1").type
+    experts = 3 * storage_bytes(w1.dtype, (w1.shape[1], 128))  # mini: 128-column expert tiles
+    latent = plan.kv_tile * 256 * 2  # the 128 + 64 latent columns, padded to 256 lanes, bf16
+    assert units[experts] == {"moe_experts"} and units[latent] == {"mla_attention"}
+
+    def loop(address, nbytes, ratio):  # 100 bundles, the same number in its own body
+        return LoopTiming(address, 2, 100, 100, nbytes, 0, "VALU", 0.5, ratio * 1e-6, 1e-6)
+
+    found, skipped = static_costs.ratios(model, plan, [loop(1, experts, 2.0), loop(2, latent, 9.0), loop(3, 7, 5.0)])
+    assert found == {"moe_experts": 2.0, "mla_attention": 9.0}
+    assert skipped == [(3, "7 bytes: no op")]

@@ -1,0 +1,52 @@
+"""Placement by the cost model (issue 12, point 5): each weight a core reads above its 1/N share
+is re-planned split over the whole mesh; the comparison is the planner's own modeled steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mkdsl.elaborate import load
+from mkdsl.plan import make_plan, placement
+from mkdsl.shard import shard
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def mini():
+    return load(str(ROOT / "specs/kimi_k3.mk"), "mini")
+
+
+def test_the_weights_above_their_share_are_the_whole_and_partly_split_ones(mini):
+    names = {t.name for t in placement.over_share(mini, shard(mini))}
+    assert {"mla_wqa", "mla_wkva", "kda_wfa", "moe_down", "moe_router"} <= names
+    assert "kda_wq" not in names  # split over the whole mesh already
+
+
+def test_each_candidate_is_a_replanned_step(mini):
+    table = placement.choose(mini)
+    wqa = next(rows for rows in table if rows[0].tensor == "mla_wqa")
+    spec, *others = wqa
+    assert spec.modeled_us == pytest.approx(make_plan(shard(mini)).timing.modeled_us, rel=1e-12)
+    ways = {"(ep)": 4, "(tp)": 2, "(ep, tp)": 8}  # the mini mesh: ep 4 x tp 2
+    assert len(others) == 2 * len(ways)  # rows or columns over each set of axes
+    for c in others:
+        assert not c.error
+        split = next(w for w in ways if f"@{w}" in c.split and f"@{w[:-1]}," not in c.split)
+        assert c.core_bytes * ways[split] == pytest.approx(spec.core_bytes, rel=0.01), c.split  # whole / ways
+        assert c.exchange_phases > spec.exchange_phases  # the split adds exchanges
+    assert placement.best(wqa).modeled_us == min(c.modeled_us for c in wqa)
+    text = placement.render(mini, table, 1)
+    assert "The cost model chooses:" in text and "| `mla_wqa` | [256, 256] |" in text
+
+
+def test_plan_placement_on_an_unsharded_spec_says_there_is_nothing_to_try():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "mkdsl", "plan", "specs/tiny.mk", "--placement"]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "nothing to try" in done.stdout
