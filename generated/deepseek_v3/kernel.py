@@ -1320,17 +1320,18 @@ class Comm:
         for x, t in zip(xs, totals, strict=True):
             x[...] = t[:, 0 : x.shape[1]]
 
-    def all_reduce_hier(self, x_ref, mask, wire=F32, inner="all_reduce"):
+    def all_reduce_hier(self, x_ref, mask, wire=F32, inner=None):
         """all_reduce chip first: the lowest bit of `mask` (bit 0: the chip's two cores) reduce-
         scatters the two halves of the columns, the rest of the mask all-reduces the kept half
-        (method `inner`), and the pair all-gathers the halves back. Needs the `half` scratch."""
+        (method `inner`, default all_reduce), and the pair all-gathers the halves back. Needs the
+        `half` scratch."""
         x = self._rows(x_ref)
         rows, n = x.shape
         low = mask & -mask
         cw = chunk_width(n, 2, wire)
         half = self.half.at[pl.ds(0, rows), pl.ds(0, cw)]
         (half[...],) = self._reduce_scatter([x], [cw], low, wire)
-        getattr(self, inner)(half, mask ^ low, wire)
+        (getattr(self, inner) if inner else self.all_reduce)(half, mask ^ low, wire)
         self._gather_chunks([half[...]], [x], [cw], low, wire)
 
     def all_gather(self, x_ref, out_ref, mask):
