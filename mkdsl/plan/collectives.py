@@ -119,14 +119,6 @@ def phase_us(link: str, peers: int, nbytes: int) -> float:
     return direct_latency_us(peers) + nbytes / measured.DIRECT_BYTES_PER_S * 1e6
 
 
-def hidden_us(c: Collective, inflight_bytes: int, bytes_per_s: float = measured.RING_STREAM_BYTES_PER_S) -> float:
-    """How much of `c` the weight stream can cover: the ring enters every exchange with its next
-    tiles already issued (each `linear` issues tile g + depth - 1 before it waits for tile g, and
-    no collective drains the ring), so up to `inflight_bytes` keep streaming during it. For the
-    cost model, which decides whether the stream is the binding resource there."""
-    return min(c.time_us(), inflight_bytes / bytes_per_s * 1e6)
-
-
 def axis_bits(mesh: tuple[tuple[str, int], ...]) -> dict[str, tuple[int, ...]]:
     """Mesh axis -> the bits of the row-major linear device index it owns."""
     out, shift = {}, 0
