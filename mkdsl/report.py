@@ -191,21 +191,29 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         out.append(f"| public, measured (not mkdsl) | {line} |")
     out += [
         "",
-        "Collectives exchange with XOR peers of the linear device index (row-major over the mesh axes), one "
-        "phase per index bit, lowest bit first: bit 0 pairs the two cores of a chip "
-        f"({collectives.SIBLING_PHASE_US} us + bytes at {collectives.SIBLING_BYTES_PER_S / 1e9:g} GB/s per phase), "
-        f"the other bits cross chips ({collectives.CHIP_PHASE_US} us + bytes at "
-        f"{collectives.CHIP_BYTES_PER_S / 1e9:g} GB/s). Receive slots alternate by parity per bit. An all-reduce runs "
-        "two-level where the model says it is faster: the two cores of a chip swap and add halves, the cross-chip "
-        "phases move half the bytes, and a last sibling exchange joins the halves.",
+        "Collectives exchange directly: in one phase every core sends a message to each peer of its group "
+        "(the cores that differ only in the collective's mesh axes), then waits for theirs. Messages carry the "
+        "batch's rows only, as int32 lanes (f32 bits, or two bf16 values per lane on a bf16 wire). An all-gather "
+        "and an argmax take one phase; an all-reduce runs as the cheapest modeled of reduce-scatter + all-gather "
+        "(rs_ag, two phases), one phase of whole partials (oneshot) and chip first (hier: the chip's two cores "
+        "reduce-scatter halves, the chips all-reduce the half, the cores gather the halves). Phase costs "
+        f"(measured components): the chip's other core {collectives.measured.SIBLING_COPY_US} us + bytes at "
+        f"{collectives.measured.SIBLING_COPY_BYTES_PER_S / 1e9:g} GB/s, one cross-chip peer "
+        f"{collectives.measured.CROSS_CHIP_COPY_US} us + bytes at "
+        f"{collectives.measured.CROSS_CHIP_COPY_BYTES_PER_S / 1e9:g} GB/s, several peers "
+        f"{collectives.direct_latency_us(7):.2f} us at 7 peers (measured; a straight line through 1 and 7 peers "
+        f"elsewhere, extrapolated above 7: {collectives.direct_latency_us(31):.2f} us at 31) + all the bytes a core "
+        f"sends at {collectives.measured.DIRECT_BYTES_PER_S / 1e9:g} GB/s.",
         "",
-        "| graph | collective | value | axes | phases (index bits) | bytes per phase | modeled us | spec line |",
+        "| graph | collective | value | axes | phases (peers each) | bytes a core sends per phase | modeled us | spec line |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for c in plan.collectives:
+        peers = ", ".join(str(p.peers) for p in c.phases)
+        sent = ", ".join(_bytes(p.bytes) for p in c.phases)
         out.append(
-            f"| {c.graph} | {c.op}{' (two-level)' if c.two_level else ''} | `{c.value}` | {', '.join(c.axes)} | {len(c.bits)} ({', '.join(map(str, c.bits))}) "
-            f"| {_bytes(c.phase_bytes[0])}{' ...' if len(set(c.phase_bytes)) > 1 else ''} | {c.time_us():.1f} | {c.line} |"
+            f"| {c.graph} | {c.label} | `{c.value}` | {', '.join(c.axes)} | {len(c.phases)} ({peers}) "
+            f"| {sent} | {c.time_us():.1f} | {c.line} |"
         )
     out.append("")
     return out

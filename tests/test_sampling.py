@@ -180,12 +180,13 @@ def _sharded_draws(sampling, logits: np.ndarray, positions: np.ndarray, seed: in
     ns = load_runtime()
     exec(compile(TEMPLATE.read_text(encoding="utf-8"), str(TEMPLATE), "exec"), ns)
     axes, sizes, batch = ("ep", "tp"), (4, 2), logits.shape[0]
-    scratch = ns["comm_scratch"](8, 3, 256)  # 8 padded rows (batch 5: the exchange widens), 3 index bits
+    # 8 rows on the wire (batch 5: the exchange widens), one group of all 8 devices, 128-lane messages
+    scratch = ns["comm_scratch"](8, {0b111: 128}, 128)
 
     def kernel(seed_ref, positions_ref, x_ref, out_ref, *refs):
         comm = ns["Comm"](ns["Refs"](list(scratch), refs), axes=axes, sizes=sizes)
         every = comm.mask()
-        comm.enter(every)
+        comm.enter()
         offset = comm.group_index(every) * x_ref.shape[1]
         ns["sampled_argmax"](sampling, seed_ref, positions_ref, x_ref, out_ref, 128, offset, comm, every)
 

@@ -950,65 +950,71 @@ def lane_pick(row, i):
     lane = jax.lax.broadcasted_iota(I32, row.shape, 1)
     return jnp.sum(jnp.where(lane == i, row, 0.0), axis=1, keepdims=True)
 # ---------------------------------------------------------------------------------------
-# In-kernel collectives of the sharded megakernel: recursive doubling over XOR peers
+# In-kernel collectives of the sharded megakernel: direct (one-shot) exchanges
 # ---------------------------------------------------------------------------------------
 # The kernel runs on every device of a mesh whose axis sizes are powers of two, so a device's
 # row-major linear index is a bit string and each mesh axis owns a contiguous group of its
-# bits (names ("ep", "tp"), sizes (8, 4): tp = bits 0-1, ep = bits 2-4). A collective runs
-# over a bit mask with one exchange phase per set bit, lowest first; in the phase of bit k
-# every device swaps data with `index ^ (1 << k)`. The pairing is symmetric: a device receives
-# from the device it sends to.
+# bits (names ("ep", "tp"), sizes (8, 4): tp = bits 0-1, ep = bits 2-4). A collective runs over
+# a bit mask: the group of G = 2^popcount(mask) devices that differ only in those bits, each
+# known by its group index (its masked bits, packed). Every exchange is *direct*: in one phase a
+# device starts a DMA to each of its G - 1 peers, then waits for the G - 1 messages addressed to
+# it, then for its own sends. An all-gather is one phase; an all-reduce is a reduce-scatter phase
+# plus an all-gather phase (each device sums one column chunk, then sends it to all), or one
+# phase where every device sends its whole partial to all (one-shot), or chip-hierarchical (the
+# chip's two cores reduce-scatter halves, the chips all-reduce the half, the cores swap halves
+# back). The planner (mkdsl/plan/collectives.py) picks per collective by its modeled cost.
 #
-# Slot safety (why no credit/ack semaphore is needed). Every device runs the same sequence of
-# collectives, so each counts, per bit k, the exchanges it has done over bit k, and the counts
-# agree across devices at matching points of the sequence. Exchange u over bit k uses receive
-# slot 2*k + u % 2 (of every receive buffer and of the receive semaphores). Only my bit-k peer
-# ever writes into my slots of bit k. Claim: its write of exchange u never lands before I have
-# finished reading that slot for exchange u - 2, the previous use of the slot. Proof: the peer
-# starts the write of exchange u only after it has received my message of exchange u - 1 (an
-# exchange returns only after the peer's message arrived), and I start that message only after
-# my reads of exchange u - 2's slot (each collective reads a slot before it starts its next
-# exchange). So one exchange of overlap is all parity has to cover. Semaphores: my slot's
-# receive semaphore has at most one DMA in flight for the same reason; a device waits for its
-# own send before returning, so it never overwrites a message its DMA still reads and no DMA
-# is in flight at kernel exit. Across kernel calls the counters restart at 0: see enter().
-COMM_SCRATCH = ("recv", "recv_bf16", "stage_bf16", "stage", "send_sem", "recv_sem", "local_sem", "count", "half", "pad")
-COMM_PAIR_LANES = 128  # argmax exchanges [value x 128 | index x 128] f32 rows (DMAs need >= 128 lanes)
+# Every message is int32 [rows, w] with rows = the batch's rows on the wire (a multiple of 8,
+# the 32-bit sublane tile). f32 values travel as their bits; a bf16 wire packs two bf16 values
+# per int32 lane (a chunk's first half of columns in the high 16 bits, its second half in the
+# low 16), so 8 rows of bf16 move as many bytes as they hold, with no 16-row bf16 tile padding.
+#
+# Slot safety (why no credit/ack semaphore is needed). Each mask M the kernel exchanges over has
+# its own receive buffer recv_M [2, rows, G * W]: parity p, slot j (columns j*W .. j*W + W) holds
+# the message from the group member with group index j. Only that device writes that slot (a
+# device belongs to one group per mask). Every device runs the same sequence of collectives, so
+# each counts its exchanges over M (count_M) and the counts agree at matching points; exchange u
+# uses parity u % 2. Every exchange over M involves every pair of the group. Claim: peer P's write
+# of exchange u into my slot never lands before I have finished reading that slot for exchange
+# u - 2, its previous use. Proof: P starts exchange u only after its exchange u - 1 returned,
+# which waited for my message of exchange u - 1; I start that message only after I read exchange
+# u - 2's slots (each collective reads what it received before it starts its next exchange over
+# M). So parity has one exchange of overlap to cover. Semaphores: one receive semaphore per
+# (parity, slot), so at most one DMA is in flight on each for the same reason, and one send
+# semaphore per peer distance; a device waits for its sends before an exchange returns, so it
+# never overwrites a message its DMA still reads and no DMA is in flight at kernel exit. Across
+# kernel calls the counters restart at 0: see enter().
+COMM_LANES = 128  # the argmax message: [value bits x 64 | index x 64] int32 per row
 
 
-def comm_scratch(rows, bits, f32_width, bf16_width=0, prefix="comm_"):
+def comm_scratch(rows, groups, stage_width, half_width=0, prefix="comm_"):
     """The scratch the collectives need, for the planner: name -> (kind, shape, dtype).
 
-    rows: padded batch rows (a multiple of 16 with a bf16 wire); bits: log2(device count), one
-    pair of receive slots per bit of the linear device index; f32_width: widest f32 message in
-    columns = max(f32-wire all_reduce n, all_gather n * group / 2, 2 * 128 for argmax);
-    bf16_width: widest bf16-wire all_reduce n (0: no bf16 wire). Widths: multiples of 128.
-    kind "VMEM" -> pltpu.VMEM(shape, dtype), "SMEM" -> pltpu.SMEM(shape, dtype),
-    "DMA" -> pltpu.SemaphoreType.DMA(shape).
+    rows: rows on the wire (a multiple of 8, at most the padded rows); groups: mask -> W, the
+    int32 columns of one receive slot (a multiple of 128: the widest message over that mask);
+    stage_width: the widest outgoing staging (int32 columns); half_width: f32 columns of the
+    half a core keeps in a chip-hierarchical all-reduce (0: none). kind "VMEM" ->
+    pltpu.VMEM(shape, dtype), "SMEM" -> pltpu.SMEM(shape, dtype), "DMA" ->
+    pltpu.SemaphoreType.DMA(shape).
 
-        recv        VMEM [2*bits, rows, f32_width] f32   receive slots: f32 all_reduce, all_gather, argmax
-        stage       VMEM [rows, 256] f32                 outgoing argmax message
-        send_sem    DMA  (1,)                            this device's outgoing DMA
-        recv_sem    DMA  (2*bits,)                       incoming DMA, one per receive slot
-        local_sem   DMA  (1,)                            all_gather's local copies
-        count       SMEM [bits] i32                      exchanges done per index bit
-        recv_bf16   VMEM [2*bits, rows, bf16_width] bf16 receive slots of the bf16 wire (if any)
-        stage_bf16  VMEM [rows, bf16_width] bf16         outgoing bf16 partial (if any)
+        recv_<M>   VMEM [2, rows, G * W] i32   receive slots of mask M: parity, sender's group index
+        rsem_<M>   DMA  (2 * G,)               incoming DMA, one per (parity, slot)
+        ssem_<M>   DMA  (G,)                   outgoing DMAs, one per peer distance
+        count_<M>  SMEM [1] i32                exchanges done over M
+        stage      VMEM [rows, stage_width] i32  outgoing messages
+        half       VMEM [rows, half_width] f32   the kept half (chip-hierarchical all-reduce)
     """
-    f32_width = max(f32_width, 2 * COMM_PAIR_LANES)
-    assert f32_width % 128 == 0 and bf16_width % 128 == 0, (f32_width, bf16_width)
-    slots = 2 * max(bits, 1)
-    out = {
-        "recv": ("VMEM", (slots, rows, f32_width), F32),
-        "stage": ("VMEM", (rows, 2 * COMM_PAIR_LANES), F32),
-        "send_sem": ("DMA", (1,), None),
-        "recv_sem": ("DMA", (slots,), None),
-        "local_sem": ("DMA", (1,), None),
-        "count": ("SMEM", (max(bits, 1),), I32),
-    }
-    if bf16_width:
-        out["recv_bf16"] = ("VMEM", (slots, rows, bf16_width), BF16)
-        out["stage_bf16"] = ("VMEM", (rows, bf16_width), BF16)
+    out = {}
+    for mask, width in sorted(groups.items()):
+        g = 1 << bin(mask).count("1")
+        assert width % 128 == 0, (mask, width)
+        out[f"recv_{mask}"] = ("VMEM", (2, rows, g * width), I32)
+        out[f"rsem_{mask}"] = ("DMA", (2 * g,), None)
+        out[f"ssem_{mask}"] = ("DMA", (g,), None)
+        out[f"count_{mask}"] = ("SMEM", (1,), I32)
+    out["stage"] = ("VMEM", (rows, max(stage_width, COMM_LANES)), I32)
+    if half_width:
+        out["half"] = ("VMEM", (rows, half_width), F32)
     return {prefix + k: v for k, v in out.items()}
 
 
@@ -1044,8 +1050,40 @@ def axis_mask(axes, sizes, names):
 
 
 def mask_bits(mask):
-    """The set bits of a mask, least significant first: one exchange phase each."""
+    """The set bits of a mask, least significant first."""
     return [k for k in range(mask.bit_length()) if mask >> k & 1]
+
+
+def expand(mask, j):
+    """The linear-index bits of group offset j (packed over the bits of mask)."""
+    return sum(((j >> i) & 1) << k for i, k in enumerate(mask_bits(mask)))
+
+
+def chunk_width(n, group, wire):
+    """Columns of one reduce-scatter chunk: n / group rounded up to what packs into whole 128-lane
+    int32 messages (256 columns on a bf16 wire, 128 on f32); the last chunks may be short or empty."""
+    unit = 256 if wire == BF16 else 128
+    per = -(-n // group)
+    return -(-per // unit) * unit
+
+
+def pack(x, wire):
+    """f32 [rows, w] -> the int32 message: its bits (f32 wire), or bf16 pairs [rows, w / 2]."""
+    if wire != BF16:
+        return jax.lax.bitcast_convert_type(x, I32)
+    h = x.shape[1] // 2
+    hi = jax.lax.bitcast_convert_type(x[:, 0:h].astype(BF16).astype(F32), I32)
+    lo = jax.lax.bitcast_convert_type(x[:, h : 2 * h].astype(BF16).astype(F32), I32)
+    return (hi & -65536) | ((lo >> 16) & 65535)
+
+
+def unpack(m, wire):
+    """The int32 message -> f32 [rows, w] (bf16 values exactly, on a bf16 wire)."""
+    if wire != BF16:
+        return jax.lax.bitcast_convert_type(m, F32)
+    hi = jax.lax.bitcast_convert_type(m & -65536, F32)
+    lo = jax.lax.bitcast_convert_type(m << 16, F32)
+    return jnp.concatenate([hi, lo], axis=1)
 
 
 def device_index(axes, sizes):
@@ -1061,154 +1099,47 @@ def device_index(axes, sizes):
     return idx
 
 
-class Comm:
-    """Collectives over bit masks of the linear device index, inside one kernel.
+def chunk(x, c, cw):
+    """Columns c*cw .. (c+1)*cw of x [rows, n] as f32 [rows, cw], zero past n."""
+    rows, n = x.shape
+    lo, hi = c * cw, min((c + 1) * cw, n)
+    if hi <= lo:
+        return jnp.zeros((rows, cw), F32)
+    v = x[:, lo:hi]
+    return v if hi - lo == cw else jnp.concatenate([v, jnp.zeros((rows, cw - (hi - lo)), F32)], axis=1)
 
-    r: the refs by name (e.g. `Refs`); the scratch of comm_scratch() is looked up as
-    prefix + name. axes, sizes: the shard_map mesh (names and sizes, row-major).
+
+class Comm:
+    """Direct collectives over bit masks of the linear device index, inside one kernel.
+
+    r: the refs by name (e.g. `Refs`); the scratch of comm_scratch() is looked up as prefix +
+    name, and the masks it has receive buffers for are the masks it can exchange over. axes,
+    sizes: the shard_map mesh (names and sizes, row-major).
 
     Peers are addressed as device_id=<linear index>, device_id_type=LOGICAL. Pallas turns a
-    MESH id (one coordinate per mesh axis, e.g. (peer // tp, peer % tp) for ("ep", "tp")) into
-    this same number (sum of coordinate * row-major stride), so the two are interchangeable
-    (both checked in interpret mode and with libtpu); the linear form makes a XOR peer one op.
+    MESH id (one coordinate per mesh axis) into this same number (sum of coordinate * row-major
+    stride), so the two are interchangeable; the linear form makes a peer one XOR.
 
-    Use: comm.enter(mask) once at kernel start (the pallas_call needs
-    pltpu.CompilerParams(collective_id=...)), then any sequence of all_reduce / all_gather /
-    argmax, the same sequence on every device (masks and shapes static). All messages are
-    [rows, n] with rows = the scratch's rows and n a multiple of 128.
+    Use: comm.enter() once at kernel start (the pallas_call needs
+    pltpu.CompilerParams(collective_id=...)), then any sequence of all_reduce* / all_gather /
+    argmax, the same sequence on every device (masks and shapes static). Values are f32
+    [rows, n], n a multiple of 128; only their first `self.rows` rows (the stage's) are exchanged.
     """
 
     def __init__(self, r, *, axes, sizes, prefix="comm_"):
         self.axes, self.sizes = tuple(axes), tuple(sizes)
-        self.bits = sum(s.bit_length() - 1 for s in self.sizes)
-        for key in COMM_SCRATCH:
-            setattr(self, key, getattr(r, prefix + key, None))
+        names = sorted(int(k[len(prefix) + 5 :]) for k in vars(r) if k.startswith(prefix + "recv_"))
+        self.groups = {
+            m: tuple(getattr(r, f"{prefix}{part}_{m}") for part in ("recv", "rsem", "ssem", "count")) for m in names
+        }
+        self.stage = getattr(r, prefix + "stage")
+        self.half = getattr(r, prefix + "half", None)
+        self.rows = self.stage.shape[0]
         self.idx = device_index(self.axes, self.sizes)
 
     def mask(self, *names):
         """Bit mask of the mesh axes `names` (no names: every axis)."""
         return axis_mask(self.axes, self.sizes, names or self.axes)
-
-    # ---------------------------------------------------------------- entry barrier
-    def enter(self, mask=None):
-        """Zero the per-bit exchange counters, then meet every peer of `mask` at the barrier
-        semaphore: signal each, wait for as many signals. Run once, before any collective.
-
-        After it, each peer of mask has entered this kernel call, so no remote write lands in
-        scratch a peer still uses in its previous call. `mask` must be the union of the masks
-        of the collectives the kernel runs, each run at least once per call (default: every
-        bit, right when every index bit is exchanged over). Then no device leaves a call before
-        each of its peers passed this call's barrier (it needs their messages), so a peer's
-        signal for the next call cannot arrive early and be counted for this one.
-        """
-        mask = (1 << self.bits) - 1 if mask is None else mask
-        for k in range(self.count.shape[0]):
-            self.count[k] = jnp.int32(0)
-        ks = mask_bits(mask)
-        if not ks:
-            return
-        barrier = pltpu.get_barrier_semaphore()
-        for k in ks:
-            pl.semaphore_signal(barrier, 1, device_id=self.idx ^ (1 << k), device_id_type=pl.DeviceIdType.LOGICAL)
-        pl.semaphore_wait(barrier, len(ks))
-
-    # ---------------------------------------------------------------- one exchange
-    def _slot(self, k):
-        """Receive slot of the next exchange over bit k (and count it)."""
-        u = self.count[k]
-        self.count[k] = u + 1
-        return 2 * k + jax.lax.rem(u, 2)
-
-    def _exchange(self, k, src, buf, width):
-        """Send `src` [rows, width] into my bit-k peer's next slot of `buf` and receive its
-        message in mine; returns my slot's view. Waits for both directions. A message may hold
-        fewer rows than the slot (a multiple of 8: whole f32 sublane tiles)."""
-        rows = src.shape[0]
-        assert src.shape == (rows, width) and rows <= buf.shape[1], (src.shape, buf.shape, width)
-        assert rows == buf.shape[1] or rows % 8 == 0, (rows, buf.shape)
-        slot = self._slot(k)
-        dst = buf.at[slot, :, pl.ds(0, width)] if rows == buf.shape[1] else buf.at[slot, pl.ds(0, rows), pl.ds(0, width)]
-        copy = pltpu.make_async_remote_copy(
-            src,
-            dst,
-            self.send_sem.at[0],
-            self.recv_sem.at[slot],
-            device_id=self.idx ^ (1 << k),
-            device_id_type=pl.DeviceIdType.LOGICAL,
-        )
-        copy.start()
-        copy.wait_recv()
-        copy.wait_send()
-        return dst
-
-    # ---------------------------------------------------------------- collectives
-    def all_reduce(self, x_ref, mask, wire=F32, rows=None):
-        """x_ref (f32 [rows, n], VMEM) <- its sum over the devices of `mask`, in place.
-
-        Recursive doubling: per bit, swap the current partial with the peer and add. Both peers
-        add the same two operands, so every device of the group ends with the same bits.
-        wire=BF16 sends bf16 (half the bytes; needs the bf16 scratch, width >= n, with `rows`
-        rows): each phase rounds the partial to bf16 and adds the two rounded partials in f32.
-        rows: reduce only the first `rows` rows (the batch's, rounded up to 8; the others are
-        padding and keep this device's partial).
-        A width n that is not whole 128-lane tiles travels in a message of whole tiles: staged
-        in the `pad` scratch (f32 [rows, >= n rounded up]) or the bf16 stage; only the first n
-        columns are read back.
-        """
-        if rows is not None and rows < x_ref.shape[0]:
-            x_ref = x_ref.at[pl.ds(0, rows)]
-        rows, n = x_ref.shape
-        wide = -(-n // 128) * 128
-        for k in mask_bits(mask):
-            if wire == F32 and wide == n:
-                got = self._exchange(k, x_ref, self.recv, n)
-                x_ref[...] = x_ref[...] + got[...]
-            elif wire == F32:
-                pad = self.pad.at[pl.ds(0, rows), pl.ds(0, wide)]
-                pad[:, 0:n] = x_ref[...]
-                got = self._exchange(k, pad, self.recv, wide)
-                x_ref[...] = x_ref[...] + got[:, 0:n]
-            else:
-                stage = self.stage_bf16.at[:, pl.ds(0, wide)]
-                stage[:, 0:n] = x_ref[...].astype(BF16)
-                got = self._exchange(k, stage, self.recv_bf16, wide)
-                x_ref[...] = stage[:, 0:n].astype(F32) + got[:, 0:n].astype(F32)
-
-    def all_reduce_two_level(self, x_ref, mask, wire=F32, rows=None):
-        """all_reduce with the chip's two cores (the lowest bit of `mask`) first: they swap the
-        halves of the columns the other keeps and add (reduce-scatter), the cross-chip phases
-        then move half the bytes each, and a last sibling exchange puts the halves back together
-        (all-gather, exact f32). Needs the `half` scratch [rows, >= n / 2] f32 and n / 2 a
-        multiple of 128. The planner picks it where its model says it is faster.
-
-        Every device of the group ends with the same bits: the sibling that keeps half j and the
-        one that receives it hold the same values, and the cross-chip phases pair devices that
-        keep the same half (their lowest bits agree)."""
-        if rows is not None and rows < x_ref.shape[0]:
-            x_ref = x_ref.at[pl.ds(0, rows)]
-        rows, n = x_ref.shape
-        h = n // 2
-        k0, *others = mask_bits(mask)
-        first = ((self.idx >> k0) & 1) == 0  # I keep the first half; my sibling the second
-        half = self.half.at[pl.ds(0, rows), pl.ds(0, h)]
-        lo, hi = x_ref[:, 0:h], x_ref[:, h:n]
-        keep, give = jnp.where(first, lo, hi), jnp.where(first, hi, lo)
-        if wire == F32:
-            half[...] = give
-            got = self._exchange(k0, half, self.recv, h)
-            half[...] = keep + got[...]
-        else:
-            stage = self.stage_bf16.at[:, pl.ds(0, h)]
-            stage[...] = give.astype(BF16)
-            got = self._exchange(k0, stage, self.recv_bf16, h)
-            half[...] = keep.astype(BF16).astype(F32) + got[...].astype(F32)
-        rest = sum(1 << k for k in others)
-        if rest:
-            self.all_reduce(half, rest, wire=wire)
-        got = self._exchange(k0, half, self.recv, h)  # my sibling's finished half
-        mine, theirs = half[...], got[...]
-        x_ref[:, 0:h] = jnp.where(first, mine, theirs)
-        x_ref[:, h:n] = jnp.where(first, theirs, mine)
 
     def group_index(self, mask):
         """This device's index within its group of `mask`: the masked bits of its linear index,
@@ -1218,57 +1149,210 @@ class Comm:
             g = g | (((self.idx >> k) & 1) << i)
         return g
 
-    def _local_copy(self, src, dst):
-        copy = pltpu.make_async_copy(src, dst, self.local_sem.at[0])
-        copy.start()
-        copy.wait()
+    # ---------------------------------------------------------------- entry barrier
+    def enter(self):
+        """Zero the exchange counters, then meet every peer this kernel exchanges with (every
+        member of every group it has a receive buffer for) at the barrier semaphore: signal
+        each, wait for as many signals. Run once, before any collective.
+
+        After it, each such peer has entered this kernel call, so no remote write lands in
+        scratch a peer still uses in its previous call. Each mask with a buffer must be
+        exchanged over at least once per call (the planner makes buffers only for the
+        collectives the step runs, and every layer kind and the step run every call); every
+        exchange over a mask involves every pair of its group, so no device leaves a call
+        before each peer it signals passed this call's barrier (it needs their messages), and a
+        peer's signal for the next call cannot arrive early and be counted for this one.
+        """
+        for *_, count in self.groups.values():
+            count[0] = jnp.int32(0)
+        peers = sorted({expand(m, j) for m in self.groups for j in range(1, 1 << len(mask_bits(m)))})
+        if not peers:
+            return
+        barrier = pltpu.get_barrier_semaphore()
+        for d in peers:
+            pl.semaphore_signal(barrier, 1, device_id=self.idx ^ d, device_id_type=pl.DeviceIdType.LOGICAL)
+        pl.semaphore_wait(barrier, len(peers))
+
+    # ---------------------------------------------------------------- one direct exchange
+    def _direct(self, mask, src_of, width, rows):
+        """One direct exchange over `mask`: send src_of(j) (an int32 [rows, width] ref) to the
+        member with group index j, for every peer, into its slot for my group index; wait for
+        the peers' messages and my sends. Returns (buffer, parity, slot width, my group index):
+        the message of member c is buffer[parity, 0:rows, c * W : c * W + width]."""
+        buf, rsem, ssem, count = self.groups[mask]
+        group = 1 << len(mask_bits(mask))
+        w = buf.shape[2] // group
+        assert width <= w and rows <= buf.shape[1] and rows % 8 == 0, (width, rows, buf.shape)
+        u = count[0]
+        count[0] = u + 1
+        par = jax.lax.rem(u, 2)
+        g = self.group_index(mask)
+
+        def copy(j, dd):  # my message to member g ^ dd lands in its slot g; member j's in my slot j
+            dst = buf.at[par, pl.ds(0, rows), pl.ds(pl.multiple_of(j * w, w), width)]
+            peer = self.idx ^ expand(mask, dd)
+            return pltpu.make_async_remote_copy(
+                src_of(g ^ dd),
+                dst,
+                ssem.at[dd],
+                rsem.at[par * group + j],
+                device_id=peer,
+                device_id_type=pl.DeviceIdType.LOGICAL,
+            )
+
+        sends = [copy(g, dd) for dd in range(1, group)]
+        for c in sends:
+            c.start()
+        for dd in range(1, group):
+            copy(g ^ dd, dd).wait_recv()
+        for c in sends:
+            c.wait_send()
+        return buf, par, w, g
+
+    def _received(self, got, c, width, rows, own):
+        """Member c's message of the exchange `got` (buffer, parity, W, g), or `own` (mine)."""
+        buf, par, w, g = got
+        return jnp.where(g == c, own, buf[par, pl.ds(0, rows), pl.ds(c * w, width)])
+
+    def _rows(self, x_ref):
+        rows = min(self.rows, x_ref.shape[0])
+        return x_ref if rows == x_ref.shape[0] else x_ref.at[pl.ds(0, rows)]
+
+    # ---------------------------------------------------------------- building blocks
+    def _reduce_scatter(self, xs, cws, mask, wire):
+        """My chunks (columns g*cw ..) of the group's sums of the values xs ([rows, n] refs, chunk
+        widths cws), in one phase: f32 [rows, cw] each, summed in group-index order, rounded to
+        the wire type (so each equals what the peers receive). The message to member j holds
+        chunk j of every value, side by side."""
+        rows = xs[0].shape[0]
+        group = 1 << len(mask_bits(mask))
+        mws = [cw // 2 if wire == BF16 else cw for cw in cws]
+        offs = [sum(mws[:i]) for i in range(len(mws))]
+        mw = sum(mws)
+        for c in range(group):
+            for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
+                self.stage[0:rows, c * mw + o : c * mw + o + m] = pack(chunk(x, c, cw), wire)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(j * mw, 128), mw)], mw, rows)
+        totals = [None] * len(xs)
+        for c in range(group):
+            msg = self._received(got, c, mw, rows, self.stage[0:rows, c * mw : (c + 1) * mw])
+            for i, (m, o) in enumerate(zip(mws, offs, strict=True)):
+                part = unpack(msg[:, o : o + m], wire)
+                totals[i] = part if totals[i] is None else totals[i] + part
+        return [t.astype(BF16).astype(F32) if wire == BF16 else t for t in totals]
+
+    def _gather_chunks(self, owns, xs, cws, mask, wire):
+        """Each x of xs [rows, n] <- the group's chunks of it (member c's own [rows, cw] at
+        columns c*cw ..), all in one phase."""
+        rows = xs[0].shape[0]
+        group = 1 << len(mask_bits(mask))
+        mws = [cw // 2 if wire == BF16 else cw for cw in cws]
+        offs = [sum(mws[:i]) for i in range(len(mws))]
+        mw = sum(mws)
+        for own, m, o in zip(owns, mws, offs, strict=True):
+            self.stage[0:rows, o : o + m] = pack(own, wire)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, mw)], mw, rows)
+        for c in range(group):
+            msg = self._received(got, c, mw, rows, self.stage[0:rows, 0:mw])
+            for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
+                lo, hi = c * cw, min((c + 1) * cw, x.shape[1])
+                if hi > lo:
+                    x[:, lo:hi] = unpack(msg[:, o : o + m], wire)[:, 0 : hi - lo]
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce(self, x_ref, mask, wire=F32, fused=()):
+        """x_ref (f32 [rows, n], VMEM) <- its sum over the devices of `mask`, in place, in two
+        direct phases: reduce-scatter (member c sums column chunk c, in group-index order) and
+        all-gather of the sums. wire=BF16 sends bf16 (each partial rounded to bf16, added in
+        f32, the sum rounded to bf16 once). Rows past self.rows keep this device's partial.
+        fused: more refs all-reduced over the same mask in the same two phases (their chunks
+        travel in the same messages): one exchange's latency for all of them."""
+        xs = [self._rows(x) for x in (x_ref, *fused)]
+        group = 1 << len(mask_bits(mask))
+        cws = [chunk_width(x.shape[1], group, wire) for x in xs]
+        self._gather_chunks(self._reduce_scatter(xs, cws, mask, wire), xs, cws, mask, wire)
+
+    def all_reduce_oneshot(self, x_ref, mask, wire=F32, fused=()):
+        """all_reduce in one direct phase: every device sends its whole partial to every peer and
+        adds the group's partials in group-index order (the same order everywhere, so every
+        device ends with the same bits). Fewer phases, G - 1 times the bytes. fused: more refs
+        in the same messages."""
+        xs = [self._rows(x) for x in (x_ref, *fused)]
+        rows = xs[0].shape[0]
+        cws = [chunk_width(x.shape[1], 1, wire) for x in xs]
+        mws = [cw // 2 if wire == BF16 else cw for cw in cws]
+        offs = [sum(mws[:i]) for i in range(len(mws))]
+        mw = sum(mws)
+        for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
+            self.stage[0:rows, o : o + m] = pack(chunk(x, 0, cw), wire)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, mw)], mw, rows)
+        totals = [None] * len(xs)
+        for c in range(1 << len(mask_bits(mask))):
+            msg = self._received(got, c, mw, rows, self.stage[0:rows, 0:mw])
+            for i, (m, o) in enumerate(zip(mws, offs, strict=True)):
+                part = unpack(msg[:, o : o + m], wire)
+                totals[i] = part if totals[i] is None else totals[i] + part
+        for x, t in zip(xs, totals, strict=True):
+            x[...] = t[:, 0 : x.shape[1]]
+
+    def all_reduce_hier(self, x_ref, mask, wire=F32, inner=None):
+        """all_reduce chip first: the lowest bit of `mask` (bit 0: the chip's two cores) reduce-
+        scatters the two halves of the columns, the rest of the mask all-reduces the kept half
+        (method `inner`, default all_reduce), and the pair all-gathers the halves back. Needs the
+        `half` scratch."""
+        x = self._rows(x_ref)
+        rows, n = x.shape
+        low = mask & -mask
+        cw = chunk_width(n, 2, wire)
+        half = self.half.at[pl.ds(0, rows), pl.ds(0, cw)]
+        (half[...],) = self._reduce_scatter([x], [cw], low, wire)
+        (getattr(self, inner) if inner else self.all_reduce)(half, mask ^ low, wire)
+        self._gather_chunks([half[...]], [x], [cw], low, wire)
 
     def all_gather(self, x_ref, out_ref, mask):
-        """out_ref (f32 [rows, n * G]) <- the group's x_ref (f32 [rows, n]) by group index.
-
-        Recursive doubling: after the phase of its i-th bit a device holds the aligned block of
-        2^(i+1) slices around its own; each phase sends the block held so far (n * 2^i columns)
-        and receives the peer's adjacent block through a receive slot (f32 width >= n * G / 2),
-        moved into place by a local DMA (the column offsets depend on the device).
-        """
-        n = x_ref.shape[1]
-        g = self.group_index(mask)
-        self._local_copy(x_ref, out_ref.at[:, pl.ds(pl.multiple_of(g * n, n), n)])
-        for i, k in enumerate(mask_bits(mask)):
-            width = n << i
-            mine = (g >> i) << i
-            theirs = mine ^ (1 << i)
-            src = out_ref.at[:, pl.ds(pl.multiple_of(mine * n, width), width)]
-            got = self._exchange(k, src, self.recv, width)
-            self._local_copy(got, out_ref.at[:, pl.ds(pl.multiple_of(theirs * n, width), width)])
+        """out_ref (f32 [rows, n * G]) <- the group's x_ref (f32 [rows, n]) by group index, in one
+        direct phase, f32 on the wire (exact). Rows past self.rows of out_ref are zeroed."""
+        x = self._rows(x_ref)
+        rows, n = x.shape
+        self.stage[0:rows, 0:n] = pack(x[...], F32)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, n)], n, rows)
+        for c in range(1 << len(mask_bits(mask))):
+            out_ref[0:rows, c * n : (c + 1) * n] = unpack(self._received(got, c, n, rows, self.stage[0:rows, 0:n]), F32)
+        if rows < out_ref.shape[0]:
+            out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
 
     def combine(self, value, mask, op):
         """Per-row f32 [rows, 1] `value` combined over the group of `mask` with `op` (jnp.add,
-        jnp.maximum: commutative, so both peers of a phase compute the same bits and every device
-        ends equal). For the sampler's reductions (wrapper/sampling.py.jinja)."""
-        lanes = COMM_PAIR_LANES
-        for k in mask_bits(mask):
-            self.stage[...] = jnp.broadcast_to(value, (value.shape[0], 2 * lanes))
-            got = self._exchange(k, self.stage, self.recv, 2 * lanes)
-            value = op(value, got[:, 0:1])
-        return value
+        jnp.maximum), in one direct phase: every device folds the group's values in group-index
+        order, so every device ends with the same bits. For the sampler's reductions
+        (wrapper/sampling.py.jinja); rows: at most self.rows."""
+        rows = value.shape[0]
+        self.stage[0:rows, 0:COMM_LANES] = pack(jnp.broadcast_to(value, (rows, COMM_LANES)), F32)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, COMM_LANES)], COMM_LANES, rows)
+        out = None
+        for c in range(1 << len(mask_bits(mask))):
+            v = unpack(self._received(got, c, COMM_LANES, rows, self.stage[0:rows, 0:COMM_LANES]), F32)[:, 0:1]
+            out = v if out is None else op(out, v)
+        return out
 
     def argmax(self, value, index, mask):
         """Combine per-row (max value f32 [rows, 1], its global column i32 [rows, 1]) over the
-        group of `mask`: every device gets the group's max and the smallest index among equal
-        maxima, as jnp.argmax over the concatenated row (values not NaN). Indices travel as
-        f32, exact below 2^24. Returns (value, index)."""
-        lanes = COMM_PAIR_LANES
-        rows = value.shape[0]
-        for k in mask_bits(mask):
-            self.stage[:, 0:lanes] = jnp.broadcast_to(value, (rows, lanes))
-            self.stage[:, lanes : 2 * lanes] = jnp.broadcast_to(index.astype(F32), (rows, lanes))
-            got = self._exchange(k, self.stage, self.recv, 2 * lanes)
-            pv = got[:, 0:1]
-            pi = got[:, lanes : lanes + 1].astype(I32)
-            take = (pv > value) | ((pv == value) & (pi < index))
-            value = jnp.where(take, pv, value)
-            index = jnp.where(take, pi, index)
+        group of `mask` in one direct phase: every device gets the group's max and the smallest
+        index among equal maxima, as jnp.argmax over the concatenated row (values not NaN; the
+        rule is a total order, so the order of combining does not matter). Returns (value, index)."""
+        rows, half = value.shape[0], COMM_LANES // 2
+        lane = jax.lax.broadcasted_iota(I32, (rows, COMM_LANES), 1)
+        bits = jax.lax.bitcast_convert_type(jnp.broadcast_to(value, (rows, COMM_LANES)), I32)
+        self.stage[0:rows, 0:COMM_LANES] = jnp.where(lane < half, bits, jnp.broadcast_to(index, (rows, COMM_LANES)))
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, COMM_LANES)], COMM_LANES, rows)
+        for c in range(1 << len(mask_bits(mask))):
+            m = self._received(got, c, COMM_LANES, rows, self.stage[0:rows, 0:COMM_LANES])
+            pv, pi = jax.lax.bitcast_convert_type(m[:, 0:1], F32), m[:, half : half + 1]
+            if c == 0:
+                value, index = pv, pi
+            else:
+                take = (pv > value) | ((pv == value) & (pi < index))
+                value, index = jnp.where(take, pv, value), jnp.where(take, pi, index)
         return value, index
 
 
@@ -2210,12 +2294,15 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "f_attn_knorm": pltpu.VMEM((12, 256), jnp.bfloat16),
         "f_final_norm": pltpu.VMEM((1, 2048), jnp.bfloat16),
         "fetch_sem": pltpu.SemaphoreType.DMA((12,)),
-        "comm_recv": pltpu.VMEM((6, rows, 2048), jnp.float32),
-        "comm_stage": pltpu.VMEM((rows, 256), jnp.float32),
-        "comm_send_sem": pltpu.SemaphoreType.DMA((1,)),
-        "comm_recv_sem": pltpu.SemaphoreType.DMA((6,)),
-        "comm_local_sem": pltpu.SemaphoreType.DMA((1,)),
-        "comm_count": pltpu.SMEM((3,), jnp.int32),
+        "comm_recv_1": pltpu.VMEM((2, 8, 4096), jnp.int32),
+        "comm_rsem_1": pltpu.SemaphoreType.DMA((4,)),
+        "comm_ssem_1": pltpu.SemaphoreType.DMA((2,)),
+        "comm_count_1": pltpu.SMEM((1,), jnp.int32),
+        "comm_recv_7": pltpu.VMEM((2, 8, 2048), jnp.int32),
+        "comm_rsem_7": pltpu.SemaphoreType.DMA((16,)),
+        "comm_ssem_7": pltpu.SemaphoreType.DMA((8,)),
+        "comm_count_7": pltpu.SMEM((1,), jnp.int32),
+        "comm_stage": pltpu.VMEM((8, 2048), jnp.int32),
         "carry0": pltpu.VMEM((rows, 2048), jnp.float32),
         "v0_2048": pltpu.VMEM((rows, 2048), jnp.float32),
         "v1_256": pltpu.VMEM((rows, 256), jnp.float32),
@@ -2390,7 +2477,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_GDN_LINEAR_4, slots0_ref[li], base + S_GDN_LINEAR_4.start, r.v4_512_bf16, r.v0_2048)
                     # spec line 154: x = x + gated_deltanet(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
                     r.v15_2048[...] = r.v0_2048[...]
-                    comm.all_reduce(r.v15_2048, 7, wire=F32, rows=8)
+                    comm.all_reduce(r.v15_2048, 7, wire=F32)
+
                     r.v0_2048[...] = r.carry0[...] + r.v15_2048[...]
                     # spec line 155: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
                     fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).wait()
@@ -2417,10 +2505,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v18_1[...] = jnp.sum(r.v22_2048[...], axis=-1, keepdims=True)
                     r.v23_1[...] = jax.nn.sigmoid(r.v18_1[...])
                     r.v22_2048[...] = r.v21_2048[...]
-                    comm.all_reduce(r.v22_2048, 1, wire=F32, rows=8)
+                    comm.all_reduce_oneshot(r.v22_2048, 1, wire=F32)
+
                     r.v21_2048[...] = r.v22_2048[...] * r.v23_1[...]
                     r.v22_2048[...] = r.v20_2048[...]
-                    comm.all_reduce(r.v22_2048, 7, wire=F32, rows=8)
+                    comm.all_reduce(r.v22_2048, 7, wire=F32)
+
                     r.v20_2048[...] = r.v22_2048[...] + r.v21_2048[...]
                     # spec line 155: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
                     r.v21_2048[...] = r.v0_2048[...] + r.v20_2048[...]
@@ -2459,7 +2549,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_FULL_ATTN_LINEAR_4, slots1_ref[li], base + S_FULL_ATTN_LINEAR_4.start, r.v21_2048_bf16, r.v22_2048)
                     # spec line 159: x = x + gated_attention(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
                     r.v21_2048[...] = r.v22_2048[...]
-                    comm.all_reduce(r.v21_2048, 1, wire=F32, rows=8)
+                    comm.all_reduce_oneshot(r.v21_2048, 1, wire=F32)
+
                     r.v22_2048[...] = r.carry0[...] + r.v21_2048[...]
                     # spec line 160: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
                     fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[7], li, 16).wait()
@@ -2486,10 +2577,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v23_1[...] = jnp.sum(r.v0_2048[...], axis=-1, keepdims=True)
                     r.v18_1[...] = jax.nn.sigmoid(r.v23_1[...])
                     r.v0_2048[...] = r.v15_2048[...]
-                    comm.all_reduce(r.v0_2048, 1, wire=F32, rows=8)
+                    comm.all_reduce_oneshot(r.v0_2048, 1, wire=F32)
+
                     r.v15_2048[...] = r.v0_2048[...] * r.v18_1[...]
                     r.v0_2048[...] = r.v20_2048[...]
-                    comm.all_reduce(r.v0_2048, 7, wire=F32, rows=8)
+                    comm.all_reduce(r.v0_2048, 7, wire=F32)
+
                     r.v20_2048[...] = r.v0_2048[...] + r.v15_2048[...]
                     # spec line 160: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
                     r.v15_2048[...] = r.v22_2048[...] + r.v20_2048[...]

@@ -1,10 +1,21 @@
-"""The collectives of a sharded step: which exchanges run, over which peers, and their cost.
+"""The collectives of a sharded step: which algorithm each runs, its exchange phases and their cost.
 
-A device's linear index is row-major over the mesh axes, all powers of two, so each axis owns
-a group of index bits; a collective over some axes runs one exchange phase per bit, with the
-peer `index ^ (1 << bit)` (recursive doubling). Phases run lowest bit first: with the two cores
-of a TPU7x chip at adjacent indices (2c, 2c+1) the cheap sibling-core exchange goes first and
-the cross-chip ones after (the two-level order). Every figure here is *modeled*.
+A device's linear index is row-major over the mesh axes, all powers of two, so each axis owns a
+group of index bits; a collective over some axes runs over the group of devices that differ only
+in those bits. The kernel's runtime (backends/tpu/templates/runtime/comm.py.jinja) exchanges
+*directly*: in one phase every device sends a message to each peer of its group, then waits for
+theirs. Per collective the planner models each algorithm the runtime has and picks the cheapest:
+
+- all-gather: one direct phase (`gather`); argmax of a split vocabulary: one (`best`);
+- all-reduce: reduce-scatter + all-gather, two direct phases (`rs_ag`); one phase carrying the
+  whole partial to every peer (`oneshot`); or chip first (`hier`: the chip's two cores, index bit
+  0, reduce-scatter halves, the rest of the group all-reduces the half by `rs_ag` or `oneshot`,
+  the two cores gather the halves).
+
+Messages carry the batch's rows only (the largest batch rounded up to 8, the 32-bit sublane
+tile) as int32 lanes: f32 bits, or two bf16 values per lane on a bf16 wire. Every figure here is
+*modeled* from the measured component costs in plan/measured.py; `direct_latency_us` says which
+peer counts are measured and which are inter- or extrapolated.
 """
 
 from __future__ import annotations
@@ -14,40 +25,98 @@ from dataclasses import dataclass
 
 from mkdsl.ir import Graph, Model
 from mkdsl.ops import OPS
+from mkdsl.plan import measured
 
-# Per exchange phase at decode sizes (public measurements: a small all-reduce phase costs
-# 3.5-4.7 us; sibling-core copies ~101 GB/s at 256 KiB, cross-chip ~45 GB/s per core per direction).
-SIBLING_PHASE_US = 3.5
-CHIP_PHASE_US = 4.7
-SIBLING_BYTES_PER_S = 101e9
-CHIP_BYTES_PER_S = 45e9
-PAIR_LANES = 128  # an argmax exchange carries [value x 128 | index x 128] f32 per row
+PAIR_LANES = 128  # an argmax message: [value bits x 64 | index x 64] int32 per row
+LANE_BYTES = 4  # every message is int32 lanes
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One direct exchange: each device of each group of `mask` sends one message of `lanes` int32
+    columns x `rows` to each of its `peers`, after staging `stage` int32 columns."""
+
+    mask: int
+    peers: int
+    rows: int
+    lanes: int
+    stage: int
+
+    @property
+    def message_bytes(self) -> int:
+        return self.rows * self.lanes * LANE_BYTES
+
+    @property
+    def bytes(self) -> int:
+        """Bytes one device sends in the phase (all its messages)."""
+        return self.peers * self.message_bytes
+
+    @property
+    def link(self) -> str:
+        """`sibling` (the chip's other core only), `chip` (one peer on another chip) or `direct`."""
+        if self.peers > 1:
+            return "direct"
+        return "sibling" if self.mask == 1 else "chip"
+
+    def time_us(self) -> float:
+        return phase_us(self.link, self.peers, self.bytes)
 
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective of one graph (a layer kind or the step): its phases and bytes per phase."""
+    """One collective of one graph (a layer kind or the step), with the algorithm it runs."""
 
     graph: str
     op: str  # the op that exchanges (an internal collective, or a split argmax)
     value: str  # the IR value it produces
     axes: tuple[str, ...]
-    bits: tuple[int, ...]  # exchange phases, in order
-    phase_bytes: tuple[int, ...]  # bytes one device sends in each phase
+    algorithm: str  # gather, best, rs_ag, oneshot or hier
+    phases: tuple[Phase, ...]
     line: int
     width: int  # columns of the value each device contributes
-    two_level: bool = False  # an all-reduce run as sibling reduce-scatter, cross-chip phases, sibling gather
     exchange: str = ""  # the op's `exchange` trait: "sum", "gather" or "best"
+    wire: str = "f32"  # what the values travel as
+    inner: str = ""  # hier: the algorithm of the cross-chip all-reduce of the half
+    half: int = 0  # hier: f32 columns of the half a core keeps
+    fused: tuple[str, ...] = ()  # values of the node just before, all-reduced in the same exchanges
 
     def time_us(self) -> float:
-        return sum(phase_us(bit, b) for bit, b in zip(self.bits, self.phase_bytes, strict=True))
+        """Modeled time of the whole collective: its phases one after the other."""
+        return sum(p.time_us() for p in self.phases)
+
+    @property
+    def two_level(self) -> bool:
+        return self.algorithm == "hier"
+
+    @property
+    def phase_bytes(self) -> tuple[int, ...]:
+        return tuple(p.bytes for p in self.phases)
+
+    @property
+    def label(self) -> str:
+        inner = f", {self.inner} inside" if self.inner else ""
+        fused = "".join(f", fused with `{v}`" for v in self.fused)
+        return f"{self.op} ({self.algorithm}{inner}{fused})"
 
 
-def phase_us(bit: int, nbytes: int) -> float:
-    """Modeled time of one exchange phase over index bit `bit` (bit 0: the chip's other core)."""
-    if bit == 0:
-        return SIBLING_PHASE_US + nbytes / SIBLING_BYTES_PER_S * 1e6
-    return CHIP_PHASE_US + nbytes / CHIP_BYTES_PER_S * 1e6
+def direct_latency_us(peers: int) -> float:
+    """Latency of a direct phase with `peers` peers: measured at 1 cross-chip peer (2.1 us) and
+    at 7 (8 cores on 4 chips, 2.65 us); other peer counts are a straight line through these two
+    points (interpolated below 7, **extrapolated** above: each extra peer adds one DMA descriptor
+    and one semaphore wait, 0.09 us; not measured)."""
+    per_peer = (measured.DIRECT_PHASE_US - measured.CROSS_CHIP_COPY_US) / (measured.DIRECT_FIT_CORES - 2)
+    return measured.CROSS_CHIP_COPY_US + per_peer * (peers - 1)
+
+
+def phase_us(link: str, peers: int, nbytes: int) -> float:
+    """Modeled time of one phase moving `nbytes` out of each device. Several peers: the direct
+    fit's aggregate 101 GB/s per core (measured over 7 peers; taken as the core's injection
+    bandwidth for any count, an extrapolation past 7)."""
+    if link == "sibling":
+        return measured.SIBLING_COPY_US + nbytes / measured.SIBLING_COPY_BYTES_PER_S * 1e6
+    if link == "chip":
+        return measured.CROSS_CHIP_COPY_US + nbytes / measured.CROSS_CHIP_COPY_BYTES_PER_S * 1e6
+    return direct_latency_us(peers) + nbytes / measured.DIRECT_BYTES_PER_S * 1e6
 
 
 def axis_bits(mesh: tuple[tuple[str, int], ...]) -> dict[str, tuple[int, ...]]:
@@ -70,89 +139,153 @@ def mask_of(mesh, axes) -> int:
 
 
 def exchange_rows(model: Model) -> int | None:
-    """Rows an all-reduce exchanges: the largest batch rounded up to 8 (whole f32 sublane tiles)
-    when that is fewer than the padded rows; None: all padded rows."""
+    """Rows on the wire: the largest batch rounded up to 8 (whole 32-bit sublane tiles) when that
+    is fewer than the padded rows; None: all padded rows."""
     high = model.dims[0].high
     rows = -(-high // 8) * 8
     return rows if rows < -(-high // 16) * 16 else None
 
 
-def wire_bytes(dtype: str) -> int:
-    return 2 if dtype == "bf16" else 4
+def chunk_width(n: int, group: int, wire: str) -> int:
+    """Columns of one reduce-scatter chunk (the runtime's chunk_width): n / group rounded up to
+    whole 128-lane int32 messages (256 columns on a bf16 wire)."""
+    unit = 256 if wire == "bf16" else 128
+    per = -(-n // group)
+    return -(-per // unit) * unit
 
 
-def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Collective]:
-    from mkdsl.elaborate import graph_value_type
+def _lanes_of(cw: int, wire: str) -> int:
+    return cw // 2 if wire == "bf16" else cw
 
-    bits_of = axis_bits(model.mesh)
-    out = []
-    for node in g.nodes:
-        kind = OPS[node.op].exchange if node.op in OPS else ""
-        axes = node.attr.get(OPS[node.op].exchange_axes) if kind else None
-        if not axes:
-            continue
-        bits = tuple(sorted(b for a in axes for b in bits_of[a]))
-        n = graph_value_type(g, node.inputs[0]).shape[-1]
-        if kind == "sum":
-            r = min(rows, exchange_rows(model) or rows)
-            flat = [r * n * wire_bytes(wire)] * len(bits)
-            two = two_level_phases(bits, r, n, wire)
-            if two and _cost(*two) < _cost(bits, flat):
-                out.append(
-                    Collective(g.name, node.op, node.outputs[0].name, tuple(axes), *two, node.span.line, n, True, kind)
-                )
-                continue
-            sizes = flat
-        elif kind == "gather":
-            sizes = [rows * n * 4 << i for i in range(len(bits))]
-        else:
-            sizes = [rows * 2 * PAIR_LANES * 4] * len(bits)
-        out.append(
-            Collective(
-                g.name, node.op, node.outputs[0].name, tuple(axes), bits, tuple(sizes), node.span.line, n, exchange=kind
-            )
-        )
+
+def group_size(mask: int) -> int:
+    return 1 << bin(mask).count("1")
+
+
+def reduce_phases(algorithm: str, mask: int, n: int, rows: int, wire: str) -> tuple[Phase, ...]:
+    """The phases of an all-reduce of [rows, n] over `mask` by `algorithm` (not hier)."""
+    g = group_size(mask)
+    if algorithm == "oneshot":
+        lanes = _lanes_of(chunk_width(n, 1, wire), wire)
+        return (Phase(mask, g - 1, rows, lanes, lanes),)
+    lanes = _lanes_of(chunk_width(n, g, wire), wire)
+    return (Phase(mask, g - 1, rows, lanes, g * lanes), Phase(mask, g - 1, rows, lanes, lanes))
+
+
+def hier_phases(inner: str, mask: int, n: int, rows: int, wire: str) -> tuple[Phase, ...]:
+    cw = chunk_width(n, 2, wire)
+    pair = reduce_phases("rs_ag", 1, n, rows, wire)
+    return (pair[0], *reduce_phases(inner, mask & ~1, cw, rows, wire), pair[1])
+
+
+def all_reduce_options(mask: int, n: int, rows: int, wire: str) -> list[tuple[str, str, tuple[Phase, ...]]]:
+    """(algorithm, inner, phases) of every way the runtime can all-reduce [rows, n] over `mask`;
+    chip first only where the group holds both cores of a chip (bit 0) and other bits."""
+    out = [(a, "", reduce_phases(a, mask, n, rows, wire)) for a in ("rs_ag", "oneshot")]
+    if mask & 1 and mask != 1:
+        out += [("hier", a, hier_phases(a, mask, n, rows, wire)) for a in ("rs_ag", "oneshot")]
     return out
 
 
-def two_level_phases(bits, rows: int, n: int, wire: str):
-    """(bits, bytes) of the two-level all-reduce, or None where it does not apply: the mask must
-    hold bit 0 (the chip's two cores) and others, and half the columns be lane aligned."""
-    if 0 not in bits or len(bits) < 2 or n % 256:
+def _node_collective(model: Model, g: Graph, node, rows: int, wire: str) -> Collective | None:
+    from mkdsl.elaborate import graph_value_type
+
+    kind = OPS[node.op].exchange if node.op in OPS else ""
+    axes = node.attr.get(OPS[node.op].exchange_axes) if kind else None
+    if not axes:
         return None
-    h = n // 2
-    cross = tuple(b for b in bits if b)
-    return (0, *cross, 0), (rows * h * wire_bytes(wire), *[rows * h * wire_bytes(wire)] * len(cross), rows * h * 4)
+    mask = mask_of(model.mesh, axes)
+    n = graph_value_type(g, node.inputs[0]).shape[-1]
+    base = dict(graph=g.name, op=node.op, value=node.outputs[0].name, axes=tuple(axes), line=node.span.line, width=n)
+    peers = group_size(mask) - 1
+    if kind == "gather":
+        return Collective(
+            **base, algorithm="gather", phases=(Phase(mask, peers, rows, lanes(n), lanes(n)),), exchange=kind
+        )
+    if kind == "best":
+        phase = Phase(mask, peers, rows, PAIR_LANES, PAIR_LANES)
+        return Collective(**base, algorithm="best", phases=(phase,), exchange=kind)
+    options = all_reduce_options(mask, n, rows, wire)
+    algorithm, inner, phases = min(options, key=lambda o: sum(p.time_us() for p in o[2]))
+    half = chunk_width(n, 2, wire) if algorithm == "hier" else 0
+    return Collective(**base, algorithm=algorithm, phases=phases, exchange=kind, wire=wire, inner=inner, half=half)
 
 
-def _cost(bits, sizes) -> float:
-    return sum(phase_us(b, n) for b, n in zip(bits, sizes, strict=True))
+def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Collective]:
+    """The collectives of one graph of the per-device model; `rows`: the padded rows."""
+    on_wire = min(exchange_rows(model) or rows, rows)
+    found = [(i, _node_collective(model, g, node, on_wire, wire)) for i, node in enumerate(g.nodes)]
+    return fuse_adjacent([(i, c) for i, c in found if c is not None])
+
+
+def fuse_adjacent(found: list[tuple[int, Collective]]) -> list[Collective]:
+    """Merge an all-reduce into the next node's when that node is an all-reduce over the same
+    axes and wire (no op between them, so both inputs are ready at the second) and the same
+    exchanges carrying both values are modeled cheaper than the two as chosen."""
+    out: list[Collective] = []
+    prev: tuple[int, Collective] | None = None
+    for i, c in found:
+        if prev is not None and prev[0] == i - 1 and _fusable(prev[1], c):
+            fused = _fused(prev[1], c)
+            if fused.time_us() < prev[1].time_us() + c.time_us():
+                out[-1] = fused
+                prev = None
+                continue
+        out.append(c)
+        prev = (i, c)
+    return out
+
+
+def _fusable(a: Collective, b: Collective) -> bool:
+    return a.exchange == b.exchange == "sum" and a.axes == b.axes and not a.fused and a.wire == b.wire
+
+
+def _fused(a: Collective, b: Collective) -> Collective:
+    """b with a's value in the same exchanges (rs_ag or oneshot, the cheaper): each message holds
+    a's part beside b's."""
+    mask = mask_of_phases(a)
+    options = []
+    for algorithm in ("rs_ag", "oneshot"):
+        one, two = (reduce_phases(algorithm, mask, c.width, c.phases[0].rows, c.wire) for c in (a, b))
+        phases = tuple(
+            Phase(mask, p.peers, p.rows, p.lanes + q.lanes, p.stage + q.stage) for p, q in zip(one, two, strict=True)
+        )
+        options.append(
+            Collective(
+                b.graph, b.op, b.value, b.axes, algorithm, phases, b.line, b.width, b.exchange, b.wire, fused=(a.value,)
+            )
+        )
+    return min(options, key=Collective.time_us)
+
+
+def mask_of_phases(c: Collective) -> int:
+    """The whole mask of a collective: the union of its phases' masks."""
+    out = 0
+    for p in c.phases:
+        out |= p.mask
+    return out
 
 
 def step_totals(model: Model, found: list[Collective]) -> tuple[int, float]:
     """(exchange phases per step, modeled us per step): each layer runs its kind's collectives."""
     runs = [*model.schedule, model.step.name]
     return (
-        sum(len(c.bits) * runs.count(c.graph) for c in found),
+        sum(len(c.phases) * runs.count(c.graph) for c in found),
         sum(c.time_us() * runs.count(c.graph) for c in found),
     )
 
 
-def comm_widths(found: list[Collective], wire: str) -> tuple[int, int]:
-    """(widest f32 message, widest bf16 message) in columns, for the receive slots: all-gathers
-    send up to half the gathered value, two-level all-reduces their finished half in f32."""
-    f32, bf16 = 2 * PAIR_LANES, 0  # the argmax message
+def comm_buffers(found: list[Collective]) -> tuple[dict[int, int], int, int]:
+    """(mask -> receive slot width in int32 lanes, widest staging in int32 lanes, widest kept
+    half in f32 columns): what the runtime's comm_scratch() needs for these collectives."""
+    slots: dict[int, int] = {}
+    stage, half = PAIR_LANES, 0
     for c in found:
-        if c.exchange == "gather":
-            f32 = max(f32, c.width * 2 ** len(c.bits) // 2)
-        elif c.exchange == "sum":
-            if c.two_level:
-                f32 = max(f32, c.width // 2)
-            if wire == "bf16":
-                bf16 = max(bf16, c.width)
-            else:
-                f32 = max(f32, c.width)
-    return lanes(f32), lanes(bf16)
+        for p in c.phases:
+            slots[p.mask] = max(slots.get(p.mask, 0), p.lanes)
+            stage = max(stage, p.stage)
+        half = max(half, c.half)
+    return dict(sorted(slots.items())), stage, half
 
 
 def lanes(n: int) -> int:

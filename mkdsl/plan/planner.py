@@ -456,39 +456,23 @@ def plan_collectives(s: _State) -> None:
 
 
 def _allocate_comm(s: _State) -> None:
-    """Receive slots (two per index bit, alternating), staging and semaphores of the collectives."""
+    """The collectives' scratch (runtime comm_scratch()): per mask exchanged over, receive slots
+    (two parities x one slot per group member) and semaphores; the outgoing stage; the kept half."""
     m = s.model
-    bits = max(collectives.index_bits(m.mesh), 1)
-    two_level = [c for c in s.collectives if c.two_level]
-    f32w, bf16w = collectives.comm_widths(s.collectives, wire(m))
-    span = m.hint("wire_bf16").span if m.hint("wire_bf16") else NOWHERE
-    _alloc(
-        s, "comm_recv", (2 * bits, "rows", f32w), "float32", "collectives: f32 receive slots, 2 per index bit", NOWHERE
-    )
-    _alloc(s, "comm_stage", ("rows", 2 * collectives.PAIR_LANES), "float32", "collectives: argmax message", NOWHERE)
-    unaligned = [c.width for c in s.collectives if c.exchange == "sum" and c.width % 128 and wire(m) == "f32"]
-    if unaligned:  # a partial of such a width travels padded to whole lanes
-        width = collectives.lanes(max(unaligned))
-        _alloc(s, "comm_pad", ("rows", width), "float32", "collectives: partial padded to whole lanes", NOWHERE)
-    if two_level:
-        half = max(c.width for c in two_level) // 2
-        xr = collectives.exchange_rows(m) or "rows"
+    rows = collectives.exchange_rows(m) or "rows"  # only the batch's rows travel
+    slots, stage, half = collectives.comm_buffers(s.collectives)
+    for mask, width in slots.items():
+        g = collectives.group_size(mask)
+        what = f"collectives over index bits {mask:#b}"
         _alloc(
-            s,
-            "comm_half",
-            (xr, collectives.lanes(half)),
-            "float32",
-            "collectives: the half a core keeps (two-level)",
-            NOWHERE,
+            s, f"comm_recv_{mask}", (2, rows, g * collectives.lanes(width)), "int32", f"{what}: receive slots", NOWHERE
         )
-    if bf16w:
-        rows = collectives.exchange_rows(m) or "rows"  # all-reduces exchange the batch's rows only
-        _alloc(s, "comm_recv_bf16", (2 * bits, rows, bf16w), "bfloat16", "collectives: bf16 receive slots", span)
-        _alloc(s, "comm_stage_bf16", (rows, bf16w), "bfloat16", "collectives: outgoing bf16 partial", span)
-    _alloc(s, "comm_send_sem", (1,), "dma", "collectives: outgoing DMA", NOWHERE, "SEM")
-    _alloc(s, "comm_recv_sem", (2 * bits,), "dma", "collectives: incoming DMA per slot", NOWHERE, "SEM")
-    _alloc(s, "comm_local_sem", (1,), "dma", "collectives: local copies", NOWHERE, "SEM")
-    _alloc(s, "comm_count", (bits,), "int32", "collectives: exchanges done per index bit", NOWHERE, "SMEM")
+        _alloc(s, f"comm_rsem_{mask}", (2 * g,), "dma", f"{what}: incoming DMA per slot", NOWHERE, "SEM")
+        _alloc(s, f"comm_ssem_{mask}", (g,), "dma", f"{what}: outgoing DMA per peer", NOWHERE, "SEM")
+        _alloc(s, f"comm_count_{mask}", (1,), "int32", f"{what}: exchanges done", NOWHERE, "SMEM")
+    _alloc(s, "comm_stage", (rows, stage), "int32", "collectives: outgoing messages", NOWHERE)
+    if half:
+        _alloc(s, "comm_half", (rows, half), "float32", "collectives: the half a core keeps (chip first)", NOWHERE)
 
 
 def fit_ring(s: _State) -> None:

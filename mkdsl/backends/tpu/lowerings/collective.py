@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
+from mkdsl.ir import Ref
 from mkdsl.ops.collective import GATHER_SPLITS, SUM_PARTIALS, TAKE_MINE
-from mkdsl.plan.collectives import exchange_rows
+
+# The runtime's Comm method of each all-reduce algorithm (mkdsl/plan/collectives.py picks one).
+METHOD = {"rs_ag": "all_reduce", "oneshot": "all_reduce_oneshot", "hier": "all_reduce_hier"}
 
 
 def _reduce_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
-    node = at.node
-    two = any(c.two_level and (c.graph, c.value) == (at.graph.name, node.outputs[0].name) for c in em.plan.collectives)
+    """The all-reduce of the node's value, or only its copy when the next node's all-reduce
+    carries it in the same exchanges (`Collective.fused`)."""
+    node, graph = at.node, at.graph.name
+    value = node.outputs[0].name
+    c = next((c for c in em.plan.collectives if c.graph == graph and value in (c.value, *c.fused)), None)
+    assert c is not None, (graph, value)
+    fused = [em.operand(at.graph, Ref("value", v)) for v in c.fused]
     return dict(
         x=ins[0],
         mask=em.mask(node.attr["axes"]),
-        wire="BF16" if em.plan.wire == "bf16" else "F32",
-        rows=exchange_rows(em.m),
-        method="all_reduce_two_level" if two else "all_reduce",
+        wire="BF16" if c.wire == "bf16" else "F32",
+        method=METHOD[c.algorithm] if c.value == value else "",
+        inner=f'"{METHOD[c.inner]}"' if c.inner else "",
+        fused="(" + ", ".join(f"r.{b}" for b in fused) + ",)" if fused else "",
     )
 
 
