@@ -1619,11 +1619,12 @@ class Attention:
             s = mxu_dot(q, self.ktiles[buf, g], (((1,), (1,)), ((), ()))) * self.scale
             scores.append(jnp.where(valid, s, NEG_INF))
         m_prev, l_prev, acc_prev = ([ref[hs, :] for hs in groups] for ref in (self.m, self.l, self.acc))
-        m_new = [jnp.maximum(m, jnp.max(s, axis=1, keepdims=True)) for m, s in zip(m_prev, scores, strict=True)]
-        alpha = [jnp.exp(m - mn) for m, mn in zip(m_prev, m_new, strict=True)]
-        p = [jnp.exp(s - mn) for s, mn in zip(scores, m_new, strict=True)]
+        heads = range(self.kv_load)
+        m_new = [jnp.maximum(m_prev[g], jnp.max(scores[g], axis=1, keepdims=True)) for g in heads]
+        alpha = [jnp.exp(m_prev[g] - m_new[g]) for g in heads]
+        p = [jnp.exp(scores[g] - m_new[g]) for g in heads]
         # keys not seen weigh exp(-inf) = 0: 0 * v, as in the reference
-        pv = [mxu_dot(p[g], self.vtiles[buf, g], (((1,), (0,)), ((), ()))) for g in range(self.kv_load)]
+        pv = [mxu_dot(p[g], self.vtiles[buf, g], (((1,), (0,)), ((), ()))) for g in heads]
         for g, hs in enumerate(groups):
             self.l[hs, :] = alpha[g] * l_prev[g] + jnp.sum(p[g], axis=1, keepdims=True)
             self.acc[hs, :] = alpha[g] * acc_prev[g] + pv[g]
