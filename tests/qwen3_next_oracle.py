@@ -134,9 +134,10 @@ def gated_attention(h, W, st, pos: int, z: Sizes):
         qi = partial_rope(rms(q[i * d : (i + 1) * d], W["attn_qnorm"], 1.0), pos, z)
         j = i // (nh // nkv)
         keys, vals = f64(kc[j, : pos + 1]), f64(vc[j, : pos + 1])
-        s = keys @ qi / math.sqrt(d)
+        # bf16 MXU dots against the bf16 cache: q and exp(s - max) rounded to bf16 (the contract)
+        s = keys @ bf16(qi) / math.sqrt(d)
         p = np.exp(s - s.max())
-        out[i * d : (i + 1) * d] = (p / p.sum()) @ vals
+        out[i * d : (i + 1) * d] = bf16(p) @ vals / p.sum()
     o = out * sigmoid(gate)
     return mm(o, W["attn_wo"]), {"k_cache": kc, "v_cache": vc}
 

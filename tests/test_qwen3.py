@@ -113,8 +113,11 @@ def attention_row(card, w, cache_k, cache_v, x, pos, layer):
     out = np.zeros((card.nh, card.d))
     for head in range(card.nh):
         j = head // group
-        s = cache_k[j, : pos + 1] @ q[head] * card.d**-0.5
-        out[head] = softmax(s) @ cache_v[j, : pos + 1]
+        # Both products are bf16 MXU dots against the bf16 cache: the query and the unnormalised
+        # weights exp(s - max) are rounded to bf16, their f64 sum divides after (the numeric contract).
+        s = cache_k[j, : pos + 1] @ bf16(q[head]) * card.d**-0.5
+        e = np.exp(s - s.max())
+        out[head] = bf16(e) @ cache_v[j, : pos + 1] / e.sum()
     return mm(out.reshape(-1), w["wo"][layer])
 
 

@@ -246,6 +246,9 @@ def test_llama_mini_quantised_weights(tmp_path):
     for old, new in QUANTISED.items():
         assert src.count(old) == 1, old
         src = src.replace(old, new)
+    # The checkpoint sections map bf16 tensors, which cannot load into these formats exactly (a
+    # diagnostic); this test is about the reference's numerics, so the variant has none.
+    src = src[: src.index("checkpoint hf {")]
     path = tmp_path / "llama3_8b_quantised.mk"
     path.write_text(src)
     model = load(str(path), "mini")
