@@ -136,3 +136,25 @@ def test_loops_are_matched_to_ops_by_the_bytes_one_iteration_waits_for():
     found, skipped = static_costs.ratios(model, plan, [loop(1, experts, 2.0), loop(2, latent, 9.0), loop(3, 7, 5.0)])
     assert found == {"moe_experts": 2.0, "mla_attention": 9.0}
     assert skipped == [(3, "7 bytes: no op")]
+
+
+def test_sliding_window_attention_computes_over_its_window_only():
+    # gpt-oss alternates 128-token sliding layers and full layers (18 each); at 4096 cached
+    # tokens the full layers' attention reads 4097 tokens a row, the sliding ones 128.
+    model = shard(load(str(ROOT / "specs/gpt_oss_120b.mk")))
+    plan = make_plan(model, batch=1, context=4096)
+    att = {p.graph: p for p in plan.phases if p.op == "attention"}
+    per_token = measured.ATTENTION_250_TOKENS_US / 250  # batch 1: one row
+    assert att["sliding"].source == att["full"].source == "latency"
+    assert att["sliding"].compute_us == pytest.approx(18 * 128 * per_token)
+    assert att["full"].compute_us == pytest.approx(18 * 4097 * per_token)
+
+
+def test_collective_phases_name_the_algorithm_the_planner_chose():
+    model = shard(load(str(ROOT / "specs/gpt_oss_120b.mk")))
+    plan = make_plan(model, batch=1, context=4096)
+    named = {(c.graph, f"{c.label} of `{c.value}`") for c in plan.collectives}
+    exchanged = {(p.graph, p.what) for p in plan.phases if p.comm_us}
+    assert exchanged and exchanged <= named
+    algorithms = {c.algorithm for c in plan.collectives}
+    assert all(any(f"({a}" in what for _, what in exchanged) for a in algorithms)

@@ -39,6 +39,15 @@ def node_flops(s, g: Graph, i: int) -> int:
     return OPS[node.op].cost(types, outs, _attrs(node)).flops
 
 
+def tokens_seen(s, node) -> int:
+    """Cached tokens one row's attention reads: the context and the new token, at most its
+    sliding `window` (as its cost's KV traffic counts them)."""
+    from mkdsl.plan.planner import _attrs
+
+    window = _attrs(node).get("window")
+    return min(s.context + 1, window) if window else s.context + 1
+
+
 def _exchanges(s) -> dict[tuple[str, str], object]:
     return {(c.graph, c.value): c for c in s.collectives}
 
@@ -61,7 +70,7 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
             continue
         c = exch.get((g.name, node.outputs[0].name)) if node.outputs else None
         if c is not None and OPS[node.op].exchange:
-            what = f"{c.op}{' (two-level)' if c.two_level else ''} of `{c.value}`"
+            what = f"{c.label} of `{c.value}`"  # the algorithm the planner chose
             out.append(Phase(g.name, what, node.span.line, node.op, 0, 1.0, 0.0, "", "", exchange_us=c.time_us()))
             continue
         nbytes = sum(it.bytes for it in by_node.get(i, ()))
@@ -74,7 +83,7 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
         stream_us = nbytes / rate * 1e6
         key = f"{node.op}:{weight.name}" if weight is not None else node.op
         flops = node_flops(s, g, i)
-        tokens = s.context + 1
+        tokens = tokens_seen(s, node)
         comp, source = cost_model.compute_us(node.op, flops, stream_us, s.batch, tokens, static, key, op.latency)
         if nbytes or comp:
             what = next((it.what for it in by_node.get(i, ())), node.op)
