@@ -158,3 +158,35 @@ def test_collective_phases_name_the_algorithm_the_planner_chose():
     assert exchanged and exchanged <= named
     algorithms = {c.algorithm for c in plan.collectives}
     assert all(any(f"({a}" in what for _, what in exchanged) for a in algorithms)
+
+
+def test_ready_together_collectives_fuse_into_one_exchange():
+    from mkdsl.plan import collectives, levers
+
+    assert levers._peers([0b11100]) == 7 and levers._peers([0b11100, 0b00011]) == 10  # ep (7) and tp (3)
+    model = shard(load(str(ROOT / "specs/kimi_k3.mk")))
+    plan = make_plan(model, batch=1, context=1152)
+    moe = next(k for k in model.kinds if k.name == "kda_moe")
+    fused = [g for g in levers.groups(moe, list(plan.collectives)) if len(g) > 1]
+    # The router scores (over ep) and the latent activation (over tp) both come from x alone.
+    assert [[c.axes for c in g] for g in fused] == [[("ep",), ("tp",)]]
+    (a, b) = fused[0]
+    one = collectives.phase_us("direct", 10, a.phases[0].bytes + b.phases[0].bytes)
+    assert levers.fused_us(fused[0]) == pytest.approx(one) and one < a.time_us() + b.time_us()
+    # The attention output's all-reduce feeds the rest of the layer: it never joins a group.
+    assert all(len(g) == 1 for g in levers.groups(moe, list(plan.collectives)) if g[0].exchange == "sum")
+    saved = plan.timing.comm_us - make_plan(model, batch=1, context=1152, fuse_ready=True).timing.comm_us
+    n = model.schedule.count("kda_moe") + model.schedule.count("mla_moe")
+    assert saved == pytest.approx(n * (a.time_us() + b.time_us() - one), rel=1e-6)
+
+
+def test_plan_levers_prices_each_lever_with_the_model():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "mkdsl", "plan", "specs/tiny.mk", "--levers"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    saved = measured.DISPATCH_US * (1 - 1 / 16)  # 16 steps share one dispatch
+    assert "| dispatch | 16 steps per device call | " in r.stdout and f"-{saved:.1f} us" in r.stdout
+    assert "| placement | nothing moves |" in r.stdout  # tiny is not sharded
