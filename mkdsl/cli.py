@@ -198,6 +198,11 @@ def cmd_plan(args) -> int:
 
         print(placement.render(model_whole, placement.choose(model_whole, args.batch, args.context), args.batch))
         return 0
+    if args.levers:
+        from mkdsl.plan import levers
+
+        print(levers.render(model_whole, levers.levers(model_whole, args.batch, args.context), args.batch))
+        return 0
     if args.save_costs and not args.static:
         raise UsageError("--save-costs needs --static (it saves what the libtpu schedule says)")
     if args.static:
@@ -564,6 +569,11 @@ def _plan_parser(c) -> None:
         "--placement",
         action="store_true",
         help="re-plan with each weight above its 1/N share split further; compare the modeled steps",
+    )
+    shown.add_argument(
+        "--levers",
+        action="store_true",
+        help="re-plan with each lever not pulled (deeper ring, placement, fused collectives, dispatch); compare",
     )
     shown.add_argument(
         "--static",

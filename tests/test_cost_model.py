@@ -136,3 +136,57 @@ def test_loops_are_matched_to_ops_by_the_bytes_one_iteration_waits_for():
     found, skipped = static_costs.ratios(model, plan, [loop(1, experts, 2.0), loop(2, latent, 9.0), loop(3, 7, 5.0)])
     assert found == {"moe_experts": 2.0, "mla_attention": 9.0}
     assert skipped == [(3, "7 bytes: no op")]
+
+
+def test_sliding_window_attention_computes_over_its_window_only():
+    # gpt-oss alternates 128-token sliding layers and full layers (18 each); at 4096 cached
+    # tokens the full layers' attention reads 4097 tokens a row, the sliding ones 128.
+    model = shard(load(str(ROOT / "specs/gpt_oss_120b.mk")))
+    plan = make_plan(model, batch=1, context=4096)
+    att = {p.graph: p for p in plan.phases if p.op == "attention"}
+    per_token = measured.ATTENTION_250_TOKENS_US / 250  # batch 1: one row
+    assert att["sliding"].source == att["full"].source == "latency"
+    assert att["sliding"].compute_us == pytest.approx(18 * 128 * per_token)
+    assert att["full"].compute_us == pytest.approx(18 * 4097 * per_token)
+
+
+def test_collective_phases_name_the_algorithm_the_planner_chose():
+    model = shard(load(str(ROOT / "specs/gpt_oss_120b.mk")))
+    plan = make_plan(model, batch=1, context=4096)
+    named = {(c.graph, f"{c.label} of `{c.value}`") for c in plan.collectives}
+    exchanged = {(p.graph, p.what) for p in plan.phases if p.comm_us}
+    assert exchanged and exchanged <= named
+    algorithms = {c.algorithm for c in plan.collectives}
+    assert all(any(f"({a}" in what for _, what in exchanged) for a in algorithms)
+
+
+def test_ready_together_collectives_fuse_into_one_exchange():
+    from mkdsl.plan import collectives, levers
+
+    assert levers._peers([0b11100]) == 7 and levers._peers([0b11100, 0b00011]) == 10  # ep (7) and tp (3)
+    model = shard(load(str(ROOT / "specs/kimi_k3.mk")))
+    plan = make_plan(model, batch=1, context=1152)
+    moe = next(k for k in model.kinds if k.name == "kda_moe")
+    fused = [g for g in levers.groups(moe, list(plan.collectives)) if len(g) > 1]
+    # The router scores (over ep) and the latent activation (over tp) both come from x alone.
+    assert [[c.axes for c in g] for g in fused] == [[("ep",), ("tp",)]]
+    (a, b) = fused[0]
+    one = collectives.phase_us("direct", 10, a.phases[0].bytes + b.phases[0].bytes)
+    assert levers.fused_us(fused[0]) == pytest.approx(one) and one < a.time_us() + b.time_us()
+    # The attention output's all-reduce feeds the rest of the layer: it never joins a group.
+    assert all(len(g) == 1 for g in levers.groups(moe, list(plan.collectives)) if g[0].exchange == "sum")
+    saved = plan.timing.comm_us - make_plan(model, batch=1, context=1152, fuse_ready=True).timing.comm_us
+    n = model.schedule.count("kda_moe") + model.schedule.count("mla_moe")
+    assert saved == pytest.approx(n * (a.time_us() + b.time_us() - one), rel=1e-6)
+
+
+def test_plan_levers_prices_each_lever_with_the_model():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "mkdsl", "plan", "specs/tiny.mk", "--levers"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    saved = measured.DISPATCH_US * (1 - 1 / 16)  # 16 steps share one dispatch
+    assert "| dispatch | 16 steps per device call | " in r.stdout and f"-{saved:.1f} us" in r.stdout
+    assert "| placement | nothing moves |" in r.stdout  # tiny is not sharded

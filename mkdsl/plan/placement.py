@@ -32,6 +32,7 @@ class Choice:
     exchange_phases: int  # of the whole step
     modeled_us: float  # the whole step, or 0 when the planner rejects the split
     error: str = ""
+    sharding: tuple = ()  # the tensor's sharding, per dim the mesh axes it is split over
 
 
 def _notation(t: Tensor, sharding) -> str:
@@ -79,7 +80,7 @@ def evaluate(model: Model, name: str, sharding, batch: int, context: int | None)
     except (SpecError, ShardError) as e:
         return Choice(name, note, 0, 0, 0.0, str(e).splitlines()[0][:120] or type(e).__name__)
     read = next((x.bytes for x in plan.traffic if x.name == name), 0)
-    return Choice(name, note, read, plan.exchange_phases, plan.timing.modeled_us)
+    return Choice(name, note, read, plan.exchange_phases, plan.timing.modeled_us, sharding=sharding)
 
 
 def choose(model: Model, batch: int = 1, context: int | None = None) -> list[list[Choice]]:

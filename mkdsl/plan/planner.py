@@ -96,6 +96,12 @@ class _State:
         return next((st for st in seq.streams if st.node == at.node.outputs[0].name), None) if seq else None
 
 
+def _fused(model: Model, found) -> dict:
+    from mkdsl.plan import levers
+
+    return levers.ready_together(model, found)
+
+
 def make_plan(
     model: Model,
     batch: int = 1,
@@ -103,6 +109,7 @@ def make_plan(
     ring_depth: int | None = None,
     steps_per_call: int = 1,
     static: dict[str, float] | None = None,
+    fuse_ready: bool = False,
 ) -> Plan:
     """Plan the decode step for `batch` rows reading `context` cached tokens each.
 
@@ -110,6 +117,8 @@ def make_plan(
     kernel is sized for the largest batch); by default the ring is sized for this batch.
     `steps_per_call`: decode steps per device call (the dispatch is shared by them); `static`: op ->
     compute / stream ratio of its loop in libtpu's schedule, used by the cost model where given.
+    `fuse_ready`: a what-if of the cost model, collectives ready together as one exchange
+    (plan/levers.py); the kernel does not do it.
     """
     s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
     pad_rows(s)
@@ -125,7 +134,8 @@ def make_plan(
     sched_bytes, dmas = schedule_traffic(model, items)
     phases, _ = collectives.step_totals(model, s.collectives)
     must_move = sum(t.bytes for t in traffic)
-    timing, costs = timeline.model_step(s, items, s.depth - 1, steps_per_call, static, must_move, flops)
+    fused = _fused(model, s.collectives) if fuse_ready else None
+    timing, costs = timeline.model_step(s, items, s.depth - 1, steps_per_call, static, must_move, flops, fused)
     return Plan(
         model=model.name,
         profile=model.profile,

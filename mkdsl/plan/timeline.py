@@ -39,12 +39,22 @@ def node_flops(s, g: Graph, i: int) -> int:
     return OPS[node.op].cost(types, outs, _attrs(node)).flops
 
 
+def tokens_seen(s, node) -> int:
+    """Cached tokens one row's attention reads: the context and the new token, at most its
+    sliding `window` (as its cost's KV traffic counts them)."""
+    from mkdsl.plan.planner import _attrs
+
+    window = _attrs(node).get("window")
+    return min(s.context + 1, window) if window else s.context + 1
+
+
 def _exchanges(s) -> dict[tuple[str, str], object]:
     return {(c.graph, c.value): c for c in s.collectives}
 
 
-def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) -> list[Phase]:
-    """The phases of one run of g (for the step: prologue and epilogue, split at `layers`)."""
+def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fused=None) -> list[Phase]:
+    """The phases of one run of g (for the step: prologue and epilogue, split at `layers`).
+    `fused`: (graph, value) -> exchange us replacing the collective's own (plan/levers.py)."""
     m, step = s.model, g is s.model.step
     by_node = defaultdict(list)
     for it in items:
@@ -61,8 +71,10 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
             continue
         c = exch.get((g.name, node.outputs[0].name)) if node.outputs else None
         if c is not None and OPS[node.op].exchange:
-            what = f"{c.op}{' (two-level)' if c.two_level else ''} of `{c.value}`"
-            out.append(Phase(g.name, what, node.span.line, node.op, 0, 1.0, 0.0, "", "", exchange_us=c.time_us()))
+            what = f"{c.label} of `{c.value}`"  # the algorithm the planner chose
+            us = c.time_us() if fused is None else fused[g.name, c.value]
+            if us:
+                out.append(Phase(g.name, what, node.span.line, node.op, 0, 1.0, 0.0, "", "", exchange_us=us))
             continue
         nbytes = sum(it.bytes for it in by_node.get(i, ()))
         st = s.stream_of(Site(g, i, node))
@@ -74,7 +86,7 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
         stream_us = nbytes / rate * 1e6
         key = f"{node.op}:{weight.name}" if weight is not None else node.op
         flops = node_flops(s, g, i)
-        tokens = s.context + 1
+        tokens = tokens_seen(s, node)
         comp, source = cost_model.compute_us(node.op, flops, stream_us, s.batch, tokens, static, key, op.latency)
         if nbytes or comp:
             what = next((it.what for it in by_node.get(i, ())), node.op)
@@ -83,18 +95,22 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None) ->
     return out
 
 
-def step_order(s, items, static) -> list[list[Phase]]:
+def step_order(s, items, static, fused=None) -> list[list[Phase]]:
     """Every graph run of the step, in order: prologue, the layers of the schedule, epilogue."""
     m = s.model
-    kinds = {k.name: graph_phases(s, k, [it for it in items if it.graph == k.name], static) for k in m.kinds}
-    top = graph_phases(s, m.step, [it for it in items if it.graph == m.step.name], static)
+
+    def phases(g):
+        return graph_phases(s, g, [it for it in items if it.graph == g.name], static, fused)
+
+    kinds = {k.name: phases(k) for k in m.kinds}
+    top = phases(m.step)
     cut = next((i for i, p in enumerate(top) if p.op == "layers"), len(top))
     return [top[:cut], *(kinds[k] for k in m.schedule), [p for p in top[cut + 1 :]]]
 
 
-def model_step(s, items, slots: int, steps_per_call: int, static: dict | None, must_move: int, flops: int):
+def model_step(s, items, slots: int, steps_per_call: int, static: dict | None, must_move: int, flops: int, fused=None):
     """(Timing, per-phase costs per step) of the plan's step."""
-    order = step_order(s, items, static)
+    order = step_order(s, items, static, fused)
     charges = cost_model.simulate(order, slots)
     costs: dict[tuple, list[float]] = {}
     keys: dict[tuple, tuple] = {}

@@ -1,0 +1,188 @@
+"""Levers not pulled yet, each priced by the cost model: `mkdsl plan SPEC --levers` re-plans the step
+with one change at a time and prints the modeled step beside the plan's. Every figure is *modeled*
+(plan/cost_model.py, plan/collectives.py); nothing here changes what `mkdsl compile` emits.
+
+- `ring`: the deepest weight ring that still fits the VMEM cap at the spec's largest batch (the
+  `ring_depth` hint): more tiles in flight land during the exchanges.
+- `placement`: every split `mkdsl plan --placement` chooses, together (plan/placement.py).
+- `fuse`: collectives of one layer that are ready together (none needs another's result) run as
+  one exchange: phase by phase, one message to every peer of any member, one latency for the
+  union of their peers, all their bytes (`ready_together`); the fused exchange waits where the
+  last member is.
+- `dispatch`: 16 decode steps per device call share its dispatch (`--steps-per-call 16`).
+- `all`: all of them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mkdsl.diagnostics import SpecError
+from mkdsl.ir import Graph, Model
+from mkdsl.plan import collectives
+from mkdsl.plan.planner import make_plan
+from mkdsl.shard import shard
+
+STEPS_PER_CALL = 16
+MAX_DEPTH = 64  # the ring search stops here
+
+
+@dataclass(frozen=True)
+class Lever:
+    name: str
+    what: str
+    modeled_us: float
+    exchange_phases: int
+    moved_bytes: int  # the schedule's bytes per core per step
+
+
+def _depends(g: Graph) -> dict[str, set[str]]:
+    """Value -> every value of g it is computed from (transitively)."""
+    out: dict[str, set[str]] = {}
+    for node in g.nodes:
+        deps = set()
+        for r in node.inputs:
+            if r.kind == "value":
+                deps |= {r.name, *out.get(r.name, ())}
+        for v in node.outputs:
+            out[v.name] = deps
+    return out
+
+
+def groups(g: Graph, found: list) -> list[list]:
+    """g's collectives in graph order, grouped greedily: a collective joins the open group when it
+    needs none of the group's results, else it starts the next."""
+    deps, out = _depends(g), []
+    for c in (c for c in found if c.graph == g.name):
+        if out and not any(m.value in deps.get(c.value, ()) or m.value == c.value for m in out[-1]):
+            out[-1].append(c)
+        else:
+            out.append([c])
+    return out
+
+
+def _peers(masks: list[int]) -> int:
+    """Peers of a device over the union of the groups of `masks` (index offsets other than 0)."""
+    offsets = set()
+    for mask in masks:
+        sub = mask
+        while True:
+            offsets.add(sub)
+            if not sub:
+                break
+            sub = (sub - 1) & mask
+    return len(offsets) - 1
+
+
+def fused_us(members: list) -> float:
+    """One exchange for all `members`: their k-th phases together, for every k."""
+    total = 0.0
+    for k in range(max(len(c.phases) for c in members)):
+        ps = [c.phases[k] for c in members if k < len(c.phases)]
+        if len(ps) == 1:
+            total += ps[0].time_us()
+            continue
+        peers = _peers([p.mask for p in ps])
+        total += collectives.phase_us("direct", peers, sum(p.bytes for p in ps))
+    return total
+
+
+def ready_together(model: Model, found: list) -> dict[tuple[str, str], float]:
+    """(graph, value) -> its exchange's modeled us when ready-together collectives are fused: the
+    group's last member carries the fused exchange, the others 0."""
+    out = {}
+    for g in (*model.kinds, model.step):
+        for members in groups(g, found):
+            for c in members[:-1]:
+                out[c.graph, c.value] = 0.0
+            out[members[-1].graph, members[-1].value] = fused_us(members)
+    return out
+
+
+def deepest_ring(model: Model, context: int | None, start: int) -> int:
+    """The deepest ring (from `start`) whose plan at the largest batch fits the VMEM cap."""
+    high, depth = model.dims[0].high, start
+    while depth < MAX_DEPTH:
+        try:
+            make_plan(model, batch=high, context=context, ring_depth=depth + 1)
+        except SpecError:
+            break
+        depth += 1
+    return depth
+
+
+def _placed(whole: Model, batch: int, context: int | None) -> tuple[Model, str]:
+    from mkdsl.plan import placement
+
+    moved = [c for rows in placement.choose(whole, batch, context) if (c := placement.best(rows)) is not rows[0]]
+    names = {c.tensor: c for c in moved}
+    sharding = {c.tensor: c.sharding for c in moved}
+    tensors = tuple(dataclasses.replace(t, sharding=sharding[t.name]) if t.name in names else t for t in whole.tensors)
+    what = "; ".join(f"`{c.tensor}` {c.split}" for c in moved) or "nothing moves"
+    return dataclasses.replace(whole, tensors=tensors), what
+
+
+def fused_phases(model: Model, found: list) -> int:
+    """Exchange phases per step with ready-together collectives fused."""
+    runs = {g.name: model.schedule.count(g.name) for g in model.kinds} | {model.step.name: 1}
+    g_of = {g.name: g for g in (*model.kinds, model.step)}
+    return sum(
+        runs[name] * sum(max(len(c.phases) for c in members) for members in groups(g_of[name], found)) for name in runs
+    )
+
+
+def _lever(name: str, what: str, local: Model, batch: int, context, depth: int, **options) -> Lever:
+    plan = make_plan(local, batch=batch, context=context, ring_depth=depth, **options)
+    found = list(plan.collectives)
+    phases = fused_phases(local, found) if options.get("fuse_ready") else plan.exchange_phases
+    return Lever(name, what, plan.timing.modeled_us, phases, plan.schedule_bytes)
+
+
+def levers(whole: Model, batch: int = 1, context: int | None = None) -> list[Lever]:
+    """The plan's step, then each lever alone, then all of them together."""
+    local = shard(whole)
+    depth = make_plan(local, batch=whole.dims[0].high, context=context).ring_depth  # the kernel's ring
+    deep = deepest_ring(local, context, depth)
+    placed, moved = _placed(whole, batch, context)
+    placed_local = shard(placed)
+    placed_depth = deepest_ring(placed_local, context, 3)
+    spc = {"steps_per_call": STEPS_PER_CALL}
+    return [
+        _lever("plan", "the spec as it is", local, batch, context, depth),
+        _lever("ring", f"ring of {deep} banks instead of {depth}", local, batch, context, deep),
+        _lever("placement", moved, placed_local, batch, context, depth),
+        _lever("fuse", "ready-together collectives as one exchange", local, batch, context, depth, fuse_ready=True),
+        _lever("dispatch", f"{STEPS_PER_CALL} steps per device call", local, batch, context, depth, **spc),
+        _lever(
+            "all",
+            f"all of them (ring of {placed_depth} banks with the placement)",
+            placed_local,
+            batch,
+            context,
+            placed_depth,
+            fuse_ready=True,
+            **spc,
+        ),
+    ]
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+def render(whole: Model, rows: list[Lever], batch: int) -> str:
+    """The table `mkdsl plan --levers` prints: every figure modeled."""
+    base = rows[0].modeled_us
+    out = [
+        f"{whole.name}: levers not pulled, batch {batch}, each re-planning the whole step (all times modeled)",
+        "",
+        "| lever | what | modeled step us | vs plan | exchange phases | moved per core per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        delta = "" if r is rows[0] else f"{r.modeled_us - base:+.1f} us"
+        out.append(
+            f"| {r.name} | {r.what} | {r.modeled_us:.1f} | {delta} | {r.exchange_phases} | {_size(r.moved_bytes)} |"
+        )
+    return "\n".join(out)
