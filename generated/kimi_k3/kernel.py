@@ -1010,6 +1010,15 @@ def argmax_across(comm, x, out, chunk, offset, mask):
         value, index = wide_v, wide_i
     value, index = comm.argmax(value, index + offset, mask)
     out[...] = index[0 : out.shape[0]]
+def mxu_dot(x, cached, dims):
+    """x (f32) times a cache tile on the MXU, f32 accumulation: a bf16 tile takes x rounded to bf16
+    (one bf16 pass, as the reference's `mxu_operand` rounds it); another tile is upcast, at full f32
+    precision."""
+    if cached.dtype == BF16:
+        return jax.lax.dot_general(x.astype(BF16), cached, dims, preferred_element_type=F32)
+    return jax.lax.dot_general(x, cached.astype(F32), dims, preferred_element_type=F32, precision=HIGHEST)
+
+
 def first_tile(pos, kv_tile, window):
     """The first KV tile a row at `pos` reads: 0, or with a window the tile of pos - window + 1."""
     if window is None:
@@ -1200,23 +1209,28 @@ class Attention:
         return (t <= pos) & (t > pos - self.window)
 
     def attend(self, buf, b, t0, pos):
+        """One KV tile for row b: every KV head's scores first, then the softmax updates, then the
+        value products, each state read before any is written (no false store -> load chains), so
+        the heads' MXU pushes and vector work overlap."""
         ts = self.kv_tile
         valid = self.seen(t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1), pos)
-        valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
+        groups = [pl.ds(g * self.group, self.group) for g in range(self.kv_load)]
+        scores = []
         for g in range(self.kv_load):
-            hs = pl.ds(g * self.group, self.group)
             q = self.heads_at(self.q2d, g * self.group * self.rows + b, self.group, self.dk, stride=self.rows)
-            k = self.ktiles[buf, g].astype(F32)
-            v = jnp.where(valid_rows, self.vtiles[buf, g].astype(F32), 0.0)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST) * self.scale
-            s = jnp.where(valid, s, NEG_INF)
-            m_prev = self.m[hs, :]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.exp(s - m_new)
-            self.l[hs, :] = alpha * self.l[hs, :] + jnp.sum(p, axis=1, keepdims=True)
-            self.acc[hs, :] = alpha * self.acc[hs, :] + jnp.dot(p, v, preferred_element_type=F32, precision=HIGHEST)
-            self.m[hs, :] = m_new
+            s = mxu_dot(q, self.ktiles[buf, g], (((1,), (1,)), ((), ()))) * self.scale
+            scores.append(jnp.where(valid, s, NEG_INF))
+        m_prev, l_prev, acc_prev = ([ref[hs, :] for hs in groups] for ref in (self.m, self.l, self.acc))
+        heads = range(self.kv_load)
+        m_new = [jnp.maximum(m_prev[g], jnp.max(scores[g], axis=1, keepdims=True)) for g in heads]
+        alpha = [jnp.exp(m_prev[g] - m_new[g]) for g in heads]
+        p = [jnp.exp(scores[g] - m_new[g]) for g in heads]
+        # keys not seen weigh exp(-inf) = 0: 0 * v, as in the reference
+        pv = [mxu_dot(p[g], self.vtiles[buf, g], (((1,), (0,)), ((), ()))) for g in heads]
+        for g, hs in enumerate(groups):
+            self.l[hs, :] = alpha[g] * l_prev[g] + jnp.sum(p[g], axis=1, keepdims=True)
+            self.acc[hs, :] = alpha[g] * acc_prev[g] + pv[g]
+            self.m[hs, :] = m_new[g]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1228,18 +1242,21 @@ class LatentAttention:
     q_lat_h = bf16(q_nope_h) @ W_UK_h^T is built head by head (pass 1); the latent cache then
     streams in KV tiles once for all heads with an online softmax (pass 2); y_h =
     bf16(o_lat_h) @ W_UV_h (pass 3). W_UK_h and W_UV_h are disjoint column blocks of w_kvb,
-    so each weight byte is read once, through a small ring of [R, 128]-wide tiles.
+    so each weight byte is read once, through a small ring of [R, 128]-wide tiles (bf16, or fp8
+    codes with block scales: `absorb_q`, `absorb_o`).
     """
 
     def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, nope, extra, vdim, kv_tile, kv_slots, scale,
-                 names):
+                 names, block=0):
         self.r, self.positions_ref, self.op_id = r, positions_ref, op_id
         self.rows, self.batch, self.heads = rows, batch, heads
         self.nope, self.extra, self.vdim = nope, extra, vdim
         self.kv_tile, self.kv_slots, self.scale = kv_tile, kv_slots, scale
+        self.block = block  # w_kvb: bf16 (0), or fp8 codes with one scale per [block, block] square
         for key, name in names.items():
             setattr(self, key, getattr(r, name))
         self.w_slots = self.wtiles.shape[0]
+        self.hp = self.ql.shape[1] // rows  # row b's heads are rows b * hp .. b * hp + heads - 1 (hp: heads padded to 8)
 
     # -- the weight tiles: UK of heads 0..H-1, then UV of heads 0..H-1
     def wcopy(self, slot, t, buf):
@@ -1290,18 +1307,20 @@ class LatentAttention:
             self.wcopy(slot, t, t).start()
         for j in range(self.kv_slots - 1):
             self.issue(slot, jnp.int32(j))
+        if self.block:  # the layer's scale squares of w_kvb, read as scalars
+            scales = pltpu.make_async_copy(self.w_scales.at[slot], self.wscale, self.ws_sem.at[0])
+            scales.start()
+            scales.wait()
         self.ql[width // 128] = jnp.zeros(self.ql.shape[1:], F32)  # lanes past `extra` stay zero
         self.new[:, 0:width] = c_kv[...]
         self.new[:, width : width + extra] = k_extra[...]
         for h in range(heads):  # pass 1: absorb W_UK into q
             buf = self.wtile(slot, h)
             qh = h * (nope + extra)
-            q_nope = q[:, qh : qh + nope].astype(BF16)
-            q_lat = jax.lax.dot_general(q_nope, self.wtiles[buf, :, 0:nope], (((1,), (1,)), ((), ())),
-                                        preferred_element_type=F32)
+            q_lat = self.absorb_q(q[:, qh : qh + nope].astype(BF16), buf, h)
             for c in range(width // 128):
-                self.ql[c, h * rows : (h + 1) * rows, :] = q_lat[:, c * 128 : (c + 1) * 128]
-            self.ql[width // 128, h * rows : (h + 1) * rows, 0:extra] = q[:, qh + nope : qh + nope + extra]
+                self.ql[c, pl.ds(h, rows, stride=self.hp), :] = q_lat[:, c * 128 : (c + 1) * 128]
+            self.ql[width // 128, pl.ds(h, rows, stride=self.hp), 0:extra] = q[:, qh + nope : qh + nope + extra]
         self.ol[...] = jnp.zeros(self.ol.shape, F32)
 
         def tile(j, carry):  # pass 2: stream the cache once for all heads
@@ -1322,32 +1341,13 @@ class LatentAttention:
             def _():
                 self.patch_new_token(slot, b, buf, t0, pos)
 
-            ts = self.kv_tile
-            kv = self.tiles[buf].astype(F32)
-            valid = (t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1)) <= pos
-            valid_rows = (t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0)) <= pos
-            s = jnp.zeros((heads, ts), F32)
-            for c in range(self.ql.shape[0]):  # 128-lane chunks: strided loads need a 128-wide array
-                qc = self.ql[c, pl.ds(b, heads, stride=rows), :]
-                kc = kv[:, c * 128 : min((c + 1) * 128, width + extra)]
-                qc = qc[:, 0 : kc.shape[1]]
-                s = s + jax.lax.dot_general(qc, kc, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST)
-            s = s * self.scale
-            s = jnp.where(valid, s, NEG_INF)
-            m_prev = self.m[...]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.exp(s - m_new)
-            self.l[...] = alpha * self.l[...] + jnp.sum(p, axis=1, keepdims=True)
-            v = jnp.where(valid_rows, kv[:, 0:width], 0.0)
-            self.acc[...] = alpha * self.acc[...] + jnp.dot(p, v, preferred_element_type=F32, precision=HIGHEST)
-            self.m[...] = m_new
+            self.attend(buf, b, t0, pos)
 
             @pl.when(pos < t0 + self.kv_tile)
             def _():
                 o = self.acc[...] / self.l[...]
                 for c in range(self.ol.shape[0]):
-                    self.ol[c, pl.ds(b, heads, stride=rows), :] = o[:, c * 128 : (c + 1) * 128]
+                    self.ol[c, self.row_heads(b), :] = o[:, c * 128 : (c + 1) * 128]
 
             return carry
 
@@ -1355,9 +1355,64 @@ class LatentAttention:
         self.r.wb_pending[self.op_id] = 1
         for h in range(heads):  # pass 3: W_UV
             buf = self.wtile(slot, heads + h)
-            o_lat = jnp.concatenate([self.ol[c, h * rows : (h + 1) * rows, :] for c in range(self.ol.shape[0])],
+            o_lat = jnp.concatenate([self.ol[c, pl.ds(h, rows, stride=self.hp), :] for c in range(self.ol.shape[0])],
                                     axis=1).astype(BF16)
-            out[:, h * vdim : (h + 1) * vdim] = jnp.dot(o_lat, self.wtiles[buf, :, 0:vdim], preferred_element_type=F32)
+            out[:, h * vdim : (h + 1) * vdim] = self.absorb_o(o_lat, buf, h)
+
+    # -- the absorbed products: a bf16 w_kvb tile is one dot; an fp8 one is decoded to bf16 (exact) and
+    # each scale square's part of the product is scaled in f32 (`spread_scales`, runtime/decode.py.jinja)
+    def absorb_q(self, q_nope, buf, h):
+        """bf16(q_nope) @ W_UK_h^T: [rows, R]. With block scales the scale varies along R (rows of w_kvb)
+        and along the contracted nope columns: one dot per column square, times its scales spread on R."""
+        w = self.wtiles[buf, :, 0 : self.nope].astype(BF16)
+        dims = (((1,), (1,)), ((), ()))
+        if not self.block:
+            return jax.lax.dot_general(q_nope, w, dims, preferred_element_type=F32)
+        b, col0, acc = self.block, h * (self.nope + self.vdim) // self.block, None
+        for c in range(self.nope // b):
+            part = jax.lax.dot_general(q_nope[:, c * b : (c + 1) * b], w[:, c * b : (c + 1) * b], dims,
+                                       preferred_element_type=F32)
+            part = part * spread_scales(lambda i, c=c: self.wscale[i, col0 + c], w.shape[0], b)
+            acc = part if acc is None else acc + part
+        return acc
+
+    def absorb_o(self, o_lat, buf, h):
+        """bf16(o_lat) @ W_UV_h: [rows, vdim]; with block scales one dot per row square of R, times
+        its scales spread over the value columns."""
+        w = self.wtiles[buf, :, 0 : self.vdim].astype(BF16)
+        if not self.block:
+            return jnp.dot(o_lat, w, preferred_element_type=F32)
+        b, col0, acc = self.block, (h * (self.nope + self.vdim) + self.nope) // self.block, None
+        for i in range(w.shape[0] // b):
+            part = jnp.dot(o_lat[:, i * b : (i + 1) * b], w[i * b : (i + 1) * b, :], preferred_element_type=F32)
+            part = part * spread_scales(lambda c, i=i: self.wscale[i, col0 + c], self.vdim, b)
+            acc = part if acc is None else acc + part
+        return acc
+
+    def row_heads(self, b):
+        """Row b's heads in the row-major buffers `ql` and `ol`: one aligned contiguous load in the
+        tile loop (a strided gather of `heads` rows there costs a load per head and tile)."""
+        return pl.ds(pl.multiple_of(b * self.hp, 8), self.heads)
+
+    def attend(self, buf, b, t0, pos):
+        """One latent tile for row b's heads: bf16 scores and values on the MXU (`mxu_dot`)."""
+        ts, width, heads = self.kv_tile, self.new.shape[1] - self.extra, self.heads
+        kv = self.tiles[buf]
+        valid = (t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1)) <= pos
+        s = jnp.zeros((heads, ts), F32)
+        for c in range(self.ql.shape[0]):  # 128-lane chunks: strided loads need a 128-wide array
+            kc = kv[:, c * 128 : min((c + 1) * 128, width + self.extra)]
+            qc = self.ql[c, self.row_heads(b), :][:, 0 : kc.shape[1]]
+            s = s + mxu_dot(qc, kc, (((1,), (1,)), ((), ())))
+        s = jnp.where(valid, s * self.scale, NEG_INF)
+        m_prev = self.m[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.exp(s - m_new)
+        self.l[...] = alpha * self.l[...] + jnp.sum(p, axis=1, keepdims=True)
+        # keys past `pos` weigh exp(-inf) = 0: 0 * their (finite) cache rows, as in the reference
+        self.acc[...] = alpha * self.acc[...] + mxu_dot(p, kv[:, 0:width], (((1,), (0,)), ((), ())))
+        self.m[...] = m_new
 
     def patch_new_token(self, slot, b, buf, t0, pos):
         off = pos - t0
@@ -1445,103 +1500,100 @@ class ShortConv:
             c.wait()
 
 
+def when(cond, body):
+    """body() under `cond`: at trace time for a Python bool, else as `pl.when`."""
+    if isinstance(cond, bool):
+        if cond:
+            body()
+    else:
+        pl.when(cond)(body)
+
+
+def broadcast_rows(rows, width):
+    """[1, d] f32 rows -> [d, width] matrices M with M[i, :] = row[i]: the rows as columns, broadcast
+    over the lanes, built on the MXU (otherwise idle here) rather than by a lane permute per vreg on
+    the cross-lane unit. Each row is split into three bf16 pieces that sum to it (8 + 8 + 8
+    significant bits of f32's 24), the pieces are transposed to columns once, and a 0/1 selector
+    [16, width] adds a row's three pieces in f32: exact up to the order of that 3-term f32 sum."""
+    d = rows[0].shape[1]
+    pieces = []
+    for x in rows:
+        hi = x.astype(BF16)
+        rest = x - hi.astype(F32)
+        mid = rest.astype(BF16)
+        pieces += [hi.astype(F32), mid.astype(F32), rest - mid.astype(F32)]
+    stack = jnp.concatenate(pieces + [jnp.zeros((16 - len(pieces), d), F32)], axis=0)  # [16, d]
+    cols = jnp.transpose(stack).astype(BF16)  # [d, 16]
+    sel = jax.lax.broadcasted_iota(I32, (16, width), 0) // 3
+    return [jnp.dot(cols, (sel == i).astype(BF16), preferred_element_type=F32) for i in range(len(rows))]
+
+
 class DeltaRule:
-    """Gated delta rule, one [dk, dv] f32 state per (row, head) streamed through VMEM slots.
+    """Gated delta rule, one [dk, dv] f32 state per (row, value head); a VMEM slot holds `per`
+    consecutive value heads of one row ([per, dk, dv], one DMA each way), streamed through
+    `slots` read and write slots (read `slots - 1` ahead, written back in place).
 
-    Per row b and head h: S' = exp(g) * S (g scales the key rows, or the whole state with
-    `scalar_decay`: one g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q; value
-    head h reads q and k of key head h // group. States are read `slots - 1` ahead and written
-    back in place.
-
-    With one decay per head and several value heads per key head (Gated DeltaNet), the `group`
-    value heads of a key head share q and k, and a scalar decay scales a state's columns as well
-    as its rows: they are updated together as one [dk, group * dv] state (one slot, `group`
-    DMAs each way), so each product is one dot `group * dv` wide and the loop runs once per key
-    head. Otherwise a slot holds one head's state.
+    Per value head h: S' = exp(g) * S (g scales the key rows, or with `scalar_decay` the whole
+    state: one g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q; head h reads q
+    and k of key head h // group. The products are vector-unit f32 multiply-and-sum over the
+    state's dk rows (a [1, dk] x [dk, dv] f32 MXU dot at full precision is six bf16 passes in
+    series); the slot's heads are unrolled, so their chains interleave and the loop runs once
+    per (row, slot), not once per head.
     """
 
     def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False):
         self.state, self.state_out, self.s_in, self.s_out, self.sem = state, state_out, s_in, s_out, sem
         self.batch, self.heads, self.group, self.scalar_decay = batch, heads, group, scalar_decay
-        self.per = group if scalar_decay else 1  # value heads per slot
+        self.slots, self.per = s_in.shape[0], s_in.shape[1]
         self.units = heads // self.per  # slots' worth per row
-        self.slots = s_in.shape[0]
 
-    def copies(self, slot, i, s, out):
-        b, u, dv = i // self.units, i % self.units, self.s_in.shape[2] // self.per
-        hbm = self.state_out if out else self.state
-        copies = []
+    def copy(self, slot, i, s, out):
+        b, u = i // self.units, i % self.units
+        vmem = (self.s_out if out else self.s_in).at[s]
+        row = (self.state_out if out else self.state).at[slot, b, pl.ds(u * self.per, self.per)]
+        src, dst = (vmem, row) if out else (row, vmem)
+        return pltpu.make_async_copy(src, dst, self.sem.at[int(out), s])
+
+    def update(self, row, u, s, q, k, v, g, beta, out):
+        """The slot's heads; decay, k and q as lane-broadcast [dk, dv] matrices (`broadcast_rows`)."""
+        dk, dv = self.s_in.shape[2], self.s_in.shape[3]
         for j in range(self.per):
-            vmem = (self.s_out if out else self.s_in).at[s] if self.per == 1 else (self.s_out if out else self.s_in).at[s, :, pl.ds(j * dv, dv)]
-            row = hbm.at[slot, b, u * self.per + j]
-            src, dst = (vmem, row) if out else (row, vmem)
-            copies.append(pltpu.make_async_copy(src, dst, self.sem.at[int(out), s]))
-        return copies
-
-    def start(self, slot, i, s, out):
-        for c in self.copies(slot, i, s, out):
-            c.start()
-
-    def wait(self, slot, s, out):
-        for c in self.copies(slot, 0, s, out):
-            c.wait()
-
-    def spread(self, row, u, dv, f):
-        """[1, per * dv]: f(value of head u * per + j) on head j's dv lanes."""
-        lane = jax.lax.broadcasted_iota(I32, (1, self.per * dv), 1) // dv
-        spread = jnp.zeros((1, self.per * dv), F32)
-        for j in range(self.per):
-            spread = jnp.where(lane == j, f(lane_pick(row, u * self.per + j)), spread)
-        return spread
+            h = u * self.per + j
+            kc, vc = head_cols(h // self.group, dk), head_cols(h, dv)
+            if self.scalar_decay:
+                (k_b, q_b), s1 = broadcast_rows([k[row, kc], q[row, kc]], dv), self.s_in[s, j] * jnp.exp(lane_pick(g[row, :], h))
+            else:
+                d_b, k_b, q_b = broadcast_rows([jnp.exp(g[row, head_cols(h, dk)]), k[row, kc], q[row, kc]], dv)
+                s1 = self.s_in[s, j] * d_b
+            ks = jnp.sum(s1 * k_b, axis=0, keepdims=True)  # [1, dv]: S'^T k
+            qs = jnp.sum(s1 * q_b, axis=0, keepdims=True)  # S'^T q, beside S'^T k: o = S^T q = S'^T q + (q.k) u
+            upd = lane_pick(beta[row, :], h) * (v[row, vc] - ks)
+            self.s_out[s, j] = s1 + k_b * upd
+            out[row, vc] = qs + jnp.sum(q[row, kc] * k[row, kc], axis=1, keepdims=True) * upd
 
     def __call__(self, slot, q, k, v, g, beta, out):
-        n, slots, units, per = self.batch * self.units, self.slots, self.units, self.per
-        dk, width = self.s_in.shape[1], self.s_in.shape[2]
+        n, slots, units = self.batch * self.units, self.slots, self.units
         out[...] = jnp.zeros(out.shape, F32)
         for i in range(min(slots - 1, n)):
-            self.start(slot, i, i, out=False)
-        row8 = jax.lax.broadcasted_iota(I32, (8, dk), 0)
+            self.copy(slot, i, i, out=False).start()
 
         def step(b, u, carry):
             i = b * units + u
             s = i % slots
-
-            @pl.when(i + slots - 1 < n)
-            def _():
-                self.start(slot, i + slots - 1, (i + slots - 1) % slots, out=False)
-
-            self.wait(slot, s, out=False)
-
-            @pl.when(i >= slots)
-            def _():
-                self.wait(slot, s, out=True)  # the write-back that last used this out slot
-
-            key = u if per > 1 or self.group == 1 else u // self.group
-            kc, vc = head_cols(key, dk), head_cols(u, width)
-            row = slice(b, b + 1)  # rows are static: a dynamic single-row load is not aligned
-            k_row = k[row, kc]
-            if per > 1:  # one decay per value head: scale each head's columns
-                decay = jnp.ones((1, dk), F32)
-                col_decay = self.spread(g[row, :], u, width // per, jnp.exp)
-                b_row = self.spread(beta[row, :], u, width // per, lambda x: x)
-            elif self.scalar_decay:
-                decay = jnp.broadcast_to(jnp.exp(lane_pick(g[row, :], u)), (1, dk))
-            else:
-                decay = jnp.exp(g[row, head_cols(u, dk)])
-            cols = jnp.transpose(jnp.where(row8 == 0, decay, jnp.where(row8 == 1, k_row, 0.0)))  # [dk, 8]
-            s1 = self.s_in[s] * col_decay if per > 1 else self.s_in[s] * cols[:, 0:1]
-            ks = jnp.dot(k_row, s1, preferred_element_type=F32, precision=HIGHEST)
-            u_row = (b_row if per > 1 else lane_pick(beta[row, :], u)) * (v[row, vc] - ks)
-            s2 = s1 + cols[:, 1:2] * u_row
-            self.s_out[s] = s2
-            self.start(slot, i, s, out=True)
-            out[row, vc] = jnp.dot(q[row, kc], s2, preferred_element_type=F32, precision=HIGHEST)
+            when(i + slots - 1 < n, lambda: self.copy(slot, i + slots - 1, (i + slots - 1) % slots, out=False).start())
+            self.copy(slot, 0, s, out=False).wait()
+            when(i >= slots, lambda: self.copy(slot, 0, s, out=True).wait())  # the write-back that last used it
+            self.update(slice(b, b + 1), u, s, q, k, v, g, beta, out)  # rows static: a dynamic row load is unaligned
+            self.copy(slot, i, s, out=True).start()
             return carry
 
         for b in range(self.batch):
-            jax.lax.fori_loop(0, units, lambda u, c, b=b: step(b, u, c), 0)
+            if units == 1:
+                step(b, 0, 0)
+            else:
+                jax.lax.fori_loop(0, units, lambda u, c, b=b: step(b, u, c), 0)
         for i in range(max(0, n - slots), n):
-            self.wait(slot, i % slots, out=True)
+            self.copy(slot, 0, i % slots, out=True).wait()
 
 
 # ---------------------------------------------------------------------------------------
@@ -2100,8 +2152,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "conv0_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "v6_128_bf16": pltpu.VMEM((rows, 128), jnp.bfloat16),
         "gate0_scale": pltpu.VMEM((1, 384), jnp.float32),
-        "rule0_in": pltpu.VMEM((3, 128, 128), jnp.float32),
-        "rule0_out": pltpu.VMEM((3, 128, 128), jnp.float32),
+        "rule0_in": pltpu.VMEM((3, 3, 128, 128), jnp.float32),
+        "rule0_out": pltpu.VMEM((3, 3, 128, 128), jnp.float32),
         "rule0_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "v4_384_bf16": pltpu.VMEM((rows, 384), jnp.bfloat16),
         "v10_7168_bf16": pltpu.VMEM((rows, 7168), jnp.bfloat16),
@@ -2124,8 +2176,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "v23_256_bf16": pltpu.VMEM((rows, 256), jnp.bfloat16),
         "v24_112_bf16": pltpu.VMEM((rows, 112), jnp.bfloat16),
         "v27_1536_bf16": pltpu.VMEM((rows, 1536), jnp.bfloat16),
-        "att0_ql": pltpu.VMEM((5, 3 * rows, 128), jnp.float32),
-        "att0_ol": pltpu.VMEM((4, 3 * rows, 128), jnp.float32),
+        "att0_ql": pltpu.VMEM((5, 8 * rows, 128), jnp.float32),
+        "att0_ol": pltpu.VMEM((4, 8 * rows, 128), jnp.float32),
         "att0_wtiles": pltpu.VMEM((3, 512, 128), jnp.bfloat16),
         "att0_w_sem": pltpu.SemaphoreType.DMA((3,)),
         "att0_tiles": pltpu.VMEM((3, 256, 576), jnp.bfloat16),

@@ -920,6 +920,15 @@ def argmax_across(comm, x, out, chunk, offset, mask):
         value, index = wide_v, wide_i
     value, index = comm.argmax(value, index + offset, mask)
     out[...] = index[0 : out.shape[0]]
+def mxu_dot(x, cached, dims):
+    """x (f32) times a cache tile on the MXU, f32 accumulation: a bf16 tile takes x rounded to bf16
+    (one bf16 pass, as the reference's `mxu_operand` rounds it); another tile is upcast, at full f32
+    precision."""
+    if cached.dtype == BF16:
+        return jax.lax.dot_general(x.astype(BF16), cached, dims, preferred_element_type=F32)
+    return jax.lax.dot_general(x, cached.astype(F32), dims, preferred_element_type=F32, precision=HIGHEST)
+
+
 def first_tile(pos, kv_tile, window):
     """The first KV tile a row at `pos` reads: 0, or with a window the tile of pos - window + 1."""
     if window is None:
@@ -1110,23 +1119,28 @@ class Attention:
         return (t <= pos) & (t > pos - self.window)
 
     def attend(self, buf, b, t0, pos):
+        """One KV tile for row b: every KV head's scores first, then the softmax updates, then the
+        value products, each state read before any is written (no false store -> load chains), so
+        the heads' MXU pushes and vector work overlap."""
         ts = self.kv_tile
         valid = self.seen(t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1), pos)
-        valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
+        groups = [pl.ds(g * self.group, self.group) for g in range(self.kv_load)]
+        scores = []
         for g in range(self.kv_load):
-            hs = pl.ds(g * self.group, self.group)
             q = self.heads_at(self.q2d, g * self.group * self.rows + b, self.group, self.dk, stride=self.rows)
-            k = self.ktiles[buf, g].astype(F32)
-            v = jnp.where(valid_rows, self.vtiles[buf, g].astype(F32), 0.0)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST) * self.scale
-            s = jnp.where(valid, s, NEG_INF)
-            m_prev = self.m[hs, :]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.exp(s - m_new)
-            self.l[hs, :] = alpha * self.l[hs, :] + jnp.sum(p, axis=1, keepdims=True)
-            self.acc[hs, :] = alpha * self.acc[hs, :] + jnp.dot(p, v, preferred_element_type=F32, precision=HIGHEST)
-            self.m[hs, :] = m_new
+            s = mxu_dot(q, self.ktiles[buf, g], (((1,), (1,)), ((), ()))) * self.scale
+            scores.append(jnp.where(valid, s, NEG_INF))
+        m_prev, l_prev, acc_prev = ([ref[hs, :] for hs in groups] for ref in (self.m, self.l, self.acc))
+        heads = range(self.kv_load)
+        m_new = [jnp.maximum(m_prev[g], jnp.max(scores[g], axis=1, keepdims=True)) for g in heads]
+        alpha = [jnp.exp(m_prev[g] - m_new[g]) for g in heads]
+        p = [jnp.exp(scores[g] - m_new[g]) for g in heads]
+        # keys not seen weigh exp(-inf) = 0: 0 * v, as in the reference
+        pv = [mxu_dot(p[g], self.vtiles[buf, g], (((1,), (0,)), ((), ()))) for g in heads]
+        for g, hs in enumerate(groups):
+            self.l[hs, :] = alpha[g] * l_prev[g] + jnp.sum(p[g], axis=1, keepdims=True)
+            self.acc[hs, :] = alpha[g] * acc_prev[g] + pv[g]
+            self.m[hs, :] = m_new[g]
 
 
 # ---------------------------------------------------------------------------------------

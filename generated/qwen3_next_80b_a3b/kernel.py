@@ -965,6 +965,15 @@ def argmax_across(comm, x, out, chunk, offset, mask):
         value, index = wide_v, wide_i
     value, index = comm.argmax(value, index + offset, mask)
     out[...] = index[0 : out.shape[0]]
+def mxu_dot(x, cached, dims):
+    """x (f32) times a cache tile on the MXU, f32 accumulation: a bf16 tile takes x rounded to bf16
+    (one bf16 pass, as the reference's `mxu_operand` rounds it); another tile is upcast, at full f32
+    precision."""
+    if cached.dtype == BF16:
+        return jax.lax.dot_general(x.astype(BF16), cached, dims, preferred_element_type=F32)
+    return jax.lax.dot_general(x, cached.astype(F32), dims, preferred_element_type=F32, precision=HIGHEST)
+
+
 def first_tile(pos, kv_tile, window):
     """The first KV tile a row at `pos` reads: 0, or with a window the tile of pos - window + 1."""
     if window is None:
@@ -1155,23 +1164,28 @@ class Attention:
         return (t <= pos) & (t > pos - self.window)
 
     def attend(self, buf, b, t0, pos):
+        """One KV tile for row b: every KV head's scores first, then the softmax updates, then the
+        value products, each state read before any is written (no false store -> load chains), so
+        the heads' MXU pushes and vector work overlap."""
         ts = self.kv_tile
         valid = self.seen(t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1), pos)
-        valid_rows = self.seen(t0 + jax.lax.broadcasted_iota(I32, (ts, 1), 0), pos)
+        groups = [pl.ds(g * self.group, self.group) for g in range(self.kv_load)]
+        scores = []
         for g in range(self.kv_load):
-            hs = pl.ds(g * self.group, self.group)
             q = self.heads_at(self.q2d, g * self.group * self.rows + b, self.group, self.dk, stride=self.rows)
-            k = self.ktiles[buf, g].astype(F32)
-            v = jnp.where(valid_rows, self.vtiles[buf, g].astype(F32), 0.0)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=HIGHEST) * self.scale
-            s = jnp.where(valid, s, NEG_INF)
-            m_prev = self.m[hs, :]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            alpha = jnp.exp(m_prev - m_new)
-            p = jnp.exp(s - m_new)
-            self.l[hs, :] = alpha * self.l[hs, :] + jnp.sum(p, axis=1, keepdims=True)
-            self.acc[hs, :] = alpha * self.acc[hs, :] + jnp.dot(p, v, preferred_element_type=F32, precision=HIGHEST)
-            self.m[hs, :] = m_new
+            s = mxu_dot(q, self.ktiles[buf, g], (((1,), (1,)), ((), ()))) * self.scale
+            scores.append(jnp.where(valid, s, NEG_INF))
+        m_prev, l_prev, acc_prev = ([ref[hs, :] for hs in groups] for ref in (self.m, self.l, self.acc))
+        heads = range(self.kv_load)
+        m_new = [jnp.maximum(m_prev[g], jnp.max(scores[g], axis=1, keepdims=True)) for g in heads]
+        alpha = [jnp.exp(m_prev[g] - m_new[g]) for g in heads]
+        p = [jnp.exp(scores[g] - m_new[g]) for g in heads]
+        # keys not seen weigh exp(-inf) = 0: 0 * v, as in the reference
+        pv = [mxu_dot(p[g], self.vtiles[buf, g], (((1,), (0,)), ((), ()))) for g in heads]
+        for g, hs in enumerate(groups):
+            self.l[hs, :] = alpha[g] * l_prev[g] + jnp.sum(p[g], axis=1, keepdims=True)
+            self.acc[hs, :] = alpha[g] * acc_prev[g] + pv[g]
+            self.m[hs, :] = m_new[g]
 
 
 # ---------------------------------------------------------------------------------------
@@ -1245,103 +1259,100 @@ class ShortConv:
             c.wait()
 
 
+def when(cond, body):
+    """body() under `cond`: at trace time for a Python bool, else as `pl.when`."""
+    if isinstance(cond, bool):
+        if cond:
+            body()
+    else:
+        pl.when(cond)(body)
+
+
+def broadcast_rows(rows, width):
+    """[1, d] f32 rows -> [d, width] matrices M with M[i, :] = row[i]: the rows as columns, broadcast
+    over the lanes, built on the MXU (otherwise idle here) rather than by a lane permute per vreg on
+    the cross-lane unit. Each row is split into three bf16 pieces that sum to it (8 + 8 + 8
+    significant bits of f32's 24), the pieces are transposed to columns once, and a 0/1 selector
+    [16, width] adds a row's three pieces in f32: exact up to the order of that 3-term f32 sum."""
+    d = rows[0].shape[1]
+    pieces = []
+    for x in rows:
+        hi = x.astype(BF16)
+        rest = x - hi.astype(F32)
+        mid = rest.astype(BF16)
+        pieces += [hi.astype(F32), mid.astype(F32), rest - mid.astype(F32)]
+    stack = jnp.concatenate(pieces + [jnp.zeros((16 - len(pieces), d), F32)], axis=0)  # [16, d]
+    cols = jnp.transpose(stack).astype(BF16)  # [d, 16]
+    sel = jax.lax.broadcasted_iota(I32, (16, width), 0) // 3
+    return [jnp.dot(cols, (sel == i).astype(BF16), preferred_element_type=F32) for i in range(len(rows))]
+
+
 class DeltaRule:
-    """Gated delta rule, one [dk, dv] f32 state per (row, head) streamed through VMEM slots.
+    """Gated delta rule, one [dk, dv] f32 state per (row, value head); a VMEM slot holds `per`
+    consecutive value heads of one row ([per, dk, dv], one DMA each way), streamed through
+    `slots` read and write slots (read `slots - 1` ahead, written back in place).
 
-    Per row b and head h: S' = exp(g) * S (g scales the key rows, or the whole state with
-    `scalar_decay`: one g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q; value
-    head h reads q and k of key head h // group. States are read `slots - 1` ahead and written
-    back in place.
-
-    With one decay per head and several value heads per key head (Gated DeltaNet), the `group`
-    value heads of a key head share q and k, and a scalar decay scales a state's columns as well
-    as its rows: they are updated together as one [dk, group * dv] state (one slot, `group`
-    DMAs each way), so each product is one dot `group * dv` wide and the loop runs once per key
-    head. Otherwise a slot holds one head's state.
+    Per value head h: S' = exp(g) * S (g scales the key rows, or with `scalar_decay` the whole
+    state: one g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q; head h reads q
+    and k of key head h // group. The products are vector-unit f32 multiply-and-sum over the
+    state's dk rows (a [1, dk] x [dk, dv] f32 MXU dot at full precision is six bf16 passes in
+    series); the slot's heads are unrolled, so their chains interleave and the loop runs once
+    per (row, slot), not once per head.
     """
 
     def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False):
         self.state, self.state_out, self.s_in, self.s_out, self.sem = state, state_out, s_in, s_out, sem
         self.batch, self.heads, self.group, self.scalar_decay = batch, heads, group, scalar_decay
-        self.per = group if scalar_decay else 1  # value heads per slot
+        self.slots, self.per = s_in.shape[0], s_in.shape[1]
         self.units = heads // self.per  # slots' worth per row
-        self.slots = s_in.shape[0]
 
-    def copies(self, slot, i, s, out):
-        b, u, dv = i // self.units, i % self.units, self.s_in.shape[2] // self.per
-        hbm = self.state_out if out else self.state
-        copies = []
+    def copy(self, slot, i, s, out):
+        b, u = i // self.units, i % self.units
+        vmem = (self.s_out if out else self.s_in).at[s]
+        row = (self.state_out if out else self.state).at[slot, b, pl.ds(u * self.per, self.per)]
+        src, dst = (vmem, row) if out else (row, vmem)
+        return pltpu.make_async_copy(src, dst, self.sem.at[int(out), s])
+
+    def update(self, row, u, s, q, k, v, g, beta, out):
+        """The slot's heads; decay, k and q as lane-broadcast [dk, dv] matrices (`broadcast_rows`)."""
+        dk, dv = self.s_in.shape[2], self.s_in.shape[3]
         for j in range(self.per):
-            vmem = (self.s_out if out else self.s_in).at[s] if self.per == 1 else (self.s_out if out else self.s_in).at[s, :, pl.ds(j * dv, dv)]
-            row = hbm.at[slot, b, u * self.per + j]
-            src, dst = (vmem, row) if out else (row, vmem)
-            copies.append(pltpu.make_async_copy(src, dst, self.sem.at[int(out), s]))
-        return copies
-
-    def start(self, slot, i, s, out):
-        for c in self.copies(slot, i, s, out):
-            c.start()
-
-    def wait(self, slot, s, out):
-        for c in self.copies(slot, 0, s, out):
-            c.wait()
-
-    def spread(self, row, u, dv, f):
-        """[1, per * dv]: f(value of head u * per + j) on head j's dv lanes."""
-        lane = jax.lax.broadcasted_iota(I32, (1, self.per * dv), 1) // dv
-        spread = jnp.zeros((1, self.per * dv), F32)
-        for j in range(self.per):
-            spread = jnp.where(lane == j, f(lane_pick(row, u * self.per + j)), spread)
-        return spread
+            h = u * self.per + j
+            kc, vc = head_cols(h // self.group, dk), head_cols(h, dv)
+            if self.scalar_decay:
+                (k_b, q_b), s1 = broadcast_rows([k[row, kc], q[row, kc]], dv), self.s_in[s, j] * jnp.exp(lane_pick(g[row, :], h))
+            else:
+                d_b, k_b, q_b = broadcast_rows([jnp.exp(g[row, head_cols(h, dk)]), k[row, kc], q[row, kc]], dv)
+                s1 = self.s_in[s, j] * d_b
+            ks = jnp.sum(s1 * k_b, axis=0, keepdims=True)  # [1, dv]: S'^T k
+            qs = jnp.sum(s1 * q_b, axis=0, keepdims=True)  # S'^T q, beside S'^T k: o = S^T q = S'^T q + (q.k) u
+            upd = lane_pick(beta[row, :], h) * (v[row, vc] - ks)
+            self.s_out[s, j] = s1 + k_b * upd
+            out[row, vc] = qs + jnp.sum(q[row, kc] * k[row, kc], axis=1, keepdims=True) * upd
 
     def __call__(self, slot, q, k, v, g, beta, out):
-        n, slots, units, per = self.batch * self.units, self.slots, self.units, self.per
-        dk, width = self.s_in.shape[1], self.s_in.shape[2]
+        n, slots, units = self.batch * self.units, self.slots, self.units
         out[...] = jnp.zeros(out.shape, F32)
         for i in range(min(slots - 1, n)):
-            self.start(slot, i, i, out=False)
-        row8 = jax.lax.broadcasted_iota(I32, (8, dk), 0)
+            self.copy(slot, i, i, out=False).start()
 
         def step(b, u, carry):
             i = b * units + u
             s = i % slots
-
-            @pl.when(i + slots - 1 < n)
-            def _():
-                self.start(slot, i + slots - 1, (i + slots - 1) % slots, out=False)
-
-            self.wait(slot, s, out=False)
-
-            @pl.when(i >= slots)
-            def _():
-                self.wait(slot, s, out=True)  # the write-back that last used this out slot
-
-            key = u if per > 1 or self.group == 1 else u // self.group
-            kc, vc = head_cols(key, dk), head_cols(u, width)
-            row = slice(b, b + 1)  # rows are static: a dynamic single-row load is not aligned
-            k_row = k[row, kc]
-            if per > 1:  # one decay per value head: scale each head's columns
-                decay = jnp.ones((1, dk), F32)
-                col_decay = self.spread(g[row, :], u, width // per, jnp.exp)
-                b_row = self.spread(beta[row, :], u, width // per, lambda x: x)
-            elif self.scalar_decay:
-                decay = jnp.broadcast_to(jnp.exp(lane_pick(g[row, :], u)), (1, dk))
-            else:
-                decay = jnp.exp(g[row, head_cols(u, dk)])
-            cols = jnp.transpose(jnp.where(row8 == 0, decay, jnp.where(row8 == 1, k_row, 0.0)))  # [dk, 8]
-            s1 = self.s_in[s] * col_decay if per > 1 else self.s_in[s] * cols[:, 0:1]
-            ks = jnp.dot(k_row, s1, preferred_element_type=F32, precision=HIGHEST)
-            u_row = (b_row if per > 1 else lane_pick(beta[row, :], u)) * (v[row, vc] - ks)
-            s2 = s1 + cols[:, 1:2] * u_row
-            self.s_out[s] = s2
-            self.start(slot, i, s, out=True)
-            out[row, vc] = jnp.dot(q[row, kc], s2, preferred_element_type=F32, precision=HIGHEST)
+            when(i + slots - 1 < n, lambda: self.copy(slot, i + slots - 1, (i + slots - 1) % slots, out=False).start())
+            self.copy(slot, 0, s, out=False).wait()
+            when(i >= slots, lambda: self.copy(slot, 0, s, out=True).wait())  # the write-back that last used it
+            self.update(slice(b, b + 1), u, s, q, k, v, g, beta, out)  # rows static: a dynamic row load is unaligned
+            self.copy(slot, i, s, out=True).start()
             return carry
 
         for b in range(self.batch):
-            jax.lax.fori_loop(0, units, lambda u, c, b=b: step(b, u, c), 0)
+            if units == 1:
+                step(b, 0, 0)
+            else:
+                jax.lax.fori_loop(0, units, lambda u, c, b=b: step(b, u, c), 0)
         for i in range(max(0, n - slots), n):
-            self.wait(slot, i % slots, out=True)
+            self.copy(slot, 0, i % slots, out=True).wait()
 
 
 # ---------------------------------------------------------------------------------------
@@ -1870,8 +1881,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "conv0_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "conv1_buf": pltpu.VMEM((3, rows, 512), jnp.float32),
         "conv1_sem": pltpu.SemaphoreType.DMA((2, 3)),
-        "rule0_in": pltpu.VMEM((3, 128, 256), jnp.float32),
-        "rule0_out": pltpu.VMEM((3, 128, 256), jnp.float32),
+        "rule0_in": pltpu.VMEM((3, 4, 128, 128), jnp.float32),
+        "rule0_out": pltpu.VMEM((3, 4, 128, 128), jnp.float32),
         "rule0_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "v4_512_bf16": pltpu.VMEM((rows, 512), jnp.bfloat16),
         "v15_2048_bf16": pltpu.VMEM((rows, 2048), jnp.bfloat16),
