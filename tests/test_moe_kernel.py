@@ -114,7 +114,7 @@ def test_routing_forms_biases_and_act_block_match_reference_sharded(tmp_path):
 
 
 INT4_SPEC = """\
-# int4 experts, one device: two decode chunks of the latent, padded expert columns.
+# group-scaled experts, one device: two decode chunks of the latent, padded expert columns.
 model moe_int4
 
 const H = 1024
@@ -153,11 +153,20 @@ step(tokens, positions) {{
 
 
 @pytest.mark.timeout(600)
-def test_int4_group_experts_match_reference(tmp_path):
-    out, _ = compile_source(INT4_SPEC.format(fmt="int4(group=32)"), "moe_int4.mk", None, None)
+@pytest.mark.parametrize(
+    ("fmt", "emitted"),
+    [
+        ("int4(group=32)", "fmt='int4', group=32"),
+        ("int8(group=64)", "fmt='group', group=64"),
+        ("fp8_e4m3(group=32)", "fmt='group', group=32"),
+    ],
+)
+def test_group_scaled_experts_match_reference(tmp_path, fmt, emitted):
+    """int4 (two exact bf16 halves) and int8/fp8 (bf16 codes per group slab, times the scale row)."""
+    out, _ = compile_source(INT4_SPEC.format(fmt=fmt), "moe_int4.mk", None, None)
     path = tmp_path / "kernel.py"
     path.write_text(out.files["kernel.py"], encoding="utf-8")
-    assert "fmt='int4', group=32" in path.read_text()
+    assert emitted in path.read_text()
     spec = importlib.util.spec_from_file_location("moe_int4_kernel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -175,8 +184,9 @@ def test_int4_group_experts_match_reference(tmp_path):
 @pytest.mark.parametrize(
     ("fmt", "message"),
     [
-        ("int8(group=64)", "must all be mxfp4, bf16, int4(group=G) or fp8 with block=128 scales"),
+        ("fp8_e4m3", "must all be mxfp4, bf16, fp8 with block=128 scales, or int4, int8 or fp8 with one group=G"),
         ("int4(group=64)", "decoded 512 rows at a time: the group must divide 32, got 64"),
+        ("int8(group=16)", "an int8/fp8 expert group must be a multiple of 32"),
     ],
 )
 def test_unsupported_expert_formats_are_diagnosed(fmt, message):

@@ -25,11 +25,12 @@ EXPERT_SLOTS = 4  # tile sets in flight (the DMA engine round-robins: 4 beat 3, 
 MOE = ("runtime/decode.py.jinja", "runtime/moe.py.jinja")
 WEIGHTS = ("w1", "w3", "w2")
 BIASES = ("b1", "b3", "b2")
-FORMATS = ("mxfp4", "bf16", "fp8_block", "int4")  # expert weight formats the runtime decodes
+FORMATS = ("mxfp4", "bf16", "fp8_block", "int4", "group")  # expert weight formats the runtime decodes
 PIECES = {
     "mxfp4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
     "fp8_block": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
     "int4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
+    "group": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
     "bf16": ("w1", "w3", "w2"),
 }
 FP8_BLOCK = 128  # the block side of block-scaled fp8 experts (DeepSeek-V3's)
@@ -37,20 +38,22 @@ FP8_BLOCK = 128  # the block side of block-scaled fp8 experts (DeepSeek-V3's)
 
 def expert_format(model: Model, node: Node) -> str | None:
     """The one format of the three expert weights (None if they differ): mxfp4, bf16,
-    fp8_block (fp8 with 128 x 128 block scales) or int4 (one group size for all three, its
-    `expert_group`); others are named by their dtype."""
+    fp8_block (fp8 with 128 x 128 block scales), int4, or group (int8 or fp8 with group scales);
+    the last two with one group size for all three (`expert_group`). Others: their dtype."""
     names = set()
     for w in WEIGHTS:
         dt = model.tensor(node.arg(w).name).type.dtype
         names.add("fp8_block" if dt.block == FP8_BLOCK and dt.name.startswith("fp8") else str(dt))
     name = names.pop() if len(names) == 1 else None
-    return "int4" if name is not None and name.startswith("int4(") else name
+    if name is not None and name.startswith("int4("):
+        return "int4"
+    return "group" if name is not None and name.endswith(")") and "(group=" in name else name
 
 
 def expert_group(model: Model, node: Node) -> int:
-    """K rows per scale row of a packed expert format (mxfp4: 32; int4: its group)."""
+    """K rows per scale row of a group-scaled expert format (mxfp4: 32; int4, int8, fp8: the group)."""
     dt = model.tensor(node.arg("w1").name).type.dtype
-    return dt.group if dt.name == "int4" else 32
+    return 32 if dt.name == "mxfp4" else dt.group
 
 
 def biases(node: Node) -> dict[str, str]:
@@ -107,9 +110,14 @@ def moe_tiling(model: Model, node: Node) -> tuple[int | None, int, list[str]]:
     problems = []
     fmt = expert_format(model, node)
     if fmt not in FORMATS:
-        problems.append("the three expert weights must all be mxfp4, bf16, int4(group=G) or fp8 with block=128 scales")
+        problems.append(
+            "the three expert weights must all be mxfp4, bf16, fp8 with block=128 scales, "
+            "or int4, int8 or fp8 with one group=G"
+        )
     elif fmt == "int4":
         problems += _int4_problems(model, node, tn)
+    elif fmt == "group":
+        problems += _group_problems(model, node, tn)
     if slots < 2:
         problems.append(f"expert_slots must be at least 2, got {slots}")
     return (None if problems else tn), slots, problems
@@ -125,6 +133,20 @@ def _int4_problems(model: Model, node: Node, tn: int) -> list[str]:
     if kc < dp and (kc // g) % 16:
         return [
             f"int4 experts of latent width {dp} are decoded {kc} rows at a time: the group must divide {kc // 16}, got {g}"
+        ]
+    return []
+
+
+def _group_problems(model: Model, node: Node, tn: int) -> list[str]:
+    """An int8/fp8 group: whole 32-row slabs of 8-bit codes, and slabs that tile (or are tiled
+    by) the expert tile's rows and a decode chunk's, over the padded widths."""
+    _, _, _, dp, fp = expert_dims(model, node)
+    g, kc = expert_group(model, node), min(dp, latent_chunk(fp))
+    fits = dp % g == 0 and fp % g == 0 and all(max(r, g) % min(r, g) == 0 for r in (kc, tn))
+    if g % 32 or not fits:
+        return [
+            f"an int8/fp8 expert group must be a multiple of 32 that divides {dp} and {fp} (the padded widths) "
+            f"and divides or is a multiple of {kc} and {tn} (a decode chunk's and an expert tile's rows), got {g}"
         ]
     return []
 
@@ -188,6 +210,16 @@ def _scratch(s: PlanContext, at: Site) -> dict:
             "w1": ((*tiles, d, tn), "bfloat16", f"expert W1 tiles ({slots} tile sets)", "VMEM"),
             "w3": ((*tiles, d, tn), "bfloat16", "expert W3 tiles", "VMEM"),
             "w2": ((*tiles, tn, d), "bfloat16", "expert W2 tiles", "VMEM"),
+        }
+    elif fmt == "group":
+        code, g = s.model.tensor(node.arg("w1").name).type.dtype.numpy, expert_group(s.model, node)
+        parts = {
+            "w1c": ((*tiles, d, tn), code, f"expert W1 codes ({slots} tile sets)", "VMEM"),
+            "w1s": ((*tiles, d // g, tn), "float32", "expert W1 scales", "VMEM"),
+            "w3c": ((*tiles, d, tn), code, "expert W3 codes", "VMEM"),
+            "w3s": ((*tiles, d // g, tn), "float32", "expert W3 scales", "VMEM"),
+            "w2c": ((*tiles, tn, d), code, "expert W2 codes", "VMEM"),
+            "w2s": ((*tiles, max(tn // g, 1), d), "float32", "expert W2 scales", "VMEM"),
         }
     elif fmt == "fp8_block":
         code = s.model.tensor(node.arg("w1").name).type.dtype.numpy
@@ -269,7 +301,7 @@ def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
     if "b2" in names and f_axes:
         extra += f", b2_here={em.group_index(f_axes)} == 0"
     fmt_arg = "" if fmt == "mxfp4" else f", fmt={fmt!r}"
-    if fmt == "int4":
+    if fmt in ("int4", "group"):
         fmt_arg += f", group={expert_group(em.m, node)}"
     if (d_valid, f_valid) != (d, f):
         extra += f", Dv={d_valid}, Fv={f_valid}"
