@@ -5,7 +5,8 @@ scores read back with `take`, renormalised and scaled by 2.5, plus a shared expe
 `sigmoid(rowsum(h * s_gate))`) and a gpt-oss-style layer (top-k of the biased logits, softmax over
 the chosen ones), both with expert biases, fp8 experts with DeepSeek-V3's 128 x 128 block scales split by columns
 (so the down bias is added by one device only), and gpt-oss's clamped SwiGLU written as a spec
-block (`act=oss_act`). bf16 experts run in tests/test_qwen3.py's kernel, MXFP4 in Kimi K3's.
+block (`act=oss_act`); then int4, int8 and fp8 group-scaled experts on one device (two latent decode
+chunks, padded expert columns). bf16 experts run in tests/test_qwen3.py's kernel, MXFP4 in Kimi K3's.
 """
 
 from __future__ import annotations
