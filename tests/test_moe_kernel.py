@@ -5,7 +5,8 @@ scores read back with `take`, renormalised and scaled by 2.5, plus a shared expe
 `sigmoid(rowsum(h * s_gate))`) and a gpt-oss-style layer (top-k of the biased logits, softmax over
 the chosen ones), both with expert biases, fp8 experts with DeepSeek-V3's 128 x 128 block scales split by columns
 (so the down bias is added by one device only), and gpt-oss's clamped SwiGLU written as a spec
-block (`act=oss_act`). bf16 experts run in tests/test_qwen3.py's kernel, MXFP4 in Kimi K3's.
+block (`act=oss_act`); then int4, int8 and fp8 group-scaled experts on one device (two latent decode
+chunks, padded expert columns). bf16 experts run in tests/test_qwen3.py's kernel, MXFP4 in Kimi K3's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkdsl import verify
 from mkdsl.compiler import compile_source
+from mkdsl.diagnostics import SpecError
 from mkdsl.random_params import random_params
 
 SPEC = """\
@@ -110,3 +112,85 @@ def test_routing_forms_biases_and_act_block_match_reference_sharded(tmp_path):
     assert not verify.races_found(), "the race detector reported a race"
     result = verify.LayerChecker(out.model).check(weights, state, tokens, positions, kernel_out)
     assert result.ok, "; ".join(result.failures[:8])
+
+
+INT4_SPEC = """\
+# group-scaled experts, one device: two decode chunks of the latent, padded expert columns.
+model moe_int4
+
+const H = 1024
+const E = 8
+const F = 192
+const V = 256
+const EPS = 0.000001
+
+dim B in 1 .. 8
+
+weight embed:    bf16[V, H]
+weight norm:     bf16[H]            per layer
+weight router:   bf16[H, E]         per layer
+weight w1:       {fmt}[E, H, F]  per layer
+weight w3:       {fmt}[E, H, F]  per layer
+weight w2:       {fmt}[E, F, H]  per layer
+weight out_norm: bf16[H]
+weight lm_head:  bf16[H, V]
+
+layer moe(x) {{
+  h = rmsnorm(x, norm, eps=EPS)
+  v, ids = topk(linear(h, router), k=2)
+  return x + moe_experts(h, softmax(v), ids, w1, w3, w2, act=swiglu)
+}}
+
+layers 1 {{
+  moe: otherwise
+}}
+
+step(tokens, positions) {{
+  x = layers(embedding(tokens, embed))
+  logits = linear(rmsnorm(x, out_norm, eps=EPS), lm_head)
+  return logits, argmax(logits)
+}}
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("fmt", "emitted"),
+    [
+        ("int4(group=32)", "fmt='int4', group=32"),
+        ("int8(group=64)", "fmt='group', group=64"),
+        ("fp8_e4m3(group=32)", "fmt='group', group=32"),
+    ],
+)
+def test_group_scaled_experts_match_reference(tmp_path, fmt, emitted):
+    """int4 (two exact bf16 halves) and int8/fp8 (bf16 codes per group slab, times the scale row)."""
+    out, _ = compile_source(INT4_SPEC.format(fmt=fmt), "moe_int4.mk", None, None)
+    path = tmp_path / "kernel.py"
+    path.write_text(out.files["kernel.py"], encoding="utf-8")
+    assert emitted in path.read_text()
+    spec = importlib.util.spec_from_file_location("moe_int4_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    batch = 3
+    weights, state = random_params(out.model, {"B": batch}, seed=5)
+    step = module.build_decode_step(batch, module.KV_TILE, interpret=verify.interpret_params(), layer_trace=True)
+    pltpu.reset_tpu_interpret_mode_state()
+    tokens, positions = np.asarray([5, 77, 200], np.int32), np.zeros(batch, np.int32)
+    kernel_out = verify.run_kernel(step, weights, state, tokens, positions, sharded=False, pad=module.pad_weights)
+    assert not verify.races_found(), "the race detector reported a race"
+    result = verify.LayerChecker(out.model).check(weights, state, tokens, positions, kernel_out)
+    assert result.ok, "; ".join(result.failures[:8])
+
+
+@pytest.mark.parametrize(
+    ("fmt", "message"),
+    [
+        ("fp8_e4m3", "must all be mxfp4, bf16, fp8 with block=128 scales, or int4, int8 or fp8 with one group=G"),
+        ("int4(group=64)", "decoded 512 rows at a time: the group must divide 32, got 64"),
+        ("int8(group=16)", "an int8/fp8 expert group must be a multiple of 32"),
+    ],
+)
+def test_unsupported_expert_formats_are_diagnosed(fmt, message):
+    with pytest.raises(SpecError) as err:
+        compile_source(INT4_SPEC.format(fmt=fmt), "moe_int4.mk", None, None)
+    assert "moe_experts cannot be lowered" in str(err.value) and message in str(err.value)

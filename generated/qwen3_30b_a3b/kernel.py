@@ -1813,7 +1813,7 @@ def take_into(x, ids, out):
 
 
 # ---------------------------------------------------------------------------------------
-# Routed MoE (MXFP4 decoders: runtime/decode.py.jinja): in-kernel top-k routing, the distinct experts in SMEM, and MXFP4 experts
+# Routed MoE (decoders: runtime/decode.py.jinja): in-kernel top-k routing, the distinct experts in SMEM, and the experts
 # streamed from HBM in column tiles through `slots` tile sets, each expert loaded once per
 # step for all rows.
 # ---------------------------------------------------------------------------------------
@@ -1822,6 +1822,8 @@ def take_into(x, ids, out):
 MOE_PIECES = {
     "mxfp4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
     "fp8_block": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),  # codes in VMEM, [128, 128]-block scales in SMEM
+    "int4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),  # uint32 nibble words, bf16 scales per `group` rows
+    "group": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),  # int8 or fp8 codes, f32 scales per `group` rows
     "bf16": ("w1", "w3", "w2"),
 }
 FP8_BLOCK = 128  # the side of a block-scaled fp8 expert's scale squares
@@ -1847,7 +1849,9 @@ class MoE:
 
     r: an object holding the refs by name (e.g. `Refs`); `names` maps the pieces of `fmt`
         (MOE_PIECES) -> the HBM expert refs (mxfp4: [Ls, E, D/8, F] uint32 codes, [Ls, E, D/32, F]
-        uint8 scales, ..., W2: [Ls, E, F/8, D], [Ls, E, F/32, D]; bf16: [Ls, E, D, F], [Ls, E, F, D])
+        uint8 scales, ..., W2: [Ls, E, F/8, D], [Ls, E, F/32, D]; int4: the same codes and bf16
+        scales [Ls, E, D/group, F], [Ls, E, F/group, D]; group (int8, fp8): codes [Ls, E, D, F],
+        [Ls, E, F, D] and f32 scales shaped as int4's; bf16: [Ls, E, D, F], [Ls, E, F, D])
         and b1, b3, b2 -> the fetched VMEM bias refs ([E, F], [E, F], [E, D]) when there are biases;
     scratch refs are looked up as prefix + name (MOE_PIECES[fmt] + MOE_SCRATCH).
     act(g, u): the gated activation on f32 [rows, tn] gate and up results.
@@ -1865,12 +1869,12 @@ class MoE:
 
     def __init__(
         self, r, *, rows, batch, E, k, D, F, tn, slots, names, prefix, act, fmt="mxfp4", kc=None, dc=None,
-        E_route=None, lo=0, b2_here=True, Dv=None, Fv=None,
+        group=32, E_route=None, lo=0, b2_here=True, Dv=None, Fv=None,
     ):
         self.rows, self.batch, self.E, self.k, self.D, self.F = rows, batch, E, k, D, F
         self.E_route, self.lo = E_route or E, lo
         self.act, self.fmt, self.pieces, self.b2_here = act, fmt, MOE_PIECES[fmt], b2_here
-        self.tn, self.slots = tn, slots
+        self.tn, self.slots, self.group = tn, slots, group  # group: K rows per scale row (mxfp4: 32)
         self.Dv, self.Fv = Dv or D, Fv or F
         self.kc, self.dc = moe_dims(D, F, tn, kc, dc)
         self.nf = F // tn
@@ -1973,6 +1977,10 @@ class MoE:
                 "w3": h["w3"].at[e, :, pl.ds(n0, tn)],
                 "w2": h["w2"].at[e, pl.ds(n0, tn), :],
             }
+        elif self.fmt == "group":
+            src = {key: h[key].at[e, :, pl.ds(n0, tn)] for key in ("w1c", "w1s", "w3c", "w3s")}
+            src["w2c"] = h["w2c"].at[e, pl.ds(n0, tn), :]
+            src["w2s"] = h["w2s"].at[e, pl.ds((c * tn) // self.group, max(tn // self.group, 1)), :]
         elif self.fmt == "fp8_block":
             b0 = c * (tn // FP8_BLOCK)
             src = {
@@ -1984,15 +1992,16 @@ class MoE:
                 "w2s": h["w2s"].at[e, pl.ds(b0, tn // FP8_BLOCK), :],
             }
         else:
+            gs = tn // self.group  # scale rows of a W2 tile
             f8 = pl.multiple_of(c * (tn // 8), tn // 8)
-            f32_ = pl.multiple_of(c * (tn // 32), tn // 32)
+            fg = pl.multiple_of(c * gs, gs)
             src = {
                 "w1c": h["w1c"].at[e, :, pl.ds(n0, tn)],
                 "w1s": h["w1s"].at[e, :, pl.ds(n0, tn)],
                 "w3c": h["w3c"].at[e, :, pl.ds(n0, tn)],
                 "w3s": h["w3s"].at[e, :, pl.ds(n0, tn)],
                 "w2c": h["w2c"].at[e, pl.ds(f8, tn // 8), :],
-                "w2s": h["w2s"].at[e, pl.ds(f32_, tn // 32), :],
+                "w2s": h["w2s"].at[e, pl.ds(fg, gs), :],
             }
         return [
             pltpu.make_async_copy(src[key], getattr(self, key).at[slot], self.sem.at[i, slot])
@@ -2015,9 +2024,21 @@ class MoE:
 
     def gu(self, slot, c, zc):
         """The f32 [rows, tn] gate and up contributions of K rows c*kc .. of the slot's tiles."""
+        if self.fmt == "group":
+            g, k0 = min(self.group, self.kc), c * self.kc
+            return tuple(
+                self.grouped(
+                    zc,
+                    lambda i, cs=cs: cs[slot, pl.ds(pl.multiple_of(k0 + i * g, g), g), :],
+                    lambda i, sc=sc: sc[slot, pl.ds((k0 + i * g) // self.group, 1), :],
+                    self.kc // g,
+                    g,
+                )
+                for cs, sc in ((self.w1c, self.w1s), (self.w3c, self.w3s))
+            )
         if self.fmt != "fp8_block":
             w1, w3 = self.w13(slot, c)
-            return jnp.dot(zc, w1, preferred_element_type=F32), jnp.dot(zc, w3, preferred_element_type=F32)
+            return self.mm(zc, w1), self.mm(zc, w3)
         out = []
         for codes, scales in ((self.w1c, self.w1s), (self.w3c, self.w3s)):
             acc = None
@@ -2032,8 +2053,17 @@ class MoE:
 
     def down(self, slot, d0, h):
         """f32 [rows, dc]: h (bf16 [rows, tn]) times columns d0 .. d0+dc of the slot's W2 tile."""
+        if self.fmt == "group":
+            g, dc = min(self.group, self.tn), self.dc
+            return self.grouped(
+                h,
+                lambda i: self.w2c[slot, i * g : (i + 1) * g, pl.ds(d0, dc)],
+                lambda i: self.w2s[slot, i : i + 1, pl.ds(d0, dc)],
+                self.tn // g,
+                g,
+            )
         if self.fmt != "fp8_block":
-            return jnp.dot(h, self.w2_cols(slot, d0), preferred_element_type=F32)
+            return self.mm(h, self.w2_cols(slot, d0))
         acc = None
         for i in range(self.tn // FP8_BLOCK):
             w = self.w2c[slot, i * FP8_BLOCK : (i + 1) * FP8_BLOCK, pl.ds(d0, self.dc)].astype(BF16)
@@ -2042,13 +2072,38 @@ class MoE:
             acc = part if acc is None else acc + part
         return acc
 
+    @staticmethod
+    def grouped(x, codes_at, scale_at, n, g):
+        """f32 x @ (codes * scales) over n slabs of g rows: slab i's bf16 codes (int8 and fp8
+        are exact in bf16) times x's columns i*g .., the f32 product times its scale row."""
+        acc = None
+        for i in range(n):
+            part = jnp.dot(x[:, i * g : (i + 1) * g], codes_at(i).astype(BF16), preferred_element_type=F32)
+            acc = part * scale_at(i) if acc is None else acc + part * scale_at(i)
+        return acc
+
+    def mm(self, x, w):
+        """f32 x @ w, w decoded: bf16 as is; int4's f32 nibble * scale (at most 11 significant
+        bits) as two exact bf16 halves, so the sum of the two products is exact in f32."""
+        if self.fmt != "int4":
+            return jnp.dot(x, w, preferred_element_type=F32)
+        hi, lo = split_bf16(w)
+        return jnp.dot(x, hi, preferred_element_type=F32) + jnp.dot(x, lo, preferred_element_type=F32)
+
     def w13(self, slot, c):
-        """Rows c*kc .. of the slot's W1 and W3 tiles, as bf16 [kc, tn]."""
+        """Rows c*kc .. of the slot's W1 and W3 tiles, as bf16 [kc, tn] (int4: f32)."""
         kc = self.kc
         if self.fmt == "bf16":
             rk = pl.multiple_of(c * kc, kc)
             return self.w1[slot, pl.ds(rk, kc), :], self.w3[slot, pl.ds(rk, kc), :]
         r8 = pl.multiple_of(c * (kc // 8), kc // 8)
+        if self.fmt == "int4":
+            gk = kc // self.group
+            rg = pl.multiple_of(c * gk, gk)
+            return tuple(
+                int4_decode(codes[slot, pl.ds(r8, kc // 8), :], sc[slot, pl.ds(rg, gk), :].astype(F32), self.group)
+                for codes, sc in ((self.w1c, self.w1s), (self.w3c, self.w3s))
+            )
         r32 = pl.multiple_of(c * (kc // 32), kc // 32)
         return tuple(
             mxfp4_decode(codes[slot, pl.ds(r8, kc // 8), :], e8m0_to_f32(sc[slot, pl.ds(r32, kc // 32), :]).astype(BF16))
@@ -2056,9 +2111,12 @@ class MoE:
         )
 
     def w2_cols(self, slot, d0):
-        """Columns d0 .. d0+dc of the slot's W2 tile, as bf16 [tn, dc]."""
+        """Columns d0 .. d0+dc of the slot's W2 tile, as bf16 [tn, dc] (int4: f32)."""
         if self.fmt == "bf16":
             return self.w2[slot, :, pl.ds(d0, self.dc)]
+        if self.fmt == "int4":
+            sc = self.w2s[slot, :, pl.ds(d0, self.dc)].astype(F32)
+            return int4_decode(self.w2c[slot, :, pl.ds(d0, self.dc)], sc, self.group)
         sc = e8m0_to_f32(self.w2s[slot, :, pl.ds(d0, self.dc)]).astype(BF16)
         return mxfp4_decode(self.w2c[slot, :, pl.ds(d0, self.dc)], sc)
 

@@ -1,7 +1,7 @@
 """Mixture of experts: bias-corrected top-k routing and the weighted sum of the chosen experts.
 
 Expert weights are declared as one 3-D tensor per matrix, experts leading: w1/w3 [E, D, F],
-w2 [E, F, D] (mxfp4, bf16 or fp8). A quantised one reaches the reference as a `QTensor` whose codes
+w2 [E, F, D] (mxfp4, bf16, fp8, int4 or int8). A quantised one reaches the reference as a `QTensor` whose codes
 and scales carry the same leading expert axis.
 """
 
@@ -113,7 +113,7 @@ def moe_experts(z, weights, ids, w1, w3, w2, b1=None, b3=None, b2=None, *, act):
     return jnp.einsum("bk,bkd->bd", weights.astype(jnp.float32), y.reshape(b, k, -1), precision="highest")
 
 
-EXPERT_DTYPES = ("mxfp4", "bf16", "fp8_e4m3", "fp8_e5m2")  # the kernel takes fp8 with block=128 scales
+EXPERT_DTYPES = ("mxfp4", "bf16", "fp8_e4m3", "fp8_e5m2", "int4", "int8")  # the reference decodes any (QTensor)
 
 
 def _check_biases(args, e, d, f) -> None:

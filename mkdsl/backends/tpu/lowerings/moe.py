@@ -1,7 +1,7 @@
 """`route` and `moe_experts`, lowered together onto one `MoE` runtime object (part `moe`).
 
 `route` picks the experts and starts their first tile DMAs at once (`prefetch`), so they load
-while the rest of the layer runs; `moe_experts` streams the chosen experts' MXFP4 or bf16 tiles
+while the rest of the layer runs; `moe_experts` streams the chosen experts' MXFP4, int4, fp8 or bf16 tiles
 through its own tile sets, applying the spec's activation block (composed from its ops'
 `kernel_expr`s into one lambda). Ids from another op (`topk`, `group_topk`) are staged to SMEM
 by `moe_experts` itself. Both ops' lowering-time checks live here."""
@@ -25,23 +25,35 @@ EXPERT_SLOTS = 4  # tile sets in flight (the DMA engine round-robins: 4 beat 3, 
 MOE = ("runtime/decode.py.jinja", "runtime/moe.py.jinja")
 WEIGHTS = ("w1", "w3", "w2")
 BIASES = ("b1", "b3", "b2")
-FORMATS = ("mxfp4", "bf16", "fp8_block")  # expert weight formats the runtime decodes
+FORMATS = ("mxfp4", "bf16", "fp8_block", "int4", "group")  # expert weight formats the runtime decodes
 PIECES = {
     "mxfp4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
     "fp8_block": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
+    "int4": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
+    "group": ("w1c", "w1s", "w3c", "w3s", "w2c", "w2s"),
     "bf16": ("w1", "w3", "w2"),
 }
 FP8_BLOCK = 128  # the block side of block-scaled fp8 experts (DeepSeek-V3's)
 
 
 def expert_format(model: Model, node: Node) -> str | None:
-    """The one format of the three expert weights (None if they differ): mxfp4, bf16, or
-    fp8_block (fp8 with 128 x 128 block scales); others are named by their dtype."""
+    """The one format of the three expert weights (None if they differ): mxfp4, bf16,
+    fp8_block (fp8 with 128 x 128 block scales), int4, or group (int8 or fp8 with group scales);
+    the last two with one group size for all three (`expert_group`). Others: their dtype."""
     names = set()
     for w in WEIGHTS:
         dt = model.tensor(node.arg(w).name).type.dtype
         names.add("fp8_block" if dt.block == FP8_BLOCK and dt.name.startswith("fp8") else str(dt))
-    return names.pop() if len(names) == 1 else None
+    name = names.pop() if len(names) == 1 else None
+    if name is not None and name.startswith("int4("):
+        return "int4"
+    return "group" if name is not None and name.endswith(")") and "(group=" in name else name
+
+
+def expert_group(model: Model, node: Node) -> int:
+    """K rows per scale row of a group-scaled expert format (mxfp4: 32; int4, int8, fp8: the group)."""
+    dt = model.tensor(node.arg("w1").name).type.dtype
+    return 32 if dt.name == "mxfp4" else dt.group
 
 
 def biases(node: Node) -> dict[str, str]:
@@ -96,11 +108,47 @@ def moe_tiling(model: Model, node: Node) -> tuple[int | None, int, list[str]]:
     slots = EXPERT_SLOTS if h is None else h.value
     tn = next(t for t in (EXPERT_TILE, 256, 128) if fp % t == 0)
     problems = []
-    if expert_format(model, node) not in FORMATS:
-        problems.append("the three expert weights must all be mxfp4, bf16 or fp8 with block=128 scales")
+    fmt = expert_format(model, node)
+    if fmt not in FORMATS:
+        problems.append(
+            "the three expert weights must all be mxfp4, bf16, fp8 with block=128 scales, "
+            "or int4, int8 or fp8 with one group=G"
+        )
+    elif fmt == "int4":
+        problems += _int4_problems(model, node, tn)
+    elif fmt == "group":
+        problems += _group_problems(model, node, tn)
     if slots < 2:
         problems.append(f"expert_slots must be at least 2, got {slots}")
     return (None if problems else tn), slots, problems
+
+
+def _int4_problems(model: Model, node: Node, tn: int) -> list[str]:
+    """An int4 group must tile an expert tile's rows and a decode chunk's, and a chunk's scale
+    rows must start on a whole bf16 [16, 128] tile unless one chunk covers the latent width."""
+    _, _, _, dp, fp = expert_dims(model, node)
+    g, kc = expert_group(model, node), min(dp, latent_chunk(fp))
+    if tn % g or kc % g:
+        return [f"an int4 expert group must divide {tn} and {kc} (the expert tile's and decode chunk's rows), got {g}"]
+    if kc < dp and (kc // g) % 16:
+        return [
+            f"int4 experts of latent width {dp} are decoded {kc} rows at a time: the group must divide {kc // 16}, got {g}"
+        ]
+    return []
+
+
+def _group_problems(model: Model, node: Node, tn: int) -> list[str]:
+    """An int8/fp8 group: whole 32-row slabs of 8-bit codes, and slabs that tile (or are tiled
+    by) the expert tile's rows and a decode chunk's, over the padded widths."""
+    _, _, _, dp, fp = expert_dims(model, node)
+    g, kc = expert_group(model, node), min(dp, latent_chunk(fp))
+    fits = dp % g == 0 and fp % g == 0 and all(max(r, g) % min(r, g) == 0 for r in (kc, tn))
+    if g % 32 or not fits:
+        return [
+            f"an int8/fp8 expert group must be a multiple of 32 that divides {dp} and {fp} (the padded widths) "
+            f"and divides or is a multiple of {kc} and {tn} (a decode chunk's and an expert tile's rows), got {g}"
+        ]
+    return []
 
 
 def _router(g: Graph, experts: Node) -> Node | None:
@@ -163,6 +211,16 @@ def _scratch(s: PlanContext, at: Site) -> dict:
             "w3": ((*tiles, d, tn), "bfloat16", "expert W3 tiles", "VMEM"),
             "w2": ((*tiles, tn, d), "bfloat16", "expert W2 tiles", "VMEM"),
         }
+    elif fmt == "group":
+        code, g = s.model.tensor(node.arg("w1").name).type.dtype.numpy, expert_group(s.model, node)
+        parts = {
+            "w1c": ((*tiles, d, tn), code, f"expert W1 codes ({slots} tile sets)", "VMEM"),
+            "w1s": ((*tiles, d // g, tn), "float32", "expert W1 scales", "VMEM"),
+            "w3c": ((*tiles, d, tn), code, "expert W3 codes", "VMEM"),
+            "w3s": ((*tiles, d // g, tn), "float32", "expert W3 scales", "VMEM"),
+            "w2c": ((*tiles, tn, d), code, "expert W2 codes", "VMEM"),
+            "w2s": ((*tiles, max(tn // g, 1), d), "float32", "expert W2 scales", "VMEM"),
+        }
     elif fmt == "fp8_block":
         code = s.model.tensor(node.arg("w1").name).type.dtype.numpy
         b = FP8_BLOCK
@@ -174,14 +232,15 @@ def _scratch(s: PlanContext, at: Site) -> dict:
             "w2c": ((*tiles, tn, d), code, "expert W2 codes", "VMEM"),
             "w2s": ((*tiles, tn // b, d // b), "float32", "expert W2 block scales", "SMEM"),
         }
-    else:
+    else:  # packed nibbles: mxfp4 (uint8 E8M0 scales per 32 rows) or int4 (bf16 scales per group)
+        g, sd = expert_group(s.model, node), "uint8" if fmt == "mxfp4" else "bfloat16"
         parts = {
             "w1c": ((*tiles, d // 8, tn), "uint32", f"expert W1 codes ({slots} tile sets)", "VMEM"),
-            "w1s": ((*tiles, d // 32, tn), "uint8", "expert W1 scales", "VMEM"),
+            "w1s": ((*tiles, d // g, tn), sd, "expert W1 scales", "VMEM"),
             "w3c": ((*tiles, d // 8, tn), "uint32", "expert W3 codes", "VMEM"),
-            "w3s": ((*tiles, d // 32, tn), "uint8", "expert W3 scales", "VMEM"),
+            "w3s": ((*tiles, d // g, tn), sd, "expert W3 scales", "VMEM"),
             "w2c": ((*tiles, tn // 8, d), "uint32", "expert W2 codes", "VMEM"),
-            "w2s": ((*tiles, tn // 32, d), "uint8", "expert W2 scales", "VMEM"),
+            "w2s": ((*tiles, tn // g, d), sd, "expert W2 scales", "VMEM"),
         }
     if d_valid < d:
         parts["acc"] = (("rows", d), "float32", "expert sum at the padded latent width", "VMEM")
@@ -242,6 +301,8 @@ def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
     if "b2" in names and f_axes:
         extra += f", b2_here={em.group_index(f_axes)} == 0"
     fmt_arg = "" if fmt == "mxfp4" else f", fmt={fmt!r}"
+    if fmt in ("int4", "group"):
+        fmt_arg += f", group={expert_group(em.m, node)}"
     if (d_valid, f_valid) != (d, f):
         extra += f", Dv={d_valid}, Fv={f_valid}"
     if min(d, latent_chunk(f)) != min(d, 512):
