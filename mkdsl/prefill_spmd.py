@@ -88,7 +88,7 @@ SPMD_RULES: dict[str, Callable] = {
 def tensor_spec(t: Tensor):
     """The PartitionSpec of a tensor's global array: its layer-slot axis whole, then its `sharding`."""
     split = ((),) * t.stacked + tuple(t.sharding)
-    return jax.sharding.PartitionSpec(*(tuple(a) if a else None for a in split))
+    return jax.sharding.PartitionSpec(*(None if not a else a[0] if len(a) == 1 else tuple(a) for a in split))
 
 
 def _vocab_axes(local: Model) -> tuple[str, ...]:
@@ -96,12 +96,21 @@ def _vocab_axes(local: Model) -> tuple[str, ...]:
     return tuple(next((n.attr["shard_axes"] for n in local.step.nodes if n.op == "argmax"), ()) or ())
 
 
-def build_sharded_prefill(model: Model, mesh, *, sampling: Sampling | None = None, jit: bool = True) -> Callable:
+def build_sharded_prefill(
+    model: Model,
+    mesh,
+    *,
+    sampling: Sampling | None = None,
+    state_shardings: dict | None = None,
+    jit: bool = True,
+    donate: bool = True,
+) -> Callable:
     """`prefill(weights, state, tokens, lengths=None, start=None, seed=0) -> (logits, next_tokens,
     new_state)` as mkdsl/prefill.py's `build_prefill`, computed per device under `shard_map` over
     `mesh` (the generated module's `make_mesh`). Weights and state are global arrays in the
-    reference's layout (or the kernel's `w_codes`/`w_scales`); the logits come back whole,
-    next_tokens sampled from them as the kernel's step samples."""
+    reference's layout (or the kernel's `w_codes`/`w_scales`, unpadded); the logits come back
+    whole, next_tokens sampled from them as the kernel's step samples; `state_shardings` (e.g.
+    `mkdsl.state_shardings(spec, mesh)`) places the new state; `donate` donates the input state."""
     check_prefill(model)
     local, sampling = shard(model), Sampling() if sampling is None else sampling
     P = jax.sharding.PartitionSpec  # noqa: N806
@@ -110,24 +119,29 @@ def build_sharded_prefill(model: Model, mesh, *, sampling: Sampling | None = Non
     logit_spec = P(None, _vocab_axes(local) or None)
 
     def per_device(weights, state, tokens, lengths, start):
-        logits, greedy, new = run_prefill(local, Sampling(), weights, state, tokens, lengths, start, rules=SPMD_RULES)
-        return logits, greedy, new
+        return run_prefill(local, Sampling(), weights, state, tokens, lengths, start, rules=SPMD_RULES)
 
     def prefill(weights, state, tokens, lengths=None, start=None, seed=0):
         weights = reference_weights(model, weights)
         batch, length = tokens.shape
         lengths = jnp.full((batch,), length, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
-        mapped = jax.shard_map(
-            per_device,
-            mesh=mesh,
-            in_specs=({k: w_specs[k] for k in weights}, {k: s_specs[k] for k in state}, P(), P(), P()),
-            out_specs=(logit_spec, P(), {k: s_specs[k] for k in state}),
-            check_vma=False,
-        )
+        specs = ({k: w_specs[k] for k in weights}, {k: s_specs[k] for k in state}, P(), P(), P())
+        out_specs = (logit_spec, P(), {k: s_specs[k] for k in state})
+        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
         logits, greedy, new = mapped(weights, state, jnp.asarray(tokens, jnp.int32), lengths, start)
         seed = jnp.uint32(seed % 2**32) if isinstance(seed, int) else seed
         return logits, sample_tokens(logits, start + lengths - 1, seed, sampling, greedy), new
 
     register_pytree()
-    return jax.jit(prefill) if jit else prefill
+    if not jit:
+        return prefill
+    jitted = jax.jit(prefill, **({"donate_argnums": (1,)} if donate else {}))
+    if state_shardings is None:
+        return jitted
+
+    def placed(*args, **kwargs):
+        logits, next_tokens, new_state = jitted(*args, **kwargs)
+        return logits, next_tokens, jax.device_put(new_state, {k: state_shardings[k] for k in new_state})
+
+    return placed
