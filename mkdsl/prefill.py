@@ -15,8 +15,8 @@ the step's epilogue (final norm, output head). A sharded spec's prefill runs on 
 where its inputs are (host arrays: one device; XLA would partition it over arrays placed on a
 mesh, but it sums in another order then, and Kimi's MoE routing amplifies that); given
 `state_shardings` (the generated module's `state_shardings(mesh)`), the new state is then placed
-as the kernel's `STATE_SPLIT` says, so the kernel's step takes it as it is. Not yet: a prefill
-per device under `shard_map` with the kernel's collectives.
+as the kernel's `STATE_SPLIT` says, so the kernel's step takes it as it is. The prefill per device under
+`shard_map`, with the kernel's collectives, is mkdsl/prefill_spmd.py (`rules` here).
 """
 
 from __future__ import annotations

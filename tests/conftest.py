@@ -66,7 +66,6 @@ SLOW_TESTS = {
         "test_adjacent_all_reduces_run_fused_and_match_the_reference",
     ),
     "test_shard.py": ("test_per_device_models_in_lockstep_match_the_reference",),
-    "test_prefill_spmd.py": ("test_kimi_mini_layers_per_device_equal_the_whole_layers",),  # ~37 s, 8 devices
     "test_attention_kernel.py": (
         "test_window_sinks_rope_variants_head_dims_and_mla_match_the_reference",
         "test_kernels_compile_with_libtpu",

@@ -103,5 +103,7 @@ def test_kimi_mini_layers_per_device_equal_the_whole_layers():
                 w, g = _f32(want[t.name][t.slots[index]]), _f32(got[t.name][t.slots[index]])
                 worst[f"layer {index} {t.name}"] = float(state_ratio(w, g, got[t.name].dtype).max())
         carries = want_carries
+        if kinds == set(model.schedule):
+            break  # every kind checked (by layer 3)
     assert kinds == set(model.schedule) and len(worst) >= 3 * len(kinds), worst
     assert {k: round(v, 3) for k, v in worst.items() if not v <= 1} == {}, worst
