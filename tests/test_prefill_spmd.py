@@ -71,6 +71,18 @@ def test_qwen3_mini_prefill_per_device_equals_the_whole_prefill():
     for name, sharding in mkdsl.state_shardings(spec, mesh).items():
         assert got[name].sharding.is_equivalent_to(sharding, got[name].ndim), name
     assert any(not s.is_fully_replicated for s in (got[n].sharding for n in got)), "some state is split"
+    # sampled (temperature, top-k) from the gathered logits, through mkdsl.prefill_step's default
+    # for a sharded spec with a mesh; the logits agree within the bound above, far from the
+    # Gumbel-max draw's ties for this seed, so the tokens are equal
+    sampling = mkdsl.Sampling(temperature=0.8, top_k=8)
+    want_drawn = build_prefill(model, sampling=sampling, donate=False)(weights, state, tokens, lengths, seed=5)[1]
+    _, drawn, placed = mkdsl.prefill_step(spec, sampling=sampling, mesh=mesh, donate=False)(
+        weights, state, tokens, lengths, seed=5
+    )
+    assert (np.asarray(drawn) == np.asarray(want_drawn)).all() and not (
+        np.asarray(drawn) == np.asarray(want_tokens)
+    ).all()
+    assert {k: v.sharding for k, v in placed.items()} == mkdsl.state_shardings(spec, mesh)
 
 
 def test_kimi_mini_layers_per_device_equal_the_whole_layers():
