@@ -187,16 +187,26 @@ def state_shardings(spec: Spec, mesh) -> dict:
     return out
 
 
-def prefill_step(spec: Spec, *, sampling=None, mesh=None, jit: bool = True, donate: bool = True):
+def prefill_step(
+    spec: Spec, *, sampling=None, mesh=None, jit: bool = True, donate: bool = True, per_device: bool | None = None
+):
     """The XLA prefill, `prefill(weights, state, tokens, lengths=None, start=None, seed=0) ->
     (logits, next_tokens, new_state)` over a prompt `tokens` i32 [batch, T] (mkdsl/prefill.py):
     caches and recurrent state as the decode steps would leave them, in the kernel's layout. With
-    `mesh` (sharded specs) the new state is placed on it as the kernel's STATE_SPLIT says (the
-    prefill itself runs whole, where its inputs are)."""
+    `mesh` (sharded specs) the new state is placed on it as the kernel's STATE_SPLIT says, and the
+    prefill runs per device under shard_map (mkdsl/prefill_spmd.py) unless `per_device=False`
+    (then whole, where its inputs are)."""
     from mkdsl.prefill import build_prefill
+    from mkdsl.prefill_spmd import build_sharded_prefill
+    from mkdsl.shard import is_sharded
 
     shardings = state_shardings(spec, mesh) if mesh is not None else None
-    return build_prefill(spec.model, sampling=sampling, state_shardings=shardings, jit=jit, donate=donate)
+    options = {"sampling": sampling, "state_shardings": shardings, "jit": jit, "donate": donate}
+    if per_device is None:
+        per_device = mesh is not None and is_sharded(spec.model)
+    if per_device:
+        return build_sharded_prefill(spec.model, mesh, **options)
+    return build_prefill(spec.model, **options)
 
 
 class _HostCallbacks:
