@@ -4,6 +4,7 @@ own numerics are in tests/test_gemma3.py, tests/test_mixtral.py and tests/test_q
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -148,7 +149,7 @@ def test_the_split_norm_kernel_compiles_with_libtpu(tmp_path):
     from mkdsl.tpu_compile import compile_sharded, tpu7x_devices
 
     out, _ = compile_source(SPLIT_NORM, "split_norm.mk", None, None)
-    assert "comm.all_reduce(" in out.files["kernel.py"]
+    assert re.search(r"comm\.all_reduce\w*\(", out.files["kernel.py"]), "no all-reduce emitted"  # any algorithm
     module = verify.import_generated(out.files["kernel.py"], tmp_path, "split_norm_tpu")
     compiled, _ = compile_sharded(module, tpu7x_devices("tpu7x:2x2x1"), 4, 64)
     assert compiled is not None
