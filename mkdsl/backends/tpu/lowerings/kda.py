@@ -11,6 +11,7 @@ from mkdsl.ir import Model
 
 DELTA_SLOTS = 3  # recurrent-state slots in flight
 DELTA_SLOT_BYTES = 512 * 1024  # one slot's states at most: 3 read and 3 write slots stay within 3 MiB of VMEM
+DELTA_UNROLL = 16  # head updates unrolled per delta rule, over all rows of the largest batch (code size)
 KDA = ("runtime/kda.py.jinja",)  # the runtime part holding ShortConv, l2norm, kda_gate and DeltaRule
 
 
@@ -104,16 +105,22 @@ def _scalar_decay(at: Site) -> bool:
     return graph_value_type(at.graph, at.node.arg("g")).shape[1] == at.node.attr["heads"]
 
 
-def per_slot(heads: int, dk: int, dv: int) -> int:
-    """Value heads of a row updated together in one slot: the most that divide `heads` and fit
-    DELTA_SLOT_BYTES (all of them when they fit), so the loop runs once per (row, slot)."""
-    fits = [c for c in range(1, heads + 1) if heads % c == 0 and c * dk * dv * 4 <= DELTA_SLOT_BYTES]
+def per_slot(heads: int, dk: int, dv: int, rows: int) -> int:
+    """Value heads of a row updated together in one slot: the most that divide `heads`, fit
+    DELTA_SLOT_BYTES and keep `rows` x heads unrolled within DELTA_UNROLL (the rows are unrolled
+    too: each unrolled head update is ~100 bundles of code per row, and the kernel's code is
+    capped), so the loop runs once per (row, slot)."""
+    fits = [
+        c
+        for c in range(1, heads + 1)
+        if heads % c == 0 and c * dk * dv * 4 <= DELTA_SLOT_BYTES and c * rows <= DELTA_UNROLL
+    ]
     return max(fits, default=1)
 
 
 def _rule_scratch(s: PlanContext, at: Site) -> dict:
     _, heads, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
-    slots = (DELTA_SLOTS, per_slot(heads, dk, dv), dk, dv)
+    slots = (DELTA_SLOTS, per_slot(heads, dk, dv, s.model.dims[0].high), dk, dv)
     return {
         "in": (slots, "float32", f"recurrent states read ({DELTA_SLOTS} slots)", "VMEM"),
         "out": (slots, "float32", f"recurrent states written ({DELTA_SLOTS} slots)", "VMEM"),
@@ -124,7 +131,7 @@ def _rule_scratch(s: PlanContext, at: Site) -> dict:
 def _rule_traffic(s: PlanContext, at: Site) -> Traffic:
     """Each row's states read and written, one DMA per slot each way."""
     _, heads, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
-    return Traffic(s.cost(at).state_bytes, 2 * s.batch * (heads // per_slot(heads, dk, dv)))
+    return Traffic(s.cost(at).state_bytes, 2 * s.batch * (heads // per_slot(heads, dk, dv, s.model.dims[0].high)))
 
 
 def _rule_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
