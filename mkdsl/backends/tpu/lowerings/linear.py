@@ -9,7 +9,7 @@ import numpy as np
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.diagnostics import Diagnostic
-from mkdsl.dtypes import DType, _np
+from mkdsl.dtypes import DType, itemsize
 from mkdsl.ir import Model, Tensor
 from mkdsl.shard import split_note
 
@@ -60,7 +60,7 @@ class TilePart:
 
     @property
     def itemsize(self) -> int:
-        return np.dtype(_np(self.dtype)).itemsize
+        return itemsize(self.dtype)
 
 
 @dataclass(frozen=True)
