@@ -32,9 +32,9 @@ of every value must never travel, and row 0 must equal the reference.
 Seen failing (MKDSL_COMM_RUNTIME=<broken copy>): wrong peer, no add, bf16 sum of unrounded own
 partial, no barrier or a partial one, one slot per bit, a shared receive semaphore, no send
 wait, the counter not advanced (races); tie to the larger index, no tie rule, reversed group
-order, gathered block put at the wrong offset (values/NaN); a doubled receive wait (timeout); at 1 row on the wire: 8-row
-buffers (today's before exchange_rows; rows past the wire changed, and the in-kernel rows check),
-an all-gather not zeroing the rows past the wire (NaN).
+order, gathered block put at the wrong offset (values/NaN); a doubled receive wait (timeout). At
+1 row on the wire: 8-row buffers (as before exchange_rows: rows past the wire changed, and the
+in-kernel rows check), an all-gather not zeroing the rows past the wire (NaN).
 
 Pitfall: with several host devices, TPU interpret mode deadlocks once any buffer of a device
 (input, output or scratch) reaches 100 KiB: the io_callback allocating it device_puts the
