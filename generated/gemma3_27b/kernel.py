@@ -1853,11 +1853,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "f_post_ffn_norm": pltpu.VMEM((16, 5376), jnp.bfloat16),
         "f_final_norm": pltpu.VMEM((1, 5376), jnp.bfloat16),
         "fetch_sem": pltpu.SemaphoreType.DMA((7,)),
-        "comm_recv_3": pltpu.VMEM((2, wire_rows, 5632), jnp.int32),
+        "comm_recv_3": pltpu.VMEM((2, wire_rows, 21504 if wire_rows == 1 else 5632), jnp.int32),
         "comm_rsem_3": pltpu.SemaphoreType.DMA((8,)),
         "comm_ssem_3": pltpu.SemaphoreType.DMA((4,)),
         "comm_count_3": pltpu.SMEM((1,), jnp.int32),
-        "comm_stage": pltpu.VMEM((wire_rows, 5632), jnp.int32),
+        "comm_stage": pltpu.VMEM((wire_rows, 5376 if wire_rows == 1 else 5632), jnp.int32),
         "carry0": pltpu.VMEM((rows, 5376), jnp.float32),
         "v0_5376": pltpu.VMEM((rows, 5376), jnp.float32),
         "v1_1024": pltpu.VMEM((rows, 1024), jnp.float32),
@@ -1942,7 +1942,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             embedding(r, r.embed, tokens_ref, batch, r.v7_5376, r.emb_block, r.emb_sem, offset=comm.group_index(3) * 65552)
             r.v6_5376[...] = r.v7_5376[...] * (73.32121111929344)
             r.carry0[...] = r.v6_5376[...]
-            comm.all_reduce(r.carry0, 3, wire=F32)
+            if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                comm.all_reduce_oneshot(r.carry0, 3, wire=F32)
+            else:
+                comm.all_reduce(r.carry0, 3, wire=F32)
 
 
             # ---- the layer stack ----
@@ -1985,7 +1988,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_LOCAL_LINEAR_3, li, base + S_LOCAL_LINEAR_3.start, r.v2_1024_bf16, r.v0_5376)
                     # spec line 98: return rmsnorm(x, w, eps=EPS, offset=1.0)
                     r.v5_5376[...] = r.v0_5376[...]
-                    comm.all_reduce(r.v5_5376, 3, wire=F32)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_oneshot(r.v5_5376, 3, wire=F32)
+                    else:
+                        comm.all_reduce(r.v5_5376, 3, wire=F32)
 
                     fetch(r.post_attn_norm, r.f_post_attn_norm, r.fetch_sem.at[3], li, 16).wait()
                     rmsnorm(r.v5_5376, (1.0 + pick_row(r.f_post_attn_norm, li)), r.v0_5376, eps=1e-06, heads=1)
@@ -2004,7 +2010,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_LOCAL_Y, li, base + S_LOCAL_Y.start, r.v0_5376_bf16, r.v6_5376)
                     # spec line 98: return rmsnorm(x, w, eps=EPS, offset=1.0)
                     r.v0_5376[...] = r.v6_5376[...]
-                    comm.all_reduce(r.v0_5376, 3, wire=F32)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_oneshot(r.v0_5376, 3, wire=F32)
+                    else:
+                        comm.all_reduce(r.v0_5376, 3, wire=F32)
 
                     fetch(r.post_ffn_norm, r.f_post_ffn_norm, r.fetch_sem.at[5], li, 16).wait()
                     rmsnorm(r.v0_5376, (1.0 + pick_row(r.f_post_ffn_norm, li)), r.v6_5376, eps=1e-06, heads=1)
@@ -2045,7 +2054,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_GLOBAL_LINEAR_3, li, base + S_GLOBAL_LINEAR_3.start, r.v1_1024_bf16, r.v7_5376)
                     # spec line 98: return rmsnorm(x, w, eps=EPS, offset=1.0)
                     r.v6_5376[...] = r.v7_5376[...]
-                    comm.all_reduce(r.v6_5376, 3, wire=F32)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_oneshot(r.v6_5376, 3, wire=F32)
+                    else:
+                        comm.all_reduce(r.v6_5376, 3, wire=F32)
 
                     fetch(r.post_attn_norm, r.f_post_attn_norm, r.fetch_sem.at[3], li, 16).wait()
                     rmsnorm(r.v6_5376, (1.0 + pick_row(r.f_post_attn_norm, li)), r.v7_5376, eps=1e-06, heads=1)
@@ -2064,7 +2076,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_GLOBAL_Y, li, base + S_GLOBAL_Y.start, r.v7_5376_bf16, r.v5_5376)
                     # spec line 98: return rmsnorm(x, w, eps=EPS, offset=1.0)
                     r.v7_5376[...] = r.v5_5376[...]
-                    comm.all_reduce(r.v7_5376, 3, wire=F32)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_oneshot(r.v7_5376, 3, wire=F32)
+                    else:
+                        comm.all_reduce(r.v7_5376, 3, wire=F32)
 
                     fetch(r.post_ffn_norm, r.f_post_ffn_norm, r.fetch_sem.at[5], li, 16).wait()
                     rmsnorm(r.v7_5376, (1.0 + pick_row(r.f_post_ffn_norm, li)), r.v5_5376, eps=1e-06, heads=1)

@@ -2626,7 +2626,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "f_out_res": pltpu.VMEM((1, 7168), jnp.bfloat16),
         "f_final_norm": pltpu.VMEM((1, 7168), jnp.bfloat16),
         "fetch_sem": pltpu.SemaphoreType.DMA((16,)),
-        "comm_recv_1": pltpu.VMEM((2, wire_rows, 1792), jnp.int32),
+        "comm_recv_1": pltpu.VMEM((2, wire_rows, 3584 if wire_rows == 1 else 1792), jnp.int32),
         "comm_rsem_1": pltpu.SemaphoreType.DMA((4,)),
         "comm_ssem_1": pltpu.SemaphoreType.DMA((2,)),
         "comm_count_1": pltpu.SMEM((1,), jnp.int32),
@@ -2638,16 +2638,16 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "comm_rsem_28": pltpu.SemaphoreType.DMA((16,)),
         "comm_ssem_28": pltpu.SemaphoreType.DMA((8,)),
         "comm_count_28": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_30": pltpu.VMEM((2, wire_rows, 14336), jnp.int32),
+        "comm_recv_30": pltpu.VMEM((2, wire_rows, 28672 if wire_rows == 1 else 14336), jnp.int32),
         "comm_rsem_30": pltpu.SemaphoreType.DMA((32,)),
         "comm_ssem_30": pltpu.SemaphoreType.DMA((16,)),
         "comm_count_30": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_31": pltpu.VMEM((2, wire_rows, 4096), jnp.int32),
+        "comm_recv_31": pltpu.VMEM((2, wire_rows, 57344 if wire_rows == 1 else 4096), jnp.int32),
         "comm_rsem_31": pltpu.SemaphoreType.DMA((64,)),
         "comm_ssem_31": pltpu.SemaphoreType.DMA((32,)),
         "comm_count_31": pltpu.SMEM((1,), jnp.int32),
-        "comm_stage": pltpu.VMEM((wire_rows, 4096), jnp.int32),
-        "comm_half": pltpu.VMEM((wire_rows, 1792), jnp.float32),
+        "comm_stage": pltpu.VMEM((wire_rows, 3584 if wire_rows == 1 else 4096), jnp.int32),
+        "comm_half": pltpu.VMEM((wire_rows, 3584 if wire_rows == 1 else 1792), jnp.float32),
         "carry0": pltpu.VMEM((rows, 57344), jnp.float32),
         "carry1": pltpu.VMEM((rows, 7168), jnp.float32),
         "v0_7168": pltpu.VMEM((rows, 7168), jnp.float32),
@@ -2777,7 +2777,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             # spec line 214: blocks, prefix = res_init(embedding(tokens, embed), nblocks=NB)
             embedding(r, r.embed, tokens_ref, batch, r.v25_7168, r.emb_block, r.emb_sem, offset=comm.group_index(31) * 5120)
             r.v10_7168[...] = r.v25_7168[...]
-            comm.all_reduce(r.v10_7168, 31, wire=BF16)
+            if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                comm.all_reduce_hier(r.v10_7168, 31, wire=BF16, inner="all_reduce_oneshot")
+            else:
+                comm.all_reduce(r.v10_7168, 31, wire=BF16)
 
             res_init(r.v10_7168, r.carry0, r.carry1)
 
@@ -2848,7 +2851,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_KDA_DENSE_LINEAR_7, slots0_ref[li], base + S_KDA_DENSE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
                     # spec line 186: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
                     r.v0_7168[...] = r.v1_7168[...]
-                    comm.all_reduce(r.v0_7168, 31, wire=BF16)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_hier(r.v0_7168, 31, wire=BF16, inner="all_reduce_oneshot")
+                    else:
+                        comm.all_reduce(r.v0_7168, 31, wire=BF16)
 
                     r.v1_7168[...] = r.carry1[...] + r.v0_7168[...]
                     # spec line 187: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
@@ -2866,7 +2872,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_KDA_DENSE_LINEAR_10, slots1_ref[li], base + S_KDA_DENSE_LINEAR_10.start, r.v13_1152_bf16, r.v10_7168)
                     # spec line 188: return blocks, prefix + dense_mlp(rmsnorm(m, post_norm, eps=EPS))
                     r.v0_7168[...] = r.v10_7168[...]
-                    comm.all_reduce(r.v0_7168, 31, wire=BF16)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_hier(r.v0_7168, 31, wire=BF16, inner="all_reduce_oneshot")
+                    else:
+                        comm.all_reduce(r.v0_7168, 31, wire=BF16)
 
                     r.v10_7168[...] = r.v1_7168[...] + r.v0_7168[...]
                     r.carry1[...] = r.v10_7168[...]
@@ -2932,7 +2941,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_KDA_MOE_LINEAR_7, slots0_ref[li], base + S_KDA_MOE_LINEAR_7.start, r.v4_384_bf16, r.v1_7168)
                     # spec line 194: prefix = prefix + kda(rmsnorm(h, input_norm, eps=EPS))
                     r.v10_7168[...] = r.v1_7168[...]
-                    comm.all_reduce(r.v10_7168, 31, wire=BF16)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_hier(r.v10_7168, 31, wire=BF16, inner="all_reduce_oneshot")
+                    else:
+                        comm.all_reduce(r.v10_7168, 31, wire=BF16)
 
                     r.v1_7168[...] = r.carry1[...] + r.v10_7168[...]
                     # spec line 195: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
@@ -2962,7 +2974,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_KDA_MOE_SHARED, slots2_ref[li], base + S_KDA_MOE_SHARED.start, r.v23_256_bf16, r.v0_7168)
                     # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
                     r.v19_3584[...] = r.v20_3584[...]
-                    comm.all_reduce_hier(r.v19_3584, 31, wire=BF16, inner="all_reduce_oneshot")
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_oneshot(r.v19_3584, 31, wire=BF16)
+                    else:
+                        comm.all_reduce_hier(r.v19_3584, 31, wire=BF16, inner="all_reduce_oneshot")
 
                     fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
                     rmsnorm(r.v19_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
@@ -2972,7 +2987,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v25_7168[...] = r.v10_7168[...] + r.v0_7168[...]
                     # spec line 196: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
                     r.v0_7168[...] = r.v25_7168[...]
-                    comm.all_reduce(r.v0_7168, 31, wire=BF16)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_hier(r.v0_7168, 31, wire=BF16, inner="all_reduce_oneshot")
+                    else:
+                        comm.all_reduce(r.v0_7168, 31, wire=BF16)
 
                     r.v25_7168[...] = r.v1_7168[...] + r.v0_7168[...]
                     r.carry1[...] = r.v25_7168[...]
@@ -3021,7 +3039,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_MLA_MOE_LINEAR_3, slots3_ref[li], base + S_MLA_MOE_LINEAR_3.start, r.v5_384_bf16, r.v10_7168)
                     # spec line 202: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
                     r.v25_7168[...] = r.v10_7168[...]
-                    comm.all_reduce(r.v25_7168, 31, wire=BF16)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_hier(r.v25_7168, 31, wire=BF16, inner="all_reduce_oneshot")
+                    else:
+                        comm.all_reduce(r.v25_7168, 31, wire=BF16)
 
                     r.v10_7168[...] = r.carry1[...] + r.v25_7168[...]
                     # spec line 203: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
@@ -3051,7 +3072,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_MLA_MOE_SHARED, slots2_ref[li], base + S_MLA_MOE_SHARED.start, r.v21_256_bf16, r.v1_7168)
                     # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
                     r.v20_3584[...] = r.v19_3584[...]
-                    comm.all_reduce_hier(r.v20_3584, 31, wire=BF16, inner="all_reduce_oneshot")
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_oneshot(r.v20_3584, 31, wire=BF16)
+                    else:
+                        comm.all_reduce_hier(r.v20_3584, 31, wire=BF16, inner="all_reduce_oneshot")
 
                     fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
                     rmsnorm(r.v20_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v19_3584, eps=1e-05, heads=1)
@@ -3061,7 +3085,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v0_7168[...] = r.v25_7168[...] + r.v1_7168[...]
                     # spec line 204: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
                     r.v1_7168[...] = r.v0_7168[...]
-                    comm.all_reduce(r.v1_7168, 31, wire=BF16)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_hier(r.v1_7168, 31, wire=BF16, inner="all_reduce_oneshot")
+                    else:
+                        comm.all_reduce(r.v1_7168, 31, wire=BF16)
 
                     r.v0_7168[...] = r.v10_7168[...] + r.v1_7168[...]
                     r.carry1[...] = r.v0_7168[...]

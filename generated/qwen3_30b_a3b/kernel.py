@@ -2277,7 +2277,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "comm_rsem_3": pltpu.SemaphoreType.DMA((8,)),
         "comm_ssem_3": pltpu.SemaphoreType.DMA((4,)),
         "comm_count_3": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_7": pltpu.VMEM((2, wire_rows, 2048), jnp.int32),
+        "comm_recv_7": pltpu.VMEM((2, wire_rows, 16384 if wire_rows == 1 else 2048), jnp.int32),
         "comm_rsem_7": pltpu.SemaphoreType.DMA((16,)),
         "comm_ssem_7": pltpu.SemaphoreType.DMA((8,)),
         "comm_count_7": pltpu.SMEM((1,), jnp.int32),
@@ -2416,7 +2416,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     experts0_decoder_18.experts(li, r.v5_2048, r.v9_8, r.v10_2048)
                     # spec line 80: return x + moe(rmsnorm(x, mlp_norm, eps=EPS))
                     r.v5_2048[...] = r.v10_2048[...]
-                    comm.all_reduce(r.v5_2048, 7, wire=F32)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_oneshot(r.v5_2048, 7, wire=F32)
+                    else:
+                        comm.all_reduce(r.v5_2048, 7, wire=F32)
 
                     r.v10_2048[...] = r.v0_2048[...] + r.v5_2048[...]
                     r.carry0[...] = r.v10_2048[...]

@@ -152,6 +152,15 @@ def on_wire(found: list[Collective], rows: int) -> list[Collective]:
     return [replace(c, phases=tuple(replace(p, rows=rows) for p in c.phases)) for c in found]
 
 
+def same_exchanges(a: list[Collective], b: list[Collective]) -> bool:
+    """The same collectives (values, fusions) over the same set of masks: the kernel may then run
+    either list's algorithms (Comm.enter meets the peers of every mask it has a buffer for, and
+    each must be exchanged over every call)."""
+    masks = lambda found: {p.mask for c in found for p in c.phases}  # noqa: E731
+    keys = lambda found: [(c.graph, c.value, c.fused) for c in found]  # noqa: E731
+    return keys(a) == keys(b) and masks(a) == masks(b)
+
+
 def chunk_width(n: int, group: int, wire: str) -> int:
     """Columns of one reduce-scatter chunk (the runtime's chunk_width): n / group rounded up to
     whole 128-lane int32 messages (256 columns on a bf16 wire)."""

@@ -58,6 +58,8 @@ class _State:
     buffers: dict = field(default_factory=dict)  # (graph, value) -> VMEM buffer
     scratch: dict = field(default_factory=dict)  # (graph, node index) -> OpScratch
     collectives: list = field(default_factory=list)  # collectives.Collective of every graph (sharded models)
+    wide: list = field(default_factory=list)  # the collectives a kernel built for a batch above 1 runs
+    one_row: list = field(default_factory=list)  # ... and one built for batch 1 (empty: the same as `wide`)
     hbm: int = 0  # bytes one device holds in HBM (largest batch, shortest cache)
     hbm_tokens: int = 0  # the longest cache that fits at the largest batch
     pads: dict = field(default_factory=dict)  # tensor -> {axis: padded width}: stored wider (pad_storage)
@@ -160,6 +162,7 @@ def make_plan(
         mesh=model.mesh if s.collectives else (),
         wire=wire(model),
         collectives=tuple(s.collectives),
+        one_row=tuple(s.one_row),
         exchange_phases=phases,
         collective_id=0 if s.collectives else None,
         hbm_bytes=s.hbm,
@@ -361,6 +364,8 @@ def _alloc(
     concrete = tuple(eval_dim(d, **sizes, wire_rows=collectives.exchange_rows(s.batch)) for d in shape)
     if memory == "VMEM":
         size = padded_bytes(concrete, dtype)
+        if len(shape) >= 2 and shape[-2] == "wire_rows" and concrete[-2] == 1:
+            size //= 8  # a 1-row 32-bit comm buffer: Mosaic tiles it (1, 128), not (8, 128)
     elif memory == "SMEM":
         size = 4 * math.prod(concrete)
     else:
@@ -463,32 +468,46 @@ def allocate_ops(s: _State) -> None:
 def plan_collectives(s: _State) -> None:
     """The exchanges of a per-device model (after mkdsl.shard), each with its phases and bytes.
 
-    The algorithms (and fusions) are chosen at the largest batch's wire rows, as in the plan the
-    kernel is emitted from (one choice for every batch it is built for), and priced at the rows
-    the kernel built for the planned batch sends (collectives.exchange_rows)."""
+    The kernel runs the algorithms the cost model picks for its messages: a kernel built for batch 1
+    those picked for 1 row (`one_row`, where the batch range holds more than 1 and they run the same
+    exchanges over the same masks: collectives.same_exchanges), one built for a larger batch those
+    picked at the largest batch's rows (`wide`); each priced at the planned batch's rows."""
     m = s.model
-    kernel = collectives.exchange_rows(m.dims[0].high)
-    found = [c for g in [*m.kinds, m.step] for c in collectives.graph_collectives(m, g, kernel, wire(m))]
-    s.collectives = collectives.on_wire(found, collectives.exchange_rows(s.batch))
+    low, high = m.dims[0].low, m.dims[0].high
+    pick = lambda rows: [c for g in [*m.kinds, m.step] for c in collectives.graph_collectives(m, g, rows, wire(m))]  # noqa: E731
+    s.wide = pick(collectives.exchange_rows(high))
+    one = pick(1) if low == 1 < high else []
+    s.one_row = one if one and collectives.same_exchanges(one, s.wide) else []
+    runs = s.one_row if s.batch == 1 and s.one_row else s.wide
+    s.collectives = collectives.on_wire(runs, collectives.exchange_rows(s.batch))
 
 
 def _allocate_comm(s: _State) -> None:
     """The collectives' scratch (runtime comm_scratch()): per mask exchanged over, receive slots
     (two parities x one slot per group member) and semaphores; the outgoing stage; the kept half."""
     rows = "wire_rows"  # only the batch's rows travel: the kernel sizes these by exchange_rows(batch)
-    slots, stage, half = collectives.comm_buffers(s.collectives)
+    slots, stage, half = collectives.comm_buffers(s.wide)
+    small = collectives.comm_buffers(s.one_row) if s.one_row else (slots, stage, half)
+    stage, half = _by_rows(stage, small[1]), _by_rows(half, small[2])
     for mask, width in slots.items():
         g = collectives.group_size(mask)
         what = f"collectives over index bits {mask:#b}"
-        _alloc(
-            s, f"comm_recv_{mask}", (2, rows, g * collectives.lanes(width)), "int32", f"{what}: receive slots", NOWHERE
-        )
+        recv = _by_rows(g * collectives.lanes(width), g * collectives.lanes(small[0][mask]))
+        _alloc(s, f"comm_recv_{mask}", (2, rows, recv), "int32", f"{what}: receive slots", NOWHERE)
         _alloc(s, f"comm_rsem_{mask}", (2 * g,), "dma", f"{what}: incoming DMA per slot", NOWHERE, "SEM")
         _alloc(s, f"comm_ssem_{mask}", (g,), "dma", f"{what}: outgoing DMA per peer", NOWHERE, "SEM")
         _alloc(s, f"comm_count_{mask}", (1,), "int32", f"{what}: exchanges done", NOWHERE, "SMEM")
     _alloc(s, "comm_stage", (rows, stage), "int32", "collectives: outgoing messages", NOWHERE)
     if half:
         _alloc(s, "comm_half", (rows, half), "float32", "collectives: the half a core keeps (chip first)", NOWHERE)
+
+
+def _by_rows(wide: int, one_row: int) -> int | str:
+    """A comm buffer's width: `one_row` in a kernel built for batch 1, `wide` in the others (an
+    expression in the kernel's wire_rows where they differ; the wider where one is 0: none)."""
+    if wide == one_row or not wide or not one_row:
+        return max(wide, one_row)
+    return f"{one_row} if wire_rows == 1 else {wide}"
 
 
 def fit_ring(s: _State) -> None:

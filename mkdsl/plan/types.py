@@ -183,6 +183,7 @@ class Plan:
     mesh: tuple[tuple[str, int], ...] = ()  # (axis, size); the plan is per device when it has several
     wire: str = "f32"  # what all-reduces send between devices
     collectives: tuple = ()  # collectives.Collective per graph
+    one_row: tuple = ()  # the collectives a kernel built for batch 1 runs (picked for 1-row messages)
     exchange_phases: int = 0  # per step
     collective_id: int | None = None  # the barrier semaphore's id (sharded kernels)
     schedule_items: tuple[ScheduleItem, ...] = ()  # per run of their graph; they sum to schedule_bytes

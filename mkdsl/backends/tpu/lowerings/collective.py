@@ -18,6 +18,7 @@ def _reduce_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
     c = next((c for c in em.plan.collectives if c.graph == graph and value in (c.value, *c.fused)), None)
     assert c is not None, (graph, value)
     fused = [em.operand(at.graph, Ref("value", v)) for v in c.fused]
+    one = next((o for o in em.plan.one_row if o.graph == graph and o.value == c.value), c)
     return dict(
         x=ins[0],
         mask=em.mask(node.attr["axes"]),
@@ -25,6 +26,10 @@ def _reduce_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
         method=METHOD[c.algorithm] if c.value == value else "",
         inner=f'"{METHOD[c.inner]}"' if c.inner else "",
         fused="(" + ", ".join(f"r.{b}" for b in fused) + ",)" if fused else "",
+        # a kernel built for batch 1 runs the algorithm picked for 1-row messages (Plan.one_row)
+        one_row=dict(method=METHOD[one.algorithm], inner=f'"{METHOD[one.inner]}"' if one.inner else "")
+        if (one.algorithm, one.inner) != (c.algorithm, c.inner)
+        else None,
     )
 
 
