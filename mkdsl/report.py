@@ -124,7 +124,10 @@ def _wire_rows(plan: Plan) -> str:
     """The rows the collectives' messages carry, where the VMEM table has buffers sized by them."""
     if not any(d == "wire_rows" for a in plan.vmem for d in a.shape):
         return ""
-    return f", `wire_rows` (rows on the wire) at {collectives.exchange_rows(plan.batch)}"
+    rows = collectives.exchange_rows(plan.batch)
+    return f", `wire_rows` (rows on the wire) at {rows}" + (
+        " (1-row comm buffers at their (1, 128) tile)" if rows == 1 else ""
+    )
 
 
 def _phases(model: Model, plan: Plan) -> list[str]:

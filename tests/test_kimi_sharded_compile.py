@@ -8,9 +8,9 @@ VMEM: as in tests/test_kimi_compile.py, libtpu does not report a successful kern
 the figure is read from the error of a second compile with the module's VMEM limit patched to
 4 MiB ("Scoped allocation with size X and limit 4.00M exceeded"). Both figures are printed in the
 terminal summary and recorded as test properties. Measured (jax 0.10.2, 2-core dev machine):
-batch 1 (1-row messages): compiler 40.28 MiB per core vs planner 43.79 MiB (0.920); 51.40 GB of arguments
-per core; 3.5 MB of code; lower + compile 44 s, the 4 MiB-limit compile 59 s. Batch 8: 43.37 vs 45.46
-MiB (0.954), 4.0 MB of code, 58 + 47 s.
+batch 1 (1-row messages): compiler 40.82 MiB per core vs planner 42.84 MiB (0.953); 51.40 GB of arguments
+per core; 3.4 MB of code; lower + compile 68 s, the 4 MiB-limit compile 64 s. Batch 8: 43.37 vs 45.46
+MiB (0.954), 4.0 MB of code, 91 + 58 s.
 
 Cost: two compiles at batch 1, about 4 minutes. MKDSL_KIMI_SHARDED_BATCHES=1,8 adds batch 8.
 """
