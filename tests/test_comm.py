@@ -518,6 +518,13 @@ def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
     comm = {a.name: a.shape for a in one.vmem if a.name.startswith("comm_") and a.memory == "VMEM"}
     assert comm and all("wire_rows" in shape for shape in comm.values()), comm  # sized by the kernel's batch
     assert comm["comm_recv_31"][2] == "57344 if wire_rows == 1 else 4096"  # 1 row: a one-shot over 32 of 1792 lanes
+    # The emitted kernel switches where the picks differ (once per layer kind and call site).
+    text = (ROOT / "generated" / "kimi_k3" / "kernel.py").read_text(encoding="utf-8")
+    switched = {
+        (o.graph, o.value) for o, c in zip(plan.one_row, plan.collectives, strict=True) if o.algorithm != c.algorithm
+    }
+    assert switched and text.count("if comm.rows == 1:") >= len(switched)
+    assert 'comm.all_reduce_hier(r.v10_7168, 31, wire=BF16, inner="all_reduce_oneshot")' in text
     slots, stage, half = co.comm_buffers(list(plan.collectives))
     assert slots[0b11111] == 128 and stage == 32 * 128  # an RS over 32 of 256 bf16 columns: 128 lanes each
     assert co.direct_latency_us(7) == pytest.approx(2.65) and co.direct_latency_us(1) == pytest.approx(2.1)
