@@ -213,7 +213,9 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         f"{collectives.measured.CROSS_CHIP_COPY_BYTES_PER_S / 1e9:g} GB/s, several peers "
         f"{collectives.direct_latency_us(7):.2f} us at 7 peers (measured; a straight line through 1 and 7 peers "
         f"elsewhere, extrapolated above 7: {collectives.direct_latency_us(31):.2f} us at 31) + all the bytes a core "
-        f"sends at {collectives.measured.DIRECT_BYTES_PER_S / 1e9:g} GB/s.",
+        f"sends at {collectives.measured.DIRECT_BYTES_PER_S / 1e9:g} GB/s. Collectives ready together (none needs "
+        "another's result) share their first phase: one exchange to the union of their peers, all their bytes "
+        "(`one exchange with`).",
         "",
         "| graph | collective | value | axes | phases (peers each) | bytes a core sends per phase | modeled us | spec line |",
         "|---|---|---|---|---|---|---|---|",
@@ -221,8 +223,10 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
     for c in plan.collectives:
         peers = ", ".join(str(p.peers) for p in c.phases)
         sent = ", ".join(_bytes(p.bytes) for p in c.phases)
+        values = ", ".join(f"`{m.value}`" for m in c.apart())
+        axes = "; ".join(", ".join(m.axes) for m in c.apart())
         out.append(
-            f"| {c.graph} | {c.label} | `{c.value}` | {', '.join(c.axes)} | {len(c.phases)} ({peers}) "
+            f"| {c.graph} | {c.label} | {values} | {axes} | {len(c.phases)} ({peers}) "
             f"| {sent} | {c.time_us():.1f} | {c.line} |"
         )
     out.append("")

@@ -163,21 +163,29 @@ def test_collective_phases_name_the_algorithm_the_planner_chose():
 def test_ready_together_collectives_fuse_into_one_exchange():
     from mkdsl.plan import collectives, levers
 
-    assert levers._peers([0b11100]) == 7 and levers._peers([0b11100, 0b00011]) == 10  # ep (7) and tp (3)
+    assert collectives.union_peers([0b11100]) == 7 and collectives.union_peers([0b11100, 0b00011]) == 10  # ep, tp
     model = shard(load(str(ROOT / "specs/kimi_k3.mk")))
     plan = make_plan(model, batch=1, context=1152)
     moe = next(k for k in model.kinds if k.name == "kda_moe")
-    fused = [g for g in levers.groups(moe, list(plan.collectives)) if len(g) > 1]
-    # The router scores (over ep) and the latent activation (over tp) both come from x alone.
-    assert [[c.axes for c in g] for g in fused] == [[("ep",), ("tp",)]]
-    (a, b) = fused[0]
+    (shared,) = [c for c in plan.collectives if c.graph == "kda_moe" and c.joined]
+    # The router scores (over ep) and the latent activation (over tp) both come from x alone: the
+    # plan runs them as one exchange, the router's carrying the latent's.
+    a, b = shared.apart()
+    assert (a.axes, b.axes) == (("ep",), ("tp",)) and len(shared.phases) == 1
     one = collectives.phase_us("direct", 10, a.phases[0].bytes + b.phases[0].bytes)
-    assert levers.fused_us(fused[0]) == pytest.approx(one) and one < a.time_us() + b.time_us()
+    assert shared.time_us() == pytest.approx(one) and one < a.time_us() + b.time_us()
+    # The shard pass put them next to each other, after the latent's projection.
+    names = [n.outputs[0].name for n in moe.nodes]
+    assert names.index(b.value) == names.index(a.value) + 1 < names.index("w")
     # The attention output's all-reduce feeds the rest of the layer: it never joins a group.
-    assert all(len(g) == 1 for g in levers.groups(moe, list(plan.collectives)) if g[0].exchange == "sum")
-    saved = plan.timing.comm_us - make_plan(model, batch=1, context=1152, fuse_ready=True).timing.comm_us
+    assert all(len(g) == 1 for g in levers.groups(moe, list(plan.collectives)))
+    # Pulled: the lever's what-if (every phase of every group together) changes nothing left.
+    what_if = make_plan(model, batch=1, context=1152, fuse_ready=True)
+    assert what_if.timing.modeled_us == pytest.approx(plan.timing.modeled_us, rel=1e-12)
     n = model.schedule.count("kda_moe") + model.schedule.count("mla_moe")
-    assert saved == pytest.approx(n * (a.time_us() + b.time_us() - one), rel=1e-6)
+    assert plan.exchange_phases == levers.fused_phases(model, list(plan.collectives))
+    apart = sum(len(m.phases) for c in plan.collectives if c.graph == "kda_moe" for m in c.apart())
+    assert apart - sum(len(c.phases) for c in plan.collectives if c.graph == "kda_moe") == 1 and n == 92
 
 
 def test_plan_levers_prices_each_lever_with_the_model():

@@ -964,6 +964,20 @@ def lane_pick(row, i):
 # semaphore per peer distance; a device waits for its sends before an exchange returns, so it
 # never overwrites a message its DMA still reads and no DMA is in flight at kernel exit. Across
 # kernel calls the counters restart at 0: see enter().
+#
+# Collectives ready together (Comm.together) share ONE direct exchange over the union of their
+# masks, each member over a mask of its own: it stages its messages in stage columns of its own,
+# writes into its own mask's receive slots and bumps its own mask's counter. So over each mask M
+# the exchanges still form one sequence, the same on every device, with one exchange per phase,
+# each involving every pair of M's group, and the claim holds per mask as proved: "exchange u - 1
+# returned" now means the shared phase holding it returned, which waited for every part's
+# messages (mine over M among them), and each member reads what it received before any later
+# phase starts (together() finishes every member's shared phase first). Two members over the
+# same mask would run exchanges u and u + 1 in one phase, and a peer could write u + 1 into the
+# slot of u - 1 (same parity) before I read it (it needs only my message of u - 1, sent before I
+# read), so the masks of one shared phase are distinct (asserted). Semaphores stay per (mask,
+# parity, slot) and per (mask, peer distance): a peer in two members' groups gets two DMAs on two
+# distinct semaphores.
 COMM_LANES = 128  # the argmax message: [value bits x 64 | index x 64] int32 per row
 
 
@@ -1306,6 +1320,112 @@ class Comm:
             out_ref[0:rows, c * n : (c + 1) * n] = unpack(self._received(got, c, n, rows, self.stage[0:rows, 0:n]), F32)
         if rows < out_ref.shape[0]:
             out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
+
+    # ---------------------------------------------------------------- collectives ready together
+    def _together_copy(self, part, j, dd):
+        """The DMA of one part of a shared exchange, as _direct's copy: my message to member
+        g ^ dd lands in its slot g of the part's mask; member j's lands in my slot j."""
+        mask, src_of, width, rows, par, g = part
+        buf, rsem, ssem, _ = self.groups[mask]
+        group = 1 << len(mask_bits(mask))
+        w = buf.shape[2] // group
+        dst = buf.at[par, pl.ds(0, rows), pl.ds(pl.multiple_of(j * w, w), width)]
+        return pltpu.make_async_remote_copy(
+            src_of(g ^ dd),
+            dst,
+            ssem.at[dd],
+            rsem.at[par * group + j],
+            device_id=self.idx ^ expand(mask, dd),
+            device_id_type=pl.DeviceIdType.LOGICAL,
+        )
+
+    def _direct_together(self, parts):
+        """ONE direct exchange over the union of several masks: parts are (mask, src_of, width,
+        rows) as _direct takes them, masks pairwise distinct. Every part's sends start, then every
+        part's messages are waited for, then every send; each part uses its own mask's receive
+        buffer, counter, parity and semaphores. Returns one (buffer, parity, W, g) per part."""
+        assert len({p[0] for p in parts}) == len(parts), "one part per mask in a shared exchange"
+        live = []
+        for mask, src_of, width, rows in parts:
+            buf, _, _, count = self.groups[mask]
+            group = 1 << len(mask_bits(mask))
+            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and rows % 8 == 0, (width, buf.shape)
+            u = count[0]
+            count[0] = u + 1
+            live.append((mask, src_of, width, rows, jax.lax.rem(u, 2), self.group_index(mask)))
+        sends = [self._together_copy(p, p[5], dd) for p in live for dd in range(1, 1 << len(mask_bits(p[0])))]
+        for c in sends:
+            c.start()
+        for p in live:
+            for dd in range(1, 1 << len(mask_bits(p[0]))):
+                self._together_copy(p, p[5] ^ dd, dd).wait_recv()
+        for c in sends:
+            c.wait_send()
+        bufs = [self.groups[p[0]][0] for p in live]
+        return [(b, p[4], b.shape[2] // (1 << len(mask_bits(p[0]))), p[5]) for b, p in zip(bufs, live, strict=True)]
+
+    def _stage_member(self, kind, x_ref, out_ref, mask, wire, off):
+        """Stage one member of `together` at stage columns off..: (its part of the shared
+        exchange, the stage columns it takes, finish(got) -> its other phases or None)."""
+        x, out = self._rows(x_ref), self._rows(out_ref)
+        rows, n = x.shape
+        group = 1 << len(mask_bits(mask))
+        if kind == "gather":
+            mw, per = n, 0
+            self.stage[0:rows, off : off + n] = pack(x[...], F32)
+            if rows < out_ref.shape[0]:
+                out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
+        else:
+            cw = chunk_width(n, group if kind == "rs_ag" else 1, wire)
+            mw = cw // 2 if wire == BF16 else cw
+            per = mw if kind == "rs_ag" else 0
+            for c in range(group if kind == "rs_ag" else 1):
+                self.stage[0:rows, off + c * mw : off + (c + 1) * mw] = pack(chunk(x, c, cw), wire)
+            if rows < out_ref.shape[0] and out_ref is not x_ref:  # rows past the wire keep the partial
+                out_ref[rows:, :] = x_ref[rows:, :]
+
+        def src_of(j):
+            return self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(off + j * per, 128), mw)]
+
+        def finish(got):
+            own = [self.stage[0:rows, off + c * per : off + c * per + mw] for c in range(group)]
+            parts = [self._received(got, c, mw, rows, own[c]) for c in range(group)]
+            if kind == "gather":
+                for c, m in enumerate(parts):
+                    out[:, c * n : (c + 1) * n] = unpack(m, F32)
+                return None
+            total = unpack(parts[0], wire)
+            for m in parts[1:]:
+                total = total + unpack(m, wire)
+            if kind == "oneshot":
+                out[...] = total[:, 0:n]
+                return None
+            mine = total.astype(BF16).astype(F32) if wire == BF16 else total
+            return lambda: self._gather_chunks([mine], [out], [cw], mask, wire)
+
+        width = -(-(group * mw if per else mw) // 128) * 128
+        return (mask, src_of, mw, rows), width, finish
+
+    def together(self, members):
+        """Collectives ready together (none needs another's result): their first phases as ONE
+        direct exchange over the union of their masks, then each one's other phases in member
+        order. members: (kind, x_ref, out_ref, mask, wire), masks pairwise distinct; kind
+        "gather": out [rows, n * G] <- the group's x [rows, n] by group index (f32 on the wire,
+        as all_gather); "oneshot" or "rs_ag": out [rows, n] <- the group's sum of x (as
+        all_reduce_oneshot and all_reduce, the same bits; rows past self.rows keep x's partial).
+        The members' messages sit side by side in the stage. Members are staged in order and
+        every x is read before any out is written, so an out may share its buffer with an earlier
+        member's x (the planner frees an input after its node)."""
+        staged, off = [], 0
+        for kind, x_ref, out_ref, mask, wire in members:
+            part, width, finish = self._stage_member(kind, x_ref, out_ref, mask, wire, off)
+            staged.append((part, finish))
+            off += width
+        gots = self._direct_together([part for part, _ in staged])
+        rest = [finish(got) for (_, finish), got in zip(staged, gots, strict=True)]
+        for run in rest:
+            if run is not None:
+                run()
 
     def combine(self, value, mask, op):
         """Per-row f32 [rows, 1] `value` combined over the group of `mask` with `op` (jnp.add,
@@ -2509,7 +2629,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "comm_rsem_3": pltpu.SemaphoreType.DMA((8,)),
         "comm_ssem_3": pltpu.SemaphoreType.DMA((4,)),
         "comm_count_3": pltpu.SMEM((1,), jnp.int32),
-        "comm_stage": pltpu.VMEM((wire_rows, 2048), jnp.int32),
+        "comm_stage": pltpu.VMEM((wire_rows, 4096), jnp.int32),
         "carry0": pltpu.VMEM((rows, 2048), jnp.float32),
         "v0_2048": pltpu.VMEM((rows, 2048), jnp.float32),
         "v1_768": pltpu.VMEM((rows, 768), jnp.float32),
@@ -2728,11 +2848,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     cast_into(r.v18_1408, r.v18_1408_bf16)
                     linear(r, issue, S_MOE_LINEAR_5, slots1_ref[li], base + S_MOE_LINEAR_5.start, r.v18_1408_bf16, r.v8_2048)
                     # spec line 120: return r + swiglu_mlp(h, shared_gate, shared_up, shared_down)
-                    r.v19_2048[...] = r.v0_2048[...]
-                    comm.all_reduce_oneshot(r.v19_2048, 3, wire=F32)
+                    comm.together((
+                        ("oneshot", r.v0_2048, r.v19_2048, 3, F32),
+                        ("oneshot", r.v8_2048, r.v0_2048, 1, F32),
+                    ))
 
-                    r.v0_2048[...] = r.v8_2048[...]
-                    comm.all_reduce_oneshot(r.v0_2048, 1, wire=F32)
+                    # ready together with `r__sum`: exchanged in its call
 
                     r.v8_2048[...] = r.v19_2048[...] + r.v0_2048[...]
                     # spec line 130: return x + moe_ffn(rmsnorm(x, mlp_norm, eps=EPS))

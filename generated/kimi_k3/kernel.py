@@ -1033,6 +1033,20 @@ def lane_pick(row, i):
 # semaphore per peer distance; a device waits for its sends before an exchange returns, so it
 # never overwrites a message its DMA still reads and no DMA is in flight at kernel exit. Across
 # kernel calls the counters restart at 0: see enter().
+#
+# Collectives ready together (Comm.together) share ONE direct exchange over the union of their
+# masks, each member over a mask of its own: it stages its messages in stage columns of its own,
+# writes into its own mask's receive slots and bumps its own mask's counter. So over each mask M
+# the exchanges still form one sequence, the same on every device, with one exchange per phase,
+# each involving every pair of M's group, and the claim holds per mask as proved: "exchange u - 1
+# returned" now means the shared phase holding it returned, which waited for every part's
+# messages (mine over M among them), and each member reads what it received before any later
+# phase starts (together() finishes every member's shared phase first). Two members over the
+# same mask would run exchanges u and u + 1 in one phase, and a peer could write u + 1 into the
+# slot of u - 1 (same parity) before I read it (it needs only my message of u - 1, sent before I
+# read), so the masks of one shared phase are distinct (asserted). Semaphores stay per (mask,
+# parity, slot) and per (mask, peer distance): a peer in two members' groups gets two DMAs on two
+# distinct semaphores.
 COMM_LANES = 128  # the argmax message: [value bits x 64 | index x 64] int32 per row
 
 
@@ -1375,6 +1389,112 @@ class Comm:
             out_ref[0:rows, c * n : (c + 1) * n] = unpack(self._received(got, c, n, rows, self.stage[0:rows, 0:n]), F32)
         if rows < out_ref.shape[0]:
             out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
+
+    # ---------------------------------------------------------------- collectives ready together
+    def _together_copy(self, part, j, dd):
+        """The DMA of one part of a shared exchange, as _direct's copy: my message to member
+        g ^ dd lands in its slot g of the part's mask; member j's lands in my slot j."""
+        mask, src_of, width, rows, par, g = part
+        buf, rsem, ssem, _ = self.groups[mask]
+        group = 1 << len(mask_bits(mask))
+        w = buf.shape[2] // group
+        dst = buf.at[par, pl.ds(0, rows), pl.ds(pl.multiple_of(j * w, w), width)]
+        return pltpu.make_async_remote_copy(
+            src_of(g ^ dd),
+            dst,
+            ssem.at[dd],
+            rsem.at[par * group + j],
+            device_id=self.idx ^ expand(mask, dd),
+            device_id_type=pl.DeviceIdType.LOGICAL,
+        )
+
+    def _direct_together(self, parts):
+        """ONE direct exchange over the union of several masks: parts are (mask, src_of, width,
+        rows) as _direct takes them, masks pairwise distinct. Every part's sends start, then every
+        part's messages are waited for, then every send; each part uses its own mask's receive
+        buffer, counter, parity and semaphores. Returns one (buffer, parity, W, g) per part."""
+        assert len({p[0] for p in parts}) == len(parts), "one part per mask in a shared exchange"
+        live = []
+        for mask, src_of, width, rows in parts:
+            buf, _, _, count = self.groups[mask]
+            group = 1 << len(mask_bits(mask))
+            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and rows % 8 == 0, (width, buf.shape)
+            u = count[0]
+            count[0] = u + 1
+            live.append((mask, src_of, width, rows, jax.lax.rem(u, 2), self.group_index(mask)))
+        sends = [self._together_copy(p, p[5], dd) for p in live for dd in range(1, 1 << len(mask_bits(p[0])))]
+        for c in sends:
+            c.start()
+        for p in live:
+            for dd in range(1, 1 << len(mask_bits(p[0]))):
+                self._together_copy(p, p[5] ^ dd, dd).wait_recv()
+        for c in sends:
+            c.wait_send()
+        bufs = [self.groups[p[0]][0] for p in live]
+        return [(b, p[4], b.shape[2] // (1 << len(mask_bits(p[0]))), p[5]) for b, p in zip(bufs, live, strict=True)]
+
+    def _stage_member(self, kind, x_ref, out_ref, mask, wire, off):
+        """Stage one member of `together` at stage columns off..: (its part of the shared
+        exchange, the stage columns it takes, finish(got) -> its other phases or None)."""
+        x, out = self._rows(x_ref), self._rows(out_ref)
+        rows, n = x.shape
+        group = 1 << len(mask_bits(mask))
+        if kind == "gather":
+            mw, per = n, 0
+            self.stage[0:rows, off : off + n] = pack(x[...], F32)
+            if rows < out_ref.shape[0]:
+                out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
+        else:
+            cw = chunk_width(n, group if kind == "rs_ag" else 1, wire)
+            mw = cw // 2 if wire == BF16 else cw
+            per = mw if kind == "rs_ag" else 0
+            for c in range(group if kind == "rs_ag" else 1):
+                self.stage[0:rows, off + c * mw : off + (c + 1) * mw] = pack(chunk(x, c, cw), wire)
+            if rows < out_ref.shape[0] and out_ref is not x_ref:  # rows past the wire keep the partial
+                out_ref[rows:, :] = x_ref[rows:, :]
+
+        def src_of(j):
+            return self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(off + j * per, 128), mw)]
+
+        def finish(got):
+            own = [self.stage[0:rows, off + c * per : off + c * per + mw] for c in range(group)]
+            parts = [self._received(got, c, mw, rows, own[c]) for c in range(group)]
+            if kind == "gather":
+                for c, m in enumerate(parts):
+                    out[:, c * n : (c + 1) * n] = unpack(m, F32)
+                return None
+            total = unpack(parts[0], wire)
+            for m in parts[1:]:
+                total = total + unpack(m, wire)
+            if kind == "oneshot":
+                out[...] = total[:, 0:n]
+                return None
+            mine = total.astype(BF16).astype(F32) if wire == BF16 else total
+            return lambda: self._gather_chunks([mine], [out], [cw], mask, wire)
+
+        width = -(-(group * mw if per else mw) // 128) * 128
+        return (mask, src_of, mw, rows), width, finish
+
+    def together(self, members):
+        """Collectives ready together (none needs another's result): their first phases as ONE
+        direct exchange over the union of their masks, then each one's other phases in member
+        order. members: (kind, x_ref, out_ref, mask, wire), masks pairwise distinct; kind
+        "gather": out [rows, n * G] <- the group's x [rows, n] by group index (f32 on the wire,
+        as all_gather); "oneshot" or "rs_ag": out [rows, n] <- the group's sum of x (as
+        all_reduce_oneshot and all_reduce, the same bits; rows past self.rows keep x's partial).
+        The members' messages sit side by side in the stage. Members are staged in order and
+        every x is read before any out is written, so an out may share its buffer with an earlier
+        member's x (the planner frees an input after its node)."""
+        staged, off = [], 0
+        for kind, x_ref, out_ref, mask, wire in members:
+            part, width, finish = self._stage_member(kind, x_ref, out_ref, mask, wire, off)
+            staged.append((part, finish))
+            off += width
+        gots = self._direct_together([part for part, _ in staged])
+        rest = [finish(got) for (_, finish), got in zip(staged, gots, strict=True)]
+        for run in rest:
+            if run is not None:
+                run()
 
     def combine(self, value, mask, op):
         """Per-row f32 [rows, 1] `value` combined over the group of `mask` with `op` (jnp.add,
@@ -2664,12 +2784,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "v11_1152": pltpu.VMEM((rows, 1152), jnp.float32),
         "v12_1152": pltpu.VMEM((rows, 1152), jnp.float32),
         "v13_1152": pltpu.VMEM((rows, 1152), jnp.float32),
-        "v14_1024": pltpu.VMEM((rows, 1024), jnp.float32),
-        "v15_896": pltpu.VMEM((rows, 896), jnp.float32),
-        "v16_896": pltpu.VMEM((rows, 896), jnp.float32),
-        "v17_16": pltpu.VMEM((rows, 16), jnp.float32),
-        "v18_16": pltpu.VMEM((rows, 16), jnp.int32),
-        "v19_3584": pltpu.VMEM((rows, 3584), jnp.float32),
+        "v14_896": pltpu.VMEM((rows, 896), jnp.float32),
+        "v15_1024": pltpu.VMEM((rows, 1024), jnp.float32),
+        "v16_3584": pltpu.VMEM((rows, 3584), jnp.float32),
+        "v17_896": pltpu.VMEM((rows, 896), jnp.float32),
+        "v18_16": pltpu.VMEM((rows, 16), jnp.float32),
+        "v19_16": pltpu.VMEM((rows, 16), jnp.int32),
         "v20_3584": pltpu.VMEM((rows, 3584), jnp.float32),
         "v21_256": pltpu.VMEM((rows, 256), jnp.float32),
         "v22_256": pltpu.VMEM((rows, 256), jnp.float32),
@@ -2956,16 +3076,25 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
                     cast_into(r.v0_7168, r.v0_7168_bf16)
                     linear(r, issue, S_KDA_MOE_LINEAR_8, slots2_ref[li], base + S_KDA_MOE_LINEAR_8.start, r.v0_7168_bf16, r.v6_128)
-                    comm.all_gather(r.v6_128, r.v14_1024, 28)
-                    r.v15_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
-                    r.v16_896[...] = jax.nn.sigmoid(r.v15_896[...])
+                    # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+                    linear(r, issue, S_KDA_MOE_LINEAR_9, slots2_ref[li], base + S_KDA_MOE_LINEAR_9.start, r.v0_7168_bf16, r.v14_896)
+                    # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
+                    comm.together((
+                        ("gather", r.v6_128, r.v15_1024, 28, F32),
+                        ("gather", r.v14_896, r.v16_3584, 3, F32),
+                    ))
+
+                    # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+                    # ready together with `linear_8__whole`: exchanged in its call
+
+                    # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
+                    r.v14_896[...] = r.v15_1024[...][:, 0 : 0 + 896]
+                    r.v17_896[...] = jax.nn.sigmoid(r.v14_896[...])
                     fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
-                    experts0_kda_moe_34.route(r.v16_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
+                    experts0_kda_moe_34.route(r.v17_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v18_16, r.v19_16)
                     experts0_kda_moe_34.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
                     # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
-                    linear(r, issue, S_KDA_MOE_LINEAR_9, slots2_ref[li], base + S_KDA_MOE_LINEAR_9.start, r.v0_7168_bf16, r.v16_896)
-                    comm.all_gather(r.v16_896, r.v19_3584, 3)
-                    experts0_kda_moe_34.experts(slots2_ref[li], r.v19_3584, r.v17_16, r.v20_3584, prefetched=True)
+                    experts0_kda_moe_34.experts(slots2_ref[li], r.v16_3584, r.v18_16, r.v20_3584, prefetched=True)
                     # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
                     linear(r, issue, S_KDA_MOE_LINEAR_10, slots2_ref[li], base + S_KDA_MOE_LINEAR_10.start, r.v0_7168_bf16, r.v21_256)
                     linear(r, issue, S_KDA_MOE_LINEAR_11, slots2_ref[li], base + S_KDA_MOE_LINEAR_11.start, r.v0_7168_bf16, r.v22_256)
@@ -2973,14 +3102,14 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     cast_into(r.v23_256, r.v23_256_bf16)
                     linear(r, issue, S_KDA_MOE_SHARED, slots2_ref[li], base + S_KDA_MOE_SHARED.start, r.v23_256_bf16, r.v0_7168)
                     # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
-                    r.v19_3584[...] = r.v20_3584[...]
+                    r.v16_3584[...] = r.v20_3584[...]
                     if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_oneshot(r.v19_3584, 31, wire=BF16)
+                        comm.all_reduce_oneshot(r.v16_3584, 31, wire=BF16)
                     else:
-                        comm.all_reduce_hier(r.v19_3584, 31, wire=BF16, inner="all_reduce_oneshot")
+                        comm.all_reduce_hier(r.v16_3584, 31, wire=BF16, inner="all_reduce_oneshot")
 
                     fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                    rmsnorm(r.v19_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
+                    rmsnorm(r.v16_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v20_3584, eps=1e-05, heads=1)
                     shard_slice(r.v20_3584, r.v24_112, comm.group_index(31), ways=32)
                     cast_into(r.v24_112, r.v24_112_bf16)
                     linear(r, issue, S_KDA_MOE_LINEAR_12, slots2_ref[li], base + S_KDA_MOE_LINEAR_12.start, r.v24_112_bf16, r.v10_7168)
@@ -3054,16 +3183,25 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
                     cast_into(r.v1_7168, r.v1_7168_bf16)
                     linear(r, issue, S_MLA_MOE_LINEAR_4, slots2_ref[li], base + S_MLA_MOE_LINEAR_4.start, r.v1_7168_bf16, r.v6_128)
-                    comm.all_gather(r.v6_128, r.v14_1024, 28)
-                    r.v16_896[...] = r.v14_1024[...][:, 0 : 0 + 896]
-                    r.v15_896[...] = jax.nn.sigmoid(r.v16_896[...])
+                    # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+                    linear(r, issue, S_MLA_MOE_LINEAR_5, slots2_ref[li], base + S_MLA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v17_896)
+                    # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
+                    comm.together((
+                        ("gather", r.v6_128, r.v15_1024, 28, F32),
+                        ("gather", r.v17_896, r.v20_3584, 3, F32),
+                    ))
+
+                    # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+                    # ready together with `linear_4__whole`: exchanged in its call
+
+                    # spec line 175: w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
+                    r.v17_896[...] = r.v15_1024[...][:, 0 : 0 + 896]
+                    r.v14_896[...] = jax.nn.sigmoid(r.v17_896[...])
                     fetch(r.moe_bias, r.f_moe_bias, r.fetch_sem.at[10], slots2_ref[li], 8).wait()
-                    experts0_mla_moe_27.route(r.v15_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v17_16, r.v18_16)
+                    experts0_mla_moe_27.route(r.v14_896, pick_row(r.f_moe_bias, slots2_ref[li]), r.v18_16, r.v19_16)
                     experts0_mla_moe_27.prefetch(slots2_ref[li])  # the first expert tiles load while the latent is computed
                     # spec line 176: r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
-                    linear(r, issue, S_MLA_MOE_LINEAR_5, slots2_ref[li], base + S_MLA_MOE_LINEAR_5.start, r.v1_7168_bf16, r.v15_896)
-                    comm.all_gather(r.v15_896, r.v20_3584, 3)
-                    experts0_mla_moe_27.experts(slots2_ref[li], r.v20_3584, r.v17_16, r.v19_3584, prefetched=True)
+                    experts0_mla_moe_27.experts(slots2_ref[li], r.v20_3584, r.v18_16, r.v16_3584, prefetched=True)
                     # spec line 177: shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
                     linear(r, issue, S_MLA_MOE_LINEAR_6, slots2_ref[li], base + S_MLA_MOE_LINEAR_6.start, r.v1_7168_bf16, r.v23_256)
                     linear(r, issue, S_MLA_MOE_LINEAR_7, slots2_ref[li], base + S_MLA_MOE_LINEAR_7.start, r.v1_7168_bf16, r.v22_256)
@@ -3071,15 +3209,15 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     cast_into(r.v21_256, r.v21_256_bf16)
                     linear(r, issue, S_MLA_MOE_SHARED, slots2_ref[li], base + S_MLA_MOE_SHARED.start, r.v21_256_bf16, r.v1_7168)
                     # spec line 178: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
-                    r.v20_3584[...] = r.v19_3584[...]
+                    r.v20_3584[...] = r.v16_3584[...]
                     if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
                         comm.all_reduce_oneshot(r.v20_3584, 31, wire=BF16)
                     else:
                         comm.all_reduce_hier(r.v20_3584, 31, wire=BF16, inner="all_reduce_oneshot")
 
                     fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                    rmsnorm(r.v20_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v19_3584, eps=1e-05, heads=1)
-                    shard_slice(r.v19_3584, r.v24_112, comm.group_index(31), ways=32)
+                    rmsnorm(r.v20_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v16_3584, eps=1e-05, heads=1)
+                    shard_slice(r.v16_3584, r.v24_112, comm.group_index(31), ways=32)
                     cast_into(r.v24_112, r.v24_112_bf16)
                     linear(r, issue, S_MLA_MOE_LINEAR_8, slots2_ref[li], base + S_MLA_MOE_LINEAR_8.start, r.v24_112_bf16, r.v25_7168)
                     r.v0_7168[...] = r.v25_7168[...] + r.v1_7168[...]

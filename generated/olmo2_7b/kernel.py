@@ -914,6 +914,20 @@ def lane_pick(row, i):
 # semaphore per peer distance; a device waits for its sends before an exchange returns, so it
 # never overwrites a message its DMA still reads and no DMA is in flight at kernel exit. Across
 # kernel calls the counters restart at 0: see enter().
+#
+# Collectives ready together (Comm.together) share ONE direct exchange over the union of their
+# masks, each member over a mask of its own: it stages its messages in stage columns of its own,
+# writes into its own mask's receive slots and bumps its own mask's counter. So over each mask M
+# the exchanges still form one sequence, the same on every device, with one exchange per phase,
+# each involving every pair of M's group, and the claim holds per mask as proved: "exchange u - 1
+# returned" now means the shared phase holding it returned, which waited for every part's
+# messages (mine over M among them), and each member reads what it received before any later
+# phase starts (together() finishes every member's shared phase first). Two members over the
+# same mask would run exchanges u and u + 1 in one phase, and a peer could write u + 1 into the
+# slot of u - 1 (same parity) before I read it (it needs only my message of u - 1, sent before I
+# read), so the masks of one shared phase are distinct (asserted). Semaphores stay per (mask,
+# parity, slot) and per (mask, peer distance): a peer in two members' groups gets two DMAs on two
+# distinct semaphores.
 COMM_LANES = 128  # the argmax message: [value bits x 64 | index x 64] int32 per row
 
 
@@ -1256,6 +1270,112 @@ class Comm:
             out_ref[0:rows, c * n : (c + 1) * n] = unpack(self._received(got, c, n, rows, self.stage[0:rows, 0:n]), F32)
         if rows < out_ref.shape[0]:
             out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
+
+    # ---------------------------------------------------------------- collectives ready together
+    def _together_copy(self, part, j, dd):
+        """The DMA of one part of a shared exchange, as _direct's copy: my message to member
+        g ^ dd lands in its slot g of the part's mask; member j's lands in my slot j."""
+        mask, src_of, width, rows, par, g = part
+        buf, rsem, ssem, _ = self.groups[mask]
+        group = 1 << len(mask_bits(mask))
+        w = buf.shape[2] // group
+        dst = buf.at[par, pl.ds(0, rows), pl.ds(pl.multiple_of(j * w, w), width)]
+        return pltpu.make_async_remote_copy(
+            src_of(g ^ dd),
+            dst,
+            ssem.at[dd],
+            rsem.at[par * group + j],
+            device_id=self.idx ^ expand(mask, dd),
+            device_id_type=pl.DeviceIdType.LOGICAL,
+        )
+
+    def _direct_together(self, parts):
+        """ONE direct exchange over the union of several masks: parts are (mask, src_of, width,
+        rows) as _direct takes them, masks pairwise distinct. Every part's sends start, then every
+        part's messages are waited for, then every send; each part uses its own mask's receive
+        buffer, counter, parity and semaphores. Returns one (buffer, parity, W, g) per part."""
+        assert len({p[0] for p in parts}) == len(parts), "one part per mask in a shared exchange"
+        live = []
+        for mask, src_of, width, rows in parts:
+            buf, _, _, count = self.groups[mask]
+            group = 1 << len(mask_bits(mask))
+            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and rows % 8 == 0, (width, buf.shape)
+            u = count[0]
+            count[0] = u + 1
+            live.append((mask, src_of, width, rows, jax.lax.rem(u, 2), self.group_index(mask)))
+        sends = [self._together_copy(p, p[5], dd) for p in live for dd in range(1, 1 << len(mask_bits(p[0])))]
+        for c in sends:
+            c.start()
+        for p in live:
+            for dd in range(1, 1 << len(mask_bits(p[0]))):
+                self._together_copy(p, p[5] ^ dd, dd).wait_recv()
+        for c in sends:
+            c.wait_send()
+        bufs = [self.groups[p[0]][0] for p in live]
+        return [(b, p[4], b.shape[2] // (1 << len(mask_bits(p[0]))), p[5]) for b, p in zip(bufs, live, strict=True)]
+
+    def _stage_member(self, kind, x_ref, out_ref, mask, wire, off):
+        """Stage one member of `together` at stage columns off..: (its part of the shared
+        exchange, the stage columns it takes, finish(got) -> its other phases or None)."""
+        x, out = self._rows(x_ref), self._rows(out_ref)
+        rows, n = x.shape
+        group = 1 << len(mask_bits(mask))
+        if kind == "gather":
+            mw, per = n, 0
+            self.stage[0:rows, off : off + n] = pack(x[...], F32)
+            if rows < out_ref.shape[0]:
+                out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
+        else:
+            cw = chunk_width(n, group if kind == "rs_ag" else 1, wire)
+            mw = cw // 2 if wire == BF16 else cw
+            per = mw if kind == "rs_ag" else 0
+            for c in range(group if kind == "rs_ag" else 1):
+                self.stage[0:rows, off + c * mw : off + (c + 1) * mw] = pack(chunk(x, c, cw), wire)
+            if rows < out_ref.shape[0] and out_ref is not x_ref:  # rows past the wire keep the partial
+                out_ref[rows:, :] = x_ref[rows:, :]
+
+        def src_of(j):
+            return self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(off + j * per, 128), mw)]
+
+        def finish(got):
+            own = [self.stage[0:rows, off + c * per : off + c * per + mw] for c in range(group)]
+            parts = [self._received(got, c, mw, rows, own[c]) for c in range(group)]
+            if kind == "gather":
+                for c, m in enumerate(parts):
+                    out[:, c * n : (c + 1) * n] = unpack(m, F32)
+                return None
+            total = unpack(parts[0], wire)
+            for m in parts[1:]:
+                total = total + unpack(m, wire)
+            if kind == "oneshot":
+                out[...] = total[:, 0:n]
+                return None
+            mine = total.astype(BF16).astype(F32) if wire == BF16 else total
+            return lambda: self._gather_chunks([mine], [out], [cw], mask, wire)
+
+        width = -(-(group * mw if per else mw) // 128) * 128
+        return (mask, src_of, mw, rows), width, finish
+
+    def together(self, members):
+        """Collectives ready together (none needs another's result): their first phases as ONE
+        direct exchange over the union of their masks, then each one's other phases in member
+        order. members: (kind, x_ref, out_ref, mask, wire), masks pairwise distinct; kind
+        "gather": out [rows, n * G] <- the group's x [rows, n] by group index (f32 on the wire,
+        as all_gather); "oneshot" or "rs_ag": out [rows, n] <- the group's sum of x (as
+        all_reduce_oneshot and all_reduce, the same bits; rows past self.rows keep x's partial).
+        The members' messages sit side by side in the stage. Members are staged in order and
+        every x is read before any out is written, so an out may share its buffer with an earlier
+        member's x (the planner frees an input after its node)."""
+        staged, off = [], 0
+        for kind, x_ref, out_ref, mask, wire in members:
+            part, width, finish = self._stage_member(kind, x_ref, out_ref, mask, wire, off)
+            staged.append((part, finish))
+            off += width
+        gots = self._direct_together([part for part, _ in staged])
+        rest = [finish(got) for (_, finish), got in zip(staged, gots, strict=True)]
+        for run in rest:
+            if run is not None:
+                run()
 
     def combine(self, value, mask, op):
         """Per-row f32 [rows, 1] `value` combined over the group of `mask` with `op` (jnp.add,
@@ -1629,14 +1749,15 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "v2_1": pltpu.VMEM((rows, 1), jnp.float32),
         "v3_1": pltpu.VMEM((rows, 1), jnp.float32),
         "v4_2048": pltpu.VMEM((rows, 2048), jnp.float32),
-        "v5_2048": pltpu.VMEM((rows, 2048), jnp.float32),
-        "v6_4096": pltpu.VMEM((rows, 4096), jnp.float32),
+        "v5_1": pltpu.VMEM((rows, 1), jnp.float32),
+        "v6_2048": pltpu.VMEM((rows, 2048), jnp.float32),
         "v7_4096": pltpu.VMEM((rows, 4096), jnp.float32),
-        "v8_5504": pltpu.VMEM((rows, 5504), jnp.float32),
+        "v8_4096": pltpu.VMEM((rows, 4096), jnp.float32),
         "v9_5504": pltpu.VMEM((rows, 5504), jnp.float32),
         "v10_5504": pltpu.VMEM((rows, 5504), jnp.float32),
-        "v11_4096": pltpu.VMEM((rows, 4096), jnp.float32),
+        "v11_5504": pltpu.VMEM((rows, 5504), jnp.float32),
         "v12_4096": pltpu.VMEM((rows, 4096), jnp.float32),
+        "v13_4096": pltpu.VMEM((rows, 4096), jnp.float32),
         "carry0_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
         "att0_q2d": pltpu.VMEM((1, 16 * rows, 128), jnp.float32),
         "att0_k2d": pltpu.VMEM((1, 16 * rows, 128), jnp.float32),
@@ -1650,12 +1771,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "att0_wb": pltpu.VMEM((2, batch, 16, 16, 128), jnp.bfloat16),
         "att0_kv_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "att0_wb_sem": pltpu.SemaphoreType.DMA((1,)),
-        "v5_2048_bf16": pltpu.VMEM((rows, 2048), jnp.bfloat16),
-        "v7_4096_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
-        "v10_5504_bf16": pltpu.VMEM((rows, 5504), jnp.bfloat16),
+        "v6_2048_bf16": pltpu.VMEM((rows, 2048), jnp.bfloat16),
+        "v8_4096_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
+        "v11_5504_bf16": pltpu.VMEM((rows, 5504), jnp.bfloat16),
         "emb_block": pltpu.VMEM((batch, 16, 4096), jnp.bfloat16),
         "emb_sem": pltpu.SemaphoreType.DMA((1,)),
-        "v12_4096_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
+        "v13_4096_bf16": pltpu.VMEM((rows, 4096), jnp.bfloat16),
         "kv_row": pltpu.SMEM((batch * seq_tiles,), jnp.int32),
         "kv_t0": pltpu.SMEM((batch * seq_tiles,), jnp.int32),
         "kv_n": pltpu.SMEM((1,), jnp.int32),
@@ -1713,56 +1834,60 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v1_2048[...] = r.v0_2048[...] * r.v0_2048[...]
                     r.v2_1[...] = jnp.sum(r.v1_2048[...], axis=-1, keepdims=True)
                     r.v3_1[...] = r.v2_1[...] * (0.000244140625)
-                    r.v2_1[...] = r.v3_1[...]
-                    comm.all_reduce_oneshot(r.v2_1, 1, wire=F32)
-
-                    r.v3_1[...] = r.v2_1[...] + (1e-06)
-                    r.v2_1[...] = jax.lax.rsqrt(r.v3_1[...])
-                    r.v1_2048[...] = r.v0_2048[...] * r.v2_1[...]
-                    fetch(r.q_norm, r.f_q_norm, r.fetch_sem.at[0], li, 16).wait()
-                    r.v0_2048[...] = r.v1_2048[...] * pick_row(r.f_q_norm, li)
-                    rope(r.v0_2048, r.v1_2048, rope0_cos, rope0_sin, rope0_up, heads=16, shift=64)
                     # spec line 65: k = rope(rmsnorm(linear(x, wk), k_norm, eps=EPS), positions, heads=NH, theta=THETA)
-                    linear(r, issue, S_DECODER_LINEAR_1, li, base + S_DECODER_LINEAR_1.start, r.carry0_bf16, r.v0_2048)
-                    r.v4_2048[...] = r.v0_2048[...] * r.v0_2048[...]
+                    linear(r, issue, S_DECODER_LINEAR_1, li, base + S_DECODER_LINEAR_1.start, r.carry0_bf16, r.v1_2048)
+                    r.v4_2048[...] = r.v1_2048[...] * r.v1_2048[...]
                     r.v2_1[...] = jnp.sum(r.v4_2048[...], axis=-1, keepdims=True)
-                    r.v3_1[...] = r.v2_1[...] * (0.000244140625)
+                    r.v5_1[...] = r.v2_1[...] * (0.000244140625)
+                    # spec line 64: q = rope(rmsnorm(linear(x, wq), q_norm, eps=EPS), positions, heads=NH, theta=THETA)
                     r.v2_1[...] = r.v3_1[...]
-                    comm.all_reduce_oneshot(r.v2_1, 1, wire=F32)
+                    # all-reduced with the next node's value, in the same exchanges
 
-                    r.v3_1[...] = r.v2_1[...] + (1e-06)
-                    r.v2_1[...] = jax.lax.rsqrt(r.v3_1[...])
+                    # spec line 65: k = rope(rmsnorm(linear(x, wk), k_norm, eps=EPS), positions, heads=NH, theta=THETA)
+                    r.v3_1[...] = r.v5_1[...]
+                    comm.all_reduce_oneshot(r.v3_1, 1, wire=F32, fused=(r.v2_1,))
+
+                    # spec line 64: q = rope(rmsnorm(linear(x, wq), q_norm, eps=EPS), positions, heads=NH, theta=THETA)
+                    r.v5_1[...] = r.v2_1[...] + (1e-06)
+                    r.v2_1[...] = jax.lax.rsqrt(r.v5_1[...])
                     r.v4_2048[...] = r.v0_2048[...] * r.v2_1[...]
-                    fetch(r.k_norm, r.f_k_norm, r.fetch_sem.at[1], li, 16).wait()
-                    r.v0_2048[...] = r.v4_2048[...] * pick_row(r.f_k_norm, li)
+                    fetch(r.q_norm, r.f_q_norm, r.fetch_sem.at[0], li, 16).wait()
+                    r.v0_2048[...] = r.v4_2048[...] * pick_row(r.f_q_norm, li)
                     rope(r.v0_2048, r.v4_2048, rope0_cos, rope0_sin, rope0_up, heads=16, shift=64)
+                    # spec line 65: k = rope(rmsnorm(linear(x, wk), k_norm, eps=EPS), positions, heads=NH, theta=THETA)
+                    r.v2_1[...] = r.v3_1[...] + (1e-06)
+                    r.v3_1[...] = jax.lax.rsqrt(r.v2_1[...])
+                    r.v0_2048[...] = r.v1_2048[...] * r.v3_1[...]
+                    fetch(r.k_norm, r.f_k_norm, r.fetch_sem.at[1], li, 16).wait()
+                    r.v1_2048[...] = r.v0_2048[...] * pick_row(r.f_k_norm, li)
+                    rope(r.v1_2048, r.v0_2048, rope0_cos, rope0_sin, rope0_up, heads=16, shift=64)
                     # spec line 66: return linear(attention(q, k, linear(x, wv), k_cache, v_cache, positions, heads=NH, kv_heads=NH), wo)
-                    linear(r, issue, S_DECODER_LINEAR_2, li, base + S_DECODER_LINEAR_2.start, r.carry0_bf16, r.v0_2048)
-                    attention0(li, r.v1_2048, r.v4_2048, r.v0_2048, r.v5_2048)
-                    cast_into(r.v5_2048, r.v5_2048_bf16)
-                    linear(r, issue, S_DECODER_LINEAR_3, li, base + S_DECODER_LINEAR_3.start, r.v5_2048_bf16, r.v6_4096)
+                    linear(r, issue, S_DECODER_LINEAR_2, li, base + S_DECODER_LINEAR_2.start, r.carry0_bf16, r.v1_2048)
+                    attention0(li, r.v4_2048, r.v0_2048, r.v1_2048, r.v6_2048)
+                    cast_into(r.v6_2048, r.v6_2048_bf16)
+                    linear(r, issue, S_DECODER_LINEAR_3, li, base + S_DECODER_LINEAR_3.start, r.v6_2048_bf16, r.v7_4096)
                     # spec line 70: x = x + rmsnorm(attn(x), post_attn_norm, eps=EPS)
-                    r.v7_4096[...] = r.v6_4096[...]
-                    comm.all_reduce_oneshot(r.v7_4096, 1, wire=F32)
+                    r.v8_4096[...] = r.v7_4096[...]
+                    comm.all_reduce_oneshot(r.v8_4096, 1, wire=F32)
 
                     fetch(r.post_attn_norm, r.f_post_attn_norm, r.fetch_sem.at[2], li, 16).wait()
-                    rmsnorm(r.v7_4096, pick_row(r.f_post_attn_norm, li), r.v6_4096, eps=1e-06, heads=1)
-                    r.v7_4096[...] = r.carry0[...] + r.v6_4096[...]
+                    rmsnorm(r.v8_4096, pick_row(r.f_post_attn_norm, li), r.v7_4096, eps=1e-06, heads=1)
+                    r.v8_4096[...] = r.carry0[...] + r.v7_4096[...]
                     # spec line 71: y = linear(swiglu(linear(x, w_gate), linear(x, w_up)), w_down)
-                    cast_into(r.v7_4096, r.v7_4096_bf16)
-                    linear(r, issue, S_DECODER_LINEAR_4, li, base + S_DECODER_LINEAR_4.start, r.v7_4096_bf16, r.v8_5504)
-                    linear(r, issue, S_DECODER_LINEAR_5, li, base + S_DECODER_LINEAR_5.start, r.v7_4096_bf16, r.v9_5504)
-                    r.v10_5504[...] = jax.nn.silu(r.v8_5504[...]) * r.v9_5504[...]
-                    cast_into(r.v10_5504, r.v10_5504_bf16)
-                    linear(r, issue, S_DECODER_Y, li, base + S_DECODER_Y.start, r.v10_5504_bf16, r.v6_4096)
+                    cast_into(r.v8_4096, r.v8_4096_bf16)
+                    linear(r, issue, S_DECODER_LINEAR_4, li, base + S_DECODER_LINEAR_4.start, r.v8_4096_bf16, r.v9_5504)
+                    linear(r, issue, S_DECODER_LINEAR_5, li, base + S_DECODER_LINEAR_5.start, r.v8_4096_bf16, r.v10_5504)
+                    r.v11_5504[...] = jax.nn.silu(r.v9_5504[...]) * r.v10_5504[...]
+                    cast_into(r.v11_5504, r.v11_5504_bf16)
+                    linear(r, issue, S_DECODER_Y, li, base + S_DECODER_Y.start, r.v11_5504_bf16, r.v7_4096)
                     # spec line 72: return x + rmsnorm(y, post_ffn_norm, eps=EPS)
-                    r.v11_4096[...] = r.v6_4096[...]
-                    comm.all_reduce_oneshot(r.v11_4096, 1, wire=F32)
+                    r.v12_4096[...] = r.v7_4096[...]
+                    comm.all_reduce_oneshot(r.v12_4096, 1, wire=F32)
 
                     fetch(r.post_ffn_norm, r.f_post_ffn_norm, r.fetch_sem.at[3], li, 16).wait()
-                    rmsnorm(r.v11_4096, pick_row(r.f_post_ffn_norm, li), r.v6_4096, eps=1e-06, heads=1)
-                    r.v11_4096[...] = r.v7_4096[...] + r.v6_4096[...]
-                    r.carry0[...] = r.v11_4096[...]
+                    rmsnorm(r.v12_4096, pick_row(r.f_post_ffn_norm, li), r.v7_4096, eps=1e-06, heads=1)
+                    r.v12_4096[...] = r.v8_4096[...] + r.v7_4096[...]
+                    r.carry0[...] = r.v12_4096[...]
                 if layer_trace:
                     pltpu.sync_copy(r.carry0, r.x_trace.at[li + 1])
 
@@ -1775,9 +1900,9 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[4], 0, 1).start()
             # spec line 79: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
             fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[4], 0, 1).wait()
-            rmsnorm(r.carry0, pick_row(r.f_final_norm, 0), r.v12_4096, eps=1e-06, heads=1)
-            cast_into(r.v12_4096, r.v12_4096_bf16)
-            linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v12_4096_bf16, r.logits)
+            rmsnorm(r.carry0, pick_row(r.f_final_norm, 0), r.v13_4096, eps=1e-06, heads=1)
+            cast_into(r.v13_4096, r.v13_4096_bf16)
+            linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v13_4096_bf16, r.logits)
             # spec line 80: return logits, argmax(logits)
             sampled_argmax(sampling, seed_ref, positions_ref, r.logits, r.next_tokens, chunk=1792, offset=comm.group_index(1) * 50176, comm=comm, mask=1)
             attention0.drain()

@@ -12,6 +12,11 @@ theirs. Per collective the planner models each algorithm the runtime has and pic
   0, reduce-scatter halves, the rest of the group all-reduces the half by `rs_ag` or `oneshot`,
   the two cores gather the halves).
 
+Collectives of one graph that are ready together (none needs another's result; the shard pass's
+last step, mkdsl/ready.py, puts them next to each other) run their first phases as one direct
+exchange over the union of their masks (`fuse_ready`, the runtime's `Comm.together`), then the
+rest of each one's phases: one latency for the union of their peers, all their bytes.
+
 Messages carry the planned batch's rows only (`exchange_rows`: 1 at batch 1, else the batch rounded
 up to 8, the 32-bit sublane tile) as int32 lanes: f32 bits, or two bf16 values per lane on a bf16 wire. Every figure here is
 *modeled* from the measured component costs in plan/measured.py; `direct_latency_us` says which
@@ -20,6 +25,7 @@ peer counts are measured and which are inter- or extrapolated.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, replace
 
@@ -34,13 +40,16 @@ LANE_BYTES = 4  # every message is int32 lanes
 @dataclass(frozen=True)
 class Phase:
     """One direct exchange: each device of each group of `mask` sends one message of `lanes` int32
-    columns x `rows` to each of its `peers`, after staging `stage` int32 columns."""
+    columns x `rows` to each of its `peers`, after staging `stage` int32 columns. A phase of
+    several collectives ready together has their own phases as `parts` (each over its own mask
+    and receive buffer); its mask and peers are their union's, its lanes and stage their sums."""
 
     mask: int
     peers: int
     rows: int
     lanes: int
     stage: int
+    parts: tuple[Phase, ...] = ()
 
     @property
     def message_bytes(self) -> int:
@@ -49,12 +58,14 @@ class Phase:
     @property
     def bytes(self) -> int:
         """Bytes one device sends in the phase (all its messages)."""
+        if self.parts:
+            return sum(p.bytes for p in self.parts)
         return self.peers * self.message_bytes
 
     @property
     def link(self) -> str:
         """`sibling` (the chip's other core only), `chip` (one peer on another chip) or `direct`."""
-        if self.peers > 1:
+        if self.peers > 1 or self.parts:
             return "direct"
         return "sibling" if self.mask == 1 else "chip"
 
@@ -79,6 +90,7 @@ class Collective:
     inner: str = ""  # hier: the algorithm of the cross-chip all-reduce of the half
     half: int = 0  # hier: f32 columns of the half a core keeps
     fused: tuple[str, ...] = ()  # values of the node just before, all-reduced in the same exchanges
+    joined: tuple[Collective, ...] = ()  # the next nodes' collectives, ready together: first phases shared
 
     def time_us(self) -> float:
         """Modeled time of the whole collective: its phases one after the other."""
@@ -96,7 +108,21 @@ class Collective:
     def label(self) -> str:
         inner = f", {self.inner} inside" if self.inner else ""
         fused = "".join(f", fused with `{v}`" for v in self.fused)
-        return f"{self.op} ({self.algorithm}{inner}{fused})"
+        joined = "".join(f", one exchange with {j.op} ({j.algorithm}) of `{j.value}`" for j in self.joined)
+        return f"{self.op} ({self.algorithm}{inner}{fused}{joined})"
+
+    def apart(self) -> list[Collective]:
+        """The collectives as they run alone: this one, then each joined one (see `together`)."""
+        if not self.joined:
+            return [self]
+        others = sum(len(j.phases) - 1 for j in self.joined)
+        own = (self.phases[0].parts[0], *self.phases[1 : len(self.phases) - others])
+        return [dataclasses.replace(self, phases=own, joined=()), *self.joined]
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        """Every IR value these exchanges produce."""
+        return (self.value, *self.fused, *(v for j in self.joined for v in j.values))
 
 
 def direct_latency_us(peers: int) -> float:
@@ -149,16 +175,33 @@ def exchange_rows(batch: int) -> int:
 def on_wire(found: list[Collective], rows: int) -> list[Collective]:
     """The same collectives, each phase carrying `rows` rows (the kernel's algorithms priced at
     another batch's wire rows)."""
-    return [replace(c, phases=tuple(replace(p, rows=rows) for p in c.phases)) for c in found]
+    return [_rowed(c, rows) for c in found]
+
+
+def _rowed(c: Collective, rows: int) -> Collective:
+    """c with every phase (and the parts of a shared phase, and the joined collectives) at `rows`."""
+
+    def phase(p: Phase) -> Phase:
+        return replace(p, rows=rows, parts=tuple(phase(q) for q in p.parts))
+
+    return replace(c, phases=tuple(phase(p) for p in c.phases), joined=tuple(_rowed(j, rows) for j in c.joined))
 
 
 def same_exchanges(a: list[Collective], b: list[Collective]) -> bool:
-    """The same collectives (values, fusions) over the same set of masks: the kernel may then run
-    either list's algorithms (Comm.enter meets the peers of every mask it has a buffer for, and
-    each must be exchanged over every call)."""
-    masks = lambda found: {p.mask for c in found for p in c.phases}  # noqa: E731
-    keys = lambda found: [(c.graph, c.value, c.fused) for c in found]  # noqa: E731
-    return keys(a) == keys(b) and masks(a) == masks(b)
+    """The same collectives (values, fusions, groups ready together with the same algorithms: the
+    kernel emits one `together` call for either) over the same set of masks: the kernel may then
+    run either list's algorithms (Comm.enter meets the peers of every mask it has a buffer for,
+    and each must be exchanged over every call)."""
+    return _exchange_keys(a) == _exchange_keys(b) and _masks(a) == _masks(b)
+
+
+def _exchange_keys(found: list[Collective]) -> list[tuple]:
+    together = lambda c: tuple((m.value, m.algorithm, m.inner) for m in c.apart()) if c.joined else ()  # noqa: E731
+    return [(c.graph, c.value, c.fused, together(c)) for c in found]
+
+
+def _masks(found: list[Collective]) -> set[int]:
+    return {q.mask for c in found for p in c.phases for q in (p.parts or (p,))}
 
 
 def chunk_width(n: int, group: int, wire: str) -> int:
@@ -230,7 +273,7 @@ def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Coll
     """The collectives of one graph of the per-device model; `rows`: the rows on the wire
     (exchange_rows of the planned batch)."""
     found = [(i, _node_collective(model, g, node, rows, wire)) for i, node in enumerate(g.nodes)]
-    return fuse_adjacent([(i, c) for i, c in found if c is not None])
+    return fuse_ready(g, fuse_adjacent([(i, c) for i, c in found if c is not None]))
 
 
 def fuse_adjacent(found: list[tuple[int, Collective]]) -> list[Collective]:
@@ -292,17 +335,90 @@ def step_totals(model: Model, found: list[Collective]) -> tuple[int, float]:
 
 def comm_buffers(found: list[Collective]) -> tuple[dict[int, int], int, int]:
     """(mask -> receive slot width in int32 lanes, widest staging in int32 lanes, widest kept
-    half in f32 columns): what the runtime's comm_scratch() needs for these collectives."""
+    half in f32 columns): what the runtime's comm_scratch() needs for these collectives. A phase
+    of collectives ready together stages all their messages side by side, and each part lands in
+    its own mask's slots."""
     slots: dict[int, int] = {}
     stage, half = PAIR_LANES, 0
     for c in found:
         for p in c.phases:
-            slots[p.mask] = max(slots.get(p.mask, 0), p.lanes)
+            for part in p.parts or (p,):
+                slots[part.mask] = max(slots.get(part.mask, 0), part.lanes)
             stage = max(stage, p.stage)
-        half = max(half, c.half)
+        half = max(half, c.half, *(j.half for j in c.joined))
     return dict(sorted(slots.items())), stage, half
 
 
 def lanes(n: int) -> int:
     """n rounded up to whole 128-lane vregs."""
     return math.ceil(n / 128) * 128
+
+
+# ---------------------------------------------------------------------------- ready together
+
+TOGETHER = ("gather", "oneshot", "rs_ag")  # the algorithms Comm.together starts in a shared phase
+
+
+def mask_union(masks: list[int]) -> int:
+    out = 0
+    for m in masks:
+        out |= m
+    return out
+
+
+def union_peers(masks: list[int]) -> int:
+    """Peers of a device over the union of the groups of `masks` (index offsets other than 0)."""
+    offsets = set()
+    for mask in masks:
+        sub = mask
+        while True:
+            offsets.add(sub)
+            if not sub:
+                break
+            sub = (sub - 1) & mask
+    return len(offsets) - 1
+
+
+def together(members: list[Collective]) -> Collective:
+    """The first member carrying every member's first phase in one exchange, then each one's
+    other phases in member order (what Comm.together runs)."""
+    firsts = [c.phases[0] for c in members]
+    shared = Phase(
+        mask=mask_union([p.mask for p in firsts]),
+        peers=union_peers([p.mask for p in firsts]),
+        rows=max(p.rows for p in firsts),
+        lanes=sum(p.lanes for p in firsts),
+        stage=sum(p.stage for p in firsts),
+        parts=tuple(firsts),
+    )
+    rest = tuple(p for c in members for p in c.phases[1:])
+    return dataclasses.replace(members[0], phases=(shared, *rest), joined=tuple(members[1:]))
+
+
+def _joinable(run: list[Collective], c: Collective, node) -> bool:
+    """c may share the run's first phase: an algorithm Comm.together runs, alone in its exchanges,
+    over a mask none of the run uses (each mask has one receive slot per member and parity), and
+    it needs none of the run's results (the run's nodes are just before it)."""
+    plain = all(m.algorithm in TOGETHER and not m.fused for m in (*run, c))
+    masks = [m.phases[0].mask for m in (*run, c)]
+    made = {v for m in run for v in m.values}
+    return plain and len(set(masks)) == len(masks) and not any(r.name in made for r in node.inputs)
+
+
+def fuse_ready(g: Graph, found: list[Collective]) -> list[Collective]:
+    """Collectives of adjacent nodes (the shard pass put ready-together ones next to each other)
+    that may share their first phase, merged into one carried by the first (`together`) wherever
+    that is modeled cheaper than running them apart."""
+    index = {n.outputs[0].name: i for i, n in enumerate(g.nodes) if n.outputs}
+    out: list[Collective] = []
+    run: list[Collective] = []  # the members merged into out[-1]
+    for c in found:
+        i = index[c.value]
+        if run and i == index[run[-1].value] + 1 and _joinable(run, c, g.nodes[i]):
+            merged = together([*run, c])
+            if merged.time_us() < out[-1].time_us() + c.time_us():
+                out[-1], run = merged, [*run, c]
+                continue
+        out.append(c)
+        run = [c]
+    return out

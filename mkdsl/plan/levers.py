@@ -8,7 +8,10 @@ with one change at a time and prints the modeled step beside the plan's. Every f
 - `fuse`: collectives of one layer that are ready together (none needs another's result) run as
   one exchange: phase by phase, one message to every peer of any member, one latency for the
   union of their peers, all their bytes (`ready_together`); the fused exchange waits where the
-  last member is.
+  last member is. The plan already runs the first phases of the groups the runtime can fuse as
+  one (plan/collectives.py `fuse_ready`), so this prices only what is left: the later phases of
+  each group together, and the groups the runtime does not fuse (chip-first all-reduces, masks
+  used twice); no change where nothing is left.
 - `dispatch`: 16 decode steps per device call share its dispatch (`--steps-per-call 16`).
 - `all`: all of them together.
 """
@@ -52,27 +55,16 @@ def _depends(g: Graph) -> dict[str, set[str]]:
 
 def groups(g: Graph, found: list) -> list[list]:
     """g's collectives in graph order, grouped greedily: a collective joins the open group when it
-    needs none of the group's results, else it starts the next."""
+    needs none of the group's results, else it starts the next. A collective the plan already runs
+    ready together with others (`Collective.joined`) counts with all their values."""
     deps, out = _depends(g), []
     for c in (c for c in found if c.graph == g.name):
-        if out and not any(m.value in deps.get(c.value, ()) or m.value == c.value for m in out[-1]):
+        needs = set().union(*(deps.get(v, ()) for v in c.values))
+        if out and not any(v in needs or v in c.values for m in out[-1] for v in m.values):
             out[-1].append(c)
         else:
             out.append([c])
     return out
-
-
-def _peers(masks: list[int]) -> int:
-    """Peers of a device over the union of the groups of `masks` (index offsets other than 0)."""
-    offsets = set()
-    for mask in masks:
-        sub = mask
-        while True:
-            offsets.add(sub)
-            if not sub:
-                break
-            sub = (sub - 1) & mask
-    return len(offsets) - 1
 
 
 def fused_us(members: list) -> float:
@@ -83,21 +75,26 @@ def fused_us(members: list) -> float:
         if len(ps) == 1:
             total += ps[0].time_us()
             continue
-        peers = _peers([p.mask for p in ps])
+        peers = collectives.union_peers([p.mask for p in ps])
         total += collectives.phase_us("direct", peers, sum(p.bytes for p in ps))
     return total
 
 
 def ready_together(model: Model, found: list) -> dict[tuple[str, str], float]:
     """(graph, value) -> its exchange's modeled us when ready-together collectives are fused: the
-    group's last member carries the fused exchange, the others 0."""
+    group's last collective carries the fused exchange, the others 0."""
     out = {}
     for g in (*model.kinds, model.step):
-        for members in groups(g, found):
-            for c in members[:-1]:
+        for group in groups(g, found):
+            for c in group[:-1]:
                 out[c.graph, c.value] = 0.0
-            out[members[-1].graph, members[-1].value] = fused_us(members)
+            out[group[-1].graph, group[-1].value] = fused_us(_members(group))
     return out
+
+
+def _members(group: list) -> list:
+    """The group's collectives as each runs alone (a plan's shared phase split back)."""
+    return [m for c in group for m in c.apart()]
 
 
 def deepest_ring(model: Model, context: int | None, start: int) -> int:
@@ -128,7 +125,8 @@ def fused_phases(model: Model, found: list) -> int:
     runs = {g.name: model.schedule.count(g.name) for g in model.kinds} | {model.step.name: 1}
     g_of = {g.name: g for g in (*model.kinds, model.step)}
     return sum(
-        runs[name] * sum(max(len(c.phases) for c in members) for members in groups(g_of[name], found)) for name in runs
+        runs[name] * sum(max(len(c.phases) for c in _members(group)) for group in groups(g_of[name], found))
+        for name in runs
     )
 
 

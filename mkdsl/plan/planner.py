@@ -414,6 +414,7 @@ def allocate_vmem(s: _State) -> None:
     vocab = _type_of(m, m.step, logits).shape[1]
     _alloc(s, "logits", ("batch", vocab), "float32", "output: logits", m.step.span, scratch=False)
     _alloc(s, "next_tokens", ("batch", 1), "int32", "output: next tokens", m.step.span, scratch=False)
+    _allocate_step_loop(s)
     carry = next((n for n in m.step.nodes if n.op == "layers"), None)
     if carry is not None:
         for i, v in enumerate(carry.outputs):
@@ -480,6 +481,17 @@ def plan_collectives(s: _State) -> None:
     s.one_row = one if one and collectives.same_exchanges(one, s.wide) else []
     runs = s.one_row if s.batch == 1 and s.one_row else s.wide
     s.collectives = collectives.on_wire(runs, collectives.exchange_rows(s.batch))
+
+
+def _allocate_step_loop(s: _State) -> None:
+    """The in-kernel step loop's own scratch (wrapper/sampling.py.jinja `step_scratch`, which the
+    kernel allocates itself: counted here, not emitted): the drawn tokens' staging and their SMEM
+    copy, the step's tokens and positions."""
+    span, what = s.model.step.span, "the step loop (step_scratch)"
+    _alloc(s, "token_stage", ("rows", 128), "int32", f"{what}: drawn tokens, staged", span, scratch=False)
+    _alloc(s, "token_smem", ("rows", 128), "int32", f"{what}: drawn tokens", span, "SMEM", scratch=False)
+    _alloc(s, "step_tokens", ("batch",), "int32", f"{what}: this step's tokens", span, "SMEM", scratch=False)
+    _alloc(s, "step_positions", ("batch",), "int32", f"{what}: this step's positions", span, "SMEM", scratch=False)
 
 
 def _allocate_comm(s: _State) -> None:

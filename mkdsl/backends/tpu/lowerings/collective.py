@@ -10,19 +10,54 @@ from mkdsl.ops.collective import GATHER_SPLITS, SUM_PARTIALS, TAKE_MINE
 METHOD = {"rs_ag": "all_reduce", "oneshot": "all_reduce_oneshot", "hier": "all_reduce_hier"}
 
 
+def _collective(em: EmitContext, at: Site):
+    """The plan's collective whose exchanges produce the node's value."""
+    value, graph = at.node.outputs[0].name, at.graph.name
+    c = next((c for c in em.plan.collectives if c.graph == graph and value in c.values), None)
+    assert c is not None, (graph, value)
+    return c
+
+
+def _wire(c) -> str:
+    return "BF16" if c.wire == "bf16" else "F32"
+
+
+def _together(em: EmitContext, at: Site, c) -> dict:
+    """The record of a node in a group of collectives ready together: the first member emits the
+    one `Comm.together` call for the group, the others nothing (their values are its outputs)."""
+    if c.value != at.node.outputs[0].name:
+        return dict(together=(), joined_to=c.value)
+    members = []
+    for m in c.apart():
+        node = next(n for n in at.graph.nodes if n.outputs and n.outputs[0].name == m.value)
+        members.append(
+            dict(
+                kind="gather" if m.exchange == "gather" else m.algorithm,
+                x=em.operand(at.graph, node.inputs[0]),
+                out=em.operand(at.graph, Ref("value", m.value)),
+                mask=em.mask(node.attr["axes"]),
+                wire=_wire(m),
+            )
+        )
+    return dict(together=tuple(members), joined_to="")
+
+
 def _reduce_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     """The all-reduce of the node's value, or only its copy when the next node's all-reduce
     carries it in the same exchanges (`Collective.fused`)."""
-    node, graph = at.node, at.graph.name
+    node = at.node
     value = node.outputs[0].name
-    c = next((c for c in em.plan.collectives if c.graph == graph and value in (c.value, *c.fused)), None)
-    assert c is not None, (graph, value)
+    c = _collective(em, at)
+    if c.joined:
+        return _together(em, at, c)
     fused = [em.operand(at.graph, Ref("value", v)) for v in c.fused]
-    one = next((o for o in em.plan.one_row if o.graph == graph and o.value == c.value), c)
+    one = next((o for o in em.plan.one_row if o.graph == c.graph and o.value == c.value), c)
     return dict(
+        together=(),
+        joined_to="",
         x=ins[0],
         mask=em.mask(node.attr["axes"]),
-        wire="BF16" if c.wire == "bf16" else "F32",
+        wire=_wire(c),
         method=METHOD[c.algorithm] if c.value == value else "",
         inner=f'"{METHOD[c.inner]}"' if c.inner else "",
         fused="(" + ", ".join(f"r.{b}" for b in fused) + ",)" if fused else "",
@@ -34,7 +69,10 @@ def _reduce_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
 
 
 def _gather_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
-    return dict(x=ins[0], mask=em.mask(at.node.attr["axes"]))
+    c = _collective(em, at)
+    if c.joined:
+        return _together(em, at, c)
+    return dict(together=(), joined_to="", x=ins[0], mask=em.mask(at.node.attr["axes"]))
 
 
 def _mine_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
