@@ -1373,7 +1373,7 @@ class Comm:
         for mask, src_of, width, rows in parts:
             buf, _, _, count = self.groups[mask]
             group = 1 << len(mask_bits(mask))
-            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and rows % 8 == 0, (width, buf.shape)
+            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and (rows == 1 or rows % 8 == 0), (width, buf.shape)
             u = count[0]
             count[0] = u + 1
             live.append((mask, src_of, width, rows, jax.lax.rem(u, 2), self.group_index(mask)))
