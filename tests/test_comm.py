@@ -469,7 +469,7 @@ def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
     spec = load(ROOT / "specs" / "kimi_k3.mk")
     plan = make_plan(spec.local, batch=1, context=1152)
     assert plan.collectives and plan.exchange_phases == co.step_totals(spec.local, list(plan.collectives))[0]
-    for c in (m for c in plan.collectives for m in c.apart()):  # ready-together ones each as they run alone
+    for c in (m for shared in plan.collectives for m in shared.apart()):  # ready-together ones as they run alone
         assert all(p.rows == 8 for p in c.phases), c
         if c.exchange == "sum" and not c.fused:
             options = co.all_reduce_options(co.mask_of(spec.local.mesh, c.axes), c.width, 8, "bf16")
