@@ -2,9 +2,11 @@
 
 The kernel runs, in a `fori_loop` of ITERS iterations on fresh data, two shared exchanges: the
 Kimi K3 case (an all-gather over tp and one over ep, as the router scores and the latent
-activation) and two all-reduces (reduce-scatter + all-gather over ep on a bf16 wire, whose first
-phase is shared, and a one-shot over tp in f32), then the same four collectives one after the
-other through the plain methods, all through the same scratch. TPU interpret mode with the race
+activation), two all-reduces (reduce-scatter + all-gather over ep on a bf16 wire, whose first
+phase is shared, and a one-shot over tp in f32), and a chip-first all-reduce over all devices
+(bf16, one-shot inside; its pair reduce-scatter over bit 0 shared) with an all-gather over ep;
+then the same six collectives one after the other through the plain methods, all through the
+same scratch. TPU interpret mode with the race
 detector, NaN-filled uninitialised memory and raising out-of-bounds reads, on 8 host devices, mesh
 ("ep", "tp") = (4, 2), in a subprocess (this file is its script; see tests/test_comm.py for why).
 The receive slots are NaN-filled before the entry barrier (a peer's write not ordered after it
@@ -32,8 +34,8 @@ AXES, SIZES = ("ep", "tp"), (4, 2)
 ITERS = 2
 ROWS, WIRE_ROWS = 16, 8  # padded rows; rows on the wire (8-15 never travel)
 GW, W = 128, 256  # all-gather slice width; all-reduce width
-INS = {"a": GW, "b": GW, "c": W, "d": W}  # a: gathered over tp, b: over ep, c: summed over ep, d: over tp
-OUTS = {"GA": GW * 2, "GB": GW * 4, "RC": W, "RD": W}  # the shared exchanges; U* the plain methods
+INS = {"a": GW, "b": GW, "c": W, "d": W, "t": W}  # a: gathered over tp, b: over ep; c summed over ep, d tp, t all
+OUTS = {"GA": GW * 2, "GB": GW * 4, "RC": W, "RD": W, "RT": W, "GE": GW * 4}  # shared; U* by the plain methods
 
 
 def load_runtime(comm_path: Path) -> dict:
@@ -56,17 +58,26 @@ def body_of(r, comm):
     import jax.numpy as jnp
 
     F32, BF16 = jnp.float32, jnp.bfloat16  # noqa: N806
-    tp, ep = comm.mask("tp"), comm.mask("ep")
+    tp, ep, every = comm.mask("tp"), comm.mask("ep"), comm.mask()
 
     def body(it, carry):
         comm.together((("gather", r.a.at[it], r.GA.at[it], tp, F32), ("gather", r.b.at[it], r.GB.at[it], ep, F32)))
         comm.together((("rs_ag", r.c.at[it], r.RC.at[it], ep, BF16), ("oneshot", r.d.at[it], r.RD.at[it], tp, F32)))
+        comm.together(
+            (
+                ("hier", r.t.at[it], r.RT.at[it], every, BF16, "all_reduce_oneshot"),
+                ("gather", r.b.at[it], r.GE.at[it], ep, F32),
+            )
+        )
         comm.all_gather(r.a.at[it], r.UGA.at[it], tp)
         comm.all_gather(r.b.at[it], r.UGB.at[it], ep)
         r.URC[it] = r.c[it]
         comm.all_reduce(r.URC.at[it], ep, wire=BF16)
         r.URD[it] = r.d[it]
         comm.all_reduce_oneshot(r.URD.at[it], tp, wire=F32)
+        r.URT[it] = r.t[it]
+        comm.all_reduce_hier(r.URT.at[it], every, wire=BF16, inner="all_reduce_oneshot")
+        comm.all_gather(r.b.at[it], r.UGE.at[it], ep)
         return carry
 
     return body
@@ -81,9 +92,10 @@ def build(ns: dict, mesh, interpret):
 
     outs = {**OUTS, **{"U" + k: n for k, n in OUTS.items()}}
     tp, ep = (ns["axis_mask"](AXES, SIZES, (a,)) for a in ("tp", "ep"))
-    slots = {tp: W, ep: 128}  # tp: the one-shot's whole 256 columns; ep: 128-lane slices and bf16 chunks
+    slots = {tp: W, ep: 128}  # tp (bit 0): the one-shot's whole 256 columns; ep: 128-lane slices, bf16 chunks
     # Widest staging: the second shared phase, 4 bf16 chunks of 128 lanes over ep beside 256 over tp.
-    spec = ns["comm_scratch"](WIRE_ROWS, slots, 4 * 128 + W)
+    # The chip-first all-reduce keeps half of 256 bf16 columns: one 256-column chunk.
+    spec = ns["comm_scratch"](WIRE_ROWS, slots, 4 * 128 + W, half_width=W)
     names = [*INS, *outs, *spec]
 
     def kernel(*refs):
@@ -151,7 +163,7 @@ def failures(res) -> list[str]:
             out.append(f"{k}: NaN")
         elif not np.array_equal(got.view(np.int32), plain.view(np.int32)):
             out.append(f"{k}: shared exchange differs from the plain method")
-    for k, src, mask in (("GA", "a", 0b001), ("GB", "b", 0b110)):
+    for k, src, mask in (("GA", "a", 0b001), ("GB", "b", 0b110), ("GE", "b", 0b110)):
         x = res[f"in_{src}"]
         for d in range(8):
             want = np.concatenate([x[m, :, :WIRE_ROWS] for m in members(d, mask)], axis=-1)
