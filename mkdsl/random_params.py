@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mkdsl.dtypes import numpy_dtype
 from mkdsl.ir import Model, Tensor
 from mkdsl.quant import QTensor, quantize
 
@@ -27,13 +28,7 @@ def random_tensor(t: Tensor, sizes: dict[str, int], rng: np.random.Generator):
         x = rng.standard_normal(shape, np.float32)
     else:
         x = rng.standard_normal(shape, np.float32) / np.sqrt(shape[-2])
-    return x.astype(_np(t.type.dtype.numpy))
-
-
-def _np(name: str):
-    import ml_dtypes
-
-    return getattr(ml_dtypes, name, None) or np.dtype(name)
+    return x.astype(numpy_dtype(t.type.dtype.numpy))
 
 
 def random_params(model: Model, sizes: dict[str, int], seed: int) -> tuple[dict, dict]:

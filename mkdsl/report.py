@@ -106,7 +106,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         "## VMEM budget",
         "",
         "Sizes padded to Mosaic's tiles (f32 [8,128], bf16 [16,128], 8-bit [32,128]); `rows` and `batch` "
-        f"at {plan.rows} and {plan.batch}.",
+        f"at {plan.rows} and {plan.batch}{_wire_rows(plan)}.",
         "",
         "| buffer | shape | dtype | memory | bytes | purpose | spec line |",
         "|---|---|---|---|---|---|---|",
@@ -118,6 +118,13 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         )
     out += ["", f"Total VMEM: {_mib(plan.vmem_total)} of the {_mib(plan.vmem_cap)} cap.", ""]
     return "\n".join(out)
+
+
+def _wire_rows(plan: Plan) -> str:
+    """The rows the collectives' messages carry, where the VMEM table has buffers sized by them."""
+    if not any(d == "wire_rows" for a in plan.vmem for d in a.shape):
+        return ""
+    return f", `wire_rows` (rows on the wire) at {collectives.exchange_rows(plan.batch)}"
 
 
 def _phases(model: Model, plan: Plan) -> list[str]:

@@ -1,11 +1,13 @@
 """The in-kernel collectives (runtime/comm.py.jinja) inside one Pallas TPU kernel.
 
 The runtime text is exec'd after core.py.jinja into a namespace holding the imports of a
-generated module. The test kernel runs, in a `fori_loop` of ITERS iterations on fresh data,
+generated module. The test kernel runs, in a `fori_loop` of 3 iterations on fresh data,
 f32 all-reduces over all axes and over tp, bf16-wire all-reduces over ep and over all axes,
 all-gathers over tp and over ep and the argmax combine over all axes and over ep: 17 exchange
 phases per iteration, bit 0 used 5 times (odd, so its slot parity differs from one iteration to
-the next), all through the same scratch.
+the next), all through the same scratch. It runs twice: with 8 rows on the wire (a kernel built
+for batches 2-8) and with 1 (batch 1; 2 iterations): every comm buffer then has 1 row, rows 1-15
+of every value must never travel, and row 0 must equal the reference.
 
 * Interpret: 8 devices, mesh ("ep", "tp") = (4, 2), TPU interpret mode with the race detector,
   NaN-filled uninitialised memory and raising out-of-bounds reads, in a subprocess (the host
@@ -30,7 +32,9 @@ the next), all through the same scratch.
 Seen failing (MKDSL_COMM_RUNTIME=<broken copy>): wrong peer, no add, bf16 sum of unrounded own
 partial, no barrier or a partial one, one slot per bit, a shared receive semaphore, no send
 wait, the counter not advanced (races); tie to the larger index, no tie rule, reversed group
-order, gathered block put at the wrong offset (values/NaN); a doubled receive wait (timeout).
+order, gathered block put at the wrong offset (values/NaN); a doubled receive wait (timeout); at 1 row on the wire: 8-row
+buffers (today's before exchange_rows; rows past the wire changed, and the in-kernel rows check),
+an all-gather not zeroing the rows past the wire (NaN).
 
 Pitfall: with several host devices, TPU interpret mode deadlocks once any buffer of a device
 (input, output or scratch) reaches 100 KiB: the io_callback allocating it device_puts the
@@ -54,9 +58,12 @@ RUNTIME = ROOT / "mkdsl" / "backends" / "tpu" / "templates" / "runtime"
 # Another copy of comm.py.jinja to check (e.g. a deliberately broken one: the checks must fail).
 COMM = Path(os.environ.get("MKDSL_COMM_RUNTIME", RUNTIME / "comm.py.jinja"))
 AXES = ("ep", "tp")
-ITERS = 3
 ROWS = 16  # padded rows of every value
-WIRE_ROWS = 8  # rows on the wire (the batch's, rounded up to 8): rows 8-15 never travel
+# Rows on the wire (runtime exchange_rows) -> iterations of the test kernel: a kernel built for
+# batches 2-8 sends 8 rows (rows 8-15 never travel), one built for batch 1 sends 1 row (rows
+# 1-15 never travel). The 1-row case runs 2 iterations (the parity of bit 0 still alternates).
+ITERS = {8: 3, 1: 2}
+WIRE_ROWS = 8  # the default case
 W = 256  # all-reduce width
 WD = 128  # narrow all-reduces (bf16 RS+AG over all: one non-empty chunk; one-shot over all)
 GW = 128  # all-gather slice width
@@ -83,8 +90,9 @@ def load_runtime(comm_path: Path = COMM) -> dict:
     return ns
 
 
-def shapes(sizes):
-    """name -> per-device shape (leading ITERS) of the kernel's inputs and outputs."""
+def shapes(sizes, wire_rows=WIRE_ROWS):
+    """name -> per-device shape (leading iterations) of the kernel's inputs and outputs."""
+    iters = ITERS[wire_rows]
     ep, tp = sizes
     ins = {"a": W, "b": W, "c": W, "d": WD, "g": GW, "h": GW, "v": VW, "t": W, "u": W, "o": WD, "w": W, "f": W, "e": WD}
     outs = {
@@ -106,18 +114,17 @@ def shapes(sizes):
         "F": (W, "f4"),  # F and E: RS+AG over ep, bf16, fused into the same two exchanges
         "E": (WD, "f4"),
     }
-    return ({k: (ITERS, ROWS, n) for k, n in ins.items()}, {k: ((ITERS, ROWS, n), t) for k, (n, t) in outs.items()})
+    return ({k: (iters, ROWS, n) for k, n in ins.items()}, {k: ((iters, ROWS, n), t) for k, (n, t) in outs.items()})
 
 
-def body_of(ns, r, comm, local_argmax):
+def body_of(ns, r, comm, local_argmax, x):
     """One iteration: 23 exchanges, 7 over all, 7 over tp and 9 over ep (odd, so each mask's
-    parity differs from one iteration to the next), all through the same scratch."""
+    parity differs from one iteration to the next), all through the same scratch; x: wire rows."""
     import jax.numpy as jnp
 
     F32, BF16 = jnp.float32, jnp.bfloat16
     every, m_tp, m_ep = comm.mask(), comm.mask("tp"), comm.mask("ep")
     ep_index = comm.group_index(m_ep)
-    x = WIRE_ROWS
 
     def body(it, carry):
         for name, src, mask, wire, method in (
@@ -155,8 +162,9 @@ def body_of(ns, r, comm, local_argmax):
     return body
 
 
-def build(ns: dict, mesh, sizes, interpret=None):
-    """The shard_map'd kernel: f(*inputs stacked over devices on axis 0) -> outputs, same way."""
+def build(ns: dict, mesh, sizes, interpret=None, wire_rows=WIRE_ROWS):
+    """(the shard_map'd kernel: f(*inputs stacked over devices on axis 0) -> outputs, same way;
+    its scratch: name -> (kind, shape, dtype))."""
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -164,14 +172,14 @@ def build(ns: dict, mesh, sizes, interpret=None):
     from jax.sharding import PartitionSpec as P
 
     ep, tp = sizes
-    ins, outs = shapes(sizes)
+    ins, outs = shapes(sizes, wire_rows)
     every = ns["axis_mask"](AXES, sizes, AXES)
     masks = [ns["axis_mask"](AXES, sizes, names) for names in (("tp",), ("ep",))] + [every, 1, every ^ 1]
     slots = dict.fromkeys(masks, 128)  # the hierarchical all-reduce exchanges over bit 0, then the rest
     slots[ns["axis_mask"](AXES, sizes, ("ep",))] = 256  # the fused pair: two 128-lane chunks per message
     # Other messages fit 128 int32 lanes; the widest staging is an RS over all devices of one
     # 128-lane chunk each, or the fused RS over ep of 256 lanes each.
-    spec = ns["comm_scratch"](WIRE_ROWS, slots, max(128 * ep * tp, 256 * ep), half_width=W)
+    spec = ns["comm_scratch"](wire_rows, slots, max(128 * ep * tp, 256 * ep), half_width=W)
     scratch = {**spec, "ge": ("VMEM", (ROWS, GW * ep), jnp.float32)}
     names = [*ins, *outs, *scratch]
     I32 = jnp.int32
@@ -192,7 +200,8 @@ def build(ns: dict, mesh, sizes, interpret=None):
             col = jax.lax.broadcasted_iota(I32, v.shape, 1)
             return m, jnp.min(jnp.where(v == m, col, BIG), axis=1, keepdims=True)
 
-        jax.lax.fori_loop(0, ITERS, body_of(ns, r, comm, local_argmax), 0)
+        assert comm.rows == wire_rows  # what the messages carry: the stage's rows
+        jax.lax.fori_loop(0, ITERS[wire_rows], body_of(ns, r, comm, local_argmax, wire_rows), 0)
 
     vmem = pl.BlockSpec(memory_space=pltpu.VMEM)
     call = pl.pallas_call(
@@ -212,23 +221,30 @@ def build(ns: dict, mesh, sizes, interpret=None):
         out_specs=(spec,) * len(outs),
         check_vma=False,
     )
-    return jax.jit(fn)
+    return jax.jit(fn), scratch
 
 
-def draw_inputs(seed: int, devices: int, sizes) -> dict:
-    """Fresh normal draws (never zero) per device and iteration; argmax rows 0-3 from 4 integers."""
+def tie_rows(wire_rows: int) -> int:
+    return max(1, wire_rows // 2)
+
+
+def draw_inputs(seed: int, devices: int, sizes, wire_rows=WIRE_ROWS) -> dict:
+    """Fresh normal draws (never zero) per device and iteration; the first half of the argmax
+    rows on the wire (at least one) from 4 integers."""
     rng = np.random.default_rng(seed)
-    ins, _ = shapes(sizes)
+    ins, _ = shapes(sizes, wire_rows)
     data = {k: rng.standard_normal((devices, *s)).astype(np.float32) for k, s in ins.items()}
-    data["v"][:, :, : WIRE_ROWS // 2] = rng.integers(1, 5, (devices, ITERS, WIRE_ROWS // 2, VW)).astype(np.float32)
+    ties = (devices, ITERS[wire_rows], tie_rows(wire_rows), VW)
+    data["v"][:, :, : ties[2]] = rng.integers(1, 5, ties).astype(np.float32)
     return data
 
 
 # ---------------------------------------------------------------------------- the subprocess
 
 
-def run_interpret(out_path: str, comm_path: str, seed: int) -> None:
-    """Run the kernel on 8 host devices in TPU interpret mode; save inputs, outputs, race flag."""
+def run_interpret(out_path: str, comm_path: str, seed: int, wire_rows: int) -> None:
+    """Run the kernel on 8 host devices in TPU interpret mode; save inputs, outputs, race flag
+    and the rows of every comm VMEM buffer."""
     import jax
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
     from jax.experimental.pallas import tpu as pltpu
@@ -238,13 +254,17 @@ def run_interpret(out_path: str, comm_path: str, seed: int) -> None:
     sizes = (4, 2)
     mesh = jax.make_mesh(sizes, AXES)
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
-    fn = build(load_runtime(Path(comm_path)), mesh, sizes, interpret=params)
-    data = draw_inputs(seed, 8, sizes)
+    ns = load_runtime(Path(comm_path))
+    fn, scratch = build(ns, mesh, sizes, interpret=params, wire_rows=wire_rows)
+    data = draw_inputs(seed, 8, sizes, wire_rows)
     args = [jax.device_put(x.reshape(-1, *x.shape[2:]), NamedSharding(mesh, P(AXES))) for x in data.values()]
     outs = jax.block_until_ready(fn(*args))
-    _, names = shapes(sizes)
+    _, names = shapes(sizes, wire_rows)
+    iters = ITERS[wire_rows]
     result = {f"in_{k}": v for k, v in data.items()}
-    result.update({f"out_{k}": np.asarray(v).reshape(8, ITERS, *v.shape[1:]) for k, v in zip(names, outs, strict=True)})
+    result.update({f"out_{k}": np.asarray(v).reshape(8, iters, *v.shape[1:]) for k, v in zip(names, outs, strict=True)})
+    comm = [shape for name, (kind, shape, _) in scratch.items() if kind == "VMEM" and name.startswith("comm_")]
+    result["buffer_rows"] = np.array([shape[-2] for shape in comm])  # recv_<M> [2, rows, .], stage, half
     result["races"] = np.array(ipc.races is not None and ipc.races.races_found)
     np.savez(out_path, **result)
 
@@ -326,11 +346,11 @@ def group_members(d: int, mask: int, devices: int = 8) -> list[int]:
     return sorted(members, key=lambda e: [(e >> k) & 1 for k in reversed(range(mask.bit_length())) if mask >> k & 1])
 
 
-def check_all_reduce(got, x, mask, wire16, what, emulate):
-    """got, x: [devices, ITERS, ROWS, n]; the first WIRE_ROWS rows are reduced, the others keep
+def check_all_reduce(got, x, mask, wire16, what, emulate, rows):
+    """got, x: [devices, iterations, ROWS, n]; the first rows rows are reduced, the others keep
     the device's own partial."""
-    assert np.array_equal(got[:, :, WIRE_ROWS:], x[:, :, WIRE_ROWS:]), f"{what}: rows past the wire rows changed"
-    got, x = got[:, :, :WIRE_ROWS], x[:, :, :WIRE_ROWS]
+    assert np.array_equal(got[:, :, rows:], x[:, :, rows:]), f"{what}: rows past the wire rows changed"
+    got, x = got[:, :, :rows], x[:, :, :rows]
     for d in range(8):
         group = group_members(d, mask)
         exact = x[group].astype(np.float64).sum(0)
@@ -349,17 +369,17 @@ def check_all_reduce(got, x, mask, wire16, what, emulate):
     assert np.array_equal(got, emulated), f"{what}: not bit-identical to the emulated exchanges"
 
 
-def check_all_gather(got, x, mask, what):
-    assert (got[:, :, WIRE_ROWS:] == 0).all(), f"{what}: rows past the wire rows not zeroed"
+def check_all_gather(got, x, mask, what, rows):
+    assert (got[:, :, rows:] == 0).all(), f"{what}: rows past the wire rows not zeroed"
     for d in range(8):
-        want = np.concatenate([x[e] for e in group_members(d, mask)], axis=-1)[:, :WIRE_ROWS]
-        assert np.array_equal(got[d, :, :WIRE_ROWS], want), f"{what}: device {d}"
+        want = np.concatenate([x[e] for e in group_members(d, mask)], axis=-1)[:, :rows]
+        assert np.array_equal(got[d, :, :rows], want), f"{what}: device {d}"
 
 
-def check_argmax(value, index, v, mask, what):
-    value, index, v = value[:, :, :WIRE_ROWS], index[:, :, :WIRE_ROWS], v[:, :, :WIRE_ROWS]
+def check_argmax(value, index, v, mask, what, rows):
+    value, index, v = value[:, :, :rows], index[:, :, :rows], v[:, :, :rows]
     for d in range(8):
-        row = np.concatenate([v[e] for e in group_members(d, mask)], axis=-1)  # [ITERS, WIRE_ROWS, G * VW]
+        row = np.concatenate([v[e] for e in group_members(d, mask)], axis=-1)  # [iterations, rows, G * VW]
         want_i = np.argmax(row, axis=-1)
         want_v = np.max(row, axis=-1)
         assert (index[d] == want_i[..., None]).all(), f"{what}: device {d} index"
@@ -381,6 +401,9 @@ def test_runtime_is_plain_python():
     spec = ns["comm_scratch"](8, {0b11111: 128, 0b00011: 896}, 4096)
     assert spec["comm_recv_31"][1] == (2, 8, 32 * 128) and spec["comm_rsem_31"][1] == (64,)
     assert spec["comm_recv_3"][1] == (2, 8, 4 * 896) and spec["comm_ssem_3"][1] == (4,)
+    assert [ns["exchange_rows"](b) for b in (1, 2, 7, 8, 9, 16)] == [1, 8, 8, 8, 16, 16]
+    spec = ns["comm_scratch"](ns["exchange_rows"](1), {0b11111: 128}, 4096, half_width=256)
+    assert [spec[f"comm_{k}"][1] for k in ("recv_31", "stage", "half")] == [(2, 1, 4096), (1, 4096), (1, 256)]
     assert [ns["expand"](0b11100, j) for j in (1, 2, 5)] == [0b00100, 0b01000, 0b10100]
     assert ns["chunk_width"](7168, 32, ns["BF16"]) == 256 and ns["chunk_width"](3584, 32, ns["F32"]) == 128
     import jax.numpy as jnp
@@ -393,13 +416,16 @@ def test_runtime_is_plain_python():
 
 
 @pytest.mark.timeout(200)
-def test_collectives_interpret_8_devices(tmp_path):
+@pytest.mark.parametrize("wire_rows", sorted(ITERS, reverse=True))
+def test_collectives_interpret_8_devices(tmp_path, wire_rows):
+    """Batches 2-8 (8 rows on the wire) and batch 1 (1 row: every comm buffer has 1 row, the
+    other 15 rows of every value never travel, row 0 equals the reference)."""
     fresh = os.environ.get("MKDSL_HYPOTHESIS_PROFILE") == "dev"
     seed = int(os.environ.get("MKDSL_COMM_SEED", np.random.SeedSequence().entropy % 2**31 if fresh else 0))
     out = tmp_path / "run.npz"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     run = subprocess.run(
-        [sys.executable, __file__, str(out), str(COMM), str(seed)],
+        [sys.executable, __file__, str(out), str(COMM), str(seed), str(wire_rows)],
         capture_output=True,
         text=True,
         env=env,
@@ -409,6 +435,9 @@ def test_collectives_interpret_8_devices(tmp_path):
     assert run.returncode == 0, f"seed {seed}:\n{log[-4000:]}"
     assert "non-zero count" not in log, log[-4000:]  # a semaphore left signalled at kernel exit
     r = dict(np.load(out))
+    assert (r["buffer_rows"] == wire_rows).all() and len(r["buffer_rows"]) == 5, r[
+        "buffer_rows"
+    ]  # recv over bit 0, ep, all; stage; half
     assert not r["races"], f"seed {seed}: race detected\n{log[-4000:]}"
     for k, v in r.items():
         if k.startswith("out_"):
@@ -426,19 +455,21 @@ def test_collectives_interpret_8_devices(tmp_path):
         ("T", "t", every, False, "f32 chip-hierarchical over all", hier_sum(rs_ag_sum)),
         ("U", "u", every, True, "bf16 chip-hierarchical over all, one-shot inside", hier_sum(oneshot_sum)),
     ):
-        check_all_reduce(r[f"out_{out}"], r[f"in_{x}"], mask, wire16, f"{what} (seed {seed})", emulate)
-    check_all_gather(r["out_GT"], r["in_g"], tp, "all_gather over tp")
-    check_all_gather(np.concatenate([r["out_GE_lo"], r["out_GE_hi"]], -1), r["in_h"], ep, "all_gather over ep")
-    check_argmax(r["out_MV"], r["out_MI"], r["in_v"], every, f"argmax over all (seed {seed})")
-    check_argmax(r["out_EV"], r["out_EI"], r["in_v"], ep, f"argmax over ep (seed {seed})")
-    row = np.concatenate(list(r["in_v"][:, :, :WIRE_ROWS]), -1)  # [ITERS, WIRE_ROWS, 8 * VW]: the whole vocabulary
+        check_all_reduce(r[f"out_{out}"], r[f"in_{x}"], mask, wire16, f"{what} (seed {seed})", emulate, wire_rows)
+    check_all_gather(r["out_GT"], r["in_g"], tp, "all_gather over tp", wire_rows)
+    gathered = np.concatenate([r["out_GE_lo"], r["out_GE_hi"]], -1)
+    check_all_gather(gathered, r["in_h"], ep, "all_gather over ep", wire_rows)
+    check_argmax(r["out_MV"], r["out_MI"], r["in_v"], every, f"argmax over all (seed {seed})", wire_rows)
+    check_argmax(r["out_EV"], r["out_EI"], r["in_v"], ep, f"argmax over ep (seed {seed})", wire_rows)
+    row = np.concatenate(list(r["in_v"][:, :, :wire_rows]), -1)  # [iterations, rows, 8 * VW]: the whole vocabulary
     ties = (row == row.max(-1, keepdims=True)).sum(-1) > 1
-    assert ties.sum() >= ITERS * WIRE_ROWS // 2, "too few ties to test the tie-breaking"
+    assert ties.sum() >= ITERS[wire_rows] * tie_rows(wire_rows), "too few ties to test the tie-breaking"
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("wire_rows", sorted(ITERS, reverse=True))
 @pytest.mark.parametrize("topology, sizes", [("tpu7x:2x2x1", (4, 2)), ("tpu7x:4x4x1", (8, 4))])
-def test_collectives_compile_tpu7x(topology, sizes):
+def test_collectives_compile_tpu7x(topology, sizes, wire_rows):
     import jax
     import jax.numpy as jnp
     from jax.experimental import topologies
@@ -447,9 +478,9 @@ def test_collectives_compile_tpu7x(topology, sizes):
 
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)  # needs libtpu: never skipped
     mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(sizes), AXES)
-    fn = build(load_runtime(), mesh, sizes)
+    fn, _ = build(load_runtime(), mesh, sizes, wire_rows=wire_rows)
     devices = sizes[0] * sizes[1]
-    ins, _ = shapes(sizes)
+    ins, _ = shapes(sizes, wire_rows)
     avals = [
         jax.ShapeDtypeStruct((devices * s[0], *s[1:]), jnp.float32, sharding=NamedSharding(mesh, P(AXES)))
         for s in ins.values()
@@ -459,15 +490,17 @@ def test_collectives_compile_tpu7x(topology, sizes):
 
 
 def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
-    """Kimi K3 (32 cores): every all-reduce is the cheapest of the runtime's options, all-gathers
-    and the argmax are one direct phase to every peer, messages carry 8 rows (batch <= 8), and
-    the receive buffers are as wide as the widest message over each mask."""
+    """Kimi K3 (32 cores): every all-reduce is the cheapest of the runtime's options at the
+    largest batch (the plan the kernel is emitted from), all-gathers and the argmax are one
+    direct phase to every peer, messages carry 8 rows at batch 8 and 1 row at batch 1 (the same
+    algorithms, an eighth of the bytes), and the receive buffers are as wide as the widest
+    message over each mask."""
     from mkdsl import load
     from mkdsl.plan import collectives as co
     from mkdsl.plan.planner import make_plan
 
     spec = load(ROOT / "specs" / "kimi_k3.mk")
-    plan = make_plan(spec.local, batch=1, context=1152)
+    plan = make_plan(spec.local, batch=8, context=1152)
     assert plan.collectives and plan.exchange_phases == co.step_totals(spec.local, list(plan.collectives))[0]
     for c in (m for shared in plan.collectives for m in shared.apart()):  # ready-together ones as they run alone
         assert all(p.rows == 8 for p in c.phases), c
@@ -478,6 +511,14 @@ def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
         else:
             (phase,) = c.phases
             assert phase.peers == co.group_size(co.mask_of(spec.local.mesh, c.axes)) - 1
+    one = make_plan(spec.local, batch=1, context=1152, ring_depth=plan.ring_depth)
+    assert [(c.value, c.algorithm, c.inner, c.fused) for c in one.collectives] == [
+        (c.value, c.algorithm, c.inner, c.fused) for c in plan.collectives
+    ]
+    for c1, c8 in zip(one.collectives, plan.collectives, strict=True):
+        assert all(p.rows == 1 for p in c1.phases) and [8 * b for b in c1.phase_bytes] == list(c8.phase_bytes), c1
+    comm = {a.name: a.shape for a in one.vmem if a.name.startswith("comm_") and a.memory == "VMEM"}
+    assert comm and all("wire_rows" in shape for shape in comm.values()), comm  # sized by the kernel's batch
     slots, stage, half = co.comm_buffers(list(plan.collectives))
     assert slots[0b11111] == 128 and stage == 32 * 128  # an RS over 32 of 256 bf16 columns: 128 lanes each
     assert co.direct_latency_us(7) == pytest.approx(2.65) and co.direct_latency_us(1) == pytest.approx(2.1)
@@ -538,7 +579,7 @@ def test_adjacent_all_reduces_run_fused_and_match_the_reference(tmp_path):
     assert not result.failures, result.failures
 
 
-if __name__ == "__main__":  # the interpret run's subprocess: python test_comm.py OUT.npz COMM_PATH SEED
+if __name__ == "__main__":  # the interpret run's subprocess: python test_comm.py OUT.npz COMM_PATH SEED ROWS
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    run_interpret(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    run_interpret(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

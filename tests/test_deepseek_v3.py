@@ -35,11 +35,11 @@ import math
 import os
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 from checkpoint_writers import through_checkpoint
 from model_checks import check_steps, mini_kernel
+from zoo_oracle import bf16
 
 from mkdsl.elaborate import load
 from mkdsl.quant import QTensor
@@ -67,10 +67,6 @@ def f64(a) -> np.ndarray:
         k, n = codes.shape[-2:]
         return codes * np.repeat(np.repeat(scales, b, axis=-2), b, axis=-1)[..., :k, :n]
     return np.asarray(a).astype(np.float64)
-
-
-def bf16(x) -> np.ndarray:
-    return np.asarray(x, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def mm(x, w) -> np.ndarray:

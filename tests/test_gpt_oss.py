@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 from checkpoint_writers import through_checkpoint
 from model_checks import check_steps, mini_kernel
+from zoo_oracle import bf16, f64, softmax
 
 from mkdsl.elaborate import load
 from mkdsl.plan.hbm import tensor_bytes
@@ -56,14 +57,6 @@ LOGIT_RTOL = 2.0**-7
 CACHE_RTOL = 2.0**-7
 ROUTE_TIE = 2.0**-10
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def f64(a) -> np.ndarray:
-    return np.asarray(a).astype(np.float64)
-
-
-def bf16(x) -> np.ndarray:
-    return np.asarray(x, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def mxfp4(q) -> np.ndarray:
@@ -101,11 +94,6 @@ def rope(x, pos, inv_freq, conc):
     cos, sin = np.cos(pos * inv_freq) * conc, np.sin(pos * inv_freq) * conc
     a, b = x[:, : d // 2], x[:, d // 2 :]
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
-
-
-def softmax(x):
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
 
 
 class Card:

@@ -28,11 +28,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 from checkpoint_writers import through_checkpoint
 from model_checks import check_steps, mini_kernel
+from zoo_oracle import attend, bf16, f64, mm, silu, softmax
 
 from mkdsl.elaborate import load
 from mkdsl.random_params import random_params
@@ -50,19 +50,6 @@ ROUTE_TIE = 2.0**-10
 KERNEL_BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_QWEN3_BATCHES", "4").split(","))
 
 
-def f64(a) -> np.ndarray:
-    return np.asarray(a).astype(np.float64)
-
-
-def bf16(x) -> np.ndarray:
-    return np.asarray(x, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
-
-
-def mm(x, w) -> np.ndarray:
-    """A matmul as deployed: the activation rounded to bf16, the bf16 weight exact, f64 sums."""
-    return bf16(x) @ f64(w)
-
-
 def rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * f64(w)
 
@@ -74,15 +61,6 @@ def rope(x, pos, theta):
     cos, sin = np.cos(angle), np.sin(angle)
     a, b = x[:, : d // 2], x[:, d // 2 :]
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
-
-
-def softmax(x):
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def silu(x):
-    return x / (1.0 + np.exp(-x))
 
 
 class Card:
@@ -109,16 +87,8 @@ def attention_row(card, w, cache_k, cache_v, x, pos, layer):
     k = rope(rms(k, w["k_norm"][layer], card.eps), pos, card.theta)
     cache_k[:, pos] = bf16(k)
     cache_v[:, pos] = bf16(mm(h, w["wv"][layer]).reshape(card.nkv, card.d))
-    group = card.nh // card.nkv
-    out = np.zeros((card.nh, card.d))
-    for head in range(card.nh):
-        j = head // group
-        # Both products are bf16 MXU dots against the bf16 cache: the query and the unnormalised
-        # weights exp(s - max) are rounded to bf16, their f64 sum divides after (the numeric contract).
-        s = cache_k[j, : pos + 1] @ bf16(q[head]) * card.d**-0.5
-        e = np.exp(s - s.max())
-        out[head] = bf16(e) @ cache_v[j, : pos + 1] / e.sum()
-    return mm(out.reshape(-1), w["wo"][layer])
+    # Both products are bf16 MXU dots against the bf16 cache (zoo_oracle.attend: the numeric contract).
+    return mm(attend(q, cache_k, cache_v, 0, pos, card.d**-0.5), w["wo"][layer])
 
 
 def moe_row(card, w, x, layer, ties: list):

@@ -1,5 +1,6 @@
 """Independent numpy decoding for the specs written as a new user would (Gemma 3, Mixtral,
-Qwen2.5): the published equations in float64, rounded where the deployed model feeds or stores
+Qwen2.5, ...), and the numpy helpers the other model oracles share (bf16 rounding, the deployed
+matmul, the bf16-MXU attention of `attend`; Qwen3-30B, gpt-oss, DeepSeek-V3): the published equations in float64, rounded where the deployed model feeds or stores
 bf16 (every matmul input, attention's query and softmax weights against the bf16 caches included,
 the KV cache entries, an expert's activation before its down projection: docs/language.md's
 numeric contract). Nothing here uses mkdsl's ops.

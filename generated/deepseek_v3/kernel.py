@@ -989,10 +989,14 @@ def lane_pick(row, i):
 # chip's two cores reduce-scatter halves, the chips all-reduce the half, the cores swap halves
 # back). The planner (mkdsl/plan/collectives.py) picks per collective by its modeled cost.
 #
-# Every message is int32 [rows, w] with rows = the batch's rows on the wire (a multiple of 8,
-# the 32-bit sublane tile). f32 values travel as their bits; a bf16 wire packs two bf16 values
-# per int32 lane (a chunk's first half of columns in the high 16 bits, its second half in the
-# low 16), so 8 rows of bf16 move as many bytes as they hold, with no 16-row bf16 tile padding.
+# Every message is int32 [rows, w] with rows = exchange_rows(batch), the rows of the batch the
+# kernel is built for: 1 at batch 1 (Mosaic tiles a 1-row int32 buffer as (1, 128), so a [1, w]
+# message moves w * 4 bytes), else the batch rounded up to 8 (the 32-bit sublane tile; never more
+# than the padded rows). Not 2 or 4: libtpu refuses the loads from 2- or 4-row slices of the
+# 8-row-tiled values ("Loads from refs with tiles non-contiguous along minor dimension"). f32
+# values travel as their bits; a bf16 wire packs two bf16 values per int32 lane (a chunk's first
+# half of columns in the high 16 bits, its second half in the low 16), so rows of bf16 move as
+# many bytes as they hold, with no 16-row bf16 tile padding.
 #
 # Slot safety (why no credit/ack semaphore is needed). Each mask M the kernel exchanges over has
 # its own receive buffer recv_M [2, rows, G * W]: parity p, slot j (columns j*W .. j*W + W) holds
@@ -1026,10 +1030,16 @@ def lane_pick(row, i):
 COMM_LANES = 128  # the argmax message: [value bits x 64 | index x 64] int32 per row
 
 
+def exchange_rows(batch):
+    """Rows on the wire of a kernel built for `batch` rows: 1 at batch 1, else whole 8-row tiles
+    (see above; plan/collectives.py's exchange_rows prices the same rows)."""
+    return 1 if batch == 1 else -(-batch // 8) * 8
+
+
 def comm_scratch(rows, groups, stage_width, half_width=0, prefix="comm_"):
     """The scratch the collectives need, for the planner: name -> (kind, shape, dtype).
 
-    rows: rows on the wire (a multiple of 8, at most the padded rows); groups: mask -> W, the
+    rows: rows on the wire (exchange_rows(batch): 1 or a multiple of 8); groups: mask -> W, the
     int32 columns of one receive slot (a multiple of 128: the widest message over that mask);
     stage_width: the widest outgoing staging (int32 columns); half_width: f32 columns of the
     half a core keeps in a chip-hierarchical all-reduce (0: none). kind "VMEM" ->
@@ -1221,7 +1231,7 @@ class Comm:
         buf, rsem, ssem, count = self.groups[mask]
         group = 1 << len(mask_bits(mask))
         w = buf.shape[2] // group
-        assert width <= w and rows <= buf.shape[1] and rows % 8 == 0, (width, rows, buf.shape)
+        assert width <= w and rows <= buf.shape[1] and (rows == 1 or rows % 8 == 0), (width, rows, buf.shape)
         u = count[0]
         count[0] = u + 1
         par = jax.lax.rem(u, 2)
@@ -1388,7 +1398,7 @@ class Comm:
         for mask, src_of, width, rows in parts:
             buf, _, _, count = self.groups[mask]
             group = 1 << len(mask_bits(mask))
-            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and rows % 8 == 0, (width, buf.shape)
+            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and (rows == 1 or rows % 8 == 0), (width, rows)
             u = count[0]
             count[0] = u + 1
             live.append((mask, src_of, width, rows, jax.lax.rem(u, 2), self.group_index(mask)))
@@ -2659,6 +2669,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     if not isinstance(steps_per_call, int) or steps_per_call < 1 or (layer_trace and steps_per_call != 1):
         raise ValueError(f"steps_per_call must be an int >= 1 (1 with layer_trace), got {steps_per_call!r}")
     rows = -(-batch // ROW_TILE) * ROW_TILE
+    wire_rows = exchange_rows(batch)  # rows each in-kernel message carries (1 at batch 1)
     seq_tiles = seq_len // KV_TILE
 
     hbm_inputs = ["embed", "attn_norm", "mlp_norm", "final_norm", "lm_head", "wq_a_codes", "wq_a_scales", "q_norm", "wq_b_codes", "wq_b_scales", "wkv_a_codes", "wkv_a_scales", "kv_norm", "wkv_b_codes", "wkv_b_scales", "wo_codes", "wo_scales", "dense_gate_codes", "dense_gate_scales", "dense_up_codes", "dense_up_scales", "dense_down_codes", "dense_down_scales", "router", "router_bias", "w_gate_codes", "w_gate_scales", "w_up_codes", "w_up_scales", "w_down_codes", "w_down_scales", "shared_gate_codes", "shared_gate_scales", "shared_up_codes", "shared_up_scales", "shared_down_codes", "shared_down_scales", ]
@@ -2685,24 +2696,24 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "f_router_bias": pltpu.VMEM((8, 256), jnp.float32),
         "f_final_norm": pltpu.VMEM((1, 7168), jnp.bfloat16),
         "fetch_sem": pltpu.SemaphoreType.DMA((6,)),
-        "comm_recv_1": pltpu.VMEM((2, 8, 7168), jnp.int32),
+        "comm_recv_1": pltpu.VMEM((2, wire_rows, 7168), jnp.int32),
         "comm_rsem_1": pltpu.SemaphoreType.DMA((4,)),
         "comm_ssem_1": pltpu.SemaphoreType.DMA((2,)),
         "comm_count_1": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_7": pltpu.VMEM((2, 8, 7168), jnp.int32),
+        "comm_recv_7": pltpu.VMEM((2, wire_rows, 7168), jnp.int32),
         "comm_rsem_7": pltpu.SemaphoreType.DMA((16,)),
         "comm_ssem_7": pltpu.SemaphoreType.DMA((8,)),
         "comm_count_7": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_62": pltpu.VMEM((2, 8, 4096), jnp.int32),
+        "comm_recv_62": pltpu.VMEM((2, wire_rows, 4096), jnp.int32),
         "comm_rsem_62": pltpu.SemaphoreType.DMA((64,)),
         "comm_ssem_62": pltpu.SemaphoreType.DMA((32,)),
         "comm_count_62": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_63": pltpu.VMEM((2, 8, 8192), jnp.int32),
+        "comm_recv_63": pltpu.VMEM((2, wire_rows, 8192), jnp.int32),
         "comm_rsem_63": pltpu.SemaphoreType.DMA((128,)),
         "comm_ssem_63": pltpu.SemaphoreType.DMA((64,)),
         "comm_count_63": pltpu.SMEM((1,), jnp.int32),
-        "comm_stage": pltpu.VMEM((8, 14336), jnp.int32),
-        "comm_half": pltpu.VMEM((8, 3584), jnp.float32),
+        "comm_stage": pltpu.VMEM((wire_rows, 14336), jnp.int32),
+        "comm_half": pltpu.VMEM((wire_rows, 3584), jnp.float32),
         "carry0": pltpu.VMEM((rows, 7168), jnp.float32),
         "v0_7168": pltpu.VMEM((rows, 7168), jnp.float32),
         "v1_1536": pltpu.VMEM((rows, 1536), jnp.float32),

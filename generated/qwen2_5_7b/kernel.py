@@ -893,10 +893,14 @@ def lane_pick(row, i):
 # chip's two cores reduce-scatter halves, the chips all-reduce the half, the cores swap halves
 # back). The planner (mkdsl/plan/collectives.py) picks per collective by its modeled cost.
 #
-# Every message is int32 [rows, w] with rows = the batch's rows on the wire (a multiple of 8,
-# the 32-bit sublane tile). f32 values travel as their bits; a bf16 wire packs two bf16 values
-# per int32 lane (a chunk's first half of columns in the high 16 bits, its second half in the
-# low 16), so 8 rows of bf16 move as many bytes as they hold, with no 16-row bf16 tile padding.
+# Every message is int32 [rows, w] with rows = exchange_rows(batch), the rows of the batch the
+# kernel is built for: 1 at batch 1 (Mosaic tiles a 1-row int32 buffer as (1, 128), so a [1, w]
+# message moves w * 4 bytes), else the batch rounded up to 8 (the 32-bit sublane tile; never more
+# than the padded rows). Not 2 or 4: libtpu refuses the loads from 2- or 4-row slices of the
+# 8-row-tiled values ("Loads from refs with tiles non-contiguous along minor dimension"). f32
+# values travel as their bits; a bf16 wire packs two bf16 values per int32 lane (a chunk's first
+# half of columns in the high 16 bits, its second half in the low 16), so rows of bf16 move as
+# many bytes as they hold, with no 16-row bf16 tile padding.
 #
 # Slot safety (why no credit/ack semaphore is needed). Each mask M the kernel exchanges over has
 # its own receive buffer recv_M [2, rows, G * W]: parity p, slot j (columns j*W .. j*W + W) holds
@@ -930,10 +934,16 @@ def lane_pick(row, i):
 COMM_LANES = 128  # the argmax message: [value bits x 64 | index x 64] int32 per row
 
 
+def exchange_rows(batch):
+    """Rows on the wire of a kernel built for `batch` rows: 1 at batch 1, else whole 8-row tiles
+    (see above; plan/collectives.py's exchange_rows prices the same rows)."""
+    return 1 if batch == 1 else -(-batch // 8) * 8
+
+
 def comm_scratch(rows, groups, stage_width, half_width=0, prefix="comm_"):
     """The scratch the collectives need, for the planner: name -> (kind, shape, dtype).
 
-    rows: rows on the wire (a multiple of 8, at most the padded rows); groups: mask -> W, the
+    rows: rows on the wire (exchange_rows(batch): 1 or a multiple of 8); groups: mask -> W, the
     int32 columns of one receive slot (a multiple of 128: the widest message over that mask);
     stage_width: the widest outgoing staging (int32 columns); half_width: f32 columns of the
     half a core keeps in a chip-hierarchical all-reduce (0: none). kind "VMEM" ->
@@ -1125,7 +1135,7 @@ class Comm:
         buf, rsem, ssem, count = self.groups[mask]
         group = 1 << len(mask_bits(mask))
         w = buf.shape[2] // group
-        assert width <= w and rows <= buf.shape[1] and rows % 8 == 0, (width, rows, buf.shape)
+        assert width <= w and rows <= buf.shape[1] and (rows == 1 or rows % 8 == 0), (width, rows, buf.shape)
         u = count[0]
         count[0] = u + 1
         par = jax.lax.rem(u, 2)
@@ -1292,7 +1302,7 @@ class Comm:
         for mask, src_of, width, rows in parts:
             buf, _, _, count = self.groups[mask]
             group = 1 << len(mask_bits(mask))
-            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and rows % 8 == 0, (width, buf.shape)
+            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and (rows == 1 or rows % 8 == 0), (width, rows)
             u = count[0]
             count[0] = u + 1
             live.append((mask, src_of, width, rows, jax.lax.rem(u, 2), self.group_index(mask)))
@@ -1727,6 +1737,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     if not isinstance(steps_per_call, int) or steps_per_call < 1 or (layer_trace and steps_per_call != 1):
         raise ValueError(f"steps_per_call must be an int >= 1 (1 with layer_trace), got {steps_per_call!r}")
     rows = -(-batch // ROW_TILE) * ROW_TILE
+    wire_rows = exchange_rows(batch)  # rows each in-kernel message carries (1 at batch 1)
     seq_tiles = seq_len // KV_TILE
 
     hbm_inputs = ["embed", "attn_norm", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "final_norm", "lm_head", ]
@@ -1746,11 +1757,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "f_mlp_norm": pltpu.VMEM((16, 3584), jnp.bfloat16),
         "f_final_norm": pltpu.VMEM((1, 3584), jnp.bfloat16),
         "fetch_sem": pltpu.SemaphoreType.DMA((6,)),
-        "comm_recv_3": pltpu.VMEM((2, 8, 14336), jnp.int32),
+        "comm_recv_3": pltpu.VMEM((2, wire_rows, 14336), jnp.int32),
         "comm_rsem_3": pltpu.SemaphoreType.DMA((8,)),
         "comm_ssem_3": pltpu.SemaphoreType.DMA((4,)),
         "comm_count_3": pltpu.SMEM((1,), jnp.int32),
-        "comm_stage": pltpu.VMEM((8, 3584), jnp.int32),
+        "comm_stage": pltpu.VMEM((wire_rows, 3584), jnp.int32),
         "carry0": pltpu.VMEM((rows, 3584), jnp.float32),
         "v0_3584": pltpu.VMEM((rows, 3584), jnp.float32),
         "v1_896": pltpu.VMEM((rows, 896), jnp.float32),

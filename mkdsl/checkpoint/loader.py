@@ -32,7 +32,7 @@ from mkdsl.checkpoint.formats import CheckpointError, Stored, exact, open_checkp
 from mkdsl.checkpoint.mapping import FORMATS, WeightSource, apply_pair, apply_steps, mapped_grid, mapped_shape
 from mkdsl.checkpoint.pairs import PAIRS, STORAGE, PairKind, target_groups
 from mkdsl.checkpoint.steps import Grid
-from mkdsl.dtypes import storage
+from mkdsl.dtypes import numpy_dtype, storage
 from mkdsl.ir import Model, Tensor
 from mkdsl.quant import QTensor
 
@@ -274,16 +274,10 @@ def _shape(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _np(name: str) -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
-
-
 def _empty(t: Tensor):
     """The weight's host array(s) to fill: a QTensor for a quantised dtype."""
     dtype = t.type.dtype
-    parts = [np.empty(p.shape, _np(p.dtype)) for p in storage(dtype, tuple(t.full_shape))]
+    parts = [np.empty(p.shape, numpy_dtype(p.dtype)) for p in storage(dtype, tuple(t.full_shape))]
     return QTensor(*parts, dtype.fmt, dtype.block or dtype.group) if dtype.quantised else parts[0]
 
 
@@ -313,7 +307,7 @@ def _piece(wp: WeightPlan, p: Piece, reader, report: LoadReport, bar) -> tuple[n
         if stored in wp.rounded:
             report.rounded[stored] += 1
             report.target[stored] = str(t.type.dtype)
-    return (apply_steps(x, wp.source.steps).astype(_np(t.type.dtype.numpy)),)
+    return (apply_steps(x, wp.source.steps).astype(numpy_dtype(t.type.dtype.numpy)),)
 
 
 def _read(reader, name: str) -> np.ndarray:
@@ -335,7 +329,7 @@ def _pair_piece(p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadR
     if key is not None:
         report.rounded[key] += 1
         report.target[key] = str(dtype)
-    return (kind.decode(elements, scales, p.pair.grid).astype(_np(dtype.numpy)),)
+    return (kind.decode(elements, scales, p.pair.grid).astype(numpy_dtype(dtype.numpy)),)
 
 
 def _place_sharded(wp: WeightPlan, reader, report: LoadReport, bar, module, shardings) -> dict:

@@ -17,8 +17,8 @@ last step, mkdsl/ready.py, puts them next to each other) run their first phases 
 exchange over the union of their masks (`fuse_ready`, the runtime's `Comm.together`), then the
 rest of each one's phases: one latency for the union of their peers, all their bytes.
 
-Messages carry the batch's rows only (the largest batch rounded up to 8, the 32-bit sublane
-tile) as int32 lanes: f32 bits, or two bf16 values per lane on a bf16 wire. Every figure here is
+Messages carry the planned batch's rows only (`exchange_rows`: 1 at batch 1, else the batch rounded
+up to 8, the 32-bit sublane tile) as int32 lanes: f32 bits, or two bf16 values per lane on a bf16 wire. Every figure here is
 *modeled* from the measured component costs in plan/measured.py; `direct_latency_us` says which
 peer counts are measured and which are inter- or extrapolated.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mkdsl.ir import Graph, Model
 from mkdsl.ops import OPS
@@ -164,12 +164,27 @@ def mask_of(mesh, axes) -> int:
     return sum(1 << b for a in axes for b in bits[a])
 
 
-def exchange_rows(model: Model) -> int | None:
-    """Rows on the wire: the largest batch rounded up to 8 (whole 32-bit sublane tiles) when that
-    is fewer than the padded rows; None: all padded rows."""
-    high = model.dims[0].high
-    rows = -(-high // 8) * 8
-    return rows if rows < -(-high // 16) * 16 else None
+def exchange_rows(batch: int) -> int:
+    """Rows on the wire of the kernel built for `batch` rows (the runtime's exchange_rows): 1 at
+    batch 1 (a 1-row int32 buffer tiles as (1, 128)), else the batch rounded up to whole 32-bit
+    sublane tiles of 8 rows (libtpu refuses the 2- and 4-row tilings' loads); never more than the
+    16-row padding."""
+    return 1 if batch == 1 else -(-batch // 8) * 8
+
+
+def on_wire(found: list[Collective], rows: int) -> list[Collective]:
+    """The same collectives, each phase carrying `rows` rows (the kernel's algorithms priced at
+    another batch's wire rows)."""
+    return [_rowed(c, rows) for c in found]
+
+
+def _rowed(c: Collective, rows: int) -> Collective:
+    """c with every phase (and the parts of a shared phase, and the joined collectives) at `rows`."""
+
+    def phase(p: Phase) -> Phase:
+        return replace(p, rows=rows, parts=tuple(phase(q) for q in p.parts))
+
+    return replace(c, phases=tuple(phase(p) for p in c.phases), joined=tuple(_rowed(j, rows) for j in c.joined))
 
 
 def chunk_width(n: int, group: int, wire: str) -> int:
@@ -238,9 +253,9 @@ def _node_collective(model: Model, g: Graph, node, rows: int, wire: str) -> Coll
 
 
 def graph_collectives(model: Model, g: Graph, rows: int, wire: str) -> list[Collective]:
-    """The collectives of one graph of the per-device model; `rows`: the padded rows."""
-    on_wire = min(exchange_rows(model) or rows, rows)
-    found = [(i, _node_collective(model, g, node, on_wire, wire)) for i, node in enumerate(g.nodes)]
+    """The collectives of one graph of the per-device model; `rows`: the rows on the wire
+    (exchange_rows of the planned batch)."""
+    found = [(i, _node_collective(model, g, node, rows, wire)) for i, node in enumerate(g.nodes)]
     return fuse_ready(g, fuse_adjacent([(i, c) for i, c in found if c is not None]))
 
 

@@ -357,7 +357,8 @@ def _alloc(
             assert (a.shape, a.dtype) == (tuple(shape), dtype), (name, a.shape, shape)
             return
     seq = s.model.dims[1].high if len(s.model.dims) > 1 else 1
-    concrete = tuple(eval_dim(d, rows=s.rows, batch=s.batch, seq_tiles=max(1, seq // s.kv_tile)) for d in shape)
+    sizes = dict(rows=s.rows, batch=s.batch, seq_tiles=max(1, seq // s.kv_tile))
+    concrete = tuple(eval_dim(d, **sizes, wire_rows=collectives.exchange_rows(s.batch)) for d in shape)
     if memory == "VMEM":
         size = padded_bytes(concrete, dtype)
     elif memory == "SMEM":
@@ -408,6 +409,7 @@ def allocate_vmem(s: _State) -> None:
     vocab = _type_of(m, m.step, logits).shape[1]
     _alloc(s, "logits", ("batch", vocab), "float32", "output: logits", m.step.span, scratch=False)
     _alloc(s, "next_tokens", ("batch", 1), "int32", "output: next tokens", m.step.span, scratch=False)
+    _allocate_step_loop(s)
     carry = next((n for n in m.step.nodes if n.op == "layers"), None)
     if carry is not None:
         for i, v in enumerate(carry.outputs):
@@ -460,16 +462,32 @@ def allocate_ops(s: _State) -> None:
 
 
 def plan_collectives(s: _State) -> None:
-    """The exchanges of a per-device model (after mkdsl.shard), each with its phases and bytes."""
+    """The exchanges of a per-device model (after mkdsl.shard), each with its phases and bytes.
+
+    The algorithms (and fusions) are chosen at the largest batch's wire rows, as in the plan the
+    kernel is emitted from (one choice for every batch it is built for), and priced at the rows
+    the kernel built for the planned batch sends (collectives.exchange_rows)."""
     m = s.model
-    s.collectives = [c for g in [*m.kinds, m.step] for c in collectives.graph_collectives(m, g, s.rows, wire(m))]
+    kernel = collectives.exchange_rows(m.dims[0].high)
+    found = [c for g in [*m.kinds, m.step] for c in collectives.graph_collectives(m, g, kernel, wire(m))]
+    s.collectives = collectives.on_wire(found, collectives.exchange_rows(s.batch))
+
+
+def _allocate_step_loop(s: _State) -> None:
+    """The in-kernel step loop's own scratch (wrapper/sampling.py.jinja `step_scratch`, which the
+    kernel allocates itself: counted here, not emitted): the drawn tokens' staging and their SMEM
+    copy, the step's tokens and positions."""
+    span, what = s.model.step.span, "the step loop (step_scratch)"
+    _alloc(s, "token_stage", ("rows", 128), "int32", f"{what}: drawn tokens, staged", span, scratch=False)
+    _alloc(s, "token_smem", ("rows", 128), "int32", f"{what}: drawn tokens", span, "SMEM", scratch=False)
+    _alloc(s, "step_tokens", ("batch",), "int32", f"{what}: this step's tokens", span, "SMEM", scratch=False)
+    _alloc(s, "step_positions", ("batch",), "int32", f"{what}: this step's positions", span, "SMEM", scratch=False)
 
 
 def _allocate_comm(s: _State) -> None:
     """The collectives' scratch (runtime comm_scratch()): per mask exchanged over, receive slots
     (two parities x one slot per group member) and semaphores; the outgoing stage; the kept half."""
-    m = s.model
-    rows = collectives.exchange_rows(m) or "rows"  # only the batch's rows travel
+    rows = "wire_rows"  # only the batch's rows travel: the kernel sizes these by exchange_rows(batch)
     slots, stage, half = collectives.comm_buffers(s.collectives)
     for mask, width in slots.items():
         g = collectives.group_size(mask)

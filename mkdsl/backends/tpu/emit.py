@@ -376,6 +376,7 @@ class _Emitter:
             objects=self.objects,
             setup=[line for fn in self.setup for line in fn(self)],
             seq_tiles=any("seq_tiles" in str(d) for a in plan.vmem for d in a.shape),
+            wire_rows=any(d == "wire_rows" for a in plan.vmem for d in a.shape),
             runtime=self.runtime_parts(),
             logits=self.operand(m.step, m.step.results[0]),
             next_tokens=self.operand(m.step, m.step.results[1]),
