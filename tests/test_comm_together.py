@@ -1,16 +1,19 @@
 """Collectives ready together as ONE exchange (`Comm.together`, runtime/comm.py.jinja), over 8 devices.
 
-The kernel runs, in a `fori_loop` of ITERS iterations on fresh data, two shared exchanges: the
+The kernel runs, in a `fori_loop` of ITERS iterations on fresh data, three shared exchanges: the
 Kimi K3 case (an all-gather over tp and one over ep, as the router scores and the latent
-activation) and two all-reduces (reduce-scatter + all-gather over ep on a bf16 wire, whose first
-phase is shared, and a one-shot over tp in f32), then the same four collectives one after the
-other through the plain methods, all through the same scratch. TPU interpret mode with the race
-detector, NaN-filled uninitialised memory and raising out-of-bounds reads, on 8 host devices, mesh
-("ep", "tp") = (4, 2), in a subprocess (this file is its script; see tests/test_comm.py for why).
-The receive slots are NaN-filled before the entry barrier (a peer's write not ordered after it
-is a race). Checks: the shared exchanges give the same bits as the plain methods (all rows,
-including the rows past the wire: an all-reduce keeps its partial there, an all-gather zeroes
-them), the all-gathers equal the group's slices in group-index order, no race, no NaN.
+activation); two all-reduces (reduce-scatter + all-gather over ep on a bf16 wire, whose first
+phase is shared, and a one-shot over tp in f32); a chip-first all-reduce over all devices (bf16,
+one-shot inside; its pair reduce-scatter over bit 0 shared) with an all-gather over ep. Then the
+same six collectives one after the other through the plain methods, all through the same
+scratch. TPU interpret mode with the race detector, NaN-filled uninitialised memory and raising
+out-of-bounds reads, on 8 host devices, mesh ("ep", "tp") = (4, 2), in a subprocess (this file
+is its script; see tests/test_comm.py for why), at 8 rows on the wire (batches 2-8) and at 1 (a
+kernel built for batch 1). The receive slots are NaN-filled before the entry barrier (a peer's
+write not ordered after it is a race). Checks: the shared exchanges give the same bits as the
+plain methods (all rows, including the rows past the wire: an all-reduce keeps its partial
+there, an all-gather zeroes them), the all-gathers equal the group's slices in group-index
+order, no race, no NaN.
 
 A deliberately broken copy of the runtime (the members' messages staged over each other's
 columns) must fail the same checks.
@@ -30,10 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "mkdsl" / "backends" / "tpu" / "templates" / "runtime"
 AXES, SIZES = ("ep", "tp"), (4, 2)
 ITERS = 2
-ROWS, WIRE_ROWS = 16, 8  # padded rows; rows on the wire (8-15 never travel)
+ROWS = 16  # padded rows; rows on the wire: 8 (batches 2-8; rows 8-15 never travel) or 1 (batch 1)
 GW, W = 128, 256  # all-gather slice width; all-reduce width
-INS = {"a": GW, "b": GW, "c": W, "d": W}  # a: gathered over tp, b: over ep, c: summed over ep, d: over tp
-OUTS = {"GA": GW * 2, "GB": GW * 4, "RC": W, "RD": W}  # the shared exchanges; U* the plain methods
+INS = {"a": GW, "b": GW, "c": W, "d": W, "t": W}  # a: gathered over tp, b: over ep; c summed over ep, d tp, t all
+OUTS = {"GA": GW * 2, "GB": GW * 4, "RC": W, "RD": W, "RT": W, "GE": GW * 4}  # shared; U* by the plain methods
 
 
 def load_runtime(comm_path: Path) -> dict:
@@ -56,23 +59,32 @@ def body_of(r, comm):
     import jax.numpy as jnp
 
     F32, BF16 = jnp.float32, jnp.bfloat16  # noqa: N806
-    tp, ep = comm.mask("tp"), comm.mask("ep")
+    tp, ep, every = comm.mask("tp"), comm.mask("ep"), comm.mask()
 
     def body(it, carry):
         comm.together((("gather", r.a.at[it], r.GA.at[it], tp, F32), ("gather", r.b.at[it], r.GB.at[it], ep, F32)))
         comm.together((("rs_ag", r.c.at[it], r.RC.at[it], ep, BF16), ("oneshot", r.d.at[it], r.RD.at[it], tp, F32)))
+        comm.together(
+            (
+                ("hier", r.t.at[it], r.RT.at[it], every, BF16, "all_reduce_oneshot"),
+                ("gather", r.b.at[it], r.GE.at[it], ep, F32),
+            )
+        )
         comm.all_gather(r.a.at[it], r.UGA.at[it], tp)
         comm.all_gather(r.b.at[it], r.UGB.at[it], ep)
         r.URC[it] = r.c[it]
         comm.all_reduce(r.URC.at[it], ep, wire=BF16)
         r.URD[it] = r.d[it]
         comm.all_reduce_oneshot(r.URD.at[it], tp, wire=F32)
+        r.URT[it] = r.t[it]
+        comm.all_reduce_hier(r.URT.at[it], every, wire=BF16, inner="all_reduce_oneshot")
+        comm.all_gather(r.b.at[it], r.UGE.at[it], ep)
         return carry
 
     return body
 
 
-def build(ns: dict, mesh, interpret):
+def build(ns: dict, mesh, interpret, wire_rows: int):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -81,9 +93,10 @@ def build(ns: dict, mesh, interpret):
 
     outs = {**OUTS, **{"U" + k: n for k, n in OUTS.items()}}
     tp, ep = (ns["axis_mask"](AXES, SIZES, (a,)) for a in ("tp", "ep"))
-    slots = {tp: W, ep: 128}  # tp: the one-shot's whole 256 columns; ep: 128-lane slices and bf16 chunks
+    slots = {tp: W, ep: 128}  # tp (bit 0): the one-shot's whole 256 columns; ep: 128-lane slices, bf16 chunks
     # Widest staging: the second shared phase, 4 bf16 chunks of 128 lanes over ep beside 256 over tp.
-    spec = ns["comm_scratch"](WIRE_ROWS, slots, 4 * 128 + W)
+    # The chip-first all-reduce keeps half of 256 bf16 columns: one 256-column chunk.
+    spec = ns["comm_scratch"](wire_rows, slots, 4 * 128 + W, half_width=W)
     names = [*INS, *outs, *spec]
 
     def kernel(*refs):
@@ -116,7 +129,7 @@ def build(ns: dict, mesh, interpret):
     return jax.jit(fn), list(outs)
 
 
-def run_interpret(out_path: str, comm_path: str) -> None:
+def run_interpret(out_path: str, comm_path: str, wire_rows: int) -> None:
     import jax
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
     from jax.experimental.pallas import tpu as pltpu
@@ -125,7 +138,7 @@ def run_interpret(out_path: str, comm_path: str) -> None:
 
     mesh = jax.make_mesh(SIZES, AXES)
     params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
-    fn, names = build(load_runtime(Path(comm_path)), mesh, params)
+    fn, names = build(load_runtime(Path(comm_path)), mesh, params, wire_rows)
     rng = np.random.default_rng(0)
     data = {k: rng.standard_normal((8, ITERS, ROWS, n)).astype(np.float32) for k, n in INS.items()}
     args = [jax.device_put(x.reshape(-1, *x.shape[2:]), NamedSharding(mesh, P(AXES))) for x in data.values()]
@@ -142,7 +155,7 @@ def members(d: int, mask: int) -> list[int]:
     return [(d & ~mask) | sum(((j >> i) & 1) << k for i, k in enumerate(bits)) for j in range(1 << len(bits))]
 
 
-def failures(res) -> list[str]:
+def failures(res, wire_rows: int) -> list[str]:
     """What is wrong with one run (empty: nothing)."""
     out = ["race detected"] if bool(res["races"]) else []
     for k in OUTS:
@@ -151,32 +164,33 @@ def failures(res) -> list[str]:
             out.append(f"{k}: NaN")
         elif not np.array_equal(got.view(np.int32), plain.view(np.int32)):
             out.append(f"{k}: shared exchange differs from the plain method")
-    for k, src, mask in (("GA", "a", 0b001), ("GB", "b", 0b110)):
+    for k, src, mask in (("GA", "a", 0b001), ("GB", "b", 0b110), ("GE", "b", 0b110)):
         x = res[f"in_{src}"]
         for d in range(8):
-            want = np.concatenate([x[m, :, :WIRE_ROWS] for m in members(d, mask)], axis=-1)
-            if not np.array_equal(res[f"out_{k}"][d, :, :WIRE_ROWS], want):
+            want = np.concatenate([x[m, :, :wire_rows] for m in members(d, mask)], axis=-1)
+            if not np.array_equal(res[f"out_{k}"][d, :, :wire_rows], want):
                 out.append(f"{k}: device {d} is not the group's slices in group-index order")
                 break
     return out
 
 
-def run(tmp_path: Path, comm: Path) -> dict:
+def run(tmp_path: Path, comm: Path, wire_rows: int) -> dict:
     out = tmp_path / "out.npz"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, __file__, str(out), str(comm)]
+    cmd = [sys.executable, __file__, str(out), str(comm), str(wire_rows)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]
     return dict(np.load(out))
 
 
 @pytest.mark.timeout(300)
-def test_ready_together_exchange_equals_the_collectives_one_by_one(tmp_path):
-    res = run(tmp_path, RUNTIME / "comm.py.jinja")
-    assert failures(res) == []
+@pytest.mark.parametrize("wire_rows", [8, 1])
+def test_ready_together_exchange_equals_the_collectives_one_by_one(tmp_path, wire_rows):
+    res = run(tmp_path, RUNTIME / "comm.py.jinja", wire_rows)
+    assert failures(res, wire_rows) == []
     # Rows past the wire: the all-gathers zero them, the all-reduces keep their own partial.
-    assert not res["out_GA"][:, :, WIRE_ROWS:].any()
-    assert np.array_equal(res["out_RC"][:, :, WIRE_ROWS:], res["in_c"][:, :, WIRE_ROWS:])
+    assert not res["out_GA"][:, :, wire_rows:].any()
+    assert np.array_equal(res["out_RC"][:, :, wire_rows:], res["in_c"][:, :, wire_rows:])
 
 
 @pytest.mark.timeout(300)
@@ -186,8 +200,8 @@ def test_a_broken_shared_exchange_fails_the_checks(tmp_path):
     assert broken != text
     path = tmp_path / "comm_broken.py"
     path.write_text(broken, encoding="utf-8")
-    assert failures(run(tmp_path, path)) != []
+    assert failures(run(tmp_path, path, 1), 1) != []
 
 
 if __name__ == "__main__":
-    run_interpret(sys.argv[1], sys.argv[2])
+    run_interpret(sys.argv[1], sys.argv[2], int(sys.argv[3]))

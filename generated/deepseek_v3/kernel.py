@@ -1413,25 +1413,28 @@ class Comm:
         bufs = [self.groups[p[0]][0] for p in live]
         return [(b, p[4], b.shape[2] // (1 << len(mask_bits(p[0]))), p[5]) for b, p in zip(bufs, live, strict=True)]
 
-    def _stage_member(self, kind, x_ref, out_ref, mask, wire, off):
+    def _stage_member(self, kind, x_ref, out_ref, mask, wire, off, inner=None):
         """Stage one member of `together` at stage columns off..: (its part of the shared
-        exchange, the stage columns it takes, finish(got) -> its other phases or None)."""
+        exchange, the stage columns it takes, finish(got) -> its later phases or None). A
+        chip-first member's part is the pair's reduce-scatter over the lowest bit of its mask."""
         x, out = self._rows(x_ref), self._rows(out_ref)
         rows, n = x.shape
-        group = 1 << len(mask_bits(mask))
+        part = mask & -mask if kind == "hier" else mask
+        group = 1 << len(mask_bits(part))
+        chunks = group if kind in ("rs_ag", "hier") else 1
         if kind == "gather":
-            mw, per = n, 0
+            mw, cw = n, n
             self.stage[0:rows, off : off + n] = pack(x[...], F32)
             if rows < out_ref.shape[0]:
                 out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
         else:
-            cw = chunk_width(n, group if kind == "rs_ag" else 1, wire)
+            cw = chunk_width(n, chunks, wire)
             mw = cw // 2 if wire == BF16 else cw
-            per = mw if kind == "rs_ag" else 0
-            for c in range(group if kind == "rs_ag" else 1):
+            for c in range(chunks):
                 self.stage[0:rows, off + c * mw : off + (c + 1) * mw] = pack(chunk(x, c, cw), wire)
             if rows < out_ref.shape[0] and out_ref is not x_ref:  # rows past the wire keep the partial
                 out_ref[rows:, :] = x_ref[rows:, :]
+        per = mw if chunks > 1 else 0  # the message to member j: chunk j, or the one message
 
         def src_of(j):
             return self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(off + j * per, 128), mw)]
@@ -1450,24 +1453,36 @@ class Comm:
                 out[...] = total[:, 0:n]
                 return None
             mine = total.astype(BF16).astype(F32) if wire == BF16 else total
-            return lambda: self._gather_chunks([mine], [out], [cw], mask, wire)
+            if kind == "rs_ag":
+                return lambda: self._gather_chunks([mine], [out], [cw], mask, wire)
+            half = self.half.at[pl.ds(0, rows), pl.ds(0, cw)]
+            half[...] = mine
 
-        width = -(-(group * mw if per else mw) // 128) * 128
-        return (mask, src_of, mw, rows), width, finish
+            def rest():  # as all_reduce_hier: the rest of the mask all-reduces the half, the pair gathers
+                (getattr(self, inner) if inner else self.all_reduce)(half, mask ^ part, wire)
+                self._gather_chunks([half[...]], [out], [cw], part, wire)
+
+            return rest
+
+        width = -(-(chunks * mw) // 128) * 128
+        return (part, src_of, mw, rows), width, finish
 
     def together(self, members):
         """Collectives ready together (none needs another's result): their first phases as ONE
-        direct exchange over the union of their masks, then each one's other phases in member
-        order. members: (kind, x_ref, out_ref, mask, wire), masks pairwise distinct; kind
-        "gather": out [rows, n * G] <- the group's x [rows, n] by group index (f32 on the wire,
-        as all_gather); "oneshot" or "rs_ag": out [rows, n] <- the group's sum of x (as
-        all_reduce_oneshot and all_reduce, the same bits; rows past self.rows keep x's partial).
-        The members' messages sit side by side in the stage. Members are staged in order and
-        every x is read before any out is written, so an out may share its buffer with an earlier
-        member's x (the planner frees an input after its node)."""
+        direct exchange over the union of their masks, then each one's later phases in member
+        order. members: (kind, x_ref, out_ref, mask, wire[, inner]); kind "gather": out
+        [rows, n * G] <- the group's x [rows, n] by group index (f32 on the wire, as all_gather);
+        "oneshot", "rs_ag" or "hier" (with its `inner` method name): out [rows, n] <- the group's
+        sum of x, the same bits as all_reduce_oneshot, all_reduce and all_reduce_hier (rows past
+        self.rows keep x's partial). The masks of the first phases (a chip-first member's: the
+        lowest bit of its mask) are pairwise distinct, and at most one member is chip first (one
+        `half`). The members' messages sit side by side in the stage. Members are staged in order
+        and every x is read before any out is written, so an out may share its buffer with an
+        earlier member's x (the planner frees an input after its node)."""
+        assert sum(m[0] == "hier" for m in members) <= 1, "one chip-first member (one half buffer)"
         staged, off = [], 0
-        for kind, x_ref, out_ref, mask, wire in members:
-            part, width, finish = self._stage_member(kind, x_ref, out_ref, mask, wire, off)
+        for kind, x_ref, out_ref, mask, wire, *inner in members:
+            part, width, finish = self._stage_member(kind, x_ref, out_ref, mask, wire, off, *inner)
             staged.append((part, finish))
             off += width
         gots = self._direct_together([part for part, _ in staged])
@@ -2685,11 +2700,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "comm_rsem_1": pltpu.SemaphoreType.DMA((4,)),
         "comm_ssem_1": pltpu.SemaphoreType.DMA((2,)),
         "comm_count_1": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_7": pltpu.VMEM((2, wire_rows, 57344 if wire_rows == 1 else 7168), jnp.int32),
+        "comm_recv_7": pltpu.VMEM((2, wire_rows, 7168), jnp.int32),
         "comm_rsem_7": pltpu.SemaphoreType.DMA((16,)),
         "comm_ssem_7": pltpu.SemaphoreType.DMA((8,)),
         "comm_count_7": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_62": pltpu.VMEM((2, wire_rows, 114688 if wire_rows == 1 else 4096), jnp.int32),
+        "comm_recv_62": pltpu.VMEM((2, wire_rows, 4096), jnp.int32),
         "comm_rsem_62": pltpu.SemaphoreType.DMA((64,)),
         "comm_ssem_62": pltpu.SemaphoreType.DMA((32,)),
         "comm_count_62": pltpu.SMEM((1,), jnp.int32),
@@ -2697,7 +2712,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "comm_rsem_63": pltpu.SemaphoreType.DMA((128,)),
         "comm_ssem_63": pltpu.SemaphoreType.DMA((64,)),
         "comm_count_63": pltpu.SMEM((1,), jnp.int32),
-        "comm_stage": pltpu.VMEM((wire_rows, 7168), jnp.int32),
+        "comm_stage": pltpu.VMEM((wire_rows, 14336), jnp.int32),
         "comm_half": pltpu.VMEM((wire_rows, 3584), jnp.float32),
         "carry0": pltpu.VMEM((rows, 7168), jnp.float32),
         "v0_7168": pltpu.VMEM((rows, 7168), jnp.float32),
@@ -2817,10 +2832,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             # spec line 167: x = layers(embedding(tokens, embed))
             embedding(r, r.embed, tokens_ref, batch, r.v22_7168, r.emb_block, r.emb_sem, offset=comm.group_index(63) * 2020)
             r.carry0[...] = r.v22_7168[...]
-            if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                comm.all_reduce_hier(r.carry0, 63, wire=F32, inner="all_reduce_oneshot")
-            else:
-                comm.all_reduce_hier(r.carry0, 63, wire=F32, inner="all_reduce")
+            comm.all_reduce_hier(r.carry0, 63, wire=F32, inner="all_reduce")
 
 
             # ---- the layer stack ----
@@ -2866,10 +2878,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     qlinear(r, issue, S_DENSE_LINEAR_2, li, base + S_DENSE_LINEAR_2.start, r.v10_256_bf16, r.v0_7168)
                     # spec line 152: x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
                     r.v11_7168[...] = r.v0_7168[...]
-                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce_oneshot")
-                    else:
-                        comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce")
+                    comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce")
 
                     r.v0_7168[...] = r.carry0[...] + r.v11_7168[...]
                     # spec line 153: return x + dense_mlp(rmsnorm(x, mlp_norm, eps=EPS))
@@ -2884,10 +2893,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     qlinear(r, issue, S_DENSE_LINEAR_5, slots0_ref[li], base + S_DENSE_LINEAR_5.start, r.v14_2304_bf16, r.v11_7168)
                     # spec line 153: return x + dense_mlp(rmsnorm(x, mlp_norm, eps=EPS))
                     r.v15_7168[...] = r.v11_7168[...]
-                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_oneshot(r.v15_7168, 7, wire=F32)
-                    else:
-                        comm.all_reduce(r.v15_7168, 7, wire=F32)
+                    comm.all_reduce(r.v15_7168, 7, wire=F32)
 
                     r.v11_7168[...] = r.v0_7168[...] + r.v15_7168[...]
                     r.carry0[...] = r.v11_7168[...]
@@ -2929,10 +2935,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     qlinear(r, issue, S_MOE_LINEAR_2, li, base + S_MOE_LINEAR_2.start, r.v10_256_bf16, r.v15_7168)
                     # spec line 157: x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
                     r.v11_7168[...] = r.v15_7168[...]
-                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce_oneshot")
-                    else:
-                        comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce")
+                    comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce")
 
                     r.v15_7168[...] = r.carry0[...] + r.v11_7168[...]
                     # spec line 158: return x + moe_ffn(rmsnorm(x, mlp_norm, eps=EPS))
@@ -2960,17 +2963,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v21_256[...] = jax.nn.silu(r.v16_256[...]) * r.v10_256[...]
                     cast_into(r.v21_256, r.v21_256_bf16)
                     qlinear(r, issue, S_MOE_LINEAR_6, slots1_ref[li], base + S_MOE_LINEAR_6.start, r.v21_256_bf16, r.v11_7168)
-                    r.v22_7168[...] = r.v0_7168[...]
-                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_hier(r.v22_7168, 63, wire=F32, inner="all_reduce_oneshot")
-                    else:
-                        comm.all_reduce_hier(r.v22_7168, 63, wire=F32, inner="all_reduce")
+                    comm.together((
+                        ("hier", r.v0_7168, r.v22_7168, 63, F32, "all_reduce"),
+                        ("rs_ag", r.v11_7168, r.v0_7168, 7, F32),
+                    ))
 
-                    r.v0_7168[...] = r.v11_7168[...]
-                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_oneshot(r.v0_7168, 7, wire=F32)
-                    else:
-                        comm.all_reduce(r.v0_7168, 7, wire=F32)
+                    # ready together with `r__sum`: exchanged in its call
 
                     r.v11_7168[...] = r.v22_7168[...] + r.v0_7168[...]
                     # spec line 158: return x + moe_ffn(rmsnorm(x, mlp_norm, eps=EPS))

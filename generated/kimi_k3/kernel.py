@@ -1433,25 +1433,28 @@ class Comm:
         bufs = [self.groups[p[0]][0] for p in live]
         return [(b, p[4], b.shape[2] // (1 << len(mask_bits(p[0]))), p[5]) for b, p in zip(bufs, live, strict=True)]
 
-    def _stage_member(self, kind, x_ref, out_ref, mask, wire, off):
+    def _stage_member(self, kind, x_ref, out_ref, mask, wire, off, inner=None):
         """Stage one member of `together` at stage columns off..: (its part of the shared
-        exchange, the stage columns it takes, finish(got) -> its other phases or None)."""
+        exchange, the stage columns it takes, finish(got) -> its later phases or None). A
+        chip-first member's part is the pair's reduce-scatter over the lowest bit of its mask."""
         x, out = self._rows(x_ref), self._rows(out_ref)
         rows, n = x.shape
-        group = 1 << len(mask_bits(mask))
+        part = mask & -mask if kind == "hier" else mask
+        group = 1 << len(mask_bits(part))
+        chunks = group if kind in ("rs_ag", "hier") else 1
         if kind == "gather":
-            mw, per = n, 0
+            mw, cw = n, n
             self.stage[0:rows, off : off + n] = pack(x[...], F32)
             if rows < out_ref.shape[0]:
                 out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, out_ref.shape[1]), F32)
         else:
-            cw = chunk_width(n, group if kind == "rs_ag" else 1, wire)
+            cw = chunk_width(n, chunks, wire)
             mw = cw // 2 if wire == BF16 else cw
-            per = mw if kind == "rs_ag" else 0
-            for c in range(group if kind == "rs_ag" else 1):
+            for c in range(chunks):
                 self.stage[0:rows, off + c * mw : off + (c + 1) * mw] = pack(chunk(x, c, cw), wire)
             if rows < out_ref.shape[0] and out_ref is not x_ref:  # rows past the wire keep the partial
                 out_ref[rows:, :] = x_ref[rows:, :]
+        per = mw if chunks > 1 else 0  # the message to member j: chunk j, or the one message
 
         def src_of(j):
             return self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(off + j * per, 128), mw)]
@@ -1470,24 +1473,36 @@ class Comm:
                 out[...] = total[:, 0:n]
                 return None
             mine = total.astype(BF16).astype(F32) if wire == BF16 else total
-            return lambda: self._gather_chunks([mine], [out], [cw], mask, wire)
+            if kind == "rs_ag":
+                return lambda: self._gather_chunks([mine], [out], [cw], mask, wire)
+            half = self.half.at[pl.ds(0, rows), pl.ds(0, cw)]
+            half[...] = mine
 
-        width = -(-(group * mw if per else mw) // 128) * 128
-        return (mask, src_of, mw, rows), width, finish
+            def rest():  # as all_reduce_hier: the rest of the mask all-reduces the half, the pair gathers
+                (getattr(self, inner) if inner else self.all_reduce)(half, mask ^ part, wire)
+                self._gather_chunks([half[...]], [out], [cw], part, wire)
+
+            return rest
+
+        width = -(-(chunks * mw) // 128) * 128
+        return (part, src_of, mw, rows), width, finish
 
     def together(self, members):
         """Collectives ready together (none needs another's result): their first phases as ONE
-        direct exchange over the union of their masks, then each one's other phases in member
-        order. members: (kind, x_ref, out_ref, mask, wire), masks pairwise distinct; kind
-        "gather": out [rows, n * G] <- the group's x [rows, n] by group index (f32 on the wire,
-        as all_gather); "oneshot" or "rs_ag": out [rows, n] <- the group's sum of x (as
-        all_reduce_oneshot and all_reduce, the same bits; rows past self.rows keep x's partial).
-        The members' messages sit side by side in the stage. Members are staged in order and
-        every x is read before any out is written, so an out may share its buffer with an earlier
-        member's x (the planner frees an input after its node)."""
+        direct exchange over the union of their masks, then each one's later phases in member
+        order. members: (kind, x_ref, out_ref, mask, wire[, inner]); kind "gather": out
+        [rows, n * G] <- the group's x [rows, n] by group index (f32 on the wire, as all_gather);
+        "oneshot", "rs_ag" or "hier" (with its `inner` method name): out [rows, n] <- the group's
+        sum of x, the same bits as all_reduce_oneshot, all_reduce and all_reduce_hier (rows past
+        self.rows keep x's partial). The masks of the first phases (a chip-first member's: the
+        lowest bit of its mask) are pairwise distinct, and at most one member is chip first (one
+        `half`). The members' messages sit side by side in the stage. Members are staged in order
+        and every x is read before any out is written, so an out may share its buffer with an
+        earlier member's x (the planner frees an input after its node)."""
+        assert sum(m[0] == "hier" for m in members) <= 1, "one chip-first member (one half buffer)"
         staged, off = [], 0
-        for kind, x_ref, out_ref, mask, wire in members:
-            part, width, finish = self._stage_member(kind, x_ref, out_ref, mask, wire, off)
+        for kind, x_ref, out_ref, mask, wire, *inner in members:
+            part, width, finish = self._stage_member(kind, x_ref, out_ref, mask, wire, off, *inner)
             staged.append((part, finish))
             off += width
         gots = self._direct_together([part for part, _ in staged])

@@ -356,7 +356,7 @@ def lanes(n: int) -> int:
 
 # ---------------------------------------------------------------------------- ready together
 
-TOGETHER = ("gather", "oneshot", "rs_ag")  # the algorithms Comm.together starts in a shared phase
+TOGETHER = ("gather", "oneshot", "rs_ag", "hier")  # the algorithms Comm.together starts in a shared phase
 
 
 def mask_union(masks: list[int]) -> int:
@@ -397,9 +397,11 @@ def together(members: list[Collective]) -> Collective:
 
 def _joinable(run: list[Collective], c: Collective, node) -> bool:
     """c may share the run's first phase: an algorithm Comm.together runs, alone in its exchanges,
-    over a mask none of the run uses (each mask has one receive slot per member and parity), and
-    it needs none of the run's results (the run's nodes are just before it)."""
+    over a mask none of the run uses (each mask has one receive slot per member and parity), at
+    most one chip first (one kept half), and it needs none of the run's results (the run's nodes
+    are just before it)."""
     plain = all(m.algorithm in TOGETHER and not m.fused for m in (*run, c))
+    plain = plain and sum(m.algorithm == "hier" for m in (*run, c)) <= 1
     masks = [m.phases[0].mask for m in (*run, c)]
     made = {v for m in run for v in m.values}
     return plain and len(set(masks)) == len(masks) and not any(r.name in made for r in node.inputs)

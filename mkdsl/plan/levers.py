@@ -10,8 +10,8 @@ with one change at a time and prints the modeled step beside the plan's. Every f
   union of their peers, all their bytes (`ready_together`); the fused exchange waits where the
   last member is. The plan already runs the first phases of the groups the runtime can fuse as
   one (plan/collectives.py `fuse_ready`), so this prices only what is left: the later phases of
-  each group together, and the groups the runtime does not fuse (chip-first all-reduces, masks
-  used twice); no change where nothing is left.
+  each group together, and the groups the runtime does not fuse (a mask used twice, two chip-first
+  all-reduces, an all-reduce carrying an adjacent one); no change where nothing is left.
 - `dispatch`: 16 decode steps per device call share its dispatch (`--steps-per-call 16`).
 - `all`: all of them together.
 """
@@ -150,7 +150,7 @@ def levers(whole: Model, batch: int = 1, context: int | None = None) -> list[Lev
         _lever("plan", "the spec as it is", local, batch, context, depth),
         _lever("ring", f"ring of {deep} banks instead of {depth}", local, batch, context, deep),
         _lever("placement", moved, placed_local, batch, context, depth),
-        _lever("fuse", "ready-together collectives as one exchange", local, batch, context, depth, fuse_ready=True),
+        _lever("fuse", "ready-together collectives, every phase shared", local, batch, context, depth, fuse_ready=True),
         _lever("dispatch", f"{STEPS_PER_CALL} steps per device call", local, batch, context, depth, **spc),
         _lever(
             "all",

@@ -37,6 +37,7 @@ def _together(em: EmitContext, at: Site, c) -> dict:
                 out=em.operand(at.graph, Ref("value", m.value)),
                 mask=em.mask(node.attr["axes"]),
                 wire=_wire(m),
+                inner=f'"{METHOD[m.inner]}"' if m.inner else "",
             )
         )
     return dict(together=tuple(members), joined_to="")
