@@ -35,7 +35,14 @@ mesh { ep = EPN  tp = TPN }
 # known Kimi K3 kernel does; they are added in f32. The mini profile keeps f32 partial sums, so
 # its kernel can be held to the f32 reference (the bf16 wire is checked by tests/test_comm.py).
 const WIRE  = 1
-hints { wire_bf16 = WIRE }
+
+# The weight ring: 20 banks of [1792, 512] bf16 (1.75 MiB each), so 19 tiles stay in flight and
+# land during the exchanges. 20 is the deepest whose plan at batch 8 fits the planner's 58 MiB
+# VMEM cap (57.8 MiB; `mkdsl plan --levers` prices it); without the hint `fit_ring` would stop
+# at 13. Modeled: -230 us per step at batch 1 and 8 (context 1152) with the placement below.
+# `core` (one device, whole weights, larger tiles) keeps the 4 banks that fit its cap.
+const RING  = 20
+hints { wire_bf16 = WIRE  ring_depth = RING }
 
 # Derived sizes. Every device's slice of a weight is a whole number of 128-lane columns, so
 # weight tiles are lane aligned and no DMA is narrower than 128 lanes. Narrow projections are
@@ -81,6 +88,7 @@ profile core {
   L = 5
   EPN = 1
   TPN = 1
+  RING = 4
 }
 
 # ---- embedding, output head, residual mixing
@@ -115,7 +123,11 @@ state kda_k_conv:   f32[B, CONV - 1, NH*D @(ep, tp)]  per layer(kda_dense, kda_m
 state kda_v_conv:   f32[B, CONV - 1, NH*D @(ep, tp)]  per layer(kda_dense, kda_moe)
 
 # ---- MLA, K3 variant: no rotary embedding, gated output, latent cache with absorption
-weight mla_wqa:     bf16[H, QR]            per layer(mla_moe)
+# Placed by the cost model (`mkdsl plan --placement --context 1152`, batch 1 and 8 alike): split
+# 4 ways by columns over tp instead of whole, a core reads 132 MB of it per step instead of 528 MB;
+# its output is all-gathered over tp before `mla_qnorm` (one more exchange phase per MLA layer, 24
+# per step). Modeled -18.6 us per step; by rows, or over ep or the whole mesh, it costs more.
+weight mla_wqa:     bf16[H, QR @tp]        per layer(mla_moe)
 weight mla_qnorm:   bf16[QR]               per layer(mla_moe)
 weight mla_wqb:     bf16[QR, DEV*QB @(ep, tp)] per layer(mla_moe)
 weight mla_wkva:    bf16[H, KVP]           per layer(mla_moe)
@@ -133,7 +145,11 @@ weight dense_down:  bf16[FDP @(ep, tp), H]  per layer(kda_dense)
 
 weight moe_router:  bf16[H, EP @ep]         per layer(kda_moe, mla_moe)
 weight moe_bias:    f32[E]              per layer(kda_moe, mla_moe)
-weight moe_down:    bf16[H, LAT @tp]        per layer(kda_moe, mla_moe)
+# Placed by the cost model: columns split 8 ways over ep instead of 4 over tp, a core reads 591 MB
+# of it per step instead of 1182 MB; its output's all-gather moves from tp (3 peers) to ep (7 peers):
+# the same one phase per layer, more bytes. Modeled -183 us per step; over the whole mesh (32 ways)
+# the gather over 31 peers costs more than the 443 MB it saves (+207 us).
+weight moe_down:    bf16[H, LAT @ep]        per layer(kda_moe, mla_moe)
 weight moe_w1:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
 weight moe_w3:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
 weight moe_w2:      mxfp4[E @ep, FE @tp, LAT]   per layer(kda_moe, mla_moe)

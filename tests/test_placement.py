@@ -27,8 +27,8 @@ def test_the_weights_above_their_share_are_the_whole_and_partly_split_ones(mini)
 
 def test_each_candidate_is_a_replanned_step(mini):
     table = placement.choose(mini)
-    wqa = next(rows for rows in table if rows[0].tensor == "mla_wqa")
-    spec, *others = wqa
+    wkva = next(rows for rows in table if rows[0].tensor == "mla_wkva")  # whole in the spec
+    spec, *others = wkva
     assert spec.modeled_us == pytest.approx(make_plan(shard(mini)).timing.modeled_us, rel=1e-12)
     ways = {"(ep)": 4, "(tp)": 2, "(ep, tp)": 8}  # the mini mesh: ep 4 x tp 2
     assert len(others) == 2 * len(ways)  # rows or columns over each set of axes
@@ -37,9 +37,9 @@ def test_each_candidate_is_a_replanned_step(mini):
         split = next(w for w in ways if f"@{w}" in c.split and f"@{w[:-1]}," not in c.split)
         assert c.core_bytes * ways[split] == pytest.approx(spec.core_bytes, rel=0.01), c.split  # whole / ways
         assert c.exchange_phases > spec.exchange_phases  # the split adds exchanges
-    assert placement.best(wqa).modeled_us == min(c.modeled_us for c in wqa)
+    assert placement.best(wkva).modeled_us == min(c.modeled_us for c in wkva)
     text = placement.render(mini, table, 1)
-    assert "The cost model chooses:" in text and "| `mla_wqa` | [256, 256] |" in text
+    assert "The cost model chooses:" in text and "| `mla_wkva` | [256, 256] |" in text
 
 
 def test_plan_placement_on_an_unsharded_spec_says_there_is_nothing_to_try():
