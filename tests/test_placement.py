@@ -50,3 +50,33 @@ def test_plan_placement_on_an_unsharded_spec_says_there_is_nothing_to_try():
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "nothing to try" in done.stdout
+
+
+def test_levers_and_placement_plan_with_the_static_costs_they_are_given(tmp_path, capsys, mini):
+    """`--levers` and `--placement` re-plan with the cost model's options `mkdsl plan` was given:
+    the levers' `plan` row is the plan's own step with `--static-costs`, not the step without."""
+    import re
+
+    from mkdsl.cli import main
+
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"compute_over_stream": {"attention": 40.0}}')  # tiny's attention 40x its stream
+
+    def step(*args) -> float:
+        assert main(["plan", str(ROOT / "specs/tiny.mk"), *args]) == 0
+        out = capsys.readouterr().out
+        return float(re.search(r"^Step ([\d.]+) us", out, re.M).group(1))
+
+    def plan_row(*args) -> float:
+        assert main(["plan", str(ROOT / "specs/tiny.mk"), "--levers", *args]) == 0
+        return float(re.search(r"^\| plan \| [^|]+ \| ([\d.]+) \|", capsys.readouterr().out, re.M).group(1))
+
+    static = ("--static-costs", str(costs), "--steps-per-call", "2")
+    assert plan_row(*static) == step(*static) != step()  # the costs change the step, and --levers sees it
+    assert plan_row() == step()
+    # --placement: each row is the kernel's plan with the same options.
+    options = {"static": {"linear:mla_wkva": 30.0}, "steps_per_call": 2}
+    wkva = mini.tensor("mla_wkva")
+    got = placement.evaluate(mini, "mla_wkva", wkva.sharding, 1, None, **options)
+    assert got.modeled_us == pytest.approx(placement.kernel_plan(shard(mini), 1, None, **options).timing.modeled_us)
+    assert got.modeled_us != pytest.approx(placement.evaluate(mini, "mla_wkva", wkva.sharding, 1, None).modeled_us)
