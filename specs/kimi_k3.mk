@@ -36,13 +36,16 @@ mesh { ep = EPN  tp = TPN }
 # its kernel can be held to the f32 reference (the bf16 wire is checked by tests/test_comm.py).
 const WIRE  = 1
 
-# The weight ring: 20 banks of [1792, 512] bf16 (1.75 MiB each), so 19 tiles stay in flight and
-# land during the exchanges. 20 is the deepest whose plan at batch 8 fits the planner's 58 MiB
-# VMEM cap (57.8 MiB; `mkdsl plan --levers` prices it); without the hint `fit_ring` would stop
-# at 13. Modeled: -230 us per step at batch 1 and 8 (context 1152) with the placement below.
-# `core` (one device, whole weights, larger tiles) keeps the 4 banks that fit its cap.
-const RING  = 20
-hints { wire_bf16 = WIRE  ring_depth = RING }
+# The weight ring: 23 banks of [1792, 512] bf16 (1.75 MiB each), so 22 tiles stay in flight and
+# land during the exchanges (without the hint `fit_ring` stops at 13). 23 is the deepest the
+# planner takes within the core's 64 MiB (63.2 MiB planned at batch 8; 24 would be 65.0), so the
+# cap is raised from its 58 MiB default to 64: libtpu compiles the 32-core kernel with it at batch
+# 1 and 8 and counts 60.87 MiB of VMEM at batch 8 (tests/test_kimi_sharded_compile.py), below the
+# planner's figure, its own scratch included. Modeled, context 1152: -396 us per step at batch 1
+# and 8 against 13 banks. `core` (one device, whole weights) keeps the 4 banks that fit 58 MiB.
+const RING  = 23
+const VCAP  = 64
+hints { wire_bf16 = WIRE  ring_depth = RING  vmem_cap_mib = VCAP }
 
 # Derived sizes. Every device's slice of a weight is a whole number of 128-lane columns, so
 # weight tiles are lane aligned and no DMA is narrower than 128 lanes. Narrow projections are
@@ -56,6 +59,7 @@ const QH    = HD * (NOPE + XK)                            # MLA query columns pe
 const QB    = (QH + 127) // 128 * 128                     # ... padded
 const KVP   = (KVR + XK + 127) // 128 * 128               # MLA kv down-projection, padded
 const EP    = (E + EPN * 128 - 1) // (EPN * 128) * (EPN * 128)      # router columns, padded
+const LATP  = (LAT + EPN * 128 - 1) // (EPN * 128) * (EPN * 128)    # latent down-projection, padded
 const FDP   = (FD + DEV * 128 - 1) // (DEV * 128) * (DEV * 128)    # dense MLP width, padded
 const FSP   = (FS + DEV * 128 - 1) // (DEV * 128) * (DEV * 128)    # shared experts, padded
 
@@ -89,6 +93,7 @@ profile core {
   EPN = 1
   TPN = 1
   RING = 4
+  VCAP = 58
 }
 
 # ---- embedding, output head, residual mixing
@@ -123,11 +128,7 @@ state kda_k_conv:   f32[B, CONV - 1, NH*D @(ep, tp)]  per layer(kda_dense, kda_m
 state kda_v_conv:   f32[B, CONV - 1, NH*D @(ep, tp)]  per layer(kda_dense, kda_moe)
 
 # ---- MLA, K3 variant: no rotary embedding, gated output, latent cache with absorption
-# Placed by the cost model (`mkdsl plan --placement --context 1152`, batch 1 and 8 alike): split
-# 4 ways by columns over tp instead of whole, a core reads 132 MB of it per step instead of 528 MB;
-# its output is all-gathered over tp before `mla_qnorm` (one more exchange phase per MLA layer, 24
-# per step). Modeled -18.6 us per step; by rows, or over ep or the whole mesh, it costs more.
-weight mla_wqa:     bf16[H, QR @tp]        per layer(mla_moe)
+weight mla_wqa:     bf16[H, QR]            per layer(mla_moe)
 weight mla_qnorm:   bf16[QR]               per layer(mla_moe)
 weight mla_wqb:     bf16[QR, DEV*QB @(ep, tp)] per layer(mla_moe)
 weight mla_wkva:    bf16[H, KVP]           per layer(mla_moe)
@@ -145,11 +146,17 @@ weight dense_down:  bf16[FDP @(ep, tp), H]  per layer(kda_dense)
 
 weight moe_router:  bf16[H, EP @ep]         per layer(kda_moe, mla_moe)
 weight moe_bias:    f32[E]              per layer(kda_moe, mla_moe)
-# Placed by the cost model: columns split 8 ways over ep instead of 4 over tp, a core reads 591 MB
-# of it per step instead of 1182 MB; its output's all-gather moves from tp (3 peers) to ep (7 peers):
-# the same one phase per layer, more bytes. Modeled -183 us per step; over the whole mesh (32 ways)
-# the gather over 31 peers costs more than the 443 MB it saves (+207 us).
-weight moe_down:    bf16[H, LAT @ep]        per layer(kda_moe, mla_moe)
+# Placed by the cost model (`mkdsl plan --placement --context 1152`, batch 1 and 8): the columns
+# split 8 ways over ep instead of 4 over tp, so a core reads 675 MB of it per step instead of
+# 1182 MB; its output's all-gather goes to 7 peers (ep) instead of 3 (tp): one phase per layer
+# either way, 115 KB sent instead of 86 KB. Modeled -24 us per step at batch 1, -19 us at batch 8
+# (-182 us with a 13-bank ring, where less of the stream hides under the exchanges); over the
+# whole mesh the gather to 31 peers costs more than the bytes it saves (+207 us). Padded to LATP
+# (3584 + 512 zeros) so that each device's slice is whole 128-lane tiles, which the TPU compiler
+# needs for the gather (448 columns per device do not compile); the zero columns are sliced off.
+# `mla_wqa`, `mla_wkva` and `kda_wfa` stay whole: each split costs more in exchanges than its
+# bytes save with this ring (`mla_wqa` over tp: +58 us; it was -19 us with 13 banks).
+weight moe_down:    bf16[H, LATP @ep]       per layer(kda_moe, mla_moe)
 weight moe_w1:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
 weight moe_w3:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
 weight moe_w2:      mxfp4[E @ep, FE @tp, LAT]   per layer(kda_moe, mla_moe)
@@ -189,7 +196,7 @@ block expert_act(g, u) {
 
 block moe(x) {
   w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
-  r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+  r = moe_experts(slice(linear(x, moe_down), start=0, size=LAT), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
   shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
   return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
 }

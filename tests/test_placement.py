@@ -32,12 +32,14 @@ def test_each_candidate_is_a_replanned_step(mini):
     assert spec.modeled_us == pytest.approx(make_plan(shard(mini)).timing.modeled_us, rel=1e-12)
     ways = {"(ep)": 4, "(tp)": 2, "(ep, tp)": 8}  # the mini mesh: ep 4 x tp 2
     assert len(others) == 2 * len(ways)  # rows or columns over each set of axes
-    for c in others:
-        assert not c.error
+    rejected = [c.split for c in others if c.error]
+    assert rejected == ["[256, 256 @(ep)]", "[256, 256 @(ep, tp)]"]  # 64 and 32 columns per device, gathered
+    assert all("gathered whole" in c.error for c in others if c.error)
+    for c in (c for c in others if not c.error):
         split = next(w for w in ways if f"@{w}" in c.split and f"@{w[:-1]}," not in c.split)
         assert c.core_bytes * ways[split] == pytest.approx(spec.core_bytes, rel=0.01), c.split  # whole / ways
         assert c.exchange_phases > spec.exchange_phases  # the split adds exchanges
-    assert placement.best(wkva).modeled_us == min(c.modeled_us for c in wkva)
+    assert placement.best(wkva).modeled_us == min(c.modeled_us for c in wkva if not c.error)
     text = placement.render(mini, table, 1)
     assert "The cost model chooses:" in text and "| `mla_wkva` | [256, 256] |" in text
 
@@ -80,3 +82,20 @@ def test_levers_and_placement_plan_with_the_static_costs_they_are_given(tmp_path
     got = placement.evaluate(mini, "mla_wkva", wkva.sharding, 1, None, **options)
     assert got.modeled_us == pytest.approx(placement.kernel_plan(shard(mini), 1, None, **options).timing.modeled_us)
     assert got.modeled_us != pytest.approx(placement.evaluate(mini, "mla_wkva", wkva.sharding, 1, None).modeled_us)
+
+
+def test_a_gathered_slice_narrower_than_whole_lane_tiles_is_a_diagnostic(tmp_path):
+    """Mosaic exchanges whole 128-lane tiles: `moe_down` split 4 ways over ep unpadded (64 columns
+    per device in `mini`) would run in interpret mode but not compile, so the planner says so and
+    `--placement` reports such a split as rejected."""
+    from mkdsl.diagnostics import SpecError
+
+    text = (ROOT / "specs/kimi_k3.mk").read_text(encoding="utf-8")
+    text = text.replace("bf16[H, LATP @ep]", "bf16[H, LAT @ep]").replace(
+        "slice(linear(x, moe_down), start=0, size=LAT)", "linear(x, moe_down)"
+    )
+    path = tmp_path / "kimi_unpadded.mk"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(SpecError, match="over `moe_down` is split over ep into 64 columns per device"):
+        make_plan(shard(load(str(path), "mini")))
+    make_plan(shard(load(str(ROOT / "specs/kimi_k3.mk"), "mini")))  # padded to LATP: 128 per device

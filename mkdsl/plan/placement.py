@@ -45,18 +45,15 @@ def _notation(t: Tensor, sharding) -> str:
 
 
 def candidates(model: Model, t: Tensor) -> list[tuple[tuple[str, ...], ...]]:
-    """Shardings of a 2-D weight by rows or by columns over each set of mesh axes (mesh order)
-    that splits it more than the spec does; the spec's own placement is left out."""
+    """Shardings of a 2-D weight: whole, or by rows or by columns over each set of mesh axes
+    (mesh order), fewer ways than the spec's too (a deeper ring can make an exchange cost more
+    than the bytes it saves); the spec's own placement is left out."""
+    if len(t.type.shape) != 2:
+        return []
     names = [name for name, _ in model.mesh]
-    ways = dict(model.mesh)
-    have = math.prod(ways[a] for axes in t.sharding for a in axes)
     subsets = [tuple(a for i, a in enumerate(names) if mask >> i & 1) for mask in range(1, 1 << len(names))]
-    out = []
-    for axes in subsets:
-        if math.prod(ways[a] for a in axes) <= have or len(t.type.shape) != 2:
-            continue
-        out += [(axes, ()), ((), axes)]
-    return out
+    out = [((), ())] + [s for axes in subsets for s in ((axes, ()), ((), axes))]
+    return [s for s in out if s != tuple(t.sharding)]
 
 
 def over_share(model: Model, local: Model) -> list[Tensor]:
