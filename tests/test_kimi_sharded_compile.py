@@ -7,9 +7,10 @@ array is given with its NamedSharding, so each core's kernel sees its own slices
 VMEM: as in tests/test_kimi_compile.py, libtpu does not report a successful kernel's VMEM use, so
 the figure is read from the error of a second compile with the module's VMEM limit patched to
 4 MiB ("Scoped allocation with size X and limit 4.00M exceeded"). Both figures are printed in the
-terminal summary and recorded as test properties. Measured (jax 0.10.2, 2-core dev machine):
-batch 1: compiler 43.22 MiB per core vs planner 46.46 MiB (0.930); 51.40 GB of arguments per core; 13.7 MB
-of code; lower + compile 101 s, the 4 MiB-limit compile 89 s.
+terminal summary and recorded as test properties. Measured (jax 0.10.2, 2-core dev machine), with
+the spec's 23-bank ring under its 64 MiB cap: batch 1: compiler 59.19 MiB per core vs planner
+61.51 MiB (0.962); 50.89 GB of arguments per core; 3.5 MB of code; lower + compile 75 s, the 4 MiB-limit
+compile 71 s. Batch 8: 60.87 vs 63.18 MiB (0.963), 52.58 GB, 4.0 MB, 98 s and 54 s.
 
 Cost: two compiles at batch 1, about 4 minutes. MKDSL_KIMI_SHARDED_BATCHES=1,8 adds batch 8.
 """
