@@ -146,14 +146,18 @@ weight dense_down:  bf16[FDP @(ep, tp), H]  per layer(kda_dense)
 
 weight moe_router:  bf16[H, EP @ep]         per layer(kda_moe, mla_moe)
 weight moe_bias:    f32[E]              per layer(kda_moe, mla_moe)
-# Placed by the cost model (`mkdsl plan --placement --context 1152`, batch 1 and 8): the columns
-# split 8 ways over ep instead of 4 over tp, so a core reads 675 MB of it per step instead of
-# 1182 MB; its output's all-gather goes to 7 peers (ep) instead of 3 (tp): one phase per layer
-# either way, 115 KB sent instead of 86 KB. Modeled -24 us per step at batch 1, -19 us at batch 8
-# (-182 us with a 13-bank ring, where less of the stream hides under the exchanges); over the
-# whole mesh the gather to 31 peers costs more than the bytes it saves (+207 us). Padded to LATP
-# (3584 + 512 zeros) so that each device's slice is whole 128-lane tiles, which the TPU compiler
-# needs for the gather (448 columns per device do not compile); the zero columns are sliced off.
+# Placed by the cost model (`mkdsl plan --placement --context 1152`, batch 1 and 8 alike): the
+# columns split 8 ways over ep instead of 4 over tp, so a core reads 675 MB of it per step instead
+# of 1182 MB; its output's all-gather goes to 7 peers (ep) instead of 3 (tp): one phase per layer
+# either way, 115 KB sent instead of 86 KB. Modeled -182 us per step with a 13-bank ring, -24 us
+# at batch 1 and -19 us at batch 8 with this one (more of the stream hides under the exchanges);
+# over the whole mesh the gather to 31 peers costs more than the bytes it saves (+207 us).
+# Padded to LATP (3584 + 512 zeros) so that each device's slice is whole 128-lane tiles, which
+# the TPU compiler needs for the gather (448 columns per device do not compile); the zeros are
+# sliced off. With 23 banks the pass would now trade bytes for exchanges: `moe_router` whole
+# (-254 us: no router gather) and this over tp (-39 us). Not taken: both gathers here go over ep
+# to the same 7 peers, so fusing ready-together collectives (the `fuse` lever) makes them one
+# phase (-244 us), after which the whole router gains only 63 us for 1.69 GB more read per core.
 # `mla_wqa`, `mla_wkva` and `kda_wfa` stay whole: each split costs more in exchanges than its
 # bytes save with this ring (`mla_wqa` over tp: +58 us; it was -19 us with 13 banks).
 weight moe_down:    bf16[H, LATP @ep]       per layer(kda_moe, mla_moe)
