@@ -196,12 +196,14 @@ def cmd_plan(args) -> int:
     if args.placement:
         from mkdsl.plan import placement
 
-        print(placement.render(model_whole, placement.choose(model_whole, args.batch, args.context), args.batch))
+        table = placement.choose(model_whole, args.batch, args.context, **options)
+        print(placement.render(model_whole, table, args.batch))
         return 0
     if args.levers:
         from mkdsl.plan import levers
 
-        print(levers.render(model_whole, levers.levers(model_whole, args.batch, args.context), args.batch))
+        rows = levers.levers(model_whole, args.batch, args.context, **options)
+        print(levers.render(model_whole, rows, args.batch))
         return 0
     if args.save_costs and not args.static:
         raise UsageError("--save-costs needs --static (it saves what the libtpu schedule says)")

@@ -168,7 +168,8 @@ def check_replicated(module, out_arrays: dict, where: str) -> None:
 def kernel_step(module, step, weights: dict, state: dict, tokens, positions, where: str) -> verify.KernelOutput:
     """One kernel step (mkdsl.verify.run_kernel); also checks that what is kept whole is the same
     on every device."""
-    out = verify.run_kernel(step, weights, state, tokens, positions, sharded=True)
+    pad = getattr(module, "pad_weights", dict)  # matrices the module stores padded, if any
+    out = verify.run_kernel(step, weights, state, tokens, positions, sharded=True, pad=pad)
     whole = {name: a for name, a in out.device.items() if name not in STATE_KINDS or not any(module.STATE_SPLIT[name])}
     check_replicated(module, whole, where)
     return out

@@ -7,10 +7,10 @@ array is given with its NamedSharding, so each core's kernel sees its own slices
 VMEM: as in tests/test_kimi_compile.py, libtpu does not report a successful kernel's VMEM use, so
 the figure is read from the error of a second compile with the module's VMEM limit patched to
 4 MiB ("Scoped allocation with size X and limit 4.00M exceeded"). Both figures are printed in the
-terminal summary and recorded as test properties. Measured (jax 0.10.2, 2-core dev machine):
-batch 1 (1-row messages): compiler 40.82 MiB per core vs planner 42.84 MiB (0.953); 51.40 GB of arguments
-per core; 3.4 MB of code; lower + compile 68 s, the 4 MiB-limit compile 64 s. Batch 8: 43.37 vs 45.46
-MiB (0.954), 4.0 MB of code, 91 + 58 s.
+terminal summary and recorded as test properties. Measured (jax 0.10.2, 2-core dev machine), with
+the spec's 23-bank ring under its 64 MiB cap: batch 1: compiler 59.19 MiB per core vs planner
+61.51 MiB (0.962); 50.89 GB of arguments per core; 3.5 MB of code; lower + compile 75 s, the 4 MiB-limit
+compile 71 s. Batch 8: 60.87 vs 63.18 MiB (0.963), 52.58 GB, 4.0 MB, 98 s and 54 s.
 
 Cost: two compiles at batch 1, about 4 minutes. MKDSL_KIMI_SHARDED_BATCHES=1,8 adds batch 8.
 """

@@ -1,6 +1,8 @@
 """Levers not pulled yet, each priced by the cost model: `mkdsl plan SPEC --levers` re-plans the step
 with one change at a time and prints the modeled step beside the plan's. Every figure is *modeled*
-(plan/cost_model.py, plan/collectives.py); nothing here changes what `mkdsl compile` emits.
+(plan/cost_model.py, plan/collectives.py); nothing here changes what `mkdsl compile` emits. Every
+row, the `plan` row too, is planned with the cost model's options `mkdsl plan` was given
+(`--static-costs`, `--steps-per-call`), so the `plan` row is the step `mkdsl plan` prints.
 
 - `ring`: the deepest weight ring that still fits the VMEM cap at the spec's largest batch (the
   `ring_depth` hint): more tiles in flight land during the exchanges.
@@ -109,10 +111,11 @@ def deepest_ring(model: Model, context: int | None, start: int) -> int:
     return depth
 
 
-def _placed(whole: Model, batch: int, context: int | None) -> tuple[Model, str]:
+def _placed(whole: Model, batch: int, context: int | None, options: dict) -> tuple[Model, str]:
     from mkdsl.plan import placement
 
-    moved = [c for rows in placement.choose(whole, batch, context) if (c := placement.best(rows)) is not rows[0]]
+    table = placement.choose(whole, batch, context, **options)
+    moved = [c for rows in table if (c := placement.best(rows)) is not rows[0]]
     names = {c.tensor: c for c in moved}
     sharding = {c.tensor: c.sharding for c in moved}
     tensors = tuple(dataclasses.replace(t, sharding=sharding[t.name]) if t.name in names else t for t in whole.tensors)
@@ -131,26 +134,29 @@ def fused_phases(model: Model, found: list) -> int:
 
 
 def _lever(name: str, what: str, local: Model, batch: int, context, depth: int, **options) -> Lever:
-    plan = make_plan(local, batch=batch, context=context, ring_depth=depth, **options)
+    plan = make_plan(local, batch=batch, context=context, ring_depth=depth, **options)  # later options win
     found = list(plan.collectives)
     phases = fused_phases(local, found) if options.get("fuse_ready") else plan.exchange_phases
     return Lever(name, what, plan.timing.modeled_us, phases, plan.schedule_bytes)
 
 
-def levers(whole: Model, batch: int = 1, context: int | None = None) -> list[Lever]:
-    """The plan's step, then each lever alone, then all of them together."""
+def levers(whole: Model, batch: int = 1, context: int | None = None, **options) -> list[Lever]:
+    """The plan's step, then each lever alone, then all of them together. `options`: the cost
+    model's (`static`, `steps_per_call`), as `mkdsl plan` was given them; every row uses them."""
     local = shard(whole)
     depth = make_plan(local, batch=whole.dims[0].high, context=context).ring_depth  # the kernel's ring
     deep = deepest_ring(local, context, depth)
-    placed, moved = _placed(whole, batch, context)
+    placed, moved = _placed(whole, batch, context, options)
     placed_local = shard(placed)
     placed_depth = deepest_ring(placed_local, context, 3)
-    spc = {"steps_per_call": STEPS_PER_CALL}
+    ring = f"ring of {deep} banks instead of {depth}" if deep > depth else f"no deeper ring fits ({depth} banks)"
+    spc = {**options, "steps_per_call": STEPS_PER_CALL}
+    fuse = {**options, "fuse_ready": True}
     return [
-        _lever("plan", "the spec as it is", local, batch, context, depth),
-        _lever("ring", f"ring of {deep} banks instead of {depth}", local, batch, context, deep),
-        _lever("placement", moved, placed_local, batch, context, depth),
-        _lever("fuse", "ready-together collectives, every phase shared", local, batch, context, depth, fuse_ready=True),
+        _lever("plan", "the spec as it is", local, batch, context, depth, **options),
+        _lever("ring", ring, local, batch, context, deep, **options),
+        _lever("placement", moved, placed_local, batch, context, depth, **options),
+        _lever("fuse", "ready-together collectives, every phase shared", local, batch, context, depth, **fuse),
         _lever("dispatch", f"{STEPS_PER_CALL} steps per device call", local, batch, context, depth, **spc),
         _lever(
             "all",
@@ -159,8 +165,7 @@ def levers(whole: Model, batch: int = 1, context: int | None = None) -> list[Lev
             batch,
             context,
             placed_depth,
-            fuse_ready=True,
-            **spc,
+            **{**spc, "fuse_ready": True},
         ),
     ]
 

@@ -494,6 +494,28 @@ def _allocate_step_loop(s: _State) -> None:
     _alloc(s, "step_positions", ("batch",), "int32", f"{what}: this step's positions", span, "SMEM", scratch=False)
 
 
+def check_gathers(s: _State) -> None:
+    """Each device's slice of an all-gathered value must be whole 128-lane tiles: the TPU compiler
+    slices the receive slots in tiles (Mosaic refuses a 448-wide slice; interpret mode runs it)."""
+    for c in s.collectives:
+        if c.exchange != "gather" or c.width % 128 == 0:
+            continue
+        g = next(g for g in (*s.model.kinds, s.model.step) if g.name == c.graph)
+        node = next(n for n in g.nodes if any(v.name == c.value for v in n.outputs))
+        src = next((n for n in g.nodes if any(v.name == node.inputs[0].name for v in n.outputs)), None)
+        weights = [r.name for r in src.inputs if r.kind == "tensor"] if src is not None else []
+        what = f"`{src.op}`'s output over `{weights[0]}`" if weights else "a value"
+        s.errors.append(
+            Diagnostic(
+                node.span,
+                f"{what} is split over {', '.join(c.axes)} into {c.width} columns per device and gathered "
+                "whole: the TPU compiler exchanges whole 128-lane tiles only",
+                "pad the split dimension to a multiple of 128 x the devices it is split over and `slice` "
+                "the gathered value (specs/kimi_k3.mk pads `moe_down` to `LATP` so)",
+            )
+        )
+
+
 def _allocate_comm(s: _State) -> None:
     """The collectives' scratch (runtime comm_scratch()): per mask exchanged over, receive slots
     (two parities x one slot per group member) and semaphores; the outgoing stage; the kept half."""
@@ -592,6 +614,7 @@ PASSES = (
     pad_storage,
     size_ring,
     plan_collectives,
+    check_gathers,
     allocate_vmem,
     fit_ring,
     check_budget,
