@@ -2700,11 +2700,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "comm_rsem_1": pltpu.SemaphoreType.DMA((4,)),
         "comm_ssem_1": pltpu.SemaphoreType.DMA((2,)),
         "comm_count_1": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_7": pltpu.VMEM((2, wire_rows, 7168), jnp.int32),
+        "comm_recv_7": pltpu.VMEM((2, wire_rows, 57344 if wire_rows == 1 else 7168), jnp.int32),
         "comm_rsem_7": pltpu.SemaphoreType.DMA((16,)),
         "comm_ssem_7": pltpu.SemaphoreType.DMA((8,)),
         "comm_count_7": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_62": pltpu.VMEM((2, wire_rows, 4096), jnp.int32),
+        "comm_recv_62": pltpu.VMEM((2, wire_rows, 114688 if wire_rows == 1 else 4096), jnp.int32),
         "comm_rsem_62": pltpu.SemaphoreType.DMA((64,)),
         "comm_ssem_62": pltpu.SemaphoreType.DMA((32,)),
         "comm_count_62": pltpu.SMEM((1,), jnp.int32),
@@ -2832,7 +2832,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             # spec line 167: x = layers(embedding(tokens, embed))
             embedding(r, r.embed, tokens_ref, batch, r.v22_7168, r.emb_block, r.emb_sem, offset=comm.group_index(63) * 2020)
             r.carry0[...] = r.v22_7168[...]
-            comm.all_reduce_hier(r.carry0, 63, wire=F32, inner="all_reduce")
+            if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                comm.all_reduce_hier(r.carry0, 63, wire=F32, inner="all_reduce_oneshot")
+            else:
+                comm.all_reduce_hier(r.carry0, 63, wire=F32, inner="all_reduce")
 
 
             # ---- the layer stack ----
@@ -2878,7 +2881,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     qlinear(r, issue, S_DENSE_LINEAR_2, li, base + S_DENSE_LINEAR_2.start, r.v10_256_bf16, r.v0_7168)
                     # spec line 152: x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
                     r.v11_7168[...] = r.v0_7168[...]
-                    comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce")
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce_oneshot")
+                    else:
+                        comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce")
 
                     r.v0_7168[...] = r.carry0[...] + r.v11_7168[...]
                     # spec line 153: return x + dense_mlp(rmsnorm(x, mlp_norm, eps=EPS))
@@ -2893,7 +2899,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     qlinear(r, issue, S_DENSE_LINEAR_5, slots0_ref[li], base + S_DENSE_LINEAR_5.start, r.v14_2304_bf16, r.v11_7168)
                     # spec line 153: return x + dense_mlp(rmsnorm(x, mlp_norm, eps=EPS))
                     r.v15_7168[...] = r.v11_7168[...]
-                    comm.all_reduce(r.v15_7168, 7, wire=F32)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_oneshot(r.v15_7168, 7, wire=F32)
+                    else:
+                        comm.all_reduce(r.v15_7168, 7, wire=F32)
 
                     r.v11_7168[...] = r.v0_7168[...] + r.v15_7168[...]
                     r.carry0[...] = r.v11_7168[...]
@@ -2935,7 +2944,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     qlinear(r, issue, S_MOE_LINEAR_2, li, base + S_MOE_LINEAR_2.start, r.v10_256_bf16, r.v15_7168)
                     # spec line 157: x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
                     r.v11_7168[...] = r.v15_7168[...]
-                    comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce")
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce_oneshot")
+                    else:
+                        comm.all_reduce_hier(r.v11_7168, 63, wire=F32, inner="all_reduce")
 
                     r.v15_7168[...] = r.carry0[...] + r.v11_7168[...]
                     # spec line 158: return x + moe_ffn(rmsnorm(x, mlp_norm, eps=EPS))
@@ -2963,10 +2975,16 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v21_256[...] = jax.nn.silu(r.v16_256[...]) * r.v10_256[...]
                     cast_into(r.v21_256, r.v21_256_bf16)
                     qlinear(r, issue, S_MOE_LINEAR_6, slots1_ref[li], base + S_MOE_LINEAR_6.start, r.v21_256_bf16, r.v11_7168)
-                    comm.together((
-                        ("hier", r.v0_7168, r.v22_7168, 63, F32, "all_reduce"),
-                        ("rs_ag", r.v11_7168, r.v0_7168, 7, F32),
-                    ))
+                    if comm.rows == 1:  # built for batch 1: the algorithms picked for 1-row messages
+                        comm.together((
+                            ("hier", r.v0_7168, r.v22_7168, 63, F32, "all_reduce_oneshot"),
+                            ("oneshot", r.v11_7168, r.v0_7168, 7, F32),
+                        ))
+                    else:
+                        comm.together((
+                            ("hier", r.v0_7168, r.v22_7168, 63, F32, "all_reduce"),
+                            ("rs_ag", r.v11_7168, r.v0_7168, 7, F32),
+                        ))
 
                     # ready together with `r__sum`: exchanged in its call
 

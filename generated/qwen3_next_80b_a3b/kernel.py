@@ -2503,7 +2503,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "comm_rsem_1": pltpu.SemaphoreType.DMA((4,)),
         "comm_ssem_1": pltpu.SemaphoreType.DMA((2,)),
         "comm_count_1": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_7": pltpu.VMEM((2, wire_rows, 2048), jnp.int32),
+        "comm_recv_7": pltpu.VMEM((2, wire_rows, 16384 if wire_rows == 1 else 2048), jnp.int32),
         "comm_rsem_7": pltpu.SemaphoreType.DMA((16,)),
         "comm_ssem_7": pltpu.SemaphoreType.DMA((8,)),
         "comm_count_7": pltpu.SMEM((1,), jnp.int32),
@@ -2682,7 +2682,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     linear(r, issue, S_GDN_LINEAR_4, slots0_ref[li], base + S_GDN_LINEAR_4.start, r.v4_512_bf16, r.v0_2048)
                     # spec line 154: x = x + gated_deltanet(rmsnorm(x, input_norm, eps=EPS, offset=1.0))
                     r.v15_2048[...] = r.v0_2048[...]
-                    comm.all_reduce(r.v15_2048, 7, wire=F32)
+                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
+                        comm.all_reduce_oneshot(r.v15_2048, 7, wire=F32)
+                    else:
+                        comm.all_reduce(r.v15_2048, 7, wire=F32)
 
                     r.v0_2048[...] = r.carry0[...] + r.v15_2048[...]
                     # spec line 155: return x + moe(rmsnorm(x, post_norm, eps=EPS, offset=1.0))
@@ -2709,10 +2712,16 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v22_2048[...] = r.v15_2048[...] * pick_row(r.f_shared_egate, li)
                     r.v18_1[...] = jnp.sum(r.v22_2048[...], axis=-1, keepdims=True)
                     r.v23_1[...] = jax.nn.sigmoid(r.v18_1[...])
-                    comm.together((
-                        ("oneshot", r.v21_2048, r.v22_2048, 1, F32),
-                        ("rs_ag", r.v20_2048, r.v21_2048, 7, F32),
-                    ))
+                    if comm.rows == 1:  # built for batch 1: the algorithms picked for 1-row messages
+                        comm.together((
+                            ("oneshot", r.v21_2048, r.v22_2048, 1, F32),
+                            ("oneshot", r.v20_2048, r.v21_2048, 7, F32),
+                        ))
+                    else:
+                        comm.together((
+                            ("oneshot", r.v21_2048, r.v22_2048, 1, F32),
+                            ("rs_ag", r.v20_2048, r.v21_2048, 7, F32),
+                        ))
 
                     # ready together with `shared__sum`: exchanged in its call
 
@@ -2782,10 +2791,16 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.v0_2048[...] = r.v21_2048[...] * pick_row(r.f_shared_egate, li)
                     r.v23_1[...] = jnp.sum(r.v0_2048[...], axis=-1, keepdims=True)
                     r.v18_1[...] = jax.nn.sigmoid(r.v23_1[...])
-                    comm.together((
-                        ("oneshot", r.v15_2048, r.v0_2048, 1, F32),
-                        ("rs_ag", r.v20_2048, r.v15_2048, 7, F32),
-                    ))
+                    if comm.rows == 1:  # built for batch 1: the algorithms picked for 1-row messages
+                        comm.together((
+                            ("oneshot", r.v15_2048, r.v0_2048, 1, F32),
+                            ("oneshot", r.v20_2048, r.v15_2048, 7, F32),
+                        ))
+                    else:
+                        comm.together((
+                            ("oneshot", r.v15_2048, r.v0_2048, 1, F32),
+                            ("rs_ag", r.v20_2048, r.v15_2048, 7, F32),
+                        ))
 
                     # ready together with `shared__sum`: exchanged in its call
 

@@ -188,15 +188,15 @@ def _rowed(c: Collective, rows: int) -> Collective:
 
 
 def same_exchanges(a: list[Collective], b: list[Collective]) -> bool:
-    """The same collectives (values, fusions, groups ready together with the same algorithms: the
-    kernel emits one `together` call for either) over the same set of masks: the kernel may then
+    """The same collectives (values, fusions, groups ready together: the kernel emits a `together`
+    call for each list's algorithms where they differ) over the same set of masks: the kernel may then
     run either list's algorithms (Comm.enter meets the peers of every mask it has a buffer for,
     and each must be exchanged over every call)."""
     return _exchange_keys(a) == _exchange_keys(b) and _masks(a) == _masks(b)
 
 
 def _exchange_keys(found: list[Collective]) -> list[tuple]:
-    together = lambda c: tuple((m.value, m.algorithm, m.inner) for m in c.apart()) if c.joined else ()  # noqa: E731
+    together = lambda c: tuple(m.value for m in c.apart()) if c.joined else ()  # noqa: E731
     return [(c.graph, c.value, c.fused, together(c)) for c in found]
 
 

@@ -24,9 +24,17 @@ def _wire(c) -> str:
 
 def _together(em: EmitContext, at: Site, c) -> dict:
     """The record of a node in a group of collectives ready together: the first member emits the
-    one `Comm.together` call for the group, the others nothing (their values are its outputs)."""
+    `Comm.together` call for the group (and, where a kernel built for batch 1 runs other
+    algorithms, Plan.one_row's beside it), the others nothing (their values are its outputs)."""
     if c.value != at.node.outputs[0].name:
         return dict(together=(), joined_to=c.value)
+    one = next((o for o in em.plan.one_row if o.graph == c.graph and o.value == c.value), c)
+    wide, small = _members(em, at, c), _members(em, at, one)
+    return dict(together=wide, one_row=small if small != wide else (), joined_to="")
+
+
+def _members(em: EmitContext, at: Site, c) -> tuple[dict, ...]:
+    """The `Comm.together` member records of the group c carries."""
     members = []
     for m in c.apart():
         node = next(n for n in at.graph.nodes if n.outputs and n.outputs[0].name == m.value)
@@ -40,7 +48,7 @@ def _together(em: EmitContext, at: Site, c) -> dict:
                 inner=f'"{METHOD[m.inner]}"' if m.inner else "",
             )
         )
-    return dict(together=tuple(members), joined_to="")
+    return tuple(members)
 
 
 def _reduce_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
