@@ -238,6 +238,12 @@ def _cost_options(args) -> dict:
     return {"steps_per_call": args.steps_per_call, "static": static}
 
 
+def _static_seq_len(context: int | None, kv_tile: int) -> int:
+    """The cache length `--static` compiles for: the context and the new token, in whole KV tiles
+    (the kernel takes no other; 0: the default, two tiles). The loops' code does not depend on it."""
+    return -(-(context + 1) // kv_tile) * kv_tile if context else 0
+
+
 def _plan_static(args, source: str) -> int:
     """Compile the kernel with libtpu and time its loops from the final bundles."""
     import tempfile
@@ -254,7 +260,7 @@ def _plan_static(args, source: str) -> int:
         kernel.write_text(out.files["kernel.py"], encoding="utf-8")
         print("compiling with libtpu ...", file=sys.stderr)
         try:
-            dump = dump_kernel(kernel, args.batch, args.context + 1 if args.context else 0, Path(tmp) / "dump")
+            dump = dump_kernel(kernel, args.batch, _static_seq_len(args.context, out.plan.kv_tile), Path(tmp) / "dump")
         except DumpError as e:
             raise UsageError(str(e)) from None
         found = bundles.parse_bundles(dump.bundles.read_text())

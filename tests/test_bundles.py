@@ -58,8 +58,9 @@ def test_times_follow_the_stated_clock_and_stream():
 
 
 def test_plan_static_compiles_tiny_and_reports_its_loops():
+    # --context 100: the kernel is compiled for the 101 tokens in whole KV tiles (it takes no other length)
     done = subprocess.run(
-        [sys.executable, "-m", "mkdsl", "plan", str(ROOT / "specs" / "tiny.mk"), "--static"],
+        [sys.executable, "-m", "mkdsl", "plan", str(ROOT / "specs" / "tiny.mk"), "--static", "--context", "100"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -69,6 +70,13 @@ def test_plan_static_compiles_tiny_and_reports_its_loops():
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 0x")]
     waited = [int(r.split("|")[5]) for r in rows]
     assert any(n > 0 for n in waited), "the KV tile loop waits for its tiles"
+
+
+def test_static_compiles_the_context_in_whole_kv_tiles():
+    from mkdsl.cli import _static_seq_len
+
+    assert _static_seq_len(1152, 256) == 1280 and _static_seq_len(255, 256) == 256 and _static_seq_len(256, 256) == 512
+    assert _static_seq_len(None, 256) == 0  # the default: two tiles
 
 
 def test_plan_static_rejects_a_bad_clock():
