@@ -1651,6 +1651,18 @@ class Attention:
             self.m[hs, :] = m_new[g]
 
 
+HEAD_GROUP = 8  # MLA heads per iteration of the absorption loops (their scalar work amortised)
+
+
+def when_static(cond, fn):
+    """fn() if cond: a Python test for a static cond, `pl.when` for a traced one."""
+    if isinstance(cond, (bool, np.bool_)):
+        if cond:
+            fn()
+    else:
+        pl.when(cond)(fn)
+
+
 def widen_lanes(x, n):
     """[rows, 128] lane-replicated values as [rows, n] (whole 128-lane copies, then cut)."""
     return jnp.concatenate([x] * -(-n // 128), axis=1)[:, 0:n]
@@ -1688,13 +1700,16 @@ class LatentAttention:
             setattr(self, key, getattr(r, name))
         self.w_slots = self.wtiles.shape[0]
         self.hp = self.ql.shape[1] // rows  # row b's heads are rows b * hp .. b * hp + heads - 1 (hp: heads padded to 8)
+        base = 128 // int(np.gcd(nope + extra, 128))  # heads whose q columns span whole 128-lane blocks
+        self.group = base * max(1, HEAD_GROUP // base)
 
-    # -- the weight tiles: UK of heads 0..H-1, then UV of heads 0..H-1
-    def wcopy(self, slot, t, buf):
-        """The DMA of weight tile t; slot: w_kvb's layer slice (None: one w_kvb for every layer)."""
+    # -- the weight tiles: UK of heads 0..H-1, then UV of heads 0..H-1 (t may be traced)
+    def wcopy(self, slot, t, buf, uk):
+        """The DMA of weight tile t (uk: one of W_UK's, t < heads); slot: w_kvb's layer slice (None:
+        one w_kvb for every layer)."""
         w = self.w_kvb if slot is None else self.w_kvb.at[slot]
         width = self.nope + self.vdim
-        if t < self.heads:
+        if uk:
             cols, size = t * width, self.nope
         else:
             cols, size = (t - self.heads) * width + self.nope, self.vdim
@@ -1702,13 +1717,58 @@ class LatentAttention:
             w.at[:, pl.ds(cols, size)], self.wtiles.at[buf, :, pl.ds(0, size)], self.w_sem.at[buf]
         )
 
-    def wtile(self, slot, t):
+    def wtile(self, slot, t, uk):
         """Wait for weight tile t, start the one `w_slots - 1` ahead, return t's buffer index."""
         ahead = t + self.w_slots - 1
-        if ahead < 2 * self.heads:
-            self.wcopy(slot, ahead, ahead % self.w_slots).start()
-        self.wcopy(slot, t, t % self.w_slots).wait()
+        when_static(ahead < self.heads, lambda: self.wcopy(slot, ahead, ahead % self.w_slots, True).start())
+        when_static((ahead >= self.heads) & (ahead < 2 * self.heads),
+             lambda: self.wcopy(slot, ahead, ahead % self.w_slots, False).start())
+        self.wcopy(slot, t, t % self.w_slots, uk).wait()
         return t % self.w_slots
+
+    def each_head(self, body):
+        """body(h, base, i) for every head h, the i-th of a group whose first column of q is `base`
+        (a multiple of 128): a fori_loop over groups of `group` heads, so the heads' code is not
+        unrolled `heads` times (code size); the heads past the last whole group, unrolled."""
+        g, step = self.group, self.group * (self.nope + self.extra)
+        groups = self.heads // g if self.vdim % 128 == 0 and self.heads >= 2 * g else 0  # else: few heads
+
+        def run(k, carry):
+            for i in range(g):
+                body(k * g + i, pl.multiple_of(k * step, 128), i)
+            return carry
+
+        if groups:
+            jax.lax.fori_loop(0, groups, run, 0)
+        for h in range(groups * g, self.heads):
+            body(h, h * (self.nope + self.extra), 0)
+
+    def absorb_queries(self, w_slot, q):
+        """Pass 1: q_lat_h = bf16(q_nope_h) @ W_UK_h^T and q_extra_h into `ql`, row-major."""
+        rows, nope, extra, width = self.rows, self.nope, self.extra, self.ol.shape[0] * 128
+
+        def head(h, base, i):
+            buf = self.wtile(w_slot, h, True)
+            span = q[:, pl.ds(base, (i + 1) * (nope + extra))]
+            qh = i * (nope + extra)
+            q_lat = self.absorb_q(span[:, qh : qh + nope].astype(BF16), buf, h)
+            for c in range(width // 128):
+                self.ql[c, pl.ds(h, rows, stride=self.hp), :] = q_lat[:, c * 128 : (c + 1) * 128]
+            self.ql[width // 128, pl.ds(h, rows, stride=self.hp), 0:extra] = span[:, qh + nope : qh + nope + extra]
+
+        self.each_head(head)
+
+    def absorb_outputs(self, w_slot, out):
+        """Pass 3: y_h = bf16(o_lat_h) @ W_UV_h from `ol`, into out's columns of head h."""
+        rows, vdim = self.rows, self.vdim
+
+        def head(h, base, i):
+            buf = self.wtile(w_slot, self.heads + h, False)
+            o_lat = jnp.concatenate([self.ol[c, pl.ds(h, rows, stride=self.hp), :] for c in range(self.ol.shape[0])],
+                                    axis=1).astype(BF16)
+            out[:, pl.ds(h * vdim, vdim)] = self.absorb_o(o_lat, buf, h)
+
+        self.each_head(head)
 
     # -- the latent cache
     def copy(self, slot, j, buf):
@@ -1741,11 +1801,11 @@ class LatentAttention:
 
     def __call__(self, slot, q, c_kv, k_extra, out, w_slot):
         """slot: the cache's layer slice; w_slot: w_kvb's (None if it is not stacked)."""
-        rows, heads, nope, extra, vdim = self.rows, self.heads, self.nope, self.extra, self.vdim
+        rows, heads, extra = self.rows, self.heads, self.extra
         width = c_kv.shape[1]
         self.drain()
         for t in range(min(self.w_slots - 1, 2 * heads)):
-            self.wcopy(w_slot, t, t).start()
+            self.wcopy(w_slot, t, t, t < heads).start()
         for j in range(self.kv_slots - 1):
             self.issue(slot, jnp.int32(j))
         for b in range(self.batch):
@@ -1758,13 +1818,7 @@ class LatentAttention:
         self.ql[width // 128] = jnp.zeros(self.ql.shape[1:], F32)  # lanes past `extra` stay zero
         self.new[:, 0:width] = c_kv[...]
         self.new[:, width : width + extra] = k_extra[...]
-        for h in range(heads):  # pass 1: absorb W_UK into q
-            buf = self.wtile(w_slot, h)
-            qh = h * (nope + extra)
-            q_lat = self.absorb_q(q[:, qh : qh + nope].astype(BF16), buf, h)
-            for c in range(width // 128):
-                self.ql[c, pl.ds(h, rows, stride=self.hp), :] = q_lat[:, c * 128 : (c + 1) * 128]
-            self.ql[width // 128, pl.ds(h, rows, stride=self.hp), 0:extra] = q[:, qh + nope : qh + nope + extra]
+        self.absorb_queries(w_slot, q)  # pass 1
         zero = jnp.zeros((heads, 128), F32)
 
         def pad_row(b, carry):  # padded rows' latent outputs are zero
@@ -1796,11 +1850,7 @@ class LatentAttention:
             self.token_block(slot, b, True).wait()
         jax.lax.fori_loop(0, self.batch, lambda b, carry: self.finish_row(slot, b) or carry, 0)
         self.r.wb_pending[self.op_id] = 1
-        for h in range(heads):  # pass 3: W_UV
-            buf = self.wtile(w_slot, heads + h)
-            o_lat = jnp.concatenate([self.ol[c, pl.ds(h, rows, stride=self.hp), :] for c in range(self.ol.shape[0])],
-                                    axis=1).astype(BF16)
-            out[:, h * vdim : (h + 1) * vdim] = self.absorb_o(o_lat, buf, h)
+        self.absorb_outputs(w_slot, out)  # pass 3
 
     # -- the absorbed products: a bf16 w_kvb tile is one dot; an fp8 one is decoded to bf16 (exact) and
     # each scale square's part of the product is scaled in f32 (`spread_scales`, runtime/decode.py.jinja)
