@@ -1762,7 +1762,7 @@ class LatentAttention:
 
         n = self.r.kv_n[0]
         self.copy(slot, 0, 0).wait()
-        self.s[...], self.s_max[...] = self.tile_scores(jnp.int32(0))
+        self.s[...] = self.tile_scores(jnp.int32(0))
 
         def tile(j, carry):  # pass 2: stream the cache once for all heads, scores one tile ahead
             self.issue(slot, j + self.kv_slots - 1)
@@ -1771,9 +1771,9 @@ class LatentAttention:
             def _():
                 self.copy(slot, j + 1, (j + 1) % self.kv_slots).wait()
 
-            s, s_max = self.s[...], self.s_max[...]
-            self.s[...], self.s_max[...] = self.tile_scores(jnp.minimum(j + 1, n - 1))  # the last: discarded
-            self.attend(s, s_max, j % self.kv_slots, self.r.kv_row[j])
+            s = self.s[...]
+            self.s[...] = self.tile_scores(jnp.minimum(j + 1, n - 1))  # the last one is discarded
+            self.attend(s, j % self.kv_slots, self.r.kv_row[j])
             return carry
 
         jax.lax.fori_loop(0, n, tile, 0)
@@ -1851,20 +1851,18 @@ class LatentAttention:
 
     def tile_scores(self, j):
         """Tile j's scores for its row's heads, its tokens before the row's position only (the
-        new token is in the state already): [heads, kv_tile] f32, -inf elsewhere; and their max
-        per head, replicated over 128 lanes."""
+        new token is in the state already): [heads, kv_tile] f32, -inf elsewhere."""
         b, t0 = self.r.kv_row[j], self.r.kv_t0[j]
         valid = (t0 + jax.lax.broadcasted_iota(I32, (1, self.kv_tile), 1)) < self.positions_ref[b]
-        s = jnp.where(valid, self.scores(self.tiles[j % self.kv_slots], b), NEG_INF)
-        return s, jnp.broadcast_to(jnp.max(s, axis=1, keepdims=True), (self.heads, 128))
+        return jnp.where(valid, self.scores(self.tiles[j % self.kv_slots], b), NEG_INF)
 
-    def attend(self, s, s_max, buf, b):
-        """Row b's online softmax over one latent tile, given its scores and their max: f32 softmax
-        (lane-wise only), bf16 values on the MXU (`mxu_dot`). The next tile's scores (another
-        chain) overlap this one."""
+    def attend(self, s, buf, b):
+        """Row b's online softmax over one latent tile, given its scores: f32 softmax (one
+        cross-lane max per head, the rest lane-wise), bf16 values on the MXU (`mxu_dot`). The
+        next tile's scores (another chain, on the MXU while this max reduces) overlap this one."""
         kv, rh = self.tiles[buf], self.row_heads(b)
         m_prev = self.m[rh, :]
-        m_new = jnp.maximum(m_prev, s_max)
+        m_new = jnp.maximum(m_prev, jnp.broadcast_to(jnp.max(s, axis=1, keepdims=True), m_prev.shape))
         alpha = jnp.exp(m_prev - m_new)
         p = jnp.exp(s - widen_lanes(m_new, s.shape[1]))
         self.l[rh, :] = alpha * self.l[rh, :] + fold_lanes(p)
@@ -2638,7 +2636,6 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "att0_m": pltpu.VMEM((8 * rows, 128), jnp.float32),
         "att0_l": pltpu.VMEM((8 * rows, 128), jnp.float32),
         "att0_s": pltpu.VMEM((4, 256), jnp.float32),
-        "att0_s_max": pltpu.VMEM((4, 128), jnp.float32),
         "att0_new": pltpu.VMEM((rows, 576), jnp.float32),
         "att0_wb": pltpu.VMEM((batch, 16, 576), jnp.bfloat16),
         "att0_kv_sem": pltpu.SemaphoreType.DMA((4,)),
@@ -2655,7 +2652,6 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "att1_m": pltpu.VMEM((8 * rows, 128), jnp.float32),
         "att1_l": pltpu.VMEM((8 * rows, 128), jnp.float32),
         "att1_s": pltpu.VMEM((4, 256), jnp.float32),
-        "att1_s_max": pltpu.VMEM((4, 128), jnp.float32),
         "att1_new": pltpu.VMEM((rows, 576), jnp.float32),
         "att1_wb": pltpu.VMEM((batch, 16, 576), jnp.bfloat16),
         "att1_kv_sem": pltpu.SemaphoreType.DMA((4,)),
@@ -2701,8 +2697,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
                 ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
-            attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=4, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=4, scale=0.11472138679292611, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 's': 'att0_s', 's_max': 'att0_s_max', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'kv_cache', 'cache_out': 'kv_cache_out', 'w_kvb': 'wkv_b'})
-            attention1 = LatentAttention(r, positions_ref, 1, rows=rows, batch=batch, heads=4, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=4, scale=0.11472138679292611, names={'ql': 'att1_ql', 'ol': 'att1_ol', 'wtiles': 'att1_wtiles', 'w_sem': 'att1_w_sem', 'tiles': 'att1_tiles', 'm': 'att1_m', 'l': 'att1_l', 's': 'att1_s', 's_max': 'att1_s_max', 'new': 'att1_new', 'wb': 'att1_wb', 'kv_sem': 'att1_kv_sem', 'wb_sem': 'att1_wb_sem', 'cache': 'kv_cache', 'cache_out': 'kv_cache_out', 'w_kvb': 'wkv_b'})
+            attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=4, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=4, scale=0.11472138679292611, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 's': 'att0_s', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'kv_cache', 'cache_out': 'kv_cache_out', 'w_kvb': 'wkv_b'})
+            attention1 = LatentAttention(r, positions_ref, 1, rows=rows, batch=batch, heads=4, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=4, scale=0.11472138679292611, names={'ql': 'att1_ql', 'ol': 'att1_ol', 'wtiles': 'att1_wtiles', 'w_sem': 'att1_w_sem', 'tiles': 'att1_tiles', 'm': 'att1_m', 'l': 'att1_l', 's': 'att1_s', 'new': 'att1_new', 'wb': 'att1_wb', 'kv_sem': 'att1_kv_sem', 'wb_sem': 'att1_wb_sem', 'cache': 'kv_cache', 'cache_out': 'kv_cache_out', 'w_kvb': 'wkv_b'})
             experts0_moe_17 = MoE(r, rows=rows, batch=batch, E=16, k=6, D=2048, F=1408, tn=128, slots=4, names={'w1': 'w_gate', 'w3': 'w_up', 'w2': 'w_down'}, prefix='experts0_', act=lambda a0, a1: ((t0 := jax.nn.silu(a0) * a1), t0)[-1], fmt='bf16', E_route=64, lo=comm.group_index(3) * 16, kc=1024)
 
             # ---- prologue: first tiles in flight, per-step tables ----

@@ -102,7 +102,6 @@ def _scratch(s: PlanContext, at: Site) -> dict:
         "m": ((f"{hp} * rows", 128), "float32", "online softmax max (lane-replicated), row-major", "VMEM"),
         "l": ((f"{hp} * rows", 128), "float32", "online softmax sum (per-lane parts), row-major", "VMEM"),
         "s": ((heads, s.kv_tile), "float32", "the next latent tile's scores", "VMEM"),
-        "s_max": ((heads, 128), "float32", "their max per head (lane-replicated)", "VMEM"),
         "new": (("rows", width), "float32", "this token's latent cache entry", "VMEM"),
         "wb": (("batch", 16, width), "bfloat16", "new-token blocks, read and written back", "VMEM"),
         "kv_sem": ((MLA_KV_SLOTS,), "dma", "latent cache semaphores", "SEM"),
