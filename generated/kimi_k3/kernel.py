@@ -1796,6 +1796,31 @@ class Attention:
             self.m[hs, :] = m_new[g]
 
 
+HEAD_GROUP = 8  # MLA heads per iteration of the absorption loops (their scalar work amortised)
+
+
+def when_static(cond, fn):
+    """fn() if cond: a Python test for a static cond, `pl.when` for a traced one."""
+    if isinstance(cond, (bool, np.bool_)):
+        if cond:
+            fn()
+    else:
+        pl.when(cond)(fn)
+
+
+def widen_lanes(x, n):
+    """[rows, 128] lane-replicated values as [rows, n] (whole 128-lane copies, then cut)."""
+    return jnp.concatenate([x] * -(-n // 128), axis=1)[:, 0:n]
+
+
+def fold_lanes(x):
+    """[rows, n] as [rows, 128] per-lane partial sums: the 128-lane chunks added (zeros past n)."""
+    n = x.shape[1]
+    if n % 128:
+        x = jnp.concatenate([x, jnp.zeros((x.shape[0], 128 - n % 128), x.dtype)], axis=1)
+    return sum(x[:, c * 128 : (c + 1) * 128] for c in range(1, x.shape[1] // 128)) + x[:, 0:128]
+
+
 # ---------------------------------------------------------------------------------------
 # MLA over a latent cache, with the kv up-projection absorbed into q and the output
 # ---------------------------------------------------------------------------------------
@@ -1820,13 +1845,16 @@ class LatentAttention:
             setattr(self, key, getattr(r, name))
         self.w_slots = self.wtiles.shape[0]
         self.hp = self.ql.shape[1] // rows  # row b's heads are rows b * hp .. b * hp + heads - 1 (hp: heads padded to 8)
+        base = 128 // int(np.gcd(nope + extra, 128))  # heads whose q columns span whole 128-lane blocks
+        self.group = base * max(1, HEAD_GROUP // base)
 
-    # -- the weight tiles: UK of heads 0..H-1, then UV of heads 0..H-1
-    def wcopy(self, slot, t, buf):
-        """The DMA of weight tile t; slot: w_kvb's layer slice (None: one w_kvb for every layer)."""
+    # -- the weight tiles: UK of heads 0..H-1, then UV of heads 0..H-1 (t may be traced)
+    def wcopy(self, slot, t, buf, uk):
+        """The DMA of weight tile t (uk: one of W_UK's, t < heads); slot: w_kvb's layer slice (None:
+        one w_kvb for every layer)."""
         w = self.w_kvb if slot is None else self.w_kvb.at[slot]
         width = self.nope + self.vdim
-        if t < self.heads:
+        if uk:
             cols, size = t * width, self.nope
         else:
             cols, size = (t - self.heads) * width + self.nope, self.vdim
@@ -1834,13 +1862,58 @@ class LatentAttention:
             w.at[:, pl.ds(cols, size)], self.wtiles.at[buf, :, pl.ds(0, size)], self.w_sem.at[buf]
         )
 
-    def wtile(self, slot, t):
+    def wtile(self, slot, t, uk):
         """Wait for weight tile t, start the one `w_slots - 1` ahead, return t's buffer index."""
         ahead = t + self.w_slots - 1
-        if ahead < 2 * self.heads:
-            self.wcopy(slot, ahead, ahead % self.w_slots).start()
-        self.wcopy(slot, t, t % self.w_slots).wait()
+        when_static(ahead < self.heads, lambda: self.wcopy(slot, ahead, ahead % self.w_slots, True).start())
+        when_static((ahead >= self.heads) & (ahead < 2 * self.heads),
+             lambda: self.wcopy(slot, ahead, ahead % self.w_slots, False).start())
+        self.wcopy(slot, t, t % self.w_slots, uk).wait()
         return t % self.w_slots
+
+    def each_head(self, body):
+        """body(h, base, i) for every head h, the i-th of a group whose first column of q is `base`
+        (a multiple of 128): a fori_loop over groups of `group` heads, so the heads' code is not
+        unrolled `heads` times (code size); the heads past the last whole group, unrolled."""
+        g, step = self.group, self.group * (self.nope + self.extra)
+        groups = self.heads // g if self.vdim % 128 == 0 and self.heads >= 2 * g else 0  # else: few heads
+
+        def run(k, carry):
+            for i in range(g):
+                body(k * g + i, pl.multiple_of(k * step, 128), i)
+            return carry
+
+        if groups:
+            jax.lax.fori_loop(0, groups, run, 0)
+        for h in range(groups * g, self.heads):
+            body(h, h * (self.nope + self.extra), 0)
+
+    def absorb_queries(self, w_slot, q):
+        """Pass 1: q_lat_h = bf16(q_nope_h) @ W_UK_h^T and q_extra_h into `ql`, row-major."""
+        rows, nope, extra, width = self.rows, self.nope, self.extra, self.ol.shape[0] * 128
+
+        def head(h, base, i):
+            buf = self.wtile(w_slot, h, True)
+            span = q[:, pl.ds(base, (i + 1) * (nope + extra))]
+            qh = i * (nope + extra)
+            q_lat = self.absorb_q(span[:, qh : qh + nope].astype(BF16), buf, h)
+            for c in range(width // 128):
+                self.ql[c, pl.ds(h, rows, stride=self.hp), :] = q_lat[:, c * 128 : (c + 1) * 128]
+            self.ql[width // 128, pl.ds(h, rows, stride=self.hp), 0:extra] = span[:, qh + nope : qh + nope + extra]
+
+        self.each_head(head)
+
+    def absorb_outputs(self, w_slot, out):
+        """Pass 3: y_h = bf16(o_lat_h) @ W_UV_h from `ol`, into out's columns of head h."""
+        rows, vdim = self.rows, self.vdim
+
+        def head(h, base, i):
+            buf = self.wtile(w_slot, self.heads + h, False)
+            o_lat = jnp.concatenate([self.ol[c, pl.ds(h, rows, stride=self.hp), :] for c in range(self.ol.shape[0])],
+                                    axis=1).astype(BF16)
+            out[:, pl.ds(h * vdim, vdim)] = self.absorb_o(o_lat, buf, h)
+
+        self.each_head(head)
 
     # -- the latent cache
     def copy(self, slot, j, buf):
@@ -1854,25 +1927,34 @@ class LatentAttention:
         def _():
             self.copy(slot, j, j % self.kv_slots).start()
 
-    def writeback(self, slot, b, t):
-        return pltpu.make_async_copy(self.wb.at[b], self.cache_out.at[slot, b, pl.ds(t, KV_BLOCK), :], self.wb_sem.at[0])
+    def token_block(self, slot, b, into):
+        """The DMA between row b's aligned KV_BLOCK-token block holding its new token and wb[b]:
+        `into` wb (the read at the op's start) or out of it (the write-back in place)."""
+        t = pl.multiple_of(self.positions_ref[b] // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+        if into:
+            return pltpu.make_async_copy(self.cache.at[slot, b, pl.ds(t, KV_BLOCK), :], self.wb.at[b],
+                                         self.wb_sem.at[1])
+        return pltpu.make_async_copy(self.wb.at[b], self.cache_out.at[slot, b, pl.ds(t, KV_BLOCK), :],
+                                     self.wb_sem.at[0])
 
     def drain(self):
         @pl.when(self.r.wb_pending[self.op_id] == 1)
         def _():
             for b in range(self.batch):
-                self.writeback(0, b, 0).wait()
+                self.token_block(0, b, False).wait()
             self.r.wb_pending[self.op_id] = 0
 
     def __call__(self, slot, q, c_kv, k_extra, out, w_slot):
         """slot: the cache's layer slice; w_slot: w_kvb's (None if it is not stacked)."""
-        rows, heads, nope, extra, vdim = self.rows, self.heads, self.nope, self.extra, self.vdim
+        rows, heads, extra = self.rows, self.heads, self.extra
         width = c_kv.shape[1]
         self.drain()
         for t in range(min(self.w_slots - 1, 2 * heads)):
-            self.wcopy(w_slot, t, t).start()
+            self.wcopy(w_slot, t, t, t < heads).start()
         for j in range(self.kv_slots - 1):
             self.issue(slot, jnp.int32(j))
+        for b in range(self.batch):
+            self.token_block(slot, b, True).start()
         if self.block:  # the layer's scale squares of w_kvb, read as scalars
             src = self.w_scales if w_slot is None else self.w_scales.at[w_slot]
             scales = pltpu.make_async_copy(src, self.wscale, self.ws_sem.at[0])
@@ -1881,50 +1963,39 @@ class LatentAttention:
         self.ql[width // 128] = jnp.zeros(self.ql.shape[1:], F32)  # lanes past `extra` stay zero
         self.new[:, 0:width] = c_kv[...]
         self.new[:, width : width + extra] = k_extra[...]
-        for h in range(heads):  # pass 1: absorb W_UK into q
-            buf = self.wtile(w_slot, h)
-            qh = h * (nope + extra)
-            q_lat = self.absorb_q(q[:, qh : qh + nope].astype(BF16), buf, h)
-            for c in range(width // 128):
-                self.ql[c, pl.ds(h, rows, stride=self.hp), :] = q_lat[:, c * 128 : (c + 1) * 128]
-            self.ql[width // 128, pl.ds(h, rows, stride=self.hp), 0:extra] = q[:, qh + nope : qh + nope + extra]
-        self.ol[...] = jnp.zeros(self.ol.shape, F32)
+        self.absorb_queries(w_slot, q)  # pass 1
+        zero = jnp.zeros((heads, 128), F32)
 
-        def tile(j, carry):  # pass 2: stream the cache once for all heads
-            self.issue(slot, j + self.kv_slots - 1)
-            buf = j % self.kv_slots
-            self.copy(slot, j, buf).wait()
-            b = self.r.kv_row[j]
-            t0 = self.r.kv_t0[j]
-            pos = self.positions_ref[b]
-
-            @pl.when(t0 == 0)
-            def _():
-                self.m[...] = jnp.full(self.m.shape, NEG_INF, F32)
-                self.l[...] = jnp.zeros(self.l.shape, F32)
-                self.acc[...] = jnp.zeros(self.acc.shape, F32)
-
-            @pl.when(pos < t0 + self.kv_tile)
-            def _():
-                self.patch_new_token(slot, b, buf, t0, pos)
-
-            self.attend(buf, b, t0, pos)
-
-            @pl.when(pos < t0 + self.kv_tile)
-            def _():
-                o = self.acc[...] / self.l[...]
-                for c in range(self.ol.shape[0]):
-                    self.ol[c, self.row_heads(b), :] = o[:, c * 128 : (c + 1) * 128]
-
+        def pad_row(b, carry):  # padded rows' latent outputs are zero
+            for c in range(self.ol.shape[0]):
+                self.ol[c, self.row_heads(b), :] = zero
             return carry
 
-        jax.lax.fori_loop(0, self.r.kv_n[0], tile, 0)
+        jax.lax.fori_loop(self.batch, rows, pad_row, 0)
+        jax.lax.fori_loop(0, self.batch, lambda b, carry: self.start_row(b) or carry, 0)
+
+        n = self.r.kv_n[0]
+        self.copy(slot, 0, 0).wait()
+        self.s[...] = self.tile_scores(jnp.int32(0))
+
+        def tile(j, carry):  # pass 2: stream the cache once for all heads, scores one tile ahead
+            self.issue(slot, j + self.kv_slots - 1)
+
+            @pl.when(j + 1 < n)
+            def _():
+                self.copy(slot, j + 1, (j + 1) % self.kv_slots).wait()
+
+            s = self.s[...]
+            self.s[...] = self.tile_scores(jnp.minimum(j + 1, n - 1))  # the last one is discarded
+            self.attend(s, j % self.kv_slots, self.r.kv_row[j])
+            return carry
+
+        jax.lax.fori_loop(0, n, tile, 0)
+        for b in range(self.batch):  # every block read shares a semaphore: all of them land first
+            self.token_block(slot, b, True).wait()
+        jax.lax.fori_loop(0, self.batch, lambda b, carry: self.finish_row(slot, b) or carry, 0)
         self.r.wb_pending[self.op_id] = 1
-        for h in range(heads):  # pass 3: W_UV
-            buf = self.wtile(w_slot, heads + h)
-            o_lat = jnp.concatenate([self.ol[c, pl.ds(h, rows, stride=self.hp), :] for c in range(self.ol.shape[0])],
-                                    axis=1).astype(BF16)
-            out[:, h * vdim : (h + 1) * vdim] = self.absorb_o(o_lat, buf, h)
+        self.absorb_outputs(w_slot, out)  # pass 3
 
     # -- the absorbed products: a bf16 w_kvb tile is one dot; an fp8 one is decoded to bf16 (exact) and
     # each scale square's part of the product is scaled in f32 (`spread_scales`, runtime/decode.py.jinja)
@@ -1961,39 +2032,74 @@ class LatentAttention:
         tile loop (a strided gather of `heads` rows there costs a load per head and tile)."""
         return pl.ds(pl.multiple_of(b * self.hp, 8), self.heads)
 
-    def attend(self, buf, b, t0, pos):
-        """One latent tile for row b's heads: bf16 scores and values on the MXU (`mxu_dot`)."""
-        ts, width, heads = self.kv_tile, self.new.shape[1] - self.extra, self.heads
-        kv = self.tiles[buf]
-        valid = (t0 + jax.lax.broadcasted_iota(I32, (1, ts), 1)) <= pos
-        s = jnp.zeros((heads, ts), F32)
-        for c in range(self.ql.shape[0]):  # 128-lane chunks: strided loads need a 128-wide array
-            kc = kv[:, c * 128 : min((c + 1) * 128, width + self.extra)]
-            qc = self.ql[c, self.row_heads(b), :][:, 0 : kc.shape[1]]
-            s = s + mxu_dot(qc, kc, (((1,), (1,)), ((), ())))
-        s = jnp.where(valid, s * self.scale, NEG_INF)
-        m_prev = self.m[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_new)
-        p = jnp.exp(s - m_new)
-        self.l[...] = alpha * self.l[...] + jnp.sum(p, axis=1, keepdims=True)
-        # keys past `pos` weigh exp(-inf) = 0: 0 * their (finite) cache rows, as in the reference
-        self.acc[...] = alpha * self.acc[...] + mxu_dot(p, kv[:, 0:width], (((1,), (0,)), ((), ())))
-        self.m[...] = m_new
+    def new_tokens(self, b):
+        """The aligned KV_BLOCK rows of this token's entries holding row b's, as the cache stores
+        them (bf16: a whole packed tile), and a [1, KV_BLOCK] mask of row b's."""
+        b0 = pl.multiple_of(b // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+        pick = jax.lax.broadcasted_iota(I32, (1, KV_BLOCK), 1) == b - b0
+        return self.new[pl.ds(b0, KV_BLOCK), :].astype(self.tiles.dtype), pick
 
-    def patch_new_token(self, slot, b, buf, t0, pos):
-        off = pos - t0
-        blk = pl.multiple_of(off // KV_BLOCK * KV_BLOCK, KV_BLOCK)
-        old = self.tiles[buf, pl.ds(blk, KV_BLOCK), :]
-        b8 = pl.multiple_of(b // 8 * 8, 8)  # load the aligned 8 rows holding row b, then pick it
-        group = self.new[pl.ds(b8, 8), :]
-        pick = jax.lax.broadcasted_iota(I32, group.shape, 0) == b - b8
-        new = jnp.sum(jnp.where(pick, group, 0.0), axis=0, keepdims=True).astype(old.dtype)
+    def scores(self, kv, b):
+        """bf16(q_lat | q_extra) of row b's heads times the latent rows of `kv`: [heads, tokens] f32.
+        One dot over the whole width (its 128-lane chunks side by side): the MXU sums the
+        contraction passes itself, where one dot per chunk pops and adds a partial per chunk."""
+        rh = self.row_heads(b)
+        q = jnp.concatenate([self.ql[c, rh, :] for c in range(self.ql.shape[0])], axis=1)
+        return mxu_dot(q[:, 0 : kv.shape[1]], kv, (((1,), (1,)), ((), ()))) * self.scale
+
+    def start_row(self, b):
+        """Row b's online softmax starts from its new token (it is not in the streamed tiles yet):
+        max = its score, sum = exp(0) = 1, latent output = its entry. The max is kept replicated
+        over 128 lanes and the sum as 128 per-lane partial sums (the tile loop then needs no
+        cross-lane reduction or broadcast)."""
+        group, pick = self.new_tokens(b)
+        s = jnp.where(pick, self.scores(group, b), NEG_INF)
+        m = jnp.max(s, axis=1, keepdims=True)
+        p = jnp.exp(s - m)
+        rh = self.row_heads(b)
+        self.m[rh, :] = jnp.broadcast_to(m, (self.heads, 128))
+        self.l[rh, :] = fold_lanes(p)
+        o = mxu_dot(p, group[:, 0 : self.new.shape[1] - self.extra], (((1,), (0,)), ((), ())))
+        for c in range(self.ol.shape[0]):
+            self.ol[c, rh, :] = o[:, c * 128 : (c + 1) * 128]
+
+    def tile_scores(self, j):
+        """Tile j's scores for its row's heads, its tokens before the row's position only (the
+        new token is in the state already): [heads, kv_tile] f32, -inf elsewhere."""
+        b, t0 = self.r.kv_row[j], self.r.kv_t0[j]
+        valid = (t0 + jax.lax.broadcasted_iota(I32, (1, self.kv_tile), 1)) < self.positions_ref[b]
+        return jnp.where(valid, self.scores(self.tiles[j % self.kv_slots], b), NEG_INF)
+
+    def attend(self, s, buf, b):
+        """Row b's online softmax over one latent tile, given its scores: f32 softmax (one
+        cross-lane max per head, the rest lane-wise), bf16 values on the MXU (`mxu_dot`). The
+        next tile's scores (another chain, on the MXU while this max reduces) overlap this one."""
+        kv, rh = self.tiles[buf], self.row_heads(b)
+        m_prev = self.m[rh, :]
+        m_new = jnp.maximum(m_prev, jnp.broadcast_to(jnp.max(s, axis=1, keepdims=True), m_prev.shape))
+        alpha = jnp.exp(m_prev - m_new)
+        p = jnp.exp(s - widen_lanes(m_new, s.shape[1]))
+        self.l[rh, :] = alpha * self.l[rh, :] + fold_lanes(p)
+        self.m[rh, :] = m_new
+        # keys at or past `pos` weigh exp(-inf) = 0: 0 * their (finite) cache rows, as in the reference
+        pv = mxu_dot(p, kv[:, 0 : self.new.shape[1] - self.extra], (((1,), (0,)), ((), ())))
+        for c in range(self.ol.shape[0]):
+            self.ol[c, rh, :] = alpha * self.ol[c, rh, :] + pv[:, c * 128 : (c + 1) * 128]
+
+    def finish_row(self, slot, b):
+        """Normalise row b's latent outputs; patch its new token into its block (read at the op's
+        start) and write the block back in place."""
+        rh = self.row_heads(b)
+        total = jnp.sum(self.l[rh, :], axis=1, keepdims=True)
+        for c in range(self.ol.shape[0]):
+            self.ol[c, rh, :] = self.ol[c, rh, :] / total
+        group, _ = self.new_tokens(b)
+        pick = jax.lax.broadcasted_iota(I32, (KV_BLOCK, 1), 0) == b % KV_BLOCK
+        new = jnp.sum(jnp.where(pick, group.astype(F32), 0.0), axis=0, keepdims=True)
+        old = self.wb[b]
         row = jax.lax.broadcasted_iota(I32, old.shape, 0)
-        patched = jnp.where(row == off - blk, new, old)
-        self.tiles[buf, pl.ds(blk, KV_BLOCK), :] = patched
-        self.wb[b] = patched
-        self.writeback(slot, b, pl.multiple_of(t0 + blk, KV_BLOCK)).start()
+        self.wb[b] = jnp.where(row == self.positions_ref[b] % KV_BLOCK, new.astype(old.dtype), old)
+        self.token_block(slot, b, False).start()
 
 
 # ---------------------------------------------------------------------------------------
@@ -2853,14 +2959,14 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "att0_ol": pltpu.VMEM((4, 8 * rows, 128), jnp.float32),
         "att0_wtiles": pltpu.VMEM((3, 512, 128), jnp.bfloat16),
         "att0_w_sem": pltpu.SemaphoreType.DMA((3,)),
-        "att0_tiles": pltpu.VMEM((3, 256, 576), jnp.bfloat16),
-        "att0_m": pltpu.VMEM((3, 1), jnp.float32),
-        "att0_l": pltpu.VMEM((3, 1), jnp.float32),
-        "att0_acc": pltpu.VMEM((3, 512), jnp.float32),
+        "att0_tiles": pltpu.VMEM((4, 256, 576), jnp.bfloat16),
+        "att0_m": pltpu.VMEM((8 * rows, 128), jnp.float32),
+        "att0_l": pltpu.VMEM((8 * rows, 128), jnp.float32),
+        "att0_s": pltpu.VMEM((3, 256), jnp.float32),
         "att0_new": pltpu.VMEM((rows, 576), jnp.float32),
         "att0_wb": pltpu.VMEM((batch, 16, 576), jnp.bfloat16),
-        "att0_kv_sem": pltpu.SemaphoreType.DMA((3,)),
-        "att0_wb_sem": pltpu.SemaphoreType.DMA((1,)),
+        "att0_kv_sem": pltpu.SemaphoreType.DMA((4,)),
+        "att0_wb_sem": pltpu.SemaphoreType.DMA((2,)),
         "v5_384_bf16": pltpu.VMEM((rows, 384), jnp.bfloat16),
         "v21_256_bf16": pltpu.VMEM((rows, 256), jnp.bfloat16),
         "emb_block": pltpu.VMEM((batch, 16, 7168), jnp.bfloat16),
@@ -2891,7 +2997,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
                 ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
-            attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=3, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.07216878364870322, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'mla_cache', 'cache_out': 'mla_cache_out', 'w_kvb': 'mla_wkvb'})
+            attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=3, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=4, scale=0.07216878364870322, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 's': 'att0_s', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'mla_cache', 'cache_out': 'mla_cache_out', 'w_kvb': 'mla_wkvb'})
             conv0_kda_dense_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
             conv0_kda_dense_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
             conv0_kda_dense_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)

@@ -19,6 +19,8 @@ from mkdsl.dtypes import storage_bytes
 from mkdsl.ir import Model
 
 W_SLOTS = 3  # MLA weight tiles in flight
+# Latent tiles in VMEM: the one whose values are taken, the next one (its scores), two in flight.
+MLA_KV_SLOTS = KV_SLOTS + 1
 
 
 def _check(model: Model, at: Site) -> list[Diagnostic]:
@@ -87,33 +89,33 @@ def _scratch(s: PlanContext, at: Site) -> dict:
         }
     return {
         "ql": ((chunks, f"{hp} * rows", 128), "float32", "absorbed queries, row-major (heads padded to 8)", "VMEM"),
-        "ol": ((r // 128, f"{hp} * rows", 128), "float32", "latent outputs, row-major (heads padded to 8)", "VMEM"),
+        "ol": ((r // 128, f"{hp} * rows", 128), "float32", "latent outputs (softmax accumulator), row-major", "VMEM"),
         "wtiles": ((W_SLOTS, r, max(nope, vdim)), code, f"kv up-projection tiles ({W_SLOTS} in flight)", "VMEM"),
         "w_sem": ((W_SLOTS,), "dma", "kv up-projection semaphores", "SEM"),
         **scales,
         "tiles": (
-            (KV_SLOTS, s.kv_tile, width),
+            (MLA_KV_SLOTS, s.kv_tile, width),
             "bfloat16",
-            f"latent cache tiles ({KV_SLOTS} x {s.kv_tile} tokens)",
+            f"latent cache tiles ({MLA_KV_SLOTS} x {s.kv_tile} tokens)",
             "VMEM",
         ),
-        "m": ((heads, 1), "float32", "online softmax max", "VMEM"),
-        "l": ((heads, 1), "float32", "online softmax sum", "VMEM"),
-        "acc": ((heads, r), "float32", "online softmax accumulator", "VMEM"),
+        "m": ((f"{hp} * rows", 128), "float32", "online softmax max (lane-replicated), row-major", "VMEM"),
+        "l": ((f"{hp} * rows", 128), "float32", "online softmax sum (per-lane parts), row-major", "VMEM"),
+        "s": ((heads, s.kv_tile), "float32", "the next latent tile's scores", "VMEM"),
         "new": (("rows", width), "float32", "this token's latent cache entry", "VMEM"),
-        "wb": (("batch", 16, width), "bfloat16", "new-token blocks written back", "VMEM"),
-        "kv_sem": ((KV_SLOTS,), "dma", "latent cache semaphores", "SEM"),
-        "wb_sem": ((1,), "dma", "write-back semaphore", "SEM"),
+        "wb": (("batch", 16, width), "bfloat16", "new-token blocks, read and written back", "VMEM"),
+        "kv_sem": ((MLA_KV_SLOTS,), "dma", "latent cache semaphores", "SEM"),
+        "wb_sem": ((2,), "dma", "new-token block semaphores (write-back, read)", "SEM"),
     }
 
 
 def _traffic(s: PlanContext, at: Site) -> Traffic:
-    """`w_kvb` once (W_UK and W_UV), whole latent tiles and the new token's block."""
+    """`w_kvb` once (W_UK and W_UV), whole latent tiles and the new token's block (read, written)."""
     w = s.model.tensor(at.node.arg("w_kvb").name)
     width = s.model.tensor(at.node.arg("cache").name).type.shape[2]
     kv_tiles = -(-(s.context + 1) // s.kv_tile)
-    moved = storage_bytes(w.type.dtype, w.type.shape) + s.batch * (kv_tiles * s.kv_tile + 16) * width * 2
-    return Traffic(moved, 2 * at.node.attr["heads"] + s.batch * (kv_tiles + 1) + (1 if _block(w) else 0))
+    moved = storage_bytes(w.type.dtype, w.type.shape) + s.batch * (kv_tiles * s.kv_tile + 2 * 16) * width * 2
+    return Traffic(moved, 2 * at.node.attr["heads"] + s.batch * (kv_tiles + 2) + (1 if _block(w) else 0))
 
 
 def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
@@ -134,7 +136,7 @@ def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
             obj=obj,
             ctor=(
                 f"LatentAttention(r, positions_ref, {i}, rows=rows, batch=batch, heads={a['heads']}, nope={a['nope']}, "
-                f"extra={a['extra']}, vdim={a['vdim']}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, "
+                f"extra={a['extra']}, vdim={a['vdim']}, kv_tile=KV_TILE, kv_slots={MLA_KV_SLOTS}, scale={float(scale)!r}, "
                 f"names={names!r}{f', block={block}' if block else ''})"
             ),
         )
