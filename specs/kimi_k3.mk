@@ -36,14 +36,14 @@ mesh { ep = EPN  tp = TPN }
 # its kernel can be held to the f32 reference (the bf16 wire is checked by tests/test_comm.py).
 const WIRE  = 1
 
-# The weight ring: 23 banks of [1792, 512] bf16 (1.75 MiB each), so 22 tiles stay in flight and
-# land during the exchanges (without the hint `fit_ring` stops at 13). 23 is the deepest the
-# planner takes within the core's 64 MiB (63.2 MiB planned at batch 8; 24 would be 65.0), so the
+# The weight ring: 21 banks of [1792, 512] bf16 (1.75 MiB each), so 20 tiles stay in flight and
+# land during the exchanges (without the hint `fit_ring` stops at 13). 21 is the deepest the
+# planner takes within the core's 64 MiB at batch 8 (62.5 MiB planned; 22 would be 64.2), so the
 # cap is raised from its 58 MiB default to 64: libtpu compiles the 32-core kernel with it at batch
-# 1 and 8 and counts 60.87 MiB of VMEM at batch 8 (tests/test_kimi_sharded_compile.py), below the
-# planner's figure, its own scratch included. Modeled, context 1152: -396 us per step at batch 1
-# and 8 against 13 banks. `core` (one device, whole weights) keeps the 4 banks that fit 58 MiB.
-const RING  = 23
+# 1 and 8 and counts less VMEM than the planner, its own scratch included
+# (tests/test_kimi_sharded_compile.py prints both). `core` (one device, whole weights) keeps the
+# 4 banks that fit 58 MiB.
+const RING  = 21
 const VCAP  = 64
 hints { wire_bf16 = WIRE  ring_depth = RING  vmem_cap_mib = VCAP }
 

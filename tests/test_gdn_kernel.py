@@ -130,3 +130,20 @@ def test_gated_deltanet_kernel_matches_reference(batch, compiled):
     result = verify.check_batch(model, module, checker, batch, steps=3, seed=batch)
     assert not result.failures, result.failures
     print(f"\ngdn_small batch {batch}: worst error / bound {result.worst} ({result.seconds:.0f} s)")
+
+
+def test_delta_rule_slots_are_laid_out_as_the_planner_counts_them(compiled):
+    """The kernel's DeltaRule and the planner (`slot_layout`, `slot_states`) agree on a slot's rows
+    and heads at every batch, and a slot holds whole rows' worth of heads within its states."""
+    from types import SimpleNamespace
+
+    from mkdsl.backends.tpu.lowerings.kda import slot_layout, slot_states
+
+    _, module, _ = compiled
+    for heads, rows_max in ((4, 8), (96, 8), (3, 8), (1, 8), (6, 16)):
+        states = slot_states(heads, 128, 128, rows_max)
+        buf = SimpleNamespace(shape=(3, states, 128, 128))
+        for batch in range(1, rows_max + 1):
+            rule = module.DeltaRule(None, None, buf, buf, None, batch, heads)
+            assert (rule.rows, rule.per) == slot_layout(heads, batch, states), (heads, batch)
+            assert rule.rows * rule.per <= states and heads % rule.per == 0

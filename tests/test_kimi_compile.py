@@ -48,13 +48,11 @@ RATIO = (
 )  # compiler / planner VMEM: the planner pads like Mosaic, so they agree within the compiler's own scratch and layout choices (measured 0.93); +-30% still fails a missed or doubled buffer
 
 # Issue 12's acceptance: the `core` kernel's generated code at most 5 MB (it was 18.7 MB at batch 1
-# and 19.8 MB at batch 8 with per-tile branchy DMA issue; the descriptor-table ring brought it to
-# 4.90 MB at batch 8). Bigger code means unrolled per-tile or per-head copies somewhere. It grew to
-# 5.2 MB at batch 8 with the bf16 MLA / delta-rule rework and the in-kernel step loop; MLA's
-# absorption passes as loops over groups of heads (96 heads had been unrolled once each) brought it
-# to 4.24 MB.
+# and 19.8 MB at batch 8 with per-tile branchy DMA issue, 5.2 MB at batch 8 with the delta rule
+# unrolled per row and MLA's absorption unrolled per head; one copy of the delta rule's slot code,
+# the short convolutions as loops and MLA's absorption as loops over groups of heads bring it under
+# 4 MB). Bigger code means unrolled per-tile, per-row or per-head copies somewhere.
 CODE_CAP = 5_000_000
-CODE_CEILING = 5_500_000  # the compile test's own regression bound; the cap is checked below
 _CODE: dict[int, int] = {}  # batch -> generated code bytes, from the compile test
 
 report = summary_fixture("Kimi K3 core: libtpu (TPU7x) compile times and VMEM vs the mkdsl planner")
@@ -112,7 +110,6 @@ def test_kimi_k3_core_compiles_for_tpu7x(batch, device, generated, report, recor
     record_property(f"code_mb_batch{batch}", round(code / 1e6, 3))
     assert used < 64 * MIB
     _CODE[batch] = code
-    assert code <= CODE_CEILING, f"generated code {code / 1e6:.3f} MB, over {CODE_CEILING / 1e6:.1f} MB"
     assert RATIO[0] <= ratio <= RATIO[1], f"compiler {used / MIB:.2f} MiB vs planner {planned / MIB:.2f} MiB"
 
 

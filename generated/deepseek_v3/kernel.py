@@ -649,6 +649,7 @@ HIGHEST = jax.lax.Precision.HIGHEST  # f32 x f32 products at full precision, as 
 NEG_INF = float("-inf")
 KV_BLOCK = 16  # rows of the bf16-tile-aligned block written back for a new token
 EMB_BLOCK = 16  # rows of the aligned block fetched for one embedding row
+SMALL_TILE_BYTES = 256 * 1024  # bf16 tiles up to this size issue the next tile after their dot (`linear`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -711,6 +712,7 @@ class RingTables:
     desc: np.ndarray  # int32 [2 * tiles]: per global tile, arm | slot << 8 and k | n << 16
     static: tuple  # per global tile: (arm, slot, k, n) as ints, for issues at trace-time g
     ahead: dict  # stream -> (sorted arms of the tiles its consumer issues, any past the end)
+    beyond: dict  # stream -> the same for the tiles after its own, issued by its last RING_DEPTH - 1
 
     @property
     def tiles(self) -> int:
@@ -740,18 +742,22 @@ def ring_tables(kind_streams, epilogue_streams):
     for st in epilogue_streams:
         owners.append((st, len(static)))
         add(st, 0)
-    ahead = {}
-    for st, first in owners:
-        arms_of, past = ahead.get(st, (set(), False))
-        for g in range(first + RING_DEPTH - 1, first + st.tiles + RING_DEPTH - 1):
+    def arms_in(table, st, tiles):
+        arms_of, past = table.get(st, (set(), False))
+        for g in tiles:
             if g < len(static):
                 arms_of = arms_of | {static[g][0]}
             else:
                 past = True
-        ahead[st] = (arms_of, past)
-    ahead = {st: (tuple(sorted(a)), past) for st, (a, past) in ahead.items()}
+        table[st] = (arms_of, past)
+
+    ahead, beyond = {}, {}
+    for st, first in owners:
+        arms_in(ahead, st, range(first + RING_DEPTH - 1, first + st.tiles + RING_DEPTH - 1))
+        arms_in(beyond, st, range(first + st.tiles, first + st.tiles + RING_DEPTH - 1))
+    ahead, beyond = ({st: (tuple(sorted(a)), past) for st, (a, past) in d.items()} for d in (ahead, beyond))
     desc = np.array([w for arm, slot, k, n in static for w in (arm | slot << 8, k | n << 16)] or [0, 0], np.int32)
-    return RingTables(tuple(arms), desc, tuple(static), ahead)
+    return RingTables(tuple(arms), desc, tuple(static), ahead, beyond)
 
 
 def ring_issue(r, ring, desc, g, arms=None, past_end=True):
@@ -767,7 +773,7 @@ def ring_issue(r, ring, desc, g, arms=None, past_end=True):
 
     def start():
         w0, w1 = desc[2 * g], desc[2 * g + 1]
-        slot, k, n, bank = w0 >> 8, w1 & 0xFFFF, w1 >> 16, g % RING_DEPTH
+        slot, k, n, bank = w0 >> 8, w1 & 0xFFFF, w1 >> 16, ring_bank(g)
 
         def tree(lo, hi):  # arms[lo:hi]: split on the arm id until one is left
             if hi - lo == 1:
@@ -804,21 +810,43 @@ def sum_k_tiles(st, rows, width, part):
 
 
 def linear(r, issue, st: Stream, slot, base, xb, out):
-    """out = xb @ W: consume W's tiles from the ring, keeping RING_DEPTH - 1 tiles in flight."""
+    """out = xb @ W: consume W's tiles from the ring, keeping RING_DEPTH - 1 tiles in flight.
 
-    def tile(n, k):
+    A small tile's dot is shorter than the scalar code issuing a tile, which then binds the loop
+    when it picks among several stream shapes (`ring_issue`'s tree, all branches predicated): so
+    a small stream issues after its dot, in two loops, the column blocks whose look-ahead tiles
+    are all its own (one arm) and the rest, whose look-ahead tiles are all past its own (the
+    arms `RING.beyond` lists, usually one)."""
+    small = st.tk * st.tn * 2 <= SMALL_TILE_BYTES
+    own = max(0, (st.tiles - RING_DEPTH + 1) // st.nk) if small else 0
+    split = small and own * st.nk + RING_DEPTH - 1 >= st.tiles  # the rest issue only tiles past its own
+
+    def tile(n, k, part):
         g = base + n * st.nk + k
-        issue(g + RING_DEPTH - 1, st)
-        bank = g % RING_DEPTH
+        if not small:
+            issue(g + RING_DEPTH - 1, st)
+        bank = ring_bank(g)
         st.wait(r, bank)
-        return jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+        y = jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+        if small:
+            issue(g + RING_DEPTH - 1, st, part)
+        return y
 
-    def column_block(n, carry):
-        acc = sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k))
+    def column_block(n, carry, part=None):
+        acc = sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k, part))
         out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = acc[0 : out.shape[0]]  # the logits output has batch rows
         return carry
 
-    jax.lax.fori_loop(0, st.nn, column_block, 0)
+    if split and own:
+        jax.lax.fori_loop(0, own, lambda n, c: column_block(n, c, "own"), 0)
+    start = own if split else 0
+    if start < st.nn:
+        jax.lax.fori_loop(start, st.nn, lambda n, c: column_block(n, c, "beyond" if split else None), 0)
+
+
+def ring_bank(g):
+    """g % RING_DEPTH (a mask for a power-of-two depth: g is never negative)."""
+    return g & (RING_DEPTH - 1) if RING_DEPTH & (RING_DEPTH - 1) == 0 and not isinstance(g, int) else g % RING_DEPTH
 
 
 def rms_rows(x, w, eps):
@@ -2916,11 +2944,18 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             positions_ref[b] = positions_in[b]
 
         def decode_step(step, carry):  # one whole decode step; its drawn tokens feed the next
-            def issue(g, consumer=None):
+            def issue(g, consumer=None, part=None):
                 """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing).
                 `consumer`: the stream whose tile g - RING_DEPTH + 1 is being consumed, which narrows
-                the arms tile g may be (RING.ahead); None: any."""
-                arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
+                the arms tile g may be (RING.ahead); None: any. `part`: "own" when tile g is known to
+                be the consumer's own (one arm, never past the end), "beyond" when it is known to be
+                past them (RING.beyond)."""
+                if part == "own":
+                    arms, past = (RING.arms.index(dataclasses.replace(consumer, start=0)),), False
+                elif part == "beyond":
+                    arms, past = RING.beyond[consumer]
+                else:
+                    arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
                 ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
             attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=2, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=4, scale=0.1352337788608801, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'wscale': 'att0_wscale', 'ws_sem': 'att0_ws_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 's': 'att0_s', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'kv_cache', 'cache_out': 'kv_cache_out', 'w_kvb': 'wkv_b_codes', 'w_scales': 'wkv_b_scales'}, block=128)

@@ -624,6 +624,7 @@ HIGHEST = jax.lax.Precision.HIGHEST  # f32 x f32 products at full precision, as 
 NEG_INF = float("-inf")
 KV_BLOCK = 16  # rows of the bf16-tile-aligned block written back for a new token
 EMB_BLOCK = 16  # rows of the aligned block fetched for one embedding row
+SMALL_TILE_BYTES = 256 * 1024  # bf16 tiles up to this size issue the next tile after their dot (`linear`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -686,6 +687,7 @@ class RingTables:
     desc: np.ndarray  # int32 [2 * tiles]: per global tile, arm | slot << 8 and k | n << 16
     static: tuple  # per global tile: (arm, slot, k, n) as ints, for issues at trace-time g
     ahead: dict  # stream -> (sorted arms of the tiles its consumer issues, any past the end)
+    beyond: dict  # stream -> the same for the tiles after its own, issued by its last RING_DEPTH - 1
 
     @property
     def tiles(self) -> int:
@@ -715,18 +717,22 @@ def ring_tables(kind_streams, epilogue_streams):
     for st in epilogue_streams:
         owners.append((st, len(static)))
         add(st, 0)
-    ahead = {}
-    for st, first in owners:
-        arms_of, past = ahead.get(st, (set(), False))
-        for g in range(first + RING_DEPTH - 1, first + st.tiles + RING_DEPTH - 1):
+    def arms_in(table, st, tiles):
+        arms_of, past = table.get(st, (set(), False))
+        for g in tiles:
             if g < len(static):
                 arms_of = arms_of | {static[g][0]}
             else:
                 past = True
-        ahead[st] = (arms_of, past)
-    ahead = {st: (tuple(sorted(a)), past) for st, (a, past) in ahead.items()}
+        table[st] = (arms_of, past)
+
+    ahead, beyond = {}, {}
+    for st, first in owners:
+        arms_in(ahead, st, range(first + RING_DEPTH - 1, first + st.tiles + RING_DEPTH - 1))
+        arms_in(beyond, st, range(first + st.tiles, first + st.tiles + RING_DEPTH - 1))
+    ahead, beyond = ({st: (tuple(sorted(a)), past) for st, (a, past) in d.items()} for d in (ahead, beyond))
     desc = np.array([w for arm, slot, k, n in static for w in (arm | slot << 8, k | n << 16)] or [0, 0], np.int32)
-    return RingTables(tuple(arms), desc, tuple(static), ahead)
+    return RingTables(tuple(arms), desc, tuple(static), ahead, beyond)
 
 
 def ring_issue(r, ring, desc, g, arms=None, past_end=True):
@@ -742,7 +748,7 @@ def ring_issue(r, ring, desc, g, arms=None, past_end=True):
 
     def start():
         w0, w1 = desc[2 * g], desc[2 * g + 1]
-        slot, k, n, bank = w0 >> 8, w1 & 0xFFFF, w1 >> 16, g % RING_DEPTH
+        slot, k, n, bank = w0 >> 8, w1 & 0xFFFF, w1 >> 16, ring_bank(g)
 
         def tree(lo, hi):  # arms[lo:hi]: split on the arm id until one is left
             if hi - lo == 1:
@@ -779,21 +785,43 @@ def sum_k_tiles(st, rows, width, part):
 
 
 def linear(r, issue, st: Stream, slot, base, xb, out):
-    """out = xb @ W: consume W's tiles from the ring, keeping RING_DEPTH - 1 tiles in flight."""
+    """out = xb @ W: consume W's tiles from the ring, keeping RING_DEPTH - 1 tiles in flight.
 
-    def tile(n, k):
+    A small tile's dot is shorter than the scalar code issuing a tile, which then binds the loop
+    when it picks among several stream shapes (`ring_issue`'s tree, all branches predicated): so
+    a small stream issues after its dot, in two loops, the column blocks whose look-ahead tiles
+    are all its own (one arm) and the rest, whose look-ahead tiles are all past its own (the
+    arms `RING.beyond` lists, usually one)."""
+    small = st.tk * st.tn * 2 <= SMALL_TILE_BYTES
+    own = max(0, (st.tiles - RING_DEPTH + 1) // st.nk) if small else 0
+    split = small and own * st.nk + RING_DEPTH - 1 >= st.tiles  # the rest issue only tiles past its own
+
+    def tile(n, k, part):
         g = base + n * st.nk + k
-        issue(g + RING_DEPTH - 1, st)
-        bank = g % RING_DEPTH
+        if not small:
+            issue(g + RING_DEPTH - 1, st)
+        bank = ring_bank(g)
         st.wait(r, bank)
-        return jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+        y = jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+        if small:
+            issue(g + RING_DEPTH - 1, st, part)
+        return y
 
-    def column_block(n, carry):
-        acc = sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k))
+    def column_block(n, carry, part=None):
+        acc = sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k, part))
         out[:, pl.ds(pl.multiple_of(n * st.tn, st.tn), st.tn)] = acc[0 : out.shape[0]]  # the logits output has batch rows
         return carry
 
-    jax.lax.fori_loop(0, st.nn, column_block, 0)
+    if split and own:
+        jax.lax.fori_loop(0, own, lambda n, c: column_block(n, c, "own"), 0)
+    start = own if split else 0
+    if start < st.nn:
+        jax.lax.fori_loop(start, st.nn, lambda n, c: column_block(n, c, "beyond" if split else None), 0)
+
+
+def ring_bank(g):
+    """g % RING_DEPTH (a mask for a power-of-two depth: g is never negative)."""
+    return g & (RING_DEPTH - 1) if RING_DEPTH & (RING_DEPTH - 1) == 0 and not isinstance(g, int) else g % RING_DEPTH
 
 
 def rms_rows(x, w, eps):
@@ -1784,42 +1812,60 @@ class ShortConv:
     The state (the previous K-1 pre-activation inputs, oldest first) lives in HBM as
     [slots, batch, K-1, C]; one step reads it into `buf` [K-1, rows, C] and writes the shifted
     window back in place, one [1, C] window per row and tap (a window spanning rows would squeeze
-    the tiled tap dimension, which Mosaic rejects for more than one row).
+    the tiled tap dimension, which Mosaic rejects for more than one row). The rows' DMAs are
+    issued by a loop over the rows (one copy of the issue code whatever the batch) and waited
+    for by tap, a tap's rows in one wait of their summed bytes; the conv runs as a loop over
+    lane-aligned column chunks (one copy of its code), the padded rows' window read as zeros.
     """
 
     def __init__(self, state, state_out, buf, sem, batch):
         self.state, self.state_out, self.buf, self.sem, self.batch = state, state_out, buf, sem, batch
 
-    def copies(self, slot, out):
+    def copy(self, slot, b, t, out):
         hbm = self.state_out if out else self.state
-        copies = []
-        for t in range(self.buf.shape[0]):
-            for b in range(self.batch):
-                vmem, row = self.buf.at[t, pl.ds(b, 1)], hbm.at[slot, b, pl.ds(t, 1), :]
-                src, dst = (vmem, row) if out else (row, vmem)
-                copies.append(pltpu.make_async_copy(src, dst, self.sem.at[int(out), t]))
-        return copies
+        vmem, row = self.buf.at[t, pl.ds(b, 1)], hbm.at[slot, b, pl.ds(t, 1), :]
+        src, dst = (vmem, row) if out else (row, vmem)
+        return pltpu.make_async_copy(src, dst, self.sem.at[int(out), t])
+
+    def move(self, slot, out):
+        """Every row's window copied in (or out), then waited for."""
+        taps = self.buf.shape[0]
+
+        def row(b, carry):
+            for t in range(taps):
+                self.copy(slot, b, t, out).start()
+            return carry
+
+        if self.batch == 1:
+            row(0, 0)
+        else:
+            jax.lax.fori_loop(0, self.batch, row, 0)
+        for t in range(taps):  # a tap's rows: their bytes on its semaphore
+            rows = self.buf.at[t, pl.ds(0, self.batch)]
+            pltpu.make_async_copy(rows, rows, self.sem.at[int(out), t]).wait()
 
     def __call__(self, slot, x, w, out):
-        taps = self.buf.shape[0]
-        self.buf[...] = jnp.zeros(self.buf.shape, F32)  # padded rows stay finite
-        for c in self.copies(slot, out=False):
-            c.start()
-        for c in self.copies(slot, out=False):
-            c.wait()
-        wf = w[...].astype(F32)
-        xv = x[...]
-        y = xv * wf[taps : taps + 1, :]
-        for t in range(taps):
-            y = y + self.buf[t] * wf[t : t + 1, :]
-        out[...] = jax.nn.silu(y)
-        for t in range(taps - 1):
-            self.buf[t] = self.buf[t + 1]
-        self.buf[taps - 1] = xv
-        for c in self.copies(slot, out=True):
-            c.start()
-        for c in self.copies(slot, out=True):
-            c.wait()
+        taps, rows, c = self.buf.shape
+        self.move(slot, out=False)
+        live = jax.lax.broadcasted_iota(I32, (rows, 1), 0) < self.batch  # padded rows read as zeros
+
+        def chunk(cols):
+            wf = w[:, cols].astype(F32)
+            xv = x[:, cols]
+            y = xv * wf[taps : taps + 1, :]
+            for t in range(taps):
+                y = y + jnp.where(live, self.buf[t, :, cols], 0.0) * wf[t : t + 1, :]
+            out[:, cols] = jax.nn.silu(y)
+            for t in range(taps - 1):
+                self.buf[t, :, cols] = self.buf[t + 1, :, cols]
+            self.buf[taps - 1, :, cols] = xv
+
+        width = next((n for n in (512, 256, 128) if c % n == 0 and c > n), c)
+        if width == c:
+            chunk(slice(0, c))
+        else:  # a loop over lane-aligned column chunks: one copy of the conv code
+            jax.lax.fori_loop(0, c // width, lambda i, k: (chunk(pl.ds(pl.multiple_of(i * width, width), width)), k)[1], 0)
+        self.move(slot, out=True)
 
 
 def when(cond, body):
@@ -1831,91 +1877,157 @@ def when(cond, body):
         pl.when(cond)(body)
 
 
-def broadcast_rows(rows, width):
-    """[1, d] f32 rows -> [d, width] matrices M with M[i, :] = row[i]: the rows as columns, broadcast
-    over the lanes, built on the MXU (otherwise idle here) rather than by a lane permute per vreg on
-    the cross-lane unit. Each row is split into three bf16 pieces that sum to it (8 + 8 + 8
-    significant bits of f32's 24), the pieces are transposed to columns once, and a 0/1 selector
-    [16, width] adds a row's three pieces in f32: exact up to the order of that 3-term f32 sum."""
-    d = rows[0].shape[1]
-    pieces = []
-    for x in rows:
-        hi = x.astype(BF16)
-        rest = x - hi.astype(F32)
-        mid = rest.astype(BF16)
-        pieces += [hi.astype(F32), mid.astype(F32), rest - mid.astype(F32)]
-    stack = jnp.concatenate(pieces + [jnp.zeros((16 - len(pieces), d), F32)], axis=0)  # [16, d]
-    cols = jnp.transpose(stack).astype(BF16)  # [d, 16]
-    sel = jax.lax.broadcasted_iota(I32, (16, width), 0) // 3
-    return [jnp.dot(cols, (sel == i).astype(BF16), preferred_element_type=F32) for i in range(len(rows))]
+def split3(x):
+    """x f32 as three bf16-exact f32 pieces that sum to it (8 + 8 + 8 significant bits of f32's 24)."""
+    hi = x.astype(BF16).astype(F32)
+    rest = x - hi
+    mid = rest.astype(BF16).astype(F32)
+    return [hi, mid, rest - mid]
+
+
+def broadcast_columns(x):
+    """The columns [d, 3n + pad] (bf16) from which `broadcast_row` lane-broadcasts the rows of an
+    f32 block x [n, d]: x's three bf16 pieces (`split3`) stacked and transposed once for all n rows."""
+    n, d = x.shape
+    pad = -(-3 * n // 16) * 16 - 3 * n
+    stack = jnp.concatenate(split3(x) + ([jnp.zeros((pad, d), F32)] if pad else []), axis=0)  # piece p of row j: p * n + j
+    return jnp.transpose(stack).astype(BF16)
+
+
+def broadcast_row(cols, n, j, width):
+    """Row j of the block whose `broadcast_columns` are `cols`, as a lane-broadcast [d, width]
+    matrix (M[i, :] = x[j, i]), built on the MXU (otherwise idle here) rather than by a lane
+    permute per vreg on the cross-lane unit: a 0/1 selector [3n + pad, width] adds the row's three
+    pieces in f32, exact up to the order of that 3-term f32 sum."""
+    piece_row = jax.lax.broadcasted_iota(I32, (cols.shape[1], width), 0)
+    sel = ((piece_row % n == j) & (piece_row < 3 * n)).astype(BF16)
+    return jnp.dot(cols, sel, preferred_element_type=F32)
+
+
+def sum_rows(x):
+    """Sum over the rows of x [m, n] (m a multiple of 8) as a tree of whole-vreg adds, then one
+    in-register reduction: a short dependency chain, unlike a serial accumulation."""
+    while x.shape[0] > 8:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return jnp.sum(x, axis=0, keepdims=True)
 
 
 class DeltaRule:
-    """Gated delta rule, one [dk, dv] f32 state per (row, value head); a VMEM slot holds `per`
-    consecutive value heads of one row ([per, dk, dv], one DMA each way), streamed through
-    `slots` read and write slots (read `slots - 1` ahead, written back in place).
+    """Gated delta rule, one [dk, dv] f32 state per (row, value head). A VMEM slot holds the states
+    of `rows` rows x `per` consecutive value heads (one DMA each way for a single row or a single
+    head per row, else one per row; `lowerings/kda.py`'s `slot_layout`), streamed through `slots`
+    read and write slots (read `slots - 1` ahead, written back in place). The loop runs once per
+    slot, over the heads, with the rows static (a dynamic row load is unaligned): the slot's
+    states are updated together, so their chains interleave, and the code holds one copy of
+    them whatever the batch.
 
-    Per value head h: S' = exp(g) * S (g scales the key rows, or with `scalar_decay` the whole
-    state: one g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q; head h reads q
-    and k of key head h // group. The products are vector-unit f32 multiply-and-sum over the
-    state's dk rows (a [1, dk] x [dk, dv] f32 MXU dot at full precision is six bf16 passes in
-    series); the slot's heads are unrolled, so their chains interleave and the loop runs once
-    per (row, slot), not once per head.
+    Per state: S' = exp(g) * S (g scales the key rows, or with `scalar_decay` the whole state: one
+    g per head), u = beta * (v - S'^T k), S = S' + k u^T, o = S^T q = S'^T q + (q.k) u; head h
+    reads q and k of key head h // group. The products are vector-unit f32 multiplies and row
+    sums (a [1, dk] x [dk, dv] f32 MXU dot at full precision is six bf16 passes in series); the
+    decay, k and q are lane-broadcast on the MXU (`broadcast_row`), from columns transposed once
+    per slot for all its states, an iteration ahead.
     """
 
     def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False):
         self.state, self.state_out, self.s_in, self.s_out, self.sem = state, state_out, s_in, s_out, sem
         self.batch, self.heads, self.group, self.scalar_decay = batch, heads, group, scalar_decay
-        self.slots, self.per = s_in.shape[0], s_in.shape[1]
-        self.units = heads // self.per  # slots' worth per row
+        self.slots, cap = s_in.shape[0], s_in.shape[1]
+        self.rows = min(batch, cap)  # rows per slot; more rows than that run as groups of rows
+        self.per = max(c for c in range(1, heads + 1) if heads % c == 0 and c * self.rows <= cap)
+        self.units = heads // self.per
 
-    def copy(self, slot, i, s, out):
-        b, u = i // self.units, i % self.units
-        vmem = (self.s_out if out else self.s_in).at[s]
-        row = (self.state_out if out else self.state).at[slot, b, pl.ds(u * self.per, self.per)]
-        src, dst = (vmem, row) if out else (row, vmem)
-        return pltpu.make_async_copy(src, dst, self.sem.at[int(out), s])
+    def copies(self, slot, r0, rows, u, s, out):
+        """The DMAs of unit u's states of rows r0 .. r0 + rows - 1 into (or out of) VMEM slot s:
+        one for a single row or a single head per row, else one per row."""
+        hbm = self.state_out if out else self.state
+        buf = (self.s_out if out else self.s_in).at[s]
+        if rows == 1 or self.per == 1:
+            heads = pl.ds(u * self.per, self.per) if rows == 1 else u
+            pairs = [(buf.at[pl.ds(0, rows * self.per)], hbm.at[slot, r0 if rows == 1 else pl.ds(r0, rows), heads])]
+        else:
+            pairs = [(buf.at[pl.ds(b * self.per, self.per)], hbm.at[slot, r0 + b, pl.ds(u * self.per, self.per)]) for b in range(rows)]
+        return [pltpu.make_async_copy(*((v, h) if out else (h, v)), self.sem.at[int(out), s]) for v, h in pairs]
 
-    def update(self, row, u, s, q, k, v, g, beta, out):
-        """The slot's heads; decay, k and q as lane-broadcast [dk, dv] matrices (`broadcast_rows`)."""
+    def block(self, x, r0, rows, u, width, key):
+        """[per * rows, width]: row p * rows + b is row r0 + b of x at the columns of head u*per + p
+        (of its key head if `key`)."""
+        def cols(p):
+            h = u * self.per + p
+            return head_cols(h // self.group if key else h, width)
+
+        return jnp.concatenate([x[r0 : r0 + rows, cols(p)] for p in range(self.per)], axis=0)
+
+    def columns(self, r0, rows, u, q, k, g):
+        """Unit u's k, q (and decay) blocks as `broadcast_columns`: computed an iteration ahead, so
+        that the MXU starts on a slot's broadcasts as soon as its states are in."""
+        dk = self.s_in.shape[2]
+        blocks = [self.block(k, r0, rows, u, dk, True), self.block(q, r0, rows, u, dk, True)]
+        if not self.scalar_decay:
+            blocks.append(jnp.exp(self.block(g, r0, rows, u, dk, False)))
+        return tuple(broadcast_columns(x) for x in blocks)
+
+    def update(self, r0, rows, u, s, cols, q, k, v, g, beta, out):
+        """The slot's states; their decay, k and q lane-broadcast from `cols` (`broadcast_row`)."""
         dk, dv = self.s_in.shape[2], self.s_in.shape[3]
-        for j in range(self.per):
-            h = u * self.per + j
-            kc, vc = head_cols(h // self.group, dk), head_cols(h, dv)
+        n = rows * self.per
+        kb, qb = self.block(k, r0, rows, u, dk, True), self.block(q, r0, rows, u, dk, True)
+        vb = self.block(v, r0, rows, u, dv, False)
+        qk = jnp.sum(qb * kb, axis=1, keepdims=True)  # [n, 1]: q.k per state
+        for i in range(n):
+            b, p = i // self.per, i % self.per
+            h, j, row = u * self.per + p, p * rows + b, r0 + b
             if self.scalar_decay:
-                (k_b, q_b), s1 = broadcast_rows([k[row, kc], q[row, kc]], dv), self.s_in[s, j] * jnp.exp(lane_pick(g[row, :], h))
+                d = jnp.exp(lane_pick(g[row : row + 1, :], h))
             else:
-                d_b, k_b, q_b = broadcast_rows([jnp.exp(g[row, head_cols(h, dk)]), k[row, kc], q[row, kc]], dv)
-                s1 = self.s_in[s, j] * d_b
-            ks = jnp.sum(s1 * k_b, axis=0, keepdims=True)  # [1, dv]: S'^T k
-            qs = jnp.sum(s1 * q_b, axis=0, keepdims=True)  # S'^T q, beside S'^T k: o = S^T q = S'^T q + (q.k) u
-            upd = lane_pick(beta[row, :], h) * (v[row, vc] - ks)
-            self.s_out[s, j] = s1 + k_b * upd
-            out[row, vc] = qs + jnp.sum(q[row, kc] * k[row, kc], axis=1, keepdims=True) * upd
+                d = broadcast_row(cols[2], n, j, dv)
+            s1 = self.s_in[s, i] * d
+            kj = broadcast_row(cols[0], n, j, dv)
+            ks = sum_rows(s1 * kj)  # [1, dv]: S'^T k
+            qs = sum_rows(s1 * broadcast_row(cols[1], n, j, dv))  # S'^T q, beside S'^T k: o = S'^T q + (q.k) u
+            upd = lane_pick(beta[row : row + 1, :], h) * (vb[j : j + 1] - ks)
+            self.s_out[s, i] = s1 + kj * upd
+            out[row : row + 1, head_cols(h, dv)] = qs + qk[j : j + 1] * upd
+
+    def run(self, slot, r0, rows, q, k, v, g, beta, out):
+        """The pipeline over the heads' slots for rows r0 .. r0 + rows - 1."""
+        n, slots = self.units, self.slots
+
+        def start(i, s, out_):
+            for c in self.copies(slot, r0, rows, i, s, out_):
+                c.start()
+
+        def wait(s, out_):
+            for c in self.copies(slot, r0, rows, 0, s, out_):
+                c.wait()
+
+        for i in range(min(slots - 1, n)):
+            start(i, i, False)
+
+        def step(i, carry):
+            s, cols = carry
+            ahead = jnp.where(s == 0, slots - 1, s - 1)  # the slot of i + slots - 1
+            when(i + slots - 1 < n, lambda: start(i + slots - 1, ahead, False))
+            wait(s, False)
+            when(i >= slots, lambda: wait(s, True))  # the write-back that last used it
+            self.update(r0, rows, i, s, cols, q, k, v, g, beta, out)
+            start(i, s, True)
+            following = jnp.minimum(i + 1, n - 1)  # the last iteration's are not used
+            return jnp.where(s == slots - 1, 0, s + 1), self.columns(r0, rows, following, q, k, g)
+
+        first = (jnp.int32(0), self.columns(r0, rows, 0, q, k, g))
+        if n == 1:
+            step(0, first)
+        else:
+            jax.lax.fori_loop(0, n, step, first)
+        for i in range(max(0, n - slots), n):
+            wait(i % slots, True)
 
     def __call__(self, slot, q, k, v, g, beta, out):
-        n, slots, units = self.batch * self.units, self.slots, self.units
         out[...] = jnp.zeros(out.shape, F32)
-        for i in range(min(slots - 1, n)):
-            self.copy(slot, i, i, out=False).start()
-
-        def step(b, u, carry):
-            i = b * units + u
-            s = i % slots
-            when(i + slots - 1 < n, lambda: self.copy(slot, i + slots - 1, (i + slots - 1) % slots, out=False).start())
-            self.copy(slot, 0, s, out=False).wait()
-            when(i >= slots, lambda: self.copy(slot, 0, s, out=True).wait())  # the write-back that last used it
-            self.update(slice(b, b + 1), u, s, q, k, v, g, beta, out)  # rows static: a dynamic row load is unaligned
-            self.copy(slot, i, s, out=True).start()
-            return carry
-
-        for b in range(self.batch):
-            if units == 1:
-                step(b, 0, 0)
-            else:
-                jax.lax.fori_loop(0, units, lambda u, c, b=b: step(b, u, c), 0)
-        for i in range(max(0, n - slots), n):
-            self.copy(slot, 0, i % slots, out=True).wait()
+        for r0 in range(0, self.batch, self.rows):
+            self.run(slot, r0, min(self.rows, self.batch - r0), q, k, v, g, beta, out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -2539,8 +2651,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "conv0_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "conv1_buf": pltpu.VMEM((3, rows, 512), jnp.float32),
         "conv1_sem": pltpu.SemaphoreType.DMA((2, 3)),
-        "rule0_in": pltpu.VMEM((3, 2, 128, 128), jnp.float32),
-        "rule0_out": pltpu.VMEM((3, 2, 128, 128), jnp.float32),
+        "rule0_in": pltpu.VMEM((3, 8, 128, 128), jnp.float32),
+        "rule0_out": pltpu.VMEM((3, 8, 128, 128), jnp.float32),
         "rule0_sem": pltpu.SemaphoreType.DMA((2, 3)),
         "v4_512_bf16": pltpu.VMEM((rows, 512), jnp.bfloat16),
         "v15_2048_bf16": pltpu.VMEM((rows, 2048), jnp.bfloat16),
@@ -2592,11 +2704,18 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             positions_ref[b] = positions_in[b]
 
         def decode_step(step, carry):  # one whole decode step; its drawn tokens feed the next
-            def issue(g, consumer=None):
+            def issue(g, consumer=None, part=None):
                 """Start the DMA of global tile g into bank g % RING_DEPTH (past the end: nothing).
                 `consumer`: the stream whose tile g - RING_DEPTH + 1 is being consumed, which narrows
-                the arms tile g may be (RING.ahead); None: any."""
-                arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
+                the arms tile g may be (RING.ahead); None: any. `part`: "own" when tile g is known to
+                be the consumer's own (one arm, never past the end), "beyond" when it is known to be
+                past them (RING.beyond)."""
+                if part == "own":
+                    arms, past = (RING.arms.index(dataclasses.replace(consumer, start=0)),), False
+                elif part == "beyond":
+                    arms, past = RING.beyond[consumer]
+                else:
+                    arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
                 ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
             attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=8, kv_heads=1, dk=256, dv=256, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.0625, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)

@@ -11,7 +11,7 @@ from mkdsl.ir import Model
 
 DELTA_SLOTS = 3  # recurrent-state slots in flight
 DELTA_SLOT_BYTES = 512 * 1024  # one slot's states at most: 3 read and 3 write slots stay within 3 MiB of VMEM
-DELTA_UNROLL = 16  # head updates unrolled per delta rule, over all rows of the largest batch (code size)
+DELTA_STATES = 8  # states per slot, updated together in one loop trip (one copy of their code per delta rule)
 KDA = ("runtime/kda.py.jinja",)  # the runtime part holding ShortConv, l2norm, kda_gate and DeltaRule
 
 
@@ -105,22 +105,33 @@ def _scalar_decay(at: Site) -> bool:
     return graph_value_type(at.graph, at.node.arg("g")).shape[1] == at.node.attr["heads"]
 
 
-def per_slot(heads: int, dk: int, dv: int, rows: int) -> int:
-    """Value heads of a row updated together in one slot: the most that divide `heads`, fit
-    DELTA_SLOT_BYTES and keep `rows` x heads unrolled within DELTA_UNROLL (the rows are unrolled
-    too: each unrolled head update is ~100 bundles of code per row, and the kernel's code is
-    capped), so the loop runs once per (row, slot)."""
-    fits = [
-        c
-        for c in range(1, heads + 1)
-        if heads % c == 0 and c * dk * dv * 4 <= DELTA_SLOT_BYTES and c * rows <= DELTA_UNROLL
-    ]
-    return max(fits, default=1)
+def slot_states(heads: int, dk: int, dv: int, rows: int) -> int:
+    """States a VMEM slot holds: as many (row, value head) states as fit DELTA_SLOT_BYTES, at most
+    DELTA_STATES (the loop body updates a slot's states together, one copy of their code each),
+    and no more than `rows` (the largest batch) x heads."""
+    return max(1, min(DELTA_SLOT_BYTES // (dk * dv * 4), DELTA_STATES, heads * rows))
+
+
+def slot_layout(heads: int, batch: int, states: int) -> tuple[int, int]:
+    """(rows, heads) of a slot at this batch, as the kernel's DeltaRule lays it out: all the rows
+    (up to `states`; more run as groups of rows) and the most heads that divide `heads` and fit."""
+    rows = min(batch, states)
+    return rows, max(c for c in range(1, heads + 1) if heads % c == 0 and c * rows <= states)
+
+
+def _rule_dmas(heads: int, batch: int, states: int) -> int:
+    """The DMAs of one step, each way: per slot one for a single row or a single head, else one per row."""
+    rows, per = slot_layout(heads, batch, states)
+    total = 0
+    for r0 in range(0, batch, rows):
+        n = min(rows, batch - r0)
+        total += (heads // per) * (1 if n == 1 or per == 1 else n)
+    return total
 
 
 def _rule_scratch(s: PlanContext, at: Site) -> dict:
     _, heads, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
-    slots = (DELTA_SLOTS, per_slot(heads, dk, dv, s.model.dims[0].high), dk, dv)
+    slots = (DELTA_SLOTS, slot_states(heads, dk, dv, s.model.dims[0].high), dk, dv)
     return {
         "in": (slots, "float32", f"recurrent states read ({DELTA_SLOTS} slots)", "VMEM"),
         "out": (slots, "float32", f"recurrent states written ({DELTA_SLOTS} slots)", "VMEM"),
@@ -129,9 +140,10 @@ def _rule_scratch(s: PlanContext, at: Site) -> dict:
 
 
 def _rule_traffic(s: PlanContext, at: Site) -> Traffic:
-    """Each row's states read and written, one DMA per slot each way."""
+    """Each row's states read and written, slot by slot (`_rule_dmas` each way)."""
     _, heads, dk, dv = s.model.tensor(at.node.arg("state").name).type.shape
-    return Traffic(s.cost(at).state_bytes, 2 * s.batch * (heads // per_slot(heads, dk, dv, s.model.dims[0].high)))
+    states = slot_states(heads, dk, dv, s.model.dims[0].high)
+    return Traffic(s.cost(at).state_bytes, 2 * _rule_dmas(heads, s.batch, states))
 
 
 def _rule_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
