@@ -41,12 +41,18 @@ const WIRE  = 1
 # planner takes within the core's 64 MiB at batch 8 (62.5 MiB planned; 22 would be 64.2), so the
 # cap is raised from its 58 MiB default to 64: libtpu compiles the 32-core kernel with it at batch
 # 1 and 8 and counts less VMEM than the planner, its own scratch included
-# (tests/test_kimi_sharded_compile.py prints both). `core` (one device, whole weights) keeps 4
-# banks under the same 64 MiB cap (60.6 MiB planned at batch 8: the delta rule's 8-state slots and
-# the short convolutions' buffers are larger there; tests/test_kimi_compile.py prints libtpu's figure).
+# (tests/test_kimi_sharded_compile.py prints both). `core` (one device, whole weights) keeps 3
+# banks under the same 64 MiB cap (the delta rule's 8-state slots, the short convolutions' buffers
+# and its 1024-token MLA tiles are larger there; tests/test_kimi_compile.py prints libtpu's figure).
 const RING  = 21
 const VCAP  = 64
-hints { wire_bf16 = WIRE  ring_depth = RING  vmem_cap_mib = VCAP }
+
+# MLA's latent cache tiles: 256 tokens. With all 96 heads on one core (`core`) the tile loop's fixed
+# part (the tile pushed into the MXU twice, the pops of both products) needs longer tiles to keep up
+# with its stream: 1024 tokens there (0.98x its stream at 1.9 GHz against 1.65x at 256; up to 1023
+# tokens read past each row's position, which the plan counts); 3 heads per core keep up at 256.
+const KVT   = 256
+hints { wire_bf16 = WIRE  ring_depth = RING  vmem_cap_mib = VCAP  kv_tile = KVT }
 
 # Derived sizes. Every device's slice of a weight is a whole number of 128-lane columns, so
 # weight tiles are lane aligned and no DMA is narrower than 128 lanes. Narrow projections are
@@ -92,8 +98,9 @@ profile core {
   L = 5
   EPN = 1
   TPN = 1
-  RING = 4
+  RING = 3
   VCAP = 64
+  KVT = 1024
 }
 
 # ---- embedding, output head, residual mixing

@@ -102,10 +102,16 @@ step(tokens, pos) {
 WKVB = "fp8_e4m3(block=128)"  # the MLA layer's w_kvb as DeepSeek-V3 ships it (bf16 MLA: the Kimi K3 tests)
 
 
-def run_checked(text: str, name: str, starts: list[int], tmp_path, seq_len: int = 64, steps: int = 2) -> dict:
-    """`steps` kernel steps from random caches, each checked layer by layer against the reference."""
+def run_checked(
+    text: str, name: str, starts: list[int], tmp_path, seq_len: int = 64, steps: int = 2, patch: dict | None = None
+) -> dict:
+    """`steps` kernel steps from random caches, each checked layer by layer against the reference;
+    `patch`: module constants to set before the step is built (e.g. a loop threshold)."""
     out, _ = compile_source(text, f"{name}.mk", None, None)
     module = verify.import_generated(out.files["kernel.py"], tmp_path, name)
+    for key, value in (patch or {}).items():
+        assert hasattr(module, key), key
+        setattr(module, key, value)
     checker = verify.LayerChecker(out.model)
     batch = len(starts)
     weights, state = random_params(out.model, {"B": batch, "S": seq_len}, 0)

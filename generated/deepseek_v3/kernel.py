@@ -1805,6 +1805,11 @@ class Attention:
 
 
 HEAD_GROUP = 8  # MLA heads per iteration of the absorption loops (their scalar work amortised)
+# Up to this many heads per device the absorption passes are unrolled: a head then takes about 83
+# bundles against its 82-cycle w_kvb block stream (Kimi K3 `core`, 96 heads, libtpu's schedule at
+# an assumed 1.9 GHz), where the head-group loop takes about 116 (1.43-1.48x). More heads: the loop,
+# for code size.
+MLA_UNROLL_HEADS = 128
 
 
 def when_static(cond, fn):
@@ -1881,10 +1886,12 @@ class LatentAttention:
 
     def each_head(self, body):
         """body(h, base, i) for every head h, the i-th of a group whose first column of q is `base`
-        (a multiple of 128): a fori_loop over groups of `group` heads, so the heads' code is not
-        unrolled `heads` times (code size); the heads past the last whole group, unrolled."""
+        (a multiple of 128): above MLA_UNROLL_HEADS heads a fori_loop over groups of `group` heads,
+        so the heads' code is not unrolled `heads` times (code size); the heads past the last whole
+        group, and every head of a device with fewer, unrolled."""
         g, step = self.group, self.group * (self.nope + self.extra)
-        groups = self.heads // g if self.vdim % 128 == 0 and self.heads >= 2 * g else 0  # else: few heads
+        loop = self.vdim % 128 == 0 and self.heads > MLA_UNROLL_HEADS and self.heads >= 2 * g
+        groups = self.heads // g if loop else 0  # else: few enough heads to unroll
 
         def run(k, carry):
             for i in range(g):
