@@ -1255,36 +1255,9 @@ class Comm:
         """One direct exchange over `mask`: send src_of(j) (an int32 [rows, width] ref) to the
         member with group index j, for every peer, into its slot for my group index; wait for
         the peers' messages and my sends. Returns (buffer, parity, slot width, my group index):
-        the message of member c is buffer[parity, 0:rows, c * W : c * W + width]."""
-        buf, rsem, ssem, count = self.groups[mask]
-        group = 1 << len(mask_bits(mask))
-        w = buf.shape[2] // group
-        assert width <= w and rows <= buf.shape[1] and (rows == 1 or rows % 8 == 0), (width, rows, buf.shape)
-        u = count[0]
-        count[0] = u + 1
-        par = jax.lax.rem(u, 2)
-        g = self.group_index(mask)
-
-        def copy(j, dd):  # my message to member g ^ dd lands in its slot g; member j's in my slot j
-            dst = buf.at[par, pl.ds(0, rows), pl.ds(pl.multiple_of(j * w, w), width)]
-            peer = self.idx ^ expand(mask, dd)
-            return pltpu.make_async_remote_copy(
-                src_of(g ^ dd),
-                dst,
-                ssem.at[dd],
-                rsem.at[par * group + j],
-                device_id=peer,
-                device_id_type=pl.DeviceIdType.LOGICAL,
-            )
-
-        sends = [copy(g, dd) for dd in range(1, group)]
-        for c in sends:
-            c.start()
-        for dd in range(1, group):
-            copy(g ^ dd, dd).wait_recv()
-        for c in sends:
-            c.wait_send()
-        return buf, par, w, g
+        the message of member c is buffer[parity, 0:rows, c * W : c * W + width]. The shared
+        exchange of `together` with one part."""
+        return self._direct_together([(mask, src_of, width, rows)])[0]
 
     def _received(self, got, c, width, rows, own):
         """Member c's message of the exchange `got` (buffer, parity, W, g), or `own` (mine)."""
@@ -1400,8 +1373,8 @@ class Comm:
 
     # ---------------------------------------------------------------- collectives ready together
     def _together_copy(self, part, j, dd):
-        """The DMA of one part of a shared exchange, as _direct's copy: my message to member
-        g ^ dd lands in its slot g of the part's mask; member j's lands in my slot j."""
+        """The DMA of one part of a direct exchange: my message to member g ^ dd lands in its slot
+        g of the part's mask; member j's lands in my slot j."""
         mask, src_of, width, rows, par, g = part
         buf, rsem, ssem, _ = self.groups[mask]
         group = 1 << len(mask_bits(mask))
@@ -1417,7 +1390,7 @@ class Comm:
         )
 
     def _direct_together(self, parts):
-        """ONE direct exchange over the union of several masks: parts are (mask, src_of, width,
+        """ONE direct exchange over the union of one or more masks: parts are (mask, src_of, width,
         rows) as _direct takes them, masks pairwise distinct. Every part's sends start, then every
         part's messages are waited for, then every send; each part uses its own mask's receive
         buffer, counter, parity and semaphores. Returns one (buffer, parity, W, g) per part."""
@@ -1426,7 +1399,7 @@ class Comm:
         for mask, src_of, width, rows in parts:
             buf, _, _, count = self.groups[mask]
             group = 1 << len(mask_bits(mask))
-            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and (rows == 1 or rows % 8 == 0), (width, buf.shape)
+            assert width <= buf.shape[2] // group and rows <= buf.shape[1] and (rows == 1 or rows % 8 == 0), (width, rows, buf.shape)
             u = count[0]
             count[0] = u + 1
             live.append((mask, src_of, width, rows, jax.lax.rem(u, 2), self.group_index(mask)))

@@ -511,7 +511,7 @@ def check_gathers(s: _State) -> None:
                 f"{what} is split over {', '.join(c.axes)} into {c.width} columns per device and gathered "
                 "whole: the TPU compiler exchanges whole 128-lane tiles only",
                 "pad the split dimension to a multiple of 128 x the devices it is split over and `slice` "
-                "the gathered value (specs/kimi_k3.mk pads `moe_down` to `LATP` so)",
+                "the gathered value (specs/kimi_k3.mk pads the router's columns to `EP` so)",
             )
         )
 

@@ -18,6 +18,11 @@ def _collective(em: EmitContext, at: Site):
     return c
 
 
+def _one_row(em: EmitContext, c):
+    """The collective a kernel built for batch 1 runs in c's place (Plan.one_row; c if none)."""
+    return next((o for o in em.plan.one_row if o.graph == c.graph and o.value == c.value), c)
+
+
 def _wire(c) -> str:
     return "BF16" if c.wire == "bf16" else "F32"
 
@@ -28,7 +33,7 @@ def _together(em: EmitContext, at: Site, c) -> dict:
     algorithms, Plan.one_row's beside it), the others nothing (their values are its outputs)."""
     if c.value != at.node.outputs[0].name:
         return dict(together=(), joined_to=c.value)
-    one = next((o for o in em.plan.one_row if o.graph == c.graph and o.value == c.value), c)
+    one = _one_row(em, c)
     wide, small = _members(em, at, c), _members(em, at, one)
     return dict(together=wide, one_row=small if small != wide else (), joined_to="")
 
@@ -60,7 +65,7 @@ def _reduce_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
     if c.joined:
         return _together(em, at, c)
     fused = [em.operand(at.graph, Ref("value", v)) for v in c.fused]
-    one = next((o for o in em.plan.one_row if o.graph == c.graph and o.value == c.value), c)
+    one = _one_row(em, c)
     return dict(
         together=(),
         joined_to="",
