@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from mkdsl import ready
 from mkdsl.diagnostics import SpecError
 from mkdsl.ir import Graph, Model
 from mkdsl.plan import collectives
@@ -43,16 +44,11 @@ class Lever:
 
 
 def _depends(g: Graph) -> dict[str, set[str]]:
-    """Value -> every value of g it is computed from (transitively)."""
-    out: dict[str, set[str]] = {}
-    for node in g.nodes:
-        deps = set()
-        for r in node.inputs:
-            if r.kind == "value":
-                deps |= {r.name, *out.get(r.name, ())}
-        for v in node.outputs:
-            out[v.name] = deps
-    return out
+    """Value -> every value of g it is computed from, transitively (mkdsl/ready.py's dependency
+    closure, which orders the ready-together collectives: one notion of "needs" for both)."""
+    needs = ready.closure(ready.direct_deps(g.nodes))
+    made = [{v.name for v in n.outputs} for n in g.nodes]
+    return {v: set().union(*(made[d] for d in needs[i])) for i, n in enumerate(g.nodes) for v in made[i]}
 
 
 def groups(g: Graph, found: list) -> list[list]:
