@@ -5,8 +5,9 @@ control-target marker such as `LB` for the first bundle of a loop body, `>` per 
 bundle's instructions in braces and region comments) and
 `*-final_hlo-static-per-bundle-utilization.txt` (per bundle, the slots used of each unit). A loop
 is the span from a bundle marked `LB` to the last bundle that branches back to a region that
-bundle starts. One bundle issues per cycle at most, so a loop's bundle count at an assumed clock
-is a floor on its compute time; the bytes it waits for (`dma.done.wait` amounts, in 32-byte
+bundle starts. One iteration issues the bundles of one path through the body (the longest feasible
+one is taken: mkdsl/bundle_paths.py), one bundle per cycle at most, so that count at an assumed
+clock is a floor on its compute time; the bytes it waits for (`dma.done.wait` amounts, in 32-byte
 granules) over the stream bandwidth is its stream time. Used by `mkdsl plan --static`.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from mkdsl.bundle_paths import longest_path, region_starts
 
 # One DMA granule is 32 bytes: the waits of mkdsl's streamed [K, N] bf16 tiles count K*N*2/32
 # (tests/test_bundles.py checks this on a committed dump against the plan's tile bytes).
@@ -64,13 +67,14 @@ class LoopTiming:
 
     address: int
     depth: int
-    bundles: int  # the whole body, nested loops counted once
-    self_bundles: int
+    bundles: int  # the whole body's longest path, nested loops counted once
+    self_bundles: int  # the longest path outside nested loops: what one iteration issues at most
+    code_bundles: int  # every bundle of the body outside nested loops (all branches)
     self_bytes: int  # bytes this body waits for, outside nested loops
     matmuls: int  # vmatmul instructions in the body outside nested loops
     binding_unit: str  # the unit busiest relative to its slots (outside nested loops)
     binding_use: float  # its fraction of slots used
-    compute_s: float  # self_bundles at the assumed clock
+    compute_s: float  # self_bundles (its longest path) at the assumed clock
     stream_s: float  # self_bytes at the stream bandwidth
 
     @property
@@ -134,6 +138,8 @@ def time_loops(
 ) -> list[LoopTiming]:
     """Each loop's bundles per iteration, bytes waited for, binding unit and times."""
     loops = find_loops(bundles)
+    texts = [b.text for b in bundles]
+    starts = region_starts(texts)
     out = []
     for loop in loops:
         nested = {i for k in loop.inner for i in range(loops[k].first, loops[k].last + 1)}
@@ -141,17 +147,19 @@ def time_loops(
         text = " ".join(bundles[i].text for i in mine)
         waited = sum(int(n) for n in _WAIT.findall(text)) * GRANULE_BYTES
         unit, use = _binding(util, mine)
+        path = longest_path(texts, loop.first, loop.last, set(mine), starts)
         out.append(
             LoopTiming(
                 address=bundles[loop.first].address,
                 depth=loop.depth,
-                bundles=loop.bundles,
-                self_bundles=len(mine),
+                bundles=longest_path(texts, loop.first, loop.last, set(range(loop.first, loop.last + 1)), starts),
+                self_bundles=path,
+                code_bundles=len(mine),
                 self_bytes=waited,
                 matmuls=len(_MATMUL.findall(text)),
                 binding_unit=unit,
                 binding_use=use,
-                compute_s=len(mine) / clock_hz,
+                compute_s=path / clock_hz,
                 stream_s=waited / stream,
             )
         )
@@ -178,13 +186,16 @@ def render_static(name: str, dump, timings: list[LoopTiming], total_bundles: int
         f"  times at an assumed {clock_hz / 1e9:.2f} GHz (one bundle per cycle at most: a floor) against a "
         f"{STREAM_BYTES_PER_S / 1e12:.2f} TB/s stream (measured ring of 2 MiB banks, one core)",
         "",
-        "| loop at | depth | bundles/iter | self | bytes/iter | compute us | stream us | compute/stream | binds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "bundles/iter: the longest path through one iteration (nested loops once; self: without them);"
+        " code: the body's bundles, every branch",
+        "",
+        "| loop at | depth | bundles/iter | self | code | bytes/iter | compute us | stream us | compute/stream | binds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in shown:
         ratio = f"{t.ratio:.2f}" + (" (compute-bound)" if t.ratio > 1 else "") if t.ratio is not None else "no stream"
         lines.append(
-            f"| {t.address:#x} | {t.depth} | {t.bundles} | {t.self_bundles} | {t.self_bytes} | "
+            f"| {t.address:#x} | {t.depth} | {t.bundles} | {t.self_bundles} | {t.code_bundles} | {t.self_bytes} | "
             f"{t.compute_s * 1e6:.3f} | {t.stream_s * 1e6:.3f} | {ratio} | {t.binding_unit} {t.binding_use:.0%} |"
         )
     hidden = len(timings) - len(shown)

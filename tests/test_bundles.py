@@ -45,7 +45,7 @@ def test_loops_nest_and_the_kv_tile_loop_waits_for_one_k_and_one_v_tile():
     assert kv.self_bytes == 2 * kv_tile * dk * 2
     assert kv.matmuls > 0 and kv.self_bundles == kv.bundles
     outer = timings[found[layer.first].address]
-    assert outer.self_bundles == layer.bundles - sum(loops[k].bundles for k in layer.inner)
+    assert outer.code_bundles == layer.bundles - sum(loops[k].bundles for k in layer.inner)
 
 
 def test_times_follow_the_stated_clock_and_stream():
@@ -68,7 +68,7 @@ def test_plan_static_compiles_tiny_and_reports_its_loops():
     assert done.returncode == 0, done.stderr
     assert "tpu7x:2x2x1" in done.stdout and "MB generated code" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 0x")]
-    waited = [int(r.split("|")[5]) for r in rows]
+    waited = [int(r.split("|")[6]) for r in rows]
     assert any(n > 0 for n in waited), "the KV tile loop waits for its tiles"
 
 
