@@ -19,6 +19,7 @@ from mkdsl.diagnostics import Diagnostic, SpecError
 from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.ops import OPS, Operand, OpError
 from mkdsl.ops.collective import GATHER_SPLITS, SUM_PARTIALS, TAKE_MINE
+from mkdsl.overlap import order_independent
 from mkdsl.ready import order_ready_together
 
 
@@ -70,10 +71,11 @@ def is_sharded(model: Model) -> bool:
 
 def shard(model: Model) -> Model:
     """The per-device model: local shapes and attributes, collectives inserted, then the
-    collectives ready together moved next to each other (mkdsl/ready.py)."""
+    collectives ready together moved next to each other (mkdsl/ready.py), then the nodes that need
+    none of a group of collectives right after it (mkdsl/overlap.py: they run while it exchanges)."""
     if not is_sharded(model):
         return model
-    return order_ready_together(_Sharder(model).run())
+    return order_independent(order_ready_together(_Sharder(model).run()))
 
 
 class _Sharder:

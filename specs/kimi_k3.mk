@@ -67,6 +67,7 @@ const QB    = (QH + 127) // 128 * 128                     # ... padded
 const KVP   = (KVR + XK + 127) // 128 * 128               # MLA kv down-projection, padded
 const EP    = (E + EPN * 128 - 1) // (EPN * 128) * (EPN * 128)      # router columns, padded
 const FDP   = (FD + DEV * 128 - 1) // (DEV * 128) * (DEV * 128)    # dense MLP width, padded
+const LATW  = (LAT // TPN + 511) // 512 * 512                 # moe_down columns per device, padded
 const FSP   = (FS + DEV * 128 - 1) // (DEV * 128) * (DEV * 128)    # shared experts, padded
 
 dim B in 1 .. 8         # rows decoded together
@@ -157,10 +158,16 @@ weight moe_bias:    f32[E]              per layer(kda_moe, mla_moe)
 # gather (3 peers) and the router's (over ep, 7 peers) come from x alone and run as one exchange
 # (the shard pass's ready-together step); split over ep instead (padded to whole 128-lane slices
 # per device, which the TPU compiler needs for the gather) both gathers would go over ep and could
-# not share a phase: 3531.6 / 7912.7 us at batch 1 / 8 against 3511.9 / 7763.6 us this way.
+# not share a phase: 3531.6 / 7912.7 us at batch 1 / 8 against 3511.9 / 7763.6 us this way (before
+# the padding below).
+# Each device's 896 columns are stored in a block of LATW = 1024 (zeros last; `compact` drops them
+# before the gather): 896 has no 128-lane divisor above 128, so unpadded it streamed as 28
+# [1792, 128] tiles, whose loop libtpu schedules at 0.89x their stream, against 0.38x for the
+# [1792, 512] tiles of 1024 (`mkdsl plan --static`, 1.9 GHz; 14% more bytes, which land during
+# the exchanges).
 # `mla_wqa`, `mla_wkva` and `kda_wfa` stay whole: with this ring each split costs more in
 # exchanges than its bytes save (`mla_wqa` over tp: +58 us; it was -19 us with 13 banks).
-weight moe_down:    bf16[H, LAT @tp]        per layer(kda_moe, mla_moe)
+weight moe_down:    bf16[H, TPN*LATW @tp]   per layer(kda_moe, mla_moe)
 weight moe_w1:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
 weight moe_w3:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
 weight moe_w2:      mxfp4[E @ep, FE @tp, LAT]   per layer(kda_moe, mla_moe)
@@ -200,7 +207,8 @@ block expert_act(g, u) {
 
 block moe(x) {
   w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
-  r = moe_experts(linear(x, moe_down), w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
+  r = moe_experts(compact(linear(x, moe_down), block=LATW, keep=LAT // TPN), w, ids, moe_w1, moe_w3,
+                  moe_w2, act=expert_act)
   shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
   return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
 }

@@ -13,7 +13,8 @@ kernel built for batch 1). The receive slots are NaN-filled before the entry bar
 write not ordered after it is a race). Checks: the shared exchanges give the same bits as the
 plain methods (all rows, including the rows past the wire: an all-reduce keeps its partial
 there, an all-gather zeroes them), the all-gathers equal the group's slices in group-index
-order, no race, no NaN.
+order, no race, no NaN; the work run `during` the first one (it overwrites the buffer that exchange
+gathers from, as a window reusing a dead input would) is right and leaves the gather right.
 
 A deliberately broken copy of the runtime (the members' messages staged over each other's
 columns) must fail the same checks.
@@ -37,6 +38,10 @@ ROWS = 16  # padded rows; rows on the wire: 8 (batches 2-8; rows 8-15 never trav
 GW, W = 128, 256  # all-gather slice width; all-reduce width
 INS = {"a": GW, "b": GW, "c": W, "d": W, "t": W}  # a: gathered over tp, b: over ep; c summed over ep, d tp, t all
 OUTS = {"GA": GW * 2, "GB": GW * 4, "RC": W, "RD": W, "RT": W, "GE": GW * 4}  # shared; U* by the plain methods
+# Written by the work run `during` the first shared exchange (mkdsl/overlap.py's windows): A2 holds a
+# copy of `a` that exchange gathers, overwritten during it (a window may reuse a collective's dead
+# input buffer: inputs are staged before the sends start); DA is computed during it.
+DURING = {"A2": GW, "DA": GW}
 
 
 def load_runtime(comm_path: Path) -> dict:
@@ -62,7 +67,14 @@ def body_of(r, comm):
     tp, ep, every = comm.mask("tp"), comm.mask("ep"), comm.mask()
 
     def body(it, carry):
-        comm.together((("gather", r.a.at[it], r.GA.at[it], tp, F32), ("gather", r.b.at[it], r.GB.at[it], ep, F32)))
+        r.A2[it] = r.a[it]
+
+        def during():
+            r.DA[it] = r.a[it] * 2.0 + 1.0
+            r.A2[it] = jnp.full(r.A2.shape[1:], -1.0, F32)
+
+        shared = (("gather", r.A2.at[it], r.GA.at[it], tp, F32), ("gather", r.b.at[it], r.GB.at[it], ep, F32))
+        comm.together(shared, during=during)
         comm.together((("rs_ag", r.c.at[it], r.RC.at[it], ep, BF16), ("oneshot", r.d.at[it], r.RD.at[it], tp, F32)))
         comm.together(
             (
@@ -91,7 +103,7 @@ def build(ns: dict, mesh, interpret, wire_rows: int):
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import PartitionSpec as P  # noqa: N817
 
-    outs = {**OUTS, **{"U" + k: n for k, n in OUTS.items()}}
+    outs = {**OUTS, **{"U" + k: n for k, n in OUTS.items()}, **DURING}
     tp, ep = (ns["axis_mask"](AXES, SIZES, (a,)) for a in ("tp", "ep"))
     slots = {tp: W, ep: 128}  # tp (bit 0): the one-shot's whole 256 columns; ep: 128-lane slices, bf16 chunks
     # Widest staging: the second shared phase, 4 bf16 chunks of 128 lanes over ep beside 256 over tp.
@@ -164,6 +176,8 @@ def failures(res, wire_rows: int) -> list[str]:
             out.append(f"{k}: NaN")
         elif not np.array_equal(got.view(np.int32), plain.view(np.int32)):
             out.append(f"{k}: shared exchange differs from the plain method")
+    if not np.array_equal(res["out_DA"], res["in_a"] * np.float32(2) + np.float32(1)):
+        out.append("DA: the work run during the exchange is wrong")
     for k, src, mask in (("GA", "a", 0b001), ("GB", "b", 0b110), ("GE", "b", 0b110)):
         x = res[f"in_{src}"]
         for d in range(8):

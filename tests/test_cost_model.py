@@ -131,7 +131,7 @@ def test_loops_are_matched_to_ops_by_the_bytes_one_iteration_waits_for():
     assert "linear:wq" in by_tile[wq.tk * wq.tn * 2] and "linear:wq" in by_tile[wq.k * wq.tn * 2]  # a tile, a block
 
     def loop(address, nbytes, ratio):  # 100 bundles, the same number in its own body
-        return LoopTiming(address, 2, 100, 100, nbytes, 0, "VALU", 0.5, ratio * 1e-6, 1e-6)
+        return LoopTiming(address, 2, 100, 100, 100, nbytes, 0, "VALU", 0.5, ratio * 1e-6, 1e-6)
 
     found, skipped = static_costs.ratios(model, plan, [loop(1, experts, 2.0), loop(2, latent, 9.0), loop(3, 7, 5.0)])
     assert found == {"moe_experts": 2.0, "mla_attention": 9.0}

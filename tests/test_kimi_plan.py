@@ -118,9 +118,11 @@ def test_sixteen_chip_figures_beside_the_public_ones(plan, printed):
     assert m and float(m[1]) == pytest.approx(t.modeled_us, abs=0.05)  # printed .1f: half of 0.1
     assert t.comm_us > 0 and plan.exchange_phases > 0
     # The step is the dispatch plus every phase in order: the phases' charges add up to it (the same
-    # float64 terms in another order: ~1e-15), and the exchanges are charged whole.
+    # float64 terms in another order: ~1e-15), and the exchanges are charged whole but for the time
+    # the shared experts run during the router's and the latent's gather (mkdsl/overlap.py).
     assert t.modeled_us == pytest.approx(t.fixed_us + sum(p.us for p in plan.phases), rel=1e-9)
-    assert sum(p.comm_us for p in plan.phases) == pytest.approx(t.comm_us, rel=1e-9)
+    assert sum(p.comm_us for p in plan.phases) == pytest.approx(t.comm_us - t.during_us, rel=1e-9)
+    assert 0 < t.during_us < t.comm_us
     m = re.search(r"^\| weight \+ state bytes per core per step \| ([0-9.]+ [KMG]?B) \|$", section, re.M)
     assert m and parse_bytes(m[1]) == pytest.approx(
         plan.weight_bytes + plan.state_bytes, rel=0.005

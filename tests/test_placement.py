@@ -91,8 +91,9 @@ def test_a_gathered_slice_narrower_than_whole_lane_tiles_is_a_diagnostic(tmp_pat
     from mkdsl.diagnostics import SpecError
 
     text = (ROOT / "specs/kimi_k3.mk").read_text(encoding="utf-8")
-    assert "bf16[H, LAT @tp]" in text
-    text = text.replace("bf16[H, LAT @tp]", "bf16[H, LAT @ep]")
+    padded, compacted = "bf16[H, TPN*LATW @tp]", "compact(linear(x, moe_down), block=LATW, keep=LAT // TPN)"
+    assert padded in text and compacted in text
+    text = text.replace(padded, "bf16[H, LAT @ep]").replace(compacted, "linear(x, moe_down)")
     path = tmp_path / "kimi_unpadded.mk"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(SpecError, match="over `moe_down` is split over ep into 64 columns per device"):

@@ -1201,6 +1201,7 @@ class Comm:
     pltpu.CompilerParams(collective_id=...)), then any sequence of all_reduce* / all_gather /
     argmax, the same sequence on every device (masks and shapes static). Values are f32
     [rows, n], n a multiple of 128; only their first `self.rows` rows (the stage's) are exchanged.
+    Every collective takes `during`: a function run while its first phase's messages travel.
     """
 
     def __init__(self, r, *, axes, sizes, prefix="comm_"):
@@ -1251,13 +1252,13 @@ class Comm:
         pl.semaphore_wait(barrier, len(peers))
 
     # ---------------------------------------------------------------- one direct exchange
-    def _direct(self, mask, src_of, width, rows):
+    def _direct(self, mask, src_of, width, rows, during=None):
         """One direct exchange over `mask`: send src_of(j) (an int32 [rows, width] ref) to the
         member with group index j, for every peer, into its slot for my group index; wait for
         the peers' messages and my sends. Returns (buffer, parity, slot width, my group index):
         the message of member c is buffer[parity, 0:rows, c * W : c * W + width]. The shared
         exchange of `together` with one part."""
-        return self._direct_together([(mask, src_of, width, rows)])[0]
+        return self._direct_together([(mask, src_of, width, rows)], during)[0]
 
     def _received(self, got, c, width, rows, own):
         """Member c's message of the exchange `got` (buffer, parity, W, g), or `own` (mine)."""
@@ -1269,7 +1270,7 @@ class Comm:
         return x_ref if rows == x_ref.shape[0] else x_ref.at[pl.ds(0, rows)]
 
     # ---------------------------------------------------------------- building blocks
-    def _reduce_scatter(self, xs, cws, mask, wire):
+    def _reduce_scatter(self, xs, cws, mask, wire, during=None):
         """My chunks (columns g*cw ..) of the group's sums of the values xs ([rows, n] refs, chunk
         widths cws), in one phase: f32 [rows, cw] each, summed in group-index order, rounded to
         the wire type (so each equals what the peers receive). The message to member j holds
@@ -1282,7 +1283,7 @@ class Comm:
         for c in range(group):
             for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
                 self.stage[0:rows, c * mw + o : c * mw + o + m] = pack(chunk(x, c, cw), wire)
-        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(j * mw, 128), mw)], mw, rows)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(j * mw, 128), mw)], mw, rows, during)
         totals = [None] * len(xs)
         for c in range(group):
             msg = self._received(got, c, mw, rows, self.stage[0:rows, c * mw : (c + 1) * mw])
@@ -1310,7 +1311,7 @@ class Comm:
                     x[:, lo:hi] = unpack(msg[:, o : o + m], wire)[:, 0 : hi - lo]
 
     # ---------------------------------------------------------------- collectives
-    def all_reduce(self, x_ref, mask, wire=F32, fused=()):
+    def all_reduce(self, x_ref, mask, wire=F32, fused=(), during=None):
         """x_ref (f32 [rows, n], VMEM) <- its sum over the devices of `mask`, in place, in two
         direct phases: reduce-scatter (member c sums column chunk c, in group-index order) and
         all-gather of the sums. wire=BF16 sends bf16 (each partial rounded to bf16, added in
@@ -1320,9 +1321,9 @@ class Comm:
         xs = [self._rows(x) for x in (x_ref, *fused)]
         group = 1 << len(mask_bits(mask))
         cws = [chunk_width(x.shape[1], group, wire) for x in xs]
-        self._gather_chunks(self._reduce_scatter(xs, cws, mask, wire), xs, cws, mask, wire)
+        self._gather_chunks(self._reduce_scatter(xs, cws, mask, wire, during), xs, cws, mask, wire)
 
-    def all_reduce_oneshot(self, x_ref, mask, wire=F32, fused=()):
+    def all_reduce_oneshot(self, x_ref, mask, wire=F32, fused=(), during=None):
         """all_reduce in one direct phase: every device sends its whole partial to every peer and
         adds the group's partials in group-index order (the same order everywhere, so every
         device ends with the same bits). Fewer phases, G - 1 times the bytes. fused: more refs
@@ -1335,7 +1336,7 @@ class Comm:
         mw = sum(mws)
         for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
             self.stage[0:rows, o : o + m] = pack(chunk(x, 0, cw), wire)
-        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, mw)], mw, rows)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, mw)], mw, rows, during)
         totals = [None] * len(xs)
         for c in range(1 << len(mask_bits(mask))):
             msg = self._received(got, c, mw, rows, self.stage[0:rows, 0:mw])
@@ -1345,7 +1346,7 @@ class Comm:
         for x, t in zip(xs, totals, strict=True):
             x[...] = t[:, 0 : x.shape[1]]
 
-    def all_reduce_hier(self, x_ref, mask, wire=F32, inner=None):
+    def all_reduce_hier(self, x_ref, mask, wire=F32, inner=None, during=None):
         """all_reduce chip first: the lowest bit of `mask` (bit 0: the chip's two cores) reduce-
         scatters the two halves of the columns, the rest of the mask all-reduces the kept half
         (method `inner`, default all_reduce), and the pair all-gathers the halves back. Needs the
@@ -1355,17 +1356,17 @@ class Comm:
         low = mask & -mask
         cw = chunk_width(n, 2, wire)
         half = self.half.at[pl.ds(0, rows), pl.ds(0, cw)]
-        (half[...],) = self._reduce_scatter([x], [cw], low, wire)
+        (half[...],) = self._reduce_scatter([x], [cw], low, wire, during)
         (getattr(self, inner) if inner else self.all_reduce)(half, mask ^ low, wire)
         self._gather_chunks([half[...]], [x], [cw], low, wire)
 
-    def all_gather(self, x_ref, out_ref, mask):
+    def all_gather(self, x_ref, out_ref, mask, during=None):
         """out_ref (f32 [rows, n * G]) <- the group's x_ref (f32 [rows, n]) by group index, in one
         direct phase, f32 on the wire (exact). Rows past self.rows of out_ref are zeroed."""
         x = self._rows(x_ref)
         rows, n = x.shape
         self.stage[0:rows, 0:n] = pack(x[...], F32)
-        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, n)], n, rows)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, n)], n, rows, during)
         for c in range(1 << len(mask_bits(mask))):
             out_ref[0:rows, c * n : (c + 1) * n] = unpack(self._received(got, c, n, rows, self.stage[0:rows, 0:n]), F32)
         if rows < out_ref.shape[0]:
@@ -1389,11 +1390,14 @@ class Comm:
             device_id_type=pl.DeviceIdType.LOGICAL,
         )
 
-    def _direct_together(self, parts):
+    def _direct_together(self, parts, during=None):
         """ONE direct exchange over the union of one or more masks: parts are (mask, src_of, width,
         rows) as _direct takes them, masks pairwise distinct. Every part's sends start, then every
         part's messages are waited for, then every send; each part uses its own mask's receive
-        buffer, counter, parity and semaphores. Returns one (buffer, parity, W, g) per part."""
+        buffer, counter, parity and semaphores. Returns one (buffer, parity, W, g) per part.
+        during: a function run between the sends' starts and the waits (the planner's window of
+        nodes that need none of the exchange, mkdsl/overlap.py); it must not touch the comm
+        scratch, whose stage the sends read."""
         assert len({p[0] for p in parts}) == len(parts), "one part per mask in a shared exchange"
         live = []
         for mask, src_of, width, rows in parts:
@@ -1406,6 +1410,8 @@ class Comm:
         sends = [self._together_copy(p, p[5], dd) for p in live for dd in range(1, 1 << len(mask_bits(p[0])))]
         for c in sends:
             c.start()
+        if during is not None:  # work that needs none of this exchange runs while its messages travel
+            during()
         for p in live:
             for dd in range(1, 1 << len(mask_bits(p[0]))):
                 self._together_copy(p, p[5] ^ dd, dd).wait_recv()
@@ -1468,7 +1474,7 @@ class Comm:
         width = -(-(chunks * mw) // 128) * 128
         return (part, src_of, mw, rows), width, finish
 
-    def together(self, members):
+    def together(self, members, during=None):
         """Collectives ready together (none needs another's result): their first phases as ONE
         direct exchange over the union of their masks, then each one's later phases in member
         order. members: (kind, x_ref, out_ref, mask, wire[, inner]); kind "gather": out
@@ -1486,7 +1492,7 @@ class Comm:
             part, width, finish = self._stage_member(kind, x_ref, out_ref, mask, wire, off, *inner)
             staged.append((part, finish))
             off += width
-        gots = self._direct_together([part for part, _ in staged])
+        gots = self._direct_together([part for part, _ in staged], during)
         rest = [finish(got) for (_, finish), got in zip(staged, gots, strict=True)]
         for run in rest:
             if run is not None:

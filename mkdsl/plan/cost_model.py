@@ -14,7 +14,9 @@ flight ahead of the ops, at most `depth - 1` of the coming tiles. Then
     op on the ring     t = max(compute, (bytes - ahead) / bandwidth)   (the ring refills meanwhile)
     op-issued stream   t = max(compute, bytes / bandwidth)             (KV, state, experts, fetches)
     collective         t = its exchange phases, one after the other; the tiles already in flight
-                           land meanwhile (the kernel issues no new ones while it waits)
+                           land meanwhile (the kernel issues no new ones while it waits); the
+                           ops run during its first phase (mkdsl/overlap.py) take that phase's
+                           time off it, up to their own: the window lasts the longer of the two
     step               = dispatch / steps_per_call + the sum of every phase's t
 
 compute is the static schedule's when one is given for the op (compute / stream ratio from
@@ -25,7 +27,7 @@ whichever is larger.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mkdsl.plan import measured
 
@@ -48,6 +50,8 @@ class Phase:
     ring: bool = False  # streamed through the weight ring (tiles issued ahead by earlier ops)
     tile_bytes: int = 0  # one ring tile (ring phases)
     exchange_us: float = 0.0  # a collective: its exchange phases
+    overlap_us: float = 0.0  # a collective: its first phase, which the work after it may run under
+    during: bool = False  # runs while the collective before it exchanges (mkdsl/overlap.py)
 
     @property
     def stream_us(self) -> float:
@@ -150,10 +154,28 @@ def simulate(order: list[list[Phase]], slots: int) -> list[Charge]:
             nxt = float(flat[i].tile_bytes)
         caps[i] = slots * nxt
     ahead, out = 0.0, []
+    window: list | None = None  # [index of the collective's charge, its first phase's us, work under it]
     for p, cap in zip(flat, caps, strict=True):
         c, ahead = run_phase(p, ahead, cap)
+        if p.during and window is not None:
+            window[2] += c.stream_us + c.compute_us
+        else:
+            ahead = _close(out, window, ahead)
+            window = [len(out), p.overlap_us, 0.0] if p.exchange_us and p.overlap_us else None
         out.append(c)
+    _close(out, window, ahead)
     return out
+
+
+def _close(out: list[Charge], window: list | None, ahead: float) -> float:
+    """Charge a collective only the part of its first phase the work run during it leaves (the
+    window's time is the longer of the two), and take back the ring bytes both counted as landing."""
+    if window is None:
+        return ahead
+    at, first, work = window
+    overlap = min(first, work)
+    out[at] = replace(out[at], comm_us=out[at].comm_us - overlap)
+    return max(0.0, ahead - RING_RATE * overlap)
 
 
 def dispatch_us(steps_per_call: int) -> float:

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mkdsl import overlap
 from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites
 from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
 from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
@@ -59,6 +60,7 @@ class _State:
     scratch: dict = field(default_factory=dict)  # (graph, node index) -> OpScratch
     collectives: list = field(default_factory=list)  # collectives.Collective of every graph (sharded models)
     wide: list = field(default_factory=list)  # the collectives a kernel built for a batch above 1 runs
+    windows: tuple = ()  # (graph, collective value, node indices run during its first exchange): mkdsl/overlap.py
     one_row: list = field(default_factory=list)  # ... and one built for batch 1 (empty: the same as `wide`)
     hbm: int = 0  # bytes one device holds in HBM (largest batch, shortest cache)
     hbm_tokens: int = 0  # the longest cache that fits at the largest batch
@@ -163,6 +165,7 @@ def make_plan(
         wire=wire(model),
         collectives=tuple(s.collectives),
         one_row=tuple(s.one_row),
+        windows=s.windows,
         exchange_phases=phases,
         collective_id=0 if s.collectives else None,
         hbm_bytes=s.hbm,
@@ -481,6 +484,7 @@ def plan_collectives(s: _State) -> None:
     s.one_row = one if one and collectives.same_exchanges(one, s.wide) else []
     runs = s.one_row if s.batch == 1 and s.one_row else s.wide
     s.collectives = collectives.on_wire(runs, collectives.exchange_rows(s.batch))
+    s.windows = overlap.windows(m, s.collectives)
 
 
 def _allocate_step_loop(s: _State) -> None:

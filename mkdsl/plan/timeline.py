@@ -60,6 +60,7 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fu
     for it in items:
         by_node[it.node].append(it)
     exch = _exchanges(s)
+    during = {i for graph, _, run in getattr(s, "windows", ()) if graph == g.name for i in run}
     out = []
     fetched = sum(it.bytes for it in by_node.get(-1, ()))
     if fetched:
@@ -74,7 +75,22 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fu
             what = f"{c.label} of `{c.value}`"  # the algorithm the planner chose
             us = c.time_us() if fused is None else fused[g.name, c.value]
             if us:
-                out.append(Phase(g.name, what, node.span.line, node.op, 0, 1.0, 0.0, "", "", exchange_us=us))
+                first = c.phases[0].time_us() if c.phases else 0.0
+                out.append(
+                    Phase(
+                        g.name,
+                        what,
+                        node.span.line,
+                        node.op,
+                        0,
+                        1.0,
+                        0.0,
+                        "",
+                        "",
+                        exchange_us=us,
+                        overlap_us=min(first, us),
+                    )
+                )
             continue
         nbytes = sum(it.bytes for it in by_node.get(i, ()))
         st = s.stream_of(Site(g, i, node))
@@ -91,7 +107,22 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fu
         if nbytes or comp:
             what = next((it.what for it in by_node.get(i, ())), node.op)
             tile = nbytes // st.tiles if ring and st.tiles else 0
-            out.append(Phase(g.name, what, node.span.line, node.op, nbytes, rate / 1e6, comp, source, name, ring, tile))
+            out.append(
+                Phase(
+                    g.name,
+                    what,
+                    node.span.line,
+                    node.op,
+                    nbytes,
+                    rate / 1e6,
+                    comp,
+                    source,
+                    name,
+                    ring,
+                    tile,
+                    during=i in during,
+                )
+            )
     return out
 
 
@@ -140,5 +171,6 @@ def model_step(s, items, slots: int, steps_per_call: int, static: dict | None, m
         modeled_us=modeled,
         comm_us=sum(p.exchange_us for p in phases),
         steps_per_call=steps_per_call,
+        during_us=sum(p.exchange_us for p in phases) - sum(c.comm_us for c in charges),
     )
     return timing, out

@@ -149,6 +149,7 @@ class Timing:
     modeled_us: float
     comm_us: float = 0.0  # exchange phases of the in-kernel collectives (sharded models)
     steps_per_call: int = 1
+    during_us: float = 0.0  # of comm_us, the time ops ran while an exchange travelled (mkdsl/overlap.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -184,6 +185,8 @@ class Plan:
     wire: str = "f32"  # what all-reduces send between devices
     collectives: tuple = ()  # collectives.Collective per graph
     one_row: tuple = ()  # the collectives a kernel built for batch 1 runs (picked for 1-row messages)
+    # (graph, collective value, node indices): the nodes run while its first exchange travels (mkdsl/overlap.py)
+    windows: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
     exchange_phases: int = 0  # per step
     collective_id: int | None = None  # the barrier semaphore's id (sharded kernels)
     schedule_items: tuple[ScheduleItem, ...] = ()  # per run of their graph; they sum to schedule_bytes

@@ -126,13 +126,35 @@ class _Emitter:
         self.layer_var, self.waited = layer, set()
         names = roles.fetched_weights(self.m, Graph(g.name, g.params, tuple(node for _, node in nodes), (), g.span))
         starts = [f"{self.fetch_copy(name)}.start()" for name in names]
+        runs = self.windows(g)
+        inside = {j for run in runs.values() for j in run}
         out, last = [], None
         for idx, node in nodes:
-            n = self.lower_node(g, idx, node, seq)
+            if idx in inside:  # lowered into its collective's `during` function
+                continue
+            during = [self.lower_node(g, j, g.nodes[j], seq) for j in runs.get(idx, ())]
+            n = self.lower_node(g, idx, node, seq, during)
             n["comment"] = node.span.line != last
             last = node.span.line
             out.append(n)
         return starts, out
+
+    def windows(self, g: Graph) -> dict[int, tuple[int, ...]]:
+        """Index of the node whose code calls a collective -> the nodes run during its first
+        exchange (Plan.windows)."""
+        heads = {v: i for i, n in enumerate(g.nodes) for v in (n.outputs[0].name,) if n.outputs}
+        return {heads[value]: run for graph, value, run in self.plan.windows if graph == g.name}
+
+    @staticmethod
+    def during_def(name: str, records: list[dict]) -> list[str]:
+        """The function a collective runs while its first exchange travels: the window's code."""
+        lines, last = [f"def {name}():  # runs while the exchange's messages travel: needs none of it"], None
+        for n in records:
+            if n["line"] != last:
+                lines.append(f"    # spec line {n['line']}: {n['source']}")
+                last = n["line"]
+            lines += [f"    {line}" if line else "" for line in n["code"].rstrip("\n").split("\n")]
+        return lines
 
     def mask(self, axes) -> int:
         from mkdsl.plan.collectives import mask_of
@@ -159,13 +181,14 @@ class _Emitter:
             return f"pick_row(r.f_{name}, {self.slot_expr(name, self.layer_var)})"
         return f"r.f_{name}"
 
-    def lower_node(self, g: Graph, idx: int, node: Node, seq: str) -> dict:
-        """The node's record, from its op's lowering, and the kernel code its macro renders."""
-        pre: list[str] = []
+    def lower_node(self, g: Graph, idx: int, node: Node, seq: str, during: list[dict] | None = None) -> dict:
+        """The node's record, from its op's lowering, and the kernel code its macro renders;
+        `during`: the records of the nodes its collective runs while it exchanges."""
+        pre: list[str] = self.during_def(f"during_{idx}", during) if during else []
         at, lw = Site(g, idx, node), lowering_for(node.op)
         outs = [buffer_of(self.where, g, Ref("value", v.name)) for v in node.outputs]
         n = {"op": node.op, "line": node.span.line, "source": self.src.line(node.span.line), "pre": pre}
-        n.update(out=outs[0] if outs else None, outs=outs)
+        n.update(out=outs[0] if outs else None, outs=outs, during=f"during_{idx}" if during else "")
         self.seq = seq
         n.update(lw.record(self, at, [self.operand(g, r) for r in node.inputs], pre))
         macro = getattr(_env().get_template(lw.template).module, lw.macro)
