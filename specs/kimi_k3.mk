@@ -206,9 +206,9 @@ block expert_act(g, u) {
 }
 
 block moe(x) {
+  lat = compact(linear(x, moe_down), block=LATW, keep=LAT // TPN)  # first: its wide tiles land during the exchange before
   w, ids = route(sigmoid(slice(linear(x, moe_router), start=0, size=E)), moe_bias, k=TOPK)
-  r = moe_experts(compact(linear(x, moe_down), block=LATW, keep=LAT // TPN), w, ids, moe_w1, moe_w3,
-                  moe_w2, act=expert_act)
+  r = moe_experts(lat, w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
   shared = linear(situ(linear(x, shared_gate), linear(x, shared_up)), shared_down)
   return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
 }

@@ -37,6 +37,8 @@ Tolerances:
 from __future__ import annotations
 
 import functools
+import math
+from fractions import Fraction
 
 import jax
 import ml_dtypes
@@ -778,7 +780,12 @@ def test_costs():
             t(experts, 32, 64, dt=MXFP4),
         ]
         c = OPS["moe_experts"].cost(ins, [t(rows, 64)], {"beta": 4.0, "linear_beta": 25.0})
-        assert c.weight_bytes == min(rows * k, experts) * per_expert, (rows, k)  # distinct experts, at most E
+        # The expected distinct experts of `rows` uniform k-subsets of E: E (1 - (1 - k/E)^rows), whole
+        # bytes; one row uses exactly its k, more rows at most rows x k and at most E.
+        unused = Fraction(experts - k, experts) ** rows
+        assert c.weight_bytes == math.ceil(experts * (1 - unused) * per_expert), (rows, k)
+        assert c.weight_bytes <= min(rows * k, experts) * per_expert
+        assert rows > 1 or c.weight_bytes == k * per_expert
         assert c.flops == 2 * rows * k * 3 * 64 * 32 and c.state_bytes == 0
 
 

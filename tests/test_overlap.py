@@ -73,6 +73,8 @@ def test_work_during_an_exchange_hides_up_to_its_first_phase(work, hidden):
     assert [c.comm_us for c in charges] == pytest.approx([5.0 - hidden, 0, 0, 0])
     assert sum(c.compute_us for c in charges) == pytest.approx(work + 1.0)
     # Without the window, the same phases are charged in a row.
-    plain = cost_model.simulate([[_collective(5.0, 3.0), _op(work / 2, False), _op(work / 2, False), _op(1.0, False)]], 2)
+    plain = cost_model.simulate(
+        [[_collective(5.0, 3.0), _op(work / 2, False), _op(work / 2, False), _op(1.0, False)]], 2
+    )
     total = lambda cs: sum(c.stream_us + c.compute_us + c.comm_us for c in cs)  # noqa: E731
     assert total(plain) - total(charges) == pytest.approx(hidden)

@@ -8,6 +8,8 @@ by `moe_experts` itself. Both ops' lowering-time checks live here."""
 
 from __future__ import annotations
 
+import math
+
 from mkdsl.backends.tpu.lowering import (
     EmitContext,
     Lowering,
@@ -19,6 +21,7 @@ from mkdsl.backends.tpu.lowering import (
 from mkdsl.diagnostics import Diagnostic
 from mkdsl.ir import BlockAttr, Graph, Model, Node
 from mkdsl.ops import OPS
+from mkdsl.ops.moe import expected_experts
 
 EXPERT_TILE = 256  # expert columns per tile set (1.5 MB per set at K3 size: big DMAs, 5.7 MiB for 4 sets)
 EXPERT_SLOTS = 4  # tile sets in flight (the DMA engine round-robins: 4 beat 3, 5, 6 and 8 on TPU7x)
@@ -257,12 +260,13 @@ def _scratch(s: PlanContext, at: Site) -> dict:
 
 
 def _traffic(s: PlanContext, at: Site) -> Traffic:
-    """The distinct experts chosen (as the op's cost counts them), in tile sets of one DMA per piece."""
+    """The expected distinct experts chosen (as the op's cost counts them, rounded up), in tile
+    sets of one DMA per piece."""
     node = at.node
     e, d, f, dp, fp = expert_dims(s.model, node)
     total_e = node.attr.get("experts_total", e)
     k = s.type_of(at.graph, node.arg("ids")).shape[1]  # ids are [B, k]
-    experts = -(-min(total_e, s.batch * k) * e // total_e)
+    experts = math.ceil(expected_experts(s.batch, k, e, total_e))
     tn, _, _ = moe_tiling(s.model, node)
     pieces = len(PIECES.get(expert_format(s.model, node), PIECES["mxfp4"]))
     moved = s.cost(at).weight_bytes * dp * fp // (d * f)  # the padded tiles move whole
