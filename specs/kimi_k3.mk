@@ -165,8 +165,8 @@ weight moe_bias:    f32[E]              per layer(kda_moe, mla_moe)
 # [1792, 128] tiles, whose loop libtpu schedules at 0.89x their stream, against 0.38x for the
 # [1792, 512] tiles of 1024 (`mkdsl plan --static`, 1.9 GHz; 14% more bytes, which land during
 # the exchanges).
-# `mla_wqa`, `mla_wkva` and `kda_wfa` stay whole: with this ring each split costs more in
-# exchanges than its bytes save (`mla_wqa` over tp: +58 us; it was -19 us with 13 banks).
+# `mla_wqa`, `mla_wkva` and `kda_wfa` stay whole: split by rows over tp the first two save 62 / 38 us
+# with libtpu's schedule as compute and cost 49 / 71 us with the estimate (`mkdsl plan --levers`).
 weight moe_down:    bf16[H, TPN*LATW @tp]   per layer(kda_moe, mla_moe)
 weight moe_w1:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
 weight moe_w3:      mxfp4[E @ep, LAT, FE @tp]   per layer(kda_moe, mla_moe)
