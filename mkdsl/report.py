@@ -142,6 +142,7 @@ def _phases(model: Model, plan: Plan) -> list[str]:
             "|---|---|---|---|---|---|",
         ]
         streams = {st.node: st for st in seq.streams}
+        during = {i: value for graph, value, run in plan.windows if graph == seq.name for i in run}
         nodes = g.nodes
         if seq.name == "epilogue":
             cut = next((i for i, n in enumerate(nodes) if n.op == "layers"), -1)
@@ -152,9 +153,10 @@ def _phases(model: Model, plan: Plan) -> list[str]:
             st = streams.get(n.outputs[0].name) if n.outputs else None
             w = f"`{st.tensor}` [{st.k}, {st.n}]" if st else ""
             tile = f"[{st.tk}, {st.tn}]" if st else ""
-            out.append(
-                f"| {i} | {n.op} -> `{n.outputs[0].name}` | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |"
+            op = f"{n.op} -> `{n.outputs[0].name}`" + (
+                f" (during the exchange of `{during[i]}`)" if i in during else ""
             )
+            out.append(f"| {i} | {op} | {n.span.line} | {w} | {tile} | {st.tiles if st else ''} |")
         out.append("")
     return out
 

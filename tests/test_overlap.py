@@ -78,3 +78,12 @@ def test_work_during_an_exchange_hides_up_to_its_first_phase(work, hidden):
     )
     total = lambda cs: sum(c.stream_us + c.compute_us + c.comm_us for c in cs)  # noqa: E731
     assert total(plain) - total(charges) == pytest.approx(hidden)
+
+
+def test_the_plan_report_marks_the_ops_run_during_an_exchange(mini):
+    from mkdsl.report import render_plan
+
+    plan = make_plan(mini, 1, None)
+    rows = [line for line in render_plan(mini, plan, KIMI).splitlines() if "(during the exchange of" in line]
+    assert len(rows) == sum(len(run) for _, _, run in plan.windows) == 8  # 4 ops in each MoE layer kind
+    assert all("shared" in row or "situ" in row or "linear" in row for row in rows)
