@@ -55,7 +55,7 @@ def _exchanges(s) -> dict[tuple[str, str], object]:
 def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fused=None) -> list[Phase]:
     """The phases of one run of g (for the step: prologue and epilogue, split at `layers`).
     `fused`: (graph, value) -> exchange us replacing the collective's own (plan/levers.py)."""
-    m, step = s.model, g is s.model.step
+    step = g is s.model.step
     by_node = defaultdict(list)
     for it in items:
         by_node[it.node].append(it)
@@ -72,58 +72,46 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fu
             continue
         c = exch.get((g.name, node.outputs[0].name)) if node.outputs else None
         if c is not None and OPS[node.op].exchange:
-            what = f"{c.label} of `{c.value}`"  # the algorithm the planner chose
             us = c.time_us() if fused is None else fused[g.name, c.value]
             if us:
-                first = c.phases[0].time_us() if c.phases else 0.0
-                out.append(
-                    Phase(
-                        g.name,
-                        what,
-                        node.span.line,
-                        node.op,
-                        0,
-                        1.0,
-                        0.0,
-                        "",
-                        "",
-                        exchange_us=us,
-                        overlap_us=min(first, us),
-                    )
-                )
+                out.append(_collective_phase(g, node, c, us))
             continue
-        nbytes = sum(it.bytes for it in by_node.get(i, ()))
-        st = s.stream_of(Site(g, i, node))
-        ring = st is not None
-        weight = streamed_weight(node) if ring else None
-        int8 = weight is not None and m.tensor(weight.name).type.dtype.name == "int8"
-        op = OPS[node.op]
-        name, rate = cost_model.bandwidth(op.traffic_group, step, ring, int8)
-        stream_us = nbytes / rate * 1e6
-        key = f"{node.op}:{weight.name}" if weight is not None else node.op
-        flops = node_flops(s, g, i)
-        tokens = tokens_seen(s, node)
-        comp, source = cost_model.compute_us(node.op, flops, stream_us, s.batch, tokens, static, key, op.latency)
-        if nbytes or comp:
-            what = next((it.what for it in by_node.get(i, ())), node.op)
-            tile = nbytes // st.tiles if ring and st.tiles else 0
-            out.append(
-                Phase(
-                    g.name,
-                    what,
-                    node.span.line,
-                    node.op,
-                    nbytes,
-                    rate / 1e6,
-                    comp,
-                    source,
-                    name,
-                    ring,
-                    tile,
-                    during=i in during,
-                )
-            )
+        phase = _op_phase(s, g, i, by_node.get(i, ()), static, during=i in during)
+        if phase is not None:
+            out.append(phase)
     return out
+
+
+def _collective_phase(g: Graph, node, c, us: float) -> Phase:
+    """A collective's phase: `us` of exchanges, of which its first phase may hide work run during it."""
+    first = c.phases[0].time_us() if c.phases else 0.0
+    what = f"{c.label} of `{c.value}`"  # the algorithm the planner chose
+    return Phase(g.name, what, node.span.line, node.op, 0, 1.0, 0.0, "", "", exchange_us=us, overlap_us=min(first, us))
+
+
+def _op_phase(s, g: Graph, i: int, its_items, static: dict | None, during: bool) -> Phase | None:
+    """Node i's phase: the bytes it streams at their measured rate and its compute (None: neither)."""
+    node, step = g.nodes[i], g is s.model.step
+    nbytes = sum(it.bytes for it in its_items)
+    st = s.stream_of(Site(g, i, node))
+    ring = st is not None
+    weight = streamed_weight(node) if ring else None
+    int8 = weight is not None and s.model.tensor(weight.name).type.dtype.name == "int8"
+    op = OPS[node.op]
+    name, rate = cost_model.bandwidth(op.traffic_group, step, ring, int8)
+    stream_us = nbytes / rate * 1e6
+    key = f"{node.op}:{weight.name}" if weight is not None else node.op
+    flops = node_flops(s, g, i)
+    comp, source = cost_model.compute_us(
+        node.op, flops, stream_us, s.batch, tokens_seen(s, node), static, key, op.latency
+    )
+    if not (nbytes or comp):
+        return None
+    what = next((it.what for it in its_items), node.op)
+    tile = nbytes // st.tiles if ring and st.tiles else 0
+    return Phase(
+        g.name, what, node.span.line, node.op, nbytes, rate / 1e6, comp, source, name, ring, tile, during=during
+    )
 
 
 def step_order(s, items, static, fused=None) -> list[list[Phase]]:
