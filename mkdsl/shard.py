@@ -229,7 +229,10 @@ class _Sharder:
             if not isinstance(t.shape[-1], int) or t.shape[-1] % ways:
                 raise ShardError(f"`{ref.name}` has {t.shape[-1]} columns, which do not split {ways} ways")
             part = TensorType(t.dtype, (*t.shape[:-1], t.shape[-1] // ways))
-            name, t = self.emit(pre, at, TAKE_MINE, name, t, f"{ref.name}__mine", part, axes=want.axes, ways=ways)
+            mine = f"{ref.name}__mine"
+            if mine in types or any(mine == v.name for n in pre for v in n.outputs):  # sliced over other axes too
+                mine = f"{mine}_{'_'.join(want.axes)}"
+            name, t = self.emit(pre, at, TAKE_MINE, name, t, mine, part, axes=want.axes, ways=ways)
         else:
             raise ShardError(
                 f"operand {i + 1} (`{ref.name}`) is {have} but this op needs it {want}",

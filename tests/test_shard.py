@@ -472,3 +472,24 @@ def test_generated_module_exposes_per_device_layouts(tmp_path):
     for name, a in placed.items():
         shards = a.addressable_shards
         assert len(shards) == 8 and all(s.data.shape == local[name].shape for s in shards), name
+
+
+def test_one_value_sliced_over_two_sets_of_axes_gets_two_names(tmp_path):
+    """Kimi K3's MLA input `x` feeds `mla_wqa` (rows split over ep here) and `mla_wkva` (over tp):
+    two different slices of it, which once shared the name `x__mine` and broke the planner."""
+    from mkdsl.elaborate import load
+    from mkdsl.plan.planner import make_plan
+
+    text = (ROOT / "specs" / "kimi_k3.mk").read_text(encoding="utf-8")
+    for name, rows in (("mla_wqa", "QR]            per"), ("mla_wkva", "KVP]           per")):
+        old = f"weight {name}:{' ' * (5 if name == 'mla_wqa' else 4)}bf16[H, {rows}"
+        assert old in text, name
+        text = text.replace(old, old.replace("bf16[H, ", "bf16[H @ep, " if name == "mla_wqa" else "bf16[H @tp, "))
+    path = tmp_path / "kimi_two_slices.mk"
+    path.write_text(text, encoding="utf-8")
+    local = shard(load(str(path), "mini"))
+    mla = local.kind("mla_moe")
+    mine = {n.outputs[0].name: tuple(n.attr["axes"]) for n in mla.nodes if n.op == "shard_slice"}
+    names = [v for v in mine if v.startswith("rmsnorm__mine")]  # the slices of the MLA block's input
+    assert sorted(mine[v] for v in names) == [("ep",), ("tp",)], mine
+    make_plan(local, 1, None)  # once a planner assertion: one buffer name at two widths
