@@ -55,11 +55,17 @@ def _predicates(texts: list[str]) -> dict[str, tuple]:
     return out
 
 
-def _constrain(state: tuple, preds: dict, p: str, value: bool) -> tuple | None:
-    """`state` (sorted (register, lo, hi)) with predicate p known to be `value`; None: infeasible."""
+def _compare(preds: dict, p: str, value: bool = True) -> tuple[tuple | None, bool]:
+    """(the compare predicate p comes down to through its negations, or None; its value when p is `value`)."""
     d = preds.get(p)
     while d is not None and d[0] == "not":
         value, d = not value, preds.get(d[1])
+    return d, value
+
+
+def _constrain(state: tuple, preds: dict, p: str, value: bool) -> tuple | None:
+    """`state` (sorted (register, lo, hi)) with predicate p known to be `value`; None: infeasible."""
+    d, value = _compare(preds, p, value)
     if d is None:
         return state
     _, reg, op, c = d
@@ -85,8 +91,8 @@ def longest_path(texts: list[str], first: int, last: int, counted: set[int], sta
     branches = {i: b for i in range(first, last + 1) if (b := _branch_at(texts[i], i, last, starts))}
     last_use: dict[str, int] = {}  # register -> the last branch that tests it (its interval is dropped after)
     for i, (_, p, _) in branches.items():
-        if (reg := _register(preds, p)) is not None:
-            last_use[reg] = i
+        if (d := _compare(preds, p)[0]) is not None:
+            last_use[d[1]] = i
     nxt = [0] * (last + 2)  # the first branch bundle at or after each index (last + 1: none)
     nxt[last + 1] = last + 1
     for i in range(last, first - 1, -1):
@@ -128,10 +134,3 @@ def _branch_at(text: str, i: int, last: int, starts: dict[str, int]) -> tuple[bo
         if s is not None and i < s <= last:
             return neg == "!", p, s
     return None
-
-
-def _register(preds: dict, p: str) -> str | None:
-    d = preds.get(p)
-    while d is not None and d[0] == "not":
-        d = preds.get(d[1])
-    return None if d is None else d[1]

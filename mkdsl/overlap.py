@@ -60,13 +60,17 @@ def windows(model: Model, found) -> tuple[tuple[str, str, tuple[int, ...]], ...]
     """(graph, the collective's value, node indices) per collective of a layer kind with work to
     run during its first exchange: the nodes right after its last member (and its fused and
     joined values' nodes) that need none of them, up to the first that does or that exchanges."""
+    kinds = {k.name: k for k in model.kinds}
+    needs_of: dict[str, list[set[int]]] = {}  # per layer kind with collectives, computed once
     out = []
     for c in found:
-        g = next((k for k in model.kinds if k.name == c.graph), None)
+        g = kinds.get(c.graph)
         if g is None:
             continue
         members = {i for i, n in enumerate(g.nodes) if n.outputs and n.outputs[0].name in c.values}
-        needs = closure(direct_deps(g.nodes))
+        if c.graph not in needs_of:
+            needs_of[c.graph] = closure(direct_deps(g.nodes))
+        needs = needs_of[c.graph]
         run = []
         for j in range(max(members) + 1, len(g.nodes)):
             if is_exchange(g.nodes[j]) or needs[j] & members:

@@ -230,7 +230,7 @@ class _Sharder:
                 raise ShardError(f"`{ref.name}` has {t.shape[-1]} columns, which do not split {ways} ways")
             part = TensorType(t.dtype, (*t.shape[:-1], t.shape[-1] // ways))
             mine = f"{ref.name}__mine"
-            if mine in types or any(mine == v.name for n in pre for v in n.outputs):  # sliced over other axes too
+            if mine in types:  # sliced over other axes too (every convert records what it emitted)
                 mine = f"{mine}_{'_'.join(want.axes)}"
             name, t = self.emit(pre, at, TAKE_MINE, name, t, mine, part, axes=want.axes, ways=ways)
         else:

@@ -60,7 +60,7 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fu
     for it in items:
         by_node[it.node].append(it)
     exch = _exchanges(s)
-    during = {i for graph, _, run in getattr(s, "windows", ()) if graph == g.name for i in run}
+    during = {i for graph, _, run in s.windows if graph == g.name for i in run}
     out = []
     fetched = sum(it.bytes for it in by_node.get(-1, ()))
     if fetched:
