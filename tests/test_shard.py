@@ -481,10 +481,12 @@ def test_one_value_sliced_over_two_sets_of_axes_gets_two_names(tmp_path):
     from mkdsl.plan.planner import make_plan
 
     text = (ROOT / "specs" / "kimi_k3.mk").read_text(encoding="utf-8")
-    for name, rows in (("mla_wqa", "QR]            per"), ("mla_wkva", "KVP]           per")):
-        old = f"weight {name}:{' ' * (5 if name == 'mla_wqa' else 4)}bf16[H, {rows}"
-        assert old in text, name
-        text = text.replace(old, old.replace("bf16[H, ", "bf16[H @ep, " if name == "mla_wqa" else "bf16[H @tp, "))
+    for old, new in (
+        ("weight mla_wqa:     bf16[H, QR]", "weight mla_wqa: bf16[H @ep, QR]"),
+        ("weight mla_wkva:    bf16[H, KVP]", "weight mla_wkva: bf16[H @tp, KVP]"),
+    ):
+        assert old in text, old
+        text = text.replace(old, new)
     path = tmp_path / "kimi_two_slices.mk"
     path.write_text(text, encoding="utf-8")
     local = shard(load(str(path), "mini"))
