@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 from mkdsl.ir import Graph, Model, Node
-from mkdsl.ready import closure, direct_deps, is_exchange
+from mkdsl.ready import closure, direct_deps
+from mkdsl.ready import exchanges as is_exchange
 
 
 def order_independent(model: Model) -> Model:

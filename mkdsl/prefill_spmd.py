@@ -4,7 +4,8 @@ A sharded model's whole prefill may not fit one device (Kimi K3: 51 GB of weight
 32 cores). Here each device runs the per-device model's prefill on its own blocks of the weights
 and the state (split as each tensor's `sharding` says, the blocks the kernel holds), and the
 collectives the shard pass inserted exchange values over the mesh as the kernel's do: partial
-sums by `psum`, column slices by `all_gather`, in mesh order. The new state comes back as global
+sums by `psum`, column slices by `all_gather`, in mesh order (a deferred norm's
+exchanges, mkdsl/defer_norm.py, by `psum` and the slice). The new state comes back as global
 arrays split over the mesh as the kernel's `STATE_SPLIT` says, so the kernel's step takes it.
 
 The rules below replace, per op, what the per-device model needs beyond its ops' references:
@@ -44,6 +45,26 @@ def _shard_slice(rows, arrays, attrs):
     return (jax.lax.dynamic_slice_in_dim(x, _index(attrs["axes"]) * n, n, axis=x.ndim - 1),)
 
 
+def _reduce_scatter(rows, arrays, attrs):
+    return _shard_slice(rows, (jax.lax.psum(arrays[0], tuple(attrs["axes"])),), attrs)
+
+
+def _norm_weight_mine(rows, arrays, attrs):
+    x, w = arrays
+    n = x.shape[-1]
+    mine = jax.lax.dynamic_slice_in_dim(jnp.asarray(w, jnp.float32), _index(attrs["axes"]) * n, n)
+    return (x.astype(jnp.float32) * (attrs["offset"] + mine),)
+
+
+def _all_reduce_scaled(rows, arrays, attrs):
+    """Σa · rsqrt(Σ rowsum(x²) / n + eps) + Σb (mkdsl/defer_norm.py)."""
+    axes = tuple(attrs["axes"])
+    a, x, *b = (jnp.asarray(v, jnp.float32) for v in arrays)
+    squares = jax.lax.psum(jnp.sum(x * x, axis=-1, keepdims=True), axes)
+    out = jax.lax.psum(a, axes) * jax.lax.rsqrt(squares / attrs["n"] + attrs["eps"])
+    return (out + jax.lax.psum(b[0], axes) if b else out,)
+
+
 def _embedding(rows, arrays, attrs):
     """A vocabulary-split table: this device's rows, zeros for tokens another device holds (summed after)."""
     if not attrs.get("shard_axes"):
@@ -79,6 +100,9 @@ SPMD_RULES: dict[str, Callable] = {
     "all_reduce": _all_reduce,
     "all_gather": _all_gather,
     "shard_slice": _shard_slice,
+    "reduce_scatter": _reduce_scatter,
+    "norm_weight_mine": _norm_weight_mine,
+    "all_reduce_scaled": _all_reduce_scaled,
     "embedding": _embedding,
     "argmax": _argmax,
     "moe_experts": _moe_experts,

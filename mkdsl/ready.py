@@ -37,6 +37,12 @@ def is_exchange(node: Node) -> bool:
     return op is not None and op.exchange in FUSABLE and bool(node.attr.get(op.exchange_axes))
 
 
+def exchanges(node: Node) -> bool:
+    """Devices exchange the node's value (any collective: the ones Comm.together runs and the others)."""
+    op = OPS.get(node.op)
+    return op is not None and bool(op.exchange) and bool(node.attr.get(op.exchange_axes))
+
+
 def direct_deps(nodes: tuple[Node, ...]) -> list[set[int]]:
     """Node index -> the earlier nodes it must follow: producers of its values, and the state
     tensors' earlier writers (for a reader or writer) and readers (for a writer)."""

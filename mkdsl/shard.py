@@ -15,6 +15,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from mkdsl.defer_norm import defer_norms
 from mkdsl.diagnostics import Diagnostic, SpecError
 from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.ops import OPS, Operand, OpError
@@ -75,7 +76,7 @@ def shard(model: Model) -> Model:
     none of a group of collectives right after it (mkdsl/overlap.py: they run while it exchanges)."""
     if not is_sharded(model):
         return model
-    return order_independent(order_ready_together(_Sharder(model).run()))
+    return order_independent(order_ready_together(defer_norms(_Sharder(model).run())))
 
 
 class _Sharder:

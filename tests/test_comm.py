@@ -510,6 +510,10 @@ def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
                 options = co.all_reduce_options(co.mask_of(spec.local.mesh, c.axes), c.width, rows, "bf16")
                 assert c.time_us() == pytest.approx(min(sum(ph.time_us() for ph in o[2]) for o in options)), c
                 assert c.wire == "bf16" and len(c.phases) <= 4
+            elif c.exchange in ("scatter", "scaled"):  # a deferred norm's: one algorithm each, direct phases
+                mask, inputs = co.mask_of(spec.local.mesh, c.axes), 3 if c.exchange == "scaled" else 1
+                assert c.phases == co.scatter_phases(c.exchange, mask, c.width, rows, "bf16", inputs), c
+                assert all(ph.peers == co.group_size(mask) - 1 for ph in c.phases)
             else:
                 (phase,) = c.phases
                 assert phase.peers == co.group_size(co.mask_of(spec.local.mesh, c.axes)) - 1
@@ -517,7 +521,12 @@ def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
     assert [c.algorithm for c in one.collectives] != [c.algorithm for c in plan.collectives]  # 1 row: other picks
     comm = {a.name: a.shape for a in one.vmem if a.name.startswith("comm_") and a.memory == "VMEM"}
     assert comm and all("wire_rows" in shape for shape in comm.values()), comm  # sized by the kernel's batch
-    assert comm["comm_recv_31"][2] == "57344 if wire_rows == 1 else 4096"  # 1 row: a one-shot over 32 of 1792 lanes
+    # Over all 32 cores the widest message is the scaled all-reduce's first (128 lanes for each of the
+    # two partials' chunks and the squares) in both kernels; chip first (bits 0, then 1-4) only at 1 row,
+    # where the other kernel keeps one 128-lane slot per member.
+    assert comm["comm_recv_31"][2] == 32 * 384
+    assert comm["comm_recv_1"][2] == "3584 if wire_rows == 1 else 256"
+    assert plan.comm_masks == ((0b1, 0b11, 0b11100, 0b11110, 0b11111), (0b11, 0b11100, 0b11111))
     # The emitted kernel switches where the picks differ (once per layer kind and call site).
     text = (ROOT / "generated" / "kimi_k3" / "kernel.py").read_text(encoding="utf-8")
     switched = {
@@ -526,7 +535,7 @@ def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
     assert switched and text.count("if comm.rows == 1:") >= len(switched)
     assert 'comm.all_reduce_hier(r.v10_7168, 31, wire=BF16, inner="all_reduce_oneshot")' in text
     slots, stage, half = co.comm_buffers(list(plan.collectives))
-    assert slots[0b11111] == 128 and stage == 32 * 128  # an RS over 32 of 256 bf16 columns: 128 lanes each
+    assert slots[0b11111] == 384 and stage == 32 * 384  # the scaled all-reduce's RS over 32: 3 x 128 lanes each
     assert co.direct_latency_us(7) == pytest.approx(2.65) and co.direct_latency_us(1) == pytest.approx(2.1)
     # The measured check of the direct fit: an all-reduce of [8, 8192] bf16 over 8 cores as RS + AG
     # took 7.28 us; the model's two phases of 7 x [8, 512 bf16] = 57 KB each give 7.44 us.

@@ -15,9 +15,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,7 +46,14 @@ def load(text: str, profile: str | None) -> Model:
 def collectives(g) -> list[tuple]:
     out = []
     for n in g.nodes:
-        if n.op in ("all_reduce", "all_gather", "shard_slice"):
+        if n.op in (
+            "all_reduce",
+            "all_gather",
+            "shard_slice",
+            "reduce_scatter",
+            "norm_weight_mine",
+            "all_reduce_scaled",
+        ):
             out.append((n.op, n.attr["axes"]))
         elif n.attr.get("shard_axes") or n.attr.get("expert_axes"):
             out.append((n.op, n.attr.get("shard_axes") or n.attr.get("expert_axes")))
@@ -78,9 +87,11 @@ def test_kimi_k3_collectives_are_where_the_design_puts_them():
         ("all_gather", ("ep",)),  # router scores: columns split over the expert-parallel groups
         ("all_gather", ("tp",)),  # the latent activation
         ("moe_experts", ("ep",)),  # each device runs the chosen experts it holds
-        ("all_reduce", both),  # expert outputs: partial over experts and columns
-        ("shard_slice", both),  # this device's rows of the row-parallel latent up-projection
-        ("all_reduce", both),  # up-projection + shared experts, one all-reduce for both
+        # expert outputs, partial over experts and columns: summed into this device's rows of the
+        # row-parallel latent up-projection (the norm between them deferred, mkdsl/defer_norm.py)
+        ("reduce_scatter", both),
+        ("norm_weight_mine", both),  # the norm's weights of those rows
+        ("all_reduce_scaled", both),  # up-projection + shared experts, scaled by the norm: one all-reduce
     ]
     assert collectives(local.kind("kda_moe")) == [("all_reduce", both), *moe]  # after the KDA output projection
     assert collectives(local.kind("mla_moe")) == [("all_reduce", both), *moe]  # after the MLA output projection
@@ -163,6 +174,18 @@ def run_lockstep(local: Model, weights, state, tokens, positions, mesh=None, set
             n = x.shape[-1] // attrs["ways"]
             i = shard_index(devices[d], mesh, attrs["axes"])
             return (x[:, i * n : (i + 1) * n],)
+        if node.op == "reduce_scatter":  # the sum, then this device's slice
+            total = sum(xs[e][0] for e in group(d, attrs["axes"]))
+            return run_node(dataclasses.replace(node, op="shard_slice"), attrs, [(total,)] * len(xs), d)
+        if node.op == "norm_weight_mine":
+            x, wt = xs[d]
+            i, n = shard_index(devices[d], mesh, attrs["axes"]), x.shape[-1]
+            return (x * (attrs["offset"] + jnp.asarray(wt, jnp.float32)[i * n : (i + 1) * n]),)
+        if node.op == "all_reduce_scaled":
+            members = group(d, attrs["axes"])
+            squares = sum(jnp.sum(xs[e][1] * xs[e][1], axis=-1, keepdims=True) for e in members)
+            out = sum(xs[e][0] for e in members) * jax.lax.rsqrt(squares / attrs["n"] + attrs["eps"])
+            return (out + sum(xs[e][2] for e in members) if len(xs[d]) > 2 else out,)
         if node.op == "embedding" and attrs.get("shard_axes"):
             tok, table = xs[d]
             lo = shard_index(devices[d], mesh, attrs["shard_axes"]) * table.shape[0]

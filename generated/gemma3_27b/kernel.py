@@ -1109,22 +1109,26 @@ def device_index(axes, sizes):
     return idx
 
 
-def chunk(x, c, cw):
-    """Columns c*cw .. (c+1)*cw of x [rows, n] as f32 [rows, cw], zero past n."""
+def chunk(x, c, cw, width=None):
+    """Columns c*cw .. (c+1)*cw of x [rows, n] as f32 [rows, width] (default cw), zero past n
+    and past cw."""
     rows, n = x.shape
+    width = cw if width is None else width
     lo, hi = c * cw, min((c + 1) * cw, n)
     if hi <= lo:
-        return jnp.zeros((rows, cw), F32)
+        return jnp.zeros((rows, width), F32)
     v = x[:, lo:hi]
-    return v if hi - lo == cw else jnp.concatenate([v, jnp.zeros((rows, cw - (hi - lo)), F32)], axis=1)
+    return v if hi - lo == width else jnp.concatenate([v, jnp.zeros((rows, width - (hi - lo)), F32)], axis=1)
 
 
 class Comm:
     """Direct collectives over bit masks of the linear device index, inside one kernel.
 
     r: the refs by name (e.g. `Refs`); the scratch of comm_scratch() is looked up as prefix +
-    name, and the masks it has receive buffers for are the masks it can exchange over. axes,
-    sizes: the shard_map mesh (names and sizes, row-major).
+    name, and the masks it has receive buffers for are the masks it can exchange over (`masks`:
+    only those of them; a kernel built for batch 1 may exchange over other masks than the
+    others, and each mask it meets must be exchanged over every call). axes, sizes: the
+    shard_map mesh (names and sizes, row-major).
 
     Peers are addressed as device_id=<linear index>, device_id_type=LOGICAL. Pallas turns a
     MESH id (one coordinate per mesh axis) into this same number (sum of coordinate * row-major
@@ -1137,9 +1141,10 @@ class Comm:
     Every collective takes `during`: a function run while its first phase's messages travel.
     """
 
-    def __init__(self, r, *, axes, sizes, prefix="comm_"):
+    def __init__(self, r, *, axes, sizes, prefix="comm_", masks=None):
         self.axes, self.sizes = tuple(axes), tuple(sizes)
         names = sorted(int(k[len(prefix) + 5 :]) for k in vars(r) if k.startswith(prefix + "recv_"))
+        names = names if masks is None else [m for m in names if m in masks]
         self.groups = {
             m: tuple(getattr(r, f"{prefix}{part}_{m}") for part in ("recv", "rsem", "ssem", "count")) for m in names
         }
@@ -1163,13 +1168,14 @@ class Comm:
     # ---------------------------------------------------------------- entry barrier
     def enter(self):
         """Zero the exchange counters, then meet every peer this kernel exchanges with (every
-        member of every group it has a receive buffer for) at the barrier semaphore: signal
-        each, wait for as many signals. Run once, before any collective.
+        member of every group of its masks: those it has a receive buffer for, or `masks`) at
+        the barrier semaphore: signal each, wait for as many signals. Run once, before any
+        collective.
 
         After it, each such peer has entered this kernel call, so no remote write lands in
-        scratch a peer still uses in its previous call. Each mask with a buffer must be
-        exchanged over at least once per call (the planner makes buffers only for the
-        collectives the step runs, and every layer kind and the step run every call); every
+        scratch a peer still uses in its previous call. Each mask it meets must be exchanged
+        over at least once per call (the planner names only the masks of the collectives this
+        kernel's step runs, and every layer kind and the step run every call); every
         exchange over a mask involves every pair of its group, so no device leaves a call
         before each peer it signals passed this call's barrier (it needs their messages), and a
         peer's signal for the next call cannot arrive early and be counted for this one.
@@ -1203,27 +1209,29 @@ class Comm:
         return x_ref if rows == x_ref.shape[0] else x_ref.at[pl.ds(0, rows)]
 
     # ---------------------------------------------------------------- building blocks
-    def _reduce_scatter(self, xs, cws, mask, wire, during=None):
-        """My chunks (columns g*cw ..) of the group's sums of the values xs ([rows, n] refs, chunk
-        widths cws), in one phase: f32 [rows, cw] each, summed in group-index order, rounded to
-        the wire type (so each equals what the peers receive). The message to member j holds
-        chunk j of every value, side by side."""
+    def _reduce_scatter(self, xs, cws, mask, wire, during=None, pads=None, wires=None):
+        """My chunks (columns g*cw ..) of the group's sums of the values xs ([rows, n] refs or
+        arrays, chunk widths cws), in one phase: f32 [rows, pad] each (pads: default cws; a chunk
+        zero-padded to whole messages), summed in group-index order, rounded to the value's wire
+        type (wires: default `wire` for all; so each equals what the peers receive). The message
+        to member j holds chunk j of every value, side by side."""
         rows = xs[0].shape[0]
         group = 1 << len(mask_bits(mask))
-        mws = [cw // 2 if wire == BF16 else cw for cw in cws]
+        pads, wires = pads or cws, wires or [wire] * len(xs)
+        mws = [p // 2 if w == BF16 else p for p, w in zip(pads, wires, strict=True)]
         offs = [sum(mws[:i]) for i in range(len(mws))]
         mw = sum(mws)
         for c in range(group):
-            for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
-                self.stage[0:rows, c * mw + o : c * mw + o + m] = pack(chunk(x, c, cw), wire)
+            for x, cw, p, w, m, o in zip(xs, cws, pads, wires, mws, offs, strict=True):
+                self.stage[0:rows, c * mw + o : c * mw + o + m] = pack(chunk(x, c, cw, p), w)
         got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(j * mw, 128), mw)], mw, rows, during)
         totals = [None] * len(xs)
         for c in range(group):
             msg = self._received(got, c, mw, rows, self.stage[0:rows, c * mw : (c + 1) * mw])
-            for i, (m, o) in enumerate(zip(mws, offs, strict=True)):
-                part = unpack(msg[:, o : o + m], wire)
+            for i, (w, m, o) in enumerate(zip(wires, mws, offs, strict=True)):
+                part = unpack(msg[:, o : o + m], w)
                 totals[i] = part if totals[i] is None else totals[i] + part
-        return [t.astype(BF16).astype(F32) if wire == BF16 else t for t in totals]
+        return [t.astype(BF16).astype(F32) if w == BF16 else t for t, w in zip(totals, wires, strict=True)]
 
     def _gather_chunks(self, owns, xs, cws, mask, wire):
         """Each x of xs [rows, n] <- the group's chunks of it (member c's own [rows, cw] at
@@ -1292,6 +1300,46 @@ class Comm:
         (half[...],) = self._reduce_scatter([x], [cw], low, wire, during)
         (getattr(self, inner) if inner else self.all_reduce)(half, mask ^ low, wire)
         self._gather_chunks([half[...]], [x], [cw], low, wire)
+
+    def reduce_scatter(self, x_ref, out_ref, mask, wire=F32, during=None):
+        """out_ref (f32 [rows, cw]) <- my chunk of the group's sum of x_ref (f32 [rows, n]): its
+        columns g*cw .. (g my group index, cw = n / G exactly: the slice a row-parallel consumer
+        takes), in one direct phase; each message is the chunk zero-padded to whole 128-lane int32
+        messages. Summed in group-index order and rounded to the wire type, as all_reduce's
+        first phase. Rows past self.rows of out_ref are zeroed."""
+        x = self._rows(x_ref)
+        rows, cw = x.shape[0], out_ref.shape[1]
+        pad = chunk_width(cw, 1, wire)
+        (mine,) = self._reduce_scatter([x], [cw], mask, wire, during, pads=[pad])
+        out_ref[0:rows, :] = mine[:, 0:cw]
+        if rows < out_ref.shape[0]:
+            out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, cw), F32)
+
+    def all_reduce_scaled(self, a_ref, x_ref, out_ref, mask, *, n, eps, b_ref=None, wire=F32, during=None):
+        """out_ref (f32 [rows, h]) <- Σa · rsqrt(Σ rowsum(x²) / n + eps) + Σb over the group of
+        `mask`: the all-reduce of a row-parallel projection a (f32 [rows, h]) of an RMS-normalised
+        value split over the group (x: my split of it, f32 [rows, n / G], before the norm), the
+        norm's row scale applied after the sum, plus other partials b ([rows, h] or None). Two
+        direct phases, as all_reduce: the reduce-scatter carries a's and b's chunks and my sum of
+        squares (f32 bits, one 128-lane part, the same in every message), each member scales its
+        summed chunk of a (the squares summed in group-index order: the same bits everywhere) and
+        adds b's, and the all-gather carries the results. Rows past self.rows are zeroed."""
+        xs = [self._rows(v) for v in (a_ref, b_ref) if v is not None]
+        rows, h = xs[0].shape
+        group = 1 << len(mask_bits(mask))
+        cw = chunk_width(h, group, wire)
+        mine = self._rows(x_ref)[...]
+        squares = jnp.broadcast_to(jnp.sum(mine * mine, axis=1, keepdims=True), (rows, group * COMM_LANES))
+        sums = self._reduce_scatter(
+            [*xs, squares], [cw] * len(xs) + [COMM_LANES], mask, wire, during, wires=[wire] * len(xs) + [F32]
+        )
+        scaled = sums[0] * jax.lax.rsqrt(sums[-1][:, 0:1] / n + eps)
+        if b_ref is not None:
+            scaled = scaled + sums[1]
+        out = self._rows(out_ref)
+        self._gather_chunks([scaled], [out], [cw], mask, wire)
+        if rows < out_ref.shape[0]:
+            out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, h), F32)
 
     def all_gather(self, x_ref, out_ref, mask, during=None):
         """out_ref (f32 [rows, n * G]) <- the group's x_ref (f32 [rows, n]) by group index, in one
@@ -1477,6 +1525,17 @@ def shard_slice(x, out, index, ways):
     for i in range(1, ways):
         mine = jnp.where(index == i, x[:, i * w : (i + 1) * w], mine)
     out[...] = mine
+
+
+def weigh_mine(x, w, out, index, ways):
+    """out <- x times this device's slice `index` (of `ways`) of the norm weight row w (f32
+    [1, n * ways]): a deferred norm's weights (mkdsl/defer_norm.py), its row scale applied after
+    the projection's all-reduce. Static slices picked by a select, as shard_slice."""
+    n = out.shape[1]
+    mine = w[:, 0:n]
+    for i in range(1, ways):
+        mine = jnp.where(index == i, w[:, i * n : (i + 1) * n], mine)
+    out[...] = x[...] * mine
 
 
 def argmax_across(comm, x, out, chunk, offset, mask):

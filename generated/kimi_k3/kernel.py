@@ -1196,22 +1196,26 @@ def device_index(axes, sizes):
     return idx
 
 
-def chunk(x, c, cw):
-    """Columns c*cw .. (c+1)*cw of x [rows, n] as f32 [rows, cw], zero past n."""
+def chunk(x, c, cw, width=None):
+    """Columns c*cw .. (c+1)*cw of x [rows, n] as f32 [rows, width] (default cw), zero past n
+    and past cw."""
     rows, n = x.shape
+    width = cw if width is None else width
     lo, hi = c * cw, min((c + 1) * cw, n)
     if hi <= lo:
-        return jnp.zeros((rows, cw), F32)
+        return jnp.zeros((rows, width), F32)
     v = x[:, lo:hi]
-    return v if hi - lo == cw else jnp.concatenate([v, jnp.zeros((rows, cw - (hi - lo)), F32)], axis=1)
+    return v if hi - lo == width else jnp.concatenate([v, jnp.zeros((rows, width - (hi - lo)), F32)], axis=1)
 
 
 class Comm:
     """Direct collectives over bit masks of the linear device index, inside one kernel.
 
     r: the refs by name (e.g. `Refs`); the scratch of comm_scratch() is looked up as prefix +
-    name, and the masks it has receive buffers for are the masks it can exchange over. axes,
-    sizes: the shard_map mesh (names and sizes, row-major).
+    name, and the masks it has receive buffers for are the masks it can exchange over (`masks`:
+    only those of them; a kernel built for batch 1 may exchange over other masks than the
+    others, and each mask it meets must be exchanged over every call). axes, sizes: the
+    shard_map mesh (names and sizes, row-major).
 
     Peers are addressed as device_id=<linear index>, device_id_type=LOGICAL. Pallas turns a
     MESH id (one coordinate per mesh axis) into this same number (sum of coordinate * row-major
@@ -1224,9 +1228,10 @@ class Comm:
     Every collective takes `during`: a function run while its first phase's messages travel.
     """
 
-    def __init__(self, r, *, axes, sizes, prefix="comm_"):
+    def __init__(self, r, *, axes, sizes, prefix="comm_", masks=None):
         self.axes, self.sizes = tuple(axes), tuple(sizes)
         names = sorted(int(k[len(prefix) + 5 :]) for k in vars(r) if k.startswith(prefix + "recv_"))
+        names = names if masks is None else [m for m in names if m in masks]
         self.groups = {
             m: tuple(getattr(r, f"{prefix}{part}_{m}") for part in ("recv", "rsem", "ssem", "count")) for m in names
         }
@@ -1250,13 +1255,14 @@ class Comm:
     # ---------------------------------------------------------------- entry barrier
     def enter(self):
         """Zero the exchange counters, then meet every peer this kernel exchanges with (every
-        member of every group it has a receive buffer for) at the barrier semaphore: signal
-        each, wait for as many signals. Run once, before any collective.
+        member of every group of its masks: those it has a receive buffer for, or `masks`) at
+        the barrier semaphore: signal each, wait for as many signals. Run once, before any
+        collective.
 
         After it, each such peer has entered this kernel call, so no remote write lands in
-        scratch a peer still uses in its previous call. Each mask with a buffer must be
-        exchanged over at least once per call (the planner makes buffers only for the
-        collectives the step runs, and every layer kind and the step run every call); every
+        scratch a peer still uses in its previous call. Each mask it meets must be exchanged
+        over at least once per call (the planner names only the masks of the collectives this
+        kernel's step runs, and every layer kind and the step run every call); every
         exchange over a mask involves every pair of its group, so no device leaves a call
         before each peer it signals passed this call's barrier (it needs their messages), and a
         peer's signal for the next call cannot arrive early and be counted for this one.
@@ -1290,27 +1296,29 @@ class Comm:
         return x_ref if rows == x_ref.shape[0] else x_ref.at[pl.ds(0, rows)]
 
     # ---------------------------------------------------------------- building blocks
-    def _reduce_scatter(self, xs, cws, mask, wire, during=None):
-        """My chunks (columns g*cw ..) of the group's sums of the values xs ([rows, n] refs, chunk
-        widths cws), in one phase: f32 [rows, cw] each, summed in group-index order, rounded to
-        the wire type (so each equals what the peers receive). The message to member j holds
-        chunk j of every value, side by side."""
+    def _reduce_scatter(self, xs, cws, mask, wire, during=None, pads=None, wires=None):
+        """My chunks (columns g*cw ..) of the group's sums of the values xs ([rows, n] refs or
+        arrays, chunk widths cws), in one phase: f32 [rows, pad] each (pads: default cws; a chunk
+        zero-padded to whole messages), summed in group-index order, rounded to the value's wire
+        type (wires: default `wire` for all; so each equals what the peers receive). The message
+        to member j holds chunk j of every value, side by side."""
         rows = xs[0].shape[0]
         group = 1 << len(mask_bits(mask))
-        mws = [cw // 2 if wire == BF16 else cw for cw in cws]
+        pads, wires = pads or cws, wires or [wire] * len(xs)
+        mws = [p // 2 if w == BF16 else p for p, w in zip(pads, wires, strict=True)]
         offs = [sum(mws[:i]) for i in range(len(mws))]
         mw = sum(mws)
         for c in range(group):
-            for x, cw, m, o in zip(xs, cws, mws, offs, strict=True):
-                self.stage[0:rows, c * mw + o : c * mw + o + m] = pack(chunk(x, c, cw), wire)
+            for x, cw, p, w, m, o in zip(xs, cws, pads, wires, mws, offs, strict=True):
+                self.stage[0:rows, c * mw + o : c * mw + o + m] = pack(chunk(x, c, cw, p), w)
         got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(j * mw, 128), mw)], mw, rows, during)
         totals = [None] * len(xs)
         for c in range(group):
             msg = self._received(got, c, mw, rows, self.stage[0:rows, c * mw : (c + 1) * mw])
-            for i, (m, o) in enumerate(zip(mws, offs, strict=True)):
-                part = unpack(msg[:, o : o + m], wire)
+            for i, (w, m, o) in enumerate(zip(wires, mws, offs, strict=True)):
+                part = unpack(msg[:, o : o + m], w)
                 totals[i] = part if totals[i] is None else totals[i] + part
-        return [t.astype(BF16).astype(F32) if wire == BF16 else t for t in totals]
+        return [t.astype(BF16).astype(F32) if w == BF16 else t for t, w in zip(totals, wires, strict=True)]
 
     def _gather_chunks(self, owns, xs, cws, mask, wire):
         """Each x of xs [rows, n] <- the group's chunks of it (member c's own [rows, cw] at
@@ -1379,6 +1387,46 @@ class Comm:
         (half[...],) = self._reduce_scatter([x], [cw], low, wire, during)
         (getattr(self, inner) if inner else self.all_reduce)(half, mask ^ low, wire)
         self._gather_chunks([half[...]], [x], [cw], low, wire)
+
+    def reduce_scatter(self, x_ref, out_ref, mask, wire=F32, during=None):
+        """out_ref (f32 [rows, cw]) <- my chunk of the group's sum of x_ref (f32 [rows, n]): its
+        columns g*cw .. (g my group index, cw = n / G exactly: the slice a row-parallel consumer
+        takes), in one direct phase; each message is the chunk zero-padded to whole 128-lane int32
+        messages. Summed in group-index order and rounded to the wire type, as all_reduce's
+        first phase. Rows past self.rows of out_ref are zeroed."""
+        x = self._rows(x_ref)
+        rows, cw = x.shape[0], out_ref.shape[1]
+        pad = chunk_width(cw, 1, wire)
+        (mine,) = self._reduce_scatter([x], [cw], mask, wire, during, pads=[pad])
+        out_ref[0:rows, :] = mine[:, 0:cw]
+        if rows < out_ref.shape[0]:
+            out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, cw), F32)
+
+    def all_reduce_scaled(self, a_ref, x_ref, out_ref, mask, *, n, eps, b_ref=None, wire=F32, during=None):
+        """out_ref (f32 [rows, h]) <- Σa · rsqrt(Σ rowsum(x²) / n + eps) + Σb over the group of
+        `mask`: the all-reduce of a row-parallel projection a (f32 [rows, h]) of an RMS-normalised
+        value split over the group (x: my split of it, f32 [rows, n / G], before the norm), the
+        norm's row scale applied after the sum, plus other partials b ([rows, h] or None). Two
+        direct phases, as all_reduce: the reduce-scatter carries a's and b's chunks and my sum of
+        squares (f32 bits, one 128-lane part, the same in every message), each member scales its
+        summed chunk of a (the squares summed in group-index order: the same bits everywhere) and
+        adds b's, and the all-gather carries the results. Rows past self.rows are zeroed."""
+        xs = [self._rows(v) for v in (a_ref, b_ref) if v is not None]
+        rows, h = xs[0].shape
+        group = 1 << len(mask_bits(mask))
+        cw = chunk_width(h, group, wire)
+        mine = self._rows(x_ref)[...]
+        squares = jnp.broadcast_to(jnp.sum(mine * mine, axis=1, keepdims=True), (rows, group * COMM_LANES))
+        sums = self._reduce_scatter(
+            [*xs, squares], [cw] * len(xs) + [COMM_LANES], mask, wire, during, wires=[wire] * len(xs) + [F32]
+        )
+        scaled = sums[0] * jax.lax.rsqrt(sums[-1][:, 0:1] / n + eps)
+        if b_ref is not None:
+            scaled = scaled + sums[1]
+        out = self._rows(out_ref)
+        self._gather_chunks([scaled], [out], [cw], mask, wire)
+        if rows < out_ref.shape[0]:
+            out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, h), F32)
 
     def all_gather(self, x_ref, out_ref, mask, during=None):
         """out_ref (f32 [rows, n * G]) <- the group's x_ref (f32 [rows, n]) by group index, in one
@@ -1564,6 +1612,17 @@ def shard_slice(x, out, index, ways):
     for i in range(1, ways):
         mine = jnp.where(index == i, x[:, i * w : (i + 1) * w], mine)
     out[...] = mine
+
+
+def weigh_mine(x, w, out, index, ways):
+    """out <- x times this device's slice `index` (of `ways`) of the norm weight row w (f32
+    [1, n * ways]): a deferred norm's weights (mkdsl/defer_norm.py), its row scale applied after
+    the projection's all-reduce. Static slices picked by a select, as shard_slice."""
+    n = out.shape[1]
+    mine = w[:, 0:n]
+    for i in range(1, ways):
+        mine = jnp.where(index == i, w[:, i * n : (i + 1) * n], mine)
+    out[...] = x[...] * mine
 
 
 def argmax_across(comm, x, out, chunk, offset, mask):
@@ -2965,7 +3024,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "f_out_res": pltpu.VMEM((1, 7168), jnp.bfloat16),
         "f_final_norm": pltpu.VMEM((1, 7168), jnp.bfloat16),
         "fetch_sem": pltpu.SemaphoreType.DMA((16,)),
-        "comm_recv_1": pltpu.VMEM((2, wire_rows, 3584 if wire_rows == 1 else 1792), jnp.int32),
+        "comm_recv_1": pltpu.VMEM((2, wire_rows, 3584 if wire_rows == 1 else 256), jnp.int32),
         "comm_rsem_1": pltpu.SemaphoreType.DMA((4,)),
         "comm_ssem_1": pltpu.SemaphoreType.DMA((2,)),
         "comm_count_1": pltpu.SMEM((1,), jnp.int32),
@@ -2977,16 +3036,16 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "comm_rsem_28": pltpu.SemaphoreType.DMA((16,)),
         "comm_ssem_28": pltpu.SemaphoreType.DMA((8,)),
         "comm_count_28": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_30": pltpu.VMEM((2, wire_rows, 28672 if wire_rows == 1 else 14336), jnp.int32),
+        "comm_recv_30": pltpu.VMEM((2, wire_rows, 28672 if wire_rows == 1 else 2048), jnp.int32),
         "comm_rsem_30": pltpu.SemaphoreType.DMA((32,)),
         "comm_ssem_30": pltpu.SemaphoreType.DMA((16,)),
         "comm_count_30": pltpu.SMEM((1,), jnp.int32),
-        "comm_recv_31": pltpu.VMEM((2, wire_rows, 57344 if wire_rows == 1 else 4096), jnp.int32),
+        "comm_recv_31": pltpu.VMEM((2, wire_rows, 12288), jnp.int32),
         "comm_rsem_31": pltpu.SemaphoreType.DMA((64,)),
         "comm_ssem_31": pltpu.SemaphoreType.DMA((32,)),
         "comm_count_31": pltpu.SMEM((1,), jnp.int32),
-        "comm_stage": pltpu.VMEM((wire_rows, 3584 if wire_rows == 1 else 4096), jnp.int32),
-        "comm_half": pltpu.VMEM((wire_rows, 3584 if wire_rows == 1 else 1792), jnp.float32),
+        "comm_stage": pltpu.VMEM((wire_rows, 12288), jnp.int32),
+        "comm_half": pltpu.VMEM((wire_rows, 3584), jnp.float32),
         "carry0": pltpu.VMEM((rows, 57344), jnp.float32),
         "carry1": pltpu.VMEM((rows, 7168), jnp.float32),
         "v0_7168": pltpu.VMEM((rows, 7168), jnp.float32),
@@ -3014,16 +3073,17 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "v22_16": pltpu.VMEM((rows, 16), jnp.int32),
         "v23_3584": pltpu.VMEM((rows, 3584), jnp.float32),
         "v24_112": pltpu.VMEM((rows, 112), jnp.float32),
-        "v25_7168": pltpu.VMEM((rows, 7168), jnp.float32),
-        "v26_1536": pltpu.VMEM((rows, 1536), jnp.float32),
+        "v25_112": pltpu.VMEM((rows, 112), jnp.float32),
+        "v26_7168": pltpu.VMEM((rows, 7168), jnp.float32),
         "v27_1536": pltpu.VMEM((rows, 1536), jnp.float32),
-        "v28_640": pltpu.VMEM((rows, 640), jnp.float32),
-        "v29_576": pltpu.VMEM((rows, 576), jnp.float32),
-        "v30_512": pltpu.VMEM((rows, 512), jnp.float32),
+        "v28_1536": pltpu.VMEM((rows, 1536), jnp.float32),
+        "v29_640": pltpu.VMEM((rows, 640), jnp.float32),
+        "v30_576": pltpu.VMEM((rows, 576), jnp.float32),
         "v31_512": pltpu.VMEM((rows, 512), jnp.float32),
-        "v32_64": pltpu.VMEM((rows, 64), jnp.float32),
-        "v33_7168": pltpu.VMEM((rows, 7168), jnp.float32),
+        "v32_512": pltpu.VMEM((rows, 512), jnp.float32),
+        "v33_64": pltpu.VMEM((rows, 64), jnp.float32),
         "v34_7168": pltpu.VMEM((rows, 7168), jnp.float32),
+        "v35_7168": pltpu.VMEM((rows, 7168), jnp.float32),
         "v1_7168_bf16": pltpu.VMEM((rows, 7168), jnp.bfloat16),
         "conv0_buf": pltpu.VMEM((3, rows, 384), jnp.float32),
         "conv0_sem": pltpu.SemaphoreType.DMA((2, 3)),
@@ -3051,8 +3111,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "experts0_list": pltpu.SMEM((batch * 16,), jnp.int32),
         "experts0_count": pltpu.SMEM((1,), jnp.int32),
         "experts0_pos": pltpu.SMEM((112,), jnp.int32),
-        "v24_112_bf16": pltpu.VMEM((rows, 112), jnp.bfloat16),
-        "v27_1536_bf16": pltpu.VMEM((rows, 1536), jnp.bfloat16),
+        "v25_112_bf16": pltpu.VMEM((rows, 112), jnp.bfloat16),
+        "v28_1536_bf16": pltpu.VMEM((rows, 1536), jnp.bfloat16),
         "att0_ql": pltpu.VMEM((5, 8 * rows, 128), jnp.float32),
         "att0_ol": pltpu.VMEM((4, 8 * rows, 128), jnp.float32),
         "att0_wtiles": pltpu.VMEM((3, 512, 128), jnp.bfloat16),
@@ -3067,9 +3127,10 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         "att0_wb_sem": pltpu.SemaphoreType.DMA((2,)),
         "v5_384_bf16": pltpu.VMEM((rows, 384), jnp.bfloat16),
         "v17_256_bf16": pltpu.VMEM((rows, 256), jnp.bfloat16),
+        "v24_112_bf16": pltpu.VMEM((rows, 112), jnp.bfloat16),
         "emb_block": pltpu.VMEM((batch, 16, 7168), jnp.bfloat16),
         "emb_sem": pltpu.SemaphoreType.DMA((1,)),
-        "v34_7168_bf16": pltpu.VMEM((rows, 7168), jnp.bfloat16),
+        "v35_7168_bf16": pltpu.VMEM((rows, 7168), jnp.bfloat16),
         "kv_row": pltpu.SMEM((batch * seq_tiles,), jnp.int32),
         "kv_t0": pltpu.SMEM((batch * seq_tiles,), jnp.int32),
         "kv_n": pltpu.SMEM((1,), jnp.int32),
@@ -3080,7 +3141,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
 
     def kernel(tokens_in, positions_in, layer_kind_ref, layer_base_ref, tile_desc_ref, slots0_ref, slots1_ref, slots2_ref, slots3_ref, seed_ref, *refs):
         r = Refs(names, refs)
-        comm = Comm(r, axes=MESH_AXES, sizes=MESH_SHAPE)
+        # a kernel built for batch 1 runs other algorithms (picked for 1-row messages), over other masks
+        comm = Comm(r, axes=MESH_AXES, sizes=MESH_SHAPE, masks=(1, 3, 28, 30, 31) if wire_rows == 1 else (3, 28, 31))
         comm.enter()  # every peer is in this step's kernel before any exchange writes to it
         tokens_ref, positions_ref = r.step_tokens, r.step_positions  # the current step's, as the lowerings read them
         for b in range(batch):
@@ -3121,8 +3183,8 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             for i in range(1):
                 r.wb_pending[i] = 0
             # spec line 249: blocks, prefix = res_init(embedding(tokens, embed), nblocks=NB)
-            embedding(r, r.embed, tokens_ref, batch, r.v25_7168, r.emb_block, r.emb_sem, offset=comm.group_index(31) * 5120)
-            r.v10_7168[...] = r.v25_7168[...]
+            embedding(r, r.embed, tokens_ref, batch, r.v26_7168, r.emb_block, r.emb_sem, offset=comm.group_index(31) * 5120)
+            r.v10_7168[...] = r.v26_7168[...]
             if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
                 comm.all_reduce_hier(r.v10_7168, 31, wire=BF16, inner="all_reduce_oneshot")
             else:
@@ -3329,27 +3391,15 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     # spec line 211: r = moe_experts(lat, w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
                     experts0_kda_moe_39.experts(slots2_ref[li], r.v16_3584, r.v21_16, r.v23_3584, prefetched=True)
                     # spec line 213: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
-                    r.v16_3584[...] = r.v23_3584[...]
-                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_oneshot(r.v16_3584, 31, wire=BF16)
-                    else:
-                        comm.all_reduce_hier(r.v16_3584, 31, wire=BF16, inner="all_reduce_oneshot")
-
+                    comm.reduce_scatter(r.v23_3584, r.v24_112, 31, wire=BF16)
                     fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                    rmsnorm(r.v16_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v23_3584, eps=1e-05, heads=1)
-                    shard_slice(r.v23_3584, r.v24_112, comm.group_index(31), ways=32)
-                    cast_into(r.v24_112, r.v24_112_bf16)
-                    linear(r, issue, S_KDA_MOE_LINEAR_12, slots2_ref[li], base + S_KDA_MOE_LINEAR_12.start, r.v24_112_bf16, r.v10_7168)
-                    r.v25_7168[...] = r.v10_7168[...] + r.v0_7168[...]
+                    weigh_mine(r.v24_112, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v25_112, comm.group_index(31), ways=32)
+                    cast_into(r.v25_112, r.v25_112_bf16)
+                    linear(r, issue, S_KDA_MOE_LINEAR_12, slots2_ref[li], base + S_KDA_MOE_LINEAR_12.start, r.v25_112_bf16, r.v10_7168)
                     # spec line 231: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                    r.v0_7168[...] = r.v25_7168[...]
-                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_hier(r.v0_7168, 31, wire=BF16, inner="all_reduce_oneshot")
-                    else:
-                        comm.all_reduce(r.v0_7168, 31, wire=BF16)
-
-                    r.v25_7168[...] = r.v1_7168[...] + r.v0_7168[...]
-                    r.carry1[...] = r.v25_7168[...]
+                    comm.all_reduce_scaled(r.v10_7168, r.v24_112, r.v26_7168, 31, n=3584, eps=1e-05, b_ref=r.v0_7168, wire=BF16)
+                    r.v0_7168[...] = r.v1_7168[...] + r.v26_7168[...]
+                    r.carry1[...] = r.v0_7168[...]
 
                 @pl.when(layer_kind_ref[li] == 2)
                 def _():
@@ -3364,29 +3414,29 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).start()
                     # spec line 235: h = res_mix(blocks, prefix, attn_res, layer=l, block=BLOCK)
                     fetch(r.attn_res, r.f_attn_res, r.fetch_sem.at[0], li, 16).wait()
-                    res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v25_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
+                    res_mix(r.carry0, r.carry1, pick_row(r.f_attn_res, li), r.v26_7168, layer=li, block=12, after_snapshot=False, eps=1e-05)
                     # spec line 236: blocks, prefix = res_snapshot(blocks, prefix, layer=l, block=BLOCK)
                     res_snapshot(r.carry0, r.carry1, r.carry0, r.carry1, layer=li, block=12)
                     # spec line 237: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
                     fetch(r.input_norm, r.f_input_norm, r.fetch_sem.at[1], li, 16).wait()
-                    rmsnorm(r.v25_7168, pick_row(r.f_input_norm, li), r.v10_7168, eps=1e-05, heads=1)
+                    rmsnorm(r.v26_7168, pick_row(r.f_input_norm, li), r.v10_7168, eps=1e-05, heads=1)
                     # spec line 191: q = compact(linear(rmsnorm(linear(x, mla_wqa), mla_qnorm, eps=EPS), mla_wqb), block=QB, keep=QH)
                     cast_into(r.v10_7168, r.v10_7168_bf16)
-                    linear(r, issue, S_MLA_MOE_LINEAR, slots3_ref[li], base + S_MLA_MOE_LINEAR.start, r.v10_7168_bf16, r.v26_1536)
+                    linear(r, issue, S_MLA_MOE_LINEAR, slots3_ref[li], base + S_MLA_MOE_LINEAR.start, r.v10_7168_bf16, r.v27_1536)
                     fetch(r.mla_qnorm, r.f_mla_qnorm, r.fetch_sem.at[12], slots3_ref[li], 16).wait()
-                    rmsnorm(r.v26_1536, pick_row(r.f_mla_qnorm, slots3_ref[li]), r.v27_1536, eps=1e-05, heads=1)
-                    cast_into(r.v27_1536, r.v27_1536_bf16)
-                    linear(r, issue, S_MLA_MOE_LINEAR_1, slots3_ref[li], base + S_MLA_MOE_LINEAR_1.start, r.v27_1536_bf16, r.v28_640)
-                    r.v29_576[...] = compact_columns(r.v28_640[...], 640, 576)
+                    rmsnorm(r.v27_1536, pick_row(r.f_mla_qnorm, slots3_ref[li]), r.v28_1536, eps=1e-05, heads=1)
+                    cast_into(r.v28_1536, r.v28_1536_bf16)
+                    linear(r, issue, S_MLA_MOE_LINEAR_1, slots3_ref[li], base + S_MLA_MOE_LINEAR_1.start, r.v28_1536_bf16, r.v29_640)
+                    r.v30_576[...] = compact_columns(r.v29_640[...], 640, 576)
                     # spec line 192: kv = linear(x, mla_wkva)
-                    linear(r, issue, S_MLA_MOE_KV, slots3_ref[li], base + S_MLA_MOE_KV.start, r.v10_7168_bf16, r.v28_640)
+                    linear(r, issue, S_MLA_MOE_KV, slots3_ref[li], base + S_MLA_MOE_KV.start, r.v10_7168_bf16, r.v29_640)
                     # spec line 193: c = rmsnorm(slice(kv, start=0, size=KVR), mla_kvnorm, eps=EPS)
-                    r.v30_512[...] = r.v28_640[...][:, 0 : 0 + 512]
+                    r.v31_512[...] = r.v29_640[...][:, 0 : 0 + 512]
                     fetch(r.mla_kvnorm, r.f_mla_kvnorm, r.fetch_sem.at[13], slots3_ref[li], 16).wait()
-                    rmsnorm(r.v30_512, pick_row(r.f_mla_kvnorm, slots3_ref[li]), r.v31_512, eps=1e-05, heads=1)
+                    rmsnorm(r.v31_512, pick_row(r.f_mla_kvnorm, slots3_ref[li]), r.v32_512, eps=1e-05, heads=1)
                     # spec line 194: y = mla_attention(q, c, slice(kv, start=KVR, size=XK), mla_wkvb, mla_cache, positions,
-                    r.v32_64[...] = r.v28_640[...][:, 512 : 512 + 64]
-                    attention0(slots3_ref[li], r.v29_576, r.v31_512, r.v32_64, r.v7_384, slots3_ref[li])
+                    r.v33_64[...] = r.v29_640[...][:, 512 : 512 + 64]
+                    attention0(slots3_ref[li], r.v30_576, r.v32_512, r.v33_64, r.v7_384, slots3_ref[li])
                     # spec line 196: return linear(y * sigmoid(linear(x, mla_wg)), mla_wo)
                     linear(r, issue, S_MLA_MOE_LINEAR_2, slots3_ref[li], base + S_MLA_MOE_LINEAR_2.start, r.v10_7168_bf16, r.v5_384)
                     r.v4_384[...] = jax.nn.sigmoid(r.v5_384[...])
@@ -3394,19 +3444,19 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     cast_into(r.v5_384, r.v5_384_bf16)
                     linear(r, issue, S_MLA_MOE_LINEAR_3, slots3_ref[li], base + S_MLA_MOE_LINEAR_3.start, r.v5_384_bf16, r.v10_7168)
                     # spec line 237: prefix = prefix + mla(rmsnorm(h, input_norm, eps=EPS))
-                    r.v25_7168[...] = r.v10_7168[...]
+                    r.v26_7168[...] = r.v10_7168[...]
                     if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_hier(r.v25_7168, 31, wire=BF16, inner="all_reduce_oneshot")
+                        comm.all_reduce_hier(r.v26_7168, 31, wire=BF16, inner="all_reduce_oneshot")
                     else:
-                        comm.all_reduce(r.v25_7168, 31, wire=BF16)
+                        comm.all_reduce(r.v26_7168, 31, wire=BF16)
 
-                    r.v10_7168[...] = r.carry1[...] + r.v25_7168[...]
+                    r.v10_7168[...] = r.carry1[...] + r.v26_7168[...]
                     # spec line 238: m = res_mix(blocks, prefix, mlp_res, layer=l, block=BLOCK, after_snapshot=true)
                     fetch(r.mlp_res, r.f_mlp_res, r.fetch_sem.at[8], li, 16).wait()
-                    res_mix(r.carry0, r.v10_7168, pick_row(r.f_mlp_res, li), r.v25_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
+                    res_mix(r.carry0, r.v10_7168, pick_row(r.f_mlp_res, li), r.v26_7168, layer=li, block=12, after_snapshot=True, eps=1e-05)
                     # spec line 239: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
                     fetch(r.post_norm, r.f_post_norm, r.fetch_sem.at[9], li, 16).wait()
-                    rmsnorm(r.v25_7168, pick_row(r.f_post_norm, li), r.v1_7168, eps=1e-05, heads=1)
+                    rmsnorm(r.v26_7168, pick_row(r.f_post_norm, li), r.v1_7168, eps=1e-05, heads=1)
                     # spec line 209: lat = compact(linear(x, moe_down), block=LATW, keep=LAT // TPN)  # first: its wide tiles land during the exchange before
                     cast_into(r.v1_7168, r.v1_7168_bf16)
                     linear(r, issue, S_MLA_MOE_LINEAR_4, slots2_ref[li], base + S_MLA_MOE_LINEAR_4.start, r.v1_7168_bf16, r.v14_1024)
@@ -3437,27 +3487,15 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     # spec line 211: r = moe_experts(lat, w, ids, moe_w1, moe_w3, moe_w2, act=expert_act)
                     experts0_mla_moe_32.experts(slots2_ref[li], r.v23_3584, r.v21_16, r.v16_3584, prefetched=True)
                     # spec line 213: return linear(rmsnorm(r, moe_rnorm, eps=EPS), moe_up) + shared
-                    r.v23_3584[...] = r.v16_3584[...]
-                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_oneshot(r.v23_3584, 31, wire=BF16)
-                    else:
-                        comm.all_reduce_hier(r.v23_3584, 31, wire=BF16, inner="all_reduce_oneshot")
-
+                    comm.reduce_scatter(r.v16_3584, r.v25_112, 31, wire=BF16)
                     fetch(r.moe_rnorm, r.f_moe_rnorm, r.fetch_sem.at[11], slots2_ref[li], 16).wait()
-                    rmsnorm(r.v23_3584, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v16_3584, eps=1e-05, heads=1)
-                    shard_slice(r.v16_3584, r.v24_112, comm.group_index(31), ways=32)
+                    weigh_mine(r.v25_112, pick_row(r.f_moe_rnorm, slots2_ref[li]), r.v24_112, comm.group_index(31), ways=32)
                     cast_into(r.v24_112, r.v24_112_bf16)
-                    linear(r, issue, S_MLA_MOE_LINEAR_8, slots2_ref[li], base + S_MLA_MOE_LINEAR_8.start, r.v24_112_bf16, r.v25_7168)
-                    r.v0_7168[...] = r.v25_7168[...] + r.v1_7168[...]
+                    linear(r, issue, S_MLA_MOE_LINEAR_8, slots2_ref[li], base + S_MLA_MOE_LINEAR_8.start, r.v24_112_bf16, r.v26_7168)
                     # spec line 239: return blocks, prefix + moe(rmsnorm(m, post_norm, eps=EPS))
-                    r.v1_7168[...] = r.v0_7168[...]
-                    if comm.rows == 1:  # built for batch 1: the algorithm picked for 1-row messages
-                        comm.all_reduce_hier(r.v1_7168, 31, wire=BF16, inner="all_reduce_oneshot")
-                    else:
-                        comm.all_reduce(r.v1_7168, 31, wire=BF16)
-
-                    r.v0_7168[...] = r.v10_7168[...] + r.v1_7168[...]
-                    r.carry1[...] = r.v0_7168[...]
+                    comm.all_reduce_scaled(r.v26_7168, r.v25_112, r.v0_7168, 31, n=3584, eps=1e-05, b_ref=r.v1_7168, wire=BF16)
+                    r.v1_7168[...] = r.v10_7168[...] + r.v0_7168[...]
+                    r.carry1[...] = r.v1_7168[...]
                 if layer_trace:
                     pltpu.sync_copy(r.carry0, r.blocks_trace.at[li + 1])
                     pltpu.sync_copy(r.carry1, r.prefix_trace.at[li + 1])
@@ -3472,12 +3510,12 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).start()
             # spec line 251: x = res_mix(blocks, prefix, out_res, layer=L - 1, block=BLOCK, after_snapshot=true)
             fetch(r.out_res, r.f_out_res, r.fetch_sem.at[14], 0, 1).wait()
-            res_mix(r.carry0, r.carry1, pick_row(r.f_out_res, 0), r.v33_7168, layer=92, block=12, after_snapshot=True, eps=1e-05)
+            res_mix(r.carry0, r.carry1, pick_row(r.f_out_res, 0), r.v34_7168, layer=92, block=12, after_snapshot=True, eps=1e-05)
             # spec line 252: logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
             fetch(r.final_norm, r.f_final_norm, r.fetch_sem.at[15], 0, 1).wait()
-            rmsnorm(r.v33_7168, pick_row(r.f_final_norm, 0), r.v34_7168, eps=1e-05, heads=1)
-            cast_into(r.v34_7168, r.v34_7168_bf16)
-            linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v34_7168_bf16, r.logits)
+            rmsnorm(r.v34_7168, pick_row(r.f_final_norm, 0), r.v35_7168, eps=1e-05, heads=1)
+            cast_into(r.v35_7168, r.v35_7168_bf16)
+            linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v35_7168_bf16, r.logits)
             # spec line 253: return logits, argmax(logits)
             sampled_argmax(sampling, seed_ref, positions_ref, r.logits, r.next_tokens, chunk=1280, offset=comm.group_index(31) * 5120, comm=comm, mask=31)
             attention0.drain()

@@ -7,8 +7,10 @@ value is whole, so the unfused reference never runs them.
 
 from __future__ import annotations
 
+from mkdsl.dtypes import F32
 from mkdsl.ir import TensorType
-from mkdsl.ops.registry import REQUIRED, Cost, OpDef, register
+from mkdsl.lazy import jax, jnp
+from mkdsl.ops.registry import REQUIRED, Cost, OpDef, nbytes, numel, register
 
 # The conversions the shard pass inserts: partial sums to whole, split to whole, whole to split.
 SUM_PARTIALS, GATHER_SPLITS, TAKE_MINE = "all_reduce", "all_gather", "shard_slice"
@@ -66,5 +68,67 @@ register(
         attrs={"axes": REQUIRED, "ways": REQUIRED},
         doc="This device's column slice of a value every device holds whole (before a row-parallel projection).",
         internal=True,
+    )
+)
+
+
+# ---- deferred RMS norm (mkdsl/defer_norm.py): an all-reduced value's norm moved past the
+# row-parallel projection it feeds, so its all-reduce becomes a reduce-scatter and the norm's row
+# scale rides in the projection's own all-reduce.
+SCATTER_SUMS, WEIGH_MINE, SCALED_SUM = "reduce_scatter", "norm_weight_mine", "all_reduce_scaled"
+
+
+def _weigh_mine(x, w, axes, ways, offset):
+    """x times this device's slice of (offset + w); the identity split on the global model."""
+    return (x.astype(jnp.float32) * (offset + w.astype(jnp.float32)),)
+
+
+def _scaled_sum(a, x, *b, axes, n, eps):
+    """a · rsqrt(rowsum(x²) / n + eps) (+ b): on the global model (one device) nothing to sum."""
+    x = x.astype(jnp.float32)
+    out = a * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / n + eps)
+    return (out + b[0] if b else out,)
+
+
+register(
+    OpDef(
+        SCATTER_SUMS,
+        ("x",),
+        _mine,
+        lambda x, axes, ways: (x,),
+        lambda ins, outs, a: Cost(),
+        attrs={"axes": REQUIRED, "ways": REQUIRED},
+        doc="This device's column slice of the sum of the devices' partial values over mesh `axes`.",
+        internal=True,
+        exchange="scatter",
+    )
+)
+
+register(
+    OpDef(
+        WEIGH_MINE,
+        ("x", "weight"),
+        lambda args, attrs: (TensorType(F32, args[0].type.shape),),
+        _weigh_mine,
+        lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]), flops=numel(outs[0])),
+        attrs={"axes": REQUIRED, "ways": REQUIRED, "offset": 0.0},
+        doc="x times this device's column slice (over mesh `axes`) of an RMS norm's (offset + weight).",
+        internal=True,
+    )
+)
+
+register(
+    OpDef(
+        SCALED_SUM,
+        ("a", "x", "b"),
+        _same,
+        _scaled_sum,
+        lambda ins, outs, a: Cost(),
+        attrs={"axes": REQUIRED, "n": REQUIRED, "eps": REQUIRED},
+        doc="Σa · rsqrt(Σ rowsum(x²) / n + eps) + Σb over mesh `axes`: the all-reduce of a projection "
+        "of an RMS-normalised split value x, the norm's row scale applied after the sum.",
+        internal=True,
+        exchange="scaled",
+        optional=1,
     )
 )

@@ -94,7 +94,9 @@ class OpDef:
     # (plan/static_costs.py UNITS): "kv_tiles", "latent_tiles" or "expert_tiles".
     loop_unit: str = ""
     in_place: tuple[tuple[int, int], ...] = ()  # (output, operand) pairs that may share a buffer
-    exchange: str = ""  # devices exchange its value: "sum", "gather" or "best" (an argmax)
+    # devices exchange its value: "sum", "gather", "best" (an argmax), "scatter" (a reduce-scatter)
+    # or "scaled" (an all-reduce with a deferred norm's row scale, mkdsl/defer_norm.py)
+    exchange: str = ""
     exchange_axes: str = "axes"  # the attribute holding the mesh axes of the exchange
     # Attributes that name a spec block of elementwise ops (an `ir.BlockAttr`): attribute -> the
     # types of the block's parameters, from the op's operands (the block returns the first's type).

@@ -81,11 +81,11 @@ class Collective:
     op: str  # the op that exchanges (an internal collective, or a split argmax)
     value: str  # the IR value it produces
     axes: tuple[str, ...]
-    algorithm: str  # gather, best, rs_ag, oneshot or hier
+    algorithm: str  # gather, best, rs_ag, oneshot or hier; rs or rs_scale_ag (a deferred norm's)
     phases: tuple[Phase, ...]
     line: int
     width: int  # columns of the value each device contributes
-    exchange: str = ""  # the op's `exchange` trait: "sum", "gather" or "best"
+    exchange: str = ""  # the op's `exchange` trait: "sum", "gather", "best", "scatter" or "scaled"
     wire: str = "f32"  # what the values travel as
     inner: str = ""  # hier: the algorithm of the cross-chip all-reduce of the half
     half: int = 0  # hier: f32 columns of the half a core keeps
@@ -189,10 +189,15 @@ def _rowed(c: Collective, rows: int) -> Collective:
 
 def same_exchanges(a: list[Collective], b: list[Collective]) -> bool:
     """The same collectives (values, fusions, groups ready together: the kernel emits a `together`
-    call for each list's algorithms where they differ) over the same set of masks: the kernel may then
-    run either list's algorithms (Comm.enter meets the peers of every mask it has a buffer for,
-    and each must be exchanged over every call)."""
-    return _exchange_keys(a) == _exchange_keys(b) and _masks(a) == _masks(b)
+    call for each list's algorithms where they differ): the kernel may then run either list's
+    algorithms. Their masks may differ: Comm meets and exchanges over the masks of the list it
+    runs (`masks_of`; each must be exchanged over every call)."""
+    return _exchange_keys(a) == _exchange_keys(b)
+
+
+def masks_of(found: list[Collective]) -> tuple[int, ...]:
+    """Every mask these collectives exchange over, sorted (the runtime Comm's `masks`)."""
+    return tuple(sorted(_masks(found)))
 
 
 def _exchange_keys(found: list[Collective]) -> list[tuple]:
@@ -236,6 +241,25 @@ def hier_phases(inner: str, mask: int, n: int, rows: int, wire: str) -> tuple[Ph
     return (pair[0], *reduce_phases(inner, mask & ~1, cw, rows, wire), pair[1])
 
 
+SCATTERING = {"scatter": "rs", "scaled": "rs_scale_ag"}  # the one algorithm of each deferred-norm exchange
+SQUARES_LANES = 128  # all_reduce_scaled's sum of squares: f32 bits in one 128-lane message part
+
+
+def scatter_phases(kind: str, mask: int, n: int, rows: int, wire: str, inputs: int) -> tuple[Phase, ...]:
+    """The phases of a deferred norm's exchanges (mkdsl/defer_norm.py) over `mask`, n the first
+    input's columns. `scatter` (reduce_scatter): one phase; member j's message is chunk j of
+    exactly n / G columns (the slice a row-parallel consumer takes), padded to whole 128-lane
+    messages. `scaled` (all_reduce_scaled, `inputs` 2 or 3): as rs_ag, the first phase's message
+    holding the projection's chunk, the other partial's (3 inputs) and the sum of squares."""
+    g = group_size(mask)
+    if kind == "scatter":
+        lanes = _lanes_of(chunk_width(n // g, 1, wire), wire)
+        return (Phase(mask, g - 1, rows, lanes, g * lanes),)
+    lanes = _lanes_of(chunk_width(n, g, wire), wire)
+    first = lanes * (inputs - 1) + SQUARES_LANES
+    return (Phase(mask, g - 1, rows, first, g * first), Phase(mask, g - 1, rows, lanes, lanes))
+
+
 def all_reduce_options(mask: int, n: int, rows: int, wire: str) -> list[tuple[str, str, tuple[Phase, ...]]]:
     """(algorithm, inner, phases) of every way the runtime can all-reduce [rows, n] over `mask`;
     chip first only where the group holds both cores of a chip (bit 0) and other bits."""
@@ -263,6 +287,15 @@ def _node_collective(model: Model, g: Graph, node, rows: int, wire: str) -> Coll
     if kind == "best":
         phase = Phase(mask, peers, rows, PAIR_LANES, PAIR_LANES)
         return Collective(**base, algorithm="best", phases=(phase,), exchange=kind)
+    if kind in ("scatter", "scaled"):
+        inputs = len(node.inputs)
+        return Collective(
+            **base,
+            algorithm=SCATTERING[kind],
+            phases=scatter_phases(kind, mask, n, rows, wire, inputs),
+            exchange=kind,
+            wire=wire,
+        )
     options = all_reduce_options(mask, n, rows, wire)
     algorithm, inner, phases = min(options, key=lambda o: sum(p.time_us() for p in o[2]))
     half = chunk_width(n, 2, wire) if algorithm == "hier" else 0

@@ -165,6 +165,7 @@ def make_plan(
         wire=wire(model),
         collectives=tuple(s.collectives),
         one_row=tuple(s.one_row),
+        comm_masks=_comm_masks(s),
         windows=s.windows,
         exchange_phases=phases,
         collective_id=0 if s.collectives else None,
@@ -527,10 +528,12 @@ def _allocate_comm(s: _State) -> None:
     slots, stage, half = collectives.comm_buffers(s.wide)
     small = collectives.comm_buffers(s.one_row) if s.one_row else (slots, stage, half)
     stage, half = _by_rows(stage, small[1]), _by_rows(half, small[2])
-    for mask, width in slots.items():
+    for mask in sorted({*slots, *small[0]}):
         g = collectives.group_size(mask)
         what = f"collectives over index bits {mask:#b}"
-        recv = _by_rows(g * collectives.lanes(width), g * collectives.lanes(small[0][mask]))
+        # a mask only one kernel exchanges over keeps one 128-lane slot per member in the other
+        wide, one = (g * collectives.lanes(d.get(mask, 1)) for d in (slots, small[0]))
+        recv = wide if wide == one else f"{one} if wire_rows == 1 else {wide}"
         _alloc(s, f"comm_recv_{mask}", (2, rows, recv), "int32", f"{what}: receive slots", NOWHERE)
         _alloc(s, f"comm_rsem_{mask}", (2 * g,), "dma", f"{what}: incoming DMA per slot", NOWHERE, "SEM")
         _alloc(s, f"comm_ssem_{mask}", (g,), "dma", f"{what}: outgoing DMA per peer", NOWHERE, "SEM")
@@ -538,6 +541,14 @@ def _allocate_comm(s: _State) -> None:
     _alloc(s, "comm_stage", (rows, stage), "int32", "collectives: outgoing messages", NOWHERE)
     if half:
         _alloc(s, "comm_half", (rows, half), "float32", "collectives: the half a core keeps (chip first)", NOWHERE)
+
+
+def _comm_masks(s: _State) -> tuple:
+    """(the masks a kernel built for batch 1 exchanges over, the others') where they differ."""
+    if not s.one_row:
+        return ()
+    one, wide = collectives.masks_of(s.one_row), collectives.masks_of(s.wide)
+    return (one, wide) if one != wide else ()
 
 
 def _by_rows(wide: int, one_row: int) -> int | str:

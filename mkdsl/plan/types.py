@@ -185,6 +185,8 @@ class Plan:
     wire: str = "f32"  # what all-reduces send between devices
     collectives: tuple = ()  # collectives.Collective per graph
     one_row: tuple = ()  # the collectives a kernel built for batch 1 runs (picked for 1-row messages)
+    # (masks a kernel built for batch 1 exchanges over, masks the others do) where they differ
+    comm_masks: tuple[tuple[int, ...], tuple[int, ...]] | tuple = ()
     # (graph, collective value, node indices): the nodes run while its first exchange travels (mkdsl/overlap.py)
     windows: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
     exchange_phases: int = 0  # per step

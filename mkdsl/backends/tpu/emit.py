@@ -393,6 +393,7 @@ class _Emitter:
             mesh_shape=repr(tuple(n for _, n in m.mesh)),
             logits_split=repr(_logits_axes(m)),
             collective_id=self.plan.collective_id,
+            comm_masks=self.plan.comm_masks,
             sequences=list(seqs.values()),
             scratch=[dict(name=a.name, ctor=_ctor(a)) for a in plan.vmem if a.scratch],
             drained=self.drained,

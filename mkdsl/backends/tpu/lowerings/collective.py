@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
 from mkdsl.ir import Ref
-from mkdsl.ops.collective import GATHER_SPLITS, SUM_PARTIALS, TAKE_MINE
+from mkdsl.ops.collective import GATHER_SPLITS, SCALED_SUM, SCATTER_SUMS, SUM_PARTIALS, TAKE_MINE, WEIGH_MINE
 
 # The runtime's Comm method of each all-reduce algorithm (mkdsl/plan/collectives.py picks one).
 METHOD = {"rs_ag": "all_reduce", "oneshot": "all_reduce_oneshot", "hier": "all_reduce_hier"}
@@ -93,7 +93,36 @@ def _mine_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     return dict(x=ins[0], index=em.group_index(at.node.attr["axes"]), ways=at.node.attr["ways"])
 
 
+def _scatter_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    return dict(x=ins[0], mask=em.mask(at.node.attr["axes"]), wire=_wire(_collective(em, at)))
+
+
+def _weigh_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    """A deferred norm's weight multiply: the fetched weight row, this device's slice selected."""
+    node = at.node
+    w = em.fetched(node.arg("weight").name, pre)
+    if node.attr.get("offset", 0.0) != 0.0:  # the (offset + w) form, as rmsnorm's
+        w = f"({em.attr_codes(node)['offset']} + {w})"
+    return dict(x=ins[0], w=w, index=em.group_index(node.attr["axes"]), ways=node.attr["ways"])
+
+
+def _scaled_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
+    codes = em.attr_codes(at.node)
+    return dict(
+        a=ins[0],
+        x=ins[1],
+        b=ins[2] if len(ins) > 2 else "",
+        mask=em.mask(at.node.attr["axes"]),
+        n=codes["n"],
+        eps=codes["eps"],
+        wire=_wire(_collective(em, at)),
+    )
+
+
 T = "lowerings/collective.jinja"
 register_lowering(Lowering(SUM_PARTIALS, T, "all_reduce", _reduce_record))
 register_lowering(Lowering(GATHER_SPLITS, T, "all_gather", _gather_record))
 register_lowering(Lowering(TAKE_MINE, T, "shard_slice", _mine_record))
+register_lowering(Lowering(SCATTER_SUMS, T, "reduce_scatter", _scatter_record))
+register_lowering(Lowering(WEIGH_MINE, T, "norm_weight_mine", _weigh_record))
+register_lowering(Lowering(SCALED_SUM, T, "all_reduce_scaled", _scaled_record))
