@@ -83,8 +83,9 @@ def test_another_partial_rides_along():
     [
         ("  return x + y\n", "  return x + y + sigmoid(r)\n"),  # the sum of r used twice (sigmoid needs it whole)
         ("  return x + y\n", "  return x + y + rmsnorm(r, n2)\n"),  # the norm used twice
+        ("  return x + y\n", "  return x + (y + y)\n"),  # the projection added to itself (two uses)
     ],
-    ids=["sum-used-twice", "norm-used-twice"],
+    ids=["sum-used-twice", "norm-used-twice", "projection-doubled"],
 )
 def test_no_rewrite_where_a_value_of_the_chain_has_another_use(edit, why):
     text = SPEC.replace(edit, why)
