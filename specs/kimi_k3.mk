@@ -37,11 +37,12 @@ mesh { ep = EPN  tp = TPN }
 const WIRE  = 1
 
 # The weight ring: 21 banks of [1792, 512] bf16 (1.75 MiB each), so 20 tiles stay in flight and
-# land during the exchanges (without the hint `fit_ring` stops at 13). 21 is the deepest the
-# planner takes within the core's 64 MiB at batch 8 (62.5 MiB planned; 22 would be 64.2), so the
-# cap is raised from its 58 MiB default to 64: libtpu compiles the 32-core kernel with it at batch
-# 1 and 8 and counts less VMEM than the planner, its own scratch included
-# (tests/test_kimi_sharded_compile.py prints both). `core` (one device, whole weights) keeps 3
+# land during the exchanges (without the hint `fit_ring` stops at 13). 62.1 MiB are planned at
+# batch 8, so the cap is raised from its 58 MiB default to 64: libtpu compiles the 32-core kernel
+# with it at batch 1 and 8 and counts less VMEM than the planner, its own scratch included
+# (tests/test_kimi_sharded_compile.py prints both). 22 banks would fit too (63.9 MiB planned) for
+# 0.6 us per step with libtpu's schedule as compute (32 us with the estimate; `mkdsl plan
+# --levers`), leaving no room to grow. `core` (one device, whole weights) keeps 3
 # banks under the same 64 MiB cap (the delta rule's 8-state slots, the short convolutions' buffers
 # and its 1024-token MLA tiles are larger there; tests/test_kimi_compile.py prints libtpu's figure).
 const RING  = 21

@@ -521,10 +521,10 @@ def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
     assert [c.algorithm for c in one.collectives] != [c.algorithm for c in plan.collectives]  # 1 row: other picks
     comm = {a.name: a.shape for a in one.vmem if a.name.startswith("comm_") and a.memory == "VMEM"}
     assert comm and all("wire_rows" in shape for shape in comm.values()), comm  # sized by the kernel's batch
-    # Over all 32 cores the widest message is the scaled all-reduce's first (128 lanes for each of the
-    # two partials' chunks and the squares) in both kernels; chip first (bits 0, then 1-4) only at 1 row,
-    # where the other kernel keeps one 128-lane slot per member.
-    assert comm["comm_recv_31"][2] == 32 * 384
+    # Over all 32 cores the widest message is the scaled all-reduce's first (the two partials' chunks
+    # of 224 bf16 columns, 224 lanes, then the squares: 256 lanes) in both kernels; chip first (bits 0,
+    # then 1-4) only at 1 row, where the other kernel keeps one 128-lane slot per member.
+    assert comm["comm_recv_31"][2] == 32 * 256
     assert comm["comm_recv_1"][2] == "3584 if wire_rows == 1 else 256"
     assert plan.comm_masks == ((0b1, 0b11, 0b11100, 0b11110, 0b11111), (0b11, 0b11100, 0b11111))
     # The emitted kernel switches where the picks differ (once per layer kind and call site).
@@ -535,7 +535,7 @@ def test_the_plan_runs_the_cheapest_modeled_algorithm_and_says_its_phases():
     assert switched and text.count("if comm.rows == 1:") >= len(switched)
     assert 'comm.all_reduce_hier(r.v10_7168, 31, wire=BF16, inner="all_reduce_oneshot")' in text
     slots, stage, half = co.comm_buffers(list(plan.collectives))
-    assert slots[0b11111] == 384 and stage == 32 * 384  # the scaled all-reduce's RS over 32: 3 x 128 lanes each
+    assert slots[0b11111] == 256 and stage == 32 * 256  # the scaled all-reduce's RS over 32: 256 lanes each
     assert co.direct_latency_us(7) == pytest.approx(2.65) and co.direct_latency_us(1) == pytest.approx(2.1)
     # The measured check of the direct fit: an all-reduce of [8, 8192] bf16 over 8 cores as RS + AG
     # took 7.28 us; the model's two phases of 7 x [8, 512 bf16] = 57 KB each give 7.44 us.

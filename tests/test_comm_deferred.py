@@ -80,10 +80,11 @@ def build(ns: dict, mesh, interpret, wire_rows: int, wire16: bool):
     from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import PartitionSpec as P  # noqa: N817
 
-    # Slots: over ep the scaled all-reduce's first message, a's and b's 128-lane chunks and the
-    # 128-lane squares; over tp a's chunk and the squares. Widest staging: 4 messages of 384 lanes.
-    slots = {EP: 384, TP: 256}
-    spec = ns["comm_scratch"](wire_rows, slots, 4 * 384)
+    # Slots: the scaled all-reduce's first message is the widest, its chunks (64 columns of a and
+    # of b over ep, 128 of a over tp) and at least one lane of squares: 256 lanes on the f32 wire
+    # (128 on bf16). Widest staging: 4 such messages over ep.
+    slots = {EP: 256, TP: 256}
+    spec = ns["comm_scratch"](wire_rows, slots, 4 * 256)
     names = [*INS, *OUTS, *spec]
     wire = jnp.bfloat16 if wire16 else jnp.float32
 
@@ -233,7 +234,8 @@ def test_deferred_norm_exchanges_equal_their_arithmetic(tmp_path, wire_rows, wir
 @pytest.mark.timeout(300)
 def test_a_broken_scaled_all_reduce_fails_the_checks(tmp_path):
     text = (RUNTIME / "comm.py.jinja").read_text(encoding="utf-8")
-    broken = text.replace("sums[-1][:, 0:1] / n", "squares[:, 0:1] / n")  # my own squares, not the group's
+    own = "jnp.sum(mine * mine, axis=1, keepdims=True)"
+    broken = text.replace("rsqrt(squares / n + eps)", f"rsqrt({own} / n + eps)")  # my own squares, not the group's
     assert broken != text
     path = tmp_path / "comm_broken.py"
     path.write_text(broken, encoding="utf-8")

@@ -1144,6 +1144,13 @@ def chunk_width(n, group, wire):
     return -(-per // unit) * unit
 
 
+def scaled_chunk(n, group, wire):
+    """Columns of one chunk of all_reduce_scaled: n / group rounded up (to even on a bf16 wire,
+    whose lanes hold column pairs); its messages are padded to whole 128-lane messages."""
+    per = -(-n // group)
+    return per + per % 2 if wire == BF16 else per
+
+
 def pack(x, wire):
     """f32 [rows, w] -> the int32 message: its bits (f32 wire), or bf16 pairs [rows, w / 2]."""
     if wire != BF16:
@@ -1300,16 +1307,18 @@ class Comm:
                 totals[i] = part if totals[i] is None else totals[i] + part
         return [t.astype(BF16).astype(F32) if w == BF16 else t for t, w in zip(totals, wires, strict=True)]
 
-    def _gather_chunks(self, owns, xs, cws, mask, wire):
+    def _gather_chunks(self, owns, xs, cws, mask, wire, pads=None):
         """Each x of xs [rows, n] <- the group's chunks of it (member c's own [rows, cw] at
-        columns c*cw ..), all in one phase."""
+        columns c*cw ..), all in one phase; pads: each chunk's columns on the wire (default cws;
+        zero-padded to whole messages)."""
         rows = xs[0].shape[0]
         group = 1 << len(mask_bits(mask))
-        mws = [cw // 2 if wire == BF16 else cw for cw in cws]
+        pads = pads or cws
+        mws = [p // 2 if wire == BF16 else p for p in pads]
         offs = [sum(mws[:i]) for i in range(len(mws))]
         mw = sum(mws)
-        for own, m, o in zip(owns, mws, offs, strict=True):
-            self.stage[0:rows, o : o + m] = pack(own, wire)
+        for own, cw, p, m, o in zip(owns, cws, pads, mws, offs, strict=True):
+            self.stage[0:rows, o : o + m] = pack(chunk(own, 0, cw, p), wire)
         got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(0, mw)], mw, rows)
         for c in range(group):
             msg = self._received(got, c, mw, rows, self.stage[0:rows, 0:mw])
@@ -1387,24 +1396,35 @@ class Comm:
         `mask`: the all-reduce of a row-parallel projection a (f32 [rows, h]) of an RMS-normalised
         value split over the group (x: my split of it, f32 [rows, n / G], before the norm), the
         norm's row scale applied after the sum, plus other partials b ([rows, h] or None). Two
-        direct phases, as all_reduce: the reduce-scatter carries a's and b's chunks and my sum of
-        squares (f32 bits, one 128-lane part, the same in every message), each member scales its
-        summed chunk of a (the squares summed in group-index order: the same bits everywhere) and
-        adds b's, and the all-gather carries the results. Rows past self.rows are zeroed."""
+        direct phases, as all_reduce, over chunks of scaled_chunk(h, G) columns: the
+        reduce-scatter's message to member c holds chunk c of a and of b, packed side by side,
+        and my sum of squares as f32 bits in the padding lanes after them; each member scales its
+        summed chunk of a (the squares summed in group-index order: the same bits everywhere)
+        and adds b's, and the all-gather carries the results. Rows past self.rows are zeroed."""
         xs = [self._rows(v) for v in (a_ref, b_ref) if v is not None]
         rows, h = xs[0].shape
         group = 1 << len(mask_bits(mask))
-        cw = chunk_width(h, group, wire)
+        cw = scaled_chunk(h, group, wire)
+        lanes = len(xs) * cw // 2 if wire == BF16 else len(xs) * cw
+        mw = -(-(lanes + 1) // 128) * 128  # the partials' lanes, then at least one for the squares
         mine = self._rows(x_ref)[...]
-        squares = jnp.broadcast_to(jnp.sum(mine * mine, axis=1, keepdims=True), (rows, group * COMM_LANES))
-        sums = self._reduce_scatter(
-            [*xs, squares], [cw] * len(xs) + [COMM_LANES], mask, wire, during, wires=[wire] * len(xs) + [F32]
-        )
-        scaled = sums[0] * jax.lax.rsqrt(sums[-1][:, 0:1] / n + eps)
+        bits = jax.lax.bitcast_convert_type(jnp.sum(mine * mine, axis=1, keepdims=True), I32)
+        tail = jnp.broadcast_to(bits, (rows, mw - lanes))
+        for c in range(group):
+            parts = jnp.concatenate([chunk(x, c, cw) for x in xs], axis=1) if len(xs) > 1 else chunk(xs[0], c, cw)
+            self.stage[0:rows, c * mw : (c + 1) * mw] = jnp.concatenate([pack(parts, wire), tail], axis=1)
+        got = self._direct(mask, lambda j: self.stage.at[pl.ds(0, rows), pl.ds(pl.multiple_of(j * mw, 128), mw)], mw, rows, during)
+        sums, squares = None, None
+        for c in range(group):
+            msg = self._received(got, c, mw, rows, self.stage[0:rows, c * mw : (c + 1) * mw])
+            part, sq = unpack(msg[:, 0:lanes], wire), jax.lax.bitcast_convert_type(msg[:, lanes : lanes + 1], F32)
+            sums, squares = (part, sq) if sums is None else (sums + part, squares + sq)
+        sums = sums.astype(BF16).astype(F32) if wire == BF16 else sums
+        scaled = sums[:, 0:cw] * jax.lax.rsqrt(squares / n + eps)
         if b_ref is not None:
-            scaled = scaled + sums[1]
+            scaled = scaled + sums[:, cw : 2 * cw]
         out = self._rows(out_ref)
-        self._gather_chunks([scaled], [out], [cw], mask, wire)
+        self._gather_chunks([scaled], [out], [cw], mask, wire, pads=[chunk_width(cw, 1, wire)])
         if rows < out_ref.shape[0]:
             out_ref[rows:, :] = jnp.zeros((out_ref.shape[0] - rows, h), F32)
 

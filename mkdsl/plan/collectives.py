@@ -242,22 +242,31 @@ def hier_phases(inner: str, mask: int, n: int, rows: int, wire: str) -> tuple[Ph
 
 
 SCATTERING = {"scatter": "rs", "scaled": "rs_scale_ag"}  # the one algorithm of each deferred-norm exchange
-SQUARES_LANES = 128  # all_reduce_scaled's sum of squares: f32 bits in one 128-lane message part
+
+
+def scaled_chunk(n: int, group: int, wire: str) -> int:
+    """Columns of one all_reduce_scaled chunk (the runtime's scaled_chunk): n / group rounded up,
+    to even on a bf16 wire (two columns per int32 lane)."""
+    per = -(-n // group)
+    return per + per % 2 if wire == "bf16" else per
 
 
 def scatter_phases(kind: str, mask: int, n: int, rows: int, wire: str, inputs: int) -> tuple[Phase, ...]:
     """The phases of a deferred norm's exchanges (mkdsl/defer_norm.py) over `mask`, n the first
     input's columns. `scatter` (reduce_scatter): one phase; member j's message is chunk j of
     exactly n / G columns (the slice a row-parallel consumer takes), padded to whole 128-lane
-    messages. `scaled` (all_reduce_scaled, `inputs` 2 or 3): as rs_ag, the first phase's message
-    holding the projection's chunk, the other partial's (3 inputs) and the sum of squares."""
+    messages. `scaled` (all_reduce_scaled, `inputs` 2 or 3): as rs_ag over chunks of
+    `scaled_chunk` columns, the first phase's message holding the projection's chunk and the
+    other partial's (3 inputs) side by side and the sum of squares in at least one lane after
+    them, whole 128-lane messages; the second each chunk, padded so."""
     g = group_size(mask)
     if kind == "scatter":
-        lanes = _lanes_of(chunk_width(n // g, 1, wire), wire)
-        return (Phase(mask, g - 1, rows, lanes, g * lanes),)
-    lanes = _lanes_of(chunk_width(n, g, wire), wire)
-    first = lanes * (inputs - 1) + SQUARES_LANES
-    return (Phase(mask, g - 1, rows, first, g * first), Phase(mask, g - 1, rows, lanes, lanes))
+        width = _lanes_of(chunk_width(n // g, 1, wire), wire)
+        return (Phase(mask, g - 1, rows, width, g * width),)
+    cw = scaled_chunk(n, g, wire)
+    first = lanes(_lanes_of(cw * (inputs - 1), wire) + 1)
+    second = _lanes_of(chunk_width(cw, 1, wire), wire)
+    return (Phase(mask, g - 1, rows, first, g * first), Phase(mask, g - 1, rows, second, second))
 
 
 def all_reduce_options(mask: int, n: int, rows: int, wire: str) -> list[tuple[str, str, tuple[Phase, ...]]]:
