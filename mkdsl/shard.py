@@ -71,9 +71,10 @@ def is_sharded(model: Model) -> bool:
 
 
 def shard(model: Model) -> Model:
-    """The per-device model: local shapes and attributes, collectives inserted, then the
-    collectives ready together moved next to each other (mkdsl/ready.py), then the nodes that need
-    none of a group of collectives right after it (mkdsl/overlap.py: they run while it exchanges)."""
+    """The per-device model: local shapes and attributes, collectives inserted, norms deferred
+    past the row-parallel projections they feed (mkdsl/defer_norm.py), then the collectives ready
+    together moved next to each other (mkdsl/ready.py), then the nodes that need none of a group of
+    collectives right after it (mkdsl/overlap.py: they run while it exchanges)."""
     if not is_sharded(model):
         return model
     return order_independent(order_ready_together(defer_norms(_Sharder(model).run())))
