@@ -16,8 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from mkdsl.ir import Graph, Model, Node
-from mkdsl.ready import closure, direct_deps
-from mkdsl.ready import exchanges as is_exchange
+from mkdsl.ready import closure, direct_deps, exchanges
 
 
 def order_independent(model: Model) -> Model:
@@ -39,7 +38,7 @@ def order_graph(g: Graph) -> Graph:
         free = [
             j
             for j in later
-            if not is_exchange(nodes[j]) and not any(d >= first and is_exchange(nodes[d]) for d in needs[j])
+            if not exchanges(nodes[j]) and not any(d >= first and exchanges(nodes[d]) for d in needs[j])
         ]
         nodes = (*nodes[: last + 1], *(nodes[j] for j in free), *(nodes[j] for j in later if j not in free))
         at = last + 1
@@ -48,11 +47,11 @@ def order_graph(g: Graph) -> Graph:
 
 def _next_group(nodes: tuple[Node, ...], at: int) -> tuple[int, int] | None:
     """(first, last) of the next run of adjacent collectives at or after `at`."""
-    first = next((i for i in range(at, len(nodes)) if is_exchange(nodes[i])), None)
+    first = next((i for i in range(at, len(nodes)) if exchanges(nodes[i])), None)
     if first is None:
         return None
     last = first
-    while last + 1 < len(nodes) and is_exchange(nodes[last + 1]):
+    while last + 1 < len(nodes) and exchanges(nodes[last + 1]):
         last += 1
     return first, last
 
@@ -74,7 +73,7 @@ def windows(model: Model, found) -> tuple[tuple[str, str, tuple[int, ...]], ...]
         needs = needs_of[c.graph]
         run = []
         for j in range(max(members) + 1, len(g.nodes)):
-            if is_exchange(g.nodes[j]) or needs[j] & members:
+            if exchanges(g.nodes[j]) or needs[j] & members:
                 break
             run.append(j)
         if run:

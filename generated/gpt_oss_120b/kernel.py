@@ -1577,25 +1577,26 @@ class Comm:
 # ---------------------------------------------------------------------------------------
 # Per-device pieces of a sharded step (the exchanges themselves are in Comm)
 # ---------------------------------------------------------------------------------------
-def shard_slice(x, out, index, ways):
-    """out <- this device's slice `index` (of `ways`) of the columns of x, which every device
-    holds whole. Static slices picked by a select: widths need not be lane aligned."""
-    w = out.shape[1]
+def pick_slice(x, index, ways, w):
+    """Slice `index` (of `ways`) of the columns of x (a ref or an array), w columns wide. Static
+    slices picked by a select: widths need not be lane aligned."""
     mine = x[:, 0:w]
     for i in range(1, ways):
         mine = jnp.where(index == i, x[:, i * w : (i + 1) * w], mine)
-    out[...] = mine
+    return mine
+
+
+def shard_slice(x, out, index, ways):
+    """out <- this device's slice `index` (of `ways`) of the columns of x, which every device
+    holds whole."""
+    out[...] = pick_slice(x, index, ways, out.shape[1])
 
 
 def weigh_mine(x, w, out, index, ways):
     """out <- x times this device's slice `index` (of `ways`) of the norm weight row w (f32
     [1, n * ways]): a deferred norm's weights (mkdsl/defer_norm.py), its row scale applied after
-    the projection's all-reduce. Static slices picked by a select, as shard_slice."""
-    n = out.shape[1]
-    mine = w[:, 0:n]
-    for i in range(1, ways):
-        mine = jnp.where(index == i, w[:, i * n : (i + 1) * n], mine)
-    out[...] = x[...] * mine
+    the projection's all-reduce."""
+    out[...] = x[...] * pick_slice(w, index, ways, out.shape[1])
 
 
 def argmax_across(comm, x, out, chunk, offset, mask):

@@ -533,7 +533,7 @@ def _allocate_comm(s: _State) -> None:
         what = f"collectives over index bits {mask:#b}"
         # a mask only one kernel exchanges over keeps one 128-lane slot per member in the other
         wide, one = (g * collectives.lanes(d.get(mask, 1)) for d in (slots, small[0]))
-        recv = wide if wide == one else f"{one} if wire_rows == 1 else {wide}"
+        recv = _by_rows(wide, one)
         _alloc(s, f"comm_recv_{mask}", (2, rows, recv), "int32", f"{what}: receive slots", NOWHERE)
         _alloc(s, f"comm_rsem_{mask}", (2 * g,), "dma", f"{what}: incoming DMA per slot", NOWHERE, "SEM")
         _alloc(s, f"comm_ssem_{mask}", (g,), "dma", f"{what}: outgoing DMA per peer", NOWHERE, "SEM")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
+from mkdsl.backends.tpu.lowerings.norm import norm_weight
 from mkdsl.ir import Ref
 from mkdsl.ops.collective import GATHER_SPLITS, SCALED_SUM, SCATTER_SUMS, SUM_PARTIALS, TAKE_MINE, WEIGH_MINE
 
@@ -100,9 +101,7 @@ def _scatter_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -
 def _weigh_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     """A deferred norm's weight multiply: the fetched weight row, this device's slice selected."""
     node = at.node
-    w = em.fetched(node.arg("weight").name, pre)
-    if node.attr.get("offset", 0.0) != 0.0:  # the (offset + w) form, as rmsnorm's
-        w = f"({em.attr_codes(node)['offset']} + {w})"
+    w = norm_weight(em, node, pre)
     return dict(x=ins[0], w=w, index=em.group_index(node.attr["axes"]), ways=node.attr["ways"])
 
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
 
 
+def norm_weight(em: EmitContext, node, pre: list[str]) -> str:
+    """Code for a norm's fetched weight row, in the (offset + w) form where the node has an offset
+    (added once to the fetched row)."""
+    w = em.fetched(node.arg("weight").name, pre)
+    if node.attr.get("offset", 0.0) != 0.0:
+        w = f"({em.attr_codes(node)['offset']} + {w})"
+    return w
+
+
 def _rmsnorm_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
     node = at.node
-    w = em.fetched(node.arg("weight").name, pre)
-    if node.attr.get("offset", 0.0) != 0.0:  # the (offset + w) form: added once to the fetched row
-        w = f"({em.attr_codes(node)['offset']} + {w})"
-    return dict(x=ins[0], w=w, eps=em.attr_codes(node)["eps"], heads=node.attr["heads"])
+    return dict(x=ins[0], w=norm_weight(em, node, pre), eps=em.attr_codes(node)["eps"], heads=node.attr["heads"])
 
 
 register_lowering(Lowering("rmsnorm", "lowerings/norm.jinja", "rmsnorm", _rmsnorm_record))
