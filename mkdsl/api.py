@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from mkdsl.diagnostics import SpecError, did_you_mean
-from mkdsl.ir import Model
-from mkdsl.syntax import Module, ProfileDecl
+from mkdsl.lang.diagnostics import SpecError, did_you_mean
+from mkdsl.lang.ir import Model
+from mkdsl.lang.syntax import Module, ProfileDecl
 
 
 class ProfileError(ValueError):
@@ -65,9 +65,9 @@ class Spec:
 
 def load(path: str | Path, profile: str | None = None) -> Spec:
     """Read, parse, check and shard a spec (with `profile`'s overrides)."""
-    from mkdsl.elaborate import elaborate
+    from mkdsl.lang.elaborate import elaborate
+    from mkdsl.lang.syntax import parse
     from mkdsl.shard import shard
-    from mkdsl.syntax import parse
 
     path = str(path)
     source = Path(path).read_text(encoding="utf-8")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mkdsl import __version__
 from mkdsl.checkpoint.formats import CheckpointError
-from mkdsl.diagnostics import SpecError
+from mkdsl.lang.diagnostics import SpecError
 
 
 class UsageError(Exception):
@@ -44,7 +44,7 @@ def _read(path: str) -> str:
 def _parse(args, source: str):
     """The spec's AST, once its profile is known to exist (an unknown one is a usage error)."""
     from mkdsl.api import ProfileError, check_profile
-    from mkdsl.syntax import parse
+    from mkdsl.lang.syntax import parse
 
     try:
         module = parse(source)
@@ -58,7 +58,7 @@ def _parse(args, source: str):
 
 
 def _load(args):
-    from mkdsl.elaborate import elaborate
+    from mkdsl.lang.elaborate import elaborate
 
     source = _read(args.spec)
     module = _parse(args, source)
@@ -99,7 +99,7 @@ def cmd_check(args) -> int:
         e.source = source
         raise
     if args.dump:
-        from mkdsl.ir_text import dump_ir
+        from mkdsl.lang.ir_text import dump_ir
 
         sys.stdout.write(dump_ir(model if args.dump == "ir" else local))
         return 0

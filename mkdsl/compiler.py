@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mkdsl.backends.tpu.emit import Source, emit_module
-from mkdsl.elaborate import elaborate, spec_sha256
-from mkdsl.ir import Model
+from mkdsl.lang.elaborate import elaborate, spec_sha256
+from mkdsl.lang.ir import Model
+from mkdsl.lang.syntax import parse
 from mkdsl.output import write_output
 from mkdsl.plan import Plan, make_plan
 from mkdsl.report import render_picture, render_plan
 from mkdsl.shard import shard
-from mkdsl.syntax import parse
 
 
 @dataclass(frozen=True)

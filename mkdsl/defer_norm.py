@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mkdsl.ir import Graph, Model, Node, Ref, TensorType, Value
+from mkdsl.lang.ir import Graph, Model, Node, Ref, TensorType, Value
 from mkdsl.ops.collective import SCALED_SUM, SCATTER_SUMS, SUM_PARTIALS, TAKE_MINE, WEIGH_MINE
 
 

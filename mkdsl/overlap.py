@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mkdsl.ir import Graph, Model, Node
+from mkdsl.lang.ir import Graph, Model, Node
 from mkdsl.ready import closure, direct_deps, exchanges
 
 

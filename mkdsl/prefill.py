@@ -25,11 +25,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mkdsl.ir import Model
+from mkdsl.lang.ir import Model
+from mkdsl.lang.quant import QTensor, register_pytree
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.ops.prefill import Rows
-from mkdsl.quant import QTensor, register_pytree
 from mkdsl.reference import _no_nesting, _run_graph
 from mkdsl.sampling import Sampling, sample_tokens
 

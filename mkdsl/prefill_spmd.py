@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mkdsl.ir import Model, Tensor
+from mkdsl.lang.ir import Model, Tensor
+from mkdsl.lang.quant import register_pytree
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.prefill import check_prefill, reference_weights, run_prefill
-from mkdsl.quant import register_pytree
 from mkdsl.sampling import Sampling, sample_tokens
 from mkdsl.shard import shard
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mkdsl.dtypes import numpy_dtype
-from mkdsl.ir import Model, Tensor
-from mkdsl.quant import QTensor, quantize
+from mkdsl.lang.dtypes import numpy_dtype
+from mkdsl.lang.ir import Model, Tensor
+from mkdsl.lang.quant import QTensor, quantize
 
 
 def concrete_shape(shape: tuple, sizes: dict[str, int]) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mkdsl.ir import Graph, Model, Node
+from mkdsl.lang.ir import Graph, Model, Node
 from mkdsl.ops import OPS
 
 FUSABLE = ("sum", "gather")  # the exchanges Comm.together runs (an argmax's `best` is the step's last)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mkdsl.ir import Graph, LayerExpr, Model, Ref
+from mkdsl.lang.ir import Graph, LayerExpr, Model, Ref
+from mkdsl.lang.quant import QTensor, register_pytree
 from mkdsl.lazy import jax
 from mkdsl.ops import OPS
-from mkdsl.quant import QTensor, register_pytree
 
 LayersFn = Callable[[list], list]  # carries entering the layer stack -> carries leaving it
 

@@ -4,7 +4,7 @@ bytes per step, the HBM floor and the modeled time. Every time is modeled."""
 
 from __future__ import annotations
 
-from mkdsl.ir import Model
+from mkdsl.lang.ir import Model
 from mkdsl.plan import collectives
 from mkdsl.plan.breakdown import breakdown
 from mkdsl.plan.hbm import hbm_line

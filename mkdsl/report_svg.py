@@ -9,7 +9,7 @@ from __future__ import annotations
 import textwrap
 from xml.sax.saxutils import escape, quoteattr
 
-from mkdsl.ir import Model
+from mkdsl.lang.ir import Model
 from mkdsl.plan.breakdown import COST_KINDS, Breakdown
 from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB, VMEM_PER_CORE

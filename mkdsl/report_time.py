@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import textwrap
 
-from mkdsl.ir import Model
+from mkdsl.lang.ir import Model
 from mkdsl.plan.breakdown import COST_KINDS, Breakdown, Cost
 from mkdsl.plan.hbm import hbm_line
 from mkdsl.plan.types import Plan

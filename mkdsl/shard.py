@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 
 from mkdsl.defer_norm import defer_norms
-from mkdsl.diagnostics import Diagnostic, SpecError
-from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
+from mkdsl.lang.diagnostics import Diagnostic, SpecError
+from mkdsl.lang.ir import Graph, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.ops import OPS, Operand, OpError
 from mkdsl.ops.collective import GATHER_SPLITS, SUM_PARTIALS, TAKE_MINE
 from mkdsl.overlap import order_independent
@@ -185,7 +185,7 @@ class _Sharder:
 
     def whole_note(self, g: Graph, node: Node, operands: list[Operand]) -> str:
         """The operands whose per-device type differs from the whole one, with both types."""
-        from mkdsl.elaborate import graph_value_type
+        from mkdsl.lang.elaborate import graph_value_type
 
         parts = []
         for ref, local in zip(node.inputs, operands, strict=True):

@@ -50,11 +50,11 @@ from types import ModuleType
 
 import numpy as np
 
-from mkdsl.ir import Model
+from mkdsl.lang.ir import Model
+from mkdsl.lang.quant import QTensor
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.ops.moe import route
-from mkdsl.quant import QTensor
 from mkdsl.reference import LayeredReference, build_layered_reference, run_layer
 
 CARRY_RTOL = 2.0**-6
@@ -353,7 +353,7 @@ def check_batch(
     seq_len = check_seq_len(module)
     weights, state = random_params(model, {"B": batch, "S": seq_len}, seed)
     weights = load(weights) if load is not None else weights
-    from mkdsl.elaborate import graph_value_type
+    from mkdsl.lang.elaborate import graph_value_type
 
     vocab = graph_value_type(model.step, model.step.results[0]).shape[1]  # the logits' width
     rng = np.random.default_rng(seed)

@@ -204,7 +204,7 @@ def fp8_decode(codes: np.ndarray, scales: np.ndarray, b: int = 128) -> np.ndarra
 
 def deepseek_tensors(weights: dict, schedule, c: dict) -> dict:
     """wkv_b, if bf16 in the spec, is stored as the checkpoint stores kv_b_proj: fp8 blocks."""
-    from mkdsl.quant import QTensor
+    from mkdsl.lang.quant import QTensor
 
     out = {}
     _plain(out, weights, schedule, DSV3_PLAIN)
@@ -361,7 +361,7 @@ def expected_weights(spec_name: str, weights: dict, tensors: dict, c: dict) -> d
     [beta | a] padding columns, which the checkpoint lacks: zeros)."""
     import ml_dtypes
 
-    from mkdsl.quant import QTensor
+    from mkdsl.lang.quant import QTensor
 
     out = dict(weights)
     if spec_name == "deepseek_v3" and not isinstance(weights["wkv_b"], QTensor):
@@ -394,7 +394,7 @@ def write_sharded(root, base, extra: dict, in_base: set) -> object:
 
 def same_weight(got, want) -> bool:
     """Equal dtype, shape and bytes (so fp8 codes and NaNs compare too); a QTensor part by part."""
-    from mkdsl.quant import QTensor
+    from mkdsl.lang.quant import QTensor
 
     if isinstance(want, QTensor):
         return (

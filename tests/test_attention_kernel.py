@@ -13,7 +13,7 @@ import pytest
 
 from mkdsl import verify
 from mkdsl.compiler import compile_source
-from mkdsl.diagnostics import SpecError
+from mkdsl.lang.diagnostics import SpecError
 from mkdsl.plan.planner import make_plan
 from mkdsl.random_params import random_params
 

@@ -36,7 +36,7 @@ from safetensors.numpy import save_file
 import mkdsl
 from mkdsl.checkpoint.formats import CheckpointError
 from mkdsl.cli import main
-from mkdsl.diagnostics import SpecError
+from mkdsl.lang.diagnostics import SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "specs" / "llama3_8b.mk"

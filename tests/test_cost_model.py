@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mkdsl.elaborate import load
+from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan, measured
 from mkdsl.plan.cost_model import Phase, bandwidth, compute_us, simulate
 from mkdsl.shard import shard
@@ -115,7 +115,7 @@ def test_loops_are_matched_to_ops_by_the_bytes_one_iteration_waits_for():
     """plan/static_costs.py on the Kimi K3 mini plan: an MXFP4 expert tile set, an MLA latent tile
     and a linear column block each match their op; bytes that match nothing are skipped."""
     from mkdsl.bundles import LoopTiming
-    from mkdsl.dtypes import storage_bytes
+    from mkdsl.lang.dtypes import storage_bytes
     from mkdsl.plan import static_costs
 
     model = shard(load(str(ROOT / "specs/kimi_k3.mk"), "mini"))

@@ -41,8 +41,8 @@ from checkpoint_writers import through_checkpoint
 from model_checks import check_steps, mini_kernel
 from zoo_oracle import bf16
 
-from mkdsl.elaborate import load
-from mkdsl.quant import QTensor
+from mkdsl.lang.elaborate import load
+from mkdsl.lang.quant import QTensor
 from mkdsl.random_params import random_params
 from mkdsl.reference import build_reference
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from mkdsl.elaborate import elaborate
-from mkdsl.ir_text import dump_ir
+from mkdsl.lang.elaborate import elaborate
+from mkdsl.lang.ir_text import dump_ir
+from mkdsl.lang.syntax import parse
 from mkdsl.plan import collectives as co
 from mkdsl.plan.planner import make_plan
 from mkdsl.shard import shard
-from mkdsl.syntax import parse
 
 SPEC = """model defer_demo
 

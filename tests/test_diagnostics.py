@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from mkdsl.cli import main
-from mkdsl.diagnostics import Diagnostic, SpecError
-from mkdsl.elaborate import elaborate
+from mkdsl.lang.diagnostics import Diagnostic, SpecError
+from mkdsl.lang.elaborate import elaborate
+from mkdsl.lang.syntax import parse
 from mkdsl.ops.elementwise import BROADCASTS
-from mkdsl.syntax import parse
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from mkdsl.cli import main
-from mkdsl.consts import ConstEnv
-from mkdsl.diagnostics import Reporter
-from mkdsl.elaborate import HINTS
+from mkdsl.lang.consts import ConstEnv
+from mkdsl.lang.diagnostics import Reporter
+from mkdsl.lang.elaborate import HINTS
+from mkdsl.lang.syntax import parse
 from mkdsl.ops import OPS, REQUIRED
-from mkdsl.syntax import parse
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 LANGUAGE = DOCS / "language.md"
@@ -97,7 +97,7 @@ def test_complete_specs_check(block, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("block", by_kind("reference"), ids=str)
 def test_reference_only_specs_elaborate_and_do_not_check(block, tmp_path, monkeypatch, capsys):
-    from mkdsl.elaborate import elaborate
+    from mkdsl.lang.elaborate import elaborate
 
     elaborate(parse(block.text), None, block.text)  # the reference can be built from it
     status, out, err = _check(tmp_path, monkeypatch, capsys, block.text)

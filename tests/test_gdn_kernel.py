@@ -19,10 +19,10 @@ import pytest
 
 from mkdsl import verify
 from mkdsl.compiler import compile_source
-from mkdsl.diagnostics import SpecError
-from mkdsl.elaborate import elaborate, graph_value_type
+from mkdsl.lang.diagnostics import SpecError
+from mkdsl.lang.elaborate import elaborate, graph_value_type
+from mkdsl.lang.syntax import parse
 from mkdsl.shard import shard
-from mkdsl.syntax import parse
 
 SPEC = """\
 model gdn_small

@@ -43,7 +43,7 @@ from checkpoint_writers import through_checkpoint
 from model_checks import check_steps, mini_kernel
 from zoo_oracle import bf16, f64, softmax
 
-from mkdsl.elaborate import load
+from mkdsl.lang.elaborate import load
 from mkdsl.plan.hbm import tensor_bytes
 from mkdsl.random_params import random_params
 from mkdsl.reference import build_reference

@@ -54,7 +54,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkdsl import verify
 from mkdsl.compiler import compile_source
-from mkdsl.ir import Model
+from mkdsl.lang.ir import Model
 from mkdsl.random_params import random_params
 
 ROOT = Path(__file__).resolve().parent.parent

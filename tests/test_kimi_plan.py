@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from mkdsl.elaborate import load
+from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan
 from mkdsl.report import traffic_split
 from mkdsl.shard import shard

@@ -14,10 +14,10 @@ import pytest
 
 from mkdsl.cli import main
 from mkdsl.compiler import compile_source
-from mkdsl.diagnostics import SpecError
-from mkdsl.elaborate import elaborate
+from mkdsl.lang.diagnostics import SpecError
+from mkdsl.lang.elaborate import elaborate
+from mkdsl.lang.syntax import parse
 from mkdsl.shard import shard
-from mkdsl.syntax import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 

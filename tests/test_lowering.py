@@ -16,9 +16,9 @@ import pytest
 from mkdsl.backends.tpu.emit import _env
 from mkdsl.backends.tpu.lowering import LOWERINGS, check_lowerable, lowering_for
 from mkdsl.cli import main
-from mkdsl.elaborate import elaborate
+from mkdsl.lang.elaborate import elaborate
+from mkdsl.lang.syntax import parse
 from mkdsl.ops import OPS
-from mkdsl.syntax import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = (ROOT / "specs/tiny.mk").read_text(encoding="utf-8")

@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkdsl import verify
 from mkdsl.compiler import compile_source
-from mkdsl.diagnostics import SpecError
+from mkdsl.lang.diagnostics import SpecError
 from mkdsl.random_params import random_params
 
 SPEC = """\

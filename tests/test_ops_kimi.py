@@ -36,8 +36,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mkdsl.dtypes import BF16, F32, I32, MXFP4
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import BF16, F32, I32, MXFP4
+from mkdsl.lang.ir import TensorType
 from mkdsl.ops import OPS, REQUIRED, Operand, OpError
 
 RTOL = 1e-5  # >= 2.6x the <= 64 f32 roundings (2^-24 each) of a result here, relative to it

@@ -47,11 +47,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mkdsl.block_attrs import op_block
-from mkdsl.dtypes import BF16, F32, I32, MXFP4
-from mkdsl.ir import BlockAttr, TensorType
+from mkdsl.lang.block_attrs import op_block
+from mkdsl.lang.dtypes import BF16, F32, I32, MXFP4
+from mkdsl.lang.ir import BlockAttr, TensorType
+from mkdsl.lang.quant import QTensor, dequantize
 from mkdsl.ops import OPS, REQUIRED, Operand, OpError
-from mkdsl.quant import QTensor, dequantize
 
 U = 2.0**-24  # f32 unit roundoff
 RHO = 1e-5  # relative error of XLA's f32 tanh/sigmoid chain (SiTU), as tests/test_ops_oracle.py checks

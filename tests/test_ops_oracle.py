@@ -43,9 +43,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mkdsl.dtypes import ALL_NAMES, MXFP4, int4
+from mkdsl.lang.dtypes import ALL_NAMES, MXFP4, int4
+from mkdsl.lang.quant import QTensor, dequantize, pack_nibbles, quantize, unpack_nibbles
 from mkdsl.ops import OPS, REQUIRED
-from mkdsl.quant import QTensor, dequantize, pack_nibbles, quantize, unpack_nibbles
 
 U = 2.0**-24  # f32 unit roundoff
 F32_RTOL = 1e-5  # ~170 f32 ulps: XLA's f32 exp/tanh/rsqrt are within a few ulps, then <= 8 roundings
@@ -771,7 +771,7 @@ def test_int4_quantize_error_within_half_a_step(seed, k, n, group, lead):
 
 def test_qtensor_passes_through_jit():
     """The reference evaluator jits over weights, QTensors included."""
-    from mkdsl.quant import register_pytree
+    from mkdsl.lang.quant import register_pytree
 
     register_pytree()
     rng = np.random.default_rng(0)

@@ -28,13 +28,13 @@ from test_ops_moe_mla import (
     run,
 )
 
-from mkdsl.block_attrs import op_block
-from mkdsl.diagnostics import SpecError
-from mkdsl.dtypes import F32, fp8
-from mkdsl.elaborate import elaborate
-from mkdsl.ir import BlockAttr, TensorType
-from mkdsl.quant import quantize
-from mkdsl.syntax import parse
+from mkdsl.lang.block_attrs import op_block
+from mkdsl.lang.diagnostics import SpecError
+from mkdsl.lang.dtypes import F32, fp8
+from mkdsl.lang.elaborate import elaborate
+from mkdsl.lang.ir import BlockAttr, TensorType
+from mkdsl.lang.quant import quantize
+from mkdsl.lang.syntax import parse
 
 SEEDS = st.integers(0, 2**32 - 1)
 ORACLES: dict[str, list[str]] = {}

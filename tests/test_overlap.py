@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mkdsl.elaborate import load
+from mkdsl.lang.elaborate import load
 from mkdsl.overlap import windows
 from mkdsl.plan import cost_model
 from mkdsl.plan.cost_model import Phase

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mkdsl.elaborate import load
+from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan, placement
 from mkdsl.shard import shard
 
@@ -88,7 +88,7 @@ def test_a_gathered_slice_narrower_than_whole_lane_tiles_is_a_diagnostic(tmp_pat
     """Mosaic exchanges whole 128-lane tiles: `moe_down` split 4 ways over ep unpadded (64 columns
     per device in `mini`) would run in interpret mode but not compile, so the planner says so and
     `--placement` reports such a split as rejected."""
-    from mkdsl.diagnostics import SpecError
+    from mkdsl.lang.diagnostics import SpecError
 
     text = (ROOT / "specs/kimi_k3.mk").read_text(encoding="utf-8")
     padded, compacted = "bf16[H, TPN*LATW @tp]", "compact(linear(x, moe_down), block=LATW, keep=LAT // TPN)"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mkdsl.compiler import compile_source
-from mkdsl.elaborate import load
+from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan
 from mkdsl.plan.breakdown import COST_KINDS, breakdown
 from mkdsl.report_svg import LEFT, RIGHT

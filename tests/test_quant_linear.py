@@ -9,9 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from mkdsl import dtypes, verify
+from mkdsl import verify
 from mkdsl.compiler import compile_source
-from mkdsl.quant import dequantize, quantize
+from mkdsl.lang import dtypes
+from mkdsl.lang.quant import dequantize, quantize
 
 # ---------------------------------------------------------------- float64 decoders, from the formats
 
@@ -261,7 +262,7 @@ step(tokens, positions) {
 
 
 def test_hbm_capacity_is_checked_per_device(tmp_path):
-    from mkdsl.diagnostics import SpecError
+    from mkdsl.lang.diagnostics import SpecError
 
     one = BIG.replace("MESH", "").replace(" SPLIT", "")
     with pytest.raises(SpecError) as err:

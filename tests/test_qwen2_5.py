@@ -21,7 +21,7 @@ import pytest
 import zoo_oracle as zo
 from zoo_kernel import build_mini_kernel, check_full_size, run_mini_kernel
 
-from mkdsl.elaborate import load
+from mkdsl.lang.elaborate import load
 from mkdsl.random_params import random_params
 from mkdsl.reference import build_reference
 

@@ -34,7 +34,7 @@ from checkpoint_writers import through_checkpoint
 from model_checks import check_steps, mini_kernel
 from zoo_oracle import attend, bf16, f64, mm, silu, softmax
 
-from mkdsl.elaborate import load
+from mkdsl.lang.elaborate import load
 from mkdsl.random_params import random_params
 from mkdsl.reference import build_reference
 

@@ -36,8 +36,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mkdsl.elaborate import load
-from mkdsl.quant import QTensor
+from mkdsl.lang.elaborate import load
+from mkdsl.lang.quant import QTensor
 from mkdsl.random_params import random_params
 from mkdsl.reference import build_layered_reference, build_reference
 

@@ -24,15 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mkdsl.diagnostics import SpecError
-from mkdsl.elaborate import elaborate
-from mkdsl.ir import LayerExpr, Model, Ref
+from mkdsl.lang.diagnostics import SpecError
+from mkdsl.lang.elaborate import elaborate
+from mkdsl.lang.ir import LayerExpr, Model, Ref
+from mkdsl.lang.quant import QTensor
+from mkdsl.lang.syntax import parse
 from mkdsl.ops import OPS
-from mkdsl.quant import QTensor
 from mkdsl.random_params import random_params
 from mkdsl.reference import build_reference
 from mkdsl.shard import Place, _Sharder, shard
-from mkdsl.syntax import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 KIMI = (ROOT / "specs" / "kimi_k3.mk").read_text(encoding="utf-8")
@@ -500,7 +500,7 @@ def test_generated_module_exposes_per_device_layouts(tmp_path):
 def test_one_value_sliced_over_two_sets_of_axes_gets_two_names(tmp_path):
     """Kimi K3's MLA input `x` feeds `mla_wqa` (rows split over ep here) and `mla_wkva` (over tp):
     two different slices of it, which once shared the name `x__mine` and broke the planner."""
-    from mkdsl.elaborate import load
+    from mkdsl.lang.elaborate import load
     from mkdsl.plan.planner import make_plan
 
     text = (ROOT / "specs" / "kimi_k3.mk").read_text(encoding="utf-8")

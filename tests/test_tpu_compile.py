@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from compile_helpers import MIB, compile_one_core, compiler_vmem, load_module, summary_fixture, tpu7x_devices
 
-from mkdsl.elaborate import load
+from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent

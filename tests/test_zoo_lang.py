@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mkdsl.diagnostics import SpecError
-from mkdsl.elaborate import elaborate, load
-from mkdsl.syntax import parse
+from mkdsl.lang.diagnostics import SpecError
+from mkdsl.lang.elaborate import elaborate, load
+from mkdsl.lang.syntax import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,9 +121,9 @@ def test_the_row_split_chain_computes_rmsnorm(offset):
     rmsnorm reference (f32 rounding only: 2^-20 relative of the row's largest output)."""
     import numpy as np
 
-    from mkdsl.diagnostics import Span
-    from mkdsl.dtypes import F32
-    from mkdsl.ir import Node, Ref, TensorType, Value
+    from mkdsl.lang.diagnostics import Span
+    from mkdsl.lang.dtypes import F32
+    from mkdsl.lang.ir import Node, Ref, TensorType, Value
     from mkdsl.ops import OPS
 
     rng = np.random.default_rng(7)

@@ -32,9 +32,9 @@ from mkdsl.checkpoint.formats import CheckpointError, Stored, exact, open_checkp
 from mkdsl.checkpoint.mapping import FORMATS, WeightSource, apply_pair, apply_steps, mapped_grid, mapped_shape
 from mkdsl.checkpoint.pairs import PAIRS, STORAGE, PairKind, target_groups
 from mkdsl.checkpoint.steps import Grid
-from mkdsl.dtypes import numpy_dtype, storage
-from mkdsl.ir import Model, Tensor
-from mkdsl.quant import QTensor
+from mkdsl.lang.dtypes import numpy_dtype, storage
+from mkdsl.lang.ir import Model, Tensor
+from mkdsl.lang.quant import QTensor
 
 MAX_REPORTED = 12  # mistakes listed in one error (the rest are counted)
 

@@ -19,7 +19,7 @@ from functools import partial
 import numpy as np
 
 from mkdsl.checkpoint.steps import STEPS, Grid, StepDef, step_apply, step_grid, step_shape
-from mkdsl.diagnostics import Reporter, Span, did_you_mean
+from mkdsl.lang.diagnostics import Reporter, Span, did_you_mean
 
 FORMATS = {"hf": "Hugging Face safetensors", "gguf": "GGUF (llama.cpp)"}
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")

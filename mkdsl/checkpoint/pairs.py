@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mkdsl.checkpoint.steps import Grid
-from mkdsl.dtypes import DType
-from mkdsl.quant import E2M1_VALUES, pack_nibbles
+from mkdsl.lang.dtypes import DType
+from mkdsl.lang.quant import E2M1_VALUES, pack_nibbles
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def _mx_unpack(codes: np.ndarray) -> np.ndarray:
 
 
 def _mx_decode(nib: np.ndarray, scales: np.ndarray, grid: Grid) -> np.ndarray:
-    """e2m1 (bit 3 the sign) times 2^(byte - 127), as mkdsl/quant.py decodes mxfp4."""
+    """e2m1 (bit 3 the sign) times 2^(byte - 127), as mkdsl/lang/quant.py decodes mxfp4."""
     mag = E2M1_VALUES[nib & 7]
     power = np.ldexp(np.float32(1), _expand(scales, grid).astype(np.int32) - 127).astype(np.float32)
     return np.where(nib & 8, -mag, mag) * power
@@ -96,7 +96,7 @@ def target_groups(dtype: DType, ndim: int) -> tuple[int, ...]:
     return lead + ((dtype.block, dtype.block) if dtype.block else (dtype.group, 1))
 
 
-# Spec dtype name -> (elements [..., K, N], scales) in its storage (mkdsl/dtypes.py `storage`).
+# Spec dtype name -> (elements [..., K, N], scales) in its storage (mkdsl/lang/dtypes.py `storage`).
 STORAGE: dict[str, Callable] = {
     "mxfp4": lambda e, s: (pack_nibbles(e), s.astype(np.uint8)),
     "fp8_e4m3": lambda e, s: (e, s.astype(np.float32)),

@@ -7,8 +7,8 @@ value is whole, so the unfused reference never runs them.
 
 from __future__ import annotations
 
-from mkdsl.dtypes import F32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32
+from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import REQUIRED, Cost, OpDef, nbytes, numel, register
 

@@ -7,8 +7,8 @@ scalars are widened first with `repeat`, so every broadcast a spec makes is visi
 
 from __future__ import annotations
 
-from mkdsl.dtypes import F32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32
+from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import (
     REQUIRED,

@@ -20,8 +20,8 @@ value heads share a key head (`delta_rule(..., key_heads=n)`); its gated output 
 
 from __future__ import annotations
 
-from mkdsl.dtypes import F32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32
+from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops.prefill import scan_rule
 from mkdsl.ops.registry import (

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from mkdsl.dtypes import F32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32
+from mkdsl.lang.ir import TensorType
+from mkdsl.lang.quant import QTensor, dequantize
 from mkdsl.lazy import jnp
 from mkdsl.ops.registry import (
     Cost,
@@ -15,7 +16,6 @@ from mkdsl.ops.registry import (
     nbytes,
     register,
 )
-from mkdsl.quant import QTensor, dequantize
 
 
 def weight_f32(w):

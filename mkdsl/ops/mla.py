@@ -11,8 +11,8 @@ price is R-wide dot products per head instead of 192/128-wide ones.
 
 from __future__ import annotations
 
-from mkdsl.dtypes import F32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32
+from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jnp
 from mkdsl.ops.attention import mxu_operand, softmax_parts
 from mkdsl.ops.linear import weight_f32

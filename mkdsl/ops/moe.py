@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from mkdsl.dtypes import F32, I32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32, I32
+from mkdsl.lang.ir import TensorType
+from mkdsl.lang.quant import QTensor
 from mkdsl.lazy import jnp
 from mkdsl.ops.linear import weight_f32
 from mkdsl.ops.registry import (
@@ -26,11 +27,10 @@ from mkdsl.ops.registry import (
     register,
 )
 from mkdsl.ops.select import topk
-from mkdsl.quant import QTensor
 
 
 def apply_block(block, *arrays):
-    from mkdsl.block_attrs import apply_block as apply  # block_attrs imports the registry
+    from mkdsl.lang.block_attrs import apply_block as apply  # block_attrs imports the registry
 
     return apply(block, *arrays)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mkdsl.dtypes import F32
-from mkdsl.ir import Node, Ref, TensorType, Value
+from mkdsl.lang.dtypes import F32
+from mkdsl.lang.ir import Node, Ref, TensorType, Value
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import (
     Cost,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mkdsl.dtypes import DType
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import DType
+from mkdsl.lang.ir import TensorType
 
 REQUIRED = object()
 
@@ -158,7 +158,7 @@ def numel(t: TensorType) -> int:
 
 
 def nbytes(t: TensorType) -> int:
-    from mkdsl.dtypes import storage_bytes
+    from mkdsl.lang.dtypes import storage_bytes
 
     return storage_bytes(t.dtype, t.shape)
 

@@ -38,8 +38,8 @@ blocks (8 for Kimi K3's 93 layers with block 12).
 
 from __future__ import annotations
 
-from mkdsl.dtypes import F32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32
+from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import (
     REQUIRED,

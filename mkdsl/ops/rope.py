@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mkdsl.dtypes import F32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32
+from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jnp
 from mkdsl.ops.registry import (
     Cost,

@@ -8,8 +8,8 @@ chosen ids, and `w / rowsum(w) * 2.5` renormalises and scales them.
 
 from __future__ import annotations
 
-from mkdsl.dtypes import F32, I32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32, I32
+from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import REQUIRED, Cost, OpDef, OpError, expect_dtype, expect_float, expect_rank, register
 from mkdsl.ops.select import topk

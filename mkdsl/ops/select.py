@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mkdsl.dtypes import F32, I32
-from mkdsl.ir import TensorType
+from mkdsl.lang.dtypes import F32, I32
+from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops.registry import (
     REQUIRED,

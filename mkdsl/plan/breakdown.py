@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mkdsl.ir import Model
+from mkdsl.lang.ir import Model
 from mkdsl.plan.types import Plan
 
 COST_KINDS = ("stream", "compute", "collectives", "fixed")

@@ -7,7 +7,7 @@ carry buffers; a step value that is still needed after the layer stack gets its 
 
 from __future__ import annotations
 
-from mkdsl.ir import Graph, Model, Ref
+from mkdsl.lang.ir import Graph, Model, Ref
 from mkdsl.ops import OPS
 
 # Ops whose lowering may write an output into the buffer of an input it has finished reading:

@@ -29,7 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, replace
 
-from mkdsl.ir import Graph, Model
+from mkdsl.lang.ir import Graph, Model
 from mkdsl.ops import OPS
 from mkdsl.plan import measured
 
@@ -279,7 +279,7 @@ def all_reduce_options(mask: int, n: int, rows: int, wire: str) -> list[tuple[st
 
 
 def _node_collective(model: Model, g: Graph, node, rows: int, wire: str) -> Collective | None:
-    from mkdsl.elaborate import graph_value_type
+    from mkdsl.lang.elaborate import graph_value_type
 
     kind = OPS[node.op].exchange if node.op in OPS else ""
     axes = node.attr.get(OPS[node.op].exchange_axes) if kind else None

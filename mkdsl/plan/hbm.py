@@ -9,9 +9,9 @@ measured about 94.7 GB usable per core, which is the budget here.
 
 from __future__ import annotations
 
-from mkdsl.diagnostics import Diagnostic
-from mkdsl.dtypes import storage_bytes
-from mkdsl.ir import Model, Tensor
+from mkdsl.lang.diagnostics import Diagnostic
+from mkdsl.lang.dtypes import storage_bytes
+from mkdsl.lang.ir import Model, Tensor
 
 HBM_PER_CORE = 96 * 2**30  # 192 GiB per TPU7x chip / 2 TensorCores
 HBM_USABLE_PER_CORE = 94_700_000_000  # usable per core, as measured by a public TPU7x kernel

@@ -24,8 +24,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from mkdsl import ready
-from mkdsl.diagnostics import SpecError
-from mkdsl.ir import Graph, Model
+from mkdsl.lang.diagnostics import SpecError
+from mkdsl.lang.ir import Graph, Model
 from mkdsl.plan import collectives
 from mkdsl.plan.planner import make_plan
 from mkdsl.shard import shard

@@ -18,8 +18,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from mkdsl.diagnostics import SpecError
-from mkdsl.ir import Model, Tensor
+from mkdsl.lang.diagnostics import SpecError
+from mkdsl.lang.ir import Model, Tensor
 from mkdsl.plan.planner import make_plan
 from mkdsl.plan.types import Plan
 from mkdsl.shard import ShardError, shard

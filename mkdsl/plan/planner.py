@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from mkdsl import overlap
 from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites
 from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
-from mkdsl.diagnostics import NOWHERE, Diagnostic, Span, SpecError
-from mkdsl.dtypes import storage_bytes
-from mkdsl.ir import Graph, LayerExpr, Model, Node, TensorType
+from mkdsl.lang.diagnostics import NOWHERE, Diagnostic, Span, SpecError
+from mkdsl.lang.dtypes import storage_bytes
+from mkdsl.lang.ir import Graph, LayerExpr, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
 from mkdsl.plan import collectives, hbm, roles, timeline
 from mkdsl.plan.buffers import assign_buffers, buffer_of
@@ -691,7 +691,7 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], dict[str, int]]
 
 
 def _type_of(m: Model, graph: Graph, ref) -> TensorType:
-    from mkdsl.elaborate import graph_value_type
+    from mkdsl.lang.elaborate import graph_value_type
 
     if ref.kind == "tensor":
         return m.tensor(ref.name).type

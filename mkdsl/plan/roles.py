@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mkdsl.ir import Graph, Model, Tensor, TensorType
+from mkdsl.lang.ir import Graph, Model, Tensor, TensorType
 from mkdsl.ops import OPS
 
 

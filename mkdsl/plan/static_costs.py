@@ -16,8 +16,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from mkdsl.dtypes import storage_bytes
-from mkdsl.ir import Model
+from mkdsl.lang.dtypes import storage_bytes
+from mkdsl.lang.ir import Model
 from mkdsl.ops import OPS
 from mkdsl.plan.types import Plan
 

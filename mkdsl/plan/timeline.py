@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from mkdsl.backends.tpu.lowering import Site
-from mkdsl.ir import Graph
+from mkdsl.lang.ir import Graph
 from mkdsl.ops import OPS
 from mkdsl.plan import cost_model
 from mkdsl.plan.cost_model import Phase

@@ -18,8 +18,8 @@ from mkdsl import __version__
 from mkdsl.backends.tpu.lowering import Site, lowering_for, sites
 from mkdsl.backends.tpu.lowerings.attention import KV_SLOTS
 from mkdsl.backends.tpu.wrapper import wrapper_context
-from mkdsl.dtypes import storage
-from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref
+from mkdsl.lang.dtypes import storage
+from mkdsl.lang.ir import Graph, LayerExpr, Model, Node, Ref
 from mkdsl.ops import OPS
 from mkdsl.plan import roles
 from mkdsl.plan.buffers import buffer_of
@@ -216,7 +216,7 @@ class _Emitter:
         return ref.name
 
     def value_width(self, g: Graph, ref: Ref) -> int:
-        from mkdsl.elaborate import graph_value_type
+        from mkdsl.lang.elaborate import graph_value_type
 
         return graph_value_type(g, ref).shape[1]
 
@@ -461,7 +461,7 @@ def attr_code(v) -> str:
 
 
 def _vocab(m: Model) -> int:
-    from mkdsl.elaborate import graph_value_type
+    from mkdsl.lang.elaborate import graph_value_type
 
     return graph_value_type(m.step, m.step.results[0]).shape[1]
 

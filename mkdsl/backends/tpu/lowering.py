@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mkdsl.diagnostics import Diagnostic
-from mkdsl.ir import Graph, LayerExpr, Model, Node
+from mkdsl.lang.diagnostics import Diagnostic
+from mkdsl.lang.ir import Graph, LayerExpr, Model, Node
 from mkdsl.ops import OPS
 
 

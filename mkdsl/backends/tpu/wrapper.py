@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 
-from mkdsl.ir import Model
+from mkdsl.lang.ir import Model
 
 
 def wrapper_context(model: Model, kv_tile: int) -> dict:
     """Template values: the cache lengths the spec's dims allow, the token ids the embedding
     takes, and the smallest cache length `build_decode_step` accepts (for the example)."""
-    from mkdsl.elaborate import graph_value_type
+    from mkdsl.lang.elaborate import graph_value_type
 
     seq = model.dims[1:]
     low, high = max((d.low for d in seq), default=1), min((d.high for d in seq), default=2**31 - 1)

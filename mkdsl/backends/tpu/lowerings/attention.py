@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
-from mkdsl.diagnostics import NOWHERE, Diagnostic
-from mkdsl.ir import Model
+from mkdsl.lang.diagnostics import NOWHERE, Diagnostic
+from mkdsl.lang.ir import Model
 
 KV_SLOTS = 3  # KV tiles in flight
 ATTENTION = ("runtime/attention.py.jinja",)

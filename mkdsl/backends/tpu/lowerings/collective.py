@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
 from mkdsl.backends.tpu.lowerings.norm import norm_weight
-from mkdsl.ir import Ref
+from mkdsl.lang.ir import Ref
 from mkdsl.ops.collective import GATHER_SPLITS, SCALED_SUM, SCATTER_SUMS, SUM_PARTIALS, TAKE_MINE, WEIGH_MINE
 
 # The runtime's Comm method of each all-reduce algorithm (mkdsl/plan/collectives.py picks one).

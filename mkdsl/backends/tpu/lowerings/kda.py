@@ -6,8 +6,8 @@ their DMAs before they return, so every instance shares one scratch set (`synchr
 from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
-from mkdsl.diagnostics import Diagnostic
-from mkdsl.ir import Model
+from mkdsl.lang.diagnostics import Diagnostic
+from mkdsl.lang.ir import Model
 
 DELTA_SLOTS = 3  # recurrent-state slots in flight
 DELTA_SLOT_BYTES = 512 * 1024  # one slot's states at most: 3 read and 3 write slots stay within 3 MiB of VMEM
@@ -100,7 +100,7 @@ register_lowering(
 
 def _scalar_decay(at: Site) -> bool:
     """One decay per head (g [B, heads]) rather than one per key channel."""
-    from mkdsl.elaborate import graph_value_type
+    from mkdsl.lang.elaborate import graph_value_type
 
     return graph_value_type(at.graph, at.node.arg("g")).shape[1] == at.node.attr["heads"]
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
-from mkdsl.diagnostics import Diagnostic
-from mkdsl.dtypes import DType, itemsize
-from mkdsl.ir import Model, Tensor
+from mkdsl.lang.diagnostics import Diagnostic
+from mkdsl.lang.dtypes import DType, itemsize
+from mkdsl.lang.ir import Model, Tensor
 from mkdsl.shard import split_note
 
 TILE_K = 2048  # weight tile rows (a multiple of 16, the bf16 sublane tile)

@@ -14,9 +14,9 @@ from mkdsl.backends.tpu.lowering import (
     register_lowering,
 )
 from mkdsl.backends.tpu.lowerings.attention import KV_SLOTS, kv_setup, kv_tables
-from mkdsl.diagnostics import Diagnostic
-from mkdsl.dtypes import storage_bytes
-from mkdsl.ir import Model
+from mkdsl.lang.diagnostics import Diagnostic
+from mkdsl.lang.dtypes import storage_bytes
+from mkdsl.lang.ir import Model
 
 W_SLOTS = 3  # MLA weight tiles in flight
 # Latent tiles in VMEM: the one whose values are taken, the next one (its scores), two in flight.

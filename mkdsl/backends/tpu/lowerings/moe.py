@@ -18,8 +18,8 @@ from mkdsl.backends.tpu.lowering import (
     Traffic,
     register_lowering,
 )
-from mkdsl.diagnostics import Diagnostic
-from mkdsl.ir import BlockAttr, Graph, Model, Node
+from mkdsl.lang.diagnostics import Diagnostic
+from mkdsl.lang.ir import BlockAttr, Graph, Model, Node
 from mkdsl.ops import OPS
 from mkdsl.ops.moe import expected_experts
 

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
-from mkdsl.diagnostics import Diagnostic
-from mkdsl.ir import Model
+from mkdsl.lang.diagnostics import Diagnostic
+from mkdsl.lang.ir import Model
 
 ROUTING = ("runtime/routing.py.jinja",)
 T = "lowerings/routing.jinja"

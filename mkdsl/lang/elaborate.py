@@ -12,14 +12,13 @@ import math
 from dataclasses import dataclass, field
 from functools import partial
 
-from mkdsl import dtypes
-from mkdsl.block_attrs import resolve_block_attrs
 from mkdsl.checkpoint.mapping import check_checkpoints
-from mkdsl.consts import MATH, ConstEnv, walk
-from mkdsl.diagnostics import NOWHERE, Diagnostic, Reporter, Span, SpecError, did_you_mean
-from mkdsl.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
-from mkdsl.ops import OPS, REQUIRED, Operand, OpError
-from mkdsl.syntax import (
+from mkdsl.lang import dtypes
+from mkdsl.lang.block_attrs import resolve_block_attrs
+from mkdsl.lang.consts import MATH, ConstEnv, walk
+from mkdsl.lang.diagnostics import NOWHERE, Diagnostic, Reporter, Span, SpecError, did_you_mean
+from mkdsl.lang.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
+from mkdsl.lang.syntax import (
     AssignStmt,
     BinOp,
     Call,
@@ -43,6 +42,7 @@ from mkdsl.syntax import (
     UnOp,
     parse,
 )
+from mkdsl.ops import OPS, REQUIRED, Operand, OpError
 
 # Schedule hints the planner understands (checked here, used by the planner).
 HINTS = {

@@ -9,11 +9,11 @@ of a registered elementwise op taking that many operands is accepted too (`act=s
 
 from __future__ import annotations
 
-from mkdsl.diagnostics import NOWHERE
-from mkdsl.dtypes import F32
-from mkdsl.ir import BlockAttr, Graph, LayerExpr, Node, Ref, TensorType, Value
+from mkdsl.lang.diagnostics import NOWHERE
+from mkdsl.lang.dtypes import F32
+from mkdsl.lang.ir import BlockAttr, Graph, LayerExpr, Node, Ref, TensorType, Value
+from mkdsl.lang.syntax import Name
 from mkdsl.ops import OPS, REQUIRED, OpError
-from mkdsl.syntax import Name
 
 # Shard rules of ops that act entry by entry (the broadcasting ones too: inside a block every
 # operand is a parameter of the same shape, so nothing broadcasts there).

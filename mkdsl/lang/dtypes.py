@@ -28,7 +28,7 @@ class DType:
 
     @property
     def fmt(self) -> str:
-        """The format's name in a `QTensor` (mkdsl/quant.py): the element, `:block` if block-scaled."""
+        """The format's name in a `QTensor` (mkdsl/lang/quant.py): the element, `:block` if block-scaled."""
         return f"{self.name}:block" if self.block else self.name
 
     def k_multiple(self) -> int:

@@ -7,7 +7,7 @@ spec and mkdsl version give the same text.
 
 from __future__ import annotations
 
-from mkdsl.ir import Graph, LayerExpr, Model, Node, Ref, Tensor
+from mkdsl.lang.ir import Graph, LayerExpr, Model, Node, Ref, Tensor
 
 _SIGIL = {"value": "%", "tensor": "@", "input": "$"}
 

@@ -7,8 +7,8 @@ import operator
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from mkdsl.diagnostics import Reporter, Span, did_you_mean
-from mkdsl.syntax import BinOp, Call, ConstDecl, Expr, Name, Num, UnOp
+from mkdsl.lang.diagnostics import Reporter, Span, did_you_mean
+from mkdsl.lang.syntax import BinOp, Call, ConstDecl, Expr, Name, Num, UnOp
 
 Scalar = int | float | bool | str
 T = TypeVar("T")
@@ -276,7 +276,7 @@ class ConstEnv:
         The expression is checked at every layer index it will see; if it has one value at all
         of them it folds to that constant. `local` binds a block's constant parameters.
         """
-        from mkdsl.ir import LayerExpr
+        from mkdsl.lang.ir import LayerExpr
 
         local = local or {}
         if "l" in self.decls or "l" in local or not _mentions(e, "l"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import lark
 from lark import Lark, Transformer_NonRecursive, v_args
 
-from mkdsl.diagnostics import Diagnostic, Span, SpecError, source_lines, visible
+from mkdsl.lang.diagnostics import Diagnostic, Span, SpecError, source_lines, visible
 
 # ---------------------------------------------------------------------------- expressions
 

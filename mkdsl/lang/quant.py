@@ -1,6 +1,6 @@
 """Quantised weight formats: packing (numpy, for loaders and tests) and decoding (jnp).
 
-Layouts are described in `mkdsl.dtypes.storage`. Decoding is exact where the value is
+Layouts are described in `mkdsl.lang.dtypes.storage`. Decoding is exact where the value is
 representable: an mxfp4 value is a power of two times an e2m1 magnitude and an int4 value a
 nibble times a bf16 scale, both exact in f32. A scaled int8 or fp8 value is its code times an
 f32 scale, rounded once to f32 (correctly rounded, as IEEE multiplication is).
@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mkdsl.dtypes import DType
+from mkdsl.lang.dtypes import DType
 from mkdsl.lazy import jax, jnp
 
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)

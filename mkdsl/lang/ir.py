@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mkdsl.diagnostics import Span
-from mkdsl.dtypes import DType
+from mkdsl.lang.diagnostics import Span
+from mkdsl.lang.dtypes import DType
 
 Dim = int | str  # str: a size bound when the step is built (a `dim`, e.g. "B")
 
