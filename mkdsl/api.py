@@ -67,7 +67,7 @@ def load(path: str | Path, profile: str | None = None) -> Spec:
     """Read, parse, check and shard a spec (with `profile`'s overrides)."""
     from mkdsl.lang.elaborate import elaborate
     from mkdsl.lang.syntax import parse
-    from mkdsl.shard import shard
+    from mkdsl.spmd.shard import shard
 
     path = str(path)
     source = Path(path).read_text(encoding="utf-8")
@@ -198,7 +198,7 @@ def prefill_step(
     (then whole, where its inputs are)."""
     from mkdsl.prefill import build_prefill
     from mkdsl.prefill_spmd import build_sharded_prefill
-    from mkdsl.shard import is_sharded
+    from mkdsl.spmd.shard import is_sharded
 
     shardings = state_shardings(spec, mesh) if mesh is not None else None
     options = {"sampling": sampling, "state_shardings": shardings, "jit": jit, "donate": donate}

@@ -86,7 +86,7 @@ def regenerate_command(args, shown: str) -> str:
 
 def cmd_check(args) -> int:
     from mkdsl.plan import make_plan
-    from mkdsl.shard import devices, shard
+    from mkdsl.spmd.shard import devices, shard
 
     t0 = time.perf_counter()
     from mkdsl.api import spec_profiles
@@ -183,7 +183,7 @@ def cmd_plan(args) -> int:
             f"--context {args.context} is beyond `{cache.name}` in {cache.low} .. {cache.high} (spec {args.spec})"
         )
     try:
-        from mkdsl.shard import shard
+        from mkdsl.spmd.shard import shard
 
         options = _cost_options(args)
         model_whole, model = model, shard(model)  # the per-device model: plans and figures are per device (core)
@@ -347,7 +347,7 @@ def cmd_run(args) -> int:
     from mkdsl.checkpoint.loader import load_weights, plan_load
     from mkdsl.checkpoint.tokenizer import load_codec
     from mkdsl.jax_setup import tpu_attached
-    from mkdsl.shard import shard
+    from mkdsl.spmd.shard import shard
 
     _check_run_args(args)
     model, source, module_ast = _load(args)

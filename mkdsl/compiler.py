@@ -17,7 +17,7 @@ from mkdsl.lang.syntax import parse
 from mkdsl.output import write_output
 from mkdsl.plan import Plan, make_plan
 from mkdsl.report import render_picture, render_plan
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 
 
 @dataclass(frozen=True)

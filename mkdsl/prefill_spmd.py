@@ -1,11 +1,11 @@
-"""Prefill per device: the sharded spec's per-device model (mkdsl/shard.py) under `shard_map`.
+"""Prefill per device: the sharded spec's per-device model (mkdsl/spmd/shard.py) under `shard_map`.
 
 A sharded model's whole prefill may not fit one device (Kimi K3: 51 GB of weights per core over
 32 cores). Here each device runs the per-device model's prefill on its own blocks of the weights
 and the state (split as each tensor's `sharding` says, the blocks the kernel holds), and the
 collectives the shard pass inserted exchange values over the mesh as the kernel's do: partial
 sums by `psum`, column slices by `all_gather`, in mesh order (a deferred norm's
-exchanges, mkdsl/defer_norm.py, by `psum` and the slice). The new state comes back as global
+exchanges, mkdsl/spmd/defer_norm.py, by `psum` and the slice). The new state comes back as global
 arrays split over the mesh as the kernel's `STATE_SPLIT` says, so the kernel's step takes it.
 
 The rules below replace, per op, what the per-device model needs beyond its ops' references:
@@ -23,7 +23,7 @@ from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.prefill import check_prefill, reference_weights, run_prefill
 from mkdsl.sampling import Sampling, sample_tokens
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 
 
 def _index(axes) -> object:
@@ -57,7 +57,7 @@ def _norm_weight_mine(rows, arrays, attrs):
 
 
 def _all_reduce_scaled(rows, arrays, attrs):
-    """Σa · rsqrt(Σ rowsum(x²) / n + eps) + Σb (mkdsl/defer_norm.py)."""
+    """Σa · rsqrt(Σ rowsum(x²) / n + eps) + Σb (mkdsl/spmd/defer_norm.py)."""
     axes = tuple(attrs["axes"])
     a, x, *b = (jnp.asarray(v, jnp.float32) for v in arrays)
     squares = jax.lax.psum(jnp.sum(x * x, axis=-1, keepdims=True), axes)

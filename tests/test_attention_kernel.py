@@ -222,7 +222,7 @@ def test_gqa_8_to_1_with_the_kv_head_replicated_over_2_devices(tmp_path):
 
 def test_replicated_kv_heads_shard_rule():
     """Each device holds the whole (replicated) caches and reads the one KV head its query heads share."""
-    from mkdsl.shard import shard
+    from mkdsl.spmd.shard import shard
 
     out, _ = compile_source(REPLICATED, "r.mk", None, None)
     local = shard(out.model)

@@ -1,6 +1,6 @@
 """A deferred norm's exchanges (`Comm.reduce_scatter`, `Comm.all_reduce_scaled`), over 8 devices.
 
-mkdsl/defer_norm.py turns `all_reduce -> rmsnorm -> shard_slice -> linear [+ b] -> all_reduce`
+mkdsl/spmd/defer_norm.py turns `all_reduce -> rmsnorm -> shard_slice -> linear [+ b] -> all_reduce`
 into a reduce-scatter of exactly n / G columns per member, the projection of the weighted slice,
 and one all-reduce that sums the projection's chunks, the other partial's and every member's sum
 of squares in its first phase and applies the norm's row scale before its all-gather.

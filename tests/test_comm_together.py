@@ -38,7 +38,7 @@ ROWS = 16  # padded rows; rows on the wire: 8 (batches 2-8; rows 8-15 never trav
 GW, W = 128, 256  # all-gather slice width; all-reduce width
 INS = {"a": GW, "b": GW, "c": W, "d": W, "t": W}  # a: gathered over tp, b: over ep; c summed over ep, d tp, t all
 OUTS = {"GA": GW * 2, "GB": GW * 4, "RC": W, "RD": W, "RT": W, "GE": GW * 4}  # shared; U* by the plain methods
-# Written by the work run `during` the first shared exchange (mkdsl/overlap.py's windows): A2 holds a
+# Written by the work run `during` the first shared exchange (mkdsl/spmd/overlap.py's windows): A2 holds a
 # copy of `a` that exchange gathers, overwritten during it (a window may reuse a collective's dead
 # input buffer: inputs are staged before the sends start); DA is computed during it.
 DURING = {"A2": GW, "DA": GW}

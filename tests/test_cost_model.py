@@ -11,7 +11,7 @@ import pytest
 from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan, measured
 from mkdsl.plan.cost_model import Phase, bandwidth, compute_us, simulate
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 
 ROOT = Path(__file__).resolve().parent.parent
 RATE = measured.RING_STREAM_BYTES_PER_S / 1e6  # ring bytes per us

@@ -1,4 +1,4 @@
-"""The shard pass's deferred norms (mkdsl/defer_norm.py): where the rewrite applies and where not.
+"""The shard pass's deferred norms (mkdsl/spmd/defer_norm.py): where the rewrite applies and where not.
 
 A small two-device layer holds the chain: an MLP's partial output `r` (its down-projection split
 by rows over tp), normalised over its whole row, then a projection split by rows (`w_proj`), whose
@@ -16,7 +16,7 @@ from mkdsl.lang.ir_text import dump_ir
 from mkdsl.lang.syntax import parse
 from mkdsl.plan import collectives as co
 from mkdsl.plan.planner import make_plan
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 
 SPEC = """model defer_demo
 

@@ -22,7 +22,7 @@ from mkdsl.compiler import compile_source
 from mkdsl.lang.diagnostics import SpecError
 from mkdsl.lang.elaborate import elaborate, graph_value_type
 from mkdsl.lang.syntax import parse
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 
 SPEC = """\
 model gdn_small

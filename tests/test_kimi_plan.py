@@ -20,7 +20,7 @@ import pytest
 from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan
 from mkdsl.report import traffic_split
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = "specs/kimi_k3.mk"
@@ -119,7 +119,7 @@ def test_sixteen_chip_figures_beside_the_public_ones(plan, printed):
     assert t.comm_us > 0 and plan.exchange_phases > 0
     # The step is the dispatch plus every phase in order: the phases' charges add up to it (the same
     # float64 terms in another order: ~1e-15), and the exchanges are charged whole but for the time
-    # the shared experts run during the router's and the latent's gather (mkdsl/overlap.py).
+    # the shared experts run during the router's and the latent's gather (mkdsl/spmd/overlap.py).
     assert t.modeled_us == pytest.approx(t.fixed_us + sum(p.us for p in plan.phases), rel=1e-9)
     assert sum(p.comm_us for p in plan.phases) == pytest.approx(t.comm_us - t.during_us, rel=1e-9)
     assert 0 < t.during_us < t.comm_us

@@ -17,7 +17,7 @@ from mkdsl.compiler import compile_source
 from mkdsl.lang.diagnostics import SpecError
 from mkdsl.lang.elaborate import elaborate
 from mkdsl.lang.syntax import parse
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 
 ROOT = Path(__file__).resolve().parent.parent
 

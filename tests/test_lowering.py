@@ -49,7 +49,7 @@ def test_every_op_has_a_lowering_whose_macro_exists():
 
 
 def test_every_op_has_a_sharding_rule_family():
-    from mkdsl.shard import RULES
+    from mkdsl.spmd.shard import RULES
 
     assert {op.name for op in OPS.values() if not op.internal and op.shard not in RULES} == set()
 
@@ -117,7 +117,7 @@ def test_dump_local_ir_shows_the_collectives(tmp_path, monkeypatch, capsys):
 
 # ---------------------------------------------------------------- the structure the redesign keeps
 
-STAGES = [ROOT / "mkdsl/shard.py", *sorted((ROOT / "mkdsl/plan").glob("*.py"))]
+STAGES = [ROOT / "mkdsl/spmd/shard.py", *sorted((ROOT / "mkdsl/plan").glob("*.py"))]
 STAGES += [p for p in sorted((ROOT / "mkdsl/backends/tpu").rglob("*")) if p.suffix in (".py", ".jinja")]
 STAGES = [p for p in STAGES if "lowerings" not in p.parts]  # an op's own lowering may name it
 

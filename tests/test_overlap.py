@@ -1,4 +1,4 @@
-"""Work run while an exchange travels (mkdsl/overlap.py): the shard-pass step that moves the nodes
+"""Work run while an exchange travels (mkdsl/spmd/overlap.py): the shard-pass step that moves the nodes
 needing none of a group of collectives right after it, the planner's windows, and the cost
 model's charge for them (plan/cost_model.py)."""
 
@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from mkdsl.lang.elaborate import load
-from mkdsl.overlap import windows
 from mkdsl.plan import cost_model
 from mkdsl.plan.cost_model import Phase
 from mkdsl.plan.planner import make_plan
-from mkdsl.ready import closure, direct_deps, is_exchange
-from mkdsl.shard import shard
+from mkdsl.spmd.overlap import windows
+from mkdsl.spmd.ready import closure, direct_deps, is_exchange
+from mkdsl.spmd.shard import shard
 
 KIMI = str(Path(__file__).parent.parent / "specs" / "kimi_k3.mk")
 

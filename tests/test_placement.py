@@ -9,7 +9,7 @@ import pytest
 
 from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan, placement
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan
 from mkdsl.plan.breakdown import COST_KINDS, breakdown
 from mkdsl.report_svg import LEFT, RIGHT
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "docs" / "plan-schema.json").read_text(encoding="utf-8"))

@@ -22,7 +22,7 @@ import mkdsl
 from mkdsl.prefill import build_prefill, reference_weights, run_prefill_layer
 from mkdsl.prefill_spmd import SPMD_RULES, build_sharded_prefill, tensor_spec
 from mkdsl.reference import build_layered_reference
-from mkdsl.shard import shard
+from mkdsl.spmd.shard import shard
 from mkdsl.verify import LOGIT_RTOL, STATE_RTOL, LayerChecker, state_ratio, storage_ulp
 
 

@@ -1,4 +1,4 @@
-"""The shard pass (mkdsl/shard.py): what each device runs, checked three ways.
+"""The shard pass (mkdsl/spmd/shard.py): what each device runs, checked three ways.
 
 1. Structure: the Kimi K3 layout of the spec (32 devices: 8-way expert parallel x 4-way inside each
    expert; heads, columns and vocabulary split 32 ways) gives the published per-device shapes and the
@@ -32,7 +32,7 @@ from mkdsl.lang.syntax import parse
 from mkdsl.ops import OPS
 from mkdsl.random_params import random_params
 from mkdsl.reference import build_reference
-from mkdsl.shard import Place, _Sharder, shard
+from mkdsl.spmd.shard import Place, _Sharder, shard
 
 ROOT = Path(__file__).resolve().parent.parent
 KIMI = (ROOT / "specs" / "kimi_k3.mk").read_text(encoding="utf-8")
@@ -88,7 +88,7 @@ def test_kimi_k3_collectives_are_where_the_design_puts_them():
         ("all_gather", ("tp",)),  # the latent activation
         ("moe_experts", ("ep",)),  # each device runs the chosen experts it holds
         # expert outputs, partial over experts and columns: summed into this device's rows of the
-        # row-parallel latent up-projection (the norm between them deferred, mkdsl/defer_norm.py)
+        # row-parallel latent up-projection (the norm between them deferred, mkdsl/spmd/defer_norm.py)
         ("reduce_scatter", both),
         ("norm_weight_mine", both),  # the norm's weights of those rows
         ("all_reduce_scaled", both),  # up-projection + shared experts, scaled by the norm: one all-reduce

@@ -106,7 +106,7 @@ def test_a_full_width_norm_of_split_heads_sums_squares_across_devices():
     columns' squares, one [B, 1] all-reduce per norm adds them, no gather; the (1 + w) form adds
     the offset to the device's weight slice. (The OLMo 2 mini kernel runs this in interpret mode:
     tests/test_olmo2.py.)"""
-    from mkdsl.shard import shard
+    from mkdsl.spmd.shard import shard
 
     local = shard(elaborate(parse(SPLIT_NORM), None, SPLIT_NORM))
     nodes = local.kind("attn").nodes

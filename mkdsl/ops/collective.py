@@ -1,4 +1,4 @@
-"""Collectives: inserted by the shard pass (mkdsl/shard.py), never written in a spec.
+"""Collectives: inserted by the shard pass (mkdsl/spmd/shard.py), never written in a spec.
 
 In the per-device model a value is either whole on every device or split over mesh axes; these
 ops move between the two. Their reference is the identity on the global model, where every
@@ -72,7 +72,7 @@ register(
 )
 
 
-# ---- deferred RMS norm (mkdsl/defer_norm.py): an all-reduced value's norm moved past the
+# ---- deferred RMS norm (mkdsl/spmd/defer_norm.py): an all-reduced value's norm moved past the
 # row-parallel projection it feeds, so its all-reduce becomes a reduce-scatter and the norm's row
 # scale rides in the projection's own all-reduce.
 SCATTER_SUMS, WEIGH_MINE, SCALED_SUM = "reduce_scatter", "norm_weight_mine", "all_reduce_scaled"

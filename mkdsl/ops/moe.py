@@ -183,7 +183,7 @@ def _experts_cost(ins, outs, attrs):
     """The experts a step uses are data-dependent; the bytes are the expected distinct experts'
     (`expected_experts`, rounded up to whole bytes), each distinct expert's w1, w3, w2 (and bias
     rows) read once for all rows that chose it. Expert parallel (`experts_total`, set by
-    mkdsl.shard): this device holds e of them."""
+    mkdsl.spmd.shard): this device holds e of them."""
     z, weights, ids, w1, w3, w2 = ins[:6]
     b, k = ids.shape
     e, d, f = w1.shape

@@ -75,7 +75,7 @@ class OpDef:
     kernel_expr: str | None = None
     internal: bool = False  # inserted by the compiler; specs cannot call it
     # ---- traits: what later stages ask of the op instead of keeping lists of op names
-    # The shard pass's rule family (mkdsl/shard.py RULES): "elementwise", "sum" (elementwise that
+    # The shard pass's rule family (mkdsl/spmd/shard.py RULES): "elementwise", "sum" (elementwise that
     # may add partial sums), "broadcast", "broadcast_sum" (binary arithmetic that broadcasts a
     # [N] or [B, 1] operand), "row_sum" (a split row sums to a partial sum), "whole", "norm",
     # "channels", "heads", "kv_heads", "key_heads", "latent_attention",
@@ -95,7 +95,7 @@ class OpDef:
     loop_unit: str = ""
     in_place: tuple[tuple[int, int], ...] = ()  # (output, operand) pairs that may share a buffer
     # devices exchange its value: "sum", "gather", "best" (an argmax), "scatter" (a reduce-scatter)
-    # or "scaled" (an all-reduce with a deferred norm's row scale, mkdsl/defer_norm.py)
+    # or "scaled" (an all-reduce with a deferred norm's row scale, mkdsl/spmd/defer_norm.py)
     exchange: str = ""
     exchange_axes: str = "axes"  # the attribute holding the mesh axes of the exchange
     # Attributes that name a spec block of elementwise ops (an `ir.BlockAttr`): attribute -> the

@@ -13,7 +13,7 @@ theirs. Per collective the planner models each algorithm the runtime has and pic
   the two cores gather the halves).
 
 Collectives of one graph that are ready together (none needs another's result; the shard pass's
-last step, mkdsl/ready.py, puts them next to each other) run their first phases as one direct
+last step, mkdsl/spmd/ready.py, puts them next to each other) run their first phases as one direct
 exchange over the union of their masks (`fuse_ready`, the runtime's `Comm.together`), then the
 rest of each one's phases: one latency for the union of their peers, all their bytes.
 
@@ -252,7 +252,7 @@ def scaled_chunk(n: int, group: int, wire: str) -> int:
 
 
 def scatter_phases(kind: str, mask: int, n: int, rows: int, wire: str, inputs: int) -> tuple[Phase, ...]:
-    """The phases of a deferred norm's exchanges (mkdsl/defer_norm.py) over `mask`, n the first
+    """The phases of a deferred norm's exchanges (mkdsl/spmd/defer_norm.py) over `mask`, n the first
     input's columns. `scatter` (reduce_scatter): one phase; member j's message is chunk j of
     exactly n / G columns (the slice a row-parallel consumer takes), padded to whole 128-lane
     messages. `scaled` (all_reduce_scaled, `inputs` 2 or 3): as rs_ag over chunks of

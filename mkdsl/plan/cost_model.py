@@ -15,7 +15,7 @@ flight ahead of the ops, at most `depth - 1` of the coming tiles. Then
     op-issued stream   t = max(compute, bytes / bandwidth)             (KV, state, experts, fetches)
     collective         t = its exchange phases, one after the other; the tiles already in flight
                            land meanwhile (the kernel issues no new ones while it waits); the
-                           ops run during its first phase (mkdsl/overlap.py) take that phase's
+                           ops run during its first phase (mkdsl/spmd/overlap.py) take that phase's
                            time off it, up to their own: the window lasts the longer of the two
     step               = dispatch / steps_per_call + the sum of every phase's t
 
@@ -51,7 +51,7 @@ class Phase:
     tile_bytes: int = 0  # one ring tile (ring phases)
     exchange_us: float = 0.0  # a collective: its exchange phases
     overlap_us: float = 0.0  # a collective: its first phase, which the work after it may run under
-    during: bool = False  # runs while the collective before it exchanges (mkdsl/overlap.py)
+    during: bool = False  # runs while the collective before it exchanges (mkdsl/spmd/overlap.py)
 
     @property
     def stream_us(self) -> float:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mkdsl import ready
 from mkdsl.lang.diagnostics import SpecError
 from mkdsl.lang.ir import Graph, Model
 from mkdsl.plan import collectives
 from mkdsl.plan.planner import make_plan
-from mkdsl.shard import shard
+from mkdsl.spmd import ready
+from mkdsl.spmd.shard import shard
 
 STEPS_PER_CALL = 16
 MAX_DEPTH = 64  # the ring search stops here
@@ -44,7 +44,7 @@ class Lever:
 
 
 def _depends(g: Graph) -> dict[str, set[str]]:
-    """Value -> every value of g it is computed from, transitively (mkdsl/ready.py's dependency
+    """Value -> every value of g it is computed from, transitively (mkdsl/spmd/ready.py's dependency
     closure, which orders the ready-together collectives: one notion of "needs" for both)."""
     needs = ready.closure(ready.direct_deps(g.nodes))
     made = [{v.name for v in n.outputs} for n in g.nodes]

@@ -22,7 +22,7 @@ from mkdsl.lang.diagnostics import SpecError
 from mkdsl.lang.ir import Model, Tensor
 from mkdsl.plan.planner import make_plan
 from mkdsl.plan.types import Plan
-from mkdsl.shard import ShardError, shard
+from mkdsl.spmd.shard import ShardError, shard
 
 
 @dataclass(frozen=True)

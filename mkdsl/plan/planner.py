@@ -17,7 +17,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mkdsl import overlap
 from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites
 from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
 from mkdsl.lang.diagnostics import NOWHERE, Diagnostic, Span, SpecError
@@ -28,7 +27,8 @@ from mkdsl.plan import collectives, hbm, roles, timeline
 from mkdsl.plan.buffers import assign_buffers, buffer_of
 from mkdsl.plan.types import Alloc, OpScratch, Plan, ScheduleItem, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
-from mkdsl.shard import devices
+from mkdsl.spmd import overlap
+from mkdsl.spmd.shard import devices
 
 ROW_TILE = 16  # rows padded to the bf16 sublane tile, so matmul inputs are tile-aligned
 RING_BYTES = 24 * MIB  # default share of VMEM for weight tiles in flight
@@ -60,7 +60,7 @@ class _State:
     scratch: dict = field(default_factory=dict)  # (graph, node index) -> OpScratch
     collectives: list = field(default_factory=list)  # collectives.Collective of every graph (sharded models)
     wide: list = field(default_factory=list)  # the collectives a kernel built for a batch above 1 runs
-    windows: tuple = ()  # (graph, collective value, node indices run during its first exchange): mkdsl/overlap.py
+    windows: tuple = ()  # (graph, collective value, node indices run during its first exchange): mkdsl/spmd/overlap.py
     one_row: list = field(default_factory=list)  # ... and one built for batch 1 (empty: the same as `wide`)
     hbm: int = 0  # bytes one device holds in HBM (largest batch, shortest cache)
     hbm_tokens: int = 0  # the longest cache that fits at the largest batch
@@ -471,7 +471,7 @@ def allocate_ops(s: _State) -> None:
 
 
 def plan_collectives(s: _State) -> None:
-    """The exchanges of a per-device model (after mkdsl.shard), each with its phases and bytes.
+    """The exchanges of a per-device model (after mkdsl.spmd.shard), each with its phases and bytes.
 
     The kernel runs the algorithms the cost model picks for its messages: a kernel built for batch 1
     those picked for 1 row (`one_row`, where the batch range holds more than 1 and they run the same

@@ -149,7 +149,7 @@ class Timing:
     modeled_us: float
     comm_us: float = 0.0  # exchange phases of the in-kernel collectives (sharded models)
     steps_per_call: int = 1
-    during_us: float = 0.0  # of comm_us, the time ops ran while an exchange travelled (mkdsl/overlap.py)
+    during_us: float = 0.0  # of comm_us, the time ops ran while an exchange travelled (mkdsl/spmd/overlap.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -187,7 +187,7 @@ class Plan:
     one_row: tuple = ()  # the collectives a kernel built for batch 1 runs (picked for 1-row messages)
     # (masks a kernel built for batch 1 exchanges over, masks the others do) where they differ
     comm_masks: tuple[tuple[int, ...], tuple[int, ...]] | tuple = ()
-    # (graph, collective value, node indices): the nodes run while its first exchange travels (mkdsl/overlap.py)
+    # (graph, collective value, node indices): the nodes run while its first exchange travels (mkdsl/spmd/overlap.py)
     windows: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
     exchange_phases: int = 0  # per step
     collective_id: int | None = None  # the barrier semaphore's id (sharded kernels)

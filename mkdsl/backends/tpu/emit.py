@@ -72,7 +72,7 @@ def emit_module(model: Model, local: Model, plan: Plan, source: Source) -> str:
     """The generated kernel module's text (deterministic: same inputs, same bytes).
 
     `model` is the spec's model (the layouts a loader sees), `local` what one device runs
-    (mkdsl.shard; the same model on a one-device mesh), `plan` the plan of `local`."""
+    (mkdsl.spmd.shard; the same model on a one-device mesh), `plan` the plan of `local`."""
     return _Emitter(model, local, plan, source).render()
 
 

@@ -11,7 +11,7 @@ from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site
 from mkdsl.lang.diagnostics import Diagnostic
 from mkdsl.lang.dtypes import DType, itemsize
 from mkdsl.lang.ir import Model, Tensor
-from mkdsl.shard import split_note
+from mkdsl.spmd.shard import split_note
 
 TILE_K = 2048  # weight tile rows (a multiple of 16, the bf16 sublane tile)
 TILE_N = 512  # weight tile columns (a multiple of 128 lanes)

@@ -15,13 +15,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from mkdsl.defer_norm import defer_norms
 from mkdsl.lang.diagnostics import Diagnostic, SpecError
 from mkdsl.lang.ir import Graph, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.ops import OPS, Operand, OpError
 from mkdsl.ops.collective import GATHER_SPLITS, SUM_PARTIALS, TAKE_MINE
-from mkdsl.overlap import order_independent
-from mkdsl.ready import order_ready_together
+from mkdsl.spmd.defer_norm import defer_norms
+from mkdsl.spmd.overlap import order_independent
+from mkdsl.spmd.ready import order_ready_together
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,9 @@ def is_sharded(model: Model) -> bool:
 
 def shard(model: Model) -> Model:
     """The per-device model: local shapes and attributes, collectives inserted, norms deferred
-    past the row-parallel projections they feed (mkdsl/defer_norm.py), then the collectives ready
-    together moved next to each other (mkdsl/ready.py), then the nodes that need none of a group of
-    collectives right after it (mkdsl/overlap.py: they run while it exchanges)."""
+    past the row-parallel projections they feed (mkdsl/spmd/defer_norm.py), then the collectives ready
+    together moved next to each other (mkdsl/spmd/ready.py), then the nodes that need none of a group of
+    collectives right after it (mkdsl/spmd/overlap.py: they run while it exchanges)."""
     if not is_sharded(model):
         return model
     return order_independent(order_ready_together(defer_norms(_Sharder(model).run())))

@@ -2,7 +2,7 @@
 
 A collective's first phase starts its sends and then waits for the peers' messages; a node that
 needs none of its results (and none of a later collective's) can run in between. The shard pass's
-step (`order_independent`, after mkdsl/ready.py) moves such nodes of each layer kind right after
+step (`order_independent`, after mkdsl/spmd/ready.py) moves such nodes of each layer kind right after
 each group of collectives, in their order; the planner's `windows` then names, per collective
 the kernel calls, the run of nodes right after its members that need none of them. The kernel
 runs that run inside the call (the runtime's `during`, between the first phase's sends and its
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from mkdsl.lang.ir import Graph, Model, Node
-from mkdsl.ready import closure, direct_deps, exchanges
+from mkdsl.spmd.ready import closure, direct_deps, exchanges
 
 
 def order_independent(model: Model) -> Model:
