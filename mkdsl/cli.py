@@ -249,8 +249,8 @@ def _plan_static(args, source: str) -> int:
     import tempfile
     from pathlib import Path
 
-    from mkdsl import bundles
-    from mkdsl.bundle_dump import DumpError, dump_kernel
+    from mkdsl.backends.tpu import bundles
+    from mkdsl.backends.tpu.bundle_dump import DumpError, dump_kernel
     from mkdsl.compiler import compile_source
 
     out, _ = compile_source(source, args.spec, args.profile, None)

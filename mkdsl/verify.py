@@ -385,7 +385,7 @@ def check_batch(
 
 def compile_check(module, plan_vmem: int, batch: int, fresh: Callable[[], ModuleType]) -> CompileResult:
     """The kernel compiled by libtpu for its TPU7x topology, and the compiler's VMEM beside the plan's."""
-    from mkdsl import tpu_compile
+    from mkdsl.backends.tpu import libtpu as tpu_compile
 
     topology = tpu_compile.topology_for(module)
     seq_len = check_seq_len(module)

@@ -1,4 +1,4 @@
-"""What the libtpu compile tests share: the package's compile helpers (mkdsl/tpu_compile.py: the
+"""What the libtpu compile tests share: the package's compile helpers (mkdsl/backends/tpu/libtpu.py: the
 compile-only TPU7x devices, one-core and sharded compiles, the compiler's VMEM figure read from a
 4 MiB-limit compile), a fresh import of a generated module, and a section in pytest's terminal
 summary. libtpu comes with the `test` extra (jax[tpu]), so a missing topology is a failure, never
@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from mkdsl.tpu_compile import MIB, compile_one_core, compile_sharded, compiler_vmem, tpu7x_devices
+from mkdsl.backends.tpu.libtpu import MIB, compile_one_core, compile_sharded, compiler_vmem, tpu7x_devices
 
 __all__ = ["MIB", "compile_one_core", "compile_sharded", "compiler_vmem", "tpu7x_devices", "load_module"]
 

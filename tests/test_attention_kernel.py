@@ -238,7 +238,7 @@ def test_replicated_kv_heads_shard_rule():
 def test_kernels_compile_with_libtpu(name, tmp_path):
     """libtpu rejects what interpret mode accepts (strided loads on arrays not 128 lanes wide:
     head dims 64 and 256 needed the head-major buffers in 128-lane chunks)."""
-    from mkdsl import tpu_compile
+    from mkdsl.backends.tpu import libtpu as tpu_compile
 
     text = {"win": WINDOWED.replace("WKVB_DTYPE", WKVB), "rep": REPLICATED}[name]
     out, _ = compile_source(text, f"{name}.mk", None, None)

@@ -1,7 +1,7 @@
-"""The longest feasible path through a loop iteration (mkdsl/bundle_paths.py), on small bundle
+"""The longest feasible path through a loop iteration (mkdsl/backends/tpu/bundle_paths.py), on small bundle
 listings written in libtpu's final-bundles format, and on the committed tiny-kernel dump."""
 
-from mkdsl import bundle_paths, bundles
+from mkdsl.backends.tpu import bundle_paths, bundles
 
 
 def _listing(body: list[str]) -> list[bundles.Bundle]:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mkdsl import bundles
+from mkdsl.backends.tpu import bundles
 
 DATA = Path(__file__).parent / "data" / "static"
 ROOT = Path(__file__).parent.parent

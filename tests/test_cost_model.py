@@ -114,7 +114,7 @@ def test_plan_reads_static_costs_and_says_what_is_wrong_with_them(tmp_path):
 def test_loops_are_matched_to_ops_by_the_bytes_one_iteration_waits_for():
     """plan/static_costs.py on the Kimi K3 mini plan: an MXFP4 expert tile set, an MLA latent tile
     and a linear column block each match their op; bytes that match nothing are skipped."""
-    from mkdsl.bundles import LoopTiming
+    from mkdsl.backends.tpu.bundles import LoopTiming
     from mkdsl.lang.dtypes import storage_bytes
     from mkdsl.plan import static_costs
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-from mkdsl import tpu_compile, verify
+from mkdsl import verify
+from mkdsl.backends.tpu import libtpu as tpu_compile
 from mkdsl.compiler import compile_source
 from mkdsl.ops import OPS
 from mkdsl.ops import elementwise as ew

@@ -29,7 +29,7 @@ import pytest
 from compile_helpers import MIB, compile_sharded, compiler_vmem, load_module, summary_fixture, tpu7x_devices
 from model_checks import HBM_PER_CORE, RATIO, full_size  # RATIO: compiler / planner VMEM
 
-from mkdsl.tpu_compile import SCOPED, TINY_LIMIT, UNITS
+from mkdsl.backends.tpu.libtpu import SCOPED, TINY_LIMIT, UNITS
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "qwen3_next_80b_a3b.mk"

@@ -145,8 +145,8 @@ def test_the_split_norm_kernel_compiles_with_libtpu(tmp_path):
     runtime sends it padded to 128 lanes (Mosaic cannot DMA a partial lane tile into the wide
     receive slots; interpret mode does not see that). Compiled for 2 TPU7x cores."""
     from mkdsl import verify
+    from mkdsl.backends.tpu.libtpu import compile_sharded, tpu7x_devices
     from mkdsl.compiler import compile_source
-    from mkdsl.tpu_compile import compile_sharded, tpu7x_devices
 
     out, _ = compile_source(SPLIT_NORM, "split_norm.mk", None, None)
     assert re.search(r"comm\.all_reduce\w*\(", out.files["kernel.py"]), "no all-reduce emitted"  # any algorithm

@@ -1,7 +1,7 @@
 """Compile a generated kernel module with libtpu and keep its final bundles: `mkdsl plan --static`.
 
 libtpu reads its dump flags once, when it loads, so the compile runs in a child Python process
-with `LIBTPU_INIT_ARGS` set (`python -m mkdsl.bundle_dump KERNEL BATCH SEQ_LEN DIR`); the child
+with `LIBTPU_INIT_ARGS` set (`python -m mkdsl.backends.tpu.bundle_dump KERNEL BATCH SEQ_LEN DIR`); the child
 prints the compiled executable's code size as JSON. The parent then picks the largest
 `*-final_bundles.txt` in DIR (the megakernel; the other files are XLA's small glue fusions).
 """
@@ -34,7 +34,7 @@ def dump_kernel(kernel: Path, batch: int, seq_len: int, out: Path, timeout: floa
     """Compile `kernel` (a generated kernel.py) for its TPU7x topology in a child process."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", LIBTPU_INIT_ARGS=DUMP_FLAGS.format(dir=out))
     env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    cmd = [sys.executable, "-m", "mkdsl.bundle_dump", str(kernel), str(batch), str(seq_len), str(out)]
+    cmd = [sys.executable, "-m", "mkdsl.backends.tpu.bundle_dump", str(kernel), str(batch), str(seq_len), str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise DumpError(f"the libtpu compile failed:\n{done.stderr.strip()[-3000:]}")
@@ -54,7 +54,8 @@ def _glob_escape(text: str) -> str:
 
 def _compile_here(kernel: str, batch: int, seq_len: int) -> dict:
     """In the child: import the module, compile one step, report the code size."""
-    from mkdsl import tpu_compile, verify
+    from mkdsl import verify
+    from mkdsl.backends.tpu import libtpu as tpu_compile
 
     module = verify.import_generated(Path(kernel).read_text(), str(Path(kernel).parent), "kernel_static")
     topology = tpu_compile.topology_for(module)

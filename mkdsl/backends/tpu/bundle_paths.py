@@ -8,7 +8,7 @@ charges an iteration with all of them. One iteration runs one path: this walks t
 forward branches, keeps the paths whose compares can all hold together (an interval per compared
 register), and returns the most bundles any such path issues. A taken branch is charged the
 `DELAY_SLOTS` bundles after it (they issue either way). Still a floor on cycles, as any bundle
-count is (mkdsl/bundles.py); used by `mkdsl plan --static`.
+count is (mkdsl/backends/tpu/bundles.py); used by `mkdsl plan --static`.
 """
 
 from __future__ import annotations

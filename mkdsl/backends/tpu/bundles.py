@@ -6,7 +6,7 @@ bundle's instructions in braces and region comments) and
 `*-final_hlo-static-per-bundle-utilization.txt` (per bundle, the slots used of each unit). A loop
 is the span from a bundle marked `LB` to the last bundle that branches back to a region that
 bundle starts. One iteration issues the bundles of one path through the body (the longest feasible
-one is taken: mkdsl/bundle_paths.py), one bundle per cycle at most, so that count at an assumed
+one is taken: mkdsl/backends/tpu/bundle_paths.py), one bundle per cycle at most, so that count at an assumed
 clock is a floor on its compute time; the bytes it waits for (`dma.done.wait` amounts, in 32-byte
 granules) over the stream bandwidth is its stream time. Used by `mkdsl plan --static`.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from mkdsl.bundle_paths import longest_path, region_starts
+from mkdsl.backends.tpu.bundle_paths import longest_path, region_starts
 
 # One DMA granule is 32 bytes: the waits of mkdsl's streamed [K, N] bf16 tiles count K*N*2/32
 # (tests/test_bundles.py checks this on a committed dump against the plan's tile bytes).
