@@ -30,7 +30,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
 from mkdsl.checkpoint import load_weights  # noqa: E402
 from mkdsl.checkpoint.formats import CheckpointError  # noqa: E402
 from mkdsl.lang.diagnostics import SpecError  # noqa: E402
-from mkdsl.sampling import Sampling, sample_tokens  # noqa: E402
+from mkdsl.run.sampling import Sampling, sample_tokens  # noqa: E402
 
 __all__ = [
     "CheckpointError",

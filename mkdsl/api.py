@@ -104,7 +104,7 @@ def compile_to(spec: Spec, out_dir: str | Path | None = None) -> Path:
 def reference_step(spec: Spec, jit: bool = True):
     """The unfused JAX step, `step(weights, state, tokens, positions) -> (logits, next_tokens,
     new_state)`, on the whole model; quantised weights are `QTensor`s (as `random_inputs` gives)."""
-    from mkdsl.reference import build_reference
+    from mkdsl.run.reference import build_reference
 
     return build_reference(spec.model, jit=jit)
 
@@ -112,7 +112,7 @@ def reference_step(spec: Spec, jit: bool = True):
 def random_inputs(spec: Spec, batch: int, seq_len: int, seed: int = 0) -> tuple[dict, dict]:
     """Well-scaled random (weights, state) for `batch` rows and caches of `seq_len` tokens, as the
     reference takes them; `kernel_weights(weights)` gives the kernel's layout."""
-    from mkdsl.random_params import random_params as draw
+    from mkdsl.run.random_params import random_params as draw
 
     sizes = {spec.model.dims[0].name: batch, **{d.name: seq_len for d in spec.model.dims[1:]}}
     return draw(spec.model, sizes, seed)
@@ -120,7 +120,7 @@ def random_inputs(spec: Spec, batch: int, seq_len: int, seed: int = 0) -> tuple[
 
 def kernel_weights(weights: dict) -> dict:
     """Weights as the generated kernel takes them: a quantised `w` becomes `w_codes`, `w_scales`."""
-    from mkdsl.random_params import kernel_weights as split
+    from mkdsl.run.random_params import kernel_weights as split
 
     return split(weights)
 
@@ -191,13 +191,13 @@ def prefill_step(
     spec: Spec, *, sampling=None, mesh=None, jit: bool = True, donate: bool = True, per_device: bool | None = None
 ):
     """The XLA prefill, `prefill(weights, state, tokens, lengths=None, start=None, seed=0) ->
-    (logits, next_tokens, new_state)` over a prompt `tokens` i32 [batch, T] (mkdsl/prefill.py):
+    (logits, next_tokens, new_state)` over a prompt `tokens` i32 [batch, T] (mkdsl/run/prefill.py):
     caches and recurrent state as the decode steps would leave them, in the kernel's layout. With
     `mesh` (sharded specs) the new state is placed on it as the kernel's STATE_SPLIT says, and the
-    prefill runs per device under shard_map (mkdsl/prefill_spmd.py) unless `per_device=False`
+    prefill runs per device under shard_map (mkdsl/run/prefill_spmd.py) unless `per_device=False`
     (then whole, where its inputs are)."""
-    from mkdsl.prefill import build_prefill
-    from mkdsl.prefill_spmd import build_sharded_prefill
+    from mkdsl.run.prefill import build_prefill
+    from mkdsl.run.prefill_spmd import build_sharded_prefill
     from mkdsl.spmd.shard import is_sharded
 
     shardings = state_shardings(spec, mesh) if mesh is not None else None

@@ -370,7 +370,7 @@ def cmd_run(args) -> int:
     reader = open_checkpoint(args.weights)
     plan_load(model, reader)  # a checkpoint that does not fit fails here, before the compile
     codec = load_codec(reader)
-    from mkdsl.run import cached_kernel
+    from mkdsl.run.decode import cached_kernel
 
     module, _ = cached_kernel(source, args.spec, args.profile)
     weights, report = load_weights(model, reader, module=module, progress=sys.stderr.isatty())
@@ -403,8 +403,8 @@ def _stdin_prompts():
 
 
 def _run_prompt(args, spec, module, weights, codec, prompt: str) -> None:
-    from mkdsl.run import Decoder, cache_length, generate
-    from mkdsl.sampling import Sampling
+    from mkdsl.run.decode import Decoder, cache_length, generate
+    from mkdsl.run.sampling import Sampling
 
     ids = codec.encode(codec.chat(prompt) if args.chat else prompt)
     if not ids:
@@ -470,7 +470,8 @@ def _interpret(args):
 
 
 def cmd_bench(args) -> int:
-    from mkdsl import api, bench
+    from mkdsl import api
+    from mkdsl.run import bench
 
     spec = _load_spec(args)
     import math

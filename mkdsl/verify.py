@@ -55,7 +55,7 @@ from mkdsl.lang.quant import QTensor
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.ops.moe import route
-from mkdsl.reference import LayeredReference, build_layered_reference, run_layer
+from mkdsl.run.reference import LayeredReference, build_layered_reference, run_layer
 
 CARRY_RTOL = 2.0**-6
 STATE_RTOL = 2.0**-6
@@ -282,7 +282,7 @@ def run_kernel(
 ) -> KernelOutput:
     """One step of a `layer_trace=True` build, on host copies (the kernel donates its state).
     `pad`: the module's `pad_weights` where it stores some matrices padded."""
-    from mkdsl.random_params import kernel_weights
+    from mkdsl.run.random_params import kernel_weights
 
     kw = {k: jnp.asarray(v) for k, v in pad(kernel_weights(weights)).items()}
     ks = {k: jnp.asarray(v) for k, v in state.items()}
@@ -348,7 +348,7 @@ def check_batch(
     `load`: what the random weights pass through first (a test's checkpoint round trip)."""
     import time
 
-    from mkdsl.random_params import random_params
+    from mkdsl.run.random_params import random_params
 
     seq_len = check_seq_len(module)
     weights, state = random_params(model, {"B": batch, "S": seq_len}, seed)

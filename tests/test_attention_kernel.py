@@ -15,7 +15,7 @@ from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.lang.diagnostics import SpecError
 from mkdsl.plan.planner import make_plan
-from mkdsl.random_params import random_params
+from mkdsl.run.random_params import random_params
 
 # One spec, four layer kinds (each interpret-mode kernel costs ~20 s of tracing, so they share one):
 # `local`: gpt-oss-style YaRN rope with concentration, a 16-token window, sinks, a custom scale,

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from mkdsl.bench import BenchRow, parse_batches
 from mkdsl.cli import main
+from mkdsl.run.bench import BenchRow, parse_batches
 
 
 def test_bench_on_a_cpu_runs_interpret_mode_and_says_so(capsys):

@@ -310,7 +310,7 @@ def test_published_layouts_load_onto_the_devices_in_the_kernels_layout(published
     `w_scales`, padded as `pad_weights` pads), at its layout and split over the module's mesh."""
     from mkdsl import verify
     from mkdsl.compiler import compile_source
-    from mkdsl.random_params import kernel_weights
+    from mkdsl.run.random_params import kernel_weights
 
     name, spec, tensors, want, base = published
     out, _ = compile_source(spec.source, str(spec.path), "mini", None)

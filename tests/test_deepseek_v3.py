@@ -43,8 +43,8 @@ from zoo_oracle import bf16
 
 from mkdsl.lang.elaborate import load
 from mkdsl.lang.quant import QTensor
-from mkdsl.random_params import random_params
-from mkdsl.reference import build_reference
+from mkdsl.run.random_params import random_params
+from mkdsl.run.reference import build_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "deepseek_v3.mk"

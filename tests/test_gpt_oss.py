@@ -45,8 +45,8 @@ from zoo_oracle import bf16, f64, softmax
 
 from mkdsl.lang.elaborate import load
 from mkdsl.plan.hbm import tensor_bytes
-from mkdsl.random_params import random_params
-from mkdsl.reference import build_reference
+from mkdsl.run.random_params import random_params
+from mkdsl.run.reference import build_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "gpt_oss_120b.mk"

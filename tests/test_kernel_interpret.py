@@ -43,7 +43,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from mkdsl import verify
 from mkdsl.compiler import compile_source
-from mkdsl.random_params import random_params
+from mkdsl.run.random_params import random_params
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3

@@ -55,7 +55,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.lang.ir import Model
-from mkdsl.random_params import random_params
+from mkdsl.run.random_params import random_params
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "kimi_k3.mk"

@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.lang.diagnostics import SpecError
-from mkdsl.random_params import random_params
+from mkdsl.run.random_params import random_params
 
 SPEC = """\
 # Two MoE layer kinds sharing experts, sharded over 2 devices by expert columns.

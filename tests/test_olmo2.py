@@ -21,8 +21,8 @@ import zoo_oracle as zo
 from zoo_kernel import build_mini_kernel, check_full_size, run_mini_kernel
 
 from mkdsl.lang.elaborate import load
-from mkdsl.random_params import random_params
-from mkdsl.reference import build_reference
+from mkdsl.run.random_params import random_params
+from mkdsl.run.reference import build_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "olmo2_7b.mk"

@@ -1,4 +1,4 @@
-"""Prefill (mkdsl/prefill.py): a prompt at once equals decoding it token by token, through the
+"""Prefill (mkdsl/run/prefill.py): a prompt at once equals decoding it token by token, through the
 reference and through the kernel, caches and recurrent state included; for the Kimi K3 mini
 sharded over 8 devices with the state placed as the kernel's STATE_SPLIT says.
 
@@ -22,8 +22,15 @@ import pytest
 import mkdsl
 from mkdsl.ops import OPS
 from mkdsl.ops.prefill import Rows
-from mkdsl.prefill import PrefillError, build_prefill, check_prefill, reference_weights, run_prefill, run_prefill_layer
-from mkdsl.reference import build_layered_reference, run_layer
+from mkdsl.run.prefill import (
+    PrefillError,
+    build_prefill,
+    check_prefill,
+    reference_weights,
+    run_prefill,
+    run_prefill_layer,
+)
+from mkdsl.run.reference import build_layered_reference, run_layer
 from mkdsl.verify import LOGIT_RTOL, STATE_RTOL, LayerChecker, state_ratio, storage_ulp
 
 

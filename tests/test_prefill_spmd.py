@@ -1,5 +1,5 @@
-"""Prefill per device under shard_map (mkdsl/prefill_spmd.py) equals the whole model's prefill
-on one device (mkdsl/prefill.py, itself checked against decoding in tests/test_prefill.py).
+"""Prefill per device under shard_map (mkdsl/run/prefill_spmd.py) equals the whole model's prefill
+on one device (mkdsl/run/prefill.py, itself checked against decoding in tests/test_prefill.py).
 
 Tolerances. Both compute the same ops on the same values; the per-device model only splits
 matmuls over heads, columns or experts and sums row-parallel partials by psum, so XLA may sum in
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import mkdsl
-from mkdsl.prefill import build_prefill, reference_weights, run_prefill_layer
-from mkdsl.prefill_spmd import SPMD_RULES, build_sharded_prefill, tensor_spec
-from mkdsl.reference import build_layered_reference
+from mkdsl.run.prefill import build_prefill, reference_weights, run_prefill_layer
+from mkdsl.run.prefill_spmd import SPMD_RULES, build_sharded_prefill, tensor_spec
+from mkdsl.run.reference import build_layered_reference
 from mkdsl.spmd.shard import shard
 from mkdsl.verify import LOGIT_RTOL, STATE_RTOL, LayerChecker, state_ratio, storage_ulp
 

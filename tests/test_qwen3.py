@@ -35,8 +35,8 @@ from model_checks import check_steps, mini_kernel
 from zoo_oracle import attend, bf16, f64, mm, silu, softmax
 
 from mkdsl.lang.elaborate import load
-from mkdsl.random_params import random_params
-from mkdsl.reference import build_reference
+from mkdsl.run.random_params import random_params
+from mkdsl.run.reference import build_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "qwen3_30b_a3b.mk"

@@ -37,8 +37,8 @@ from checkpoint_writers import through_checkpoint
 
 from mkdsl import verify
 from mkdsl.compiler import compile_source
-from mkdsl.random_params import random_params
-from mkdsl.reference import build_reference
+from mkdsl.run.random_params import random_params
+from mkdsl.run.reference import build_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "qwen3_next_80b_a3b.mk"

@@ -4,7 +4,7 @@
 embedding, RMSNorm, rotary embedding (rotate-half), grouped-query attention over a KV cache,
 SwiGLU MLP, lm_head and argmax, under the same numeric contract as the reference: the input of
 every matmul rounded to bf16, f32 accumulation, caches stored in bf16. Both run several
-consecutive greedy decode steps from random weights (mkdsl.random_params) and a random cache,
+consecutive greedy decode steps from random weights (mkdsl.run.random_params) and a random cache,
 each row starting at its own position, feeding back the reference's next tokens.
 
 Tolerances. Each step is compared layer by layer: both sides get the reference's input to the
@@ -38,8 +38,8 @@ import pytest
 
 from mkdsl.lang.elaborate import load
 from mkdsl.lang.quant import QTensor
-from mkdsl.random_params import random_params
-from mkdsl.reference import build_layered_reference, build_reference
+from mkdsl.run.random_params import random_params
+from mkdsl.run.reference import build_layered_reference, build_reference
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "llama3_8b.mk"
 LAYER_RTOL = 2.0**-5  # 8 bf16 ulps of the layer's largest update: several bf16 flips inside one layer

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 
 import mkdsl
 from mkdsl.cli import main
-from mkdsl.run import cached_kernel
+from mkdsl.run.decode import cached_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = ROOT / "specs" / "llama3_8b.mk"
@@ -150,7 +150,7 @@ def test_interactive_prompts_are_the_nonblank_lines_of_stdin(monkeypatch):
 
 
 def test_unpad_weights_undoes_the_modules_padding():
-    from mkdsl.run import unpad_weights
+    from mkdsl.run.decode import unpad_weights
 
     w = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)  # 2 devices' blocks of 2 columns
     padded = np.concatenate([np.pad(p, [(0, 0), (0, 0), (0, 3)]) for p in np.split(w, 2, axis=-1)], axis=-1)

@@ -1,4 +1,4 @@
-"""Sampling (mkdsl/sampling.py, the generated module's `Sampling`/`sample_tokens`): greedy,
+"""Sampling (mkdsl/run/sampling.py, the generated module's `Sampling`/`sample_tokens`): greedy,
 temperature, top-k and top-p draws from counter-based bits, identical in the module and in
 mkdsl, reproducible for a seed, and from the right distribution (a chi-square bound)."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mkdsl
-from mkdsl.sampling import Sampling, sample_tokens, sampling_mask
+from mkdsl.run.sampling import Sampling, sample_tokens, sampling_mask
 
 DRAWS = 20000
 
@@ -174,7 +174,7 @@ def _sharded_draws(sampling, logits: np.ndarray, positions: np.ndarray, seed: in
     from jax.sharding import PartitionSpec as P
     from test_comm import load_runtime
 
-    from mkdsl.sampling import TEMPLATE
+    from mkdsl.run.sampling import TEMPLATE
     from mkdsl.verify import interpret_params
 
     ns = load_runtime()

@@ -30,8 +30,8 @@ from mkdsl.lang.ir import LayerExpr, Model, Ref
 from mkdsl.lang.quant import QTensor
 from mkdsl.lang.syntax import parse
 from mkdsl.ops import OPS
-from mkdsl.random_params import random_params
-from mkdsl.reference import build_reference
+from mkdsl.run.random_params import random_params
+from mkdsl.run.reference import build_reference
 from mkdsl.spmd.shard import Place, _Sharder, shard
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -469,7 +469,7 @@ def test_generated_module_exposes_per_device_layouts(tmp_path):
     import jax
 
     from mkdsl.compiler import compile_source
-    from mkdsl.random_params import kernel_weights
+    from mkdsl.run.random_params import kernel_weights
 
     out, _ = compile_source(KIMI, "specs/kimi_k3.mk", "mini", None)
     path = tmp_path / "kernel.py"

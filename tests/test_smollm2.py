@@ -21,8 +21,8 @@ from smollm2_gguf import smollm2_gguf
 import mkdsl
 from mkdsl.checkpoint.formats import open_checkpoint
 from mkdsl.checkpoint.tokenizer import load_codec
-from mkdsl.run import Decoder, cached_kernel, generate, unpad_weights
-from mkdsl.sampling import Sampling
+from mkdsl.run.decode import Decoder, cached_kernel, generate, unpad_weights
+from mkdsl.run.sampling import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "smollm2_135m.mk"
@@ -92,7 +92,7 @@ def _reference_logits(spec, weights, module, prompt: list[int], tokens: list[int
     """The reference's logits before each of `tokens`: one prefill over the whole sequence, row b
     ending after b of them (the prefill is the reference's own ops over a prompt); `weights` in
     the spec's layout."""
-    from mkdsl.prefill import build_prefill
+    from mkdsl.run.prefill import build_prefill
 
     seq = np.array(prompt + tokens[:-1], np.int32)
     rows = len(tokens)

@@ -15,7 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.plan.hbm import HBM_USABLE_PER_CORE
-from mkdsl.random_params import random_params
+from mkdsl.run.random_params import random_params
 
 
 def check_full_size(spec: Path, devices: int, min_cache: int = 32768, profile: str | None = None):

@@ -21,8 +21,8 @@ from mkdsl.lang.ir import Model, Tensor
 from mkdsl.lang.quant import register_pytree
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
-from mkdsl.prefill import check_prefill, reference_weights, run_prefill
-from mkdsl.sampling import Sampling, sample_tokens
+from mkdsl.run.prefill import check_prefill, reference_weights, run_prefill
+from mkdsl.run.sampling import Sampling, sample_tokens
 from mkdsl.spmd.shard import shard
 
 
@@ -130,7 +130,7 @@ def build_sharded_prefill(
     donate: bool = True,
 ) -> Callable:
     """`prefill(weights, state, tokens, lengths=None, start=None, seed=0) -> (logits, next_tokens,
-    new_state)` as mkdsl/prefill.py's `build_prefill`, computed per device under `shard_map` over
+    new_state)` as mkdsl/run/prefill.py's `build_prefill`, computed per device under `shard_map` over
     `mesh` (the generated module's `make_mesh`). Weights and state are global arrays in the
     reference's layout (or the kernel's `w_codes`/`w_scales`, unpadded); the logits come back
     whole, next_tokens sampled from them as the kernel's step samples; `state_shardings` (e.g.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mkdsl.lazy import jax, jnp
 
-TEMPLATE = Path(__file__).parent / "backends/tpu/templates/wrapper/sampling.py.jinja"
+TEMPLATE = Path(__file__).parents[1] / "backends/tpu/templates/wrapper/sampling.py.jinja"
 
 
 def _load() -> dict:

@@ -4,13 +4,13 @@ The kernel is compiled into a cache directory (keyed by the spec, its profile an
 sources) and imported from there. Generation goes through a `Decoder`:
 
 - `Decoder.prefill(tokens[B, T]) -> next_tokens[B]` writes the caches for positions 0..T-1 and
-  samples each row's next token: by default the spec's XLA prefill (`mkdsl.prefill`), or the
+  samples each row's next token: by default the spec's XLA prefill (`mkdsl.run.prefill`), or the
   kernel's step once per prompt token (`prefill="steps"`, and for specs without prefill rules).
 - `Decoder.decode(tokens[B], position, n) -> tokens[B, n]` feeds `tokens` at `position` and
   returns the next `n` tokens: the kernel's step with its in-kernel sampling, `steps_per_call`
   steps per device call (a last, shorter call uses a step built for its count).
 
-Both sample with the same `mkdsl.sampling.Sampling` and seed, so the prefill's token and the
+Both sample with the same `mkdsl.run.sampling.Sampling` and seed, so the prefill's token and the
 kernel's are drawn by the same code.
 """
 
@@ -35,7 +35,7 @@ class Decoder:
     def __init__(
         self, spec, module, weights, batch, seq_len, sampling, *, interpret, seed=0, steps_per_call=1, prefill="auto"
     ):
-        from mkdsl.prefill import PrefillError, check_prefill
+        from mkdsl.run.prefill import PrefillError, check_prefill
 
         self.module, self.weights, self.batch, self.seq_len = module, weights, batch, seq_len
         self.sampling, self.seed, self.interpret, self.steps_per_call = sampling, seed, interpret, steps_per_call
@@ -49,7 +49,7 @@ class Decoder:
                 if prefill == "xla":
                     raise
             else:
-                from mkdsl.prefill import build_prefill
+                from mkdsl.run.prefill import build_prefill
 
                 prefill_fn = build_prefill(spec.model, sampling=sampling)
                 pads = getattr(module, "PADDED", {})
@@ -187,7 +187,7 @@ def cache_root() -> Path:
 
 
 def _mkdsl_sources_hash() -> str:
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]  # the mkdsl package
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
         if p.suffix in (".py", ".jinja", ".lark") and "__pycache__" not in p.parts:

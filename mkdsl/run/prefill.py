@@ -16,7 +16,7 @@ where its inputs are (host arrays: one device; XLA would partition it over array
 mesh, but it sums in another order then, and Kimi's MoE routing amplifies that); given
 `state_shardings` (the generated module's `state_shardings(mesh)`), the new state is then placed
 as the kernel's `STATE_SPLIT` says, so the kernel's step takes it as it is. The prefill per device under
-`shard_map`, with the kernel's collectives, is mkdsl/prefill_spmd.py (`rules` here).
+`shard_map`, with the kernel's collectives, is mkdsl/run/prefill_spmd.py (`rules` here).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from mkdsl.lang.quant import QTensor, register_pytree
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.ops.prefill import Rows
-from mkdsl.reference import _no_nesting, _run_graph
-from mkdsl.sampling import Sampling, sample_tokens
+from mkdsl.run.reference import _no_nesting, _run_graph
+from mkdsl.run.sampling import Sampling, sample_tokens
 
 
 class PrefillError(ValueError):
@@ -59,7 +59,7 @@ def reference_weights(model: Model, weights: dict) -> dict:
 
 def _caller(rows: list[Rows], rules: dict | None = None) -> Callable:
     """Run one op over the current rows (`rows[0]`): a rule of `rules` (op name -> rule(rows,
-    arrays, attrs) or None to decline: mkdsl/prefill_spmd.py's per-device collectives), else its
+    arrays, attrs) or None to decline: mkdsl/run/prefill_spmd.py's per-device collectives), else its
     prefill rule, or its reference row-wise."""
 
     def call(op, arrays, attrs):
