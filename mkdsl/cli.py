@@ -166,8 +166,8 @@ def cmd_plan(args) -> int:
 
     from mkdsl.plan import make_plan
     from mkdsl.plan.breakdown import breakdown
-    from mkdsl.report import render_plan
-    from mkdsl.report_time import plan_data, render_summary
+    from mkdsl.report.markdown import render_plan
+    from mkdsl.report.timing import plan_data, render_summary
 
     model, source, _ = _load(args)
     rows = model.dims[0]

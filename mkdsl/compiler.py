@@ -16,7 +16,7 @@ from mkdsl.lang.ir import Model
 from mkdsl.lang.syntax import parse
 from mkdsl.output import write_output
 from mkdsl.plan import Plan, make_plan
-from mkdsl.report import render_picture, render_plan
+from mkdsl.report.markdown import render_picture, render_plan
 from mkdsl.spmd.shard import shard
 
 

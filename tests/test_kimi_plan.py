@@ -19,7 +19,7 @@ import pytest
 
 from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan
-from mkdsl.report import traffic_split
+from mkdsl.report.markdown import traffic_split
 from mkdsl.spmd.shard import shard
 
 ROOT = Path(__file__).resolve().parent.parent

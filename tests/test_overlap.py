@@ -81,7 +81,7 @@ def test_work_during_an_exchange_hides_up_to_its_first_phase(work, hidden):
 
 
 def test_the_plan_report_marks_the_ops_run_during_an_exchange(mini):
-    from mkdsl.report import render_plan
+    from mkdsl.report.markdown import render_plan
 
     plan = make_plan(mini, 1, None)
     rows = [line for line in render_plan(mini, plan, KIMI).splitlines() if "(during the exchange of" in line]

@@ -18,7 +18,7 @@ from mkdsl.compiler import compile_source
 from mkdsl.lang.elaborate import load
 from mkdsl.plan import make_plan
 from mkdsl.plan.breakdown import COST_KINDS, breakdown
-from mkdsl.report_svg import LEFT, RIGHT
+from mkdsl.report.svg import LEFT, RIGHT
 from mkdsl.spmd.shard import shard
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,8 +10,8 @@ from mkdsl.plan.breakdown import breakdown
 from mkdsl.plan.hbm import hbm_line
 from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB
-from mkdsl.report_svg import render_svg
-from mkdsl.report_time import time_section, verdict
+from mkdsl.report.svg import render_svg
+from mkdsl.report.timing import time_section, verdict
 
 
 def _bytes(n: int) -> str:
