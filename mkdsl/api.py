@@ -211,13 +211,13 @@ def prefill_step(
 
 class _HostCallbacks:
     """A sharded step in interpret mode, called with the interpreter's callbacks on host arrays
-    (`mkdsl.verify.host_callbacks`: a workaround for a multi-device deadlock in jax 0.10.2)."""
+    (`mkdsl.verify.kernel.host_callbacks`: a workaround for a multi-device deadlock in jax 0.10.2)."""
 
     def __init__(self, step):
         self.step = step
 
     def __call__(self, *args):
-        from mkdsl.verify import host_callbacks
+        from mkdsl.verify.kernel import host_callbacks
 
         with host_callbacks():
             return self.step(*args)

@@ -317,7 +317,7 @@ def cmd_verify(args) -> int:
 def _run_verify(args, out, batches, tempfile) -> int:
     from tqdm import tqdm
 
-    from mkdsl import verify
+    from mkdsl.verify import kernel as verify
 
     with tempfile.TemporaryDirectory(prefix="mkdsl-verify-") as tmp:
         text = out.files["kernel.py"]

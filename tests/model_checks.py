@@ -1,6 +1,6 @@
 """What the real-model tests share (test_qwen3.py, test_gpt_oss.py, test_deepseek_v3.py and their
 `_compile` twins): a spec's mini kernel compiled with extra hints and imported fresh, its steps in
-TPU interpret mode checked layer by layer against the reference (mkdsl.verify.LayerChecker,
+TPU interpret mode checked layer by layer against the reference (mkdsl.verify.kernel.LayerChecker,
 bounds derived there), and the full-size kernel's libtpu compile with its HBM and VMEM checks
 (the compiler's VMEM read as in tests/compile_helpers.py). Each model's own assertions (its
 published shapes, layout and numbers) stay in its test file.
@@ -17,8 +17,8 @@ import numpy as np
 from compile_helpers import MIB, compile_sharded, compiler_vmem, load_module
 from jax.experimental.pallas import tpu as pltpu
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
+from mkdsl.verify import kernel as verify
 
 RATIO = (0.5, 1.3)  # compiler / planner VMEM: it may reuse buffers the planner keeps apart; +30% is a missed buffer
 HBM_PER_CORE = 94.7e9  # usable HBM per TPU7x core

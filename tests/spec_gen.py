@@ -12,8 +12,8 @@ it, and a batch in 1 .. 8. Every case is a pure function of (seed, index), so a 
 from the two numbers: `python tests/spec_gen.py --seed S --index I --show`.
 
 `check_case` compiles the spec (`compile_source`), imports the kernel and runs STEPS decode steps in
-TPU interpret mode, each compared layer by layer with the reference (`mkdsl.verify.check_batch`:
-the bounds and their derivation are in mkdsl/verify.py). Any failure is a mismatch.
+TPU interpret mode, each compared layer by layer with the reference (`mkdsl.verify.kernel.check_batch`:
+the bounds and their derivation are in mkdsl/verify/kernel.py). Any failure is a mismatch.
 Run many: `python tests/spec_gen.py --cases 200 --seed 7` (or MKDSL_SPECGEN_CASES with pytest).
 """
 
@@ -413,8 +413,8 @@ def generate(seed: int, index: int) -> Case:
 
 def compile_case(case: Case, directory):
     """(model, imported kernel module, checker) for a case; SpecError if it does not compile."""
-    from mkdsl import verify
     from mkdsl.compiler import compile_source
+    from mkdsl.verify import kernel as verify
 
     out, _ = compile_source(case.text, "gen.mk", None, None)
     module = verify.import_generated(out.files["kernel.py"], directory, f"gen_{case.seed}_{case.index}")
@@ -426,7 +426,7 @@ def check_case(case: Case, directory, races: bool = True) -> list[str]:
 
     `races`: with the interpreter's race detector (as `verify.check_batch`); without it a case runs
     about twice as fast, for long runs on demand (every other check is the same)."""
-    from mkdsl import verify
+    from mkdsl.verify import kernel as verify
 
     model, module, checker = compile_case(case, directory)
     params = None if races else dataclasses.replace(verify.interpret_params(), detect_races=False)

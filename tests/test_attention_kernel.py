@@ -1,6 +1,6 @@
 """Sliding-window attention, sinks, custom scale, head dims 64 and 256, and the rope variants
 (YaRN with concentration, partial and interleaved rotary at an offset): the kernel in TPU
-interpret mode (race detection on) against the reference, layer by layer (mkdsl.verify), and the
+interpret mode (race detection on) against the reference, layer by layer (mkdsl.verify.kernel), and the
 plan's KV bytes, which skip the tiles wholly outside the window.
 
 The caches start from random values (not zeros), so every cached key and value counts: with
@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.lang.diagnostics import SpecError
 from mkdsl.plan.planner import make_plan
 from mkdsl.run.random_params import random_params
+from mkdsl.verify import kernel as verify
 
 # One spec, four layer kinds (each interpret-mode kernel costs ~20 s of tracing, so they share one):
 # `local`: gpt-oss-style YaRN rope with concentration, a 16-token window, sinks, a custom scale,

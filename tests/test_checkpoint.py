@@ -308,9 +308,9 @@ def test_published_layout_mistakes_exit_1_naming_the_tensor(published, tmp_path,
 def test_published_layouts_load_onto_the_devices_in_the_kernels_layout(published, tmp_path):
     """With the generated module: every array the kernel takes (a quantised `w` as `w_codes` and
     `w_scales`, padded as `pad_weights` pads), at its layout and split over the module's mesh."""
-    from mkdsl import verify
     from mkdsl.compiler import compile_source
     from mkdsl.run.random_params import kernel_weights
+    from mkdsl.verify import kernel as verify
 
     name, spec, tensors, want, base = published
     out, _ = compile_source(spec.source, str(spec.path), "mini", None)

@@ -580,9 +580,9 @@ def test_adjacent_all_reduces_run_fused_and_match_the_reference(tmp_path):
     """Two row-split projections multiplied: the shard pass puts their all-reduces side by side,
     the planner fuses them into one exchange (one-shot: cheaper than two over a chip's two cores),
     and the kernel, on 2 devices in TPU interpret mode with the race detector, matches the
-    reference layer by layer (mkdsl/verify.py's bounds)."""
-    from mkdsl import verify
+    reference layer by layer (mkdsl/verify/kernel.py's bounds)."""
     from mkdsl.compiler import compile_source
+    from mkdsl.verify import kernel as verify
 
     out, _ = compile_source(FUSED_SPEC, "fused_pair.mk", None)
     dense = [c for c in out.plan.collectives if c.graph == "dense"]

@@ -133,7 +133,7 @@ def kernel(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 def test_mini_kernel_matches_reference_sharded_interpret(kernel, record_property):
-    """Batch 4, three steps, layer by layer (mkdsl.verify.LayerChecker); no race, no NaN."""
+    """Batch 4, three steps, layer by layer (mkdsl.verify.kernel.LayerChecker); no race, no NaN."""
     assert kernel[1].MESH_SHAPE == (2, 2)
     worst = run_mini_kernel(kernel, 4, SEQ_LEN, STARTS, STEPS, seed=14, vocab=1024)
     record_property("worst_of_bound", round(max(worst.values()), 4))

@@ -21,7 +21,7 @@ Tolerances (numpy vs reference): both round the same values to bf16, so they dif
 rounding (~2^-24 relative per op) until that flips the bf16 rounding of one matmul input (2^-8
 relative of one entry, ~2^-8/sqrt(fan_in) of the matmul's output scale); a few flips over two
 layers and three steps stay well below 2^-7 of a row's largest logit (LOGIT_RTOL, the bound
-mkdsl/verify.py derives for one layer's epilogue), and the bf16 cache within one bf16 ulp plus
+mkdsl/verify/kernel.py derives for one layer's epilogue), and the bf16 cache within one bf16 ulp plus
 2^-7 of the largest entry of each cache vector. A group or expert choice is only defined up to
 such flips: one moves a router logit (of scale ~1) by ~2^-12, a sigmoid score by at most a quarter
 of that, so a near tie (the 8th and 9th candidate within ROUTE_TIE = 2^-10, the kept and the first
@@ -232,7 +232,7 @@ def kernel(tmp_path_factory):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("batch", KERNEL_BATCHES)
 def test_mini_kernel_matches_reference_sharded_interpret(batch, kernel, record_property, tmp_path):
-    """Layer by layer (mkdsl.verify.LayerChecker, bounds derived there), two steps, the second from
+    """Layer by layer (mkdsl.verify.kernel.LayerChecker, bounds derived there), two steps, the second from
     the kernel's own state and tokens; no race, no NaN. The weights come through a synthetic
     checkpoint in the published layout (fp8 with block scales), loaded by the spec's mapping."""
     weights, state = random_params(kernel.model, {"B": batch, "S": SEQ_LEN}, seed=10 + batch)

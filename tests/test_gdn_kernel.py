@@ -5,7 +5,7 @@ What it exercises beyond KDA: two value heads per key head (`delta_rule(..., key
 decay per head composed from elementwise ops (`-exp(a_log) * softplus(a + dt_bias)`), the gated
 per-head output norm `rmsnorm(o, w, heads=) * silu(z)`, and the key-heads shard rule (each device
 holds 2 key heads and their 4 value heads). Interpret mode runs with the race detector on; each of 3
-steps is checked layer by layer by `mkdsl.verify` (bounds derived there), at batch 4 (rows are
+steps is checked layer by layer by `mkdsl.verify.kernel` (bounds derived there), at batch 4 (rows are
 static loops in the kernel: batch 1 is the first of them; tests/test_qwen3_next.py runs batch 1).
 
 The fast tests check the shard pass's per-device attributes and its diagnostic for key heads that
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import pytest
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.lang.diagnostics import SpecError
 from mkdsl.lang.elaborate import elaborate, graph_value_type
 from mkdsl.lang.syntax import parse
 from mkdsl.spmd.shard import shard
+from mkdsl.verify import kernel as verify
 
 SPEC = """\
 model gdn_small

@@ -25,7 +25,7 @@ Tolerances (numpy vs reference): both round the same values to bf16, so they dif
 rounding (~2^-24 relative per op) until that flips the bf16 rounding of one matmul input (2^-8
 relative of one entry, ~2^-8/sqrt(fan_in) of the matmul's output); a few flips over two layers
 and three steps stay well below 2^-7 of a row's largest logit (LOGIT_RTOL, the bound
-mkdsl/verify.py derives for one layer's epilogue), and the bf16 caches within one bf16 ulp plus
+mkdsl/verify/kernel.py derives for one layer's epilogue), and the bf16 caches within one bf16 ulp plus
 2^-7 of the largest entry of each cache vector. A top-4 choice is only defined up to such flips
 (one moves a router logit by ~2^-8/sqrt(H) = 2^-12 of its scale), so a near tie (the 4th and 5th
 logits within ROUTE_TIE = 2^-10 of the largest) fails as "pick another seed"; none occurs here.
@@ -232,7 +232,7 @@ def kernel(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 def test_mini_kernel_matches_reference_sharded_interpret(kernel, record_property, tmp_path):
-    """Batch 4, layer by layer (mkdsl.verify.LayerChecker, bounds derived there), three steps, each
+    """Batch 4, layer by layer (mkdsl.verify.kernel.LayerChecker, bounds derived there), three steps, each
     from the kernel's own state and tokens; no race, no NaN. The weights come through a synthetic
     checkpoint in the published layout (MXFP4 blocks, fused gate_up), loaded by the spec's mapping."""
     batch = 4

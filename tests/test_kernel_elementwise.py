@@ -2,8 +2,8 @@
 
 One spec calls every elementwise op added with them (each math op, the scalar forms of the
 operators, the three broadcasts, `repeat`, `rowsum`, `clamp`) and `rmsnorm(..., offset=1.0)`,
-in a block with constant parameters. `mkdsl.verify` runs a decode step and compares the
-kernel with the reference layer by layer, with its derived bounds (mkdsl/verify.py: carries
+in a block with constant parameters. `mkdsl.verify.kernel` runs a decode step and compares the
+kernel with the reference layer by layer, with its derived bounds (mkdsl/verify/kernel.py: carries
 2^-6 of the layer's update, logits 2^-7 of the row's largest entry), and the interpreter's race
 detector on. The same spec split over 2 devices (`w1`, `b1` by columns, `w2` by rows: a split
 bias, a row sum of a split value, a partial sum through `mul_scalar`) runs sharded. A mutated
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import pytest
 
-from mkdsl import verify
 from mkdsl.backends.tpu import libtpu as tpu_compile
 from mkdsl.compiler import compile_source
 from mkdsl.ops import OPS
 from mkdsl.ops import elementwise as ew
+from mkdsl.verify import kernel as verify
 
 SPEC = """\
 model ew_kernel

@@ -8,10 +8,10 @@ the kernel's own state and tokens. Interpret mode runs with the race detector on
 memory filled with NaN and out-of-bounds reads raising.
 
 Each step runs the kernel's debug build (`layer_trace=True`, which also returns the residual
-stream entering and leaving every layer) and `mkdsl.verify.LayerChecker` compares it layer by
+stream entering and leaving every layer) and `mkdsl.verify.kernel.LayerChecker` compares it layer by
 layer: the reference's layer l is fed the kernel's own residual stream after layer l - 1 and the
 same input state, so a comparison covers one layer's arithmetic and rounding differences cannot
-compound (the bounds and their derivation are in mkdsl/verify.py: carries 2^-5 of the layer's
+compound (the bounds and their derivation are in mkdsl/verify/kernel.py: carries 2^-5 of the layer's
 update, new cache entries 1 bf16 ulp + 2^-5 of the vector's largest entry, logits 2^-6 of the
 row's largest). A wrong mask, head mapping or stale KV tile moves a layer's output by 0.1 .. 1 of
 its update. Beside those bounds, structurally: every cache entry a step does not write is
@@ -41,9 +41,9 @@ from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.run.random_params import random_params
+from mkdsl.verify import kernel as verify
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -193,7 +193,7 @@ def check_cache_writes(name: str, old: np.ndarray, new: np.ndarray, positions: n
 
 
 def run_and_check(model, module, checker, batch: int, seq_len: int, starts, seed: int) -> dict:
-    """Run STEPS decode steps in interpret mode, each checked layer by layer (mkdsl.verify)."""
+    """Run STEPS decode steps in interpret mode, each checked layer by layer (mkdsl.verify.kernel)."""
     weights, state = random_params(model, {"B": batch, "S": seq_len}, seed)
     vocab = model.tensor("embed").type.shape[0]
     rng = np.random.default_rng(seed)

@@ -17,11 +17,11 @@ different positions (STARTS): 0, the last three positions of the cache, and rows
 
 Layer by layer. Each step runs the kernel's debug build (`layer_trace=True`: it also returns the
 attention-residual blocks and prefix entering and leaving every layer), and
-`mkdsl.verify.LayerChecker` feeds each reference layer the kernel's own carries entering that layer
+`mkdsl.verify.kernel.LayerChecker` feeds each reference layer the kernel's own carries entering that layer
 and the step's input state. So every comparison covers one layer's arithmetic from the same input:
 f32 rounding differences (XLA's accumulation order differs per processor) can flip a bf16 rounding
 inside the layer, but they cannot compound through 8 layers, which made a whole-step comparison
-chaotic (1.03x its bound on another processor). The bounds, derived in mkdsl/verify.py: carries
+chaotic (1.03x its bound on another processor). The bounds, derived in mkdsl/verify/kernel.py: carries
 within 2^-5 of the layer's largest update, every state entry within 1 storage ulp + 2^-5 of its
 vector's largest entry (KDA recurrent state, conv taps, latent cache), logits within 2^-6 of the
 row's largest; a routing near tie inside a layer (< 2^-8) is compared both ways. Each step then
@@ -52,10 +52,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.lang.ir import Model
 from mkdsl.run.random_params import random_params
+from mkdsl.verify import kernel as verify
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "kimi_k3.mk"
@@ -166,7 +166,7 @@ def check_replicated(module, out_arrays: dict, where: str) -> None:
 
 
 def kernel_step(module, step, weights: dict, state: dict, tokens, positions, where: str) -> verify.KernelOutput:
-    """One kernel step (mkdsl.verify.run_kernel); also checks that what is kept whole is the same
+    """One kernel step (mkdsl.verify.kernel.run_kernel); also checks that what is kept whole is the same
     on every device."""
     pad = getattr(module, "pad_weights", dict)  # matrices the module stores padded, if any
     out = verify.run_kernel(step, weights, state, tokens, positions, sharded=True, pad=pad)

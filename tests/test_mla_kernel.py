@@ -6,7 +6,7 @@ with 128 x 128 scale squares (its scales indexed by the traced head). 16-token K
 (the first of tile 1) and 47: the tile loop's last tile is partly masked or wholly masked, and the
 rows' tiles follow each other in one loop. The caches start random, so every cached entry counts.
 The kernel runs in TPU interpret mode with the race detector, checked layer by layer against the
-reference (mkdsl.verify's bounds)."""
+reference (mkdsl.verify.kernel's bounds)."""
 
 from __future__ import annotations
 

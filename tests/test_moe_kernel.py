@@ -1,5 +1,5 @@
 """General MoE pieces through the kernel, in TPU interpret mode over 2 devices (race detector on),
-against the reference layer by layer (mkdsl.verify.LayerChecker; bounds derived there): a
+against the reference layer by layer (mkdsl.verify.kernel.LayerChecker; bounds derived there): a
 DeepSeek-V3-style layer (group-limited top-k of sigmoid scores plus a selection bias, the unbiased
 scores read back with `take`, renormalised and scaled by 2.5, plus a shared expert gated by
 `sigmoid(rowsum(h * s_gate))`) and a gpt-oss-style layer (top-k of the biased logits, softmax over
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.lang.diagnostics import SpecError
 from mkdsl.run.random_params import random_params
+from mkdsl.verify import kernel as verify
 
 SPEC = """\
 # Two MoE layer kinds sharing experts, sharded over 2 devices by expert columns.

@@ -4,7 +4,7 @@ sharded over 8 devices with the state placed as the kernel's STATE_SPLIT says.
 
 Tolerances. Prefill computes every op per token as the decode step does, but over B*T rows at
 once, so XLA may sum in another order: f32 noise (~2^-16 relative), which can flip the bf16
-rounding of a matmul input, the mechanism mkdsl/verify.py bounds per layer (STATE_RTOL,
+rounding of a matmul input, the mechanism mkdsl/verify/kernel.py bounds per layer (STATE_RTOL,
 CARRY_RTOL, LOGIT_RTOL, derived there). Here nothing resets the difference between layers:
 the state layer l writes is bounded by (l + 1) x STATE_RTOL of its vector's largest |ref| plus
 one storage ulp (each layer before it adds at most one layer's bound), and the logits by
@@ -31,7 +31,7 @@ from mkdsl.run.prefill import (
     run_prefill_layer,
 )
 from mkdsl.run.reference import build_layered_reference, run_layer
-from mkdsl.verify import LOGIT_RTOL, STATE_RTOL, LayerChecker, state_ratio, storage_ulp
+from mkdsl.verify.kernel import LOGIT_RTOL, STATE_RTOL, LayerChecker, state_ratio, storage_ulp
 
 
 def _f32(x) -> np.ndarray:
@@ -221,7 +221,7 @@ def test_kimi_mini_sharded_prefill_matches_decode_layer_by_layer():
     """Kimi K3 mini over 8 devices: every layer's prefill (KDA recurrences, short convs, MLA's
     latent cache, MoE routing, attention residuals) fed the carries token-by-token decoding
     enters it with gives decoding's carries at every prompt token and its caches and recurrent
-    states, within mkdsl/verify.py's one-layer bounds; the epilogue so fed gives its logits and
+    states, within mkdsl/verify/kernel.py's one-layer bounds; the epilogue so fed gives its logits and
     tokens. Layer by layer because this random-weight stack amplifies f32 noise: an f32 difference
     flips a bf16 rounding (~2^-8 / sqrt(fan_in) of a matmul's output, 1e-4 of the carries by layer
     1), and decoding whose layer-0 output is perturbed by 1e-3 differs by 2e-2 at layer 7 (x25 in 7

@@ -4,7 +4,7 @@ on one device (mkdsl/run/prefill.py, itself checked against decoding in tests/te
 Tolerances. Both compute the same ops on the same values; the per-device model only splits
 matmuls over heads, columns or experts and sums row-parallel partials by psum, so XLA may sum in
 another order: f32 noise (~2^-16 relative) that can flip the bf16 rounding of a matmul input,
-the mechanism mkdsl/verify.py bounds per layer (STATE_RTOL, CARRY_RTOL, LOGIT_RTOL, derived
+the mechanism mkdsl/verify/kernel.py bounds per layer (STATE_RTOL, CARRY_RTOL, LOGIT_RTOL, derived
 there). Over the whole stack nothing resets the difference between layers, so the state layer l
 writes is bounded by (l + 1) x STATE_RTOL of its vector's largest |whole| plus one storage ulp and
 the logits by (L + 1) x LOGIT_RTOL of the row's largest |whole logit| (tests/test_prefill.py's
@@ -23,7 +23,7 @@ from mkdsl.run.prefill import build_prefill, reference_weights, run_prefill_laye
 from mkdsl.run.prefill_spmd import SPMD_RULES, build_sharded_prefill, tensor_spec
 from mkdsl.run.reference import build_layered_reference
 from mkdsl.spmd.shard import shard
-from mkdsl.verify import LOGIT_RTOL, STATE_RTOL, LayerChecker, state_ratio, storage_ulp
+from mkdsl.verify.kernel import LOGIT_RTOL, STATE_RTOL, LayerChecker, state_ratio, storage_ulp
 
 
 def _f32(x) -> np.ndarray:
@@ -88,7 +88,7 @@ def test_qwen3_mini_prefill_per_device_equals_the_whole_prefill():
 def test_kimi_mini_layers_per_device_equal_the_whole_layers():
     """Kimi K3 mini over ep 4 x tp 2, one layer of each kind (KDA + dense MLP, KDA + MoE, MLA +
     MoE): the layer's prefill per device under shard_map, fed the carries the whole prefill enters
-    it with, gives the whole layer's carries and state within mkdsl/verify.py's one-layer bounds
+    it with, gives the whole layer's carries and state within mkdsl/verify/kernel.py's one-layer bounds
     (CARRY_RTOL, STATE_RTOL). Layer by layer because this random-weight stack amplifies f32 noise
     through its layers (tests/test_prefill.py's Kimi test says why): over all 8 layers the two
     prefills' greedy tokens agree but their MLA caches differ by up to ~1/4 of their scale."""

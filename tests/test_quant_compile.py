@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from compile_helpers import MIB, compile_one_core, tpu7x_devices
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
+from mkdsl.verify import kernel as verify
 
 SPEC = """
 model ds_linear

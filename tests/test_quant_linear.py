@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.lang import dtypes
 from mkdsl.lang.quant import dequantize, quantize
+from mkdsl.verify import kernel as verify
 
 # ---------------------------------------------------------------- float64 decoders, from the formats
 

@@ -7,7 +7,7 @@ positions; each step both start from the reference's state (so nothing compounds
 Both round every matmul input to bf16 and new cache entries to bf16, so they differ only by f32
 vs float64 arithmetic — until an f32 difference flips one bf16 rounding of a matmul input, which
 moves that input by 2^-8 relative and the layer's output by ~2^-8 / sqrt(fan_in) of its scale per
-flip (mkdsl/verify.py's argument). Through the mini's 4 layers and the head, a few flips per
+flip (mkdsl/verify/kernel.py's argument). Through the mini's 4 layers and the head, a few flips per
 layer give well under 2^-6 of the row's largest logit: the bound is LOGIT_RTOL = 2^-6 x the row's
 largest |logit|; states within STATE_RTOL = 2^-6 x the largest |entry| of their head's recurrent
 matrix, cache vector or conv tap (plus one bf16 ulp for the caches). The recurrent state is
@@ -21,7 +21,7 @@ step's comparison (and at least one row must be compared each step). The greedy 
 agree unless the reference scores the oracle's token within the logit bound of its best.
 
 The kernel test (slow) runs the mini kernel (sharded over its 2 devices) for 3 steps at batch 1
-and 4 with `mkdsl.verify` (race detector on; layer-by-layer bounds derived there).
+and 4 with `mkdsl.verify.kernel` (race detector on; layer-by-layer bounds derived there).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import pytest
 import qwen3_next_oracle as oracle
 from checkpoint_writers import through_checkpoint
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.run.random_params import random_params
 from mkdsl.run.reference import build_reference
+from mkdsl.verify import kernel as verify
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "qwen3_next_80b_a3b.mk"

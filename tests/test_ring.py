@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
+from mkdsl.verify import kernel as verify
 
 ROOT = Path(__file__).resolve().parent.parent
 # (spec, profile, the most arms one consumer may pick among): Llama's `w_down` issues into

@@ -76,7 +76,7 @@ def test_loaded_weights_run_a_kernel_step_equal_to_the_reference(llama):
     step = module.build_decode_step(2, 256, interpret=pltpu.InterpretParams())
     logits, next_tokens, _ = step(loaded, state, tokens, positions)
     scale = float(np.abs(ref_logits).max())
-    # 2^-6 of the row's largest logit: mkdsl/verify.py's logit bound (bf16 inputs to every matmul
+    # 2^-6 of the row's largest logit: mkdsl/verify/kernel.py's logit bound (bf16 inputs to every matmul
     # of both layers), here the whole step from the embedding since the prompt is one token
     assert float(np.abs(np.asarray(logits) - ref_logits).max()) <= 2**-6 * scale
     assert np.array_equal(np.asarray(next_tokens), np.asarray(ref_next))

@@ -128,7 +128,7 @@ def _kernel_draws(module, sampling, logits: np.ndarray, positions: np.ndarray, s
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    from mkdsl.verify import interpret_params
+    from mkdsl.verify.kernel import interpret_params
 
     rows = logits.shape[0]
 
@@ -175,7 +175,7 @@ def _sharded_draws(sampling, logits: np.ndarray, positions: np.ndarray, seed: in
     from test_comm import load_runtime
 
     from mkdsl.run.sampling import TEMPLATE
-    from mkdsl.verify import interpret_params
+    from mkdsl.verify.kernel import interpret_params
 
     ns = load_runtime()
     exec(compile(TEMPLATE.read_text(encoding="utf-8"), str(TEMPLATE), "exec"), ns)

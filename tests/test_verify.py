@@ -3,7 +3,7 @@
 The command must pass on a correct kernel and fail, naming the layer, on kernels whose generated
 code was broken by a small, plausible mutation (an MLP scaled by 5 %, rotary frequencies off by
 5 %): each moves a layer's output by far more than the
-checker's bounds (mkdsl/verify.py) but leaves the kernel running and finite.
+checker's bounds (mkdsl/verify/kernel.py) but leaves the kernel running and finite.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
+from mkdsl.verify import kernel as verify
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "specs" / "tiny.mk"

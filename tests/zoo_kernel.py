@@ -1,6 +1,6 @@
 """Shared by the tests of specs written as a new user would (Gemma 3, Mixtral, Qwen2.5): build a
 spec's mini kernel and run it against the reference in TPU interpret mode, layer by layer, with
-the race detector on (the bounds are mkdsl/verify.py's, derived there)."""
+the race detector on (the bounds are mkdsl/verify/kernel.py's, derived there)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from mkdsl import verify
 from mkdsl.compiler import compile_source
 from mkdsl.plan.hbm import HBM_USABLE_PER_CORE
 from mkdsl.run.random_params import random_params
+from mkdsl.verify import kernel as verify
 
 
 def check_full_size(spec: Path, devices: int, min_cache: int = 32768, profile: str | None = None):

@@ -9,7 +9,7 @@ Tolerances (numpy vs reference), as in tests/test_qwen3.py: both round the same 
 so they differ by f32 rounding (~2^-24 relative per op) until that flips the bf16 rounding of one
 matmul input (2^-8 relative of one entry, ~2^-8/sqrt(fan_in) of the matmul's output scale); a few
 flips over two layers and three steps stay well below 2^-7 of a row's largest logit (LOGIT_RTOL,
-the bound mkdsl/verify.py derives for one layer's epilogue), and the bf16 caches within one bf16
+the bound mkdsl/verify/kernel.py derives for one layer's epilogue), and the bf16 caches within one bf16
 ulp plus 2^-7 of the largest entry of each cache vector (CACHE_RTOL).
 """
 

@@ -98,7 +98,7 @@ def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries,
     """Layer `index` alone over a prompt's B*T rows, unjitted: (the carries it passes on, each
     [B*T, ...], and the state after its writes). Fed the carries token-by-token decoding enters
     the layer with, it checks one layer's prefill rules in place, where rounding differences
-    cannot compound through the stack (as mkdsl/verify.py checks a kernel)."""
+    cannot compound through the stack (as mkdsl/verify/kernel.py checks a kernel)."""
     rows, inputs, _, _ = _prompt_inputs(model, tokens, lengths, start)
     state, graph = dict(state), model.kind(model.schedule[index])
     weights = reference_weights(model, weights)

@@ -54,8 +54,8 @@ def _glob_escape(text: str) -> str:
 
 def _compile_here(kernel: str, batch: int, seq_len: int) -> dict:
     """In the child: import the module, compile one step, report the code size."""
-    from mkdsl import verify
     from mkdsl.backends.tpu import libtpu as tpu_compile
+    from mkdsl.verify import kernel as verify
 
     module = verify.import_generated(Path(kernel).read_text(), str(Path(kernel).parent), "kernel_static")
     topology = tpu_compile.topology_for(module)
