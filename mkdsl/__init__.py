@@ -8,8 +8,7 @@ the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_
 """
 
 from mkdsl.jax_setup import quiet_libtpu
-
-__version__ = "0.1.0"
+from mkdsl.version import __version__  # noqa: F401  (mkdsl.__version__)
 
 quiet_libtpu()  # before anything imports jax: no libtpu start-up noise on a machine without a TPU
 

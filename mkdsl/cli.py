@@ -15,9 +15,9 @@ import time
 import traceback
 from pathlib import Path
 
-from mkdsl import __version__
 from mkdsl.checkpoint.formats import CheckpointError
 from mkdsl.lang.diagnostics import SpecError
+from mkdsl.version import __version__
 
 
 class UsageError(Exception):

@@ -161,7 +161,7 @@ def test_collective_phases_name_the_algorithm_the_planner_chose():
 
 
 def test_ready_together_collectives_fuse_into_one_exchange():
-    from mkdsl.plan import collectives, levers
+    from mkdsl.plan import collectives, fusion
 
     assert collectives.union_peers([0b11100]) == 7 and collectives.union_peers([0b11100, 0b00011]) == 10  # ep, tp
     model = shard(load(str(ROOT / "specs/kimi_k3.mk")))
@@ -178,12 +178,12 @@ def test_ready_together_collectives_fuse_into_one_exchange():
     names = [n.outputs[0].name for n in moe.nodes]
     assert names.index(b.value) == names.index(a.value) + 1 < names.index("w")
     # The attention output's all-reduce feeds the rest of the layer: it never joins a group.
-    assert all(len(g) == 1 for g in levers.groups(moe, list(plan.collectives)))
+    assert all(len(g) == 1 for g in fusion.groups(moe, list(plan.collectives)))
     # Pulled: the lever's what-if (every phase of every group together) changes nothing left.
     what_if = make_plan(model, batch=1, context=1152, fuse_ready=True)
     assert what_if.timing.modeled_us == pytest.approx(plan.timing.modeled_us, rel=1e-12)
     n = model.schedule.count("kda_moe") + model.schedule.count("mla_moe")
-    assert plan.exchange_phases == levers.fused_phases(model, list(plan.collectives))
+    assert plan.exchange_phases == fusion.fused_phases(model, list(plan.collectives))
     apart = sum(len(m.phases) for c in plan.collectives if c.graph == "kda_moe" for m in c.apart())
     assert apart - sum(len(c.phases) for c in plan.collectives if c.graph == "kda_moe") == 1 and n == 92
 

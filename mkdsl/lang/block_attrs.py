@@ -13,7 +13,7 @@ from mkdsl.lang.diagnostics import NOWHERE
 from mkdsl.lang.dtypes import F32
 from mkdsl.lang.ir import BlockAttr, Graph, LayerExpr, Node, Ref, TensorType, Value
 from mkdsl.lang.syntax import Name
-from mkdsl.ops import OPS, REQUIRED, OpError
+from mkdsl.ops.registry import OPS, REQUIRED, OpError
 
 # Shard rules of ops that act entry by entry (the broadcasting ones too: inside a block every
 # operand is a parameter of the same shape, so nothing broadcasts there).

@@ -21,10 +21,11 @@ from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sit
 from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
 from mkdsl.lang.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.lang.dtypes import storage_bytes
-from mkdsl.lang.ir import Graph, LayerExpr, Model, Node, TensorType
+from mkdsl.lang.ir import Graph, Model, Node, TensorType
 from mkdsl.ops import OPS, Cost
-from mkdsl.plan import collectives, hbm, roles, timeline
+from mkdsl.plan import collectives, fusion, hbm, roles, timeline
 from mkdsl.plan.buffers import assign_buffers, buffer_of
+from mkdsl.plan.nodes import concrete, cost_attrs, streamed_weight
 from mkdsl.plan.types import Alloc, OpScratch, Plan, ScheduleItem, Sequence, Stream, TensorTraffic
 from mkdsl.plan.vmem import DEFAULT_CAP, MIB, VMEM_PER_CORE, mib, padded_bytes
 from mkdsl.spmd import overlap
@@ -89,9 +90,9 @@ class _State:
         """The op's cost with the row dim at the batch and sequence dims at the tokens read."""
         dims = [d.name for d in self.model.dims]
         sizes = {dims[0]: self.batch, **{d: self.context + 1 for d in dims[1:]}}
-        types = [_concrete(self.type_of(at.graph, r), sizes) for r in at.node.inputs]
-        outs = [_concrete(v.type, sizes) for v in at.node.outputs]
-        return OPS[at.node.op].cost(types, outs, _attrs(at.node))
+        types = [concrete(self.type_of(at.graph, r), sizes) for r in at.node.inputs]
+        outs = [concrete(v.type, sizes) for v in at.node.outputs]
+        return OPS[at.node.op].cost(types, outs, cost_attrs(at.node))
 
     def stream_of(self, at: Site) -> Stream | None:
         """The weight stream of a node, in its kind's sequence (the epilogue's for the step)."""
@@ -101,9 +102,7 @@ class _State:
 
 
 def _fused(model: Model, found) -> dict:
-    from mkdsl.plan import levers
-
-    return levers.ready_together(model, found)
+    return fusion.ready_together(model, found)
 
 
 def make_plan(
@@ -211,15 +210,6 @@ def pad_rows(s: _State) -> None:
     if not rows.low <= s.batch <= rows.high:
         s.errors.append(Diagnostic(NOWHERE, f"batch {s.batch} is outside `{rows.name}` in {rows.low} .. {rows.high}"))
     s.rows = -(-s.batch // ROW_TILE) * ROW_TILE
-
-
-def streamed_weight(node: Node):
-    """The operand of `node` that streams through the ring (`OpDef.reach`) if it is a declared matrix."""
-    op = OPS.get(node.op)
-    if op is None:
-        return None
-    refs = zip(op.operands[: len(node.inputs)], node.inputs, strict=True)  # optional operands may be left out
-    return next((r for name, r in refs if op.reached(name) == "stream" and r.kind == "tensor"), None)
 
 
 def tile_streams(s: _State) -> None:
@@ -640,10 +630,6 @@ PASSES = (
 # ---------------------------------------------------------------------------- traffic
 
 
-def _concrete(t: TensorType, sizes: dict[str, int]) -> TensorType:
-    return TensorType(t.dtype, tuple(sizes.get(d, d) if isinstance(d, str) else d for d in t.shape))
-
-
 def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], dict[str, int]]:
     """Bytes each declared tensor must move per step, and the flops per graph (all its runs in a
     step), from the op costs."""
@@ -671,10 +657,10 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], dict[str, int]]
             types = [_type_of(m, graph, r) for r in node.inputs]
             outs = [v.type for v in node.outputs]
             c: Cost = op.cost(
-                [_concrete(t, read_sizes) for t in types], [_concrete(t, read_sizes) for t in outs], _attrs(node)
+                [concrete(t, read_sizes) for t in types], [concrete(t, read_sizes) for t in outs], cost_attrs(node)
             )
             flops[graph.name] += op.cost(
-                [_concrete(t, flop_sizes) for t in types], [_concrete(t, flop_sizes) for t in outs], _attrs(node)
+                [concrete(t, flop_sizes) for t in types], [concrete(t, flop_sizes) for t in outs], cost_attrs(node)
             ).flops
             tensors = [r.name for r in node.inputs if r.kind == "tensor"]
             weights = [n for n in tensors if m.tensor(n).kind == "weight"]
@@ -737,8 +723,3 @@ def _what(node: Node) -> str:
 def _fetch_bytes(t) -> int:
     shape = roles.fetch_shape(t)
     return math.prod(shape) * max(t.type.dtype.bits, 8) // 8
-
-
-def _attrs(node: Node) -> dict:
-    """Attributes for cost rules: a layer-dependent one at its first layer (costs ignore them)."""
-    return {k: v.first if isinstance(v, LayerExpr) else v for k, v in node.attrs}

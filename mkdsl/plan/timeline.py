@@ -16,35 +16,26 @@ from mkdsl.lang.ir import Graph
 from mkdsl.ops import OPS
 from mkdsl.plan import cost_model
 from mkdsl.plan.cost_model import Phase
+from mkdsl.plan.nodes import concrete, cost_attrs, streamed_weight
 from mkdsl.plan.types import PhaseCost, ScheduleItem, Timing
-
-
-def streamed_weight(node):
-    from mkdsl.plan.planner import streamed_weight as weight
-
-    return weight(node)
 
 
 def node_flops(s, g: Graph, i: int) -> int:
     """Flops of one run of node i of graph g at the padded rows (as the old global MXU term)."""
-    from mkdsl.plan.planner import _attrs, _concrete
-
     node = g.nodes[i]
     if node.op not in OPS:
         return 0
     dims = [d.name for d in s.model.dims]
     sizes = {dims[0]: s.rows, **{d: s.context + 1 for d in dims[1:]}}
-    types = [_concrete(s.type_of(g, r), sizes) for r in node.inputs]
-    outs = [_concrete(v.type, sizes) for v in node.outputs]
-    return OPS[node.op].cost(types, outs, _attrs(node)).flops
+    types = [concrete(s.type_of(g, r), sizes) for r in node.inputs]
+    outs = [concrete(v.type, sizes) for v in node.outputs]
+    return OPS[node.op].cost(types, outs, cost_attrs(node)).flops
 
 
 def tokens_seen(s, node) -> int:
     """Cached tokens one row's attention reads: the context and the new token, at most its
     sliding `window` (as its cost's KV traffic counts them)."""
-    from mkdsl.plan.planner import _attrs
-
-    window = _attrs(node).get("window")
+    window = cost_attrs(node).get("window")
     return min(s.context + 1, window) if window else s.context + 1
 
 

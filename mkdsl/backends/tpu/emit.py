@@ -14,7 +14,6 @@ from pathlib import Path
 
 import jinja2
 
-from mkdsl import __version__
 from mkdsl.backends.tpu.lowering import Site, lowering_for, sites
 from mkdsl.backends.tpu.lowerings.attention import KV_SLOTS
 from mkdsl.backends.tpu.wrapper import wrapper_context
@@ -26,6 +25,7 @@ from mkdsl.plan.buffers import buffer_of
 from mkdsl.plan.planner import ROW_TILE
 from mkdsl.plan.types import Alloc, OpScratch, Plan
 from mkdsl.plan.vmem import VMEM_PER_CORE
+from mkdsl.version import __version__
 
 TEMPLATES = Path(__file__).parent / "templates"
 # The runtime parts lowerings may ask for (`Lowering.runtime`), in the order a module carries them.
