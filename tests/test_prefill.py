@@ -212,7 +212,7 @@ def _decode_layers(ref, weights, state, tokens):
 
 
 def _carry_ratio(want, got, carries_in) -> float:
-    """verify.py's one-layer carry bound, per prompt token; its worst ratio."""
+    """mkdsl/verify/kernel.py's one-layer carry bound, per prompt token; its worst ratio."""
     flat = lambda cs: [_f32(c).reshape(c.shape[0], -1) for c in cs]  # noqa: E731
     return float(LayerChecker._carry_ratio(flat(want), flat(got), flat(carries_in)).max())
 

@@ -20,7 +20,7 @@ import numpy as np
 
 import mkdsl
 from mkdsl.run.prefill import build_prefill, reference_weights, run_prefill_layer
-from mkdsl.run.prefill_spmd import SPMD_RULES, build_sharded_prefill, tensor_spec
+from mkdsl.run.prefill_spmd import build_sharded_prefill, tensor_spec
 from mkdsl.run.reference import build_layered_reference
 from mkdsl.spmd.shard import shard
 from mkdsl.verify.kernel import LOGIT_RTOL, STATE_RTOL, LayerChecker, state_ratio, storage_ulp
@@ -106,7 +106,7 @@ def test_kimi_mini_layers_per_device_equal_the_whole_layers():
         want_carries, want = run_prefill_layer(model, index, weights, state, tokens, carries)
         if kind not in kinds:
             kinds.add(kind)
-            body = lambda w, s, c, i=index: run_prefill_layer(local, i, w, s, tokens, c, rules=SPMD_RULES)  # noqa: E731
+            body = lambda w, s, c, i=index: run_prefill_layer(local, i, w, s, tokens, c, spmd=True)  # noqa: E731
             specs = {"in_specs": (w_specs, s_specs, P()), "out_specs": (P(), s_specs), "check_vma": False}
             got_carries, got = jax.jit(jax.shard_map(body, mesh=mesh, **specs))(weights, state, list(carries))
             ratio = LayerChecker._carry_ratio(flat(want_carries), flat(got_carries), flat(carries))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from mkdsl.lang.dtypes import F32
 from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jax, jnp
+from mkdsl.ops.prefill import device_index
 from mkdsl.ops.registry import REQUIRED, Cost, OpDef, nbytes, numel, register
 
 # The conversions the shard pass inserts: partial sums to whole, split to whole, whole to split.
@@ -30,6 +31,23 @@ def _mine(args, attrs):
     return (TensorType(x.dtype, (*x.shape[:-1], x.shape[-1] // attrs["ways"])),)
 
 
+# ---- per-device prefill (mkdsl/run/prefill_spmd.py): the exchange over the mesh, as the kernel's
+
+
+def _all_reduce_spmd(rows, arrays, attrs):
+    return (jax.lax.psum(arrays[0], tuple(attrs["axes"])),)
+
+
+def _all_gather_spmd(rows, arrays, attrs):
+    return (jax.lax.all_gather(arrays[0], tuple(attrs["axes"]), axis=arrays[0].ndim - 1, tiled=True),)
+
+
+def _shard_slice_spmd(rows, arrays, attrs):
+    x = arrays[0]
+    n = x.shape[-1] // attrs["ways"]
+    return (jax.lax.dynamic_slice_in_dim(x, device_index(attrs["axes"]) * n, n, axis=x.ndim - 1),)
+
+
 register(
     OpDef(
         SUM_PARTIALS,
@@ -41,6 +59,7 @@ register(
         doc="Sum of the devices' partial values over mesh `axes` (after row-parallel projections).",
         internal=True,
         exchange="sum",
+        spmd_prefill=_all_reduce_spmd,
     )
 )
 
@@ -55,6 +74,7 @@ register(
         doc="The devices' column slices over mesh `axes`, concatenated in mesh order.",
         internal=True,
         exchange="gather",
+        spmd_prefill=_all_gather_spmd,
     )
 )
 
@@ -68,6 +88,7 @@ register(
         attrs={"axes": REQUIRED, "ways": REQUIRED},
         doc="This device's column slice of a value every device holds whole (before a row-parallel projection).",
         internal=True,
+        spmd_prefill=_shard_slice_spmd,
     )
 )
 
@@ -90,6 +111,26 @@ def _scaled_sum(a, x, *b, axes, n, eps):
     return (out + b[0] if b else out,)
 
 
+def _reduce_scatter_spmd(rows, arrays, attrs):
+    return _shard_slice_spmd(rows, (jax.lax.psum(arrays[0], tuple(attrs["axes"])),), attrs)
+
+
+def _norm_weight_mine_spmd(rows, arrays, attrs):
+    x, w = arrays
+    n = x.shape[-1]
+    mine = jax.lax.dynamic_slice_in_dim(jnp.asarray(w, jnp.float32), device_index(attrs["axes"]) * n, n)
+    return (x.astype(jnp.float32) * (attrs["offset"] + mine),)
+
+
+def _all_reduce_scaled_spmd(rows, arrays, attrs):
+    """Σa · rsqrt(Σ rowsum(x²) / n + eps) + Σb (mkdsl/spmd/defer_norm.py)."""
+    axes = tuple(attrs["axes"])
+    a, x, *b = (jnp.asarray(v, jnp.float32) for v in arrays)
+    squares = jax.lax.psum(jnp.sum(x * x, axis=-1, keepdims=True), axes)
+    out = jax.lax.psum(a, axes) * jax.lax.rsqrt(squares / attrs["n"] + attrs["eps"])
+    return (out + jax.lax.psum(b[0], axes) if b else out,)
+
+
 register(
     OpDef(
         SCATTER_SUMS,
@@ -101,6 +142,7 @@ register(
         doc="This device's column slice of the sum of the devices' partial values over mesh `axes`.",
         internal=True,
         exchange="scatter",
+        spmd_prefill=_reduce_scatter_spmd,
     )
 )
 
@@ -114,6 +156,7 @@ register(
         attrs={"axes": REQUIRED, "ways": REQUIRED, "offset": 0.0},
         doc="x times this device's column slice (over mesh `axes`) of an RMS norm's (offset + weight).",
         internal=True,
+        spmd_prefill=_norm_weight_mine_spmd,
     )
 )
 
@@ -129,6 +172,7 @@ register(
         "of an RMS-normalised split value x, the norm's row scale applied after the sum.",
         internal=True,
         exchange="scaled",
+        spmd_prefill=_all_reduce_scaled_spmd,
         optional=1,
     )
 )

@@ -6,6 +6,7 @@ from mkdsl.lang.dtypes import F32
 from mkdsl.lang.ir import TensorType
 from mkdsl.lang.quant import QTensor, dequantize
 from mkdsl.lazy import jnp
+from mkdsl.ops.prefill import device_index
 from mkdsl.ops.registry import (
     Cost,
     OpDef,
@@ -90,6 +91,17 @@ def _embedding_cost(ins, outs, attrs):
     return Cost(weight_bytes=tokens.shape[0] * row)
 
 
+def _embedding_spmd(rows, arrays, attrs):
+    """A vocabulary-split table: this device's rows, zeros for tokens another device holds (summed after)."""
+    if not attrs.get("shard_axes"):
+        return None
+    tok, table = arrays
+    lo = device_index(attrs["shard_axes"]) * table.shape[0]
+    mine = (tok >= lo) & (tok < lo + table.shape[0])
+    picked = jnp.asarray(table)[jnp.clip(tok - lo, 0, table.shape[0] - 1)].astype(jnp.float32)
+    return (jnp.where(mine[:, None], picked, 0.0),)
+
+
 register(
     OpDef(
         "embedding",
@@ -100,5 +112,6 @@ register(
         doc="Rows of `table` gathered by token id, as f32.",
         shard="vocab_rows",
         reach=(("table", "own"),),
+        spmd_prefill=_embedding_spmd,
     )
 )

@@ -10,11 +10,14 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import numpy as np
+
 from mkdsl.lang.dtypes import F32, I32
 from mkdsl.lang.ir import TensorType
 from mkdsl.lang.quant import QTensor
 from mkdsl.lazy import jnp
 from mkdsl.ops.linear import weight_f32
+from mkdsl.ops.prefill import device_index
 from mkdsl.ops.registry import (
     REQUIRED,
     Cost,
@@ -68,6 +71,29 @@ def route(scores, bias, k):
     return chosen / jnp.sum(chosen, axis=-1, keepdims=True), ids
 
 
+def _route_runner_up(row: int, margin: float, flipped: list):
+    """A `route` reference that gives `row`'s last choice to the runner-up, once, where the two are
+    closer than `margin` (a near tie that rounding may tip: mkdsl/verify/kernel.py); it appends to
+    `flipped` when it did."""
+
+    def routed(scores, bias, k):
+        weights, ids = route(scores, bias, k)
+        s = scores.astype(jnp.float32)
+        key = np.asarray(s + bias.astype(jnp.float32))
+        taken = np.zeros(key.shape, bool)
+        np.put_along_axis(taken, np.asarray(ids), True, axis=-1)
+        runner = np.argmax(np.where(taken, -np.inf, key), axis=-1)
+        gap = key[row, np.asarray(ids)[row, -1]] - key[row, runner[row]]
+        if flipped or gap >= margin:
+            return weights, ids
+        flipped.append(True)
+        ids = ids.at[row, -1].set(int(runner[row]))
+        chosen = jnp.take_along_axis(s, ids, axis=-1)
+        return chosen / jnp.sum(chosen, axis=-1, keepdims=True), ids
+
+    return routed
+
+
 def _route_cost(ins, outs, attrs):
     scores, bias = ins
     b, e = scores.shape
@@ -86,6 +112,7 @@ register(
         doc="(weights, ids): top-k experts by scores + bias; weights are the unbiased scores, renormalised.",
         shard="whole",
         latency="routing",
+        near_tie=_route_runner_up,
     )
 )
 
@@ -193,6 +220,18 @@ def _experts_cost(ins, outs, attrs):
     return Cost(weight_bytes=moved, flops=2 * b * k * e // total * 3 * d * f)
 
 
+def _experts_spmd(rows, arrays, attrs):
+    """Experts split over `expert_axes`: this device's experts only, the others' weights zeroed."""
+    if not attrs.get("expert_axes"):
+        return None
+    z, wts, ids, w1, w3, w2, *biases = arrays
+    e = w1.codes.shape[0] if hasattr(w1, "codes") else w1.shape[0]
+    lo = device_index(attrs["expert_axes"]) * e
+    held = (ids >= lo) & (ids < lo + e)
+    args = (z, jnp.where(held, wts, 0.0), jnp.clip(ids - lo, 0, e - 1), w1, w3, w2, *biases)
+    return (moe_experts(*args, act=attrs["act"]),)
+
+
 register(
     OpDef(
         "moe_experts",
@@ -210,5 +249,6 @@ register(
         loop_unit="expert_tiles",
         block_attrs=(("act", _act_params),),
         optional=3,
+        spmd_prefill=_experts_spmd,
     )
 )

@@ -63,3 +63,9 @@ def scan_rule(step: Callable, tokens: tuple[int, ...], state: int) -> Callable:
         return rows.by_row(outs), final
 
     return rule
+
+
+def device_index(axes) -> object:
+    """This device's block index over mesh `axes`, row-major in their order (as the kernel numbers
+    blocks); inside `shard_map` only (the SPMD prefill rules)."""
+    return jax.lax.axis_index(tuple(axes))

@@ -113,6 +113,14 @@ class OpDef:
     # `reference`; None runs `reference` over the prompt's B*T rows (row-wise ops). Required
     # for ops with `inout` state.
     prefill: Callable | None = None
+    # Prefill of the per-device model under `shard_map` (mkdsl/run/prefill_spmd.py): `(rows, arrays,
+    # attrs)` -> outputs, or None where the op runs as on one device. The collectives exchange over
+    # the mesh; ops that index over a split (vocabulary rows, experts) take their device's part.
+    spmd_prefill: Callable | None = None
+    # Near ties of a discrete choice (mkdsl/verify/kernel.py): `(row, margin) -> reference` gives a
+    # reference that takes the runner-up for `row` where its margin is below `margin`, and calls
+    # `flipped()` when it did; None: the op makes no discrete choice that rounding can tip.
+    near_tie: Callable | None = None
 
     def reached(self, operand: str) -> str:
         """How the kernel reaches a weight operand: "stream", "own" or "fetch"."""

@@ -56,16 +56,29 @@ def _argmax_infer(args, attrs):
     return (TensorType(I32, (x.type.shape[0],)),)
 
 
+def _argmax(x):
+    return (jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32),)
+
+
+def _argmax_spmd(rows, arrays, attrs):
+    """The argmax over the whole vocabulary: every device gathers the split logits."""
+    if not attrs.get("shard_axes"):
+        return None
+    axes = tuple(attrs["shard_axes"])
+    return _argmax(jax.lax.all_gather(arrays[0], axes, axis=arrays[0].ndim - 1, tiled=True))
+
+
 register(
     OpDef(
         "argmax",
         ("x",),
         _argmax_infer,
-        lambda x: (jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32),),
+        _argmax,
         lambda ins, outs, a: Cost(flops=ins[0].shape[0] * ins[0].shape[1]),
         doc="Index of each row's largest entry (the first on ties): greedy next token.",
         shard="pick",
         exchange="best",
         exchange_axes="shard_axes",
+        spmd_prefill=_argmax_spmd,
     )
 )

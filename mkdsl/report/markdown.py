@@ -1,5 +1,5 @@
 """The plan report (`plan.md` beside each kernel, and `mkdsl plan --full`): where the time goes
-(report_time.py, with the picture of report_svg.py), phases, the DMA schedule, the VMEM table,
+(timing.py, with the picture of svg.py), phases, the DMA schedule, the VMEM table,
 bytes per step, the HBM floor and the modeled time. Every time is modeled."""
 
 from __future__ import annotations

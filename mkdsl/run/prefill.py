@@ -16,7 +16,7 @@ where its inputs are (host arrays: one device; XLA would partition it over array
 mesh, but it sums in another order then, and Kimi's MoE routing amplifies that); given
 `state_shardings` (the generated module's `state_shardings(mesh)`), the new state is then placed
 as the kernel's `STATE_SPLIT` says, so the kernel's step takes it as it is. The prefill per device under
-`shard_map`, with the kernel's collectives, is mkdsl/run/prefill_spmd.py (`rules` here).
+`shard_map`, with the kernel's collectives, is mkdsl/run/prefill_spmd.py (`spmd` here: each op's `OpDef.spmd_prefill`).
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ def reference_weights(model: Model, weights: dict) -> dict:
     return out
 
 
-def _caller(rows: list[Rows], rules: dict | None = None) -> Callable:
-    """Run one op over the current rows (`rows[0]`): a rule of `rules` (op name -> rule(rows,
-    arrays, attrs) or None to decline: mkdsl/run/prefill_spmd.py's per-device collectives), else its
-    prefill rule, or its reference row-wise."""
+def _caller(rows: list[Rows], spmd: bool = False) -> Callable:
+    """Run one op over the current rows (`rows[0]`): per device (`spmd`, under `shard_map`) its
+    `OpDef.spmd_prefill` where it has one and does not decline, else its prefill rule, or its
+    reference row-wise."""
 
     def call(op, arrays, attrs):
-        rule = (rules or {}).get(op.name)
+        rule = op.spmd_prefill if spmd else None
         out = None if rule is None else rule(rows[0], arrays, attrs)
         if out is not None:
             return out
@@ -94,7 +94,7 @@ def _prompt_inputs(model: Model, tokens, lengths, start) -> tuple[Rows, dict, ob
     return rows, {token_name: tokens.reshape(-1).astype(jnp.int32), position_name: rows.positions}, lengths, start
 
 
-def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries, lengths=None, start=None, rules=None):
+def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries, lengths=None, start=None, spmd=False):
     """Layer `index` alone over a prompt's B*T rows, unjitted: (the carries it passes on, each
     [B*T, ...], and the state after its writes). Fed the carries token-by-token decoding enters
     the layer with, it checks one layer's prefill rules in place, where rounding differences
@@ -102,23 +102,23 @@ def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries,
     rows, inputs, _, _ = _prompt_inputs(model, tokens, lengths, start)
     state, graph = dict(state), model.kind(model.schedule[index])
     weights = reference_weights(model, weights)
-    out = _run_graph(model, graph, list(carries), weights, state, inputs, index, _no_nesting, _caller([rows], rules))
+    out = _run_graph(model, graph, list(carries), weights, state, inputs, index, _no_nesting, _caller([rows], spmd))
     return out, state
 
 
 def run_prefill(
-    model: Model, sampling, weights, state, tokens, lengths=None, start=None, seed=0, feed=None, rules=None
+    model: Model, sampling, weights, state, tokens, lengths=None, start=None, seed=0, feed=None, spmd=False
 ):
     """The prefill, unjitted (build_prefill's body). `feed(index, carries) -> carries` replaces
     what layer `index` (the epilogue: index L) receives: a debug hook, to feed the prefill the
     carries token-by-token decoding has there (run_prefill_layer's check, for the epilogue).
-    `rules` overrides ops' rules (see `_caller`)."""
+    `spmd`: per device under `shard_map`, each op's `OpDef.spmd_prefill` first (see `_caller`)."""
     weights = reference_weights(model, weights)
     rows, inputs, lengths, start = _prompt_inputs(model, tokens, lengths, start)
     token_name, position_name = (v.name for v in model.inputs)
     state, current = dict(state), [rows]
     last = jnp.arange(rows.batch) * rows.length + lengths - 1  # each row's last token
-    call = _caller(current, rules)
+    call = _caller(current, spmd)
     feed = feed or (lambda _, carries: carries)
 
     def run_layers(carries):

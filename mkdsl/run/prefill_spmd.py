@@ -8,9 +8,10 @@ sums by `psum`, column slices by `all_gather`, in mesh order (a deferred norm's
 exchanges, mkdsl/spmd/defer_norm.py, by `psum` and the slice). The new state comes back as global
 arrays split over the mesh as the kernel's `STATE_SPLIT` says, so the kernel's step takes it.
 
-The rules below replace, per op, what the per-device model needs beyond its ops' references:
-the collectives (identities on the whole model) and the ops that index over a split (an
-embedding or output argmax split over the vocabulary, experts split over `expert_axes`).
+What the per-device model needs beyond its ops' references is each op's own `OpDef.spmd_prefill`:
+the collectives (identities on the whole model) exchange over the mesh, and the ops that index
+over a split (an embedding or output argmax split over the vocabulary, experts split over
+`expert_axes`) take their device's part.
 """
 
 from __future__ import annotations
@@ -26,89 +27,6 @@ from mkdsl.run.sampling import Sampling, sample_tokens
 from mkdsl.spmd.shard import shard
 
 
-def _index(axes) -> object:
-    """This device's block index over mesh `axes`, row-major in their order (as the kernel numbers blocks)."""
-    return jax.lax.axis_index(tuple(axes))
-
-
-def _all_reduce(rows, arrays, attrs):
-    return (jax.lax.psum(arrays[0], tuple(attrs["axes"])),)
-
-
-def _all_gather(rows, arrays, attrs):
-    return (jax.lax.all_gather(arrays[0], tuple(attrs["axes"]), axis=arrays[0].ndim - 1, tiled=True),)
-
-
-def _shard_slice(rows, arrays, attrs):
-    x = arrays[0]
-    n = x.shape[-1] // attrs["ways"]
-    return (jax.lax.dynamic_slice_in_dim(x, _index(attrs["axes"]) * n, n, axis=x.ndim - 1),)
-
-
-def _reduce_scatter(rows, arrays, attrs):
-    return _shard_slice(rows, (jax.lax.psum(arrays[0], tuple(attrs["axes"])),), attrs)
-
-
-def _norm_weight_mine(rows, arrays, attrs):
-    x, w = arrays
-    n = x.shape[-1]
-    mine = jax.lax.dynamic_slice_in_dim(jnp.asarray(w, jnp.float32), _index(attrs["axes"]) * n, n)
-    return (x.astype(jnp.float32) * (attrs["offset"] + mine),)
-
-
-def _all_reduce_scaled(rows, arrays, attrs):
-    """Σa · rsqrt(Σ rowsum(x²) / n + eps) + Σb (mkdsl/spmd/defer_norm.py)."""
-    axes = tuple(attrs["axes"])
-    a, x, *b = (jnp.asarray(v, jnp.float32) for v in arrays)
-    squares = jax.lax.psum(jnp.sum(x * x, axis=-1, keepdims=True), axes)
-    out = jax.lax.psum(a, axes) * jax.lax.rsqrt(squares / attrs["n"] + attrs["eps"])
-    return (out + jax.lax.psum(b[0], axes) if b else out,)
-
-
-def _embedding(rows, arrays, attrs):
-    """A vocabulary-split table: this device's rows, zeros for tokens another device holds (summed after)."""
-    if not attrs.get("shard_axes"):
-        return None
-    tok, table = arrays
-    lo = _index(attrs["shard_axes"]) * table.shape[0]
-    mine = (tok >= lo) & (tok < lo + table.shape[0])
-    picked = jnp.asarray(table)[jnp.clip(tok - lo, 0, table.shape[0] - 1)].astype(jnp.float32)
-    return (jnp.where(mine[:, None], picked, 0.0),)
-
-
-def _argmax(rows, arrays, attrs):
-    """The argmax over the whole vocabulary: every device gathers the split logits."""
-    if not attrs.get("shard_axes"):
-        return None
-    axes = tuple(attrs["shard_axes"])
-    return OPS["argmax"].reference(jax.lax.all_gather(arrays[0], axes, axis=arrays[0].ndim - 1, tiled=True))
-
-
-def _moe_experts(rows, arrays, attrs):
-    """Experts split over `expert_axes`: this device's experts only, the others' weights zeroed."""
-    if not attrs.get("expert_axes"):
-        return None
-    z, wts, ids, w1, w3, w2, *biases = arrays
-    e = w1.codes.shape[0] if hasattr(w1, "codes") else w1.shape[0]
-    lo = _index(attrs["expert_axes"]) * e
-    held = (ids >= lo) & (ids < lo + e)
-    args = (z, jnp.where(held, wts, 0.0), jnp.clip(ids - lo, 0, e - 1), w1, w3, w2, *biases)
-    return OPS["moe_experts"].reference(*args, act=attrs["act"])
-
-
-SPMD_RULES: dict[str, Callable] = {
-    "all_reduce": _all_reduce,
-    "all_gather": _all_gather,
-    "shard_slice": _shard_slice,
-    "reduce_scatter": _reduce_scatter,
-    "norm_weight_mine": _norm_weight_mine,
-    "all_reduce_scaled": _all_reduce_scaled,
-    "embedding": _embedding,
-    "argmax": _argmax,
-    "moe_experts": _moe_experts,
-}
-
-
 def tensor_spec(t: Tensor):
     """The PartitionSpec of a tensor's global array: its layer-slot axis whole, then its `sharding`."""
     split = ((),) * t.stacked + tuple(t.sharding)
@@ -117,7 +35,7 @@ def tensor_spec(t: Tensor):
 
 def _vocab_axes(local: Model) -> tuple[str, ...]:
     """The mesh axes the per-device logits are split over (the output argmax's)."""
-    return tuple(next((n.attr["shard_axes"] for n in local.step.nodes if n.op == "argmax"), ()) or ())
+    return tuple(next((n.attr["shard_axes"] for n in local.step.nodes if OPS[n.op].exchange == "best"), ()) or ())
 
 
 def build_sharded_prefill(
@@ -143,7 +61,7 @@ def build_sharded_prefill(
     logit_spec = P(None, _vocab_axes(local) or None)
 
     def per_device(weights, state, tokens, lengths, start):
-        return run_prefill(local, Sampling(), weights, state, tokens, lengths, start, rules=SPMD_RULES)
+        return run_prefill(local, Sampling(), weights, state, tokens, lengths, start, spmd=True)
 
     def prefill(weights, state, tokens, lengths=None, start=None, seed=0):
         weights = reference_weights(model, weights)

@@ -54,7 +54,6 @@ from mkdsl.lang.ir import Model
 from mkdsl.lang.quant import QTensor
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
-from mkdsl.ops.moe import route
 from mkdsl.run.reference import LayeredReference, build_layered_reference, run_layer
 
 CARRY_RTOL = 2.0**-6
@@ -218,34 +217,19 @@ class LayerChecker:
             result.failures.append(f"{where}: row {b}: carries off by {ratios[b]:.2f}x the bound")
 
     def _runner_up(self, index: int, args, carries_in, row: int):
-        """The layer with `row` taking the runner-up at its nearest routing tie, if one is < ROUTE_TIE."""
+        """The layer with `row` taking the runner-up at its nearest tie (each op's `OpDef.near_tie`), if one is < ROUTE_TIE."""
         graph = self.model.kind(self.model.schedule[index])
-        if not any(n.op == "route" for n in graph.nodes):
+        if not any(OPS[n.op].near_tie for n in graph.nodes):
             return None
-        flipped = {"done": False}
-
-        def routed(scores, bias, k):
-            weights, ids = route(scores, bias, k)
-            s = scores.astype(jnp.float32)
-            key = np.asarray(s + bias.astype(jnp.float32))
-            taken = np.zeros(key.shape, bool)
-            np.put_along_axis(taken, np.asarray(ids), True, axis=-1)
-            runner = np.argmax(np.where(taken, -np.inf, key), axis=-1)
-            margin = key[row, np.asarray(ids)[row, -1]] - key[row, runner[row]]
-            if flipped["done"] or margin >= ROUTE_TIE:
-                return weights, ids
-            flipped["done"] = True
-            ids = ids.at[row, -1].set(int(runner[row]))
-            chosen = jnp.take_along_axis(s, ids, axis=-1)
-            return chosen / jnp.sum(chosen, axis=-1, keepdims=True), ids
-
-        original = OPS["route"]
-        OPS["route"] = dataclasses.replace(original, reference=routed)
+        flipped: list[bool] = []
+        originals = {n.op: OPS[n.op] for n in graph.nodes if OPS[n.op].near_tie is not None}
+        for name, op in originals.items():
+            OPS[name] = dataclasses.replace(op, reference=op.near_tie(row, ROUTE_TIE, flipped))
         try:
             carries, state = run_layer(self.model, index, *args, [jnp.asarray(c) for c in carries_in])
         finally:
-            OPS["route"] = original
-        return ([_f32(c) for c in carries], state) if flipped["done"] else None
+            OPS.update(originals)
+        return ([_f32(c) for c in carries], state) if flipped else None
 
     def _check_logits(self, result: StepCheck, ref_logits, ref_next, out: KernelOutput) -> None:
         logits = out.logits
