@@ -1484,7 +1484,7 @@ class Comm:
         part's messages are waited for, then every send; each part uses its own mask's receive
         buffer, counter, parity and semaphores. Returns one (buffer, parity, W, g) per part.
         during: a function run between the sends' starts and the waits (the planner's window of
-        nodes that need none of the exchange, mkdsl/overlap.py); it must not touch the comm
+        nodes that need none of the exchange, mkdsl/spmd/overlap.py); it must not touch the comm
         scratch, whose stage the sends read."""
         assert len({p[0] for p in parts}) == len(parts), "one part per mask in a shared exchange"
         live = []
@@ -1641,7 +1641,7 @@ def shard_slice(x, out, index, ways):
 
 def weigh_mine(x, w, out, index, ways):
     """out <- x times this device's slice `index` (of `ways`) of the norm weight row w (f32
-    [1, n * ways]): a deferred norm's weights (mkdsl/defer_norm.py), its row scale applied after
+    [1, n * ways]): a deferred norm's weights (mkdsl/spmd/defer_norm.py), its row scale applied after
     the projection's all-reduce."""
     out[...] = x[...] * pick_slice(w, index, ways, out.shape[1])
 
@@ -2499,7 +2499,7 @@ def res_snapshot(blocks, prefix, blocks_out, prefix_out, layer, block):
 
 # ---------------------------------------------------------------------------------------
 # Decoders of quantised weight formats in VMEM (layouts: docs/language.md, Dtypes). Exact:
-# every decoded value is what the reference's mkdsl/quant.py computes, or the codes are fed
+# every decoded value is what the reference's mkdsl/lang/quant.py computes, or the codes are fed
 # to the MXU as bf16 (exact) and the f32 scale is applied to the f32 product.
 # ---------------------------------------------------------------------------------------
 def e8m0_to_f32(s_u8):

@@ -1078,7 +1078,7 @@ class Attention:
 
 # ---------------------------------------------------------------------------------------
 # Decoders of quantised weight formats in VMEM (layouts: docs/language.md, Dtypes). Exact:
-# every decoded value is what the reference's mkdsl/quant.py computes, or the codes are fed
+# every decoded value is what the reference's mkdsl/lang/quant.py computes, or the codes are fed
 # to the MXU as bf16 (exact) and the f32 scale is applied to the f32 product.
 # ---------------------------------------------------------------------------------------
 def e8m0_to_f32(s_u8):
