@@ -2,7 +2,8 @@
 megakernel with an unfused JAX reference to test it against.
 
 The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to` it, the
-`reference_step`, `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
+`reference_step` (plain, or verifying R rows: `commit`, `verify_state`,
+`plain_state`), `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
 the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_tokens`, and
 `load_weights` from a checkpoint.
 """
@@ -16,15 +17,18 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     ProfileError,
     Spec,
     build_step,
+    commit,
     compile_text,
     compile_to,
     kernel_weights,
     load,
     load_kernel,
+    plain_state,
     prefill_step,
     random_inputs,
     reference_step,
     state_shardings,
+    verify_state,
 )
 from mkdsl.checkpoint import load_weights  # noqa: E402
 from mkdsl.checkpoint.formats import CheckpointError  # noqa: E402
@@ -37,16 +41,19 @@ __all__ = [
     "Spec",
     "SpecError",
     "build_step",
+    "commit",
     "compile_text",
     "compile_to",
     "kernel_weights",
     "load",
     "load_kernel",
     "load_weights",
+    "plain_state",
     "random_inputs",
     "prefill_step",
     "reference_step",
     "Sampling",
     "sample_tokens",
     "state_shardings",
+    "verify_state",
 ]

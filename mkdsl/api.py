@@ -101,21 +101,52 @@ def compile_to(spec: Spec, out_dir: str | Path | None = None) -> Path:
     return where
 
 
-def reference_step(spec: Spec, jit: bool = True):
+def reference_step(spec: Spec, jit: bool = True, *, rows: int = 1, context_layers=()):
     """The unfused JAX step, `step(weights, state, tokens, positions) -> (logits, next_tokens,
-    new_state)`, on the whole model; quantised weights are `QTensor`s (as `random_inputs` gives)."""
+    new_state)`, on the whole model; quantised weights are `QTensor`s (as `random_inputs` gives).
+    `rows=R` > 1 (or `context_layers`): the verify step (mkdsl/run/rows.py), tokens and positions
+    i32 [B, R], logits [B, R, V], next_tokens [B, R], the state in the verify layout
+    (`verify_state`), plus `context` f32 [B, R, len(context_layers), H] when layers are named."""
     from mkdsl.run.reference import build_reference
+    from mkdsl.run.rows import build_verify_reference
 
-    return build_reference(spec.model, jit=jit)
+    if rows == 1 and not context_layers:
+        return build_reference(spec.model, jit=jit)
+    return build_verify_reference(spec.model, rows, context_layers, jit=jit)
 
 
-def random_inputs(spec: Spec, batch: int, seq_len: int, seed: int = 0) -> tuple[dict, dict]:
+def commit(spec: Spec, state: dict, accepted) -> dict:
+    """The verify step's new state as if only the first `accepted[b]` (1..R) rows of each
+    sequence had been decoded: each recurrent state's row slot selected, caches unchanged."""
+    from mkdsl.run.rows import commit as select
+
+    return select(spec.model, state, accepted)
+
+
+def verify_state(spec: Spec, state: dict, rows: int) -> dict:
+    """A plain state (B rows, as the prefill or `random_inputs` gives it) in the verify layout
+    for `rows` rows per sequence (each recurrent state with a slot per row)."""
+    from mkdsl.run.rows import verify_state as expand
+
+    return expand(spec.model, state, rows)
+
+
+def plain_state(spec: Spec, state: dict, rows: int) -> dict:
+    """A committed verify state back in the plain layout (the inverse of `verify_state`)."""
+    from mkdsl.run.rows import plain_state as shrink
+
+    return shrink(spec.model, state, rows)
+
+
+def random_inputs(spec: Spec, batch: int, seq_len: int, seed: int = 0, *, rows: int = 1) -> tuple[dict, dict]:
     """Well-scaled random (weights, state) for `batch` rows and caches of `seq_len` tokens, as the
-    reference takes them; `kernel_weights(weights)` gives the kernel's layout."""
+    reference takes them; `kernel_weights(weights)` gives the kernel's layout. `rows=R`: the
+    state in the verify layout (`verify_state`)."""
     from mkdsl.run.random_params import random_params as draw
 
     sizes = {spec.model.dims[0].name: batch, **{d.name: seq_len for d in spec.model.dims[1:]}}
-    return draw(spec.model, sizes, seed)
+    weights, state = draw(spec.model, sizes, seed)
+    return (weights, state) if rows == 1 else (weights, verify_state(spec, state, rows))
 
 
 def kernel_weights(weights: dict) -> dict:

@@ -24,6 +24,9 @@ class Rows:
     length: int
     positions: object  # i32 [B*T]
     valid: object  # bool [B*T]
+    # Verify rows (mkdsl/run/rows.py): a recurrent state has a slot per row, [B*T, ...], row
+    # b*T + t holding the state after token t; the step reads its start from slot T - 1.
+    row_states: bool = False
 
     def by_token(self, x):
         """[B*T, ...] -> [T, B, ...] (scan order)."""
@@ -58,9 +61,19 @@ def scan_rule(step: Callable, tokens: tuple[int, ...], state: int) -> Callable:
             keep = ok.reshape(ok.shape + (1,) * (new.ndim - 1))
             return jnp.where(keep, new, s), out
 
-        seqs = [rows.by_token(operands[i]) for i in tokens]
-        final, outs = jax.lax.scan(body, operands[state], (*seqs, rows.by_token(rows.valid)))
-        return rows.by_row(outs), final
+        seqs = (*[rows.by_token(operands[i]) for i in tokens], rows.by_token(rows.valid))
+        if not rows.row_states:
+            final, outs = jax.lax.scan(body, operands[state], seqs)
+            return rows.by_row(outs), final
+        init = operands[state]  # the committed state sits in each sequence's last row slot
+        init = init.reshape(rows.batch, rows.length, *init.shape[1:])[:, -1]
+
+        def keep_every(s, xs):
+            new, out = body(s, xs)
+            return new, (out, new)
+
+        _, (outs, states) = jax.lax.scan(keep_every, init, seqs)
+        return rows.by_row(outs), rows.by_row(states)
 
     return rule
 
