@@ -181,18 +181,25 @@ def build_step(
     sampling=None,
     steps_per_call: int = 1,
     module: ModuleType | None = None,
+    rows: int = 1,
+    context_layers=(),
 ):
     """The kernel's decode step, `step(weights, state, tokens, positions, seed=0)`, for `batch`
     rows and caches of `seq_len` tokens. `interpret`: True for TPU interpret mode on a CPU (or a
     `pltpu.InterpretParams`), False to compile for the TPU. `mesh`: for sharded specs.
     `sampling`: a `Sampling` (default greedy); `steps_per_call=N`: N steps per device call, the
-    N tokens returned as [batch, N]. `module`: the kernel module if already loaded."""
+    N tokens returned as [batch, N]. `module`: the kernel module if already loaded. `rows=R` > 1:
+    the verify step (tokens, positions [batch, R]; logits [batch, R, V], next_tokens [batch, R];
+    the state in the verify layout, `commit`); `context_layers`: a `context` output [batch, R,
+    len, H], the residual stream after each listed layer."""
     module = module or load_kernel(spec)
     if interpret is True:
         from jax.experimental.pallas import tpu as pltpu
 
         interpret = pltpu.InterpretParams()
     options = {"interpret": interpret or None, "steps_per_call": steps_per_call}
+    if rows != 1 or context_layers:
+        options.update(verify_rows=rows, context_layers=tuple(context_layers))
     if sampling is not None:
         options["sampling"] = module.Sampling(sampling.temperature, sampling.top_k, sampling.top_p)
     if mesh is not None:

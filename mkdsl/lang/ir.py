@@ -178,3 +178,14 @@ class Model:
     @property
     def states(self) -> tuple[Tensor, ...]:
         return tuple(t for t in self.tensors if t.kind == "state")
+
+    def row_states(self) -> dict[str, int]:
+        """State not indexed by a cache position (recurrent state), which a verify step keeps per
+        row (mkdsl/run/rows.py) -> the axis of its batch dimension in the stored array."""
+        batch, caches = self.dims[0].name, {d.name for d in self.dims[1:]}
+        out = {}
+        for t in self.states:
+            shape = t.full_shape
+            if batch in shape and not caches & set(shape):
+                out[t.name] = shape.index(batch)
+        return out

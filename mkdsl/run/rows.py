@@ -39,15 +39,8 @@ def check_rows(rows: int) -> None:
 
 
 def row_state_axes(model: Model) -> dict[str, int]:
-    """State tensors with a slot per verify row (those not indexed by a cache position) -> the
-    axis of their batch dimension in the stored array."""
-    batch, caches = model.dims[0].name, {d.name for d in model.dims[1:]}
-    out = {}
-    for t in model.states:
-        shape = t.full_shape
-        if batch in shape and not caches & set(shape):
-            out[t.name] = shape.index(batch)
-    return out
+    """State tensors with a slot per verify row -> the axis of their batch dimension."""
+    return model.row_states()
 
 
 def verify_state(model: Model, state: dict, rows: int) -> dict:

@@ -360,6 +360,7 @@ class _Emitter:
             ],
             states=[self.state(s) | {"split": _split(s)} for s in self.whole.states],
             local_states=[self.state(s) for s in m.states],
+            row_states=self.m.row_states(),
             hbm_inputs=[_part_name(w.name, part) for w in weights for part in storage(w.type.dtype, w.full_shape)],
             vectors=[w.name for w in weights if len(w.type.shape) == 1 and not w.stacked],
             padded=[
@@ -426,7 +427,9 @@ class _Emitter:
         dims = [d.name for d in self.m.dims]
         names = {dims[0]: "batch", **({dims[1]: "seq_len"} if len(dims) > 1 else {})}
         shape = [names.get(d, d) if isinstance(d, str) else d for d in t.full_shape]
-        expr = "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+        per_row = t.name in self.m.row_states()  # a slot per verify row
+        expr = [f"{d} * rows" if per_row and d == "batch" else str(d) for d in shape]
+        expr = "(" + ", ".join(expr) + ("," if len(shape) == 1 else "") + ")"
         doc = "(" + ", ".join(f'"{d}"' if isinstance(d, str) else str(d) for d in shape) + ")"
         return dict(name=t.name, shape_expr=expr, shape_doc=doc, dtype=t.type.dtype.numpy)
 

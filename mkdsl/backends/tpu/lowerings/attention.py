@@ -140,7 +140,7 @@ def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
         dict(
             obj=obj,
             ctor=(
-                f"Attention(r, positions_ref, {i}, rows=rows, batch=batch, heads={node.attr['heads']}, kv_heads={kvh}, "
+                f"Attention(r, positions_ref, {i}, rows=rows, batch=batch, span=span, heads={node.attr['heads']}, kv_heads={kvh}, "
                 f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r}, "
                 f"window={node.attr['window']!r}{_replicated(em, node, kvh)})"
             ),
