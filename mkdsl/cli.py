@@ -311,6 +311,8 @@ def cmd_verify(args) -> int:
             raise UsageError(f"--batch {b} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})")
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if not 1 <= args.rows <= 16 or any(b * args.rows > max(rows.high, 16) for b in batches):
+        raise UsageError(f"--rows {args.rows}: verify rows must be 1..16, batch x rows at most {max(rows.high, 16)}")
     return _run_verify(args, out, batches, tempfile)
 
 
@@ -322,17 +324,19 @@ def _run_verify(args, out, batches, tempfile) -> int:
     with tempfile.TemporaryDirectory(prefix="mkdsl-verify-") as tmp:
         text = out.files["kernel.py"]
         module = verify.import_generated(text, tmp, "kernel")
-        checker = verify.LayerChecker(out.model)
+        checker = verify.LayerChecker(out.model, rows=args.rows)
         results = []
         with tqdm(total=len(batches) * args.steps, desc="interpret steps", unit="step", file=sys.stderr) as bar:
             for b in batches:
-                results.append(verify.check_batch(out.model, module, checker, b, args.steps, seed=b, progress=bar))
+                one = verify.check_batch(
+                    out.model, module, checker, b, args.steps, seed=b, progress=bar, rows=args.rows
+                )
+                results.append(one)
         compiled = None
         if not args.no_compile:
             print("compiling with libtpu ...", file=sys.stderr)
-            compiled = verify.compile_check(
-                module, out.plan.vmem_total, batches[0], lambda: verify.import_generated(text, tmp, "kernel_vmem")
-            )
+            fresh = lambda: verify.import_generated(text, tmp, "kernel_vmem")  # noqa: E731
+            compiled = verify.compile_check(module, out.plan.vmem_total, batches[0], fresh, args.rows)
     print(verify.summary_table(results, compiled))
     failed = any(r.failures for r in results) or (compiled is not None and compiled.error is not None)
     print(f"{args.spec}: {'FAILED' if failed else 'verified'}")
@@ -546,6 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--batch", type=int, action="append", help="rows decoded together; repeat for several (default: 1)")
     c.add_argument("--steps", type=int, default=2, help="decode steps per batch (default 2)")
+    c.add_argument(
+        "--rows",
+        type=int,
+        default=1,
+        help="verify rows per sequence (speculative decoding: R rows, each step committed at a random length)",
+    )
     c.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the spec's mesh size)")
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
     _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))

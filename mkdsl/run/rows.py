@@ -151,3 +151,39 @@ def run_verify_layer(model: Model, index: int, weights, state, tokens, positions
     weights = reference_weights(model, weights)
     out = _run_graph(model, graph, list(carries), weights, state, inputs, index, _no_nesting, _caller([grid]))
     return out, state
+
+
+def build_layered_verify(model: Model):
+    """The verify reference cut at the layer stack, as `build_layered_reference` cuts the plain
+    one (a `LayeredReference` over the B*R rows: tokens and positions [B, R], logits [B*R, V])."""
+    from functools import partial
+
+    from mkdsl.run.reference import LayeredReference, _Cut
+
+    register_pytree()
+
+    def run_step(weights, state, tokens, positions, layers):
+        grid, inputs = _verify_inputs(model, tokens, positions)
+        weights = reference_weights(model, weights)
+        return _run_graph(model, model.step, [], weights, dict(state), inputs, None, layers, _caller([grid]))
+
+    def prologue(weights, state, tokens, positions):
+        def cut(carries):
+            raise _Cut(carries)
+
+        try:
+            run_step(weights, state, tokens, positions, cut)
+        except _Cut as stop:
+            return stop.carries
+        raise ValueError(f"model `{model.name}` has no layer stack")
+
+    def epilogue(weights, state, tokens, positions, carries):
+        logits, next_tokens = run_step(weights, state, tokens, positions, lambda _: carries)
+        return logits, next_tokens
+
+    layers = [jax.jit(partial(run_verify_layer, model, i)) for i in range(len(model.schedule))]
+
+    def layer(index, weights, state, tokens, positions, carries):
+        return layers[index](weights, state, tokens, positions, list(carries))
+
+    return LayeredReference(model, jax.jit(prologue), layer, jax.jit(epilogue))

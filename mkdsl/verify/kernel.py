@@ -145,9 +145,12 @@ def _f32(x) -> np.ndarray:
 class LayerChecker:
     """Checks kernel outputs of one model layer by layer against its reference."""
 
-    def __init__(self, model: Model, reference: LayeredReference | None = None):
-        self.model = model
-        self.ref = reference or build_layered_reference(model)
+    def __init__(self, model: Model, reference: LayeredReference | None = None, rows: int = 1):
+        from mkdsl.run.rows import build_layered_verify, run_verify_layer
+
+        self.model, self.rows = model, rows  # rows: verify rows per sequence (tokens [B, R])
+        self.ref = reference or (build_layered_reference(model) if rows == 1 else build_layered_verify(model))
+        self.run_layer = run_layer if rows == 1 else run_verify_layer
         self.carry_names = [v.name for v in model.kinds[0].params]
 
     def check(self, weights: dict, state: dict, tokens, positions, out: KernelOutput) -> StepCheck:
@@ -156,6 +159,9 @@ class LayerChecker:
         ref_w = {k: v if isinstance(v, QTensor) else jnp.asarray(v) for k, v in weights.items()}
         ref_s = {k: jnp.asarray(v) for k, v in state.items()}
         args = (ref_w, ref_s, jnp.asarray(tokens), jnp.asarray(positions))
+        if self.rows > 1:  # compared row by row: kernel row b * R + r
+            flat = out.logits.reshape(-1, out.logits.shape[-1])
+            out = dataclasses.replace(out, logits=flat, next_tokens=out.next_tokens.reshape(-1))
         for name, t in out.trace.items():
             if not np.isfinite(t).all():
                 result.failures.append(f"non-finite values in the `{name}` the kernel carries between layers")
@@ -200,7 +206,8 @@ class LayerChecker:
         rows = [self._carry_ratio(ref_carries, want, carries_in)]
         for name in self._states_of(index):
             slot = self.model.tensor(name).slots[index]
-            rows.append(state_ratio(_f32(ref_state[name][slot]), _f32(out.state[name][slot]), out.state[name].dtype))
+            ratio = state_ratio(_f32(ref_state[name][slot]), _f32(out.state[name][slot]), out.state[name].dtype)
+            rows.append(np.repeat(ratio, len(rows[0]) // len(ratio)))  # a cache's sequence: all its verify rows
         return np.stack(rows)
 
     @staticmethod
@@ -226,7 +233,7 @@ class LayerChecker:
         for name, op in originals.items():
             OPS[name] = dataclasses.replace(op, reference=op.near_tie(row, ROUTE_TIE, flipped))
         try:
-            carries, state = run_layer(self.model, index, *args, [jnp.asarray(c) for c in carries_in])
+            carries, state = self.run_layer(self.model, index, *args, [jnp.asarray(c) for c in carries_in])
         finally:
             OPS.update(originals)
         return ([_f32(c) for c in carries], state) if flipped else None
@@ -293,6 +300,7 @@ class BatchResult:
     worst: dict[str, float]
     failures: list[str]
     seconds: float
+    rows: int = 1  # verify rows per sequence
 
 
 @dataclasses.dataclass
@@ -325,26 +333,35 @@ def check_seq_len(module) -> int:
 
 
 def check_batch(
-    model, module, checker, batch: int, steps: int, seed: int, progress=None, interpret=None, load=None
+    model, module, checker, batch: int, steps: int, seed: int, progress=None, interpret=None, load=None, rows: int = 1
 ) -> BatchResult:
     """`steps` decode steps of the kernel in TPU interpret mode, each checked layer by layer.
     `interpret`: other `InterpretParams` than `interpret_params()` (e.g. without the race detector).
-    `load`: what the random weights pass through first (a test's checkpoint round trip)."""
+    `load`: what the random weights pass through first (a test's checkpoint round trip).
+    `rows=R` > 1: verify steps of R rows per sequence (the checker built with the same `rows`),
+    random drafts, each step committed at a random accepted length (`verify_accept`)."""
     import time
 
     from mkdsl.run.random_params import random_params
+    from mkdsl.run.rows import verify_state
 
     seq_len = check_seq_len(module)
     weights, state = random_params(model, {"B": batch, "S": seq_len}, seed)
+    state = {k: np.asarray(v) for k, v in verify_state(model, state, rows).items()} if rows > 1 else state
     weights = load(weights) if load is not None else weights
     from mkdsl.lang.elaborate import graph_value_type
 
     vocab = graph_value_type(model.step, model.step.results[0]).shape[1]  # the logits' width
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, vocab, batch).astype(np.int32)
-    positions = (np.arange(batch) * 3 % (seq_len - steps)).astype(np.int32)
-    step = module.build_decode_step(batch, seq_len, interpret=interpret or interpret_params(), layer_trace=True)
-    result = BatchResult(batch, steps, {}, [], 0.0)
+    tokens = rng.integers(0, vocab, batch * rows).astype(np.int32).reshape(batch, rows)
+    room = seq_len - steps * rows - rows
+    positions = (np.arange(batch) * 3 % max(room, 1)).astype(np.int32)[:, None] + np.arange(rows, dtype=np.int32)
+    tokens, positions = (tokens[:, 0], positions[:, 0]) if rows == 1 else (tokens, positions)
+    options = {"verify_rows": rows} if rows > 1 else {}
+    step = module.build_decode_step(
+        batch, seq_len, interpret=interpret or interpret_params(), layer_trace=True, **options
+    )
+    result = BatchResult(batch, steps, {}, [], 0.0, rows)
     from jax.experimental.pallas import tpu as pltpu
 
     pltpu.reset_tpu_interpret_mode_state()
@@ -358,7 +375,10 @@ def check_batch(
         for item, ratio in check.worst.items():
             result.worst[item] = max(result.worst.get(item, 0.0), ratio)
         result.failures += [f"step {i}: {f}" for f in check.failures]
-        state, tokens, positions = out.state, out.next_tokens.astype(np.int32), positions + 1
+        if rows == 1:
+            state, tokens, positions = out.state, out.next_tokens.astype(np.int32), positions + 1
+        else:
+            state, tokens, positions = verify_accept(module, out, positions, rng, vocab)
         if progress is not None:
             progress.update(1)
         if result.failures:
@@ -367,18 +387,31 @@ def check_batch(
     return result
 
 
-def compile_check(module, plan_vmem: int, batch: int, fresh: Callable[[], ModuleType]) -> CompileResult:
-    """The kernel compiled by libtpu for its TPU7x topology, and the compiler's VMEM beside the plan's."""
+def verify_accept(module, out: KernelOutput, positions, rng, vocab: int):
+    """After a checked verify step: a random accepted length per sequence (1..R), the state
+    committed there (the module's `commit`), and the next step's rows: the target's token after
+    the last accepted row, then random drafts."""
+    batch, rows = positions.shape
+    accepted = rng.integers(1, rows + 1, batch).astype(np.int32)
+    state = {k: np.asarray(v) for k, v in module.commit(out.state, accepted).items()}
+    tokens = rng.integers(0, vocab, (batch, rows)).astype(np.int32)
+    tokens[:, 0] = out.next_tokens.reshape(batch, rows)[np.arange(batch), accepted - 1]
+    return state, tokens, positions + accepted[:, None]
+
+
+def compile_check(module, plan_vmem: int, batch: int, fresh: Callable[[], ModuleType], rows: int = 1) -> CompileResult:
+    """The kernel compiled by libtpu for its TPU7x topology (`rows` verify rows per sequence), and
+    the compiler's VMEM beside the plan's."""
     from mkdsl.backends.tpu import libtpu as tpu_compile
 
     topology = tpu_compile.topology_for(module)
     seq_len = check_seq_len(module)
     try:
         devices = tpu_compile.tpu7x_devices(topology)
-        _, seconds = tpu_compile.compile_module(module, devices, batch, seq_len)
+        _, seconds = tpu_compile.compile_module(module, devices, batch, seq_len, rows)
         limit = min(tpu_compile.TINY_LIMIT, plan_vmem // 4 // 4096 * 4096)  # well below what the kernel needs
         used, _ = tpu_compile.compiler_vmem(
-            fresh(), lambda m: tpu_compile.compile_module(m, devices, batch, seq_len), limit
+            fresh(), lambda m: tpu_compile.compile_module(m, devices, batch, seq_len, rows), limit
         )
     except Exception as e:  # the compiler's verdict, reported as the check's result
         return CompileResult(topology, batch, None, plan_vmem, 0.0, f"{type(e).__name__}: {str(e)[:2000]}")
@@ -391,7 +424,8 @@ def summary_table(batches: list[BatchResult], compiled: CompileResult | None) ->
     for b in batches:
         worst = ", ".join(f"{k} {v:.1%}" for k, v in sorted(b.worst.items()))
         verdict = "FAIL" if b.failures else "ok"
-        lines.append(f"interpret batch {b.batch}, {b.steps} steps  {verdict:<6}  {worst} ({b.seconds:.0f} s)")
+        rows = f" x {b.rows} verify rows" if b.rows > 1 else ""
+        lines.append(f"interpret batch {b.batch}{rows}, {b.steps} steps  {verdict:<6}  {worst} ({b.seconds:.0f} s)")
         lines += [f"    {f}" for f in b.failures[:10]]
     if compiled is not None:
         if compiled.error:

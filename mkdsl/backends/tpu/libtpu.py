@@ -51,44 +51,52 @@ def _abstract_tpu7x_mesh():
     return jax.sharding.AbstractMesh((1,), ("_sim",), abstract_device=device)
 
 
-def compile_one_core(module: ModuleType, device, batch: int, seq_len: int):
-    """Lower and compile one decode step of a one-device module for `device`: (compiled, seconds)."""
+def _verify(rows: int) -> tuple[tuple[int, ...], dict]:
+    """The ids' trailing shape and the build options of a step with `rows` verify rows."""
+    return ((rows,), {"verify_rows": rows}) if rows > 1 else ((), {})
+
+
+def compile_one_core(module: ModuleType, device, batch: int, seq_len: int, rows: int = 1):
+    """Lower and compile one decode step of a one-device module for `device`: (compiled, seconds).
+    `rows`: verify rows per sequence (speculative decoding)."""
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def sds(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     weights = {k: sds(v) for k, v in module.weight_layout().items()}
-    state = {k: sds(v) for k, v in module.state_layout(batch, seq_len).items()}
-    ints = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sharding)
-    step = module.build_decode_step(batch, seq_len)
+    state = {k: sds(v) for k, v in module.state_layout(batch, seq_len, rows).items()}
+    trailing, options = _verify(rows)
+    ints = jax.ShapeDtypeStruct((batch, *trailing), jnp.int32, sharding=sharding)
+    step = module.build_decode_step(batch, seq_len, **options)
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(_abstract_tpu7x_mesh()):
         lowered = step.lower(weights, state, ints, ints)
     return lowered.compile(), time.perf_counter() - t0
 
 
-def compile_sharded(module: ModuleType, devices: list, batch: int, seq_len: int):
+def compile_sharded(module: ModuleType, devices: list, batch: int, seq_len: int, rows: int = 1):
     """Lower and compile one sharded decode step over `devices`: (compiled, seconds)."""
     mesh = module.make_mesh(devices[: math.prod(module.MESH_SHAPE)])
     ws, ss = module.weight_shardings(mesh), module.state_shardings(mesh)
     weights = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=ws[k]) for k, v in module.weight_layout().items()}
     state = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=ss[k])
-        for k, v in module.state_layout(batch, seq_len).items()
+        for k, v in module.state_layout(batch, seq_len, rows).items()
     }
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    ints = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=whole)
-    step = module.build_decode_step(batch, seq_len, mesh=mesh)
+    trailing, options = _verify(rows)
+    ints = jax.ShapeDtypeStruct((batch, *trailing), jnp.int32, sharding=whole)
+    step = module.build_decode_step(batch, seq_len, mesh=mesh, **options)
     t0 = time.perf_counter()
     return step.lower(weights, state, ints, ints).compile(), time.perf_counter() - t0
 
 
-def compile_module(module: ModuleType, devices: list, batch: int, seq_len: int):
+def compile_module(module: ModuleType, devices: list, batch: int, seq_len: int, rows: int = 1):
     """One decode step compiled for its devices, one-core or sharded: (compiled, seconds)."""
     if hasattr(module, "MESH_SHAPE"):
-        return compile_sharded(module, devices, batch, seq_len)
-    return compile_one_core(module, devices[0], batch, seq_len)
+        return compile_sharded(module, devices, batch, seq_len, rows)
+    return compile_one_core(module, devices[0], batch, seq_len, rows)
 
 
 def compiler_vmem(
