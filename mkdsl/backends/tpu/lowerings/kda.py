@@ -40,7 +40,7 @@ def _conv_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     node, sc = at.node, em.scratch_of(at)
     state = node.arg("conv_state").name
     obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
-    em.objects.append(f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{sc.name('buf')}, r.{sc.name('sem')}, batch)")
+    em.objects.append(f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{sc.name('buf')}, r.{sc.name('sem')}, batch, span)")
     return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), x=ins[0], w=em.fetched(node.arg("weight").name, pre))
 
 
@@ -155,7 +155,7 @@ def _rule_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     extra = (f", group={group}" if group > 1 else "") + (", scalar_decay=True" if _scalar_decay(at) else "")
     em.objects.append(
         f"{obj} = DeltaRule(r.{state}, r.{state}_out, r.{sc.name('in')}, r.{sc.name('out')}, "
-        f"r.{sc.name('sem')}, batch, {heads}{extra})"
+        f"r.{sc.name('sem')}, batch, {heads}{extra}, span=span)"
     )
     return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
 

@@ -135,7 +135,7 @@ def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
         dict(
             obj=obj,
             ctor=(
-                f"LatentAttention(r, positions_ref, {i}, rows=rows, batch=batch, heads={a['heads']}, nope={a['nope']}, "
+                f"LatentAttention(r, positions_ref, {i}, rows=rows, batch=batch, span=span, heads={a['heads']}, nope={a['nope']}, "
                 f"extra={a['extra']}, vdim={a['vdim']}, kv_tile=KV_TILE, kv_slots={MLA_KV_SLOTS}, scale={float(scale)!r}, "
                 f"names={names!r}{f', block={block}' if block else ''})"
             ),
