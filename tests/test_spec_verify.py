@@ -1,0 +1,243 @@
+"""Verify rows (speculative decoding): R rows of one sequence per step, `commit`, context outputs.
+
+Reference (fast). A verify step of R rows equals R plain steps fed the same tokens: row r's
+logits those of plain step r, and after `commit` at any accepted length a the state those of
+plain step a - 1 (recurrent state whole; caches at the positions written so far). The verify
+reference runs each op's prefill rule over the B*R rows, the plain one its decode reference per
+row, so XLA may sum in another order: f32 noise that can flip the bf16 rounding of a matmul input
+(the mechanism mkdsl/verify/kernel.py bounds per layer). Nothing resets the difference between
+layers here, so, as tests/test_prefill.py argues, the state layer l writes is within (l + 1) x
+STATE_RTOL of its vector's largest |ref| plus one storage ulp, and the logits within (L + 1) x
+LOGIT_RTOL of the row's largest |ref logit|. A row attending one position too far or too short,
+or a state committed from the wrong row, is off by O(1) of the scale.
+
+Kernel (slow, TPU interpret mode, race detector on, NaN-filled memory): greedy speculative
+decoding with the kernel's verify step and the module's `commit` produces token for token what
+plain greedy decoding (the reference's) produces, over >= 24 tokens, with drafts forced partly
+wrong so that every accepted length 0..R-1 (drafted tokens kept) occurs, and every step's kernel
+equals the reference layer by layer (mkdsl/verify/kernel.py's LayerChecker over the B*R rows, its
+bounds derived there). Cases: tiny (R = 8), Gemma 3 mini (GQA with a 32-token window, crossed),
+Qwen3-30B-A3B mini (MoE), Qwen3-Next mini (gated delta net, short convolutions), Kimi K3 mini
+(KDA + MLA, sharded over 8 devices), R = 4 except tiny.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mkdsl
+from mkdsl.verify import kernel as verify
+from mkdsl.verify.kernel import LOGIT_RTOL, STATE_RTOL, storage_ulp
+
+
+@functools.cache
+def _spec(path: str, profile: str | None):
+    return mkdsl.load(path, profile)
+
+
+def _f32(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float32)
+
+
+def _logits_ok(model, want, got) -> bool:
+    scale = np.abs(_f32(want)).max(axis=-1, keepdims=True)
+    return bool((np.abs(_f32(got) - _f32(want)) <= (len(model.schedule) + 1) * LOGIT_RTOL * scale).all())
+
+
+def _cache_upto(model, state: dict, limit) -> dict:
+    """Each cache's entries at positions >= limit[b] zeroed (not yet meaningful after a commit)."""
+    seq = {d.name for d in model.dims[1:]}
+    out = dict(state)
+    for t in model.states:
+        axes = [i for i, d in enumerate(t.full_shape) if d in seq]
+        if not axes:
+            continue
+        x = _f32(state[t.name])
+        batch_axis = t.full_shape.index(model.dims[0].name)
+        pos = np.arange(x.shape[axes[0]]).reshape([-1 if i == axes[0] else 1 for i in range(x.ndim)])
+        lim = np.asarray(limit).reshape([-1 if i == batch_axis else 1 for i in range(x.ndim)])
+        out[t.name] = np.where(pos < lim, x, 0.0)
+    return out
+
+
+def _state_errors(model, want: dict, got: dict) -> list[str]:
+    bad = []
+    for t in model.states:
+        for slot in range(t.stack if t.stacked else 1):
+            layers = [li for li, s in enumerate(t.slots) if s == slot] if t.stacked else [len(model.schedule)]
+            w = _f32(want[t.name][slot] if t.stacked else want[t.name])
+            g = _f32(got[t.name][slot] if t.stacked else got[t.name])
+            scale = np.abs(w).max(axis=-1, keepdims=True)
+            bound = storage_ulp(w, np.asarray(want[t.name]).dtype) + (max(layers) + 1) * STATE_RTOL * scale
+            ratio = float((np.abs(g - w) / bound).max())
+            if not ratio <= 1:
+                bad.append(f"{t.name}[{slot}] off by {ratio:.2f}x the bound")
+    return bad
+
+
+REFERENCE_SPECS = [("specs/tiny.mk", None), ("specs/qwen3_next_80b_a3b.mk", "mini")]
+
+
+@pytest.mark.parametrize("path,profile", REFERENCE_SPECS, ids=["tiny", "qwen3_next_mini"])
+def test_verify_reference_equals_plain_steps_and_commits_at_every_length(path, profile):
+    spec, rows, batch = _spec(path, profile), 4, 2
+    model = spec.model
+    weights, state = mkdsl.random_inputs(spec, batch=batch, seq_len=256, seed=3)
+    tokens = np.random.default_rng(4).integers(0, 256, (batch, rows)).astype(np.int32)
+    positions = np.array([[5], [30]], np.int32) + np.arange(rows, dtype=np.int32)
+    plain, after = mkdsl.reference_step(spec), []
+    s = dict(state)
+    for r in range(rows):
+        logits, _, s = plain(weights, s, tokens[:, r], positions[:, r])
+        after.append((np.asarray(logits), {k: np.asarray(v) for k, v in s.items()}))
+    last = len(model.schedule) - 1
+    step = mkdsl.reference_step(spec, rows=rows, context_layers=(0, last))
+    logits, next_tokens, new, context = step(weights, mkdsl.verify_state(spec, state, rows), tokens, positions)
+    assert logits.shape == (batch, rows, after[0][0].shape[-1]) and context.shape[:3] == (batch, rows, 2)
+    assert (np.asarray(next_tokens) == np.asarray(jnp.argmax(logits, axis=-1))).all()
+    for r in range(rows):
+        assert _logits_ok(model, after[r][0], logits[:, r]), f"row {r}: logits"
+    for a in range(1, rows + 1):
+        committed = mkdsl.plain_state(spec, mkdsl.commit(spec, new, np.full(batch, a, np.int32)), rows)
+        limit = positions[:, 0] + a
+        errors = _state_errors(model, _cache_upto(model, after[a - 1][1], limit), _cache_upto(model, committed, limit))
+        assert errors == [], f"committed at {a}: {errors}"
+
+
+def test_commit_copies_each_sequences_accepted_row_slot():
+    spec, rows = _spec("specs/qwen3_next_80b_a3b.mk", "mini"), 3
+    _, state = mkdsl.random_inputs(spec, batch=2, seq_len=64, seed=5, rows=rows)
+    rng = np.random.default_rng(6)
+    state = {k: rng.standard_normal(np.shape(v)).astype(np.float32) for k, v in state.items()}  # every slot distinct
+    axes = spec.model.row_states()
+    assert axes and all(spec.model.tensor(n).type.shape[0] == "B" for n in axes)  # recurrent: gdn state, conv taps
+    new = mkdsl.commit(spec, state, np.array([1, 3], np.int32))
+    for name, x in state.items():
+        got = np.asarray(new[name])
+        if name not in axes:
+            assert np.array_equal(got, x), f"{name}: a cache changed"
+            continue
+        ax = axes[name]
+        take = [0, 1, 0, 3, 4, 5]  # sequence 0 kept row 0 (slot 0 -> slot 2); sequence 1 all three rows
+        assert np.array_equal(got, np.take(x, take, axis=ax)), name
+
+
+def test_verify_arguments_are_checked():
+    spec = _spec("specs/tiny.mk", None)
+    for rows in (0, 17):
+        with pytest.raises(ValueError, match="rows must be an int in 1..16"):
+            mkdsl.reference_step(spec, rows=rows)
+    with pytest.raises(ValueError, match="context layers must be layer indices 0..1"):
+        mkdsl.reference_step(spec, rows=2, context_layers=(2,))
+    module = mkdsl.load_kernel(spec)
+    with pytest.raises(ValueError, match="batch x verify_rows = 32 kernel rows, more than 16"):
+        module.build_decode_step(2, 256, verify_rows=16)
+    with pytest.raises(ValueError, match="one step per call"):
+        module.build_decode_step(1, 256, verify_rows=2, steps_per_call=2)
+    weights, state = mkdsl.random_inputs(spec, batch=1, seq_len=256, rows=4)
+    kw = mkdsl.kernel_weights(weights)
+    tokens = np.zeros((1, 4), np.int32)
+    with pytest.raises(ValueError, match="positions must be consecutive"):
+        module.check_inputs(kw, state, tokens, np.array([[3, 4, 6, 7]], np.int32), 1, 256, 4)
+    with pytest.raises(ValueError, match=r"tokens must be an integer array of shape \(1, 4\)"):
+        module.check_inputs(kw, state, np.zeros(4, np.int32), np.zeros((1, 4), np.int32), 1, 256, 4)
+
+
+def _greedy(step, weights, state, token: int, start: int, count: int) -> list[int]:
+    """Plain greedy decoding of `count` tokens after `token` at position `start`."""
+    out, s, tok = [], dict(state), np.array([token], np.int32)
+    for i in range(count):
+        _, nxt, s = step(weights, s, tok, np.array([start + i], np.int32))
+        tok = np.asarray(nxt).astype(np.int32).reshape(1)
+        out.append(int(tok[0]))
+    return out
+
+
+def _speculate(verify_step, commit, state, token: int, start: int, want: list[int], rows: int, vocab: int):
+    """Greedy speculative decoding of len(want) - rows tokens with drafts taken from `want` (the
+    plain greedy tokens) and forced wrong after k of them, k = 0, 1, .., rows - 1 in turn, then
+    all right. `verify_step(state, tokens, positions) -> (next_tokens [1, R], state)`. Returns
+    (tokens, accepted drafts per step)."""
+    out, kept, pos, last = [], [], start, token
+    while len(out) < len(want) - rows:
+        k = min(len(kept), rows - 1)
+        drafts = [want[len(out) + i] if i < k else (want[len(out) + i] + 1) % vocab for i in range(rows - 1)]
+        tokens = np.array([[last, *drafts]], np.int32)
+        nxt, state = verify_step(state, tokens, pos + np.arange(rows, dtype=np.int32)[None])
+        nxt = np.asarray(nxt).reshape(rows)
+        a = 1
+        while a < rows and drafts[a - 1] == nxt[a - 1]:
+            a += 1
+        out += [*drafts[: a - 1], int(nxt[a - 1])]
+        kept.append(a - 1)
+        state = commit(state, np.array([a], np.int32))
+        pos, last = pos + a, out[-1]
+    return out, kept
+
+
+@pytest.mark.parametrize("path,profile", REFERENCE_SPECS, ids=["tiny", "qwen3_next_mini"])
+def test_reference_greedy_speculative_decoding_equals_plain_greedy(path, profile):
+    spec, rows, count = _spec(path, profile), 4, 24
+    weights, state = mkdsl.random_inputs(spec, batch=1, seq_len=256, seed=7)
+    want = _greedy(mkdsl.reference_step(spec), weights, state, 11, 20, count + rows)
+    ref = mkdsl.reference_step(spec, rows=rows)
+
+    def verify_step(s, tokens, positions):
+        _, nxt, s = ref(weights, s, tokens, positions)
+        return nxt, s
+
+    commit = functools.partial(mkdsl.commit, spec)
+    got, kept = _speculate(verify_step, commit, mkdsl.verify_state(spec, state, rows), 11, 20, want, rows, 256)
+    assert got[:count] == want[:count]
+    assert set(kept) == set(range(rows)), kept
+
+
+KERNEL_CASES = [
+    ("specs/tiny.mk", None, 8, 10),
+    ("specs/gemma3_27b.mk", "mini", 4, 20),
+    ("specs/qwen3_30b_a3b.mk", "mini", 4, 10),
+    ("specs/qwen3_next_80b_a3b.mk", "mini", 4, 10),
+    ("specs/kimi_k3.mk", "mini", 4, 10),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+@pytest.mark.parametrize(
+    "path,profile,rows,start",
+    KERNEL_CASES,
+    ids=["tiny_r8", "gemma3_mini", "qwen3_mini", "qwen3_next_mini", "kimi_mini"],
+)
+def test_kernel_speculative_decoding_equals_plain_greedy_layer_by_layer(path, profile, rows, start):
+    spec, count = _spec(path, profile), 24
+    model, module = spec.model, mkdsl.load_kernel(spec)
+    seq_len = verify.check_seq_len(module)
+    assert start + count + 2 * rows <= seq_len
+    weights, state = mkdsl.random_inputs(spec, batch=1, seq_len=seq_len, seed=8)
+    vocab = module.VOCAB_SIZE
+    want = _greedy(mkdsl.reference_step(spec), weights, state, 11, start, count + rows)
+    step = module.build_decode_step(1, seq_len, interpret=verify.interpret_params(), layer_trace=True, verify_rows=rows)
+    checker, failures = verify.LayerChecker(model, rows=rows), []
+    sharded, pad = hasattr(module, "MESH_SHAPE"), getattr(module, "pad_weights", dict)
+
+    def verify_step(s, tokens, positions):
+        out = verify.run_kernel(step, weights, s, tokens, positions, sharded, pad)
+        assert not verify.races_found(), "the race detector reported a race"
+        failures.extend(checker.check(weights, s, tokens, positions, out).failures)
+        return out.next_tokens, out.state
+
+    def commit(s, accepted):
+        return {k: np.asarray(v) for k, v in module.commit(s, accepted).items()}
+
+    from jax.experimental.pallas import tpu as pltpu
+
+    pltpu.reset_tpu_interpret_mode_state()
+    start_state = {k: np.asarray(v) for k, v in mkdsl.verify_state(spec, state, rows).items()}
+    got, kept = _speculate(verify_step, commit, start_state, 11, start, want, rows, vocab)
+    assert failures == []
+    assert got[:count] == want[:count]
+    assert set(kept) == set(range(rows)), kept
