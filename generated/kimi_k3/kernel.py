@@ -114,6 +114,10 @@ STATE = {
     "kda_v_conv": ((69, "batch", 3, 12288), "float32"),
     "mla_cache": ((24, "batch", "seq_len", 576), "bfloat16"),
 }
+# State not indexed by a cache position (recurrent) -> the axis of its batch dimension. A verify
+# step (`verify_rows=R`) keeps it per row: that axis holds batch * R slots, slot b*R + r the state
+# after row r of sequence b; the step reads slot b*R + R - 1, which `commit` sets.
+ROW_STATES = {'kda_state': 1, 'kda_q_conv': 1, 'kda_k_conv': 1, 'kda_v_conv': 1}
 
 # The device mesh (one JAX device per TPU7x core; linear index row-major over the axes).
 MESH_AXES = ('ep', 'tp')
@@ -233,24 +237,42 @@ def weight_layout():
     return {name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for name, (shape, dtype) in WEIGHTS.items()}
 
 
-def state_layout(batch, seq_len):
-    """ShapeDtypeStructs of the decode state for `batch` rows and caches of `seq_len` tokens."""
+def state_layout(batch, seq_len, rows=1):
+    """ShapeDtypeStructs of the decode state for `batch` rows and caches of `seq_len` tokens
+    (`rows` verify rows per sequence: ROW_STATES with a slot per row)."""
     return {
-        "kda_state": jax.ShapeDtypeStruct((69, batch, 96, 128, 128), jnp.dtype("float32")),
-        "kda_q_conv": jax.ShapeDtypeStruct((69, batch, 3, 12288), jnp.dtype("float32")),
-        "kda_k_conv": jax.ShapeDtypeStruct((69, batch, 3, 12288), jnp.dtype("float32")),
-        "kda_v_conv": jax.ShapeDtypeStruct((69, batch, 3, 12288), jnp.dtype("float32")),
+        "kda_state": jax.ShapeDtypeStruct((69, batch * rows, 96, 128, 128), jnp.dtype("float32")),
+        "kda_q_conv": jax.ShapeDtypeStruct((69, batch * rows, 3, 12288), jnp.dtype("float32")),
+        "kda_k_conv": jax.ShapeDtypeStruct((69, batch * rows, 3, 12288), jnp.dtype("float32")),
+        "kda_v_conv": jax.ShapeDtypeStruct((69, batch * rows, 3, 12288), jnp.dtype("float32")),
         "mla_cache": jax.ShapeDtypeStruct((24, batch, seq_len, 576), jnp.dtype("bfloat16")),
     }
 
 
-def local_state_layout(batch, seq_len):
+def commit(state, accepted):
+    """A verify step's new state as if only the first accepted[b] (1..R) rows of each sequence
+    had been decoded: slot b*R + accepted[b] - 1 of each ROW_STATES array copied into slot
+    b*R + R - 1 (R from the shapes). KV caches need nothing: the rejected rows' entries are never
+    read (a row reads keys at or before its position) and the next step overwrites them."""
+    accepted = jnp.asarray(accepted, jnp.int32).reshape(-1)
+    seqs = jnp.arange(accepted.shape[0], dtype=jnp.int32)
+    out = dict(state)
+    for name, axis in ROW_STATES.items():
+        x = state[name]
+        rows = x.shape[axis] // accepted.shape[0]
+        index = jnp.arange(x.shape[axis], dtype=jnp.int32)
+        index = index.at[seqs * rows + rows - 1].set(seqs * rows + jnp.clip(accepted, 1, rows) - 1)
+        out[name] = jnp.take(x, index, axis=axis)
+    return out
+
+
+def local_state_layout(batch, seq_len, rows=1):
     """One device's slice of the decode state."""
     return {
-        "kda_state": jax.ShapeDtypeStruct((69, batch, 3, 128, 128), jnp.dtype("float32")),
-        "kda_q_conv": jax.ShapeDtypeStruct((69, batch, 3, 384), jnp.dtype("float32")),
-        "kda_k_conv": jax.ShapeDtypeStruct((69, batch, 3, 384), jnp.dtype("float32")),
-        "kda_v_conv": jax.ShapeDtypeStruct((69, batch, 3, 384), jnp.dtype("float32")),
+        "kda_state": jax.ShapeDtypeStruct((69, batch * rows, 3, 128, 128), jnp.dtype("float32")),
+        "kda_q_conv": jax.ShapeDtypeStruct((69, batch * rows, 3, 384), jnp.dtype("float32")),
+        "kda_k_conv": jax.ShapeDtypeStruct((69, batch * rows, 3, 384), jnp.dtype("float32")),
+        "kda_v_conv": jax.ShapeDtypeStruct((69, batch * rows, 3, 384), jnp.dtype("float32")),
         "mla_cache": jax.ShapeDtypeStruct((24, batch, seq_len, 576), jnp.dtype("bfloat16")),
     }
 
@@ -301,6 +323,24 @@ def check_sizes(batch, seq_len):
         raise ValueError(f"seq_len must be a multiple of the KV tile ({KV_TILE}), got {seq_len}")
 
 
+MAX_VERIFY_ROWS = 16  # verify rows per sequence (speculative decoding)
+
+
+def check_verify(batch, verify_rows, steps_per_call, context_layers):
+    """Raise ValueError unless `verify_rows` (rows per sequence) and `context_layers` can be built:
+    batch x rows kernel rows at most max(BATCH_RANGE[1], MAX_VERIFY_ROWS), one step per call."""
+    if not isinstance(verify_rows, int) or not 1 <= verify_rows <= MAX_VERIFY_ROWS:
+        raise ValueError(f"verify_rows must be an int in 1..{MAX_VERIFY_ROWS}, got {verify_rows!r}")
+    most = max(BATCH_RANGE[1], MAX_VERIFY_ROWS)
+    if batch * verify_rows > most:
+        raise ValueError(f"batch x verify_rows = {batch * verify_rows} kernel rows, more than {most}")
+    if verify_rows > 1 and steps_per_call != 1:
+        raise ValueError("a verify step (verify_rows > 1) runs one step per call")
+    bad = [x for x in context_layers if not isinstance(x, int) or not 0 <= x < NUM_LAYERS]
+    if bad:
+        raise ValueError(f"context_layers must be layer indices 0..{NUM_LAYERS - 1}, got {bad}")
+
+
 def _described(x):
     return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
 
@@ -326,27 +366,39 @@ def _check_arrays(kind, given, expected):
             raise ValueError(f"{kind} `{name}` is {_described(x)}, expected {_described(want)}")
 
 
-def _check_ids(name, x, batch, size, what):
-    """One integer id per row, each in 0..size-1 (values are checked when they are known)."""
+def _check_ids(name, x, batch, size, what, rows=1):
+    """One integer id per row (per sequence and verify row: [batch, rows]), each in 0..size-1
+    (values are checked when they are known)."""
+    shape = (batch,) if rows == 1 else (batch, rows)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"{name} must be an integer array of shape ({batch},), got a {type(x).__name__}")
-    if tuple(x.shape) != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an integer array of shape ({batch},), got {_described(x)}")
-    if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        raise ValueError(f"{name} must be an integer array of shape {shape}, got a {type(x).__name__}")
+    if tuple(x.shape) != shape or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of shape {shape}, got {_described(x)}")
+    if _abstract(x):
         return  # traced or abstract: no values to check
-    values = np.asarray(x)
+    values = np.asarray(x).reshape(-1)
     bad = np.flatnonzero((values < 0) | (values >= size))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"{name}[{i}] = {int(values[i])} is outside 0..{size - 1} ({what})")
+        at = i if rows == 1 else (i // rows, i % rows)
+        raise ValueError(f"{name}[{at}] = {int(values[i])} is outside 0..{size - 1} ({what})")
 
 
-def check_inputs(weights, state, tokens, positions, batch, seq_len):
-    """Raise ValueError unless the inputs are what the step for (batch, seq_len) takes."""
+def _abstract(x):
+    return isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct))
+
+
+def check_inputs(weights, state, tokens, positions, batch, seq_len, rows=1):
+    """Raise ValueError unless the inputs are what the step for (batch, seq_len) takes; `rows`
+    verify rows per sequence: tokens and positions [batch, rows], positions consecutive."""
     _check_arrays("weights", weights, weight_layout())
-    _check_arrays("state", state, state_layout(batch, seq_len))
-    _check_ids("tokens", tokens, batch, VOCAB_SIZE, f"the vocabulary has {VOCAB_SIZE} tokens")
-    _check_ids("positions", positions, batch, seq_len, f"the cache holds {seq_len} tokens")
+    _check_arrays("state", state, state_layout(batch, seq_len, rows))
+    _check_ids("tokens", tokens, batch, VOCAB_SIZE, f"the vocabulary has {VOCAB_SIZE} tokens", rows)
+    _check_ids("positions", positions, batch, seq_len, f"the cache holds {seq_len} tokens", rows)
+    if rows > 1 and not _abstract(positions):
+        p = np.asarray(positions)
+        if (p != p[:, :1] + np.arange(rows)).any():
+            raise ValueError(f"positions must be consecutive in each sequence's {rows} rows, got {p.tolist()}")
 
 
 def _seed(seed):
@@ -362,11 +414,12 @@ class CheckedStep:
     """The jitted decode step behind a check of its inputs; `jitted` is the step itself
     (`jitted(weights, state, tokens, positions, seed)`, seed a uint32 scalar)."""
 
-    def __init__(self, jitted, batch, seq_len, steps_per_call=1):
+    def __init__(self, jitted, batch, seq_len, steps_per_call=1, rows=1):
         self.jitted, self.batch, self.seq_len, self.steps_per_call = jitted, batch, seq_len, steps_per_call
+        self.rows = rows
 
     def _check(self, weights, state, tokens, positions):
-        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len)
+        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len, self.rows)
         if self.steps_per_call > 1:  # every step's position must be in the cache
             room = self.seq_len - self.steps_per_call + 1
             _check_ids("positions", positions, self.batch, room, f"{self.steps_per_call} steps from each need room")
@@ -1704,10 +1757,19 @@ class Attention:
     own KV tile tables, which hold only the tiles the window reaches; with sinks, each head's
     online softmax starts from its sink logit (max = sink, sum = 1, no value), so the sink is
     in the denominator only.
+
+    Verify rows (`span` = R > 1): row i is row i % R of sequence i // R, whose cache it reads.
+    Its tiles are patched with the new K/V of the sequence's rows 0..i % R that fall in them (the
+    cache does not hold them yet), so the position mask makes it causal among the rows; each
+    row keeps its patched block, and after every row has attended, the last row of the sequence
+    in each KV_BLOCK block writes that block back (waited for at once: no tile read overlaps it).
     """
 
     def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names,
-                 window=None, kv_load=None, kv_lo=None):
+                 window=None, kv_load=None, kv_lo=None, span=1):
+        if span > 1 and kv_lo is not None:
+            raise NotImplementedError("verify rows with replicated KV heads have no kernel yet")
+        self.span = span
         self.r, self.positions_ref, self.op_id = r, positions_ref, op_id
         self.rows, self.batch, self.heads, self.kv_heads = rows, batch, heads, kv_heads
         # Replicated KV heads (kv_lo given): read only KV head kv_lo, which all `heads` share.
@@ -1721,7 +1783,7 @@ class Attention:
             self.kv_row, self.kv_t0, self.kv_n = r.kv_row, r.kv_t0, r.kv_n
 
     def copies(self, slot, j, buf):
-        b = self.kv_row[j]
+        b = self.kv_row[j] // self.span  # the row's sequence: its cache
         t0 = pl.multiple_of(self.kv_t0[j], self.kv_tile)
         kv = pl.ds(0 if self.kv_lo is None else self.kv_lo, self.kv_load)
         return (
@@ -1742,7 +1804,7 @@ class Attention:
     def writeback(self, which, slot, b, t):
         cache = self.k_cache_out if which == 0 else self.v_cache_out
         return pltpu.make_async_copy(
-            self.wb.at[which, b], cache.at[slot, b, :, pl.ds(t, KV_BLOCK), :], self.wb_sem.at[0]
+            self.wb.at[which, b], cache.at[slot, b // self.span, :, pl.ds(t, KV_BLOCK), :], self.wb_sem.at[0]
         )
 
     def drain(self):
@@ -1810,9 +1872,13 @@ class Attention:
                     self.l[...] = jnp.ones(self.l.shape, F32)
                 self.acc[...] = jnp.zeros(self.acc.shape, F32)
 
-            @pl.when(pos < t0 + self.kv_tile)  # this row's last tile holds the new token
-            def _():
-                self.patch_new_token(slot, b, buf, t0, pos)
+            if self.span > 1:
+                self.patch_rows(b, buf, t0)
+            else:
+
+                @pl.when(pos < t0 + self.kv_tile)  # this row's last tile holds the new token
+                def _():
+                    self.patch_new_token(slot, b, buf, t0, pos)
 
             self.attend(buf, b, t0, pos)
 
@@ -1825,7 +1891,10 @@ class Attention:
             return carry
 
         jax.lax.fori_loop(0, self.kv_n[0], tile, 0)
-        self.r.wb_pending[self.op_id] = 1
+        if self.span > 1:
+            self.write_rows(slot)
+        else:
+            self.r.wb_pending[self.op_id] = 1
         for h in range(heads):
             out[:, h * self.dv : (h + 1) * self.dv] = self.heads_at(self.o2d, h * rows, rows, self.dv)
 
@@ -1851,6 +1920,45 @@ class Attention:
             else:
                 tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = self.wb[which, b, pl.ds(self.kv_lo, 1)]
             self.writeback(which, slot, b, pl.multiple_of(t0 + blk, KV_BLOCK)).start()
+
+    def patch_rows(self, b, buf, t0):
+        """Verify rows: patch into tile `buf` (first token t0) the new K/V of every row of row b's
+        sequence up to b that falls in it; at b's own position keep the patched block (`wb`)."""
+        first = b // self.span * self.span
+        for k in range(self.span):
+            src = first + k
+            at = self.positions_ref[src]
+
+            @pl.when((src <= b) & (at >= t0) & (at < t0 + self.kv_tile))
+            def _(src=src, at=at):
+                blk = pl.multiple_of((at - t0) // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+                for which, tiles, new2d, d in ((0, self.ktiles, self.k2d, self.dk), (1, self.vtiles, self.v2d, self.dv)):
+                    old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
+                    new = self.heads_at(new2d, src, self.kv_heads, d, stride=self.rows).astype(old.dtype)
+                    row = jax.lax.broadcasted_iota(I32, old.shape, 1)
+                    patched = jnp.where(row == at - t0 - blk, new[:, None, :], old)
+                    tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = patched
+
+                    @pl.when(src == b)
+                    def _(which=which, patched=patched):
+                        self.wb[which, b] = patched
+
+    def write_rows(self, slot):
+        """Verify rows: each block the rows wrote, from the last row of its sequence in it."""
+        for b in range(self.batch):
+            pos = self.positions_ref[b]
+
+            def write(b=b, pos=pos):
+                t = pl.multiple_of(pos // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+                for which in (0, 1):
+                    copy = self.writeback(which, slot, b, t)
+                    copy.start()
+                    copy.wait()
+
+            if b % self.span == self.span - 1:
+                write()
+            else:
+                pl.when((pos + 1) % KV_BLOCK == 0)(write)
 
     def seen(self, t, pos):
         """The keys a query at `pos` attends to: t <= pos, and within the window if there is one."""
@@ -1924,10 +2032,17 @@ class LatentAttention:
     bf16(o_lat_h) @ W_UV_h (pass 3). W_UK_h and W_UV_h are disjoint column blocks of w_kvb,
     so each weight byte is read once, through a small ring of [R, 128]-wide tiles (bf16, or fp8
     codes with block scales: `absorb_q`, `absorb_o`).
+
+    Verify rows (`span` = R > 1): row i is row i % R of sequence i // R, whose cache it reads. Its
+    softmax starts from the new entries of the sequence's rows 0..i % R (`new_tokens`) and the
+    streamed tiles count only positions before the sequence's first row; each row patches the
+    entries of its sequence's rows up to it into its block, and the last row of the sequence in a
+    KV_BLOCK block writes that block back (waited for at once).
     """
 
     def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, nope, extra, vdim, kv_tile, kv_slots, scale,
-                 names, block=0):
+                 names, block=0, span=1):
+        self.span = span
         self.r, self.positions_ref, self.op_id = r, positions_ref, op_id
         self.rows, self.batch, self.heads = rows, batch, heads
         self.nope, self.extra, self.vdim = nope, extra, vdim
@@ -2011,7 +2126,7 @@ class LatentAttention:
 
     # -- the latent cache
     def copy(self, slot, j, buf):
-        b = self.r.kv_row[j]
+        b = self.r.kv_row[j] // self.span  # the row's sequence: its cache
         t0 = pl.multiple_of(self.r.kv_t0[j], self.kv_tile)
         return pltpu.make_async_copy(self.cache.at[slot, b, pl.ds(t0, self.kv_tile), :], self.tiles.at[buf],
                                      self.kv_sem.at[buf])
@@ -2025,10 +2140,11 @@ class LatentAttention:
         """The DMA between row b's aligned KV_BLOCK-token block holding its new token and wb[b]:
         `into` wb (the read at the op's start) or out of it (the write-back in place)."""
         t = pl.multiple_of(self.positions_ref[b] // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+        seq = b // self.span
         if into:
-            return pltpu.make_async_copy(self.cache.at[slot, b, pl.ds(t, KV_BLOCK), :], self.wb.at[b],
+            return pltpu.make_async_copy(self.cache.at[slot, seq, pl.ds(t, KV_BLOCK), :], self.wb.at[b],
                                          self.wb_sem.at[1])
-        return pltpu.make_async_copy(self.wb.at[b], self.cache_out.at[slot, b, pl.ds(t, KV_BLOCK), :],
+        return pltpu.make_async_copy(self.wb.at[b], self.cache_out.at[slot, seq, pl.ds(t, KV_BLOCK), :],
                                      self.wb_sem.at[0])
 
     def drain(self):
@@ -2087,8 +2203,10 @@ class LatentAttention:
         jax.lax.fori_loop(0, n, tile, 0)
         for b in range(self.batch):  # every block read shares a semaphore: all of them land first
             self.token_block(slot, b, True).wait()
-        jax.lax.fori_loop(0, self.batch, lambda b, carry: self.finish_row(slot, b) or carry, 0)
-        self.r.wb_pending[self.op_id] = 1
+        finish = self.finish_row if self.span == 1 else self.finish_verify_row
+        jax.lax.fori_loop(0, self.batch, lambda b, carry: finish(slot, b) or carry, 0)
+        if self.span == 1:
+            self.r.wb_pending[self.op_id] = 1
         self.absorb_outputs(w_slot, out)  # pass 3
 
     # -- the absorbed products: a bf16 w_kvb tile is one dot; an fp8 one is decoded to bf16 (exact) and
@@ -2128,7 +2246,12 @@ class LatentAttention:
 
     def new_tokens(self, b):
         """The aligned KV_BLOCK rows of this token's entries holding row b's, as the cache stores
-        them (bf16: a whole packed tile), and a [1, KV_BLOCK] mask of row b's."""
+        them (bf16: a whole packed tile), and a [1, KV_BLOCK] mask of row b's. Verify rows: all
+        rows' entries and a mask of the rows of b's sequence up to b."""
+        if self.span > 1:
+            first = b // self.span * self.span
+            row = jax.lax.broadcasted_iota(I32, (1, self.new.shape[0]), 1)
+            return self.new[...].astype(self.tiles.dtype), (row >= first) & (row <= b)
         b0 = pl.multiple_of(b // KV_BLOCK * KV_BLOCK, KV_BLOCK)
         pick = jax.lax.broadcasted_iota(I32, (1, KV_BLOCK), 1) == b - b0
         return self.new[pl.ds(b0, KV_BLOCK), :].astype(self.tiles.dtype), pick
@@ -2161,7 +2284,8 @@ class LatentAttention:
         """Tile j's scores for its row's heads, its tokens before the row's position only (the
         new token is in the state already): [heads, kv_tile] f32, -inf elsewhere."""
         b, t0 = self.r.kv_row[j], self.r.kv_t0[j]
-        valid = (t0 + jax.lax.broadcasted_iota(I32, (1, self.kv_tile), 1)) < self.positions_ref[b]
+        before = self.positions_ref[b // self.span * self.span]  # the sequence's first new position
+        valid = (t0 + jax.lax.broadcasted_iota(I32, (1, self.kv_tile), 1)) < before
         return jnp.where(valid, self.scores(self.tiles[j % self.kv_slots], b), NEG_INF)
 
     def attend(self, s, buf, b):
@@ -2194,6 +2318,32 @@ class LatentAttention:
         row = jax.lax.broadcasted_iota(I32, old.shape, 0)
         self.wb[b] = jnp.where(row == self.positions_ref[b] % KV_BLOCK, new.astype(old.dtype), old)
         self.token_block(slot, b, False).start()
+
+    def finish_verify_row(self, slot, b):
+        """Verify rows: normalise row b's latent outputs; patch the new entries of its sequence's
+        rows up to b that share b's block into it; the last such row writes the block back."""
+        rh = self.row_heads(b)
+        total = jnp.sum(self.l[rh, :], axis=1, keepdims=True)
+        for c in range(self.ol.shape[0]):
+            self.ol[c, rh, :] = self.ol[c, rh, :] / total
+        entries = self.new[...].astype(self.tiles.dtype).astype(F32)
+        index = jax.lax.broadcasted_iota(I32, (entries.shape[0], 1), 0)
+        pos, first = self.positions_ref[b], b // self.span * self.span
+        block = self.wb[b]
+        row = jax.lax.broadcasted_iota(I32, block.shape, 0)
+        for k in range(self.span):
+            src = first + k
+            at = self.positions_ref[src]
+            take = (src <= b) & (at // KV_BLOCK == pos // KV_BLOCK)
+            value = jnp.sum(jnp.where(index == src, entries, 0.0), axis=0, keepdims=True)
+            block = jnp.where(take & (row == at % KV_BLOCK), value.astype(block.dtype), block)
+        self.wb[b] = block
+
+        @pl.when((b % self.span == self.span - 1) | ((pos + 1) % KV_BLOCK == 0))
+        def _():
+            copy = self.token_block(slot, b, False)
+            copy.start()
+            copy.wait()
 
 
 # ---------------------------------------------------------------------------------------
@@ -2233,14 +2383,21 @@ class ShortConv:
     issued by a loop over the rows (one copy of the issue code whatever the batch) and waited
     for by tap, a tap's rows in one wait of their summed bytes; the conv runs as a loop over
     lane-aligned column chunks (one copy of its code), the padded rows' window read as zeros.
+
+    Verify rows (`span` = R > 1): every row of a sequence reads the sequence's committed window
+    (slot b*R + R - 1), which `windows` then shifts by the inputs of the sequence's earlier rows
+    (rounded to the state's dtype, as the state stores them); each row writes the window after
+    it to its own slot.
     """
 
-    def __init__(self, state, state_out, buf, sem, batch):
+    def __init__(self, state, state_out, buf, sem, batch, span=1):
         self.state, self.state_out, self.buf, self.sem, self.batch = state, state_out, buf, sem, batch
+        self.span = span
 
     def copy(self, slot, b, t, out):
         hbm = self.state_out if out else self.state
-        vmem, row = self.buf.at[t, pl.ds(b, 1)], hbm.at[slot, b, pl.ds(t, 1), :]
+        src = b if out or self.span == 1 else b // self.span * self.span + self.span - 1
+        vmem, row = self.buf.at[t, pl.ds(b, 1)], hbm.at[slot, src, pl.ds(t, 1), :]
         src, dst = (vmem, row) if out else (row, vmem)
         return pltpu.make_async_copy(src, dst, self.sem.at[int(out), t])
 
@@ -2261,9 +2418,25 @@ class ShortConv:
             rows = self.buf.at[t, pl.ds(0, self.batch)]
             pltpu.make_async_copy(rows, rows, self.sem.at[int(out), t]).wait()
 
+    def windows(self, x):
+        """Verify rows: row r of a sequence gets the last K-1 of (committed window, x of rows 0..r-1)."""
+        taps = self.buf.shape[0]
+        for first in range(0, self.batch, self.span):
+            for k in range(1, self.span):
+                for t in range(taps):
+                    at = k + t  # in the sequence (window, x_0, x_1, ...)
+                    if at < taps:
+                        value = self.buf[at, first : first + 1, :]
+                    else:
+                        row = first + at - taps
+                        value = x[row : row + 1, :].astype(self.buf.dtype)
+                    self.buf[t, first + k : first + k + 1, :] = value
+
     def __call__(self, slot, x, w, out):
         taps, rows, c = self.buf.shape
         self.move(slot, out=False)
+        if self.span > 1:
+            self.windows(x)
         live = jax.lax.broadcasted_iota(I32, (rows, 1), 0) < self.batch  # padded rows read as zeros
 
         def chunk(cols):
@@ -2347,11 +2520,15 @@ class DeltaRule:
     per slot for all its states, an iteration ahead.
     """
 
-    def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False):
+    def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False, span=1):
         self.state, self.state_out, self.s_in, self.s_out, self.sem = state, state_out, s_in, s_out, sem
         self.batch, self.heads, self.group, self.scalar_decay = batch, heads, group, scalar_decay
         self.slots, cap = s_in.shape[0], s_in.shape[1]
-        self.rows = min(batch, cap)  # rows per slot; more rows than that run as groups of rows
+        # rows per slot; more rows than that run as groups of rows. Verify rows (span R > 1) run
+        # one at a time, in order: row b*R + r reads the state row r - 1 wrote (r = 0: the
+        # committed slot b*R + R - 1) and writes its own slot.
+        self.span = span
+        self.rows = min(batch, cap) if span == 1 else 1
         self.per = max(c for c in range(1, heads + 1) if heads % c == 0 and c * self.rows <= cap)
         self.units = heads // self.per
 
@@ -2360,6 +2537,9 @@ class DeltaRule:
         one for a single row or a single head per row, else one per row."""
         hbm = self.state_out if out else self.state
         buf = (self.s_out if out else self.s_in).at[s]
+        if self.span > 1 and not out:  # a verify row reads the state its sequence's previous row wrote
+            first = r0 // self.span * self.span
+            hbm, r0 = (self.state_out, r0 - 1) if r0 > first else (self.state, first + self.span - 1)
         if rows == 1 or self.per == 1:
             heads = pl.ds(u * self.per, self.per) if rows == 1 else u
             pairs = [(buf.at[pl.ds(0, rows * self.per)], hbm.at[slot, r0 if rows == 1 else pl.ds(r0, rows), heads])]
@@ -2983,7 +3163,7 @@ EPILOGUE_STREAMS = (S_EPILOGUE_LOGITS, )
 RING = ring_tables(KIND_STREAMS, EPILOGUE_STREAMS)
 
 
-def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
+def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False, sampling=None, steps_per_call=1, verify_rows=1, context_layers=()):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
 
     Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`, which
@@ -3005,8 +3185,19 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     N decode steps in one kernel call (a loop in the kernel, each step's token fed to the next
     on the device, positions advancing by one) and returns the N tokens as next_tokens
     i32 [batch, N] with the last step's logits.
+
+    `verify_rows=R` > 1 (speculative decoding): each of the `batch` sequences has R rows at
+    consecutive positions; tokens and positions are i32 [batch, R], logits [batch, R, V] and
+    next_tokens [batch, R] (the target's token after each row); ROW_STATES keep a slot per row
+    (`state_layout(batch, seq_len, R)`, `commit`). The kernel runs batch x R rows over one weight
+    stream; row r reads its sequence's cache and rows 0..r. `context_layers=(l, ...)` adds an
+    output, f32 [batch, R, len, width]: the first carry (the residual stream) after each layer.
     """
     check_sizes(batch, seq_len)
+    context_layers = tuple(context_layers)
+    check_verify(batch, verify_rows, steps_per_call, context_layers)
+    seqs, span = batch, verify_rows
+    batch = seqs * span  # kernel rows: row b * span + r is row r of sequence b
     if sampling is None:
         sampling = Sampling()
     elif not all(hasattr(sampling, k) for k in ("temperature", "top_k", "top_p")):
@@ -3024,6 +3215,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     state_names = list(STATE)
     outputs = ["logits", "chosen"] + [f"{name}_out" for name in state_names]  # chosen: every step's tokens
     traces = [f"{name}_trace" for name in LAYER_CARRIES] if layer_trace else []
+    traces += ["context"] if context_layers else []
     outputs += traces
     scratch = {
         "ring": pltpu.VMEM((21, 1792, 512), jnp.bfloat16),
@@ -3185,15 +3377,15 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
                 ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
-            attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, heads=3, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=4, scale=0.07216878364870322, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 's': 'att0_s', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'mla_cache', 'cache_out': 'mla_cache_out', 'w_kvb': 'mla_wkvb'})
-            conv0_kda_dense_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
-            conv0_kda_dense_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
-            conv0_kda_dense_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
-            rule0_kda_dense_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
-            conv0_kda_moe_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
-            conv0_kda_moe_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
-            conv0_kda_moe_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch)
-            rule0_kda_moe_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3)
+            attention0 = LatentAttention(r, positions_ref, 0, rows=rows, batch=batch, span=span, heads=3, nope=128, extra=64, vdim=128, kv_tile=KV_TILE, kv_slots=4, scale=0.07216878364870322, names={'ql': 'att0_ql', 'ol': 'att0_ol', 'wtiles': 'att0_wtiles', 'w_sem': 'att0_w_sem', 'tiles': 'att0_tiles', 'm': 'att0_m', 'l': 'att0_l', 's': 'att0_s', 'new': 'att0_new', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'cache': 'mla_cache', 'cache_out': 'mla_cache_out', 'w_kvb': 'mla_wkvb'})
+            conv0_kda_dense_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch, span)
+            conv0_kda_dense_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch, span)
+            conv0_kda_dense_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch, span)
+            rule0_kda_dense_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3, span=span)
+            conv0_kda_moe_4 = ShortConv(r.kda_q_conv, r.kda_q_conv_out, r.conv0_buf, r.conv0_sem, batch, span)
+            conv0_kda_moe_7 = ShortConv(r.kda_k_conv, r.kda_k_conv_out, r.conv0_buf, r.conv0_sem, batch, span)
+            conv0_kda_moe_10 = ShortConv(r.kda_v_conv, r.kda_v_conv_out, r.conv0_buf, r.conv0_sem, batch, span)
+            rule0_kda_moe_17 = DeltaRule(r.kda_state, r.kda_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 3, span=span)
             experts0_kda_moe_39 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
             experts0_mla_moe_32 = MoE(r, rows=rows, batch=batch, E=112, k=16, D=3584, F=768, tn=256, slots=4, names={'w1c': 'moe_w1_codes', 'w1s': 'moe_w1_scales', 'w3c': 'moe_w3_codes', 'w3s': 'moe_w3_scales', 'w2c': 'moe_w2_codes', 'w2s': 'moe_w2_scales'}, prefix='experts0_', act=lambda a0, a1: ((t0 := situ(a0, a1, 4.0, 25.0)), t0)[-1], E_route=896, lo=comm.group_index(28) * 112)
 
@@ -3520,6 +3712,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                 if layer_trace:
                     pltpu.sync_copy(r.carry0, r.blocks_trace.at[li + 1])
                     pltpu.sync_copy(r.carry1, r.prefix_trace.at[li + 1])
+                for k, at in enumerate(context_layers):  # the residual stream a drafter reads
+
+                    @pl.when(li == at)
+                    def _(k=k):
+                        pltpu.sync_copy(r.carry0, r.context.at[k])
 
                 return carry
 
@@ -3554,7 +3751,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
 
     n_scalars = 10  # tokens, positions, the layer tables, the tile descriptors, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
-    layout = local_state_layout(batch, seq_len)
+    layout = local_state_layout(seqs, seq_len, span)
     call = pl.pallas_call(
         kernel,
         out_shape=[
@@ -3562,6 +3759,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             jax.ShapeDtypeStruct((steps_per_call, batch, 1), I32),
             *[layout[name] for name in state_names],
             *[jax.ShapeDtypeStruct((NUM_LAYERS + 1, rows, width), F32) for width in LAYER_CARRIES.values() if layer_trace],
+            *[jax.ShapeDtypeStruct((len(context_layers), rows, 57344), F32) for _ in context_layers[:1]],
         ],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=n_scalars,
@@ -3607,17 +3805,26 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         )
         new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
         new_state = dict(zip(state_names, new_state, strict=True))
-        trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)} if layer_trace else {}
+        if context_layers:  # [len, rows, width] -> [seqs, span, len, width]
+            *trace, context = trace
+            trace.append(jnp.transpose(context[:, :batch], (1, 0, 2)).reshape(seqs, span, len(context_layers), -1))
+        names = [*LAYER_CARRIES] * layer_trace + ["context"] * bool(context_layers)
+        trace = {name: t if name == "context" else t[:, :batch] for name, t in zip(names, trace, strict=True)}
         next_tokens = next_tokens[:, :, 0].T  # [batch, steps_per_call]
+        if span > 1:
+            return logits.reshape(seqs, span, -1), next_tokens.reshape(seqs, span), new_state, trace
         return logits, next_tokens.reshape(batch) if steps_per_call == 1 else next_tokens, new_state, trace
 
     def step(weights, state, tokens, positions, seed):
         flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
         for name, rows in padded.items():
             flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
-        tokens, positions = tokens.astype(I32), positions.astype(I32)
+        tokens, positions = tokens.astype(I32).reshape(batch), positions.astype(I32).reshape(batch)
         logits, next_tokens, new_state, trace = one_step(flat, state, tokens, positions, seed)
-        return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
+        out = (logits, next_tokens, new_state)
+        if context_layers:
+            out += (trace.pop("context"),)
+        return (*out, trace) if layer_trace else out
 
     jitted = jax.jit(step, donate_argnums=(1,))
-    return CheckedStep(jitted, batch, seq_len, steps_per_call)
+    return CheckedStep(jitted, seqs, seq_len, steps_per_call, span)

@@ -68,6 +68,10 @@ STATE = {
     "k_cache": ((32, "batch", 32, "seq_len", 96), "bfloat16"),
     "v_cache": ((32, "batch", 32, "seq_len", 96), "bfloat16"),
 }
+# State not indexed by a cache position (recurrent) -> the axis of its batch dimension. A verify
+# step (`verify_rows=R`) keeps it per row: that axis holds batch * R slots, slot b*R + r the state
+# after row r of sequence b; the step reads slot b*R + R - 1, which `commit` sets.
+ROW_STATES = {}
 
 # The device mesh (one JAX device per TPU7x core; linear index row-major over the axes).
 MESH_AXES = ('tp',)
@@ -142,15 +146,33 @@ def weight_layout():
     return {name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for name, (shape, dtype) in WEIGHTS.items()}
 
 
-def state_layout(batch, seq_len):
-    """ShapeDtypeStructs of the decode state for `batch` rows and caches of `seq_len` tokens."""
+def state_layout(batch, seq_len, rows=1):
+    """ShapeDtypeStructs of the decode state for `batch` rows and caches of `seq_len` tokens
+    (`rows` verify rows per sequence: ROW_STATES with a slot per row)."""
     return {
         "k_cache": jax.ShapeDtypeStruct((32, batch, 32, seq_len, 96), jnp.dtype("bfloat16")),
         "v_cache": jax.ShapeDtypeStruct((32, batch, 32, seq_len, 96), jnp.dtype("bfloat16")),
     }
 
 
-def local_state_layout(batch, seq_len):
+def commit(state, accepted):
+    """A verify step's new state as if only the first accepted[b] (1..R) rows of each sequence
+    had been decoded: slot b*R + accepted[b] - 1 of each ROW_STATES array copied into slot
+    b*R + R - 1 (R from the shapes). KV caches need nothing: the rejected rows' entries are never
+    read (a row reads keys at or before its position) and the next step overwrites them."""
+    accepted = jnp.asarray(accepted, jnp.int32).reshape(-1)
+    seqs = jnp.arange(accepted.shape[0], dtype=jnp.int32)
+    out = dict(state)
+    for name, axis in ROW_STATES.items():
+        x = state[name]
+        rows = x.shape[axis] // accepted.shape[0]
+        index = jnp.arange(x.shape[axis], dtype=jnp.int32)
+        index = index.at[seqs * rows + rows - 1].set(seqs * rows + jnp.clip(accepted, 1, rows) - 1)
+        out[name] = jnp.take(x, index, axis=axis)
+    return out
+
+
+def local_state_layout(batch, seq_len, rows=1):
     """One device's slice of the decode state."""
     return {
         "k_cache": jax.ShapeDtypeStruct((32, batch, 16, seq_len, 96), jnp.dtype("bfloat16")),
@@ -205,6 +227,24 @@ def check_sizes(batch, seq_len):
         raise ValueError(f"seq_len must be a multiple of the KV tile ({KV_TILE}), got {seq_len}")
 
 
+MAX_VERIFY_ROWS = 16  # verify rows per sequence (speculative decoding)
+
+
+def check_verify(batch, verify_rows, steps_per_call, context_layers):
+    """Raise ValueError unless `verify_rows` (rows per sequence) and `context_layers` can be built:
+    batch x rows kernel rows at most max(BATCH_RANGE[1], MAX_VERIFY_ROWS), one step per call."""
+    if not isinstance(verify_rows, int) or not 1 <= verify_rows <= MAX_VERIFY_ROWS:
+        raise ValueError(f"verify_rows must be an int in 1..{MAX_VERIFY_ROWS}, got {verify_rows!r}")
+    most = max(BATCH_RANGE[1], MAX_VERIFY_ROWS)
+    if batch * verify_rows > most:
+        raise ValueError(f"batch x verify_rows = {batch * verify_rows} kernel rows, more than {most}")
+    if verify_rows > 1 and steps_per_call != 1:
+        raise ValueError("a verify step (verify_rows > 1) runs one step per call")
+    bad = [x for x in context_layers if not isinstance(x, int) or not 0 <= x < NUM_LAYERS]
+    if bad:
+        raise ValueError(f"context_layers must be layer indices 0..{NUM_LAYERS - 1}, got {bad}")
+
+
 def _described(x):
     return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
 
@@ -230,27 +270,39 @@ def _check_arrays(kind, given, expected):
             raise ValueError(f"{kind} `{name}` is {_described(x)}, expected {_described(want)}")
 
 
-def _check_ids(name, x, batch, size, what):
-    """One integer id per row, each in 0..size-1 (values are checked when they are known)."""
+def _check_ids(name, x, batch, size, what, rows=1):
+    """One integer id per row (per sequence and verify row: [batch, rows]), each in 0..size-1
+    (values are checked when they are known)."""
+    shape = (batch,) if rows == 1 else (batch, rows)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"{name} must be an integer array of shape ({batch},), got a {type(x).__name__}")
-    if tuple(x.shape) != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an integer array of shape ({batch},), got {_described(x)}")
-    if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        raise ValueError(f"{name} must be an integer array of shape {shape}, got a {type(x).__name__}")
+    if tuple(x.shape) != shape or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of shape {shape}, got {_described(x)}")
+    if _abstract(x):
         return  # traced or abstract: no values to check
-    values = np.asarray(x)
+    values = np.asarray(x).reshape(-1)
     bad = np.flatnonzero((values < 0) | (values >= size))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"{name}[{i}] = {int(values[i])} is outside 0..{size - 1} ({what})")
+        at = i if rows == 1 else (i // rows, i % rows)
+        raise ValueError(f"{name}[{at}] = {int(values[i])} is outside 0..{size - 1} ({what})")
 
 
-def check_inputs(weights, state, tokens, positions, batch, seq_len):
-    """Raise ValueError unless the inputs are what the step for (batch, seq_len) takes."""
+def _abstract(x):
+    return isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct))
+
+
+def check_inputs(weights, state, tokens, positions, batch, seq_len, rows=1):
+    """Raise ValueError unless the inputs are what the step for (batch, seq_len) takes; `rows`
+    verify rows per sequence: tokens and positions [batch, rows], positions consecutive."""
     _check_arrays("weights", weights, weight_layout())
-    _check_arrays("state", state, state_layout(batch, seq_len))
-    _check_ids("tokens", tokens, batch, VOCAB_SIZE, f"the vocabulary has {VOCAB_SIZE} tokens")
-    _check_ids("positions", positions, batch, seq_len, f"the cache holds {seq_len} tokens")
+    _check_arrays("state", state, state_layout(batch, seq_len, rows))
+    _check_ids("tokens", tokens, batch, VOCAB_SIZE, f"the vocabulary has {VOCAB_SIZE} tokens", rows)
+    _check_ids("positions", positions, batch, seq_len, f"the cache holds {seq_len} tokens", rows)
+    if rows > 1 and not _abstract(positions):
+        p = np.asarray(positions)
+        if (p != p[:, :1] + np.arange(rows)).any():
+            raise ValueError(f"positions must be consecutive in each sequence's {rows} rows, got {p.tolist()}")
 
 
 def _seed(seed):
@@ -266,11 +318,12 @@ class CheckedStep:
     """The jitted decode step behind a check of its inputs; `jitted` is the step itself
     (`jitted(weights, state, tokens, positions, seed)`, seed a uint32 scalar)."""
 
-    def __init__(self, jitted, batch, seq_len, steps_per_call=1):
+    def __init__(self, jitted, batch, seq_len, steps_per_call=1, rows=1):
         self.jitted, self.batch, self.seq_len, self.steps_per_call = jitted, batch, seq_len, steps_per_call
+        self.rows = rows
 
     def _check(self, weights, state, tokens, positions):
-        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len)
+        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len, self.rows)
         if self.steps_per_call > 1:  # every step's position must be in the cache
             room = self.seq_len - self.steps_per_call + 1
             _check_ids("positions", positions, self.batch, room, f"{self.steps_per_call} steps from each need room")
@@ -1608,10 +1661,19 @@ class Attention:
     own KV tile tables, which hold only the tiles the window reaches; with sinks, each head's
     online softmax starts from its sink logit (max = sink, sum = 1, no value), so the sink is
     in the denominator only.
+
+    Verify rows (`span` = R > 1): row i is row i % R of sequence i // R, whose cache it reads.
+    Its tiles are patched with the new K/V of the sequence's rows 0..i % R that fall in them (the
+    cache does not hold them yet), so the position mask makes it causal among the rows; each
+    row keeps its patched block, and after every row has attended, the last row of the sequence
+    in each KV_BLOCK block writes that block back (waited for at once: no tile read overlaps it).
     """
 
     def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names,
-                 window=None, kv_load=None, kv_lo=None):
+                 window=None, kv_load=None, kv_lo=None, span=1):
+        if span > 1 and kv_lo is not None:
+            raise NotImplementedError("verify rows with replicated KV heads have no kernel yet")
+        self.span = span
         self.r, self.positions_ref, self.op_id = r, positions_ref, op_id
         self.rows, self.batch, self.heads, self.kv_heads = rows, batch, heads, kv_heads
         # Replicated KV heads (kv_lo given): read only KV head kv_lo, which all `heads` share.
@@ -1625,7 +1687,7 @@ class Attention:
             self.kv_row, self.kv_t0, self.kv_n = r.kv_row, r.kv_t0, r.kv_n
 
     def copies(self, slot, j, buf):
-        b = self.kv_row[j]
+        b = self.kv_row[j] // self.span  # the row's sequence: its cache
         t0 = pl.multiple_of(self.kv_t0[j], self.kv_tile)
         kv = pl.ds(0 if self.kv_lo is None else self.kv_lo, self.kv_load)
         return (
@@ -1646,7 +1708,7 @@ class Attention:
     def writeback(self, which, slot, b, t):
         cache = self.k_cache_out if which == 0 else self.v_cache_out
         return pltpu.make_async_copy(
-            self.wb.at[which, b], cache.at[slot, b, :, pl.ds(t, KV_BLOCK), :], self.wb_sem.at[0]
+            self.wb.at[which, b], cache.at[slot, b // self.span, :, pl.ds(t, KV_BLOCK), :], self.wb_sem.at[0]
         )
 
     def drain(self):
@@ -1714,9 +1776,13 @@ class Attention:
                     self.l[...] = jnp.ones(self.l.shape, F32)
                 self.acc[...] = jnp.zeros(self.acc.shape, F32)
 
-            @pl.when(pos < t0 + self.kv_tile)  # this row's last tile holds the new token
-            def _():
-                self.patch_new_token(slot, b, buf, t0, pos)
+            if self.span > 1:
+                self.patch_rows(b, buf, t0)
+            else:
+
+                @pl.when(pos < t0 + self.kv_tile)  # this row's last tile holds the new token
+                def _():
+                    self.patch_new_token(slot, b, buf, t0, pos)
 
             self.attend(buf, b, t0, pos)
 
@@ -1729,7 +1795,10 @@ class Attention:
             return carry
 
         jax.lax.fori_loop(0, self.kv_n[0], tile, 0)
-        self.r.wb_pending[self.op_id] = 1
+        if self.span > 1:
+            self.write_rows(slot)
+        else:
+            self.r.wb_pending[self.op_id] = 1
         for h in range(heads):
             out[:, h * self.dv : (h + 1) * self.dv] = self.heads_at(self.o2d, h * rows, rows, self.dv)
 
@@ -1755,6 +1824,45 @@ class Attention:
             else:
                 tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = self.wb[which, b, pl.ds(self.kv_lo, 1)]
             self.writeback(which, slot, b, pl.multiple_of(t0 + blk, KV_BLOCK)).start()
+
+    def patch_rows(self, b, buf, t0):
+        """Verify rows: patch into tile `buf` (first token t0) the new K/V of every row of row b's
+        sequence up to b that falls in it; at b's own position keep the patched block (`wb`)."""
+        first = b // self.span * self.span
+        for k in range(self.span):
+            src = first + k
+            at = self.positions_ref[src]
+
+            @pl.when((src <= b) & (at >= t0) & (at < t0 + self.kv_tile))
+            def _(src=src, at=at):
+                blk = pl.multiple_of((at - t0) // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+                for which, tiles, new2d, d in ((0, self.ktiles, self.k2d, self.dk), (1, self.vtiles, self.v2d, self.dv)):
+                    old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
+                    new = self.heads_at(new2d, src, self.kv_heads, d, stride=self.rows).astype(old.dtype)
+                    row = jax.lax.broadcasted_iota(I32, old.shape, 1)
+                    patched = jnp.where(row == at - t0 - blk, new[:, None, :], old)
+                    tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = patched
+
+                    @pl.when(src == b)
+                    def _(which=which, patched=patched):
+                        self.wb[which, b] = patched
+
+    def write_rows(self, slot):
+        """Verify rows: each block the rows wrote, from the last row of its sequence in it."""
+        for b in range(self.batch):
+            pos = self.positions_ref[b]
+
+            def write(b=b, pos=pos):
+                t = pl.multiple_of(pos // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+                for which in (0, 1):
+                    copy = self.writeback(which, slot, b, t)
+                    copy.start()
+                    copy.wait()
+
+            if b % self.span == self.span - 1:
+                write()
+            else:
+                pl.when((pos + 1) % KV_BLOCK == 0)(write)
 
     def seen(self, t, pos):
         """The keys a query at `pos` attends to: t <= pos, and within the window if there is one."""
@@ -2003,7 +2111,7 @@ EPILOGUE_STREAMS = (S_EPILOGUE_LOGITS, )
 RING = ring_tables(KIND_STREAMS, EPILOGUE_STREAMS)
 
 
-def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
+def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False, sampling=None, steps_per_call=1, verify_rows=1, context_layers=()):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
 
     Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`, which
@@ -2025,8 +2133,19 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     N decode steps in one kernel call (a loop in the kernel, each step's token fed to the next
     on the device, positions advancing by one) and returns the N tokens as next_tokens
     i32 [batch, N] with the last step's logits.
+
+    `verify_rows=R` > 1 (speculative decoding): each of the `batch` sequences has R rows at
+    consecutive positions; tokens and positions are i32 [batch, R], logits [batch, R, V] and
+    next_tokens [batch, R] (the target's token after each row); ROW_STATES keep a slot per row
+    (`state_layout(batch, seq_len, R)`, `commit`). The kernel runs batch x R rows over one weight
+    stream; row r reads its sequence's cache and rows 0..r. `context_layers=(l, ...)` adds an
+    output, f32 [batch, R, len, width]: the first carry (the residual stream) after each layer.
     """
     check_sizes(batch, seq_len)
+    context_layers = tuple(context_layers)
+    check_verify(batch, verify_rows, steps_per_call, context_layers)
+    seqs, span = batch, verify_rows
+    batch = seqs * span  # kernel rows: row b * span + r is row r of sequence b
     if sampling is None:
         sampling = Sampling()
     elif not all(hasattr(sampling, k) for k in ("temperature", "top_k", "top_p")):
@@ -2044,6 +2163,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     state_names = list(STATE)
     outputs = ["logits", "chosen"] + [f"{name}_out" for name in state_names]  # chosen: every step's tokens
     traces = [f"{name}_trace" for name in LAYER_CARRIES] if layer_trace else []
+    traces += ["context"] if context_layers else []
     outputs += traces
     scratch = {
         "ring": pltpu.VMEM((12, 2048, 512), jnp.bfloat16),
@@ -2123,7 +2243,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
                 ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
-            attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=16, kv_heads=16, dk=96, dv=96, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.10206207261596575, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'kv_row': 'att0_kv_row', 'kv_t0': 'att0_kv_t0', 'kv_n': 'att0_kv_n', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=2047)
+            attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, span=span, heads=16, kv_heads=16, dk=96, dv=96, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.10206207261596575, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'kv_row': 'att0_kv_row', 'kv_t0': 'att0_kv_t0', 'kv_n': 'att0_kv_n', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=2047)
 
             # ---- prologue: first tiles in flight, per-step tables ----
             for g in range(RING_DEPTH - 1):
@@ -2185,6 +2305,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.carry0[...] = r.v5_3072[...]
                 if layer_trace:
                     pltpu.sync_copy(r.carry0, r.x_trace.at[li + 1])
+                for k, at in enumerate(context_layers):  # the residual stream a drafter reads
+
+                    @pl.when(li == at)
+                    def _(k=k):
+                        pltpu.sync_copy(r.carry0, r.context.at[k])
 
                 return carry
 
@@ -2215,7 +2340,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
 
     n_scalars = 6  # tokens, positions, the layer tables, the tile descriptors, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
-    layout = local_state_layout(batch, seq_len)
+    layout = local_state_layout(seqs, seq_len, span)
     call = pl.pallas_call(
         kernel,
         out_shape=[
@@ -2223,6 +2348,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             jax.ShapeDtypeStruct((steps_per_call, batch, 1), I32),
             *[layout[name] for name in state_names],
             *[jax.ShapeDtypeStruct((NUM_LAYERS + 1, rows, width), F32) for width in LAYER_CARRIES.values() if layer_trace],
+            *[jax.ShapeDtypeStruct((len(context_layers), rows, 3072), F32) for _ in context_layers[:1]],
         ],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=n_scalars,
@@ -2268,17 +2394,26 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         )
         new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
         new_state = dict(zip(state_names, new_state, strict=True))
-        trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)} if layer_trace else {}
+        if context_layers:  # [len, rows, width] -> [seqs, span, len, width]
+            *trace, context = trace
+            trace.append(jnp.transpose(context[:, :batch], (1, 0, 2)).reshape(seqs, span, len(context_layers), -1))
+        names = [*LAYER_CARRIES] * layer_trace + ["context"] * bool(context_layers)
+        trace = {name: t if name == "context" else t[:, :batch] for name, t in zip(names, trace, strict=True)}
         next_tokens = next_tokens[:, :, 0].T  # [batch, steps_per_call]
+        if span > 1:
+            return logits.reshape(seqs, span, -1), next_tokens.reshape(seqs, span), new_state, trace
         return logits, next_tokens.reshape(batch) if steps_per_call == 1 else next_tokens, new_state, trace
 
     def step(weights, state, tokens, positions, seed):
         flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
         for name, rows in padded.items():
             flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
-        tokens, positions = tokens.astype(I32), positions.astype(I32)
+        tokens, positions = tokens.astype(I32).reshape(batch), positions.astype(I32).reshape(batch)
         logits, next_tokens, new_state, trace = one_step(flat, state, tokens, positions, seed)
-        return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
+        out = (logits, next_tokens, new_state)
+        if context_layers:
+            out += (trace.pop("context"),)
+        return (*out, trace) if layer_trace else out
 
     jitted = jax.jit(step, donate_argnums=(1,))
-    return CheckedStep(jitted, batch, seq_len, steps_per_call)
+    return CheckedStep(jitted, seqs, seq_len, steps_per_call, span)

@@ -96,6 +96,10 @@ STATE = {
     "k_cache": ((12, "batch", 2, "seq_len", 256), "bfloat16"),
     "v_cache": ((12, "batch", 2, "seq_len", 256), "bfloat16"),
 }
+# State not indexed by a cache position (recurrent) -> the axis of its batch dimension. A verify
+# step (`verify_rows=R`) keeps it per row: that axis holds batch * R slots, slot b*R + r the state
+# after row r of sequence b; the step reads slot b*R + R - 1, which `commit` sets.
+ROW_STATES = {'gdn_state': 1, 'gdn_q_conv': 1, 'gdn_k_conv': 1, 'gdn_v_conv': 1}
 
 # The device mesh (one JAX device per TPU7x core; linear index row-major over the axes).
 MESH_AXES = ('ep', 'tp')
@@ -186,25 +190,43 @@ def weight_layout():
     return {name: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for name, (shape, dtype) in WEIGHTS.items()}
 
 
-def state_layout(batch, seq_len):
-    """ShapeDtypeStructs of the decode state for `batch` rows and caches of `seq_len` tokens."""
+def state_layout(batch, seq_len, rows=1):
+    """ShapeDtypeStructs of the decode state for `batch` rows and caches of `seq_len` tokens
+    (`rows` verify rows per sequence: ROW_STATES with a slot per row)."""
     return {
-        "gdn_state": jax.ShapeDtypeStruct((36, batch, 32, 128, 128), jnp.dtype("float32")),
-        "gdn_q_conv": jax.ShapeDtypeStruct((36, batch, 3, 2048), jnp.dtype("float32")),
-        "gdn_k_conv": jax.ShapeDtypeStruct((36, batch, 3, 2048), jnp.dtype("float32")),
-        "gdn_v_conv": jax.ShapeDtypeStruct((36, batch, 3, 4096), jnp.dtype("float32")),
+        "gdn_state": jax.ShapeDtypeStruct((36, batch * rows, 32, 128, 128), jnp.dtype("float32")),
+        "gdn_q_conv": jax.ShapeDtypeStruct((36, batch * rows, 3, 2048), jnp.dtype("float32")),
+        "gdn_k_conv": jax.ShapeDtypeStruct((36, batch * rows, 3, 2048), jnp.dtype("float32")),
+        "gdn_v_conv": jax.ShapeDtypeStruct((36, batch * rows, 3, 4096), jnp.dtype("float32")),
         "k_cache": jax.ShapeDtypeStruct((12, batch, 2, seq_len, 256), jnp.dtype("bfloat16")),
         "v_cache": jax.ShapeDtypeStruct((12, batch, 2, seq_len, 256), jnp.dtype("bfloat16")),
     }
 
 
-def local_state_layout(batch, seq_len):
+def commit(state, accepted):
+    """A verify step's new state as if only the first accepted[b] (1..R) rows of each sequence
+    had been decoded: slot b*R + accepted[b] - 1 of each ROW_STATES array copied into slot
+    b*R + R - 1 (R from the shapes). KV caches need nothing: the rejected rows' entries are never
+    read (a row reads keys at or before its position) and the next step overwrites them."""
+    accepted = jnp.asarray(accepted, jnp.int32).reshape(-1)
+    seqs = jnp.arange(accepted.shape[0], dtype=jnp.int32)
+    out = dict(state)
+    for name, axis in ROW_STATES.items():
+        x = state[name]
+        rows = x.shape[axis] // accepted.shape[0]
+        index = jnp.arange(x.shape[axis], dtype=jnp.int32)
+        index = index.at[seqs * rows + rows - 1].set(seqs * rows + jnp.clip(accepted, 1, rows) - 1)
+        out[name] = jnp.take(x, index, axis=axis)
+    return out
+
+
+def local_state_layout(batch, seq_len, rows=1):
     """One device's slice of the decode state."""
     return {
-        "gdn_state": jax.ShapeDtypeStruct((36, batch, 4, 128, 128), jnp.dtype("float32")),
-        "gdn_q_conv": jax.ShapeDtypeStruct((36, batch, 3, 256), jnp.dtype("float32")),
-        "gdn_k_conv": jax.ShapeDtypeStruct((36, batch, 3, 256), jnp.dtype("float32")),
-        "gdn_v_conv": jax.ShapeDtypeStruct((36, batch, 3, 512), jnp.dtype("float32")),
+        "gdn_state": jax.ShapeDtypeStruct((36, batch * rows, 4, 128, 128), jnp.dtype("float32")),
+        "gdn_q_conv": jax.ShapeDtypeStruct((36, batch * rows, 3, 256), jnp.dtype("float32")),
+        "gdn_k_conv": jax.ShapeDtypeStruct((36, batch * rows, 3, 256), jnp.dtype("float32")),
+        "gdn_v_conv": jax.ShapeDtypeStruct((36, batch * rows, 3, 512), jnp.dtype("float32")),
         "k_cache": jax.ShapeDtypeStruct((12, batch, 1, seq_len, 256), jnp.dtype("bfloat16")),
         "v_cache": jax.ShapeDtypeStruct((12, batch, 1, seq_len, 256), jnp.dtype("bfloat16")),
     }
@@ -256,6 +278,24 @@ def check_sizes(batch, seq_len):
         raise ValueError(f"seq_len must be a multiple of the KV tile ({KV_TILE}), got {seq_len}")
 
 
+MAX_VERIFY_ROWS = 16  # verify rows per sequence (speculative decoding)
+
+
+def check_verify(batch, verify_rows, steps_per_call, context_layers):
+    """Raise ValueError unless `verify_rows` (rows per sequence) and `context_layers` can be built:
+    batch x rows kernel rows at most max(BATCH_RANGE[1], MAX_VERIFY_ROWS), one step per call."""
+    if not isinstance(verify_rows, int) or not 1 <= verify_rows <= MAX_VERIFY_ROWS:
+        raise ValueError(f"verify_rows must be an int in 1..{MAX_VERIFY_ROWS}, got {verify_rows!r}")
+    most = max(BATCH_RANGE[1], MAX_VERIFY_ROWS)
+    if batch * verify_rows > most:
+        raise ValueError(f"batch x verify_rows = {batch * verify_rows} kernel rows, more than {most}")
+    if verify_rows > 1 and steps_per_call != 1:
+        raise ValueError("a verify step (verify_rows > 1) runs one step per call")
+    bad = [x for x in context_layers if not isinstance(x, int) or not 0 <= x < NUM_LAYERS]
+    if bad:
+        raise ValueError(f"context_layers must be layer indices 0..{NUM_LAYERS - 1}, got {bad}")
+
+
 def _described(x):
     return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
 
@@ -281,27 +321,39 @@ def _check_arrays(kind, given, expected):
             raise ValueError(f"{kind} `{name}` is {_described(x)}, expected {_described(want)}")
 
 
-def _check_ids(name, x, batch, size, what):
-    """One integer id per row, each in 0..size-1 (values are checked when they are known)."""
+def _check_ids(name, x, batch, size, what, rows=1):
+    """One integer id per row (per sequence and verify row: [batch, rows]), each in 0..size-1
+    (values are checked when they are known)."""
+    shape = (batch,) if rows == 1 else (batch, rows)
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"{name} must be an integer array of shape ({batch},), got a {type(x).__name__}")
-    if tuple(x.shape) != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an integer array of shape ({batch},), got {_described(x)}")
-    if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        raise ValueError(f"{name} must be an integer array of shape {shape}, got a {type(x).__name__}")
+    if tuple(x.shape) != shape or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an integer array of shape {shape}, got {_described(x)}")
+    if _abstract(x):
         return  # traced or abstract: no values to check
-    values = np.asarray(x)
+    values = np.asarray(x).reshape(-1)
     bad = np.flatnonzero((values < 0) | (values >= size))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"{name}[{i}] = {int(values[i])} is outside 0..{size - 1} ({what})")
+        at = i if rows == 1 else (i // rows, i % rows)
+        raise ValueError(f"{name}[{at}] = {int(values[i])} is outside 0..{size - 1} ({what})")
 
 
-def check_inputs(weights, state, tokens, positions, batch, seq_len):
-    """Raise ValueError unless the inputs are what the step for (batch, seq_len) takes."""
+def _abstract(x):
+    return isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct))
+
+
+def check_inputs(weights, state, tokens, positions, batch, seq_len, rows=1):
+    """Raise ValueError unless the inputs are what the step for (batch, seq_len) takes; `rows`
+    verify rows per sequence: tokens and positions [batch, rows], positions consecutive."""
     _check_arrays("weights", weights, weight_layout())
-    _check_arrays("state", state, state_layout(batch, seq_len))
-    _check_ids("tokens", tokens, batch, VOCAB_SIZE, f"the vocabulary has {VOCAB_SIZE} tokens")
-    _check_ids("positions", positions, batch, seq_len, f"the cache holds {seq_len} tokens")
+    _check_arrays("state", state, state_layout(batch, seq_len, rows))
+    _check_ids("tokens", tokens, batch, VOCAB_SIZE, f"the vocabulary has {VOCAB_SIZE} tokens", rows)
+    _check_ids("positions", positions, batch, seq_len, f"the cache holds {seq_len} tokens", rows)
+    if rows > 1 and not _abstract(positions):
+        p = np.asarray(positions)
+        if (p != p[:, :1] + np.arange(rows)).any():
+            raise ValueError(f"positions must be consecutive in each sequence's {rows} rows, got {p.tolist()}")
 
 
 def _seed(seed):
@@ -317,11 +369,12 @@ class CheckedStep:
     """The jitted decode step behind a check of its inputs; `jitted` is the step itself
     (`jitted(weights, state, tokens, positions, seed)`, seed a uint32 scalar)."""
 
-    def __init__(self, jitted, batch, seq_len, steps_per_call=1):
+    def __init__(self, jitted, batch, seq_len, steps_per_call=1, rows=1):
         self.jitted, self.batch, self.seq_len, self.steps_per_call = jitted, batch, seq_len, steps_per_call
+        self.rows = rows
 
     def _check(self, weights, state, tokens, positions):
-        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len)
+        check_inputs(weights, state, tokens, positions, self.batch, self.seq_len, self.rows)
         if self.steps_per_call > 1:  # every step's position must be in the cache
             room = self.seq_len - self.steps_per_call + 1
             _check_ids("positions", positions, self.batch, room, f"{self.steps_per_call} steps from each need room")
@@ -1659,10 +1712,19 @@ class Attention:
     own KV tile tables, which hold only the tiles the window reaches; with sinks, each head's
     online softmax starts from its sink logit (max = sink, sum = 1, no value), so the sink is
     in the denominator only.
+
+    Verify rows (`span` = R > 1): row i is row i % R of sequence i // R, whose cache it reads.
+    Its tiles are patched with the new K/V of the sequence's rows 0..i % R that fall in them (the
+    cache does not hold them yet), so the position mask makes it causal among the rows; each
+    row keeps its patched block, and after every row has attended, the last row of the sequence
+    in each KV_BLOCK block writes that block back (waited for at once: no tile read overlaps it).
     """
 
     def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names,
-                 window=None, kv_load=None, kv_lo=None):
+                 window=None, kv_load=None, kv_lo=None, span=1):
+        if span > 1 and kv_lo is not None:
+            raise NotImplementedError("verify rows with replicated KV heads have no kernel yet")
+        self.span = span
         self.r, self.positions_ref, self.op_id = r, positions_ref, op_id
         self.rows, self.batch, self.heads, self.kv_heads = rows, batch, heads, kv_heads
         # Replicated KV heads (kv_lo given): read only KV head kv_lo, which all `heads` share.
@@ -1676,7 +1738,7 @@ class Attention:
             self.kv_row, self.kv_t0, self.kv_n = r.kv_row, r.kv_t0, r.kv_n
 
     def copies(self, slot, j, buf):
-        b = self.kv_row[j]
+        b = self.kv_row[j] // self.span  # the row's sequence: its cache
         t0 = pl.multiple_of(self.kv_t0[j], self.kv_tile)
         kv = pl.ds(0 if self.kv_lo is None else self.kv_lo, self.kv_load)
         return (
@@ -1697,7 +1759,7 @@ class Attention:
     def writeback(self, which, slot, b, t):
         cache = self.k_cache_out if which == 0 else self.v_cache_out
         return pltpu.make_async_copy(
-            self.wb.at[which, b], cache.at[slot, b, :, pl.ds(t, KV_BLOCK), :], self.wb_sem.at[0]
+            self.wb.at[which, b], cache.at[slot, b // self.span, :, pl.ds(t, KV_BLOCK), :], self.wb_sem.at[0]
         )
 
     def drain(self):
@@ -1765,9 +1827,13 @@ class Attention:
                     self.l[...] = jnp.ones(self.l.shape, F32)
                 self.acc[...] = jnp.zeros(self.acc.shape, F32)
 
-            @pl.when(pos < t0 + self.kv_tile)  # this row's last tile holds the new token
-            def _():
-                self.patch_new_token(slot, b, buf, t0, pos)
+            if self.span > 1:
+                self.patch_rows(b, buf, t0)
+            else:
+
+                @pl.when(pos < t0 + self.kv_tile)  # this row's last tile holds the new token
+                def _():
+                    self.patch_new_token(slot, b, buf, t0, pos)
 
             self.attend(buf, b, t0, pos)
 
@@ -1780,7 +1846,10 @@ class Attention:
             return carry
 
         jax.lax.fori_loop(0, self.kv_n[0], tile, 0)
-        self.r.wb_pending[self.op_id] = 1
+        if self.span > 1:
+            self.write_rows(slot)
+        else:
+            self.r.wb_pending[self.op_id] = 1
         for h in range(heads):
             out[:, h * self.dv : (h + 1) * self.dv] = self.heads_at(self.o2d, h * rows, rows, self.dv)
 
@@ -1806,6 +1875,45 @@ class Attention:
             else:
                 tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = self.wb[which, b, pl.ds(self.kv_lo, 1)]
             self.writeback(which, slot, b, pl.multiple_of(t0 + blk, KV_BLOCK)).start()
+
+    def patch_rows(self, b, buf, t0):
+        """Verify rows: patch into tile `buf` (first token t0) the new K/V of every row of row b's
+        sequence up to b that falls in it; at b's own position keep the patched block (`wb`)."""
+        first = b // self.span * self.span
+        for k in range(self.span):
+            src = first + k
+            at = self.positions_ref[src]
+
+            @pl.when((src <= b) & (at >= t0) & (at < t0 + self.kv_tile))
+            def _(src=src, at=at):
+                blk = pl.multiple_of((at - t0) // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+                for which, tiles, new2d, d in ((0, self.ktiles, self.k2d, self.dk), (1, self.vtiles, self.v2d, self.dv)):
+                    old = tiles[buf, :, pl.ds(blk, KV_BLOCK), :]
+                    new = self.heads_at(new2d, src, self.kv_heads, d, stride=self.rows).astype(old.dtype)
+                    row = jax.lax.broadcasted_iota(I32, old.shape, 1)
+                    patched = jnp.where(row == at - t0 - blk, new[:, None, :], old)
+                    tiles[buf, :, pl.ds(blk, KV_BLOCK), :] = patched
+
+                    @pl.when(src == b)
+                    def _(which=which, patched=patched):
+                        self.wb[which, b] = patched
+
+    def write_rows(self, slot):
+        """Verify rows: each block the rows wrote, from the last row of its sequence in it."""
+        for b in range(self.batch):
+            pos = self.positions_ref[b]
+
+            def write(b=b, pos=pos):
+                t = pl.multiple_of(pos // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+                for which in (0, 1):
+                    copy = self.writeback(which, slot, b, t)
+                    copy.start()
+                    copy.wait()
+
+            if b % self.span == self.span - 1:
+                write()
+            else:
+                pl.when((pos + 1) % KV_BLOCK == 0)(write)
 
     def seen(self, t, pos):
         """The keys a query at `pos` attends to: t <= pos, and within the window if there is one."""
@@ -1875,14 +1983,21 @@ class ShortConv:
     issued by a loop over the rows (one copy of the issue code whatever the batch) and waited
     for by tap, a tap's rows in one wait of their summed bytes; the conv runs as a loop over
     lane-aligned column chunks (one copy of its code), the padded rows' window read as zeros.
+
+    Verify rows (`span` = R > 1): every row of a sequence reads the sequence's committed window
+    (slot b*R + R - 1), which `windows` then shifts by the inputs of the sequence's earlier rows
+    (rounded to the state's dtype, as the state stores them); each row writes the window after
+    it to its own slot.
     """
 
-    def __init__(self, state, state_out, buf, sem, batch):
+    def __init__(self, state, state_out, buf, sem, batch, span=1):
         self.state, self.state_out, self.buf, self.sem, self.batch = state, state_out, buf, sem, batch
+        self.span = span
 
     def copy(self, slot, b, t, out):
         hbm = self.state_out if out else self.state
-        vmem, row = self.buf.at[t, pl.ds(b, 1)], hbm.at[slot, b, pl.ds(t, 1), :]
+        src = b if out or self.span == 1 else b // self.span * self.span + self.span - 1
+        vmem, row = self.buf.at[t, pl.ds(b, 1)], hbm.at[slot, src, pl.ds(t, 1), :]
         src, dst = (vmem, row) if out else (row, vmem)
         return pltpu.make_async_copy(src, dst, self.sem.at[int(out), t])
 
@@ -1903,9 +2018,25 @@ class ShortConv:
             rows = self.buf.at[t, pl.ds(0, self.batch)]
             pltpu.make_async_copy(rows, rows, self.sem.at[int(out), t]).wait()
 
+    def windows(self, x):
+        """Verify rows: row r of a sequence gets the last K-1 of (committed window, x of rows 0..r-1)."""
+        taps = self.buf.shape[0]
+        for first in range(0, self.batch, self.span):
+            for k in range(1, self.span):
+                for t in range(taps):
+                    at = k + t  # in the sequence (window, x_0, x_1, ...)
+                    if at < taps:
+                        value = self.buf[at, first : first + 1, :]
+                    else:
+                        row = first + at - taps
+                        value = x[row : row + 1, :].astype(self.buf.dtype)
+                    self.buf[t, first + k : first + k + 1, :] = value
+
     def __call__(self, slot, x, w, out):
         taps, rows, c = self.buf.shape
         self.move(slot, out=False)
+        if self.span > 1:
+            self.windows(x)
         live = jax.lax.broadcasted_iota(I32, (rows, 1), 0) < self.batch  # padded rows read as zeros
 
         def chunk(cols):
@@ -1989,11 +2120,15 @@ class DeltaRule:
     per slot for all its states, an iteration ahead.
     """
 
-    def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False):
+    def __init__(self, state, state_out, s_in, s_out, sem, batch, heads, group=1, scalar_decay=False, span=1):
         self.state, self.state_out, self.s_in, self.s_out, self.sem = state, state_out, s_in, s_out, sem
         self.batch, self.heads, self.group, self.scalar_decay = batch, heads, group, scalar_decay
         self.slots, cap = s_in.shape[0], s_in.shape[1]
-        self.rows = min(batch, cap)  # rows per slot; more rows than that run as groups of rows
+        # rows per slot; more rows than that run as groups of rows. Verify rows (span R > 1) run
+        # one at a time, in order: row b*R + r reads the state row r - 1 wrote (r = 0: the
+        # committed slot b*R + R - 1) and writes its own slot.
+        self.span = span
+        self.rows = min(batch, cap) if span == 1 else 1
         self.per = max(c for c in range(1, heads + 1) if heads % c == 0 and c * self.rows <= cap)
         self.units = heads // self.per
 
@@ -2002,6 +2137,9 @@ class DeltaRule:
         one for a single row or a single head per row, else one per row."""
         hbm = self.state_out if out else self.state
         buf = (self.s_out if out else self.s_in).at[s]
+        if self.span > 1 and not out:  # a verify row reads the state its sequence's previous row wrote
+            first = r0 // self.span * self.span
+            hbm, r0 = (self.state_out, r0 - 1) if r0 > first else (self.state, first + self.span - 1)
         if rows == 1 or self.per == 1:
             heads = pl.ds(u * self.per, self.per) if rows == 1 else u
             pairs = [(buf.at[pl.ds(0, rows * self.per)], hbm.at[slot, r0 if rows == 1 else pl.ds(r0, rows), heads])]
@@ -2612,7 +2750,7 @@ EPILOGUE_STREAMS = (S_EPILOGUE_LOGITS, )
 RING = ring_tables(KIND_STREAMS, EPILOGUE_STREAMS)
 
 
-def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False, sampling=None, steps_per_call=1):
+def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=False, sampling=None, steps_per_call=1, verify_rows=1, context_layers=()):
     """The decode step for `batch` rows (1..8) and caches of `seq_len` tokens.
 
     Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`, which
@@ -2634,8 +2772,19 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     N decode steps in one kernel call (a loop in the kernel, each step's token fed to the next
     on the device, positions advancing by one) and returns the N tokens as next_tokens
     i32 [batch, N] with the last step's logits.
+
+    `verify_rows=R` > 1 (speculative decoding): each of the `batch` sequences has R rows at
+    consecutive positions; tokens and positions are i32 [batch, R], logits [batch, R, V] and
+    next_tokens [batch, R] (the target's token after each row); ROW_STATES keep a slot per row
+    (`state_layout(batch, seq_len, R)`, `commit`). The kernel runs batch x R rows over one weight
+    stream; row r reads its sequence's cache and rows 0..r. `context_layers=(l, ...)` adds an
+    output, f32 [batch, R, len, width]: the first carry (the residual stream) after each layer.
     """
     check_sizes(batch, seq_len)
+    context_layers = tuple(context_layers)
+    check_verify(batch, verify_rows, steps_per_call, context_layers)
+    seqs, span = batch, verify_rows
+    batch = seqs * span  # kernel rows: row b * span + r is row r of sequence b
     if sampling is None:
         sampling = Sampling()
     elif not all(hasattr(sampling, k) for k in ("temperature", "top_k", "top_p")):
@@ -2653,6 +2802,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
     state_names = list(STATE)
     outputs = ["logits", "chosen"] + [f"{name}_out" for name in state_names]  # chosen: every step's tokens
     traces = [f"{name}_trace" for name in LAYER_CARRIES] if layer_trace else []
+    traces += ["context"] if context_layers else []
     outputs += traces
     scratch = {
         "ring": pltpu.VMEM((12, 2048, 512), jnp.bfloat16),
@@ -2777,11 +2927,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     arms, past = RING.ahead[consumer] if consumer is not None else (None, True)
                 ring_issue(r, RING, tile_desc_ref, g, arms, past)
 
-            attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, heads=8, kv_heads=1, dk=256, dv=256, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.0625, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)
-            conv0_gdn_2 = ShortConv(r.gdn_q_conv, r.gdn_q_conv_out, r.conv0_buf, r.conv0_sem, batch)
-            conv0_gdn_5 = ShortConv(r.gdn_k_conv, r.gdn_k_conv_out, r.conv0_buf, r.conv0_sem, batch)
-            conv1_gdn_8 = ShortConv(r.gdn_v_conv, r.gdn_v_conv_out, r.conv1_buf, r.conv1_sem, batch)
-            rule0_gdn_20 = DeltaRule(r.gdn_state, r.gdn_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 4, group=2, scalar_decay=True)
+            attention0 = Attention(r, positions_ref, 0, rows=rows, batch=batch, span=span, heads=8, kv_heads=1, dk=256, dv=256, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale=0.0625, names={'q2d': 'att0_q2d', 'k2d': 'att0_k2d', 'v2d': 'att0_v2d', 'o2d': 'att0_o2d', 'ktiles': 'att0_ktiles', 'vtiles': 'att0_vtiles', 'm': 'att0_m', 'l': 'att0_l', 'acc': 'att0_acc', 'wb': 'att0_wb', 'kv_sem': 'att0_kv_sem', 'wb_sem': 'att0_wb_sem', 'k_cache': 'k_cache', 'v_cache': 'v_cache', 'k_cache_out': 'k_cache_out', 'v_cache_out': 'v_cache_out'}, window=None)
+            conv0_gdn_2 = ShortConv(r.gdn_q_conv, r.gdn_q_conv_out, r.conv0_buf, r.conv0_sem, batch, span)
+            conv0_gdn_5 = ShortConv(r.gdn_k_conv, r.gdn_k_conv_out, r.conv0_buf, r.conv0_sem, batch, span)
+            conv1_gdn_8 = ShortConv(r.gdn_v_conv, r.gdn_v_conv_out, r.conv1_buf, r.conv1_sem, batch, span)
+            rule0_gdn_20 = DeltaRule(r.gdn_state, r.gdn_state_out, r.rule0_in, r.rule0_out, r.rule0_sem, batch, 4, group=2, scalar_decay=True, span=span)
             experts0_gdn_34 = MoE(r, rows=rows, batch=batch, E=64, k=10, D=2048, F=512, tn=256, slots=4, names={'w1': 'moe_w1', 'w3': 'moe_w3', 'w2': 'moe_w2'}, prefix='experts0_', act=lambda a0, a1: ((t0 := jax.nn.silu(a0) * a1), t0)[-1], fmt='bf16', E_route=512, lo=comm.group_index(7) * 64)
             experts0_full_attn_21 = MoE(r, rows=rows, batch=batch, E=64, k=10, D=2048, F=512, tn=256, slots=4, names={'w1': 'moe_w1', 'w3': 'moe_w3', 'w2': 'moe_w2'}, prefix='experts0_', act=lambda a0, a1: ((t0 := jax.nn.silu(a0) * a1), t0)[-1], fmt='bf16', E_route=512, lo=comm.group_index(7) * 64)
 
@@ -2989,6 +3139,11 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
                     r.carry0[...] = r.v20_2048[...]
                 if layer_trace:
                     pltpu.sync_copy(r.carry0, r.x_trace.at[li + 1])
+                for k, at in enumerate(context_layers):  # the residual stream a drafter reads
+
+                    @pl.when(li == at)
+                    def _(k=k):
+                        pltpu.sync_copy(r.carry0, r.context.at[k])
 
                 return carry
 
@@ -3019,7 +3174,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
 
     n_scalars = 8  # tokens, positions, the layer tables, the tile descriptors, the sampling seed
     first_state = n_scalars + len(hbm_inputs)
-    layout = local_state_layout(batch, seq_len)
+    layout = local_state_layout(seqs, seq_len, span)
     call = pl.pallas_call(
         kernel,
         out_shape=[
@@ -3027,6 +3182,7 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
             jax.ShapeDtypeStruct((steps_per_call, batch, 1), I32),
             *[layout[name] for name in state_names],
             *[jax.ShapeDtypeStruct((NUM_LAYERS + 1, rows, width), F32) for width in LAYER_CARRIES.values() if layer_trace],
+            *[jax.ShapeDtypeStruct((len(context_layers), rows, 2048), F32) for _ in context_layers[:1]],
         ],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=n_scalars,
@@ -3072,17 +3228,26 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         )
         new_state, trace = new_state[: len(state_names)], new_state[len(state_names) :]
         new_state = dict(zip(state_names, new_state, strict=True))
-        trace = {name: t[:, :batch] for name, t in zip(LAYER_CARRIES, trace, strict=True)} if layer_trace else {}
+        if context_layers:  # [len, rows, width] -> [seqs, span, len, width]
+            *trace, context = trace
+            trace.append(jnp.transpose(context[:, :batch], (1, 0, 2)).reshape(seqs, span, len(context_layers), -1))
+        names = [*LAYER_CARRIES] * layer_trace + ["context"] * bool(context_layers)
+        trace = {name: t if name == "context" else t[:, :batch] for name, t in zip(names, trace, strict=True)}
         next_tokens = next_tokens[:, :, 0].T  # [batch, steps_per_call]
+        if span > 1:
+            return logits.reshape(seqs, span, -1), next_tokens.reshape(seqs, span), new_state, trace
         return logits, next_tokens.reshape(batch) if steps_per_call == 1 else next_tokens, new_state, trace
 
     def step(weights, state, tokens, positions, seed):
         flat = {name: weights[name].reshape(1, -1) if name in vectors else weights[name] for name in hbm_inputs}
         for name, rows in padded.items():
             flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
-        tokens, positions = tokens.astype(I32), positions.astype(I32)
+        tokens, positions = tokens.astype(I32).reshape(batch), positions.astype(I32).reshape(batch)
         logits, next_tokens, new_state, trace = one_step(flat, state, tokens, positions, seed)
-        return (logits, next_tokens, new_state, trace) if layer_trace else (logits, next_tokens, new_state)
+        out = (logits, next_tokens, new_state)
+        if context_layers:
+            out += (trace.pop("context"),)
+        return (*out, trace) if layer_trace else out
 
     jitted = jax.jit(step, donate_argnums=(1,))
-    return CheckedStep(jitted, batch, seq_len, steps_per_call)
+    return CheckedStep(jitted, seqs, seq_len, steps_per_call, span)
