@@ -11,12 +11,21 @@ STATE_RTOL of its vector's largest |ref| plus one storage ulp, and the logits wi
 LOGIT_RTOL of the row's largest |ref logit|. A row attending one position too far or too short,
 or a state committed from the wrong row, is off by O(1) of the scale.
 
+Reference (fast for tiny): greedy speculative decoding with the verify reference and `commit`
+gives exactly plain greedy decoding's tokens, with every accepted length occurring.
+
 Kernel (slow, TPU interpret mode, race detector on, NaN-filled memory): greedy speculative
-decoding with the kernel's verify step and the module's `commit` produces token for token what
-plain greedy decoding (the reference's) produces, over >= 24 tokens, with drafts forced partly
-wrong so that every accepted length 0..R-1 (drafted tokens kept) occurs, and every step's kernel
-equals the reference layer by layer (mkdsl/verify/kernel.py's LayerChecker over the B*R rows, its
-bounds derived there). Cases: tiny (R = 8), Gemma 3 mini (GQA with a 32-token window, crossed),
+decoding with the kernel's verify step and the module's `commit`, over >= 24 tokens with drafts
+forced partly wrong so that every accepted length 0..R-1 (drafted tokens kept) occurs, is checked
+token by token against plain greedy decoding (the reference's plain step fed the accepted
+tokens): every kept token is the reference's argmax there, or a near tie, within twice the
+whole-step logit bound ((L + 1) x LOGIT_RTOL of the row's largest |logit|, as above; twice, as
+LayerChecker allows, since both sides may be off). A near tie may go either way under rounding
+(Qwen3-Next mini, seed 8: a top-2 gap of 0.0168 at logits of 6.7), so the sequences then go on
+from the kernel's token; more than two in a run would mean errors far above rounding. A state
+committed from the wrong row or a row attending the wrong positions moves logits by O(1). Every
+step's kernel also equals the reference layer by layer (mkdsl/verify/kernel.py's LayerChecker over
+the B*R rows, its bounds derived there). Cases: tiny (R = 8), Gemma 3 mini (GQA with a 32-token window, crossed),
 Qwen3-30B-A3B mini (MoE), Qwen3-Next mini (gated delta net, short convolutions), Kimi K3 mini
 (KDA + MLA, sharded over 8 devices), R = 4 except tiny.
 """
@@ -200,9 +209,49 @@ def test_reference_greedy_speculative_decoding_equals_plain_greedy(path, profile
     assert set(kept) == set(range(rows)), kept
 
 
+def _speculate_against(plain, weights, verify_step, commit, state, ref_state, token, start, rows, count, vocab, tie):
+    """Greedy speculative decoding checked token by token against plain greedy decoding (the
+    reference's `plain` step, fed the accepted tokens): each step's drafts are the reference's
+    greedy continuation, forced wrong after k of them (k: the smallest accepted length not seen
+    yet, then all right); every token the verify step keeps must be the reference's argmax at
+    that position, or within `tie` x the row's largest |logit| of it (a near tie, which rounding
+    may decide either way; the sequences then go on from the kernel's token). Returns (tokens,
+    accepted drafts per step, near ties)."""
+    out, kept, ties, pos, last = [], [], [], start, token
+    for _ in range(count + 2 * rows):
+        missing = [n for n in range(rows) if n not in kept]
+        if len(out) >= count and not missing:
+            break
+        k = missing[0] if missing else rows - 1
+        s, t, cont = dict(ref_state), last, []
+        for i in range(rows - 1):
+            _, nt, s = plain(weights, s, np.array([t], np.int32), np.array([pos + i], np.int32))
+            t = int(np.asarray(nt)[0])
+            cont.append(t)
+        drafts = [c if i < k else (c + 1) % vocab for i, c in enumerate(cont)]
+        tokens = np.array([[last, *drafts]], np.int32)
+        nxt, state = verify_step(state, tokens, pos + np.arange(rows, dtype=np.int32)[None])
+        nxt = np.asarray(nxt).reshape(rows)
+        a = 1
+        while a < rows and drafts[a - 1] == nxt[a - 1]:
+            a += 1
+        for j in range(a):  # the reference fed the kept rows
+            logits, _, ref_state = plain(weights, ref_state, tokens[0, j : j + 1], np.array([pos + j], np.int32))
+            lg, choice = _f32(logits[0]), int(nxt[j])
+            if choice != int(lg.argmax()):
+                gap = float(lg.max() - lg[choice])
+                assert gap <= tie * np.abs(lg).max(), f"token {len(out) + j}: {choice}, {gap:.3g} below the argmax"
+                ties.append(len(out) + j)
+        out += [*drafts[: a - 1], int(nxt[a - 1])]
+        kept.append(a - 1)
+        state = commit(state, np.array([a], np.int32))
+        pos, last = pos + a, out[-1]
+    return out, kept, ties
+
+
 KERNEL_CASES = [
     ("specs/tiny.mk", None, 8, 10),
-    ("specs/gemma3_27b.mk", "mini", 4, 20),
+    ("specs/gemma3_27b.mk", "mini", 4, 20),  # from position 20 past the 32-token window
     ("specs/qwen3_30b_a3b.mk", "mini", 4, 10),
     ("specs/qwen3_next_80b_a3b.mk", "mini", 4, 10),
     ("specs/kimi_k3.mk", "mini", 4, 10),
@@ -217,13 +266,11 @@ KERNEL_CASES = [
     ids=["tiny_r8", "gemma3_mini", "qwen3_mini", "qwen3_next_mini", "kimi_mini"],
 )
 def test_kernel_speculative_decoding_equals_plain_greedy_layer_by_layer(path, profile, rows, start):
-    spec, count = _spec(path, profile), max(24, rows * (rows + 1) // 2)  # every accepted length, once
+    spec, count = _spec(path, profile), max(24, rows * (rows + 1) // 2)
     model, module = spec.model, mkdsl.load_kernel(spec)
     seq_len = verify.check_seq_len(module)
-    assert start + count + 2 * rows <= seq_len
+    assert start + count + 3 * rows <= seq_len
     weights, state = mkdsl.random_inputs(spec, batch=1, seq_len=seq_len, seed=8)
-    vocab = module.VOCAB_SIZE
-    want = _greedy(mkdsl.reference_step(spec), weights, state, 11, start, count + rows)
     step = module.build_decode_step(1, seq_len, interpret=verify.interpret_params(), layer_trace=True, verify_rows=rows)
     checker, failures = verify.LayerChecker(model, rows=rows), []
     sharded, pad = hasattr(module, "MESH_SHAPE"), getattr(module, "pad_weights", dict)
@@ -241,7 +288,11 @@ def test_kernel_speculative_decoding_equals_plain_greedy_layer_by_layer(path, pr
 
     pltpu.reset_tpu_interpret_mode_state()
     start_state = {k: np.asarray(v) for k, v in mkdsl.verify_state(spec, state, rows).items()}
-    got, kept = _speculate(verify_step, commit, start_state, 11, start, want, rows, vocab)
+    tie = 2 * (len(model.schedule) + 1) * LOGIT_RTOL  # twice the whole-step logit bound (module docstring)
+    plain = mkdsl.reference_step(spec)
+    got, kept, ties = _speculate_against(
+        plain, weights, verify_step, commit, start_state, state, 11, start, rows, count, module.VOCAB_SIZE, tie
+    )
     assert failures == []
-    assert got[:count] == want[:count]
-    assert set(kept) == set(range(rows)), kept
+    assert len(got) >= count and set(kept) == set(range(rows)), kept
+    assert len(ties) <= 2, f"near ties at tokens {ties}"  # random logits: a near tie is rare
