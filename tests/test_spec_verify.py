@@ -296,3 +296,11 @@ def test_kernel_speculative_decoding_equals_plain_greedy_layer_by_layer(path, pr
     assert failures == []
     assert len(got) >= count and set(kept) == set(range(rows)), kept
     assert len(ties) <= 2, f"near ties at tokens {ties}"  # random logits: a near tie is rare
+
+
+def test_mkdsl_verify_rows_out_of_range_is_a_usage_error(capsys):
+    from mkdsl.cli import main
+
+    assert main(["verify", "specs/tiny.mk", "--rows", "17", "--no-compile"]) == 2
+    assert "--rows 17: verify rows must be 1..16" in capsys.readouterr().err
+    assert main(["verify", "specs/tiny.mk", "--rows", "4", "--batch", "8", "--no-compile"]) == 2
