@@ -278,7 +278,7 @@ def kda(b: Builder, kind: str) -> str:
         f"k = l2norm({conv_of['k']}, heads={heads})",
         f"g = kda_gate(linear(linear(h, {wfa}), {wfb}), {a_log}, {dt}, heads={heads})",
         f"beta = sigmoid(slice(linear(h, {wb}), start=0, size={heads}))",
-        f"o = recurrent(q, k, {conv_of['v']}, {st}, g, beta, heads={heads}, rule=\"delta\")",
+        f'o = recurrent(q, k, {conv_of["v"]}, {st}, g, beta, heads={heads}, rule="delta")',
     ]
     b.parts.append(f"kda(h{heads}, taps{taps})")
     return _block(b, "kda", body, f"linear(o, {wo})")

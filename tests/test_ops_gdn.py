@@ -225,7 +225,12 @@ def test_shape_rule_accepts_qwen3_next_shapes():
 S4 = state(("B", 4, 4, 4))
 BAD = [
     # (operands, attrs, blamed arg, message fragment)
-    ([val(("B", 8))] * 3 + [S4, val(("B", 8)), val(("B", 4))], {"heads": 4, "key_heads": 3}, "key_heads", "not a multiple"),
+    (
+        [val(("B", 8))] * 3 + [S4, val(("B", 8)), val(("B", 4))],
+        {"heads": 4, "key_heads": 3},
+        "key_heads",
+        "not a multiple",
+    ),
     ([val(("B", 8))] * 3 + [S4, val(("B", 8)), val(("B", 4))], {"heads": 4, "key_heads": 0}, "key_heads", "positive"),
     ([val(("B", 16))] * 3 + [S4, val(("B", 4)), val(("B", 4))], {"heads": 4, "key_heads": 2}, 0, "2 key heads"),
     (
@@ -235,7 +240,12 @@ BAD = [
         "expected 4 (one decay per head) or 16 (one per key channel)",
     ),
     ([val(("B", 8)), val(("B", 8)), val(("B", 16)), S4, weight((3,))], {"heads": 4, "key_heads": 2}, 4, "heads=4"),
-    ([val(("B", 8)), val(("B", 8)), val(("B", 16)), S4], {"heads": 4, "key_heads": 2, "rule": "mamba"}, "rule", "one of"),
+    (
+        [val(("B", 8)), val(("B", 8)), val(("B", 16)), S4],
+        {"heads": 4, "key_heads": 2, "rule": "mamba"},
+        "rule",
+        "one of",
+    ),
 ]
 
 

@@ -598,7 +598,9 @@ def test_shape_rules_accept_kimi_shapes():
         TensorType(F32, (b, n)),
     )
     st4 = state((b, 96, 128, 128))
-    assert infer("recurrent", [val((b, n))] * 3 + [st4, val((b, n)), val((b, 96))], heads=96) == (TensorType(F32, (b, n)),)
+    assert infer("recurrent", [val((b, n))] * 3 + [st4, val((b, n)), val((b, 96))], heads=96) == (
+        TensorType(F32, (b, n)),
+    )
     assert infer("res_init", [val((b, 7168))], nblocks=8) == (
         TensorType(F32, (b, 8 * 7168)),
         TensorType(F32, (b, 7168)),
@@ -656,7 +658,13 @@ BAD = [
         3,
         "expected one of: f32",
     ),
-    ("recurrent", [val(("B", 8))] * 3 + [state(("B", 2, 4, 4)), val(("B", 8)), val(("C", 2))], {"heads": 2}, 5, "has C rows"),
+    (
+        "recurrent",
+        [val(("B", 8))] * 3 + [state(("B", 2, 4, 4)), val(("B", 8)), val(("C", 2))],
+        {"heads": 2},
+        5,
+        "has C rows",
+    ),
     ("res_init", [val(("B", 8))], {"nblocks": 0}, "nblocks", "integer >= 1"),
     (
         "res_mix",
@@ -705,7 +713,9 @@ def test_costs():
     b, heads, dk, dv, n = 2, 3, 16, 8, 48
     t = lambda *s, dt=F32: TensorType(dt, s)  # noqa: E731
     c = OPS["recurrent"].cost(
-        [t(b, heads * dk)] * 3 + [t(b, heads, dk, dv), t(b, heads * dk), t(b, heads)], [t(b, heads * dv)], {"heads": heads}
+        [t(b, heads * dk)] * 3 + [t(b, heads, dk, dv), t(b, heads * dk), t(b, heads)],
+        [t(b, heads * dv)],
+        {"heads": heads},
     )
     assert c.state_bytes == 2 * b * heads * dk * dv * 4 and c.weight_bytes == 0 and c.flops == 7 * b * heads * dk * dv
     c = OPS["short_conv"].cost([t(b, n), t(4, n, dt=BF16), t(b, 3, n)], [t(b, n)], {})

@@ -347,8 +347,8 @@ register(
         optional=2,
         inout=("state",),
         doc="Linear recurrence, one token: S' = exp(g)·S (g [B, heads·dk] per key channel, [B, heads] per head, "
-        "a weight [heads] constant per head, or none); u = beta·(v - S'ᵀk) (`rule=\"delta\"`: KDA, Gated "
-        "DeltaNet) or beta·v (`rule=\"outer\"`: Mamba2, GLA, RetNet); S = S' + k⊗u; o = Sᵀq. q, k "
+        'a weight [heads] constant per head, or none); u = beta·(v - S\'ᵀk) (`rule="delta"`: KDA, Gated '
+        'DeltaNet) or beta·v (`rule="outer"`: Mamba2, GLA, RetNet); S = S\' + k⊗u; o = Sᵀq. q, k '
         "[B, key_heads·dk] (value head h reads key head h // (heads/key_heads)); beta [B, heads] (none: 1); "
         "state [B, heads, dk, dv] f32, updated in place.",
         shard="key_heads",
