@@ -303,6 +303,7 @@ class CompileResult:
     planner_vmem: int
     seconds: float
     error: str | None = None
+    internal: bool = False  # libtpu rejected the kernel (mosaic_errors.KernelCompileError): exit 3
 
 
 def import_generated(text: str, directory, name: str) -> ModuleType:
@@ -370,6 +371,7 @@ def check_batch(
 def compile_check(module, plan_vmem: int, batch: int, fresh: Callable[[], ModuleType]) -> CompileResult:
     """The kernel compiled by libtpu for its TPU7x topology, and the compiler's VMEM beside the plan's."""
     from mkdsl.backends.tpu import libtpu as tpu_compile
+    from mkdsl.backends.tpu.mosaic_errors import KernelCompileError
 
     topology = tpu_compile.topology_for(module)
     seq_len = check_seq_len(module)
@@ -380,6 +382,8 @@ def compile_check(module, plan_vmem: int, batch: int, fresh: Callable[[], Module
         used, _ = tpu_compile.compiler_vmem(
             fresh(), lambda m: tpu_compile.compile_module(m, devices, batch, seq_len), limit
         )
+    except KernelCompileError as e:  # a kernel libtpu rejects: mkdsl's internal compiler error
+        return CompileResult(topology, batch, None, plan_vmem, 0.0, str(e), internal=True)
     except Exception as e:  # the compiler's verdict, reported as the check's result
         return CompileResult(topology, batch, None, plan_vmem, 0.0, f"{type(e).__name__}: {str(e)[:2000]}")
     return CompileResult(topology, batch, used, plan_vmem, seconds)
