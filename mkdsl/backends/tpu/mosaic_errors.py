@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MOSAIC = "Mosaic failed to compile"
-_OP = re.compile(r'^\s*%\S+ = "?([\w.]+)"?\(.*?:\s*\((.*?)\)\s*->\s*(\S+?)\s+loc\((#loc\d*)\)', re.M)
+_OP = re.compile(r'^\s*(?:%\S+ = )?"?([\w.]+)"?\(.*?:\s*\((.*?)\)\s*->\s*(\S+?)\s+loc\((#loc\d*)\)', re.M)
 _SPEC_LINE = re.compile(r"^\s*# spec line (\d+): (.*)$")
 _FILE_LINE = re.compile(r'"([^"]+)":(\d+):')
 
@@ -157,12 +157,12 @@ def locate(lowered_text: str, kernel_path: str, kernel_source: str, message: str
 
 def _callers(source: list[str], name: str) -> list[tuple[int, str]]:
     """The spec lines of the decode step's calls of runtime class or function `name` (a class's
-    objects are built as `obj = Name(...)` and called as `obj(...)`)."""
+    objects are built as `obj = Name(...)` and called as `obj(...)` or `obj.method(...)`)."""
     objects = {m.group(1) for ln in source if (m := re.match(rf"\s*(\w+) = {name}\(", ln))}
     called = objects or {name}
     out = []
     for i, ln in enumerate(source):
-        if any(re.match(rf"\s*{re.escape(c)}\(", ln) for c in called) and (s := _spec_line(source, i + 1)):
+        if any(re.search(rf"(^|[^\w.]){re.escape(c)}[.(]", ln) for c in called) and (s := _spec_line(source, i + 1)):
             out.append(s)
     return list(dict.fromkeys(out))
 
