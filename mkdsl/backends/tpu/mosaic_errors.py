@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MOSAIC = "Mosaic failed to compile"
-_OP = re.compile(r'^\s*(?:%\S+ = )?"?([\w.]+)"?\(.*?:\s*\((.*?)\)\s*->\s*(\S+?)\s+loc\((#loc\d*)\)', re.M)
+_OP = re.compile(r'^\s*(?:%\S+ = )?"?([\w.]+)"?\(.*?:\s*\((.*?)\)\s*->\s*(.+?)\s+loc\((#loc\d*)\)$', re.M)
 _SPEC_LINE = re.compile(r"^\s*# spec line (\d+): (.*)$")
 _FILE_LINE = re.compile(r'"([^"]+)":(\d+):')
 
@@ -73,7 +73,12 @@ def _refused(message: str) -> tuple[str, str, str] | None:
     if not m:
         return None
     memref = re.search(r"memref<([0-9x]+[a-z0-9]+)", m.group(3))
-    return m.group(1).split("_")[-1], memref.group(1) if memref else "", m.group(4).rstrip(",")
+    return m.group(1).split("_")[-1], memref.group(1) if memref else "", m.group(4)
+
+
+def _bare(type_: str) -> str:
+    """A memref or vector type without its layout and memory space: `memref<512x576xbf16`."""
+    return type_.split(",")[0].rstrip(">")
 
 
 def _bodies(lowered_text: str) -> list[bytes]:
@@ -143,7 +148,11 @@ def locate(lowered_text: str, kernel_path: str, kernel_source: str, message: str
         text = _mosaic_text(body)
         aliases = dict(re.findall(r"^(#loc\d*) = (.*)$", text, re.M))
         for name, operands, res, loc in _OP.findall(text):
-            if not name.endswith(kind) or res != result or (memref and f"memref<{memref}" not in operands):
+            if (
+                not name.endswith(kind)
+                or _bare(res) != _bare(result)
+                or (memref and f"memref<{memref}" not in operands)
+            ):
                 continue
             lines = _kernel_lines(loc, aliases, kernel_path)
             if not lines:
@@ -152,7 +161,23 @@ def locate(lowered_text: str, kernel_path: str, kernel_source: str, message: str
             function = _function_at(tree, lines[0])
             for line, statement in found or _callers(source, _function_at(tree, lines[-1]).split(".")[0]):
                 sites.setdefault((line, function), Site(line, statement, function, lines[0]))
-    return tuple(sites.values())
+    return _on_tensor(tuple(sites.values()), kernel_source, memref)
+
+
+def _on_tensor(sites: tuple[Site, ...], kernel_source: str, memref: str) -> tuple[Site, ...]:
+    """The sites whose statement names a declared tensor of the refused memref's shape (its
+    trailing dims in the kernel's layout), where any does: a shared runtime function (the weight
+    ring) is called from many spec lines, the refused access reads one tensor."""
+    dims = tuple(int(d) for d in re.findall(r"(\d+)x", memref))
+    if not dims:
+        return sites
+    names = {
+        name
+        for name, shape in re.findall(r'^\s*"(\w+)": \(\(([\d, ]+)\)', kernel_source, re.M)
+        if tuple(int(d) for d in shape.replace(" ", "").split(",") if d)[-len(dims) :] == dims
+    }
+    named = tuple(s for s in sites if any(re.search(rf"\b{n}\b", s.statement) for n in names))
+    return named or sites
 
 
 def _callers(source: list[str], name: str) -> list[tuple[int, str]]:
