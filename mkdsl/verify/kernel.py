@@ -293,6 +293,7 @@ class BatchResult:
     worst: dict[str, float]
     failures: list[str]
     seconds: float
+    note: str = ""  # where the rows start, when chosen to cross a window
 
 
 @dataclasses.dataclass
@@ -325,6 +326,32 @@ def check_seq_len(module) -> int:
     return max(tile, min(2 * tile, high // tile * tile))
 
 
+def smallest_window(model) -> tuple[int, int] | None:
+    """(tokens, spec line) of the smallest attention window of any layer kind (an op's `window`)."""
+    found = [
+        (n.attr["window"], n.span.line)
+        for g in model.kinds
+        for n in g.nodes
+        if isinstance(n.attr.get("window"), int) and n.attr["window"] > 0
+    ]
+    return min(found) if found else None
+
+
+def start_positions(model, batch: int, steps: int, seq_len: int) -> tuple[np.ndarray, str]:
+    """Each row's first position, and a note when chosen for the spec's smallest window: row b at
+    3b, or, where a window fits the cache, at W - 1 + 3b, so that the steps cross the window (row
+    0's second step is the first that drops a token) instead of staying inside it."""
+    rows = np.arange(batch) * 3
+    window = smallest_window(model)
+    if window is not None and 1 < steps and window[0] - 1 + rows[-1] + steps <= seq_len:
+        w, line = window
+        note = (
+            f"rows start at position {w - 1} + 3b: the steps cross the smallest window ({w} tokens, spec line {line})"
+        )
+        return (w - 1 + rows).astype(np.int32), note
+    return (rows % (seq_len - steps)).astype(np.int32), ""
+
+
 def check_batch(
     model, module, checker, batch: int, steps: int, seed: int, progress=None, interpret=None, load=None
 ) -> BatchResult:
@@ -343,9 +370,9 @@ def check_batch(
     vocab = graph_value_type(model.step, model.step.results[0]).shape[1]  # the logits' width
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, batch).astype(np.int32)
-    positions = (np.arange(batch) * 3 % (seq_len - steps)).astype(np.int32)
+    positions, note = start_positions(model, batch, steps, seq_len)
     step = module.build_decode_step(batch, seq_len, interpret=interpret or interpret_params(), layer_trace=True)
-    result = BatchResult(batch, steps, {}, [], 0.0)
+    result = BatchResult(batch, steps, {}, [], 0.0, note)
     from jax.experimental.pallas import tpu as pltpu
 
     pltpu.reset_tpu_interpret_mode_state()
@@ -396,6 +423,7 @@ def summary_table(batches: list[BatchResult], compiled: CompileResult | None) ->
         worst = ", ".join(f"{k} {v:.1%}" for k, v in sorted(b.worst.items()))
         verdict = "FAIL" if b.failures else "ok"
         lines.append(f"interpret batch {b.batch}, {b.steps} steps  {verdict:<6}  {worst} ({b.seconds:.0f} s)")
+        lines += [f"    {b.note}"] if b.note else []
         lines += [f"    {f}" for f in b.failures[:10]]
     if compiled is not None:
         if compiled.error:
