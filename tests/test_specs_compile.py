@@ -28,6 +28,7 @@ ELSEWHERE = {  # spec -> the test that compiles it at full size
     "gpt_oss_120b": "test_gpt_oss_compile.py",
     "qwen3_30b_a3b": "test_qwen3_compile.py",
     "qwen3_next_80b_a3b": "test_qwen3_next_compile.py",
+    "llama3_8b": "test_tpu_compile.py",
 }
 HERE = [s for s in SPECS if s.stem not in ELSEWHERE]
 
