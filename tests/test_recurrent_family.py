@@ -10,8 +10,8 @@ its loop over the heads' slots (static column offsets). The kernel is checked la
 
 tests/data/delta_narrow.mk is a Gated DeltaNet layer with 16 value heads of 64 and 8 key heads of
 128: before the unroll, Mosaic refused its `vector<1x64xf32>` load at a loop index ("cannot
-statically prove that index in dimension 1 is a multiple of 128"). Cost: interpret ~40 s, each
-libtpu compile ~10-20 s on the 2-core dev machine (slow-marked).
+statically prove that index in dimension 1 is a multiple of 128"). Cost: interpret ~40-70 s, each
+libtpu compile ~10-25 s, the SPMD prefill ~30 s on the 2-core dev machine (slow-marked).
 """
 
 from __future__ import annotations
@@ -81,3 +81,37 @@ def test_delta_rule_with_narrow_value_heads_compiles_with_libtpu(tmp_path):
         compiled, seconds = compile_one_core(module, tpu7x_devices("tpu7x:2x2x1")[0], batch, 256)
         assert compiled is not None
         print(f"\ndelta_narrow batch {batch}: libtpu compile {seconds:.0f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_outer_members_prefill_per_device_equals_the_whole_prefill():
+    """The SPMD prefill of the replicated-key members (each device reading the one key head of
+    the whole q and k, `key_axes`) equals the whole model's prefill: the states within
+    mkdsl/verify/kernel.py's per-layer bound times the layers (tests/test_prefill_spmd.py's
+    bound), the greedy tokens equal. A device reading another device's key head or values changes
+    the state by O(1) of its scale."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import mkdsl
+    from mkdsl.run.prefill import build_prefill
+    from mkdsl.run.prefill_spmd import build_sharded_prefill
+    from mkdsl.verify.kernel import STATE_RTOL
+
+    spec = mkdsl.load(str(OUTER), None)
+    model = spec.model
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    weights, state = mkdsl.random_inputs(spec, batch=2, seq_len=64, seed=4)
+    state = {k: jnp.asarray(v) for k, v in state.items()}
+    tokens, lengths = np.array([[11, 70, 42, 5], [3, 4, 5, 6]], np.int32), np.array([4, 2], np.int32)
+    _, want_tokens, want = build_prefill(model, donate=False)(weights, state, tokens, lengths)
+    _, got_tokens, got = build_sharded_prefill(model, mesh)(weights, state, tokens, lengths)
+    layers = len(model.schedule)
+    for name in want:
+        w, g = np.asarray(want[name], np.float32), np.asarray(got[name], np.float32)
+        assert not np.isnan(g).any(), name
+        bound = layers * STATE_RTOL * np.abs(w).max(-1, keepdims=True) + np.finfo(np.float32).tiny
+        assert (np.abs(g - w) <= bound).all(), (name, float((np.abs(g - w) / bound).max()))
+    assert (np.asarray(got_tokens) == np.asarray(want_tokens)).all()
