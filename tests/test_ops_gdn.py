@@ -254,3 +254,40 @@ def test_shape_rule_rejects_bad_operands(args, attrs, arg, message):
     with pytest.raises(OpError) as err:
         infer(args, **attrs)
     assert message in str(err.value) and err.value.arg == arg, (err.value.arg, str(err.value))
+
+
+def conv_oracle(x, w, state, bias, act):
+    """facts §3's causal depthwise conv per row and channel: sum over the K-1 previous inputs and
+    x of tap times input, plus the bias, then SiLU (or nothing)."""
+    b, c = x.shape
+    taps = w.shape[0]
+    y, mag = np.empty((b, c)), np.empty((b, c))
+    for r in range(b):
+        for j in range(c):
+            terms = [state[r, t, j] * w[t, j] for t in range(taps - 1)] + [x[r, j] * w[taps - 1, j]]
+            terms += [bias[j]] if bias is not None else []
+            z = sum(terms)
+            y[r, j] = z / (1.0 + np.exp(-z)) if act == "silu" else z
+            mag[r, j] = sum(abs(t) for t in terms)
+    return y, mag
+
+
+@oracle_for("short_conv")
+@SOME
+@given(
+    seed=SEEDS,
+    b=st.sampled_from([1, 3]),
+    c=st.sampled_from([4, 16]),
+    taps=st.sampled_from([2, 4]),
+    with_bias=st.booleans(),
+    act=st.sampled_from(["silu", "none"]),
+)
+def test_short_conv_bias_and_activation(seed, b, c, taps, with_bias, act):
+    """Mamba2's conv1d (bias, then SiLU) and the bias with the activation left to the spec."""
+    rng = np.random.default_rng(seed)
+    x, w, s0 = f32(rng, (b, c)), f32(rng, (taps, c), 0.5), f32(rng, (b, taps - 1, c))
+    bias = f32(rng, (c,)) if with_bias else None
+    y, s1 = run("short_conv", *[a for a in (x, w, s0, bias) if a is not None], act=act)
+    want, mag = conv_oracle(*(None if a is None else a.astype(np.float64) for a in (x, w, s0, bias)), act)
+    close(y, want, ATOL * mag, RTOL, "conv output")
+    assert np.array_equal(s1, np.concatenate([s0[:, 1:], x[:, None, :]], axis=1))  # the window shifts in x

@@ -49,7 +49,7 @@ SOME = settings(max_examples=15, deadline=None)
 
 ORACLES: dict[str, list[str]] = {}  # op name -> tests comparing it with an oracle
 KNOWN_ATTRS = {  # the attributes the oracles below pass by name
-    "short_conv": set(),
+    "short_conv": {"act"},  # the bias and `act`: tests/test_ops_gdn.py
     "l2norm": {"heads", "scale", "eps"},
     "kda_gate": {"heads", "lower"},
     "recurrent": {"heads", "key_heads", "rule"},  # key_heads, the scalar decay, the rules: tests/test_ops_gdn.py

@@ -82,18 +82,29 @@ def _heads(attrs) -> int:
 # ---------------------------------------------------------------- short causal conv
 
 
-def short_conv(x, w, state):
-    """Depthwise causal conv over the previous K-1 inputs (the state, oldest first) and x, then
-    SiLU. Returns (silu(y), new state = [state[:, 1:], x] in the state's dtype)."""
+CONV_ACTS = ("silu", "none")  # short_conv's activation; "none": the spec applies its own after it
+
+
+def short_conv(x, w, state, bias=None, act="silu"):
+    """Depthwise causal conv over the previous K-1 inputs (the state, oldest first) and x, plus
+    an optional per-channel bias, then `act` (SiLU, or none). Returns (act(y), new state =
+    [state[:, 1:], x] in the state's dtype)."""
     xf = x.astype(jnp.float32)
     wf = w.astype(jnp.float32)
     y = jnp.sum(state.astype(jnp.float32) * wf[None, :-1, :], axis=1) + wf[-1][None, :] * xf
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[None, :]
     new_state = jnp.concatenate([state[:, 1:], xf[:, None, :].astype(state.dtype)], axis=1)
-    return jax.nn.silu(y), new_state
+    return (jax.nn.silu(y) if act == "silu" else y), new_state
 
 
 def _short_conv_infer(args, attrs):
-    x, w, s = args
+    x, w, s = args[:3]
+    if attrs.get("act", "silu") not in CONV_ACTS:
+        raise OpError(f"act must be one of {', '.join(map(repr, CONV_ACTS))}, got {attrs['act']!r}", "act")
+    if len(args) > 3:
+        _expect_weight(args[3], 3, 1, "the conv bias [C]")
+        _expect_shape(args[3], 3, (x.type.shape[1],), f"the conv bias (one per channel of `{x.name}`)")
     _expect_act(x, 0, "the input")
     _expect_weight(w, 1, 2, "the conv weight [K, C]")
     _expect_state(s, 2, 3, "the conv state [B, K-1, C]")
@@ -115,20 +126,24 @@ def _short_conv_infer(args, attrs):
 
 
 def _short_conv_cost(ins, outs, attrs):
-    x, w, s = ins
+    x, w, s = ins[:3]
     taps = w.shape[0]
-    return Cost(weight_bytes=nbytes(w), state_bytes=2 * nbytes(s), flops=(2 * taps + 5) * numel(outs[0]))
+    bias = nbytes(ins[3]) if len(ins) > 3 else 0
+    return Cost(weight_bytes=nbytes(w) + bias, state_bytes=2 * nbytes(s), flops=(2 * taps + 5) * numel(outs[0]))
 
 
 register(
     OpDef(
         "short_conv",
-        ("x", "weight", "conv_state"),
+        ("x", "weight", "conv_state", "bias"),
         _short_conv_infer,
         short_conv,
         _short_conv_cost,
+        attrs={"act": "silu"},
+        optional=1,
         inout=("conv_state",),
-        doc="Depthwise causal conv of x with the previous K-1 inputs (state, oldest first) then SiLU; "
+        doc="Depthwise causal conv of x with the previous K-1 inputs (state, oldest first), plus an optional "
+        'bias [C], then `act` ("silu", or "none": an activation of the spec\'s own after it); '
         "weight [K, C], its last tap on x; the state shifts in x.",
         shard="channels",
         data_dependent=True,

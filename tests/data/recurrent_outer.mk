@@ -28,6 +28,8 @@ weight w_gk:     bf16[H, NH*N @tp]    per layer
 weight conv_x:   bf16[CONV, NH*P @tp] per layer
 weight conv_b:   bf16[CONV, G*N]      per layer
 weight conv_c:   bf16[CONV, G*N]      per layer
+weight conv_bx:  f32[NH*P @tp]        per layer
+weight conv_bb:  f32[G*N]             per layer
 weight a_log:    f32[NH]              per layer
 weight dt_bias:  f32[NH]              per layer
 weight log_gamma: f32[NH @tp]         per layer
@@ -40,10 +42,11 @@ state cx:   f32[B, CONV - 1, NH*P @tp]  per layer
 state cb:   f32[B, CONV - 1, G*N]       per layer
 state cc:   f32[B, CONV - 1, G*N]       per layer
 
-# Mamba2: S = exp(dt A) S + dt B x^T, y = S^T C (A = -exp(a_log), dt = softplus(. + dt_bias))
+# Mamba2: S = exp(dt A) S + dt B x^T, y = S^T C (A = -exp(a_log), dt = softplus(. + dt_bias));
+# its conv1d has a bias, then SiLU (written here both fused and as an activation of its own)
 block mamba2(h) {
-  x = short_conv(linear(h, w_x), conv_x, cx)
-  b = short_conv(linear(h, w_b), conv_b, cb)
+  x = silu(short_conv(linear(h, w_x), conv_x, cx, conv_bx, act="none"))
+  b = short_conv(linear(h, w_b), conv_b, cb, conv_bb)
   c = short_conv(linear(h, w_c), conv_c, cc)
   dt = softplus(slice(linear(h, w_dt), start=0, size=NH) + dt_bias)
   y = recurrent(c, b, x, ssm, -exp(a_log) * dt, dt, heads=NH, key_heads=G, rule="outer")

@@ -42,8 +42,18 @@ def _conv_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     node, sc = at.node, em.scratch_of(at)
     state = node.arg("conv_state").name
     obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
-    em.objects.append(f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{sc.name('buf')}, r.{sc.name('sem')}, batch)")
-    return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), x=ins[0], w=em.fetched(node.arg("weight").name, pre))
+    act = "" if node.attr.get("act", "silu") == "silu" else f", act={node.attr['act']!r}"
+    em.objects.append(
+        f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{sc.name('buf')}, r.{sc.name('sem')}, batch{act})"
+    )
+    bias = node.opt_arg("bias")
+    return dict(
+        obj=obj,
+        slot=em.slot_expr(state, em.layer_var),
+        x=ins[0],
+        w=em.fetched(node.arg("weight").name, pre),
+        bias=em.fetched(bias.name, pre) if bias is not None else None,
+    )
 
 
 register_lowering(
