@@ -2225,7 +2225,7 @@ def kda_gate(f, a_log, dt_bias, out, scale_row, heads, lower):
 
 class ShortConv:
     """Causal depthwise conv over each channel's last K inputs, plus an optional bias row, then
-    SiLU (or, with `act` "none", nothing: the spec's own activation follows).
+    SiLU (or, with `silu` False, nothing: the spec's own activation follows).
 
     The state (the previous K-1 pre-activation inputs, oldest first) lives in HBM as
     [slots, batch, K-1, C]; one step reads it into `buf` [K-1, rows, C] and writes the shifted
@@ -2236,9 +2236,9 @@ class ShortConv:
     lane-aligned column chunks (one copy of its code), the padded rows' window read as zeros.
     """
 
-    def __init__(self, state, state_out, buf, sem, batch, act="silu"):
+    def __init__(self, state, state_out, buf, sem, batch, silu=True):
         self.state, self.state_out, self.buf, self.sem, self.batch = state, state_out, buf, sem, batch
-        self.act = act
+        self.silu = silu
 
     def copy(self, slot, b, t, out):
         hbm = self.state_out if out else self.state
@@ -2276,7 +2276,7 @@ class ShortConv:
                 y = y + jnp.where(live, self.buf[t, :, cols], 0.0) * wf[t : t + 1, :]
             if bias is not None:  # a [1, C] value: a traced chunk is a dynamic slice of it
                 y = y + (bias[:, cols] if isinstance(cols, slice) else jax.lax.dynamic_slice_in_dim(bias, cols.start, cols.size, axis=1))
-            out[:, cols] = jax.nn.silu(y) if self.act == "silu" else y
+            out[:, cols] = jax.nn.silu(y) if self.silu else y
             for t in range(taps - 1):
                 self.buf[t, :, cols] = self.buf[t + 1, :, cols]
             self.buf[taps - 1, :, cols] = xv

@@ -42,7 +42,7 @@ def _conv_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     node, sc = at.node, em.scratch_of(at)
     state = node.arg("conv_state").name
     obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
-    act = "" if node.attr.get("act", "silu") == "silu" else f", act={node.attr['act']!r}"
+    act = "" if node.attr.get("act", "silu") == "silu" else ", silu=False"
     em.objects.append(
         f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{sc.name('buf')}, r.{sc.name('sem')}, batch{act})"
     )
