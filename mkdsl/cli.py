@@ -15,6 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
+from mkdsl.backends.tpu.mosaic_errors import KernelCompileError
 from mkdsl.checkpoint.formats import CheckpointError
 from mkdsl.lang.diagnostics import SpecError
 from mkdsl.version import __version__
@@ -338,6 +339,10 @@ def _run_verify(args, out, batches, tempfile) -> int:
             fresh = lambda: verify.import_generated(text, tmp, "kernel_vmem")  # noqa: E731
             compiled = verify.compile_check(module, out.plan.vmem_total, batches[0], fresh, args.rows)
     print(verify.summary_table(results, compiled))
+    if compiled is not None and compiled.internal:
+        from mkdsl.backends.tpu.mosaic_errors import KernelCompileError
+
+        raise KernelCompileError("", text=compiled.error)
     failed = any(r.failures for r in results) or (compiled is not None and compiled.error is not None)
     print(f"{args.spec}: {'FAILED' if failed else 'verified'}")
     return 1 if failed else 0
@@ -662,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"mkdsl: error: {e}", file=sys.stderr)
         return 1
+    except KernelCompileError as e:  # libtpu rejected what mkdsl generated: mkdsl's bug
+        print(f"mkdsl: internal compiler error: {e}\nThis is a bug in mkdsl (the spec checks).", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("mkdsl: interrupted", file=sys.stderr)
         return 130

@@ -184,7 +184,7 @@ block kda(x) {
   v = short_conv(linear(x, kda_wv), kda_conv_v, kda_v_conv)
   g = kda_gate(linear(linear(x, kda_wfa), kda_wfb), kda_a_log, kda_dt_bias, heads=NH)
   beta = sigmoid(compact(linear(x, kda_wb), block=NHB, keep=HD))
-  o = delta_rule(q, k, v, g, beta, kda_state, heads=NH)
+  o = recurrent(q, k, v, kda_state, g, beta, heads=NH, rule="delta")
   return linear(rmsnorm(o, kda_onorm, heads=NH, eps=EPS) * sigmoid(linear(x, kda_wg)), kda_wo)
 }
 

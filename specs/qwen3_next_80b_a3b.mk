@@ -128,7 +128,7 @@ block gated_deltanet(h) {
   ba = linear(h, gdn_wba)
   beta = sigmoid(slice(ba, start=0, size=NV))
   g = -exp(gdn_a_log) * softplus(slice(ba, start=NV, size=NV) + gdn_dt_bias)   # one decay per value head
-  o = delta_rule(q, k, v, g, beta, gdn_state, heads=NV, key_heads=NK)
+  o = recurrent(q, k, v, gdn_state, g, beta, heads=NV, key_heads=NK, rule="delta")
   return linear(rmsnorm(o, gdn_norm, heads=NV, eps=EPS) * silu(linear(h, gdn_wz)), gdn_wo)
 }
 

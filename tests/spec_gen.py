@@ -258,29 +258,33 @@ def expert_act(b: Builder) -> str:
 
 
 def kda(b: Builder, kind: str) -> str:
-    """Kimi Delta Attention: short convs, l2-normed q and k, a decay gate, the delta rule."""
+    """Kimi Delta Attention: short convs, l2-normed q and k, a decay gate, and a member of the
+    recurrent family (the delta rule, or the plain gated outer product), with value heads 128 or
+    64 wide (64: the width whose loop over the heads' slots libtpu once refused)."""
     rng = b.rng
     heads, d, taps = rng.choice([1, 2]), 128, rng.choice([2, 4])
-    width = heads * d
-    proj = {n: b.weight(f"k{n}", "bf16", f"H, {width}", kind) for n in "qkv"}
-    conv = {n: b.weight(f"c{n}", "bf16", f"{taps}, {width}", kind) for n in "qkv"}
-    cs = {n: b.state(f"cs{n}", "f32", f"B, {taps - 1}, {width}", kind) for n in "qkv"}
+    dv, rule = rng.choice([128, 64]), rng.choice(["delta", "outer"])
+    width, vwidth = heads * d, heads * dv
+    widths = {"q": width, "k": width, "v": vwidth}
+    proj = {n: b.weight(f"k{n}", "bf16", f"H, {widths[n]}", kind) for n in "qkv"}
+    conv = {n: b.weight(f"c{n}", "bf16", f"{taps}, {widths[n]}", kind) for n in "qkv"}
+    cs = {n: b.state(f"cs{n}", "f32", f"B, {taps - 1}, {widths[n]}", kind) for n in "qkv"}
     wfa = b.weight("wfa", "bf16", f"H, {d}", kind)
     wfb = b.weight("wfb", "bf16", f"{d}, {width}", kind)
     a_log = b.weight("alog", "f32", str(heads), kind)
     dt = b.weight("dtb", "f32", str(width), kind)
     wb = b.weight("kb", "bf16", "H, 128", kind)
-    st = b.state("ks", "f32", f"B, {heads}, {d}, {d}", kind)
-    wo = b.weight("ko", "bf16", f"{width}, H", kind)
+    st = b.state("ks", "f32", f"B, {heads}, {d}, {dv}", kind)
+    wo = b.weight("ko", "bf16", f"{vwidth}, H", kind)
     conv_of = {n: f"short_conv(linear(h, {proj[n]}), {conv[n]}, {cs[n]})" for n in "qkv"}
     body = [
         f"q = l2norm({conv_of['q']}, heads={heads}, scale={d**-0.5})",
         f"k = l2norm({conv_of['k']}, heads={heads})",
         f"g = kda_gate(linear(linear(h, {wfa}), {wfb}), {a_log}, {dt}, heads={heads})",
         f"beta = sigmoid(slice(linear(h, {wb}), start=0, size={heads}))",
-        f"o = delta_rule(q, k, {conv_of['v']}, g, beta, {st}, heads={heads})",
+        f'o = recurrent(q, k, {conv_of["v"]}, {st}, g, beta, heads={heads}, rule="{rule}")',
     ]
-    b.parts.append(f"kda(h{heads}, taps{taps})")
+    b.parts.append(f"kda(h{heads}, dv{dv}, {rule}, taps{taps})")
     return _block(b, "kda", body, f"linear(o, {wo})")
 
 

@@ -70,11 +70,11 @@ def test_compute_from_the_static_schedule_else_an_estimate():
     both = {"linear": 2.0, "linear:wq": 3.0}
     assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wq") == (pytest.approx(3.0), "static")
     assert compute_us("linear", 0, 1.0, 1, 1, both, "linear:wk") == (pytest.approx(2.0), "static")
-    assert compute_us("delta_rule", 0, 0.5, 1, 1, {"delta_rule": 10.0}) == (pytest.approx(5.0), "static")
+    assert compute_us("recurrent", 0, 0.5, 1, 1, {"recurrent": 10.0}) == (pytest.approx(5.0), "static")
     # Where the compiler's schedule is known it replaces the estimate, even below it.
     fast = compute_us("attention", 0, 0.1, 1, 500, {"attention": 2.0}, **tokens)
     assert fast == (pytest.approx(0.2), "static")
-    assert compute_us("delta_rule", 0, 0.5, 1, 1, None) == (0.0, "")
+    assert compute_us("recurrent", 0, 0.5, 1, 1, None) == (0.0, "")
 
 
 def test_dispatch_is_shared_by_the_steps_of_a_call():

@@ -1,7 +1,7 @@
 """A Gated DeltaNet decoder (Qwen3-Next's linear-attention mixer, two layers, sharded over 2
 devices) as a generated megakernel against the unfused reference, in TPU interpret mode.
 
-What it exercises beyond KDA: two value heads per key head (`delta_rule(..., key_heads=)`), one
+What it exercises beyond KDA: two value heads per key head (`recurrent(..., key_heads=)`), one
 decay per head composed from elementwise ops (`-exp(a_log) * softplus(a + dt_bias)`), the gated
 per-head output norm `rmsnorm(o, w, heads=) * silu(z)`, and the key-heads shard rule (each device
 holds 2 key heads and their 4 value heads). Interpret mode runs with the race detector on; each of 3
@@ -77,7 +77,7 @@ block gated_deltanet(h) {
   ba = linear(h, gdn_wba)
   beta = sigmoid(slice(ba, start=0, size=NV))
   g = -exp(gdn_a_log) * softplus(slice(ba, start=NV, size=NV) + gdn_dt_bias)
-  o = delta_rule(q, k, v, g, beta, gdn_state, heads=NV, key_heads=NK)
+  o = recurrent(q, k, v, gdn_state, g, beta, heads=NV, key_heads=NK, rule="delta")
   return linear(rmsnorm(o, gdn_norm, heads=NV, eps=EPS) * silu(linear(h, gdn_wz)), gdn_wo)
 }
 
@@ -103,17 +103,36 @@ def local_model(text: str):
 
 def test_key_heads_split_with_their_value_heads():
     local = local_model(SPEC)
-    (rule,) = [n for n in local.kind("gdn").nodes if n.op == "delta_rule"]
+    (rule,) = [n for n in local.kind("gdn").nodes if n.op == "recurrent"]
     assert rule.attr["heads"] == 4 and rule.attr["key_heads"] == 2, rule.attrs
-    widths = [graph_value_type(local.kind("gdn"), r).shape[1] for r in rule.inputs[:5]]
+    widths = [graph_value_type(local.kind("gdn"), rule.inputs[i]).shape[1] for i in (0, 1, 2, 4, 5)]
     assert widths == [256, 256, 512, 4, 4], widths  # q, k: two key heads; v: four value heads; g, beta
 
 
-def test_key_heads_that_do_not_split_are_a_diagnostic():
+def test_key_heads_fewer_than_the_devices_are_replicated():
+    """One key head (Mamba2's single B/C group) for 2 devices: q and k stay whole on both, each
+    device's value head reads that key head (`key_axes`), the state splits by value heads."""
     text = SPEC.replace("const NK = 4 ", "const NK = 1 ").replace("const NV = 8 ", "const NV = 2 ")
+    text = text.replace("gdn_wq:      bf16[H, NK*D @tp]", "gdn_wq:      bf16[H, NK*D]").replace(
+        "gdn_wk:      bf16[H, NK*D @tp]", "gdn_wk:      bf16[H, NK*D]"
+    )
+    for w in ("gdn_conv_q:  bf16[CONV, NK*D @tp]", "gdn_conv_k:  bf16[CONV, NK*D @tp]"):
+        text = text.replace(w, w.replace(" @tp", ""))
+    for st in ("gdn_q_conv:   f32[B, CONV - 1, NK*D @tp]", "gdn_k_conv:   f32[B, CONV - 1, NK*D @tp]"):
+        text = text.replace(st, st.replace(" @tp", ""))
+    local = local_model(text)
+    (rule,) = [n for n in local.kind("gdn").nodes if n.op == "recurrent"]
+    assert rule.attr["heads"] == 1 and rule.attr["key_heads"] == 1 and rule.attr["key_axes"] == ("tp",), rule.attrs
+    widths = [graph_value_type(local.kind("gdn"), rule.inputs[i]).shape[1] for i in (0, 1, 2, 4, 5)]
+    assert widths == [128, 128, 128, 1, 1], widths
+
+
+def test_value_heads_spanning_several_replicated_key_heads_are_a_diagnostic():
+    """3 key heads of 6 value heads over 2 devices: a device's 3 value heads would read 2 key heads."""
+    text = SPEC.replace("const NK = 4 ", "const NK = 3 ").replace("const NV = 8 ", "const NV = 6 ")
     with pytest.raises(SpecError) as err:
         local_model(text)
-    assert "1 key heads do not split 2 ways" in str(err.value), err.value
+    assert "3 key heads do not split 2 ways" in str(err.value), err.value
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +151,8 @@ def test_gated_deltanet_kernel_matches_reference(batch, compiled):
     print(f"\ngdn_small batch {batch}: worst error / bound {result.worst} ({result.seconds:.0f} s)")
 
 
-def test_delta_rule_slots_are_laid_out_as_the_planner_counts_them(compiled):
-    """The kernel's DeltaRule and the planner (`slot_layout`, `slot_states`) agree on a slot's rows
+def test_recurrent_slots_are_laid_out_as_the_planner_counts_them(compiled):
+    """The kernel's Recurrent and the planner (`slot_layout`, `slot_states`) agree on a slot's rows
     and heads at every batch, and a slot holds whole rows' worth of heads within its states."""
     from types import SimpleNamespace
 
@@ -144,6 +163,6 @@ def test_delta_rule_slots_are_laid_out_as_the_planner_counts_them(compiled):
         states = slot_states(heads, 128, 128, rows_max)
         buf = SimpleNamespace(shape=(3, states, 128, 128))
         for batch in range(1, rows_max + 1):
-            rule = module.DeltaRule(None, None, buf, buf, None, batch, heads)
+            rule = module.Recurrent(None, None, buf, buf, None, batch, heads)
             assert (rule.rows, rule.per) == slot_layout(heads, batch, states), (heads, batch)
             assert rule.rows * rule.per <= states and heads % rule.per == 0

@@ -49,10 +49,10 @@ SOME = settings(max_examples=15, deadline=None)
 
 ORACLES: dict[str, list[str]] = {}  # op name -> tests comparing it with an oracle
 KNOWN_ATTRS = {  # the attributes the oracles below pass by name
-    "short_conv": set(),
+    "short_conv": {"act"},  # the bias and `act`: tests/test_ops_gdn.py
     "l2norm": {"heads", "scale", "eps"},
     "kda_gate": {"heads", "lower"},
-    "delta_rule": {"heads", "key_heads"},  # key_heads and the scalar decay: tests/test_ops_gdn.py
+    "recurrent": {"heads", "key_heads", "rule"},  # key_heads, the scalar decay, the rules: tests/test_ops_gdn.py
     "res_init": {"nblocks"},
     "res_mix": {"layer", "block", "after_snapshot", "eps"},
     "res_snapshot": {"layer", "block"},
@@ -308,7 +308,7 @@ def kda_inputs(rng, b, heads, dk, dv, normalise: bool):
     return q, k, v, g, beta
 
 
-@oracle_for("delta_rule")
+@oracle_for("recurrent")
 @SOME
 @given(
     seed=SEEDS,
@@ -323,7 +323,7 @@ def test_delta_rule(seed, b, heads, dk, dv, normalise, sscale):
     rng = np.random.default_rng(seed)
     q, k, v, g, beta = kda_inputs(rng, b, heads, dk, dv, normalise)
     state = f32(rng, (b, heads, dk, dv), sscale)
-    o, new_state = run("delta_rule", q, k, v, g, beta, state, heads=heads)
+    o, new_state = run("recurrent", q, k, v, state, g, beta, heads=heads)
     args64 = [a.astype(np.float64) for a in (q, k, v, g, beta, state)]
     want_o, want_s, mag_o, mag_s = delta_rule_oracle(*args64, heads, magnitudes=True)
     assert o.dtype == np.float32 and new_state.dtype == np.float32
@@ -335,7 +335,7 @@ def test_delta_rule(seed, b, heads, dk, dv, normalise, sscale):
 # ---------------------------------------------------------------- KDA over several decode steps
 
 
-@oracle_for("short_conv", "l2norm", "kda_gate", "delta_rule")
+@oracle_for("short_conv", "l2norm", "kda_gate", "recurrent")
 @FEW
 @given(
     seed=SEEDS,
@@ -368,7 +368,7 @@ def test_kda_several_steps(seed, b, heads, d, taps):
         (q,) = run("l2norm", conv_out["q"], heads=heads, scale=d**-0.5)
         (k,) = run("l2norm", conv_out["k"], heads=heads)
         (g,) = run("kda_gate", f, a_log, dt_bias, heads=heads)
-        o, state = run("delta_rule", q, k, conv_out["v"], g, beta, state, heads=heads)
+        o, state = run("recurrent", q, k, conv_out["v"], state, g, beta, heads=heads)
 
         want_out = {}
         for s in "qkv":
@@ -598,7 +598,9 @@ def test_shape_rules_accept_kimi_shapes():
         TensorType(F32, (b, n)),
     )
     st4 = state((b, 96, 128, 128))
-    assert infer("delta_rule", [val((b, n))] * 4 + [val((b, 96)), st4], heads=96) == (TensorType(F32, (b, n)),)
+    assert infer("recurrent", [val((b, n))] * 3 + [st4, val((b, n)), val((b, 96))], heads=96) == (
+        TensorType(F32, (b, n)),
+    )
     assert infer("res_init", [val((b, 7168))], nblocks=8) == (
         TensorType(F32, (b, 8 * 7168)),
         TensorType(F32, (b, 7168)),
@@ -629,34 +631,40 @@ BAD = [
     ("kda_gate", [val(("B", 8)), weight((2,)), weight((4,))], {"heads": 2}, 2, "dt_bias (one per channel"),
     ("kda_gate", [val(("B", 8)), weight((2,), MXFP4), weight((8,))], {"heads": 2}, 1, "must not be quantised"),
     (
-        "delta_rule",
-        [val(("B", 8))] * 4 + [val(("B", 2)), state(("B", 2, 4, 4), name="S")],
+        "recurrent",
+        [val(("B", 8))] * 3 + [state(("B", 2, 4, 4), name="S"), val(("B", 8)), val(("B", 2))],
         {"heads": 1},
-        5,
+        3,
         "heads=1: dimension 2 must be 1",
     ),
     (
-        "delta_rule",
-        [val(("B", 8)), val(("B", 6)), val(("B", 8)), val(("B", 8)), val(("B", 2)), state(("B", 2, 4, 4))],
+        "recurrent",
+        [val(("B", 8)), val(("B", 6)), val(("B", 8)), state(("B", 2, 4, 4)), val(("B", 8)), val(("B", 2))],
         {"heads": 2},
         1,
         "k `x` has 6 columns, expected 8",
     ),
     (
-        "delta_rule",
-        [val(("B", 8))] * 4 + [val(("B", 3)), state(("B", 2, 4, 4))],
+        "recurrent",
+        [val(("B", 8))] * 3 + [state(("B", 2, 4, 4)), val(("B", 8)), val(("B", 3))],
         {"heads": 2},
-        4,
+        5,
         "beta `x` has 3 columns, expected 2",
     ),
     (
-        "delta_rule",
-        [val(("B", 8))] * 4 + [val(("B", 2)), state(("B", 2, 4, 4), BF16)],
+        "recurrent",
+        [val(("B", 8))] * 3 + [state(("B", 2, 4, 4), BF16), val(("B", 8)), val(("B", 2))],
         {"heads": 2},
-        5,
+        3,
         "expected one of: f32",
     ),
-    ("delta_rule", [val(("B", 8))] * 4 + [val(("C", 2)), state(("B", 2, 4, 4))], {"heads": 2}, 4, "has C rows"),
+    (
+        "recurrent",
+        [val(("B", 8))] * 3 + [state(("B", 2, 4, 4)), val(("B", 8)), val(("C", 2))],
+        {"heads": 2},
+        5,
+        "has C rows",
+    ),
     ("res_init", [val(("B", 8))], {"nblocks": 0}, "nblocks", "integer >= 1"),
     (
         "res_mix",
@@ -704,8 +712,10 @@ def test_shape_rules_reject_bad_operands(op, args, attrs, arg, message):
 def test_costs():
     b, heads, dk, dv, n = 2, 3, 16, 8, 48
     t = lambda *s, dt=F32: TensorType(dt, s)  # noqa: E731
-    c = OPS["delta_rule"].cost(
-        [t(b, heads * dk)] * 4 + [t(b, heads), t(b, heads, dk, dv)], [t(b, heads * dv)], {"heads": heads}
+    c = OPS["recurrent"].cost(
+        [t(b, heads * dk)] * 3 + [t(b, heads, dk, dv), t(b, heads * dk), t(b, heads)],
+        [t(b, heads * dv)],
+        {"heads": heads},
     )
     assert c.state_bytes == 2 * b * heads * dk * dv * 4 and c.weight_bytes == 0 and c.flops == 7 * b * heads * dk * dv
     c = OPS["short_conv"].cost([t(b, n), t(4, n, dt=BF16), t(b, 3, n)], [t(b, n)], {})

@@ -77,7 +77,7 @@ def test_kimi_k3_per_device_shapes_follow_the_published_layout():
     assert shape["mla_wqa"] == (7168, 1536) and shape["moe_down"] == (7168, 1024)  # whole; over tp, 896 padded
     assert shape["mla_cache"] == ("B", "S", 576)  # the latent cache is shared by all heads: whole
     heads = {n.op: n.attr["heads"] for k in local.kinds for n in k.nodes if "heads" in n.attr and n.attr["heads"] > 1}
-    assert heads == {"l2norm": 3, "kda_gate": 3, "delta_rule": 3, "rmsnorm": 3, "mla_attention": 3}
+    assert heads == {"l2norm": 3, "kda_gate": 3, "recurrent": 3, "rmsnorm": 3, "mla_attention": 3}
 
 
 def test_kimi_k3_collectives_are_where_the_design_puts_them():

@@ -1970,7 +1970,9 @@ class QStream(Stream):
         for suffix, ring, rdiv, cdiv in self.parts:
             rows, cols = _part_tile(self, rdiv, cdiv)
             if self.transposed:
-                r0, c0 = pl.multiple_of(n * rows, rows), pl.multiple_of(k * cols, cols)
+                # one K tile (k always 0): a static column offset, as a width that is no multiple of
+                # 128 (SmolLM2's 576) cannot be proven lane-aligned at a traced k
+                r0, c0 = pl.multiple_of(n * rows, rows), 0 if self.tk >= self.k else pl.multiple_of(k * cols, cols)
             else:
                 r0 = pl.multiple_of(k * rows, rows) if self.tk >= rdiv else k * self.tk // rdiv
                 c0 = 0 if cdiv > 1 else pl.multiple_of(n * cols, cols)
@@ -2316,15 +2318,14 @@ class MoE:
             src = {key: h[key].at[e, :, pl.ds(n0, tn)] for key in ("w1c", "w1s", "w3c", "w3s")}
             src["w2c"] = h["w2c"].at[e, pl.ds(n0, tn), :]
             src["w2s"] = h["w2s"].at[e, pl.ds((c * tn) // self.group, max(tn // self.group, 1)), :]
-        elif self.fmt == "fp8_block":
-            b0 = c * (tn // FP8_BLOCK)
+        elif self.fmt == "fp8_block":  # the expert's whole scale blocks (read at the tile's columns)
             src = {
                 "w1c": h["w1c"].at[e, :, pl.ds(n0, tn)],
-                "w1s": h["w1s"].at[e, :, pl.ds(b0, tn // FP8_BLOCK)],
+                "w1s": h["w1s"].at[e],
                 "w3c": h["w3c"].at[e, :, pl.ds(n0, tn)],
-                "w3s": h["w3s"].at[e, :, pl.ds(b0, tn // FP8_BLOCK)],
+                "w3s": h["w3s"].at[e],
                 "w2c": h["w2c"].at[e, pl.ds(n0, tn), :],
-                "w2s": h["w2s"].at[e, pl.ds(b0, tn // FP8_BLOCK), :],
+                "w2s": h["w2s"].at[e],
             }
         else:
             gs = tn // self.group  # scale rows of a W2 tile
@@ -2357,8 +2358,9 @@ class MoE:
         for t in range(self.slots - 1):
             self.issue(layer_slot, jnp.int32(t))
 
-    def gu(self, slot, c, zc):
-        """The f32 [rows, tn] gate and up contributions of K rows c*kc .. of the slot's tiles."""
+    def gu(self, slot, c, zc, ct=0):
+        """The f32 [rows, tn] gate and up contributions of K rows c*kc .. of the slot's tiles
+        (column tile ct of its expert: where fp8 block scales are read)."""
         if self.fmt == "group":
             g, k0 = min(self.group, self.kc), c * self.kc
             return tuple(
@@ -2380,14 +2382,16 @@ class MoE:
             for i in range(self.kc // FP8_BLOCK):  # each 128-row slab: bf16 codes (exact), then its scales
                 r0 = pl.multiple_of(c * self.kc + i * FP8_BLOCK, FP8_BLOCK)
                 w = codes[slot, pl.ds(r0, FP8_BLOCK), :].astype(BF16)
-                row = spread_scales(lambda j, i=i, s=scales: s[slot, c * (self.kc // FP8_BLOCK) + i, j], self.tn, FP8_BLOCK)
+                b0 = ct * (self.tn // FP8_BLOCK)
+                row = spread_scales(lambda j, i=i, s=scales: s[slot, c * (self.kc // FP8_BLOCK) + i, b0 + j], self.tn, FP8_BLOCK)
                 part = jnp.dot(zc[:, i * FP8_BLOCK : (i + 1) * FP8_BLOCK], w, preferred_element_type=F32) * row
                 acc = part if acc is None else acc + part
             out.append(acc)
         return tuple(out)
 
-    def down(self, slot, d0, h):
-        """f32 [rows, dc]: h (bf16 [rows, tn]) times columns d0 .. d0+dc of the slot's W2 tile."""
+    def down(self, slot, d0, h, ct=0):
+        """f32 [rows, dc]: h (bf16 [rows, tn]) times columns d0 .. d0+dc of the slot's W2 tile
+        (column tile ct of its expert: where fp8 block scales are read)."""
         if self.fmt == "group":
             g, dc = min(self.group, self.tn), self.dc
             return self.grouped(
@@ -2402,7 +2406,8 @@ class MoE:
         acc = None
         for i in range(self.tn // FP8_BLOCK):
             w = self.w2c[slot, i * FP8_BLOCK : (i + 1) * FP8_BLOCK, pl.ds(d0, self.dc)].astype(BF16)
-            row = spread_scales(lambda j, i=i: self.w2s[slot, i, d0 // FP8_BLOCK + j], self.dc, FP8_BLOCK)
+            r = ct * (self.tn // FP8_BLOCK) + i
+            row = spread_scales(lambda j, r=r: self.w2s[slot, r, d0 // FP8_BLOCK + j], self.dc, FP8_BLOCK)
             part = jnp.dot(h[:, i * FP8_BLOCK : (i + 1) * FP8_BLOCK], w, preferred_element_type=F32) * row
             acc = part if acc is None else acc + part
         return acc
@@ -2492,7 +2497,7 @@ class MoE:
 
             def k_chunk(c, gu):
                 g, u = gu
-                dg, du = self.gu(slot, c, self.zb[:, pl.ds(pl.multiple_of(c * kc, kc), kc)])
+                dg, du = self.gu(slot, c, self.zb[:, pl.ds(pl.multiple_of(c * kc, kc), kc)], t - j * self.nf)
                 return g + dg, u + du
 
             zero = jnp.zeros((rows, tn), F32)
@@ -2510,7 +2515,7 @@ class MoE:
 
             def d_chunk(c, carry):
                 d0 = pl.multiple_of(c * dc, dc)
-                y = self.down(slot, d0, h)
+                y = self.down(slot, d0, h, t - j * self.nf)
                 if self.bias["b2"] is not None:
                     y = y + jnp.where(first, self.bias_row("b2", e, d0, dc), 0.0)
                 out[:, pl.ds(d0, dc)] += w_e * y

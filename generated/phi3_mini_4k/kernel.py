@@ -1966,7 +1966,9 @@ class QStream(Stream):
         for suffix, ring, rdiv, cdiv in self.parts:
             rows, cols = _part_tile(self, rdiv, cdiv)
             if self.transposed:
-                r0, c0 = pl.multiple_of(n * rows, rows), pl.multiple_of(k * cols, cols)
+                # one K tile (k always 0): a static column offset, as a width that is no multiple of
+                # 128 (SmolLM2's 576) cannot be proven lane-aligned at a traced k
+                r0, c0 = pl.multiple_of(n * rows, rows), 0 if self.tk >= self.k else pl.multiple_of(k * cols, cols)
             else:
                 r0 = pl.multiple_of(k * rows, rows) if self.tk >= rdiv else k * self.tk // rdiv
                 c0 = 0 if cdiv > 1 else pl.multiple_of(n * cols, cols)

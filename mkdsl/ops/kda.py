@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA): short causal conv, per-head L2 norm, decay gate, gated delta rule.
+"""Kimi Delta Attention (KDA): short causal conv, per-head L2 norm, decay gate, the recurrent-state family.
 
 One decode step of a KDA layer, per row (see facts/kimi_k3.md):
 
@@ -7,23 +7,30 @@ One decode step of a KDA layer, per row (see facts/kimi_k3.md):
     v = short_conv(x·Wv, wv_conv, v_conv_state)
     g = kda_gate(x·Wfa·Wfb, a_log, dt_bias, heads=h)
     beta = sigmoid(x·Wb)
-    o = delta_rule(q, k, v, g, beta, state, heads=h)
+    o = recurrent(q, k, v, state, g, beta, heads=h)     # rule="delta"
 
 Everything is computed in f32; weights are upcast. The conv state and the recurrent state
 are updated in place.
 
 Gated DeltaNet (Qwen3-Next, facts/models.md section 3) uses the same ops: its decay is one
 scalar per value head (g [B, heads], composed in the spec from elementwise ops) and several
-value heads share a key head (`delta_rule(..., key_heads=n)`); its gated output norm is
+value heads share a key head (`recurrent(..., key_heads=n)`); its gated output norm is
 `rmsnorm(o, w, heads=h) * silu(z)`.
+
+`recurrent` is the family of linear recurrences over a [dk, dv] state per head: the delta rule
+above, and the plain gated outer product `S = exp(g)·S + k (beta·v)ᵀ` (`rule="outer"`) of Mamba2
+(g = dt·A per head, beta = dt, k = B, q = C, v = x) and GLA / RetNet (g per key channel or a
+constant per head, no beta).
 """
 
 from __future__ import annotations
 
+import math
+
 from mkdsl.lang.dtypes import F32
 from mkdsl.lang.ir import TensorType
 from mkdsl.lazy import jax, jnp
-from mkdsl.ops.prefill import scan_rule
+from mkdsl.ops.prefill import device_index, scan_rule
 from mkdsl.ops.registry import (
     Cost,
     OpDef,
@@ -75,18 +82,29 @@ def _heads(attrs) -> int:
 # ---------------------------------------------------------------- short causal conv
 
 
-def short_conv(x, w, state):
-    """Depthwise causal conv over the previous K-1 inputs (the state, oldest first) and x, then
-    SiLU. Returns (silu(y), new state = [state[:, 1:], x] in the state's dtype)."""
+CONV_ACTS = ("silu", "none")  # short_conv's activation; "none": the spec applies its own after it
+
+
+def short_conv(x, w, state, bias=None, act="silu"):
+    """Depthwise causal conv over the previous K-1 inputs (the state, oldest first) and x, plus
+    an optional per-channel bias, then `act` (SiLU, or none). Returns (act(y), new state =
+    [state[:, 1:], x] in the state's dtype)."""
     xf = x.astype(jnp.float32)
     wf = w.astype(jnp.float32)
     y = jnp.sum(state.astype(jnp.float32) * wf[None, :-1, :], axis=1) + wf[-1][None, :] * xf
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)[None, :]
     new_state = jnp.concatenate([state[:, 1:], xf[:, None, :].astype(state.dtype)], axis=1)
-    return jax.nn.silu(y), new_state
+    return (jax.nn.silu(y) if act == "silu" else y), new_state
 
 
 def _short_conv_infer(args, attrs):
-    x, w, s = args
+    x, w, s = args[:3]
+    if attrs.get("act", "silu") not in CONV_ACTS:
+        raise OpError(f"act must be one of {', '.join(map(repr, CONV_ACTS))}, got {attrs['act']!r}", "act")
+    if len(args) > 3:
+        _expect_weight(args[3], 3, 1, "the conv bias [C]")
+        _expect_shape(args[3], 3, (x.type.shape[1],), f"the conv bias (one per channel of `{x.name}`)")
     _expect_act(x, 0, "the input")
     _expect_weight(w, 1, 2, "the conv weight [K, C]")
     _expect_state(s, 2, 3, "the conv state [B, K-1, C]")
@@ -108,20 +126,24 @@ def _short_conv_infer(args, attrs):
 
 
 def _short_conv_cost(ins, outs, attrs):
-    x, w, s = ins
+    x, w, s = ins[:3]
     taps = w.shape[0]
-    return Cost(weight_bytes=nbytes(w), state_bytes=2 * nbytes(s), flops=(2 * taps + 5) * numel(outs[0]))
+    bias = nbytes(ins[3]) if len(ins) > 3 else 0
+    return Cost(weight_bytes=nbytes(w) + bias, state_bytes=2 * nbytes(s), flops=(2 * taps + 5) * numel(outs[0]))
 
 
 register(
     OpDef(
         "short_conv",
-        ("x", "weight", "conv_state"),
+        ("x", "weight", "conv_state", "bias"),
         _short_conv_infer,
         short_conv,
         _short_conv_cost,
+        attrs={"act": "silu"},
+        optional=1,
         inout=("conv_state",),
-        doc="Depthwise causal conv of x with the previous K-1 inputs (state, oldest first) then SiLU; "
+        doc="Depthwise causal conv of x with the previous K-1 inputs (state, oldest first), plus an optional "
+        'bias [C], then `act` ("silu", or "none": an activation of the spec\'s own after it); '
         "weight [K, C], its last tap on x; the state shifts in x.",
         shard="channels",
         data_dependent=True,
@@ -202,96 +224,151 @@ register(
 )
 
 
-# ---------------------------------------------------------------- gated delta rule
+# ---------------------------------------------------------------- recurrent state updates
+
+RULES = ("delta", "outer")  # the update rules of `recurrent`
 
 
 def _key_heads(attrs, heads: int) -> int:
     """The key heads (`key_heads=`, default: one per value head); value head h reads key head
-    h // (heads / key_heads), as in grouped-query attention."""
+    h // (heads / key_heads), as in grouped-query attention. With `key_axes` (set by the shard
+    pass: fewer key heads than devices) q and k stay whole and `key_heads` counts them all."""
     kh = attrs.get("key_heads")
     if kh is None:
         return heads
     if not isinstance(kh, int) or isinstance(kh, bool) or kh < 1:
         raise OpError(f"key_heads must be a positive integer, got {kh!r}", "key_heads")
-    if heads % kh:
+    if heads % kh and not attrs.get("key_axes"):
         raise OpError(f"heads={heads} is not a multiple of key_heads={kh}", "key_heads")
     return kh
 
 
-def delta_rule(q, k, v, g, beta, state, heads=1, key_heads=None):
-    """One step of the gated delta rule per row and value head, S [dk, dv] in f32:
-    S' = exp(g)·S (g per key channel, or one scalar per head); S = S' + k ⊗ (beta·(v - S'ᵀk));
-    o = Sᵀq. Value head h reads q and k of key head h // (heads / key_heads)."""
+def _rule(attrs) -> str:
+    rule = attrs.get("rule", "delta")
+    if rule not in RULES:
+        raise OpError(f"rule must be one of {', '.join(map(repr, RULES))}, got {rule!r}", "rule")
+    return rule
+
+
+def decay_of(g, b: int, heads: int, dk: int):
+    """exp(g) shaped to scale states [B, heads, dk, dv]: none (g None), a constant per head
+    (g [heads], a weight), a scalar per row and head (g [B, heads]) or one per key channel."""
+    if g is None:
+        return 1.0
+    gf = g.astype(jnp.float32)
+    if gf.ndim == 1:
+        return jnp.exp(gf)[None, :, None, None]
+    if gf.shape[1] == heads:
+        return jnp.exp(gf)[..., None, None]
+    return jnp.exp(gf.reshape(b, heads, dk))[..., None]
+
+
+def recurrent(q, k, v, state, g=None, beta=None, heads=1, key_heads=None, rule="delta", key_axes=None):
+    """One token of a linear recurrence per row and value head, S [dk, dv] in f32:
+    S' = exp(g)·S; u = beta·(v - S'ᵀk) (rule "delta") or beta·v (rule "outer"); S = S' + k uᵀ;
+    o = Sᵀq. Value head h reads q and k of key head h // (heads / key_heads); without g there is
+    no decay, without beta it is 1. `key_axes` (a device's value heads share one key head of the
+    whole q, k): that head is the device's index over the axes times key_heads // devices."""
     b = q.shape[0]
     dk, dv = state.shape[2], state.shape[3]
-    group = heads // (key_heads or heads)
-    qh = jnp.repeat(q.astype(jnp.float32).reshape(b, -1, dk), group, axis=1)
-    kh = jnp.repeat(k.astype(jnp.float32).reshape(b, -1, dk), group, axis=1)
-    gf = g.astype(jnp.float32)
-    decay = jnp.exp(gf)[..., None, None] if gf.shape[1] == heads else jnp.exp(gf.reshape(b, heads, dk))[..., None]
+    qf, kf = q.astype(jnp.float32).reshape(b, -1, dk), k.astype(jnp.float32).reshape(b, -1, dk)
+    if key_axes:
+        ways = math.prod(jax.lax.axis_size(a) for a in key_axes)
+        lo = device_index(key_axes) * qf.shape[1] // ways
+        qf, kf = (jax.lax.dynamic_slice_in_dim(x, lo, 1, axis=1) for x in (qf, kf))
+    group = heads // qf.shape[1]
+    qh, kh = jnp.repeat(qf, group, axis=1), jnp.repeat(kf, group, axis=1)
     vh = v.astype(jnp.float32).reshape(b, heads, dv)
-    bh = beta.astype(jnp.float32)
-    s = decay * state.astype(jnp.float32)
-    read = jnp.einsum("bhk,bhkv->bhv", kh, s, precision="highest")
-    u = bh[..., None] * (vh - read)
+    s = decay_of(g, b, heads, dk) * state.astype(jnp.float32)
+    u = vh
+    if rule == "delta":
+        u = vh - jnp.einsum("bhk,bhkv->bhv", kh, s, precision="highest")
+    if beta is not None:
+        u = beta.astype(jnp.float32)[..., None] * u
     s = s + kh[..., :, None] * u[..., None, :]
     o = jnp.einsum("bhk,bhkv->bhv", qh, s, precision="highest")
     return o.reshape(b, heads * dv), s.astype(state.dtype)
 
 
-def _delta_rule_infer(args, attrs):
-    q, k, v, g, beta, s = args
+def _check_decay(g, i: int, b, heads: int, dk) -> None:
+    """g: a weight [heads] (a constant per head), or [B, heads] or [B, heads·dk] per row."""
+    if len(g.type.shape) == 1:
+        _expect_weight(g, i, 1, "a constant decay [heads]")
+        _expect_shape(g, i, (heads,), f"the constant decay (one per head, heads={heads})")
+        return
+    _expect_act(g, i, "g")
+    if g.type.shape[0] != b:
+        raise OpError(f"g `{g.name}` has {g.type.shape[0]} rows, the state has {b}", i)
+    if g.type.shape[1] not in (heads, heads * dk if isinstance(dk, int) else None):
+        raise OpError(
+            f"g `{g.name}` has {g.type.shape[1]} columns, expected {heads} (one decay per head) "
+            f"or {heads * dk if isinstance(dk, int) else f'{heads}*{dk}'} (one per key channel)",
+            i,
+        )
+
+
+def _recurrent_infer(args, attrs):
+    q, k, v, s = args[:4]
     heads = _heads(attrs)
     kheads = _key_heads(attrs, heads)
-    for i, a in enumerate((q, k, v, g, beta)):
-        _expect_act(a, i, "q, k, v, g and beta")
-    _expect_state(s, 5, 4, "the KDA state [B, heads, dk, dv]")
-    expect_dtype(s, ("f32",), 5)
+    _rule(attrs)
+    for i, a in enumerate((q, k, v)):
+        _expect_act(a, i, "q, k and v")
+    _expect_state(s, 3, 4, "the recurrent state [B, heads, dk, dv]")
+    expect_dtype(s, ("f32",), 3)
     b, sh, dk, dv = s.type.shape
     if sh != heads:
-        raise OpError(f"the state `{s.name}` is {s.type}, but heads={heads}: dimension 2 must be {heads}", 5)
-    gw = g.type.shape[1]
-    for i, a, want, what in (
-        (0, q, kheads * dk, "q"),
-        (1, k, kheads * dk, "k"),
-        (2, v, heads * dv, "v"),
-        (3, g, gw if gw == heads else heads * dk, "g"),
-        (4, beta, heads, "beta"),
-    ):
+        raise OpError(f"the state `{s.name}` is {s.type}, but heads={heads}: dimension 2 must be {heads}", 3)
+    checks = [(0, q, kheads * dk, "q"), (1, k, kheads * dk, "k"), (2, v, heads * dv, "v")]
+    if len(args) > 4:
+        _check_decay(args[4], 4, b, heads, dk)
+    if len(args) > 5:
+        _expect_act(args[5], 5, "beta")
+        checks.append((5, args[5], heads, "beta"))
+    for i, a, want, what in checks:
         if a.type.shape[0] != b:
             raise OpError(f"{what} `{a.name}` has {a.type.shape[0]} rows, the state has {b}", i)
         if a.type.shape[1] != want:
-            extra = f" (or {heads}, one decay per head)" if what == "g" else ""
             kh = f"{kheads} key heads, " if kheads != heads else ""
             raise OpError(
-                f"{what} `{a.name}` has {a.type.shape[1]} columns, expected {want}{extra} "
-                f"for {kh}{heads} heads and state {s.type}",
+                f"{what} `{a.name}` has {a.type.shape[1]} columns, expected {want} for {kh}{heads} heads and state {s.type}",
                 i,
             )
     return (TensorType(F32, (b, heads * dv)),)
 
 
-def _delta_rule_cost(ins, outs, attrs):
-    s = ins[5]
-    # per state element: decay 1, S'ᵀk 2, rank-1 update 2, read-out Sᵀq 2
-    return Cost(state_bytes=2 * nbytes(s), flops=7 * numel(s))
+def _recurrent_cost(ins, outs, attrs):
+    s = ins[3]
+    decay = nbytes(ins[4]) if len(ins) > 4 and len(ins[4].shape) == 1 else 0  # a constant decay is a weight
+    # per state element: decay 1, S'ᵀk 2 (the delta rule), rank-1 update 2, read-out Sᵀq 2
+    per = 7 if attrs.get("rule", "delta") == "delta" else 5
+    return Cost(weight_bytes=decay, state_bytes=2 * nbytes(s), flops=per * numel(s))
+
+
+def _recurrent_prefill(rows, *operands, **attrs):
+    """The one-token update scanned over the prompt; a constant decay is not per token."""
+    tokens = tuple(i for i in range(len(operands)) if i != 3 and operands[i].ndim == 2)
+    return scan_rule(recurrent, tokens, state=3)(rows, *operands, **attrs)
 
 
 register(
     OpDef(
-        "delta_rule",
-        ("q", "k", "v", "g", "beta", "state"),
-        _delta_rule_infer,
-        delta_rule,
-        _delta_rule_cost,
-        attrs={"heads": 1, "key_heads": None},
+        "recurrent",
+        ("q", "k", "v", "state", "g", "beta"),
+        _recurrent_infer,
+        recurrent,
+        _recurrent_cost,
+        attrs={"heads": 1, "key_heads": None, "rule": "delta"},
+        optional=2,
         inout=("state",),
-        doc="Gated delta rule, one token: S' = exp(g)·S (g [B, heads·dk] per key channel, or [B, heads] "
-        "per head); S = S' + k⊗(beta·(v - S'ᵀk)); o = Sᵀq. q, k [B, key_heads·dk] (value head h reads "
-        "key head h // (heads/key_heads)); state [B, heads, dk, dv] f32, updated in place.",
+        doc="Linear recurrence, one token: S' = exp(g)·S (g [B, heads·dk] per key channel, [B, heads] per head, "
+        'a weight [heads] constant per head, or none); u = beta·(v - S\'ᵀk) (`rule="delta"`: KDA, Gated '
+        'DeltaNet) or beta·v (`rule="outer"`: Mamba2, GLA, RetNet); S = S\' + k⊗u; o = Sᵀq. q, k '
+        "[B, key_heads·dk] (value head h reads key head h // (heads/key_heads)); beta [B, heads] (none: 1); "
+        "state [B, heads, dk, dv] f32, updated in place.",
         shard="key_heads",
         attends=True,
         data_dependent=True,
-        prefill=scan_rule(delta_rule, tokens=(0, 1, 2, 3, 4), state=5),  # the recurrence, token by token
+        prefill=_recurrent_prefill,  # the recurrence, token by token
     )
 )

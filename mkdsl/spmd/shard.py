@@ -338,7 +338,7 @@ def _rule_norm(s: _Sharder, node: Node, places):
 
 
 def _rule_same_split(s: _Sharder, node: Node, places, heads: bool):
-    """Channel-wise ops (short_conv, kda_gate, delta_rule, rope): every operand split the same way."""
+    """Channel-wise ops (short_conv, kda_gate, recurrent, rope): every operand split the same way."""
     target = places[0]
     if target.kind != "S":
         return _rule_whole(s, node, places)
@@ -437,23 +437,45 @@ def _rule_attention(s: _Sharder, node: Node, places):
 
 
 def _rule_key_heads(s: _Sharder, node: Node, places):
-    """`delta_rule`: value heads split with their key heads (q, k by key head, v by value head).
-    The split comes from the first split one of q, k and v, so key heads that do not split (q and
-    k gathered by their norm) are reported as such."""
+    """`recurrent`: value heads split with their key heads (q, k by key head, v by value head).
+    The split comes from the first split one of q, k and v. Key heads fewer than the devices (or
+    not splitting like the value heads) are replicated: q and k whole on every device, whose value
+    heads must then all read one key head (`key_axes` for the lowering and the reference)."""
     split = next((p for p in places[:3] if p.kind == "S"), None)
     if split is None:
         return _rule_whole(s, node, places)
     ways = s.ways(split.axes)
-    kh = node.attr.get("key_heads")
-    if (kh or node.attr.get("heads", 1)) % ways:
-        raise ShardError(
-            f"{kh or node.attr.get('heads', 1)} key heads do not split {ways} ways",
-            "split the q and k projections by whole key heads, or use fewer devices",
-        )
+    heads = node.attr.get("heads", 1)
+    kh = node.attr.get("key_heads") or heads
+    if kh % ways:
+        return _rule_replicated_keys(s, node, places, kh)
     need, outs, attrs = _rule_same_split(s, node, [split, *places[1:]], heads=True)
-    if kh is not None:
+    if node.attr.get("key_heads") is not None:
         attrs["key_heads"] = kh // ways
     return need, outs, attrs
+
+
+def _rule_replicated_keys(s: _Sharder, node: Node, places, kh: int):
+    """Key heads that do not split: q, k whole, v, the state, g and beta split by value heads."""
+    v = places[2]
+    if v.kind != "S":
+        raise ShardError(
+            f"{kh} key heads do not split {s.ways(places[0].axes)} ways",
+            "split the v projection (and the state) by whole value heads; q and k then stay whole",
+        )
+    ways, heads = s.ways(v.axes), node.attr.get("heads", 1)
+    local = _per_head(s, node, v)
+    if local is None:
+        raise ShardError(f"{heads} heads do not split {ways} ways")
+    if (heads // kh) % local:
+        raise ShardError(f"{kh} key heads do not split {ways} ways, and a device's {local} value heads span several")
+    for i in (0, 1):
+        r = node.inputs[i]
+        if r.kind == "tensor" and any(s.tensor_axes(r)):
+            raise ShardError(f"{kh} key heads do not split {ways} ways: leave `{r.name}` whole (replicated)")
+    need, outs, attrs = _rule_same_split(s, node, [v, v, *places[2:]], heads=True)
+    need[0] = need[1] = WHOLE
+    return need, outs, attrs | {"key_heads": kh, "key_axes": v.axes}
 
 
 def _rule_mla(s: _Sharder, node: Node, places):

@@ -301,6 +301,7 @@ class BatchResult:
     failures: list[str]
     seconds: float
     rows: int = 1  # verify rows per sequence
+    note: str = ""  # where the rows start, when chosen to cross a window
 
 
 @dataclasses.dataclass
@@ -311,6 +312,7 @@ class CompileResult:
     planner_vmem: int
     seconds: float
     error: str | None = None
+    internal: bool = False  # libtpu rejected the kernel (mosaic_errors.KernelCompileError): exit 3
 
 
 def import_generated(text: str, directory, name: str) -> ModuleType:
@@ -330,6 +332,32 @@ def check_seq_len(module) -> int:
     """A cache of two KV tiles (a step can cross a tile boundary), or one if the spec allows no more."""
     tile, high = module.KV_TILE, module.SEQ_RANGE[1]
     return max(tile, min(2 * tile, high // tile * tile))
+
+
+def smallest_window(model) -> tuple[int, int] | None:
+    """(tokens, spec line) of the smallest attention window of any layer kind (an op's `window`)."""
+    found = [
+        (n.attr["window"], n.span.line)
+        for g in model.kinds
+        for n in g.nodes
+        if isinstance(n.attr.get("window"), int) and n.attr["window"] > 0
+    ]
+    return min(found) if found else None
+
+
+def start_positions(model, batch: int, steps: int, seq_len: int) -> tuple[np.ndarray, str]:
+    """Each row's first position, and a note when chosen for the spec's smallest window: row b at
+    3b, or, where a window fits the cache, at W - 1 + 3b, so that the steps cross the window (row
+    0's second step is the first that drops a token) instead of staying inside it."""
+    rows = np.arange(batch) * 3
+    window = smallest_window(model)
+    if window is not None and 1 < steps and window[0] - 1 + rows[-1] + steps <= seq_len:
+        w, line = window
+        note = (
+            f"rows start at position {w - 1} + 3b: the steps cross the smallest window ({w} tokens, spec line {line})"
+        )
+        return (w - 1 + rows).astype(np.int32), note
+    return (rows % (seq_len - steps)).astype(np.int32), ""
 
 
 def check_batch(
@@ -354,14 +382,14 @@ def check_batch(
     vocab = graph_value_type(model.step, model.step.results[0]).shape[1]  # the logits' width
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, vocab, batch * rows).astype(np.int32).reshape(batch, rows)
-    room = seq_len - steps * rows - rows
-    positions = (np.arange(batch) * 3 % max(room, 1)).astype(np.int32)[:, None] + np.arange(rows, dtype=np.int32)
+    start, note = start_positions(model, batch, steps * rows + rows - 1, seq_len)
+    positions = start[:, None] + np.arange(rows, dtype=np.int32)
     tokens, positions = (tokens[:, 0], positions[:, 0]) if rows == 1 else (tokens, positions)
     options = {"verify_rows": rows} if rows > 1 else {}
     step = module.build_decode_step(
         batch, seq_len, interpret=interpret or interpret_params(), layer_trace=True, **options
     )
-    result = BatchResult(batch, steps, {}, [], 0.0, rows)
+    result = BatchResult(batch, steps, {}, [], 0.0, rows, note)
     from jax.experimental.pallas import tpu as pltpu
 
     pltpu.reset_tpu_interpret_mode_state()
@@ -403,6 +431,7 @@ def compile_check(module, plan_vmem: int, batch: int, fresh: Callable[[], Module
     """The kernel compiled by libtpu for its TPU7x topology (`rows` verify rows per sequence), and
     the compiler's VMEM beside the plan's."""
     from mkdsl.backends.tpu import libtpu as tpu_compile
+    from mkdsl.backends.tpu.mosaic_errors import KernelCompileError
 
     topology = tpu_compile.topology_for(module)
     seq_len = check_seq_len(module)
@@ -413,6 +442,8 @@ def compile_check(module, plan_vmem: int, batch: int, fresh: Callable[[], Module
         used, _ = tpu_compile.compiler_vmem(
             fresh(), lambda m: tpu_compile.compile_module(m, devices, batch, seq_len, rows), limit
         )
+    except KernelCompileError as e:  # a kernel libtpu rejects: mkdsl's internal compiler error
+        return CompileResult(topology, batch, None, plan_vmem, 0.0, str(e), internal=True)
     except Exception as e:  # the compiler's verdict, reported as the check's result
         return CompileResult(topology, batch, None, plan_vmem, 0.0, f"{type(e).__name__}: {str(e)[:2000]}")
     return CompileResult(topology, batch, used, plan_vmem, seconds)
@@ -426,6 +457,7 @@ def summary_table(batches: list[BatchResult], compiled: CompileResult | None) ->
         verdict = "FAIL" if b.failures else "ok"
         rows = f" x {b.rows} verify rows" if b.rows > 1 else ""
         lines.append(f"interpret batch {b.batch}{rows}, {b.steps} steps  {verdict:<6}  {worst} ({b.seconds:.0f} s)")
+        lines += [f"    {b.note}"] if b.note else []
         lines += [f"    {f}" for f in b.failures[:10]]
     if compiled is not None:
         if compiled.error:

@@ -18,6 +18,9 @@ from pathlib import Path
 DUMP_FLAGS = "--xla_jf_dump_to={dir} --xla_jf_dump_llo_text=true"
 
 
+INTERNAL = 3  # the child's exit status when libtpu rejects the kernel (mosaic_errors.KernelCompileError)
+
+
 class DumpError(Exception):
     """The compile failed or left no bundle dump."""
 
@@ -36,6 +39,10 @@ def dump_kernel(kernel: Path, batch: int, seq_len: int, out: Path, timeout: floa
     env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     cmd = [sys.executable, "-m", "mkdsl.backends.tpu.bundle_dump", str(kernel), str(batch), str(seq_len), str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode == INTERNAL:
+        from mkdsl.backends.tpu.mosaic_errors import KernelCompileError
+
+        raise KernelCompileError("", text=json.loads(done.stdout.strip().splitlines()[-1])["internal"])
     if done.returncode != 0:
         raise DumpError(f"the libtpu compile failed:\n{done.stderr.strip()[-3000:]}")
     info = json.loads(done.stdout.strip().splitlines()[-1])
@@ -65,5 +72,11 @@ def _compile_here(kernel: str, batch: int, seq_len: int) -> dict:
 
 
 if __name__ == "__main__":
+    from mkdsl.backends.tpu.mosaic_errors import KernelCompileError
+
     kernel_path, b, s, _ = sys.argv[1:5]
-    print(json.dumps(_compile_here(kernel_path, int(b), int(s))))
+    try:
+        print(json.dumps(_compile_here(kernel_path, int(b), int(s))))
+    except KernelCompileError as e:  # reported by the parent as mkdsl's internal compiler error
+        print(json.dumps({"internal": str(e)}))
+        sys.exit(INTERNAL)

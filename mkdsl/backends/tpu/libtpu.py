@@ -69,10 +69,13 @@ def compile_one_core(module: ModuleType, device, batch: int, seq_len: int, rows:
     trailing, options = _verify(rows)
     ints = jax.ShapeDtypeStruct((batch, *trailing), jnp.int32, sharding=sharding)
     step = module.build_decode_step(batch, seq_len, **options)
+
+    def lower():
+        with jax.sharding.use_abstract_mesh(_abstract_tpu7x_mesh()):
+            return step.lower(weights, state, ints, ints)
+
     t0 = time.perf_counter()
-    with jax.sharding.use_abstract_mesh(_abstract_tpu7x_mesh()):
-        lowered = step.lower(weights, state, ints, ints)
-    return lowered.compile(), time.perf_counter() - t0
+    return _compiled(module, lower), time.perf_counter() - t0
 
 
 def compile_sharded(module: ModuleType, devices: list, batch: int, seq_len: int, rows: int = 1):
@@ -89,7 +92,20 @@ def compile_sharded(module: ModuleType, devices: list, batch: int, seq_len: int,
     ints = jax.ShapeDtypeStruct((batch, *trailing), jnp.int32, sharding=whole)
     step = module.build_decode_step(batch, seq_len, mesh=mesh, **options)
     t0 = time.perf_counter()
-    return step.lower(weights, state, ints, ints).compile(), time.perf_counter() - t0
+    return _compiled(module, lambda: step.lower(weights, state, ints, ints)), time.perf_counter() - t0
+
+
+def _compiled(module: ModuleType, lower: Callable[[], object]):
+    """`lower()` compiled; a kernel Mosaic rejects (other than for its VMEM limit, which
+    `compiler_vmem` provokes) raises `KernelCompileError` naming the spec line it came from."""
+    from mkdsl.backends.tpu import mosaic_errors
+
+    try:
+        return lower().compile()
+    except Exception as e:  # libtpu's MosaicError (a JaxRuntimeError subclass or not, by version)
+        if not mosaic_errors.is_mosaic_failure(e) or "RESOURCE_EXHAUSTED" in str(e):
+            raise
+        raise mosaic_errors.explain(e, lower, module.__file__) from None
 
 
 def compile_module(module: ModuleType, devices: list, batch: int, seq_len: int, rows: int = 1):

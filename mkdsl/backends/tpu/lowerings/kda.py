@@ -1,9 +1,11 @@
-"""Kimi Delta Attention's ops: `short_conv`, `l2norm`, `kda_gate`, `delta_rule`.
+"""Kimi Delta Attention's ops and the recurrent-state family: `short_conv`, `l2norm`, `kda_gate`, `recurrent`.
 
-`short_conv` and `delta_rule` stream their recurrent state in and out themselves; all four finish
+`short_conv` and `recurrent` stream their recurrent state in and out themselves; all four finish
 their DMAs before they return, so every instance shares one scratch set (`synchronous`)."""
 
 from __future__ import annotations
+
+import math
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.lang.diagnostics import Diagnostic
@@ -12,7 +14,7 @@ from mkdsl.lang.ir import Model
 DELTA_SLOTS = 3  # recurrent-state slots in flight
 DELTA_SLOT_BYTES = 512 * 1024  # one slot's states at most: 3 read and 3 write slots stay within 3 MiB of VMEM
 DELTA_STATES = 8  # states per slot, updated together in one loop trip (one copy of their code per delta rule)
-KDA = ("runtime/kda.py.jinja",)  # the runtime part holding ShortConv, l2norm, kda_gate and DeltaRule
+KDA = ("runtime/kda.py.jinja",)  # the runtime part holding ShortConv, l2norm, kda_gate and Recurrent
 
 
 def _check_conv(model: Model, at: Site) -> list[Diagnostic]:
@@ -40,10 +42,18 @@ def _conv_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     node, sc = at.node, em.scratch_of(at)
     state = node.arg("conv_state").name
     obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
+    act = "" if node.attr.get("act", "silu") == "silu" else ", silu=False"
     em.objects.append(
-        f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{sc.name('buf')}, r.{sc.name('sem')}, batch, span)"
+        f"{obj} = ShortConv(r.{state}, r.{state}_out, r.{sc.name('buf')}, r.{sc.name('sem')}, batch, span{act})"
     )
-    return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), x=ins[0], w=em.fetched(node.arg("weight").name, pre))
+    bias = node.opt_arg("bias")
+    return dict(
+        obj=obj,
+        slot=em.slot_expr(state, em.layer_var),
+        x=ins[0],
+        w=em.fetched(node.arg("weight").name, pre),
+        bias=em.fetched(bias.name, pre) if bias is not None else None,
+    )
 
 
 register_lowering(
@@ -100,11 +110,26 @@ register_lowering(
 )
 
 
-def _scalar_decay(at: Site) -> bool:
-    """One decay per head (g [B, heads]) rather than one per key channel."""
+def decay_form(at: Site) -> str:
+    """How the kernel applies the decay: "" (none), "const" (a weight [heads]), "head" (g [B, heads])
+    or "key" (one per key channel)."""
     from mkdsl.lang.elaborate import graph_value_type
 
-    return graph_value_type(at.graph, at.node.arg("g")).shape[1] == at.node.attr["heads"]
+    g = at.node.opt_arg("g")
+    if g is None:
+        return ""
+    if g.kind == "tensor":
+        return "const"
+    return "head" if graph_value_type(at.graph, g).shape[1] == at.node.attr["heads"] else "key"
+
+
+def key_lo(em: EmitContext, node, key_heads: int) -> str:
+    """With replicated key heads (`key_axes`): the key head this device's value heads read."""
+    axes = node.attr.get("key_axes")
+    if not axes:
+        return ""
+    ways = math.prod(dict(em.m.mesh)[a] for a in axes)
+    return f", key_lo={em.group_index(axes)} * {key_heads} // {ways}"
 
 
 def slot_states(heads: int, dk: int, dv: int, rows: int) -> int:
@@ -115,7 +140,7 @@ def slot_states(heads: int, dk: int, dv: int, rows: int) -> int:
 
 
 def slot_layout(heads: int, batch: int, states: int) -> tuple[int, int]:
-    """(rows, heads) of a slot at this batch, as the kernel's DeltaRule lays it out: all the rows
+    """(rows, heads) of a slot at this batch, as the kernel's Recurrent lays it out: all the rows
     (up to `states`; more run as groups of rows) and the most heads that divide `heads` and fit."""
     rows = min(batch, states)
     return rows, max(c for c in range(1, heads + 1) if heads % c == 0 and c * rows <= states)
@@ -153,20 +178,27 @@ def _rule_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> d
     state = node.arg("state").name
     obj = f"{sc.prefix}_{at.graph.name}_{at.index}"
     heads = node.attr["heads"]
-    group = heads // (node.attr.get("key_heads") or heads)
-    extra = (f", group={group}" if group > 1 else "") + (", scalar_decay=True" if _scalar_decay(at) else "")
+    key_heads = node.attr.get("key_heads") or heads
+    group = heads if node.attr.get("key_axes") else heads // key_heads
+    form = decay_form(at)
+    extra = (f", group={group}" if group > 1 else "") + (f", decay={form!r}" if form != "key" else "")
+    extra += ", delta=False" if node.attr["rule"] == "outer" else ""
     em.objects.append(
-        f"{obj} = DeltaRule(r.{state}, r.{state}_out, r.{sc.name('in')}, r.{sc.name('out')}, "
-        f"r.{sc.name('sem')}, batch, {heads}{extra}, span=span)"
+        f"{obj} = Recurrent(r.{state}, r.{state}_out, r.{sc.name('in')}, r.{sc.name('out')}, "
+        f"r.{sc.name('sem')}, batch, {heads}{extra}{key_lo(em, node, key_heads)}, span=span)"
     )
-    return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), args=", ".join(f"r.{b}" for b in ins[:5]))
+    g = node.opt_arg("g")
+    g_code = "None" if g is None else em.fetched(g.name, pre) if form == "const" else f"r.{ins[4]}"
+    beta = f"r.{ins[5]}" if node.opt_arg("beta") is not None else "None"
+    args = ", ".join([*(f"r.{b}" for b in ins[:3]), g_code, beta])
+    return dict(obj=obj, slot=em.slot_expr(state, em.layer_var), args=args)
 
 
 register_lowering(
     Lowering(
-        "delta_rule",
+        "recurrent",
         "lowerings/kda.jinja",
-        "delta_rule",
+        "recurrent",
         _rule_record,
         scratch=_rule_scratch,
         scratch_base="rule",

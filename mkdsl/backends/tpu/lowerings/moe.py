@@ -229,11 +229,13 @@ def _scratch(s: PlanContext, at: Site) -> dict:
         b = FP8_BLOCK
         parts = {
             "w1c": ((*tiles, d, tn), code, f"expert W1 codes ({slots} tile sets)", "VMEM"),
-            "w1s": ((*tiles, d // b, tn // b), "float32", "expert W1 block scales", "SMEM"),
+            # an expert's whole scale blocks: a column tile's [d/b, tn/b] slice of them is a strided
+            # DMA Mosaic refuses ("leading tiles have different trailing dimensions")
+            "w1s": ((*tiles, d // b, f // b), "float32", "expert W1 block scales (whole expert)", "SMEM"),
             "w3c": ((*tiles, d, tn), code, "expert W3 codes", "VMEM"),
-            "w3s": ((*tiles, d // b, tn // b), "float32", "expert W3 block scales", "SMEM"),
+            "w3s": ((*tiles, d // b, f // b), "float32", "expert W3 block scales (whole expert)", "SMEM"),
             "w2c": ((*tiles, tn, d), code, "expert W2 codes", "VMEM"),
-            "w2s": ((*tiles, tn // b, d // b), "float32", "expert W2 block scales", "SMEM"),
+            "w2s": ((*tiles, f // b, d // b), "float32", "expert W2 block scales (whole expert)", "SMEM"),
         }
     else:  # packed nibbles: mxfp4 (uint8 E8M0 scales per 32 rows) or int4 (bf16 scales per group)
         g, sd = expert_group(s.model, node), "uint8" if fmt == "mxfp4" else "bfloat16"
