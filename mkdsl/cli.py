@@ -8,6 +8,7 @@ when the checkpoint does not fit the spec.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import sys
@@ -162,6 +163,11 @@ def cmd_compile(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    with _calibration(args.calibration):
+        return _plan(args)
+
+
+def _plan(args) -> int:
     import json
 
     from mkdsl.plan import make_plan
@@ -221,21 +227,48 @@ def cmd_plan(args) -> int:
 
 
 def _cost_options(args) -> dict:
-    """The cost model's options of `mkdsl plan`: steps per device call, static compute ratios."""
-    import json
+    """The cost model's options of `mkdsl plan`: steps per device call, static compute ratios (the
+    spec's committed file unless `--static-costs FILE|none` says otherwise)."""
+    from mkdsl.plan import static_costs
 
     if args.steps_per_call < 1:
         raise UsageError(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
-    static = None
+    if args.static_costs == "none":
+        return {"steps_per_call": args.steps_per_call, "static": None, "static_from": "the per-op estimate"}
     if args.static_costs:
         try:
-            data = json.loads(Path(args.static_costs).read_text(encoding="utf-8"))
-            static = {str(k): float(v) for k, v in data["compute_over_stream"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            static = static_costs.load(Path(args.static_costs))
+        except (OSError, ValueError) as e:
             raise UsageError(
                 f"--static-costs {args.static_costs}: not a JSON object with `compute_over_stream` (op -> number): {e}"
             ) from None
-    return {"steps_per_call": args.steps_per_call, "static": static}
+        return {"steps_per_call": args.steps_per_call, "static": static, "static_from": args.static_costs}
+    try:
+        static, where = static_costs.default_costs(args.spec, args.profile)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{static_costs.default_path(args.spec)}: {e} (`--static-costs none` skips it)") from None
+    return {"steps_per_call": args.steps_per_call, "static": static, "static_from": where}
+
+
+@contextlib.contextmanager
+def _calibration(path: str | None):
+    """The measured constants of plan/measured.py, replaced by a calibration file's while planning."""
+    from mkdsl.plan import measured
+
+    if path is None:
+        yield
+        return
+    from mkdsl.backends.tpu import calibrate
+
+    try:
+        values = calibrate.read(Path(path))
+        old = measured.apply(values, f"calibration {path}")
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--calibration {path}: {e}") from None
+    try:
+        yield
+    finally:
+        measured.restore(old)
 
 
 def _static_seq_len(context: int | None, kv_tile: int) -> int:
@@ -582,7 +615,7 @@ def _plan_parser(c) -> None:
     shown.add_argument(
         "--levers",
         action="store_true",
-        help="re-plan with each lever not pulled (deeper ring, placement, fused collectives, dispatch); compare",
+        help="re-plan with each lever not pulled (deeper ring, placement, fused collectives); compare",
     )
     shown.add_argument(
         "--static",
@@ -606,13 +639,23 @@ def _plan_parser(c) -> None:
         help="cached tokens per row (default: a quarter of the cache, at most 4096)",
     )
     c.add_argument(
-        "--steps-per-call", type=int, default=1, help="decode steps per device call, sharing its dispatch (default 1)"
+        "--calibration",
+        metavar="FILE",
+        default=None,
+        help="constants measured by `mkdsl calibrate` on a TPU instead of plan/measured.py's borrowed ones",
+    )
+    c.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=1,
+        help="decode steps per device call (default 1; the ~70 us per step is charged per step: measured so)",
     )
     c.add_argument(
         "--static-costs",
         metavar="FILE",
         default=None,
-        help="JSON with `compute_over_stream` (op -> ratio from --static): the cost model's compute per op",
+        help="JSON with `compute_over_stream` (op -> ratio from --static): the cost model's compute per op "
+        "(default: the spec's costs/<name>.json if committed; `none`: the per-op estimate)",
     )
 
 
