@@ -271,45 +271,36 @@ def _calibration(path: str | None):
         measured.restore(old)
 
 
-def _static_seq_len(context: int | None, kv_tile: int) -> int:
-    """The cache length `--static` compiles for: the context and the new token, in whole KV tiles
-    (the kernel takes no other; 0: the default, two tiles). The loops' code does not depend on it."""
-    return -(-(context + 1) // kv_tile) * kv_tile if context else 0
-
-
 def _plan_static(args, source: str) -> int:
     """Compile the kernel with libtpu and time its loops from the final bundles."""
-    import tempfile
-    from pathlib import Path
+    from mkdsl.backends.tpu import bundles, static_run
+    from mkdsl.backends.tpu.bundle_dump import DumpError
 
-    from mkdsl.backends.tpu import bundles
-    from mkdsl.backends.tpu.bundle_dump import DumpError, dump_kernel
-    from mkdsl.compiler import compile_source
-
-    out, _ = compile_source(source, args.spec, args.profile, None)
     clock = args.clock_ghz * 1e9
-    with tempfile.TemporaryDirectory(prefix="mkdsl-static-") as tmp:
-        kernel = Path(tmp) / "kernel.py"
-        kernel.write_text(out.files["kernel.py"], encoding="utf-8")
-        print("compiling with libtpu ...", file=sys.stderr)
-        try:
-            dump = dump_kernel(kernel, args.batch, _static_seq_len(args.context, out.plan.kv_tile), Path(tmp) / "dump")
-        except DumpError as e:
-            raise UsageError(str(e)) from None
-        found = bundles.parse_bundles(dump.bundles.read_text())
-        util = bundles.parse_utilization(dump.utilization.read_text()) if dump.utilization else None
-        timings = bundles.time_loops(found, util, clock_hz=clock)
-    print(bundles.render_static(out.model.name, dump, timings, len(found), clock))
+    print("compiling with libtpu ...", file=sys.stderr)
+    try:
+        read = static_run.read_schedule(source, args.spec, args.profile, args.batch, args.context, clock)
+    except DumpError as e:
+        raise UsageError(str(e)) from None
+    print(bundles.render_static(read.out.model.name, read.dump, read.timings, read.total_bundles, clock))
     if args.save_costs:
-        from mkdsl.plan import static_costs
-
-        ratios, skipped = static_costs.ratios(out.model, out.plan, timings)
-        source = (
-            f"mkdsl plan {args.spec} --static (libtpu, {dump.topology}, batch {args.batch}), loops matched by bytes"
-        )
-        static_costs.save(Path(args.save_costs), ratios, skipped, clock, source)
-        print(f"\ncompute / stream per op for --static-costs: {ratios or 'none matched'} -> {args.save_costs}")
+        found = static_run.save_costs(read, args.spec, args.batch, clock, Path(args.save_costs))
+        print(f"\ncompute / stream per op for --static-costs: {found or 'none matched'} -> {args.save_costs}")
     return 0
+
+
+def cmd_static_costs(args) -> int:
+    """Every spec's static costs, one libtpu compile after the other, into specs/costs/."""
+    from mkdsl.backends.tpu import static_run
+
+    specs = args.specs or sorted(str(p) for p in Path("specs").glob("*.mk"))
+    if not specs:
+        raise UsageError("no specs given and no specs/*.mk here")
+    for spec in specs:
+        _read(spec)  # unreadable specs are usage errors, before any compile
+    if not args.clock_ghz > 0:
+        raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
+    return 1 if static_run.write_all(specs, args.clock_ghz * 1e9) else 0
 
 
 def _host_devices(n: int) -> None:
@@ -583,6 +574,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
     _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
     _run_parser(spec_command)
+    c = sub.add_parser(
+        "static-costs",
+        help="read libtpu's schedule of every spec (compile-only TPU7x) into specs/costs/, for `plan` and `compile`",
+    )
+    c.add_argument("specs", nargs="*", metavar="SPEC", help="specs (default: every specs/*.mk)")
+    c.add_argument("--clock-ghz", type=float, default=1.9, help="assumed TPU7x clock (not public; default 1.9)")
+    c.set_defaults(fn=cmd_static_costs, parser=c)
     c = spec_command(
         "bench", "time the kernel's step: ms/step, tokens/s and % of the HBM floor (CPU: interpret mode)", cmd_bench
     )

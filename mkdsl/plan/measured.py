@@ -48,10 +48,10 @@ EXCHANGE_UNDER_STREAM_US = 7.0
 EXCHANGE_STREAM_OVERLAP = EXCHANGE_UNDER_STREAM_US / EXCHANGE_US_PER_LAYER
 # About 4.8 us per layer that no component explains (norms, residual gates, vector work,
 # semaphores). The cost model's per-op estimate of vector and scalar work (where libtpu's schedule
-# was not read) spreads it over the ops of a comparable layer: Kimi K3's `kda_moe` layer runs 48
-# ops that are neither an exchange nor a weight stream's tile loop (an estimate, not a measurement).
+# was not read) spreads it over the ops of a comparable MoE layer: Kimi K3's `kda_moe` layer runs
+# 40 ops per core besides its exchanges (an estimate, not a measurement).
 UNEXPLAINED_LAYER_US = 4.8
-VECTOR_OPS_PER_LAYER = 48
+VECTOR_OPS_PER_LAYER = 40
 VECTOR_OP_US = UNEXPLAINED_LAYER_US / VECTOR_OPS_PER_LAYER
 # The vector unit's width (TPU7x: 4 VALU slots per bundle, each an [8, 128] f32 vreg), for the
 # elements an op touches, at the assumed clock of plan --static (bundles.ASSUMED_CLOCK_HZ).

@@ -146,5 +146,5 @@ def default_costs(spec_path: str, profile: str | None) -> tuple[dict[str, float]
     if profile is not None:
         return None, f"profile {profile}: no static costs (they are read at the spec's own sizes)"
     if not path.is_file():
-        return None, f"no {path.name} beside the spec: the per-op estimate"
+        return None, f"the per-op estimate (no {COSTS_DIR}/{path.name} beside the spec)"
     return load(path), f"libtpu's schedule, {COSTS_DIR}/{path.name}"
