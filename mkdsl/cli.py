@@ -303,6 +303,31 @@ def cmd_static_costs(args) -> int:
     return 1 if static_run.write_all(specs, args.clock_ghz * 1e9) else 0
 
 
+def cmd_calibrate(args) -> int:
+    """Microbenchmarks for plan/measured.py: timed on a TPU into a calibration file; checked only in
+    interpret mode."""
+    if args.devices is not None and (args.devices < 2 or args.devices & (args.devices - 1)):
+        raise UsageError(f"--devices must be a power of two of at least 2, got {args.devices}")
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and not out.is_file():
+        raise UsageError(f"--out {out}: not a file")
+    if out is not None and not out.parent.is_dir():
+        raise UsageError(f"--out {out}: no directory {out.parent}")
+    if args.interpret:
+        _host_devices(args.devices or 4)  # before jax starts: virtual CPU devices for the exchanges
+    import jax
+
+    from mkdsl.backends.tpu import calibrate
+
+    if not args.interpret and jax.default_backend() != "tpu":
+        raise UsageError("no TPU here: `mkdsl calibrate --interpret` checks the microbenchmarks on the CPU")
+    have = len(jax.devices())
+    devices = args.devices or (4 if args.interpret else 1 << (have.bit_length() - 1))
+    if devices > have or devices < 2:
+        raise UsageError(f"the exchanges need {max(devices, 2)} devices; {have} here")
+    return 1 if calibrate.calibrate(out, args.interpret, devices) else 0
+
+
 def _host_devices(n: int) -> None:
     """Ask XLA for `n` virtual CPU devices (sharded kernels run one per device in interpret mode).
     Must happen before jax starts its CPU backend; libtpu's compile-only devices still work."""
@@ -574,6 +599,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
     _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
     _run_parser(spec_command)
+    c = sub.add_parser(
+        "calibrate",
+        help="microbenchmarks for the cost model's constants: timed on a TPU (--out FILE), checked in interpret mode",
+    )
+    c.add_argument("--out", metavar="FILE", help="write the calibration file (for `mkdsl plan --calibration`)")
+    c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU: results checked, not timed")
+    c.add_argument("--devices", type=int, default=None, help="cores for the exchanges (default: all on a TPU, 4 here)")
+    c.set_defaults(fn=cmd_calibrate, parser=c)
     c = sub.add_parser(
         "static-costs",
         help="read libtpu's schedule of every spec (compile-only TPU7x) into specs/costs/, for `plan` and `compile`",
