@@ -14,7 +14,6 @@ override them and are checked here, with diagnostics that point at the hint's li
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field

@@ -100,7 +100,17 @@ def _collective_phase(g: Graph, node, c, us: float) -> Phase:
     what = f"{c.label} of `{c.value}`"  # the algorithm the planner chose
     wide = any(ph.peers >= cost_model.measured.DIRECT_FIT_CORES for ph in c.phases)
     return Phase(
-        g.name, what, node.span.line, node.op, 0, 1.0, 0.0, "", "", exchange_us=us, overlap_us=min(first, us),
+        g.name,
+        what,
+        node.span.line,
+        node.op,
+        0,
+        1.0,
+        0.0,
+        "",
+        "",
+        exchange_us=us,
+        overlap_us=min(first, us),
         wide_peers=wide,
     )
 
@@ -121,9 +131,7 @@ def _op_phase(s, g: Graph, i: int, its_items, static: dict | None, during: bool)
     whole = cost_model.LAYER_CODE in (static or {}) and not step  # the layer's code is charged whole
     vector = 0.0 if whole else node_vector_us(s, g, node)
     tokens = tokens_seen(s, node)
-    comp, source = cost_model.compute_us(
-        node.op, flops, stream_us, s.batch, tokens, static, key, op.latency, vector
-    )
+    comp, source = cost_model.compute_us(node.op, flops, stream_us, s.batch, tokens, static, key, op.latency, vector)
     if not (nbytes or comp):
         return None
     what = next((it.what for it in its_items), node.op)
@@ -131,7 +139,18 @@ def _op_phase(s, g: Graph, i: int, its_items, static: dict | None, during: bool)
     measured_tokens = cost_model.measured.ATTENTION_MEASURED_TOKENS
     beyond = comp * (1 - measured_tokens / tokens) if source == "latency" and op.latency == "cached_tokens" else 0.0
     return Phase(
-        g.name, what, node.span.line, node.op, nbytes, rate / 1e6, comp, source, name, ring, tile, during=during,
+        g.name,
+        what,
+        node.span.line,
+        node.op,
+        nbytes,
+        rate / 1e6,
+        comp,
+        source,
+        name,
+        ring,
+        tile,
+        during=during,
         extrapolated_us=max(0.0, beyond),
     )
 

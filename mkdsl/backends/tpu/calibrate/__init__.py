@@ -54,7 +54,9 @@ def calibrate(out: Path | None, interpret: bool, devices: int) -> int:
     for b in benches:
         suite.run(b, timed=on_tpu)
         shown = f"{b.seconds * 1e6:10.1f} us" if b.seconds else ("checked" if b.checked else "FAILED")
-        print(f"{b.name:<44} {shown}{f'  {b.error}' if b.error else ''}", file=sys.stdout if not b.error else sys.stderr)
+        print(
+            f"{b.name:<44} {shown}{f'  {b.error}' if b.error else ''}", file=sys.stdout if not b.error else sys.stderr
+        )
     failed = sum(1 for b in benches if not b.checked)
     constants = suite.derive(benches, devices) if on_tpu and not failed else {}
     try:
@@ -63,14 +65,23 @@ def calibrate(out: Path | None, interpret: bool, devices: int) -> int:
         libtpu = "not installed"
     dev = jax.devices()[0]
     meta = {
-        "device_kind": dev.device_kind if on_tpu else f"{dev.platform} (TPU interpret mode: results checked, not timed)",
+        "device_kind": dev.device_kind
+        if on_tpu
+        else f"{dev.platform} (TPU interpret mode: results checked, not timed)",
         "topology": f"{devices} devices" + (f" of {len(jax.devices())}" if on_tpu else " (virtual)"),
         "jax": jax.__version__,
         "libtpu": libtpu,
         "timed": on_tpu,
     }
     results = [
-        {"name": b.name, "group": b.group, "params": b.params, "seconds": b.seconds, "checked": b.checked, "error": b.error}
+        {
+            "name": b.name,
+            "group": b.group,
+            "params": b.params,
+            "seconds": b.seconds,
+            "checked": b.checked,
+            "error": b.error,
+        }
         for b in benches
     ]
     if out is not None and not failed:

@@ -133,7 +133,9 @@ def routing(scores: np.ndarray, k: int, interpret=None):
             s = jnp.where(lanes == idx, -jnp.inf, s)
         o_ref[...] = out
 
-    fn = _call(kernel, jax.ShapeDtypeStruct((rows, 128), jnp.int32), [pl.BlockSpec(memory_space=pltpu.VMEM)], [], interpret)
+    fn = _call(
+        kernel, jax.ShapeDtypeStruct((rows, 128), jnp.int32), [pl.BlockSpec(memory_space=pltpu.VMEM)], [], interpret
+    )
     expected = np.zeros((rows, 128), np.int32)
     expected[:, :k] = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return fn, (jnp.asarray(scores),), expected

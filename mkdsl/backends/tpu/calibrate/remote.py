@@ -32,7 +32,8 @@ def exchange(devices: int, phases: list[list[int]], x: np.ndarray, reps: int, in
     size = max(held[-1]) + 1
     rows, lanes = x.shape[1:]
     peers = sorted({d for offsets in phases for d in offsets})
-    copies = max(len(offsets) * len(h) for offsets, h in zip(phases, held, strict=False))
+    first = np.cumsum([0, *(len(o) * len(h) for o, h in zip(phases, held, strict=False))]).tolist()
+    copies = first[-1]  # each phase its own semaphores: a fast peer's next phase must not satisfy this one's wait
 
     def kernel(x_ref, o_ref, buf, ssem, rsem):
         idx = jax.lax.axis_index(AXIS).astype(jnp.int32)
@@ -43,9 +44,9 @@ def exchange(devices: int, phases: list[list[int]], x: np.ndarray, reps: int, in
         buf[0] = x_ref[...]
 
         def rep(_, carry):
-            for offsets, have in zip(phases, held, strict=False):
+            for n, (offsets, have) in enumerate(zip(phases, held, strict=False)):
                 sent = []
-                for k, (d, h) in enumerate((d, h) for d in offsets for h in have):
+                for k, (d, h) in enumerate(((d, h) for d in offsets for h in have), start=first[n]):
                     c = pltpu.make_async_remote_copy(
                         buf.at[h], buf.at[h ^ d], ssem.at[k], rsem.at[k],
                         device_id=idx ^ d, device_id_type=pl.DeviceIdType.LOGICAL,
