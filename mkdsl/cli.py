@@ -463,6 +463,7 @@ def _run_prompt(args, spec, module, weights, codec, prompt: str) -> None:
         raise UsageError(
             f"{len(ids)} prompt tokens + --max-tokens {args.max_tokens} exceed the cache ({module.SEQ_RANGE[1]})"
         )
+    _fits(spec, args.batch, seq_len - 1)  # caches of this length for every row must fit in HBM
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     options = {"seed": args.seed, "steps_per_call": args.steps_per_call, "prefill": args.prefill}
     decoder = Decoder(spec, module, weights, args.batch, seq_len, sampling, interpret=_interpret(args), **options)
@@ -537,12 +538,26 @@ def cmd_bench(args) -> int:
     seq_len = args.context + 1 if args.context is not None else module.KV_TILE
     if seq_len % module.KV_TILE or not module.SEQ_RANGE[0] <= seq_len <= module.SEQ_RANGE[1]:
         raise UsageError(f"--context {args.context}: the cache (context + 1) must be a multiple of {module.KV_TILE}")
+    for b in batches:  # a batch x context that does not fit in HBM: exit 1 before anything runs
+        _fits(spec, b, seq_len - 1)
     weights = _bench_weights(args, spec)
     if not native:
         print("mkdsl bench: no TPU here; running in TPU interpret mode (CPU timings, not TPU timings)", file=sys.stderr)
-    rows = bench.bench(spec, batches, seq_len, steps=args.steps, weights=weights)
+    with _calibration(args.calibration):
+        rows = bench.bench(spec, batches, seq_len, steps=args.steps, weights=weights)
     print(bench.render(spec, rows, native))
     return 0
+
+
+def _fits(spec, batch: int, context: int) -> None:
+    """SpecError (exit 1) naming the largest context that fits when batch x context exceeds HBM."""
+    from mkdsl.run.bench import modeled
+
+    try:
+        modeled(spec, batch, context)
+    except SpecError as e:
+        e.source = spec.source
+        raise
 
 
 def _load_spec(args):
@@ -628,6 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
     c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
+    c.add_argument("--calibration", metavar="FILE", help="the cost model's constants from `mkdsl calibrate` (the ratio)")
     return p
 
 
