@@ -156,7 +156,7 @@ def cmd_compile(args) -> int:
     t = out.plan.timing
     print(f"wrote {shown}/: {sizes} [{time.perf_counter() - t0:.2f} s]")
     print(
-        f"  modeled step at batch {out.plan.batch}: {t.modeled_us:.1f} us, HBM floor {t.floor_us:.1f} us "
+        f"  modeled step at batch {out.plan.batch}: {t.modeled_us:.1f} us (conservative; optimistic {t.optimistic_us:.1f} us), HBM floor {t.floor_us:.1f} us "
         f"({t.modeled_us / t.floor_us:.3f} x); VMEM {out.plan.vmem_total / 2**20:.1f} of {out.plan.vmem_cap / 2**20:.0f} MiB"
     )
     return 0
@@ -643,7 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
     c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
-    c.add_argument("--calibration", metavar="FILE", help="the cost model's constants from `mkdsl calibrate` (the ratio)")
+    c.add_argument(
+        "--calibration", metavar="FILE", help="the cost model's constants from `mkdsl calibrate` (the ratio)"
+    )
     return p
 
 

@@ -241,3 +241,21 @@ def test_plan_levers_prices_each_lever_with_the_model():
     assert "| dispatch |" not in r.stdout  # per step: several steps per call save nothing the model knows
     assert "| fuse |" in r.stdout
     assert "| placement | nothing moves |" in r.stdout  # tiny is not sharded
+
+
+def test_a_batch_and_context_that_do_not_fit_in_hbm_are_refused_with_the_largest_that_fits():
+    import subprocess
+    import sys
+
+    from mkdsl.lang.diagnostics import SpecError
+
+    llama = shard(load(str(ROOT / "specs/llama3_8b.mk")))
+    make_plan(llama, batch=8, context=74991)  # a cache of 74992 tokens per row fits (weights + caches + state)
+    with pytest.raises(SpecError, match="largest context that fits at batch 8 is 74991 tokens"):
+        make_plan(llama, batch=8, context=74992)
+    cmd = [sys.executable, "-m", "mkdsl", "plan", "specs/llama3_8b.mk", "--batch", "8", "--context", "131072"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1 and "does not fit in HBM" in r.stderr and "74991 tokens" in r.stderr
+    cmd = [sys.executable, "-m", "mkdsl", "bench", "specs/llama3_8b.mk", "--batch", "8", "--context", "131071"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # refused before any weight is built
+    assert r.returncode == 1 and "74991 tokens" in r.stderr
