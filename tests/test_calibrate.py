@@ -36,7 +36,7 @@ def test_every_microbenchmark_runs_in_interpret_mode_and_its_result_is_checked(t
     forms = {b["params"].get("form") for b in benches if b["group"] == "exchange"}
     assert forms == {"sibling", "cross-chip", "direct 3 peers", "hierarchical 4 cores"}
     groups = {b["group"] for b in benches}
-    assert groups == {"ring", "long", "experts", "exchange", "dispatch", "attention", "routing", "vector"}
+    assert groups == {"ring", "long", "experts", "exchange", "dispatch", "decode_attention", "routing", "vector"}
     assert {b["params"]["dtype"] for b in benches if b["group"] == "ring"} == {"bf16", "int8"}
     assert {b["params"]["slots"] for b in benches if b["group"] == "experts"} == {1, 2, 4}
     # The file is one `mkdsl plan --calibration` reads (no constant timed here: the figure stays).
@@ -76,8 +76,8 @@ def test_constants_are_derived_from_differences_of_timed_runs():
         ),
         timed("dispatch", 80e-6, steps=1),
         timed("dispatch", 80e-6 + 15 * 30e-6, steps=16),  # 30 us per step beyond the first
-        timed("attention", 5e-6 + 256 * 2e-9, tokens=256),
-        timed("attention", 5e-6 + 4096 * 2e-9, tokens=4096),  # 2 ns per token: 0.5 us per 250
+        timed("decode_attention", 5e-6 + 256 * 2e-9, tokens=256),
+        timed("decode_attention", 5e-6 + 4096 * 2e-9, tokens=4096),  # 2 ns per token: 0.5 us per 250
     ]
     c = suite.derive(runs, devices=8)
     assert c["RING_STREAM_BYTES_PER_S"] == pytest.approx(3.05e12)

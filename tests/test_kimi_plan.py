@@ -49,7 +49,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def plan(model):
-    return make_plan(model, batch=1)
+    from mkdsl.plan import static_costs
+
+    static, where = static_costs.default_costs(str(ROOT / SPEC), None)  # as `mkdsl plan SPEC` uses them
+    return make_plan(model, batch=1, static=static, static_from=where)
 
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,8 @@ def render_summary(model: Model, plan: Plan, spec_path: str, b: Breakdown) -> st
     out += ["", "Top 5 costs (modeled us per step):"]
     for i, c in enumerate(b.top(), 1):
         out.append(f"{i}. {c.us:9.1f} us {b.share(c.us):>6}  {_cost_line(c)}")
-    out += ["", "Assumptions no measurement supports (us of the step resting on each):", *assumption_lines(plan)]
+    rest = ", ".join(f"{a.name} {a.effect_us:.1f}" for a in t.assumptions)
+    out += ["", f"Assumptions no measurement supports (us resting on each; `--full` says what each is): {rest}."]
     out += ["", "More: `mkdsl plan --full` (the whole report, as plan.md), `--json` (the plan as data)."]
     return "\n".join(part for line in out for part in (textwrap.wrap(line, WIDTH) if len(line) > WIDTH else [line]))
 

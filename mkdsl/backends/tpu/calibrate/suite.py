@@ -96,7 +96,7 @@ def compute_benches(tiny: bool, interp) -> list[Bench]:
     for ctx in (32, 64) if tiny else (256, 1024, 4096):
         r = _rng(ctx)
         q, k, v = (r.standard_normal(s).astype(np.float32) / 4 for s in ((d,), (ctx, d), (ctx, d)))
-        out.append(Bench(f"attention, {ctx} tokens", "attention", {"tokens": ctx},
+        out.append(Bench(f"attention, {ctx} tokens", "decode_attention", {"tokens": ctx},
                          lambda q=q, k=k, v=v: local.attention(q, k, v, tile, interp)))  # fmt: skip
     scores = _rng(1).standard_normal((8, 128 if tiny else 1024)).astype(np.float32)
     out.append(Bench("routing top-8", "routing", {"experts": scores.shape[1], "k": 8},
@@ -212,10 +212,10 @@ def derive(benches: list[Bench], devices: int) -> dict[str, float]:
     steps = _slope(_pair(benches, "dispatch", "steps"))
     if steps:
         c["DISPATCH_US"], c["DISPATCH_MEASURED_CORES"] = steps * 1e6, devices
-    per_token = _slope(_pair(benches, "attention", "tokens"))
+    per_token = _slope(_pair(benches, "decode_attention", "tokens"))
     if per_token:
         c["ATTENTION_250_TOKENS_US"] = per_token * 250 * 1e6
-        c["ATTENTION_MEASURED_TOKENS"] = max(b.params["tokens"] for b in benches if b.group == "attention")
+        c["ATTENTION_MEASURED_TOKENS"] = max(b.params["tokens"] for b in benches if b.group == "decode_attention")
     per_rep = _slope(_pair(benches, "vector", "reps"))
     if per_rep:
         c["VECTOR_OP_US"] = per_rep / 2 * 1e6  # a norm and a gate per repetition
