@@ -52,7 +52,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         "No TPU measured anything here: every time below is **modeled** (see docs/performance.md).",
         "",
         *time_section(model, plan, breakdown(model, plan)),
-        *assumptions_section(plan),
+        *assumptions_section(plan, spec_path),
         "## Summary (modeled)",
         "",
         "| figure | value |",
@@ -187,14 +187,15 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         f"| HBM floor per core at {t.hbm_bytes_per_s / 1e12:.2f} TB/s | {t.floor_us:.1f} us |",
         f"| exchange phases per step | {plan.exchange_phases} |",
         f"| collectives per step | {t.comm_us:.1f} us |",
-        f"| modeled step time | {t.modeled_us:.1f} us |",
+        f"| modeled step time (conservative) | {t.modeled_us:.1f} us |",
         f"| modeled tokens/s, {plan.devices} cores ({chips:g} chips), batch {plan.batch} | "
         f"{plan.batch * 1e6 / t.modeled_us:.1f} |",
     ]
     if wide is not None and wide.batch >= SPECULATIVE_ROWS:
         w = wide.timing
         out.append(
-            f"| modeled step time at batch {wide.batch} | {w.modeled_us:.1f} us |",
+            f"| modeled step time at batch {wide.batch} (conservative; `mkdsl plan --batch {wide.batch} "
+            f"--context {wide.context}`) | {w.modeled_us:.1f} us |",
         )
         out.append(
             f"| modeled accepted tokens/s if each step verified {SPECULATIVE_ROWS} draft rows and accepted "

@@ -63,13 +63,15 @@ def assumption_lines(plan: Plan) -> list[str]:
     ]
 
 
-def assumptions_section(plan: Plan) -> list[str]:
-    """The plan.md section: the range and every assumption with its effect."""
+def assumptions_section(plan: Plan, spec_path: str) -> list[str]:
+    """The plan.md section: the range and every assumption with its effect, and the command that
+    gives the same figures."""
+    command = f"mkdsl plan {spec_path}{f' --profile {plan.profile}' if plan.profile else ''} --batch {plan.batch} --context {plan.context}"
     return [
         "## Assumptions (modeled)",
         "",
-        f"**{headline(plan)}.** The headline is the conservative reading; each assumption below goes beyond "
-        "a measurement, with the modeled us that rest on it:",
+        f"**{headline(plan)}** (`{command}`). The headline is the conservative reading; each assumption below "
+        "goes beyond a measurement, with the modeled us that rest on it:",
         "",
         *assumption_lines(plan),
         "",
