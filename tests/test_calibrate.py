@@ -107,3 +107,16 @@ def test_a_changed_constant_moves_the_plan_as_the_model_says(tmp_path):
     assert r.returncode == 2 and "NOT_A_CONSTANT" in r.stderr
     path.write_text("{}")
     assert mkdsl("plan", "specs/tiny.mk", "--calibration", str(path)).returncode == 2
+
+
+def test_a_calibration_replaces_constants_for_one_plan_and_restores_them():
+    old = measured.apply({"DIRECT_FIT_CORES": 16.0, "UNEXPLAINED_LAYER_US": 8.0}, "calibration t.json")
+    try:
+        assert measured.DIRECT_FIT_CORES == 16 and isinstance(measured.DIRECT_FIT_CORES, int)  # counts stay ints
+        assert measured.VECTOR_OP_US == pytest.approx(8.0 / measured.VECTOR_OPS_PER_LAYER)  # derived ones follow
+        assert measured.SOURCE == "calibration t.json"
+    finally:
+        measured.restore(old)
+    assert measured.DIRECT_FIT_CORES == 8 and measured.VECTOR_OP_US == pytest.approx(4.8 / 40)
+    with pytest.raises(ValueError, match="unknown constants NOPE"):
+        measured.apply({"NOPE": 1.0}, "x")

@@ -80,7 +80,7 @@ def apply(values: dict[str, float], source: str) -> dict[str, object]:
     if unknown:
         raise ValueError(f"unknown constants {', '.join(unknown)} (plan/measured.py has {', '.join(sorted(known))})")
     old = {k: globals()[k] for k in (*known, "SOURCE")}
-    globals().update({k: type(known[k])(v) if isinstance(known[k], float) else v for k, v in values.items()})
+    globals().update({k: round(v) if isinstance(known[k], int) else float(v) for k, v in values.items()})
     if "EXCHANGE_STREAM_OVERLAP" not in values:
         globals()["EXCHANGE_STREAM_OVERLAP"] = EXCHANGE_UNDER_STREAM_US / EXCHANGE_US_PER_LAYER
     if "VECTOR_OP_US" not in values:
