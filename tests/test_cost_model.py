@@ -259,3 +259,18 @@ def test_a_batch_and_context_that_do_not_fit_in_hbm_are_refused_with_the_largest
     cmd = [sys.executable, "-m", "mkdsl", "bench", "specs/llama3_8b.mk", "--batch", "8", "--context", "131071"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)  # refused before any weight is built
     assert r.returncode == 1 and "74991 tokens" in r.stderr
+
+
+def test_plan_uses_the_specs_committed_static_costs_and_says_when_the_spec_changed_since(tmp_path):
+    import shutil
+
+    from mkdsl.plan import static_costs
+
+    static, where = static_costs.default_costs(str(ROOT / "specs/tiny.mk"), None)
+    assert static and "layer_code_us" in static and where == "libtpu's schedule, costs/tiny.json"
+    assert static_costs.default_costs(str(ROOT / "specs/tiny.mk"), "mini")[0] is None  # other shapes
+    (tmp_path / "costs").mkdir()
+    shutil.copy(ROOT / "specs/costs/tiny.json", tmp_path / "costs/tiny.json")
+    (tmp_path / "tiny.mk").write_text((ROOT / "specs/tiny.mk").read_text() + "\n// edited\n")
+    again, note = static_costs.default_costs(str(tmp_path / "tiny.mk"), None)
+    assert again == static and "earlier version of the spec" in note

@@ -103,9 +103,10 @@ def layer_code_us(timings) -> float | None:
     return max(outer, key=lambda t: t.bundles).compute_s * 1e6
 
 
-def save(path: Path, found: dict[str, float], skipped, clock_hz: float, source: str, code_us=None) -> None:
+def save(path: Path, found: dict[str, float], skipped, clock_hz: float, source: str, code_us=None, sha="") -> None:
     data = {
         "source": source,
+        **({"spec_sha256": sha} if sha else {}),
         "clock_hz": clock_hz,
         "compute_over_stream": dict(sorted(found.items())),
         **({"layer_code_us": code_us} if code_us is not None else {}),
@@ -147,4 +148,9 @@ def default_costs(spec_path: str, profile: str | None) -> tuple[dict[str, float]
         return None, f"profile {profile}: no static costs (they are read at the spec's own sizes)"
     if not path.is_file():
         return None, f"the per-op estimate (no {COSTS_DIR}/{path.name} beside the spec)"
-    return load(path), f"libtpu's schedule, {COSTS_DIR}/{path.name}"
+    from mkdsl.lang.elaborate import spec_sha256
+
+    sha = json.loads(path.read_text(encoding="utf-8")).get("spec_sha256")
+    current = spec_sha256(Path(spec_path).read_text(encoding="utf-8"))
+    stale = " (read from an earlier version of the spec: `mkdsl static-costs` renews it)" if sha != current else ""
+    return load(path), f"libtpu's schedule, {COSTS_DIR}/{path.name}{stale}"

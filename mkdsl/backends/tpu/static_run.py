@@ -45,13 +45,16 @@ def read_schedule(source: str, spec: str, profile: str | None, batch: int, conte
 
 
 def save_costs(read: StaticRead, spec: str, batch: int, clock: float, path: Path) -> dict:
-    """Write the cost model's static figures (per-op ratios, the per-layer code) to `path`."""
+    """Write the cost model's static figures (per-op ratios, the per-layer code) to `path`, with the
+    hash of the spec they were read from."""
+    from mkdsl.lang.elaborate import spec_sha256
     from mkdsl.plan import static_costs
 
     ratios, skipped = static_costs.ratios(read.out.model, read.out.plan, read.timings)
     code = static_costs.layer_code_us(read.timings)
     source = f"mkdsl plan {spec} --static (libtpu, {read.dump.topology}, batch {batch}), loops matched by bytes"
-    static_costs.save(path, ratios, skipped, clock, source, code)
+    sha = spec_sha256(Path(spec).read_text(encoding="utf-8"))
+    static_costs.save(path, ratios, skipped, clock, source, code, sha)
     return {**ratios, **({"layer_code_us": code} if code is not None else {})}
 
 
