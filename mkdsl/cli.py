@@ -8,6 +8,7 @@ when the checkpoint does not fit the spec.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import sys
@@ -155,13 +156,18 @@ def cmd_compile(args) -> int:
     t = out.plan.timing
     print(f"wrote {shown}/: {sizes} [{time.perf_counter() - t0:.2f} s]")
     print(
-        f"  modeled step at batch {out.plan.batch}: {t.modeled_us:.1f} us, HBM floor {t.floor_us:.1f} us "
+        f"  modeled step at batch {out.plan.batch}: {t.modeled_us:.1f} us (conservative; optimistic {t.optimistic_us:.1f} us), HBM floor {t.floor_us:.1f} us "
         f"({t.modeled_us / t.floor_us:.3f} x); VMEM {out.plan.vmem_total / 2**20:.1f} of {out.plan.vmem_cap / 2**20:.0f} MiB"
     )
     return 0
 
 
 def cmd_plan(args) -> int:
+    with _calibration(args.calibration):
+        return _plan(args)
+
+
+def _plan(args) -> int:
     import json
 
     from mkdsl.plan import make_plan
@@ -221,62 +227,105 @@ def cmd_plan(args) -> int:
 
 
 def _cost_options(args) -> dict:
-    """The cost model's options of `mkdsl plan`: steps per device call, static compute ratios."""
-    import json
+    """The cost model's options of `mkdsl plan`: steps per device call, static compute ratios (the
+    spec's committed file unless `--static-costs FILE|none` says otherwise)."""
+    from mkdsl.plan import static_costs
 
     if args.steps_per_call < 1:
         raise UsageError(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
-    static = None
+    if args.static_costs == "none":
+        return {"steps_per_call": args.steps_per_call, "static": None, "static_from": "the per-op estimate"}
     if args.static_costs:
         try:
-            data = json.loads(Path(args.static_costs).read_text(encoding="utf-8"))
-            static = {str(k): float(v) for k, v in data["compute_over_stream"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            static = static_costs.load(Path(args.static_costs))
+        except (OSError, ValueError) as e:
             raise UsageError(
                 f"--static-costs {args.static_costs}: not a JSON object with `compute_over_stream` (op -> number): {e}"
             ) from None
-    return {"steps_per_call": args.steps_per_call, "static": static}
+        return {"steps_per_call": args.steps_per_call, "static": static, "static_from": args.static_costs}
+    try:
+        static, where = static_costs.default_costs(args.spec, args.profile)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{static_costs.default_path(args.spec)}: {e} (`--static-costs none` skips it)") from None
+    return {"steps_per_call": args.steps_per_call, "static": static, "static_from": where}
 
 
-def _static_seq_len(context: int | None, kv_tile: int) -> int:
-    """The cache length `--static` compiles for: the context and the new token, in whole KV tiles
-    (the kernel takes no other; 0: the default, two tiles). The loops' code does not depend on it."""
-    return -(-(context + 1) // kv_tile) * kv_tile if context else 0
+@contextlib.contextmanager
+def _calibration(path: str | None):
+    """The measured constants of plan/measured.py, replaced by a calibration file's while planning."""
+    from mkdsl.plan import measured
+
+    if path is None:
+        yield
+        return
+    from mkdsl.backends.tpu import calibrate
+
+    try:
+        values = calibrate.read(Path(path))
+        old = measured.apply(values, f"calibration {path}")
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--calibration {path}: {e}") from None
+    try:
+        yield
+    finally:
+        measured.restore(old)
 
 
 def _plan_static(args, source: str) -> int:
     """Compile the kernel with libtpu and time its loops from the final bundles."""
-    import tempfile
-    from pathlib import Path
+    from mkdsl.backends.tpu import bundles, static_run
+    from mkdsl.backends.tpu.bundle_dump import DumpError
 
-    from mkdsl.backends.tpu import bundles
-    from mkdsl.backends.tpu.bundle_dump import DumpError, dump_kernel
-    from mkdsl.compiler import compile_source
-
-    out, _ = compile_source(source, args.spec, args.profile, None)
     clock = args.clock_ghz * 1e9
-    with tempfile.TemporaryDirectory(prefix="mkdsl-static-") as tmp:
-        kernel = Path(tmp) / "kernel.py"
-        kernel.write_text(out.files["kernel.py"], encoding="utf-8")
-        print("compiling with libtpu ...", file=sys.stderr)
-        try:
-            dump = dump_kernel(kernel, args.batch, _static_seq_len(args.context, out.plan.kv_tile), Path(tmp) / "dump")
-        except DumpError as e:
-            raise UsageError(str(e)) from None
-        found = bundles.parse_bundles(dump.bundles.read_text())
-        util = bundles.parse_utilization(dump.utilization.read_text()) if dump.utilization else None
-        timings = bundles.time_loops(found, util, clock_hz=clock)
-    print(bundles.render_static(out.model.name, dump, timings, len(found), clock))
+    print("compiling with libtpu ...", file=sys.stderr)
+    try:
+        read = static_run.read_schedule(source, args.spec, args.profile, args.batch, args.context, clock)
+    except DumpError as e:
+        raise UsageError(str(e)) from None
+    print(bundles.render_static(read.out.model.name, read.dump, read.timings, read.total_bundles, clock))
     if args.save_costs:
-        from mkdsl.plan import static_costs
-
-        ratios, skipped = static_costs.ratios(out.model, out.plan, timings)
-        source = (
-            f"mkdsl plan {args.spec} --static (libtpu, {dump.topology}, batch {args.batch}), loops matched by bytes"
-        )
-        static_costs.save(Path(args.save_costs), ratios, skipped, clock, source)
-        print(f"\ncompute / stream per op for --static-costs: {ratios or 'none matched'} -> {args.save_costs}")
+        found = static_run.save_costs(read, args.spec, args.batch, clock, Path(args.save_costs))
+        print(f"\ncompute / stream per op for --static-costs: {found or 'none matched'} -> {args.save_costs}")
     return 0
+
+
+def cmd_static_costs(args) -> int:
+    """Every spec's static costs, one libtpu compile after the other, into specs/costs/."""
+    from mkdsl.backends.tpu import static_run
+
+    specs = args.specs or sorted(str(p) for p in Path("specs").glob("*.mk"))
+    if not specs:
+        raise UsageError("no specs given and no specs/*.mk here")
+    for spec in specs:
+        _read(spec)  # unreadable specs are usage errors, before any compile
+    if not args.clock_ghz > 0:
+        raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
+    return 1 if static_run.write_all(specs, args.clock_ghz * 1e9) else 0
+
+
+def cmd_calibrate(args) -> int:
+    """Microbenchmarks for plan/measured.py: timed on a TPU into a calibration file; checked only in
+    interpret mode."""
+    if args.devices is not None and (args.devices < 2 or args.devices & (args.devices - 1)):
+        raise UsageError(f"--devices must be a power of two of at least 2, got {args.devices}")
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and not out.is_file():
+        raise UsageError(f"--out {out}: not a file")
+    if out is not None and not out.parent.is_dir():
+        raise UsageError(f"--out {out}: no directory {out.parent}")
+    if args.interpret:
+        _host_devices(args.devices or 4)  # before jax starts: virtual CPU devices for the exchanges
+    import jax
+
+    from mkdsl.backends.tpu import calibrate
+
+    if not args.interpret and jax.default_backend() != "tpu":
+        raise UsageError("no TPU here: `mkdsl calibrate --interpret` checks the microbenchmarks on the CPU")
+    have = len(jax.devices())
+    devices = args.devices or (4 if args.interpret else 1 << (have.bit_length() - 1))
+    if devices > have or devices < 2:
+        raise UsageError(f"the exchanges need {max(devices, 2)} devices; {have} here")
+    return 1 if calibrate.calibrate(out, args.interpret, devices) else 0
 
 
 def _host_devices(n: int) -> None:
@@ -414,6 +463,7 @@ def _run_prompt(args, spec, module, weights, codec, prompt: str) -> None:
         raise UsageError(
             f"{len(ids)} prompt tokens + --max-tokens {args.max_tokens} exceed the cache ({module.SEQ_RANGE[1]})"
         )
+    _fits(spec, args.batch, seq_len - 1)  # caches of this length for every row must fit in HBM
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     options = {"seed": args.seed, "steps_per_call": args.steps_per_call, "prefill": args.prefill}
     decoder = Decoder(spec, module, weights, args.batch, seq_len, sampling, interpret=_interpret(args), **options)
@@ -488,12 +538,26 @@ def cmd_bench(args) -> int:
     seq_len = args.context + 1 if args.context is not None else module.KV_TILE
     if seq_len % module.KV_TILE or not module.SEQ_RANGE[0] <= seq_len <= module.SEQ_RANGE[1]:
         raise UsageError(f"--context {args.context}: the cache (context + 1) must be a multiple of {module.KV_TILE}")
+    for b in batches:  # a batch x context that does not fit in HBM: exit 1 before anything runs
+        _fits(spec, b, seq_len - 1)
     weights = _bench_weights(args, spec)
     if not native:
         print("mkdsl bench: no TPU here; running in TPU interpret mode (CPU timings, not TPU timings)", file=sys.stderr)
-    rows = bench.bench(spec, batches, seq_len, steps=args.steps, weights=weights)
+    with _calibration(args.calibration):
+        rows = bench.bench(spec, batches, seq_len, steps=args.steps, weights=weights)
     print(bench.render(spec, rows, native))
     return 0
+
+
+def _fits(spec, batch: int, context: int) -> None:
+    """SpecError (exit 1) naming the largest context that fits when batch x context exceeds HBM."""
+    from mkdsl.run.bench import modeled
+
+    try:
+        modeled(spec, batch, context)
+    except SpecError as e:
+        e.source = spec.source
+        raise
 
 
 def _load_spec(args):
@@ -550,6 +614,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
     _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
     _run_parser(spec_command)
+    c = sub.add_parser(
+        "calibrate",
+        help="microbenchmarks for the cost model's constants: timed on a TPU (--out FILE), checked in interpret mode",
+    )
+    c.add_argument("--out", metavar="FILE", help="write the calibration file (for `mkdsl plan --calibration`)")
+    c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU: results checked, not timed")
+    c.add_argument("--devices", type=int, default=None, help="cores for the exchanges (default: all on a TPU, 4 here)")
+    c.set_defaults(fn=cmd_calibrate, parser=c)
+    c = sub.add_parser(
+        "static-costs",
+        help="read libtpu's schedule of every spec (compile-only TPU7x) into specs/costs/, for `plan` and `compile`",
+    )
+    c.add_argument("specs", nargs="*", metavar="SPEC", help="specs (default: every specs/*.mk)")
+    c.add_argument("--clock-ghz", type=float, default=1.9, help="assumed TPU7x clock (not public; default 1.9)")
+    c.set_defaults(fn=cmd_static_costs, parser=c)
     c = spec_command(
         "bench", "time the kernel's step: ms/step, tokens/s and % of the HBM floor (CPU: interpret mode)", cmd_bench
     )
@@ -564,6 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
     c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
+    c.add_argument(
+        "--calibration", metavar="FILE", help="the cost model's constants from `mkdsl calibrate` (the ratio)"
+    )
     return p
 
 
@@ -582,7 +664,7 @@ def _plan_parser(c) -> None:
     shown.add_argument(
         "--levers",
         action="store_true",
-        help="re-plan with each lever not pulled (deeper ring, placement, fused collectives, dispatch); compare",
+        help="re-plan with each lever not pulled (deeper ring, placement, fused collectives); compare",
     )
     shown.add_argument(
         "--static",
@@ -606,13 +688,23 @@ def _plan_parser(c) -> None:
         help="cached tokens per row (default: a quarter of the cache, at most 4096)",
     )
     c.add_argument(
-        "--steps-per-call", type=int, default=1, help="decode steps per device call, sharing its dispatch (default 1)"
+        "--calibration",
+        metavar="FILE",
+        default=None,
+        help="constants measured by `mkdsl calibrate` on a TPU instead of plan/measured.py's borrowed ones",
+    )
+    c.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=1,
+        help="decode steps per device call (default 1; the ~70 us per step is charged per step: measured so)",
     )
     c.add_argument(
         "--static-costs",
         metavar="FILE",
         default=None,
-        help="JSON with `compute_over_stream` (op -> ratio from --static): the cost model's compute per op",
+        help="JSON with `compute_over_stream` (op -> ratio from --static): the cost model's compute per op "
+        "(default: the spec's costs/<name>.json if committed; `none`: the per-op estimate)",
     )
 
 

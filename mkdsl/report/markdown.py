@@ -11,7 +11,7 @@ from mkdsl.plan.hbm import hbm_line
 from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB
 from mkdsl.report.svg import render_svg
-from mkdsl.report.timing import time_section, verdict
+from mkdsl.report.timing import assumptions_section, time_section, verdict
 
 
 def _bytes(n: int) -> str:
@@ -52,6 +52,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         "No TPU measured anything here: every time below is **modeled** (see docs/performance.md).",
         "",
         *time_section(model, plan, breakdown(model, plan)),
+        *assumptions_section(plan, spec_path),
         "## Summary (modeled)",
         "",
         "| figure | value |",
@@ -60,7 +61,8 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         f"| state bytes per step (KV read + written) | {_bytes(plan.state_bytes)} |",
         f"| bytes the schedule moves | {_bytes(plan.schedule_bytes)} |",
         f"| HBM floor at {t.hbm_bytes_per_s / 1e12:.2f} TB/s (modeled) | {t.floor_us:.1f} us |",
-        f"| modeled step time | {t.modeled_us:.1f} us ({t.modeled_us / t.floor_us:.3f} x floor) |",
+        f"| modeled step time (conservative) | {t.modeled_us:.1f} us ({t.modeled_us / t.floor_us:.3f} x floor) |",
+        f"| modeled step time, optimistic (see Assumptions) | {t.optimistic_us:.1f} us |",
         f"| modeled tokens/s per sequence | {t.tokens_per_s:.1f} |",
         f"| DMAs per step | {plan.dma_count} |",
         f"| VMEM planned (explicit) | {_mib(plan.vmem_total)} of {_mib(plan.vmem_cap)} cap |",
@@ -69,7 +71,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         "Modeled time = dispatch + every phase in order, each op max(its compute, its bytes not yet landed)"
         + (", each collective its exchange phases:" if plan.mesh else ":"),
         f"stream {t.stream_us:.1f} us (every phase's bytes at its measured rate), compute {t.compute_us:.1f} us "
-        f"(of which MXU at peak {t.mxu_us:.1f} us), dispatch {t.fixed_us:.1f} us"
+        f"(of which MXU at peak {t.mxu_us:.1f} us), dispatch {t.fixed_us:.1f} us per step"
         + (f", collectives {t.comm_us:.1f} us" if plan.mesh else "")
         + f"; overlapped {t.overlap_us:.1f} us.",
         "",
@@ -185,14 +187,15 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         f"| HBM floor per core at {t.hbm_bytes_per_s / 1e12:.2f} TB/s | {t.floor_us:.1f} us |",
         f"| exchange phases per step | {plan.exchange_phases} |",
         f"| collectives per step | {t.comm_us:.1f} us |",
-        f"| modeled step time | {t.modeled_us:.1f} us |",
+        f"| modeled step time (conservative) | {t.modeled_us:.1f} us |",
         f"| modeled tokens/s, {plan.devices} cores ({chips:g} chips), batch {plan.batch} | "
         f"{plan.batch * 1e6 / t.modeled_us:.1f} |",
     ]
     if wide is not None and wide.batch >= SPECULATIVE_ROWS:
         w = wide.timing
         out.append(
-            f"| modeled step time at batch {wide.batch} | {w.modeled_us:.1f} us |",
+            f"| modeled step time at batch {wide.batch} (conservative; `mkdsl plan --batch {wide.batch} "
+            f"--context {wide.context}`) | {w.modeled_us:.1f} us |",
         )
         out.append(
             f"| modeled accepted tokens/s if each step verified {SPECULATIVE_ROWS} draft rows and accepted "
