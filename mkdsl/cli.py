@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import stat
 import sys
 import time
 import traceback
@@ -29,16 +30,27 @@ MAX_SPEC_BYTES = 2**20  # a spec is text a person writes (kimi_k3.mk is 10 KB): 
 
 def _read(path: str) -> str:
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SPEC_BYTES + 1)  # bounded: the path may be /dev/zero or a huge file
+        data, pipe = _read_bounded(path)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    if pipe and not data:
+        raise UsageError(f"cannot read {path}: a named pipe with no writer, not a regular file")
     if len(data) > MAX_SPEC_BYTES:
         raise UsageError(f"cannot read {path}: more than {MAX_SPEC_BYTES // 2**20} MiB, too large for a spec")
     try:
         return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()  # universal newlines, as open()
     except UnicodeDecodeError:
         raise UsageError(f"cannot read {path}: not UTF-8 text") from None
+
+
+def _read_bounded(path: str) -> tuple[bytes, bool]:
+    """At most MAX_SPEC_BYTES + 1 bytes (the path may be /dev/zero or a huge file), and whether it
+    is a pipe. Opened without blocking, so a named pipe nobody writes to reads as empty instead of
+    waiting forever; a pipe with a writer (`<(cat spec.mk)`) is read as it comes."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb") as f:
+        os.set_blocking(fd, True)
+        return f.read(MAX_SPEC_BYTES + 1), stat.S_ISFIFO(os.fstat(fd).st_mode)
 
 
 def _parse(args, source: str):
