@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -72,3 +73,38 @@ def test_compile_check_sees_crlf_line_ends(tiny_out, capsys):
         assert "kernel.py: differs" in capsys.readouterr().err
     finally:
         kernel.write_bytes(text)
+
+
+def test_plan_prints_the_compile_ratio_to_three_places(tiny_out, capsys):
+    assert main(["plan", str(TINY)]) == 0
+    out = capsys.readouterr().out
+    ratio = re.search(r"HBM floor [\d.]+ us \(([\d.]+) x\)", out)
+    assert ratio and len(ratio[1].split(".")[1]) == 3, out  # compile prints `(234.557 x)`
+    assert "profile none" not in out
+
+
+def _svg_fills(svg: str) -> dict[str, str]:
+    """VMEM category -> fill colour of its rect in plan.svg."""
+    return {m["group"]: m["fill"] for m in re.finditer(r'fill="(?P<fill>#\w+)"[^>]*data-group="(?P<group>[^"]+)"', svg)}
+
+
+def test_plan_svg_colours_labels_and_title(tiny_out, tmp_path):
+    from mkdsl.report.svg import COLOURS
+
+    tiny_svg = (tiny_out / "plan.svg").read_text()
+    assert "profile none" not in tiny_svg
+    assert "collectives 0.0 us" not in tiny_svg  # tiny runs on one device
+    spec = ROOT / "specs" / "kimi_k3.mk"
+    assert main(["compile", str(spec), "--profile", "mini", "-o", str(tmp_path / "kimi")]) == 0
+    kimi_svg = (tmp_path / "kimi" / "plan.svg").read_text()
+    a, b = _svg_fills(tiny_svg), _svg_fills(kimi_svg)
+    assert a and b and set(a) != set(b)  # different category sets, so rank colouring would shift
+    for group in set(a) & set(b):
+        assert a[group] == b[group], group  # a category keeps its colour between pictures
+    assert not set(a.values()) & set(COLOURS.values())  # and never shares one with a cost kind
+    assert len(set(b.values())) == len(b)
+    for svg in (tiny_svg, kimi_svg):  # every span of the step bar is named, however narrow
+        graphs = set(re.findall(r'data-graph="([^"]+)"', svg.split('<g id="graphs">')[0]))
+        texts = " ".join(re.findall(r"<text[^>]*>([^<]*)</text>", svg.split('<g id="graphs">')[0]))
+        for g in graphs:
+            assert ("outside the layers" if g == "step" else g) in texts, g
