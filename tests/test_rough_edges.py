@@ -108,3 +108,12 @@ def test_plan_svg_colours_labels_and_title(tiny_out, tmp_path):
         texts = " ".join(re.findall(r"<text[^>]*>([^<]*)</text>", svg.split('<g id="graphs">')[0]))
         for g in graphs:
             assert ("outside the layers" if g == "step" else g) in texts, g
+
+
+def test_plan_top_costs_name_what_the_spec_author_wrote(capsys):
+    assert main(["plan", str(ROOT / "specs" / "kimi_k3.mk"), "--profile", "mini", "--full"]) == 0
+    out = capsys.readouterr().out
+    collectives = [line for line in out.splitlines() if "reduce" in line and " of " in line]
+    assert collectives
+    for line in collectives:  # no shard-pass suffix (`add__sum`), no numbered temporary (`linear_7`)
+        assert not re.search(r"`\w*(__\w+|_\d+)`", line), line
