@@ -25,6 +25,10 @@ class UsageError(Exception):
     pass
 
 
+class CompilerFailure(Exception):
+    """libtpu refused a generated kernel: an internal compiler error (exit 3), with its message."""
+
+
 MAX_SPEC_BYTES = 2**20  # a spec is text a person writes (kimi_k3.mk is 10 KB): more is a mistake, slow to parse
 
 
@@ -222,6 +226,7 @@ def cmd_plan(args) -> int:
     if args.static:
         if not args.clock_ghz > 0:
             raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
+        _need_libtpu("--static")
         return _plan_static(args, source)
     if args.full:
         print(render_plan(model, plan, args.spec, wide=wide))
@@ -274,7 +279,9 @@ def _plan_static(args, source: str) -> int:
         try:
             dump = dump_kernel(kernel, args.batch, _static_seq_len(args.context, out.plan.kv_tile), Path(tmp) / "dump")
         except DumpError as e:
-            raise UsageError(str(e)) from None
+            from mkdsl.backends.tpu.libtpu import describe_failure
+
+            raise CompilerFailure(describe_failure(str(e), out.files["kernel.py"])) from None
         found = bundles.parse_bundles(dump.bundles.read_text())
         util = bundles.parse_utilization(dump.utilization.read_text()) if dump.utilization else None
         timings = bundles.time_loops(found, util, clock_hz=clock)
@@ -323,7 +330,18 @@ def cmd_verify(args) -> int:
             raise UsageError(f"--batch {b} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})")
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if not args.no_compile:
+        _need_libtpu("verify's compile check", "; `--no-compile` skips it")
     return _run_verify(args, out, batches, tempfile)
+
+
+def _need_libtpu(what: str, alternative: str = "") -> None:
+    """A missing optional dependency is a usage problem, said before any slow work."""
+    from mkdsl.backends.tpu.libtpu import missing
+
+    problem = missing()
+    if problem:
+        raise UsageError(f"{what} needs libtpu: {problem}{alternative}")
 
 
 def _run_verify(args, out, batches, tempfile) -> int:
@@ -664,6 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"mkdsl: error: {e}", file=sys.stderr)
         return 1
+    except CompilerFailure as e:
+        print(f"mkdsl: internal compiler error: {e}\nThis is a bug in mkdsl's code generation.", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("mkdsl: interrupted", file=sys.stderr)
         return 130

@@ -117,3 +117,37 @@ def test_plan_top_costs_name_what_the_spec_author_wrote(capsys):
     assert collectives
     for line in collectives:  # no shard-pass suffix (`add__sum`), no numbered temporary (`linear_7`)
         assert not re.search(r"`\w*(__\w+|_\d+)`", line), line
+
+
+def test_verify_without_libtpu_is_a_usage_error_naming_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # as if not installed: import and find_spec fail
+    assert main(["verify", str(TINY), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install -e '.[tpu]'" in err and "--no-compile" in err
+    assert "FAILED" not in err
+
+
+MOSAIC_FAILURE = """Traceback (most recent call last):
+  File "/x/mkdsl/backends/tpu/bundle_dump.py", line 69, in <module>
+    print(json.dumps(_compile_here(kernel_path, int(b), int(s))))
+  File "/tmp/mkdsl-static-1/kernel.py", line {line}, in _body
+    acc = jnp.dot(x, w)
+jax.errors.JaxRuntimeError: INTERNAL: Mosaic failed to compile TPU kernel: unsupported shape cast
+"""
+
+
+def test_a_libtpu_failure_is_an_internal_compiler_error_naming_the_spec_line(tiny_out, monkeypatch, capsys):
+    from mkdsl.backends.tpu import bundle_dump
+
+    kernel = (tiny_out / "kernel.py").read_text().splitlines()
+    line = next(i for i, s in enumerate(kernel, 1) if "# spec line 44:" in s) + 1  # the line under it
+
+    def fail(*args, **kwargs):
+        raise bundle_dump.DumpError(f"the libtpu compile failed:\n{MOSAIC_FAILURE.format(line=line)}")
+
+    monkeypatch.setattr(bundle_dump, "dump_kernel", fail)
+    assert main(["plan", str(TINY), "--static"]) == 3
+    err = capsys.readouterr().err
+    assert "internal compiler error" in err and "spec line 44" in err
+    assert "Mosaic failed to compile TPU kernel: unsupported shape cast" in err
+    assert "Traceback" not in err and "File " not in err
