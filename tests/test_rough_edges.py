@@ -151,3 +151,106 @@ def test_a_libtpu_failure_is_an_internal_compiler_error_naming_the_spec_line(tin
     assert "internal compiler error" in err and "spec line 44" in err
     assert "Mosaic failed to compile TPU kernel: unsupported shape cast" in err
     assert "Traceback" not in err and "File " not in err
+
+
+def write_gguf_tokenizer(path: Path, tokens: list, merges: list, eos: int = 0, data: bool = True) -> Path:
+    """A GGUF file holding a byte-level BPE tokenizer (and one small F32 tensor)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(eos)
+    if data:
+        w.add_tensor("t", np.arange(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+GOOD_TOKENS = ["a", "b", "ab", "<eos>"]
+
+
+@pytest.mark.parametrize(
+    "tokens, merges, eos, message",
+    [
+        ([*GOOD_TOKENS[:3], b"\xff\xfe"], ["a b"], 0, "tokenizer.ggml.tokens` item 3 is not UTF-8"),
+        (GOOD_TOKENS, ["a c"], 3, "merge 0 'a c' names 'c', not in the vocabulary"),
+        (GOOD_TOKENS, ["ab"], 3, "merge 0 'ab' is not two tokens separated by a space"),
+        (GOOD_TOKENS, ["a b"], 4, "`tokenizer.ggml.eos_token_id` is 4, not a token id in 0 .. 3"),
+    ],
+)
+def test_gguf_tokenizer_metadata_is_validated(tmp_path, tokens, merges, eos, message):
+    from mkdsl.checkpoint.formats import CheckpointError, open_checkpoint
+    from mkdsl.checkpoint.tokenizer import load_codec
+
+    path = write_gguf_tokenizer(tmp_path / "t.gguf", tokens, merges, eos)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        load_codec(open_checkpoint(path))
+
+
+def test_a_valid_gguf_tokenizer_still_loads(tmp_path):
+    from mkdsl.checkpoint.formats import open_checkpoint
+    from mkdsl.checkpoint.tokenizer import load_codec
+
+    codec = load_codec(open_checkpoint(write_gguf_tokenizer(tmp_path / "t.gguf", GOOD_TOKENS, ["a b"], 3)))
+    assert codec.eos_ids == {3} and codec.encode("ab") == [2]
+
+
+def test_a_truncated_gguf_says_how_many_bytes_it_has(tmp_path):
+    from mkdsl.checkpoint.formats import CheckpointError, open_checkpoint
+
+    path = write_gguf_tokenizer(tmp_path / "t.gguf", GOOD_TOKENS, ["a b"], 3)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-100])
+    with pytest.raises(CheckpointError, match=rf"truncated: {len(whole) - 100} of {len(whole)} bytes"):
+        open_checkpoint(path)
+
+
+def test_gguf_tensors_sharing_bytes_are_refused(tmp_path):
+    import gguf
+    import numpy as np
+
+    from mkdsl.checkpoint.formats import CheckpointError, open_checkpoint
+
+    path = tmp_path / "two.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.w", np.arange(64, dtype=np.float32))
+    w.add_tensor("blk.1.w", np.arange(64, dtype=np.float32) + 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    first, second = gguf.GGUFReader(str(path)).tensors
+    at = second.field.offset + sum(p.nbytes for p in second.field.parts[:5])  # its data offset, a u64
+    data = bytearray(path.read_bytes())
+    data[at : at + 8] = first.field.parts[5].tobytes()  # the second tensor's data is the first's
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="tensors `blk.0.w` and `blk.1.w` overlap"):
+        open_checkpoint(path)
+
+
+def test_readme_starts_with_a_virtual_environment_and_git_ignores_it():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    first = readme.split("```sh\n", 1)[1].splitlines()[0]
+    assert first.startswith("python -m venv .venv && . .venv/bin/activate")
+    ignored = subprocess.run(
+        ["git", "check-ignore", ".venv/bin/python", "out/tiny/kernel.py"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert ignored.stdout.split() == [".venv/bin/python", "out/tiny/kernel.py"]
+
+
+def test_readme_and_cli_agree_on_the_exit_status_of_an_unreadable_checkpoint(tmp_path, capsys):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    status = readme.split("Exit status:", 1)[1].split("\n\n", 1)[0]
+    one = status.split(" 1 ", 1)[1].split(", 2 ", 1)[0]
+    assert "truncated" in one  # README: a truncated checkpoint exits 1
+    path = write_gguf_tokenizer(tmp_path / "t.gguf", GOOD_TOKENS, ["a b"], 3)
+    path.write_bytes(path.read_bytes()[:-100])
+    spec = ROOT / "specs" / "llama3_8b.mk"
+    assert main(["run", str(spec), "-p", "mini", "--weights", str(path), "--prompt", "x"]) == 1
+    assert "truncated" in capsys.readouterr().err
