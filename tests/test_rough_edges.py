@@ -254,3 +254,209 @@ def test_readme_and_cli_agree_on_the_exit_status_of_an_unreadable_checkpoint(tmp
     spec = ROOT / "specs" / "llama3_8b.mk"
     assert main(["run", str(spec), "-p", "mini", "--weights", str(path), "--prompt", "x"]) == 1
     assert "truncated" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- mkdsl run
+
+LLAMA = ROOT / "specs" / "llama3_8b.mk"
+
+
+@pytest.fixture(scope="module")
+def llama_hf(tmp_path_factory):
+    """The Llama mini as a Hugging Face checkpoint with a byte-level tokenizer (as tests/test_run.py)."""
+    import json
+
+    from checkpoint_writers import hf_tensors
+    from safetensors.numpy import save_file
+    from test_run import write_tokenizer
+
+    import mkdsl
+
+    spec = mkdsl.load(LLAMA, "mini")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=256, seed=5)
+    root = tmp_path_factory.mktemp("llama_mini_hf")
+    save_file(hf_tensors(weights, 2), str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    write_tokenizer(root, spec.model.const["V"])
+    return root
+
+
+@pytest.fixture
+def run_cache(tmp_path_factory, monkeypatch) -> Path:
+    cache = tmp_path_factory.getbasetemp() / "mkdsl-cache"
+    monkeypatch.setenv("MKDSL_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """`mkdsl run` must not reach the checkpoint's data."""
+    from mkdsl.checkpoint import loader
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checkpoint was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loader, "load_weights", refuse)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt", ""], "--prompt 1 is empty"),
+        (["--prompt", "hi", "--max-tokens", "200000"], "prompt tokens + --max-tokens 200000 exceed the cache (131072)"),
+        (["--prompt", "the " * 132000, "--max-tokens", "1"], "prompt tokens + --max-tokens 1 exceed the cache (131072)"),
+        (["--prompt", "a", "--prompt", "b " * 131070, "--batch", "1"], "exceed the cache"),  # the second group
+    ],
+)
+def test_run_reports_argument_problems_before_loading(llama_hf, run_cache, no_load, capsys, extra, message):
+    argv = ["run", str(LLAMA), "-p", "mini", "--weights", str(llama_hf), *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_run_with_empty_standard_input_is_a_usage_error(llama_hf, run_cache, no_load, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))
+    assert main(["run", str(LLAMA), "-p", "mini", "--weights", str(llama_hf)]) == 2
+    assert "standard input is empty" in capsys.readouterr().err
+
+
+class HistoryDecoder:
+    """A stand-in for the kernel's decoder whose next token depends on each row's whole history
+    (every token fed, at its position), so a row fed the wrong token or position goes astray."""
+
+    prefill_fn = None
+
+    def __init__(self, batch: int, steps_per_call: int, vocab: int = 97):
+        self.batch, self.steps_per_call, self.vocab = batch, steps_per_call, vocab
+        self.history: list[list[int]] = []
+
+    def _next(self, h: list[int]) -> int:
+        return (sum((i + 3) * t for i, t in enumerate(h)) * 31 + len(h)) % self.vocab
+
+    def prefill(self, tokens):
+        self.history = [list(map(int, r)) for r in tokens]
+        import numpy as np
+
+        return np.array([self._next(h) for h in self.history])
+
+    def decode(self, tokens, position, n):
+        import numpy as np
+
+        out = []
+        for h, t in zip(self.history, tokens, strict=True):
+            assert len(h) == position  # every row is at the shared position
+            row, t = [], int(t)
+            for _ in range(n):
+                h.append(t)
+                t = self._next(h)
+                row.append(t)
+            out.append(row)
+        return np.array(out)
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_rows_with_different_prompts_generate_as_each_would_alone(steps_per_call):
+    from mkdsl.run.decode import generate
+
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8], [9], [4, 4, 4, 4]]
+    together = generate(HistoryDecoder(4, steps_per_call), prompts, 6, frozenset())
+    for row, prompt in enumerate(prompts):
+        alone = generate(HistoryDecoder(1, 1), prompt, 6, frozenset())
+        assert list(together.tokens[row]) == list(alone.tokens[0]), row
+        assert len(alone.tokens[0]) == 6
+
+
+def test_prompt_groups_fill_rows_in_order():
+    from mkdsl.run.prompts import groups
+
+    def encode(text):
+        return [len(text)] * len(text)
+
+    (one,) = groups(["ab"], 3, encode, lambda n: None)
+    assert one.texts == ("ab",) * 3 and one.shown == 1
+    first, last = groups(["a", "bb", "ccc"], 2, encode, lambda n: None)
+    assert first.texts == ("a", "bb") and first.ids == ((1,), (2, 2)) and first.shown == 2
+    assert last.texts == ("ccc", "ccc") and last.shown == 1
+
+
+def test_a_damaged_cached_kernel_is_rebuilt(run_cache):
+    from mkdsl.run import decode
+
+    source = TINY.read_text()
+    _, where = decode.cached_kernel(source, str(TINY), None)
+    kernel = where / "kernel.py"
+    good = kernel.read_bytes()
+    kernel.write_bytes(good[: len(good) // 2])  # a half-written copy, say
+    for name in [n for n in sys.modules if n.startswith("mkdsl_cached_kernel_")]:
+        del sys.modules[name]  # a new process
+    module, again = decode.cached_kernel(source, str(TINY), None)
+    assert again == where and kernel.read_bytes() == good
+    assert hasattr(module, "build_decode_step")
+    where.with_name(where.name + ".sha256").unlink()  # an entry without its digest is not trusted either
+    kernel.write_bytes(b"garbage")
+    decode.cached_kernel(source, str(TINY), None)
+    assert kernel.read_bytes() == good
+
+
+@pytest.mark.slow
+def test_run_gives_each_row_its_prompt_says_it_emulates_and_caches_compiles(llama_hf, run_cache, capsys):
+    argv = ["run", str(LLAMA), "-p", "mini", "--weights", str(llama_hf), "--interpret", "--max-tokens", "2"]
+    assert main([*argv, "--prompt", "the hello", "--prompt", "he"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("the hello")
+    assert re.search(r"^\[row 1\] he", out, re.M), out  # row 1 ran its own prompt
+    assert err.count("TPU interpret mode, an emulation on the CPU") == 1
+    assert err.index("emulation on the CPU") < err.index("loaded 21 tensors")  # said up front
+    assert re.search(r"expect roughly [\d.]+ s per step, \d+ s for 2 tokens", err), err
+    assert any((run_cache / "jax").iterdir())  # XLA's executables kept for the next run
+
+
+def test_an_interrupt_landing_in_a_collector_callback_is_not_lost():
+    import gc
+    import signal
+
+    from mkdsl.run.prompts import interrupts_kept
+
+    def _xla_gc_callback(phase, info):  # named as JAX's: Ctrl-C pressed while it runs
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)
+
+    gc.callbacks.append(_xla_gc_callback)
+    went_on = False
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_kept():
+            gc.collect()  # Python would print "Exception ignored" and drop a KeyboardInterrupt raised here
+            went_on = True
+    finally:
+        gc.callbacks.remove(_xla_gc_callback)
+    assert went_on  # the collector finished undisturbed; the interrupt came after
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.4, 1.5])
+def test_ctrl_c_while_the_checkpoint_loads_stops_the_run(llama_hf, run_cache, delay):
+    import signal
+    import time
+
+    argv = ["run", str(LLAMA), "-p", "mini", "--weights", str(llama_hf), "--prompt", "the", "--interpret"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MKDSL_CACHE": str(run_cache)}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "mkdsl", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    lines = []
+    try:
+        for line in p.stderr:  # the notice comes right before the load
+            lines.append(line)
+            if "emulation on the CPU" in line:
+                break
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        rest = p.communicate(timeout=120)[1]
+    finally:
+        p.kill()
+    err = "".join(lines) + rest
+    assert p.returncode == 130, err
+    assert "mkdsl: interrupted" in err
+    assert "Exception ignored" not in err and "Traceback" not in err
