@@ -304,7 +304,10 @@ def no_load(monkeypatch):
     [
         (["--prompt", ""], "--prompt 1 is empty"),
         (["--prompt", "hi", "--max-tokens", "200000"], "prompt tokens + --max-tokens 200000 exceed the cache (131072)"),
-        (["--prompt", "the " * 132000, "--max-tokens", "1"], "prompt tokens + --max-tokens 1 exceed the cache (131072)"),
+        (
+            ["--prompt", "the " * 132000, "--max-tokens", "1"],
+            "prompt tokens + --max-tokens 1 exceed the cache (131072)",
+        ),
         (["--prompt", "a", "--prompt", "b " * 131070, "--batch", "1"], "exceed the cache"),  # the second group
     ],
 )
@@ -460,3 +463,179 @@ def test_ctrl_c_while_the_checkpoint_loads_stops_the_run(llama_hf, run_cache, de
     assert p.returncode == 130, err
     assert "mkdsl: interrupted" in err
     assert "Exception ignored" not in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------- inputs out of range, NaN
+
+
+@pytest.fixture(scope="module")
+def tiny_spec():
+    import mkdsl
+
+    return mkdsl.load(TINY)
+
+
+def test_reference_step_clamps_and_flags_inputs_out_of_range(tiny_spec):
+    import numpy as np
+
+    import mkdsl
+
+    weights, state = mkdsl.random_inputs(tiny_spec, batch=5, seq_len=256, seed=1)
+    tokens = np.array([3, 256, -1, 7, 9], np.int32)  # vocabulary 256, cache 256
+    positions = np.array([4, 0, 0, -1, 256], np.int32)
+    logits, next_tokens, new_state = mkdsl.reference_step(tiny_spec)(weights, state, tokens, positions)
+    logits, next_tokens = np.asarray(logits), np.asarray(next_tokens)
+    assert list(next_tokens[1:]) == [-1, -1, -1, -1]
+    assert np.isnan(logits[1:]).all() and np.isfinite(logits[0]).all()
+    assert 0 <= next_tokens[0] < 256
+    for name, s in new_state.items():  # every write stayed inside the cache, every value finite
+        assert s.shape == state[name].shape and np.isfinite(np.asarray(s, np.float32)).all(), name
+    alone, _ = mkdsl.random_inputs(tiny_spec, batch=1, seq_len=256, seed=1)
+    one_state = {k: v[:, :1] for k, v in state.items()}  # row 0 of the caches (stacked: [layers, batch, ...])
+    ref0, tok0, _ = mkdsl.reference_step(tiny_spec)(weights, one_state, tokens[:1], positions[:1])
+    assert int(tok0[0]) == next_tokens[0]
+    np.testing.assert_array_equal(np.asarray(ref0)[0], logits[0])  # the same arithmetic on the same row
+
+
+def test_prefill_step_clamps_and_flags_inputs_out_of_range(tiny_spec):
+    import numpy as np
+
+    import mkdsl
+
+    weights, state = mkdsl.random_inputs(tiny_spec, batch=4, seq_len=256, seed=2)
+    tokens = np.array([[1, 2, 3], [1, 256, 3], [1, 2, 3], [4, 5, 6]], np.int32)
+    start = np.array([0, 0, -1, 254], np.int32)  # row 3 would write positions 254..256
+    prefill = mkdsl.prefill_step(tiny_spec, donate=False)
+    logits, next_tokens, new_state = prefill(weights, state, tokens, start=start)
+    logits, next_tokens = np.asarray(logits), np.asarray(next_tokens)
+    assert list(next_tokens[1:]) == [-1, -1, -1]
+    assert np.isnan(logits[1:]).all() and np.isfinite(logits[0]).all() and 0 <= next_tokens[0] < 256
+    for name, s in new_state.items():
+        assert np.isfinite(np.asarray(s, np.float32)).all(), name
+
+
+def test_a_nan_logit_is_never_chosen_by_the_reference_or_the_sampler():
+    import numpy as np
+
+    from mkdsl.ops import OPS
+    from mkdsl.run.sampling import Sampling, sample_tokens
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 64)).astype(np.float32)
+    top = logits.argmax(axis=1)
+    logits[0, 5] = np.nan  # a NaN beside a finite best
+    logits[1, top[1]] = np.nan  # the best itself is NaN: the next best wins
+    logits[2] = np.nan  # all NaN: token 0
+    second = int(np.argsort(np.where(np.isnan(logits[1]), -np.inf, logits[1]))[-1])
+    want = [int(top[0]), second, 0]
+    (greedy,) = OPS["argmax"].reference(logits)
+    assert list(np.asarray(greedy)) == want
+    positions = np.zeros(3, np.int32)
+    assert list(np.asarray(sample_tokens(logits, positions, 0, Sampling()))) == want
+    for seed in range(5):  # sampling never draws a NaN logit either
+        drawn = np.asarray(sample_tokens(logits[:2], positions[:2], seed, Sampling(temperature=1.0, top_k=8)))
+        assert not np.isnan(logits[np.arange(2), drawn]).any()
+
+
+@pytest.mark.slow
+def test_the_kernel_under_an_outer_jit_clamps_flags_and_skips_nan_logits(tiny_spec):
+    import jax
+    import numpy as np
+
+    import mkdsl
+
+    weights, state = mkdsl.random_inputs(tiny_spec, batch=5, seq_len=256, seed=3)
+    tokens = np.array([3, 256, -1, 5, 6], np.int32)
+    positions = np.array([2, 0, 0, 256, -1], np.int32)  # rows 1..4 out of range: no check sees them under jit
+    ref_logits, ref_next, _ = mkdsl.reference_step(tiny_spec)(weights, state, tokens, positions)
+    best = int(np.asarray(ref_next)[0])
+    weights["lm_head"] = np.array(weights["lm_head"])
+    weights["lm_head"][:, best] = np.nan  # row 0's best logit becomes NaN
+    ref_logits, ref_next, _ = mkdsl.reference_step(tiny_spec)(weights, state, tokens, positions)
+    ref_logits, ref_next = np.asarray(ref_logits), np.asarray(ref_next)
+    assert ref_next[0] != best and list(ref_next[1:]) == [-1] * 4
+
+    step = mkdsl.build_step(tiny_spec, batch=5, seq_len=256)
+    outer = jax.jit(lambda w, s, t, p: step(w, s, t, p))  # values unknown to the wrapper's checks
+    logits, next_tokens, new_state = outer(mkdsl.kernel_weights(weights), state, tokens, positions)
+    logits, next_tokens = np.asarray(logits), np.asarray(next_tokens)
+    assert list(next_tokens) == list(ref_next)  # the NaN column skipped as the reference skips it
+    assert np.isnan(logits[1:]).all()
+    finite = np.isfinite(ref_logits[0])
+    assert np.array_equal(np.isfinite(logits[0]), finite) and not finite[best]
+    # 2^-6 of the row's largest logit: mkdsl/verify/kernel.py's logit bound (bf16 matmul inputs)
+    scale = float(np.abs(ref_logits[0][finite]).max())
+    assert float(np.abs(logits[0][finite] - ref_logits[0][finite]).max()) <= 2**-6 * scale
+    for name, s in new_state.items():
+        assert s.shape == state[name].shape and np.isfinite(np.asarray(s, np.float32)).all(), name
+
+
+def test_load_weights_can_refuse_non_finite_values(tmp_path):
+    import json
+
+    import numpy as np
+    from checkpoint_writers import hf_tensors
+    from safetensors.numpy import save_file
+
+    import mkdsl
+    from mkdsl.checkpoint.formats import CheckpointError
+
+    spec = mkdsl.load(LLAMA, "mini")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=256, seed=5)
+    tensors = hf_tensors(weights, 2)
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][3, 4] = np.nan
+    tensors[name][5, 6] = np.inf
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    with pytest.raises(CheckpointError, match=rf"tensor `{re.escape(name)}` holds 2 non-finite values"):
+        mkdsl.load_weights(spec, tmp_path, host=True, progress=False, check_finite=True)
+    loaded, _ = mkdsl.load_weights(spec, tmp_path, host=True, progress=False)  # by default it loads
+    assert np.isnan(np.asarray(loaded["w_up"], np.float32)).any()
+
+
+def test_a_gguf_exports_as_a_hugging_face_checkpoint(tmp_path):
+    import gguf
+    import numpy as np
+    from checkpoint_writers import gguf_tensors
+
+    import mkdsl
+    from mkdsl.checkpoint.formats import open_checkpoint
+    from mkdsl.checkpoint.tokenizer import load_codec
+
+    spec = mkdsl.load(LLAMA, "mini")
+    c = spec.model.const
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=256, seed=7)
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_tokenizer_model("gpt2")
+    tokens = [f"<t{i}>" for i in range(c["V"] - 4)] + ["a", "b", "ab", "<eos>"]
+    w.add_token_list(tokens)
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(c["V"] - 1)
+    w.add_chat_template("{{ messages[0]['content'] }}!")
+    for name, (x, kind) in gguf_tensors(weights, 2, c["NH"], c["NKV"]).items():
+        qtype = gguf.GGMLQuantizationType[kind]
+        w.add_tensor(name, x if kind == "F32" else gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    out = mkdsl.export_hf(spec, path, tmp_path / "hf")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    from_gguf, _ = mkdsl.load_weights(spec, path, host=True, progress=False)
+    from_hf, report = mkdsl.load_weights(spec, out, host=True, progress=False)
+    assert report.format == "hf" and set(from_hf) == set(from_gguf)
+    for name in from_gguf:  # bf16 out, bf16 back: the same bits (q/k permutation and transposes undone exactly)
+        np.testing.assert_array_equal(np.asarray(from_hf[name]), np.asarray(from_gguf[name]), err_msg=name)
+    a, b = load_codec(open_checkpoint(path)), load_codec(open_checkpoint(out))
+    assert b.encode("abab") == a.encode("abab") == [c["V"] - 2] * 2
+    assert b.eos_ids == a.eos_ids == {c["V"] - 1} and b.chat("hi") == a.chat("hi") == "hi!"
