@@ -440,6 +440,7 @@ def test_an_interrupt_landing_in_a_collector_callback_is_not_lost():
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.4, 1.5])
 def test_ctrl_c_while_the_checkpoint_loads_stops_the_run(llama_hf, run_cache, delay):
+    import queue
     import signal
     import time
 
@@ -448,18 +449,23 @@ def test_ctrl_c_while_the_checkpoint_loads_stops_the_run(llama_hf, run_cache, de
     p = subprocess.Popen(
         [sys.executable, "-m", "mkdsl", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    lines = []
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in p.stderr] + [lines.put(None)], daemon=True).start()
+    seen = []
     try:
-        for line in p.stderr:  # the notice comes right before the load
-            lines.append(line)
-            if "emulation on the CPU" in line:
-                break
+        while not seen or "emulation on the CPU" not in seen[-1]:  # the notice comes right before the load
+            line = lines.get(timeout=90)
+            assert line is not None, "".join(seen)
+            seen.append(line)
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
-        rest = p.communicate(timeout=120)[1]
+        p.wait(timeout=120)
     finally:
         p.kill()
-    err = "".join(lines) + rest
+        p.wait()
+    while (line := lines.get(timeout=10)) is not None:
+        seen.append(line)
+    err = "".join(seen)
     assert p.returncode == 130, err
     assert "mkdsl: interrupted" in err
     assert "Exception ignored" not in err and "Traceback" not in err
