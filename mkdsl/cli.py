@@ -767,6 +767,8 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:
         print("mkdsl: interrupted", file=sys.stderr)
+        if argv is None:  # the command itself: JAX's threads may be mid-compile, and tearing
+            _exit_now(130)  # the interpreter down under them can crash; end the process here
         return 130
     except BrokenPipeError:  # `mkdsl plan ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -780,6 +782,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 3
+
+
+def _exit_now(status: int) -> None:
+    """End the process with `status` at once, output flushed, without interpreter teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 if __name__ == "__main__":
