@@ -776,6 +776,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug in mkdsl, never the user's fault
         if os.environ.get("MKDSL_DEBUG"):
             traceback.print_exc()
+        if "Mosaic" in str(e):  # libtpu refused a kernel while a command ran it: say what it said
+            from mkdsl.backends.tpu.libtpu import describe_failure
+
+            print(f"mkdsl: internal compiler error: {describe_failure(str(e), '')}", file=sys.stderr)
+            return 3
         print(
             f"mkdsl: internal error: {type(e).__name__}: {e}\n"
             "This is a bug in mkdsl; rerun with MKDSL_DEBUG=1 for the traceback.",

@@ -645,3 +645,15 @@ def test_a_gguf_exports_as_a_hugging_face_checkpoint(tmp_path):
     a, b = load_codec(open_checkpoint(path)), load_codec(open_checkpoint(out))
     assert b.encode("abab") == a.encode("abab") == [c["V"] - 2] * 2
     assert b.eos_ids == a.eos_ids == {c["V"] - 1} and b.chat("hi") == a.chat("hi") == "hi!"
+
+
+def test_a_mosaic_error_while_a_command_runs_is_an_internal_compiler_error(monkeypatch, capsys):
+    from mkdsl import cli
+
+    def fail(args):
+        raise RuntimeError("INTERNAL: Mosaic failed to compile TPU kernel: unsupported layout")
+
+    monkeypatch.setattr(cli, "cmd_bench", fail)
+    assert main(["bench", str(TINY)]) == 3
+    err = capsys.readouterr().err
+    assert "internal compiler error" in err and "Mosaic failed to compile TPU kernel: unsupported layout" in err
