@@ -92,8 +92,10 @@ def _read_generated(path: Path) -> tuple[str, str | None]:
     if not path.is_file():
         return "", "not a regular file"
     try:
-        with open(path, encoding="utf-8", newline="") as f:  # no newline translation: CRLF differs
-            return f.read(), None
+        text = path.read_text(encoding="utf-8")
+        if "\r" in path.read_bytes().decode("utf-8"):  # read_text translates line ends: CRLF would pass
+            return "", "differs (CR or CRLF line ends)"
+        return text, None
     except OSError as e:
         return "", f"unreadable ({e.strerror or e})"
     except UnicodeDecodeError:
