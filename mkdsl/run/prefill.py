@@ -87,14 +87,17 @@ def _prompt_rows(tokens, lengths, start) -> tuple[Rows, object, object]:
     return Rows(batch, length, positions, (t < lengths[:, None]).reshape(-1)), lengths, start
 
 
-def _prompt_inputs(model: Model, tokens, lengths, start, room=None) -> tuple[Rows, dict, object, object, object]:
+def _prompt_inputs(
+    model: Model, tokens, lengths, start, room=None, vocab=None
+) -> tuple[Rows, dict, object, object, object]:
     """The prompt's rows, the step's inputs over them (tokens, positions), lengths and start.
     Token ids and positions out of range are clamped (mkdsl/run/guard.py); `rows.bad` flags
     each prompt row that had one among its valid tokens (`room`: the cache length): the fifth value."""
     tokens = jnp.asarray(tokens)
     rows, lengths, start = _prompt_rows(tokens, lengths, start)
     token_name, position_name = (v.name for v in model.inputs)
-    flat, positions, bad = guard.guard(tokens.reshape(-1).astype(jnp.int32), rows.positions, guard.vocab(model), room)
+    vocab = guard.vocab(model) if vocab is None else vocab
+    flat, positions, bad = guard.guard(tokens.reshape(-1).astype(jnp.int32), rows.positions, vocab, room)
     bad = jnp.any((bad & rows.valid).reshape(rows.batch, rows.length), axis=1)
     rows = Rows(rows.batch, rows.length, positions, rows.valid)
     return rows, {token_name: flat, position_name: positions}, lengths, start, bad
@@ -113,15 +116,16 @@ def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries,
 
 
 def run_prefill(
-    model: Model, sampling, weights, state, tokens, lengths=None, start=None, seed=0, feed=None, spmd=False
+    model: Model, sampling, weights, state, tokens, lengths=None, start=None, seed=0, feed=None, spmd=False, vocab=None
 ):
     """The prefill, unjitted (build_prefill's body). `feed(index, carries) -> carries` replaces
     what layer `index` (the epilogue: index L) receives: a debug hook, to feed the prefill the
     carries token-by-token decoding has there (run_prefill_layer's check, for the epilogue).
-    `spmd`: per device under `shard_map`, each op's `OpDef.spmd_prefill` first (see `_caller`)."""
+    `spmd`: per device under `shard_map`, each op's `OpDef.spmd_prefill` first (see `_caller`).
+    `vocab`: the token ids allowed (default: the model's; a per-device model passes the whole one)."""
     weights = reference_weights(model, weights)
     room = guard.cache_length(model, state)
-    rows, inputs, lengths, start, bad = _prompt_inputs(model, tokens, lengths, start, room)
+    rows, inputs, lengths, start, bad = _prompt_inputs(model, tokens, lengths, start, room, vocab)
     token_name, position_name = (v.name for v in model.inputs)
     state, current = dict(state), [rows]
     last = jnp.arange(rows.batch) * rows.length + lengths - 1  # each row's last token
