@@ -4,7 +4,7 @@ megakernel with an unfused JAX reference to test it against.
 The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to` it, the
 `reference_step`, `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
 the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_tokens`, and
-`load_weights` from a checkpoint.
+`load_weights` from a checkpoint (`export_hf`: a GGUF written out as a Hugging Face one).
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -26,7 +26,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     reference_step,
     state_shardings,
 )
-from mkdsl.checkpoint import load_weights  # noqa: E402
+from mkdsl.checkpoint import export_hf, load_weights  # noqa: E402
 from mkdsl.checkpoint.formats import CheckpointError  # noqa: E402
 from mkdsl.lang.diagnostics import SpecError  # noqa: E402
 from mkdsl.run.sampling import Sampling, sample_tokens  # noqa: E402
@@ -39,6 +39,7 @@ __all__ = [
     "build_step",
     "compile_text",
     "compile_to",
+    "export_hf",
     "kernel_weights",
     "load",
     "load_kernel",

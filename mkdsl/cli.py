@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import io
 import os
+import stat
 import sys
 import time
 import traceback
@@ -25,21 +26,36 @@ class UsageError(Exception):
     pass
 
 
+class CompilerFailure(Exception):
+    """libtpu refused a generated kernel: an internal compiler error (exit 3), with its message."""
+
+
 MAX_SPEC_BYTES = 2**20  # a spec is text a person writes (kimi_k3.mk is 10 KB): more is a mistake, slow to parse
 
 
 def _read(path: str) -> str:
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SPEC_BYTES + 1)  # bounded: the path may be /dev/zero or a huge file
+        data, pipe = _read_bounded(path)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    if pipe and not data:
+        raise UsageError(f"cannot read {path}: a named pipe with no writer, not a regular file")
     if len(data) > MAX_SPEC_BYTES:
         raise UsageError(f"cannot read {path}: more than {MAX_SPEC_BYTES // 2**20} MiB, too large for a spec")
     try:
         return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()  # universal newlines, as open()
     except UnicodeDecodeError:
         raise UsageError(f"cannot read {path}: not UTF-8 text") from None
+
+
+def _read_bounded(path: str) -> tuple[bytes, bool]:
+    """At most MAX_SPEC_BYTES + 1 bytes (the path may be /dev/zero or a huge file), and whether it
+    is a pipe. Opened without blocking, so a named pipe nobody writes to reads as empty instead of
+    waiting forever; a pipe with a writer (`<(cat spec.mk)`) is read as it comes."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb") as f:
+        os.set_blocking(fd, True)
+        return f.read(MAX_SPEC_BYTES + 1), stat.S_ISFIFO(os.fstat(fd).st_mode)
 
 
 def _parse(args, source: str):
@@ -216,6 +232,7 @@ def _plan(args) -> int:
     if args.static:
         if not args.clock_ghz > 0:
             raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
+        _need_libtpu("--static")
         return _plan_static(args, source)
     if args.full:
         print(render_plan(model, plan, args.spec, wide=wide))
@@ -281,7 +298,7 @@ def _plan_static(args, source: str) -> int:
     try:
         read = static_run.read_schedule(source, args.spec, args.profile, args.batch, args.context, clock)
     except DumpError as e:
-        raise UsageError(str(e)) from None
+        raise CompilerFailure(str(e)) from None
     print(bundles.render_static(read.out.model.name, read.dump, read.timings, read.total_bundles, clock))
     if args.save_costs:
         found = static_run.save_costs(read, args.spec, args.batch, clock, Path(args.save_costs))
@@ -360,7 +377,18 @@ def cmd_verify(args) -> int:
             raise UsageError(f"--batch {b} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})")
     if args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if not args.no_compile:
+        _need_libtpu("verify's compile check", "; `--no-compile` skips it")
     return _run_verify(args, out, batches, tempfile)
+
+
+def _need_libtpu(what: str, alternative: str = "") -> None:
+    """A missing optional dependency is a usage problem, said before any slow work."""
+    from mkdsl.backends.tpu.libtpu import missing
+
+    problem = missing()
+    if problem:
+        raise UsageError(f"{what} needs libtpu: {problem}{alternative}")
 
 
 def _run_verify(args, out, batches, tempfile) -> int:
@@ -389,6 +417,13 @@ def _run_verify(args, out, batches, tempfile) -> int:
 
 
 def cmd_run(args) -> int:
+    from mkdsl.run import prompts as run_prompts
+
+    with run_prompts.interrupts_kept() as interrupted:
+        return _run(args, interrupted)
+
+
+def _run(args, interrupted: list[bool]) -> int:
     import math
 
     from mkdsl.api import Spec, spec_profiles
@@ -396,9 +431,11 @@ def cmd_run(args) -> int:
     from mkdsl.checkpoint.loader import load_weights, plan_load
     from mkdsl.checkpoint.tokenizer import load_codec
     from mkdsl.jax_setup import tpu_attached
+    from mkdsl.run import prompts as run_prompts
     from mkdsl.spmd.shard import shard
 
     _check_run_args(args)
+    texts = _prompt_texts(args)  # piped standard input is read now: an empty one is known at once
     model, source, module_ast = _load(args)
     try:
         local = shard(model)
@@ -410,6 +447,7 @@ def cmd_run(args) -> int:
     if devices > 1 and not tpu_attached():
         _host_devices(devices)  # a sharded kernel in interpret mode: one virtual CPU device per core
     rows = model.dims[0]
+    args.batch = run_prompts.batch_of(args.batch, args.prompt, rows.low, rows.high)
     if not rows.low <= args.batch <= rows.high:
         raise UsageError(
             f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})"
@@ -419,14 +457,17 @@ def cmd_run(args) -> int:
     reader = open_checkpoint(args.weights)
     plan_load(model, reader)  # a checkpoint that does not fit fails here, before the compile
     codec = load_codec(reader)
-    from mkdsl.run.decode import cached_kernel
+    from mkdsl.run.decode import cached_kernel, use_compilation_cache
 
     module, _ = cached_kernel(source, args.spec, args.profile)
+    use_compilation_cache()
+    groups = _prompt_groups(args, codec, module, texts)  # every known prompt checked before the load
+    _say_emulation(args, module)
     weights, report = load_weights(model, reader, module=module, progress=sys.stderr.isatty())
+    run_prompts.check(interrupted)  # an interrupt JAX's collector swallowed during the load
     print(f"{args.weights}: {report.summary()}", file=sys.stderr)
-    prompts = [args.prompt] if args.prompt is not None else _stdin_prompts()
-    for prompt in prompts:
-        _run_prompt(args, spec, module, weights, codec, prompt)
+    for group in groups if groups is not None else _typed_groups(args, codec, module):
+        _run_prompt(args, spec, module, weights, codec, group, interrupted)
     return 0
 
 
@@ -437,6 +478,64 @@ def _check_run_args(args) -> None:
         raise UsageError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
     if args.steps_per_call < 1:
         raise UsageError(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
+
+
+def _prompt_texts(args) -> list[str] | None:
+    """`--prompt`s or piped standard input, checked; None: a terminal, read as the user types."""
+    from mkdsl.run.prompts import PromptError, given
+
+    try:
+        return given(args.prompt, sys.stdin)
+    except PromptError as e:
+        raise UsageError(str(e)) from None
+
+
+def _prompt_groups(args, codec, module, texts: list[str] | None):
+    """The known prompts as generations of `--batch` rows, each checked against the cache; for a
+    terminal, `--max-tokens` alone is checked (with a one-token prompt)."""
+    from mkdsl.run.decode import cache_length
+    from mkdsl.run.prompts import PromptError, groups
+
+    def fits(longest: int) -> str | None:
+        need = cache_length(longest, args.max_tokens, args.steps_per_call, module.KV_TILE)
+        if need <= module.SEQ_RANGE[1]:
+            return None
+        return f"{longest} prompt tokens + --max-tokens {args.max_tokens} exceed the cache ({module.SEQ_RANGE[1]})"
+
+    def encode(text: str) -> list[int]:
+        return codec.encode(codec.chat(text) if args.chat else text)
+
+    try:
+        if texts is None:
+            problem = fits(1)
+            if problem:
+                raise PromptError(problem)
+            return None
+        return groups(texts, args.batch, encode, fits)
+    except PromptError as e:
+        raise UsageError(str(e)) from None
+
+
+def _typed_groups(args, codec, module):
+    """Prompts typed at a terminal, one generation each (every row the same)."""
+    for text in _stdin_prompts():
+        try:
+            yield from _prompt_groups(args, codec, module, [text])
+        except UsageError as e:
+            print(f"mkdsl: error: {e}", file=sys.stderr)
+
+
+def _say_emulation(args, module) -> None:
+    """Once, before the load: the CPU path is an emulation, and about how long it will take."""
+    if _interpret(args) is None:
+        return
+    import math
+
+    from mkdsl.run.prompts import emulation_notice
+
+    layout = module.weight_layout()
+    nbytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in layout.values())
+    print(emulation_notice(nbytes, args.max_tokens, args.batch), file=sys.stderr, flush=True)
 
 
 def _stdin_prompts():
@@ -451,30 +550,26 @@ def _stdin_prompts():
             yield line.rstrip("\n")
 
 
-def _run_prompt(args, spec, module, weights, codec, prompt: str) -> None:
+def _run_prompt(args, spec, module, weights, codec, group, interrupted) -> None:
     from mkdsl.run.decode import Decoder, cache_length, generate
     from mkdsl.run.sampling import Sampling
 
-    ids = codec.encode(codec.chat(prompt) if args.chat else prompt)
-    if not ids:
-        raise UsageError("the prompt encodes to no tokens")
-    seq_len = cache_length(len(ids), args.max_tokens, args.steps_per_call, module.KV_TILE)
-    if seq_len > module.SEQ_RANGE[1]:
-        raise UsageError(
-            f"{len(ids)} prompt tokens + --max-tokens {args.max_tokens} exceed the cache ({module.SEQ_RANGE[1]})"
-        )
+    longest = max(len(ids) for ids in group.ids)
+    seq_len = cache_length(longest, args.max_tokens, args.steps_per_call, module.KV_TILE)
     _fits(spec, args.batch, seq_len - 1)  # caches of this length for every row must fit in HBM
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     options = {"seed": args.seed, "steps_per_call": args.steps_per_call, "prefill": args.prefill}
     decoder = Decoder(spec, module, weights, args.batch, seq_len, sampling, interpret=_interpret(args), **options)
-    stream = _TextStream(codec)
+    stream = _TextStream(codec, interrupted)
     if not args.chat:
-        sys.stdout.write(prompt)
+        sys.stdout.write(group.texts[0])
         sys.stdout.flush()
-    result = generate(decoder, ids, args.max_tokens, codec.eos_ids, stream.push)
+    result = generate(decoder, [list(ids) for ids in group.ids], args.max_tokens, codec.eos_ids, stream.push)
     sys.stdout.write("\n")
-    for b in range(1, args.batch):
-        print(f"[row {b}] {codec.decode(_until(result.tokens[b], codec.eos_ids))}")
+    same = len(set(group.texts)) == 1
+    for b in range(1, group.shown if not same else args.batch):
+        shown = "" if same or args.chat else group.texts[b]
+        print(f"[row {b}] {shown}{codec.decode(_until(result.tokens[b], codec.eos_ids))}")
     sys.stdout.flush()
     print(result.summary(args.batch), file=sys.stderr)
 
@@ -491,10 +586,14 @@ def _until(tokens, stop) -> list[int]:
 class _TextStream:
     """Row 0's text printed as it is generated (a partial UTF-8 character waits for its end)."""
 
-    def __init__(self, codec):
+    def __init__(self, codec, interrupted: list[bool] | None = None):
         self.codec, self.ids, self.shown, self.stopped = codec, [], "", False
+        self.interrupted = interrupted if interrupted is not None else []
 
     def push(self, new) -> None:
+        from mkdsl.run.prompts import check
+
+        check(self.interrupted)  # a Ctrl-C swallowed by a collector callback stops the run here
         for t in new[0]:
             if self.stopped or int(t) in self.codec.eos_ids:
                 self.stopped = True
@@ -711,14 +810,23 @@ def _plan_parser(c) -> None:
 def _run_parser(spec_command) -> None:
     c = spec_command("run", "generate text from a checkpoint with the spec's kernel", cmd_run)
     c.add_argument("--weights", required=True, metavar="PATH", help="a .gguf or .safetensors file, index or directory")
-    c.add_argument("--prompt", help="the prompt (default: one prompt per line from standard input)")
+    c.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt; repeat for one per row of --batch (default: one prompt per line from standard input)",
+    )
     c.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     c.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     c.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
     c.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     c.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
     c.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
-    c.add_argument("--batch", type=int, default=1, help="rows decoded together, each from the prompt (default 1)")
+    c.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="rows decoded together: the prompts fill them in order, one prompt fills all (default: one per --prompt)",
+    )
     c.add_argument("--steps-per-call", type=int, default=1, help="decode steps per call (default 1)")
     c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU (the default without a TPU)")
     c.add_argument(
@@ -744,8 +852,13 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"mkdsl: error: {e}", file=sys.stderr)
         return 1
+    except CompilerFailure as e:
+        print(f"mkdsl: internal compiler error: {e}\nThis is a bug in mkdsl's code generation.", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("mkdsl: interrupted", file=sys.stderr)
+        if argv is None:  # the command itself: JAX's threads may be mid-compile, and tearing
+            _exit_now(130)  # the interpreter down under them can crash; end the process here
         return 130
     except BrokenPipeError:  # `mkdsl plan ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -753,12 +866,27 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug in mkdsl, never the user's fault
         if os.environ.get("MKDSL_DEBUG"):
             traceback.print_exc()
+        if "Mosaic" in str(e):  # libtpu refused a kernel while a command ran it: say what it said
+            from mkdsl.backends.tpu.libtpu import describe_failure
+
+            print(f"mkdsl: internal compiler error: {describe_failure(str(e), '')}", file=sys.stderr)
+            return 3
         print(
             f"mkdsl: internal error: {type(e).__name__}: {e}\n"
             "This is a bug in mkdsl; rerun with MKDSL_DEBUG=1 for the traceback.",
             file=sys.stderr,
         )
         return 3
+
+
+def _exit_now(status: int) -> None:
+    """End the process with `status` at once, output flushed, without interpreter teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 if __name__ == "__main__":

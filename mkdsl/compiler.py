@@ -69,7 +69,8 @@ def stale_files(out: Output, out_dir: Path) -> list[str]:
     """Summary lines for every file that differs from what is on disk (empty: up to date)."""
     lines = []
     try:
-        existing = {p.name for p in out_dir.iterdir() if p.is_file()} if out_dir.is_dir() else set()
+        # every entry but Python's bytecode cache: a stray file or subdirectory is drift too
+        existing = {p.name for p in out_dir.iterdir() if p.name != "__pycache__"} if out_dir.is_dir() else set()
     except OSError as e:
         return [f"{out_dir}: cannot be listed ({e.strerror or e})"]
     for name, text in out.files.items():
@@ -95,7 +96,10 @@ def _read_generated(path: Path) -> tuple[str, str | None]:
     if not path.is_file():
         return "", "not a regular file"
     try:
-        return path.read_text(encoding="utf-8"), None
+        text = path.read_text(encoding="utf-8")
+        if "\r" in path.read_bytes().decode("utf-8"):  # read_text translates line ends: CRLF would pass
+            return "", "differs (CR or CRLF line ends)"
+        return text, None
     except OSError as e:
         return "", f"unreadable ({e.strerror or e})"
     except UnicodeDecodeError:

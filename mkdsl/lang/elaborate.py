@@ -399,6 +399,11 @@ class _Elaborator:
     def check_type(self, t: TypeExpr, name: str, allow_dims: bool) -> tuple[dtypes.DType | None, tuple]:
         dt = None
         args = {a.name: a for a in t.dtype_args}
+        seen: set[str] = set()
+        for a in t.dtype_args:  # as with op attributes: a parameter given twice is an error, not the last wins
+            if a.name in seen:
+                self.rep.error(a.span, f"parameter `{a.name}` of {t.dtype} is given twice")
+            seen.add(a.name)
         if t.dtype in dtypes.SCALED and (t.dtype_args or t.dtype in ("int4", "int8")):
             dt = self.scaled_dtype(t, args)
         elif t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":

@@ -57,7 +57,10 @@ def _argmax_infer(args, attrs):
 
 
 def _argmax(x):
-    return (jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32),)
+    """The first largest logit; a NaN logit is never chosen (it counts as -inf), the rule of the
+    kernel's argmax and of `sample_tokens` (all NaN: token 0)."""
+    x = x.astype(jnp.float32)
+    return (jnp.argmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1).astype(jnp.int32),)
 
 
 def _argmax_spmd(rows, arrays, attrs):

@@ -9,6 +9,7 @@ prologue, each layer of the schedule, then its epilogue.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 from mkdsl.backends.tpu.lowering import Site
@@ -94,10 +95,23 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fu
     return out
 
 
+def written(g: Graph, value: str, at) -> str:
+    """The value as the spec author wrote it: the shard passes' `x__sum` / `x__mine` is `x`; an
+    unnamed expression (named after its op: `linear_7`) is that op at its line and column; inlined
+    from a block, the block is named. `at`: the collective's node, where the producer is gone."""
+    base = value.split("__", 1)[0]
+    node = next((n for n in g.nodes if any(v.name == base for v in n.outputs)), at)
+    where = f" in block `{node.block}`" if node.block else ""
+    op = re.fullmatch(r"(\w+?)(_\d+)?", base)[1]
+    if op in OPS:
+        return f"the `{op}`{where} at {node.span.line}:{node.span.column}"
+    return f"`{base}`{where}"
+
+
 def _collective_phase(g: Graph, node, c, us: float) -> Phase:
     """A collective's phase: `us` of exchanges, of which its first phase may hide work run during it."""
     first = c.phases[0].time_us() if c.phases else 0.0
-    what = f"{c.label} of `{c.value}`"  # the algorithm the planner chose
+    what = f"{c.label} of {written(g, c.value, node)}"  # the algorithm the planner chose
     wide = any(ph.peers >= cost_model.measured.DIRECT_FIT_CORES for ph in c.phases)
     return Phase(
         g.name,

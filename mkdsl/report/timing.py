@@ -122,9 +122,9 @@ def render_summary(model: Model, plan: Plan, spec_path: str, b: Breakdown) -> st
     t = plan.timing
     where = f", one of {plan.devices} devices" if plan.mesh else ""
     out = [
-        f"{model.name} (profile {model.profile or 'none'}) from {spec_path}{where}: batch {plan.batch} "
+        f"{model.name}{f' (profile {model.profile})' if model.profile else ''} from {spec_path}{where}: batch {plan.batch} "
         f"(rows padded to {plan.rows}), {plan.context} cached tokens per row. All times modeled.",
-        f"{headline(plan)}, HBM floor {t.floor_us:.1f} us ({t.modeled_us / t.floor_us:.2f} x); "
+        f"{headline(plan)}, HBM floor {t.floor_us:.1f} us ({t.modeled_us / t.floor_us:.3f} x); "
         f"{t.tokens_per_s:.1f} tokens/s per sequence; VMEM {plan.vmem_total / MIB:.1f} of "
         f"{plan.vmem_cap / MIB:.0f} MiB.",
         *textwrap.wrap(hbm_line(plan) + ".", WIDTH),

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from mkdsl.lang.ir import Graph, LayerExpr, Model, Ref
 from mkdsl.lang.quant import QTensor, register_pytree
-from mkdsl.lazy import jax
+from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
+from mkdsl.run import guard
 
 LayersFn = Callable[[list], list]  # carries entering the layer stack -> carries leaving it
 
@@ -69,11 +70,17 @@ def build_reference(model: Model, jit: bool = True) -> Callable:
     """`step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`.
 
     weights: name -> array (a `QTensor` for quantised formats); state: name -> array.
-    Stacked tensors carry a leading layer-slot axis, as declared.
+    Stacked tensors carry a leading layer-slot axis, as declared. A token id or position out of
+    range is clamped and its row flagged (NaN logits, next token -1), as the kernel's step does
+    (mkdsl/run/guard.py).
     """
+    vocab = guard.vocab(model)
 
     def step(weights, state, tokens, positions):
         state = dict(state)
+        tokens, positions, bad = guard.guard(
+            jnp.asarray(tokens), jnp.asarray(positions), vocab, guard.cache_length(model, state)
+        )
         inputs = _inputs(model, tokens, positions)
 
         def run_layers(carries):
@@ -82,7 +89,7 @@ def build_reference(model: Model, jit: bool = True) -> Callable:
             return carries
 
         logits, next_tokens = _run_graph(model, model.step, [], weights, state, inputs, None, run_layers)
-        return logits, next_tokens, state
+        return (*guard.flag(bad, logits, next_tokens), state)
 
     register_pytree()
     return jax.jit(step) if jit else step

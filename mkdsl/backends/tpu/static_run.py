@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mkdsl.backends.tpu import bundles
-from mkdsl.backends.tpu.bundle_dump import dump_kernel
+from mkdsl.backends.tpu.bundle_dump import DumpError, dump_kernel
+from mkdsl.backends.tpu.libtpu import describe_failure
 
 
 @dataclass(frozen=True)
@@ -30,14 +31,17 @@ def seq_len(context: int | None, kv_tile: int) -> int:
 
 def read_schedule(source: str, spec: str, profile: str | None, batch: int, context: int | None, clock: float):
     """Compile the spec's kernel with libtpu (compile-only TPU7x) and time every loop of its final
-    bundles. Raises bundle_dump.DumpError when the compile fails."""
+    bundles. Raises bundle_dump.DumpError, with the op and spec line described, when the compile fails."""
     from mkdsl.compiler import compile_source
 
     out, _ = compile_source(source, spec, profile, None)
     with tempfile.TemporaryDirectory(prefix="mkdsl-static-") as tmp:
         kernel = Path(tmp) / "kernel.py"
         kernel.write_text(out.files["kernel.py"], encoding="utf-8")
-        dump = dump_kernel(kernel, batch, seq_len(context, out.plan.kv_tile), Path(tmp) / "dump")
+        try:
+            dump = dump_kernel(kernel, batch, seq_len(context, out.plan.kv_tile), Path(tmp) / "dump")
+        except DumpError as e:  # name the op and the spec line Mosaic refused, from the kernel's comments
+            raise DumpError(describe_failure(str(e), out.files["kernel.py"])) from None
         found = bundles.parse_bundles(dump.bundles.read_text())
         util = bundles.parse_utilization(dump.utilization.read_text()) if dump.utilization else None
         timings = bundles.time_loops(found, util, clock_hz=clock)
