@@ -4,7 +4,7 @@ megakernel with an unfused JAX reference to test it against.
 The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to` it, the
 `reference_step`, `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
 the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_tokens`, and
-`load_weights` from a checkpoint.
+`load_weights` from a checkpoint; `generate` (speculatively with a `Drafter`, e.g. `NgramDrafter`).
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -18,6 +18,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     build_step,
     compile_text,
     compile_to,
+    generate,
     kernel_weights,
     load,
     load_kernel,
@@ -29,6 +30,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
 from mkdsl.checkpoint import load_weights  # noqa: E402
 from mkdsl.checkpoint.formats import CheckpointError  # noqa: E402
 from mkdsl.lang.diagnostics import SpecError  # noqa: E402
+from mkdsl.run.drafters import Drafter, NgramDrafter  # noqa: E402
 from mkdsl.run.sampling import Sampling, sample_tokens  # noqa: E402
 
 __all__ = [
@@ -39,10 +41,13 @@ __all__ = [
     "build_step",
     "compile_text",
     "compile_to",
+    "Drafter",
+    "generate",
     "kernel_weights",
     "load",
     "load_kernel",
     "load_weights",
+    "NgramDrafter",
     "random_inputs",
     "prefill_step",
     "reference_step",

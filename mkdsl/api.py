@@ -224,3 +224,59 @@ class _HostCallbacks:
 
     def __getattr__(self, name):
         return getattr(self.step, name)
+
+
+def generate(
+    spec: Spec,
+    weights: dict,
+    prompt: list[int],
+    *,
+    max_tokens: int = 32,
+    draft=None,
+    draft_rows: int = 4,
+    sampling=None,
+    seed: int = 0,
+    stop: tuple[int, ...] = (),
+    target: str = "reference",
+    seq_len: int | None = None,
+    interpret=True,
+    on_tokens=None,
+):
+    """Generate after `prompt` (token ids), speculatively when `draft` is given, on one sequence:
+    the XLA prefill, then the loop of mkdsl/run/speculative.py (drafts, an R-row verify step,
+    the accept rule, commit). `draft`: None (plain decoding, one row per step), "ngram", or a
+    `Drafter` (docs/python-api.md); `draft_rows`: R for "ngram". `target`: "reference" (the
+    unfused step, jitted; `weights` as `random_inputs` gives them) or "kernel" (the generated
+    kernel, `weights` as `build_step` takes them; `interpret` as there). Greedy (the default
+    `sampling`) gives plain greedy decoding's tokens exactly; sampling keeps its distribution.
+    Returns a `Speculation`: `tokens`, per-step accepted counts (`steps`), `mean_accepted`."""
+    from mkdsl.run import speculative
+    from mkdsl.run.drafters import NgramDrafter, make_drafter
+    from mkdsl.run.sampling import Sampling
+
+    sampling = sampling or Sampling()
+    drafter = draft if draft is not None and not isinstance(draft, str) else None
+    if drafter is None:
+        drafter = NgramDrafter(1) if draft is None else make_drafter(draft, draft_rows)
+    if drafter.context_layers:
+        raise ValueError("a drafter reading target hidden states needs the R-row verify step (not available yet)")
+    if target == "kernel":
+        from mkdsl.run.decode import Decoder, cache_length
+
+        module = load_kernel(spec)
+        seq_len = seq_len or cache_length(len(prompt), max_tokens, drafter.rows, module.KV_TILE)
+        decoder = Decoder(spec, module, weights, 1, seq_len, sampling, interpret=interpret, seed=seed)
+        out, _, _ = speculative.run_decoder(decoder, drafter, list(prompt), max_tokens, frozenset(stop), on_tokens)
+        return out
+    if target != "reference":
+        raise ValueError(f"target must be 'reference' or 'kernel', got {target!r}")
+    from mkdsl.run.prefill import build_prefill
+
+    state = speculative.zero_state(spec.model, seq_len or len(prompt) + max_tokens + drafter.rows)
+    _, first, state = build_prefill(spec.model, sampling=sampling)(weights, state, [list(prompt)], seed=seed)
+    ref = speculative.reference_target(spec.model, weights, state)
+    return speculative.speculate(
+        ref, drafter, list(prompt), int(first[0]), max_tokens, sampling=sampling, seed=seed,
+        stop=frozenset(stop), on_tokens=on_tokens,
+    )
+
