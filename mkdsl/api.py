@@ -250,6 +250,8 @@ def generate(
     kernel, `weights` as `build_step` takes them; `interpret` as there). Greedy (the default
     `sampling`) gives plain greedy decoding's tokens exactly; sampling keeps its distribution.
     Returns a `Speculation`: `tokens`, per-step accepted counts (`steps`), `mean_accepted`."""
+    import numpy as np
+
     from mkdsl.run import speculative
     from mkdsl.run.drafters import NgramDrafter, make_drafter
     from mkdsl.run.sampling import Sampling
@@ -270,10 +272,9 @@ def generate(
         return out
     if target != "reference":
         raise ValueError(f"target must be 'reference' or 'kernel', got {target!r}")
-    from mkdsl.run.prefill import build_prefill
-
     state = speculative.zero_state(spec.model, seq_len or len(prompt) + max_tokens + drafter.rows)
-    _, first, state = build_prefill(spec.model, sampling=sampling)(weights, state, [list(prompt)], seed=seed)
+    prefill = speculative.reference_fns(spec.model, sampling)[0]
+    _, first, state = prefill(weights, state, np.asarray([prompt], np.int32), seed=seed)
     ref = speculative.reference_target(spec.model, weights, state)
     return speculative.speculate(
         ref, drafter, list(prompt), int(first[0]), max_tokens, sampling=sampling, seed=seed,

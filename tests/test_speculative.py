@@ -88,7 +88,7 @@ def test_greedy_accept_rule_keeps_the_matching_prefix_and_adds_the_targets_token
 
 # ------------------------------------------------------------------ sampling: the distribution
 
-V, ANCHOR, DRAFTS, N, ALPHA = 4, 0, [2, 1], 2000, 1e-4
+V, ANCHOR, DRAFTS, N, ALPHA = 4, 0, [2, 1], 1000, 1e-4
 SAMPLING = Sampling(temperature=0.9, top_k=3, top_p=1.0)
 
 
@@ -175,12 +175,21 @@ def _removed(p, d):
     return r / r.sum()
 
 
+def _cells(law, expected):
+    """`law` over the cells of `expected` (N x the plain law): each reachable cell expecting at
+    least 5 counts on its own, the others pooled into one (so Pearson's statistic is close to
+    its chi-square law)."""
+    big = expected >= 5
+    small = (expected > 0) & ~big
+    return np.append(law[big], law[small].sum()) if small.any() else law[big]
+
+
 def _chi2(counts, expected):
-    """Pearson's statistic over the cells the law can reach (and a reached impossible cell: inf)."""
+    """Pearson's statistic and df over `_cells`; a count in an impossible cell: inf."""
     if (counts[expected == 0] > 0).any():
         return np.inf, 0
-    live = expected > 0
-    return float(((counts[live] - expected[live]) ** 2 / expected[live]).sum()), int(live.sum()) - 1
+    c, e = _cells(counts, expected), _cells(expected, expected)
+    return float(((c - e) ** 2 / e).sum()), len(e) - 1
 
 
 def _run(drafter_for, rule=None):
@@ -200,23 +209,22 @@ def test_speculative_sampling_keeps_plain_samplings_distribution(monkeypatch):
     p' = softmax(mask(logits / T)) (top_k = 3 of V = 4: one token of each row is impossible, and
     must never appear).
 
-    Test: Pearson's chi-square over the k reachable cells, df = k - 1 (9 cells here, df = 8),
-    rejecting at the (1 - ALPHA) quantile, ALPHA = 1e-4: a correct rule fails one seed set in
-    10^4 (the seeds are fixed, so the outcome is too). Sample size: against the alternative of a
-    rule that on rejection draws from p' itself (the rejected draft not removed: the classic
-    bug), the statistic is noncentral chi-square with lambda = N sum (P_alt - P)^2 / P; N = 2000
-    gives power >= 0.99 (asserted below from the exact laws). Always accepting (the test of the
-    test) moves far more mass and must fail too."""
+    Test: Pearson's chi-square over the k cells of `_cells` (reachable cells expecting >= 5
+    counts, the rest pooled: 9 cells here, df = 8), rejecting above the (1 - ALPHA) quantile,
+    ALPHA = 1e-4: a correct rule fails one seed set in 10^4 (the seeds are fixed, so the outcome
+    is too). Sample size: against the alternative of a rule that on rejection draws from p'
+    itself (the rejected draft not removed: the classic bug), the statistic is noncentral
+    chi-square with lambda = N sum (P_alt - P)^2 / P over the same cells; N = 1000 gives power
+    >= 0.99 (asserted below from the exact laws; lambda ~ 300 against a critical 31.8). Always
+    accepting (the test of the test) moves far more mass and must fail too."""
     from scipy.stats import chi2, ncx2
 
     logits, q = _tables()
     p = target_probs(logits, SAMPLING)
     plain = p[ANCHOR][:, None] * p
     assert np.allclose(_law(p, _removed), plain, atol=1e-12)  # the rule's exact law is plain's
-    alt = _law(p, lambda row, d: row)
-    live = plain > 0
-    lam = N * float(((alt[live] - plain[live]) ** 2 / plain[live]).sum())
-    df = int(live.sum()) - 1
+    alt, expected = _law(p, lambda row, d: row), N * plain
+    lam, df = _chi2(N * alt, expected)  # Pearson's statistic at the expected counts of the alternative
     crit = chi2.ppf(1 - ALPHA, df)
     assert df == 8 and ncx2.sf(crit, df, lam) >= 0.99, (lam, crit)
 
@@ -226,7 +234,7 @@ def test_speculative_sampling_keeps_plain_samplings_distribution(monkeypatch):
     assert stat < chi2.ppf(1 - ALPHA, df1), stat
 
     for drafter_for in (lambda seed: FixedDrafter(), lambda seed: SampledDrafter(q, seed)):
-        stat, df2 = _chi2(_run(drafter_for), N * plain)
+        stat, df2 = _chi2(_run(drafter_for), expected)
         assert df2 == df and stat < crit, (stat, crit)
 
     # the test of the test: always accepting the drafts must be rejected
@@ -234,7 +242,7 @@ def test_speculative_sampling_keeps_plain_samplings_distribution(monkeypatch):
         return Accepted(len(drafts), [*drafts, int(np.argmax(rows.logits(len(drafts))))])
 
     monkeypatch.setattr("mkdsl.run.speculative.accept_sampled", always)
-    stat, _ = _chi2(_run(lambda seed: FixedDrafter()), N * plain)
+    stat, _ = _chi2(_run(lambda seed: FixedDrafter()), expected)
     assert stat > crit, stat
 
 

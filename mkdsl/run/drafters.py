@@ -49,42 +49,56 @@ class NgramDrafter:
         if rows < 1 or not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram drafter: rows >= 1 and 1 <= min_n <= max_n, got {rows}, {min_n}, {max_n}")
         self.rows, self.max_n, self.min_n = rows, max_n, min_n
-        self.seq: list[int] = []
-        self._anchor: int | None = None
+        self.start([])
 
     def start(self, prompt_tokens: list[int], context: np.ndarray | None = None) -> None:
-        self.seq, self._anchor = [int(t) for t in prompt_tokens], None
+        self._buf, self._len, self._anchor = np.zeros(max(64, 2 * len(prompt_tokens)), np.int64), 0, None
+        self._extend([int(t) for t in prompt_tokens])
+
+    @property
+    def seq(self) -> list[int]:
+        """The sequence so far (without the pending anchor)."""
+        return [int(t) for t in self._buf[: self._len]]
+
+    def _extend(self, tokens: list[int]) -> None:
+        if self._len + len(tokens) > self._buf.size:  # amortised growth
+            self._buf = np.concatenate([self._buf, np.zeros(self._buf.size + len(tokens), np.int64)])
+        self._buf[self._len : self._len + len(tokens)] = tokens
+        self._len += len(tokens)
 
     def propose(self, anchor_token: int, position: int) -> list[int]:
         self._anchor = int(anchor_token)
-        seq = [*self.seq, self._anchor]
-        start = self._match(np.asarray(seq, np.int64))
-        want = self.rows - 1
+        self._extend([self._anchor])  # the anchor, for the search; taken back below
+        seq = self._buf[: self._len]
+        self._len -= 1
+        start = self._match(seq)
         if start is None:
-            return [self._anchor] * want
-        out = list(seq)
-        for i in range(want):
-            out.append(out[start + i])
-        return out[len(seq) :]
+            return [self._anchor] * (self.rows - 1)
+        out = seq[start : start + self.rows - 1].tolist()  # the copy, then where it runs into itself
+        period = len(seq) - start
+        for i in range(len(out), self.rows - 1):
+            out.append(out[i - period])
+        return out
 
     def _match(self, seq: np.ndarray) -> int | None:
-        """Where the copy starts: just after the latest earlier occurrence of the longest suffix."""
-        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
-            suffix = seq[-n:]
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # occurrences ending before the last token
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
-            if hits.size:
-                return int(hits[-1]) + n
+        """Where the copy starts: just after the latest earlier occurrence of the longest suffix
+        (of min_n .. max_n tokens). One vector compare finds where the last token occurred
+        before; the longer suffixes only check those places."""
+        last = len(seq) - 1
+        ends = np.flatnonzero(seq[:last] == seq[last])
+        for n in range(min(self.max_n, last), self.min_n - 1, -1):
+            ok = ends[ends >= n - 1]
+            for j in range(1, n):
+                ok = ok[seq[ok - j] == seq[last - j]]
+            if ok.size:
+                return int(ok[-1]) + 1
         return None
 
     def accept(self, tokens: list[int], context: np.ndarray | None = None) -> None:
         if self._anchor is None:
             raise RuntimeError("accept() before propose()")
-        self.seq += [self._anchor, *(int(t) for t in tokens[:-1])]  # the last token is the next anchor
+        self._extend([self._anchor, *(int(t) for t in tokens[:-1])])  # the last token is the next anchor
         self._anchor = None
-
-
-DRAFTERS = ("ngram", "mtp", "DRAFT.mk")
 
 
 def check_draft(name: str) -> None:

@@ -10,6 +10,7 @@ step when it lands. With R = 1 (no drafts) it is plain decoding.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,11 +126,20 @@ def kernel_target(decoder) -> RowByRow:
     return RowByRow(step1, decoder.state, copies=True)
 
 
-def reference_target(model, weights: dict, state: dict) -> RowByRow:
-    """The unfused reference's step (jitted, weights in the spec's layout), row by row."""
+@functools.lru_cache(maxsize=4)
+def reference_fns(model, sampling) -> tuple[Callable, Callable]:
+    """(the XLA prefill, the reference step) of `model`, jitted once per model and sampling."""
+    from mkdsl.run.prefill import build_prefill
     from mkdsl.run.reference import build_reference
 
-    ref = build_reference(model)
+    return build_prefill(model, sampling=sampling), build_reference(model)
+
+
+def reference_target(model, weights: dict, state: dict) -> RowByRow:
+    """The unfused reference's step (jitted, weights in the spec's layout), row by row."""
+    from mkdsl.run.sampling import Sampling
+
+    ref = reference_fns(model, Sampling())[1]
     return RowByRow(lambda state, tokens, positions: ref(weights, state, tokens, positions), state, copies=False)
 
 
