@@ -277,7 +277,13 @@ def generate(
     _, first, state = prefill(weights, state, np.asarray([prompt], np.int32), seed=seed)
     ref = speculative.reference_target(spec.model, weights, state)
     return speculative.speculate(
-        ref, drafter, list(prompt), int(first[0]), max_tokens, sampling=sampling, seed=seed,
-        stop=frozenset(stop), on_tokens=on_tokens,
+        ref,
+        drafter,
+        list(prompt),
+        int(first[0]),
+        max_tokens,
+        sampling=sampling,
+        seed=seed,
+        stop=frozenset(stop),
+        on_tokens=on_tokens,
     )
-

@@ -215,7 +215,10 @@ def cmd_plan(args) -> int:
     if args.draft is not None:
         figure = _plan_speculative(args, model, depth, options)
         print(render_summary(model, plan, args.spec, breakdown(model, plan)))
-        print("\n".join(["", *figure.lines()]))
+        from mkdsl.report.markdown import PUBLIC
+
+        public = [f"  public, measured (not mkdsl): {line}" for line in PUBLIC.get(model.name, ())]
+        print("\n".join(["", *figure.lines(), *public]))
         return 0
     if args.full:
         print(render_plan(model, plan, args.spec, wide=wide))

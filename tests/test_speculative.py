@@ -305,9 +305,7 @@ def test_model_drafters_are_a_clear_error_until_they_land():
 
 
 def test_stop_token_ends_the_generation_and_is_kept():
-    out = speculate(
-        _CountTarget(), NgramDrafter(3), [1, 2, 3], 4, 30, sampling=Sampling(), stop=frozenset({9})
-    )
+    out = speculate(_CountTarget(), NgramDrafter(3), [1, 2, 3], 4, 30, sampling=Sampling(), stop=frozenset({9}))
     assert out.tokens == [4, 5, 6, 7, 8, 9]
 
 

@@ -233,7 +233,9 @@ def _speculative_rows(model: Model, plan: Plan, wide: Plan) -> list[str]:
     from mkdsl.plan import make_plan
 
     rows = speculative.PUBLIC_ROWS
-    verify = wide if wide.batch == rows else make_plan(model, batch=rows, context=plan.context, ring_depth=wide.ring_depth)
+    verify = (
+        wide if wide.batch == rows else make_plan(model, batch=rows, context=plan.context, ring_depth=wide.ring_depth)
+    )
     figure = speculative.ngram(1, rows, speculative.PUBLIC_ACCEPTANCE, verify.timing.modeled_us)
     return [
         f"| modeled step time at batch {rows} (the verify step of {rows} rows) | {verify.timing.modeled_us:.1f} us |",

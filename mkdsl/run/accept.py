@@ -68,7 +68,9 @@ def target_probs(logits: np.ndarray, sampling) -> np.ndarray:
     """p' [..., V] (f64): softmax of the logits / temperature with plain sampling's top-k and top-p
     mask (`mkdsl.run.sampling.sampling_mask`), the distribution a plain sampled step draws from."""
     x = np.asarray(logits, np.float32)
-    p = np.asarray(_probs_fn(float(sampling.temperature), sampling.top_k, float(sampling.top_p))(x.reshape(-1, x.shape[-1])))
+    p = np.asarray(
+        _probs_fn(float(sampling.temperature), sampling.top_k, float(sampling.top_p))(x.reshape(-1, x.shape[-1]))
+    )
     p = p.astype(np.float64).reshape(x.shape)
     return p / p.sum(axis=-1, keepdims=True)
 

@@ -48,7 +48,9 @@ class Speculation:
         timed = self.steps[1:] or self.steps
         secs, made = sum(t for _, t in timed), sum(n for n, _ in timed)
         note = "" if len(self.steps) > 1 else ", the only step: trace and compile included"
-        emulated = f"; the target ran {self.rows_run} one-row steps (R rows emulated row by row)" if self.rows_run else ""
+        emulated = (
+            f"; the target ran {self.rows_run} one-row steps (R rows emulated row by row)" if self.rows_run else ""
+        )
         return (
             f"speculative ({drafter}, {self.rows} rows per verify step): {len(self.steps)} verify steps, "
             f"mean accepted {self.mean_accepted:.2f} tokens/step; {1000 * secs / len(timed):.1f} ms/step, "
@@ -149,7 +151,9 @@ def zero_state(model, seq_len: int) -> dict:
     from mkdsl.run.random_params import concrete_shape
 
     sizes = {model.dims[0].name: 1, **{d.name: seq_len for d in model.dims[1:]}}
-    return {t.name: np.zeros(concrete_shape(t.full_shape, sizes), numpy_dtype(t.type.dtype.numpy)) for t in model.states}
+    return {
+        t.name: np.zeros(concrete_shape(t.full_shape, sizes), numpy_dtype(t.type.dtype.numpy)) for t in model.states
+    }
 
 
 def run_decoder(decoder, drafter: Drafter, prompt: list[int], max_tokens: int, stop, on_tokens=None):
@@ -160,7 +164,14 @@ def run_decoder(decoder, drafter: Drafter, prompt: list[int], max_tokens: int, s
     prefill_s = time.perf_counter() - t0
     target = kernel_target(decoder)
     out = speculate(
-        target, drafter, prompt, first, max_tokens, sampling=decoder.sampling, seed=decoder.seed, stop=stop,
+        target,
+        drafter,
+        prompt,
+        first,
+        max_tokens,
+        sampling=decoder.sampling,
+        seed=decoder.seed,
+        stop=stop,
         on_tokens=on_tokens,
     )
     decoder.state = target.state

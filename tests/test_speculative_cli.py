@@ -1,0 +1,112 @@
+"""`mkdsl run --draft` and `mkdsl plan --draft`: argument errors before any loading, the modeled
+speculative figure and its parts, and (slow) the real SmolLM2 run with the n-gram drafter
+printing exactly the plain run's text."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mkdsl import cli
+from mkdsl.api import load
+from mkdsl.plan import make_plan
+from mkdsl.plan.speculative import ACCEPT_US
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "specs" / "tiny.mk")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--draft", "mtp"], "not available yet"),
+        (["--draft", "specs/kimi_k3_dspark.mk"], "not available yet"),
+        (["--draft", "bogus"], "expected one of ngram, mtp"),
+        (["--draft", "ngram", "--draft-rows", "1"], "--draft-rows must be in 2 .. 16"),
+        (["--draft", "ngram", "--batch", "2"], "one sequence"),
+        (["--draft-rows", "4"], "need --draft"),
+    ],
+)
+def test_run_draft_arguments_are_usage_errors_before_loading(capsys, extra, message):
+    # the weights do not exist: a check after loading would say so instead
+    code = cli.main(["run", TINY, "--weights", "/nonexistent.gguf", "--prompt", "x", *extra])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def _parts(out: str) -> dict[str, float]:
+    m = re.search(
+        r"= (?:[0-9]+ x )?([0-9.]+) / \(verify ([0-9.]+) us \+ drafter ([0-9.]+) us \+ accept ([0-9.]+) us\) = "
+        r"([0-9.]+) accepted",
+        out,
+    )
+    assert m, out
+    return dict(zip(("a", "verify", "draft", "accept", "tps"), map(float, m.groups())))
+
+
+def test_plan_draft_ngram_prints_the_figure_and_its_parts(capsys):
+    assert cli.main(["plan", TINY, "--draft", "ngram", "--draft-rows", "4", "--acceptance", "2.5"]) == 0
+    out = capsys.readouterr().out
+    p = _parts(out)
+    spec = load(TINY)
+    wide = make_plan(spec.local, batch=spec.model.dims[0].high)
+    verify = make_plan(spec.local, batch=4, ring_depth=wide.ring_depth).timing.modeled_us  # B x R = 4 rows
+    assert p["a"] == 2.5 and p["verify"] == pytest.approx(verify, abs=0.05)  # printed .1f
+    assert p["draft"] == 0 and p["accept"] == ACCEPT_US and "n-gram lookup on the host" in out
+    assert p["tps"] == pytest.approx(2.5e6 / (p["verify"] + p["accept"]), rel=1e-3)  # .1f of figures > 100
+
+
+def test_plan_draft_spec_is_planned_at_its_block_of_rows(capsys):
+    """A draft spec (tiny itself as a stand-in until the drafter specs land): its step at B x R
+    rows is the drafter's time."""
+    assert cli.main(["plan", TINY, "--batch", "2", "--draft", TINY, "--draft-rows", "4", "--acceptance", "3"]) == 0
+    out = capsys.readouterr().out
+    p = _parts(out)
+    assert "= 2 x 3 / (verify" in out
+    spec = load(TINY)
+    assert p["draft"] == pytest.approx(make_plan(spec.local, batch=8).timing.modeled_us, abs=0.05)
+    assert p["tps"] == pytest.approx(2 * 3e6 / (p["verify"] + p["draft"] + p["accept"]), rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--draft", "mtp"], "not available yet"),
+        (["--draft", "ngram", "--acceptance", "9"], "--acceptance must be in 1 .. --draft-rows (8)"),
+        (["--draft", "ngram", "--batch", "2"], "outside `B`"),
+        (["--draft", "/nonexistent.mk"], "cannot read"),
+    ],
+)
+def test_plan_draft_argument_errors(capsys, extra, message):
+    assert cli.main(["plan", TINY, *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_ngram_speculation_prints_the_plain_text():
+    """The issue's command, as written, with and without `--draft ngram --draft-rows 4`: the same
+    text, and a mean accepted length above 1. The verify step is the kernel's one-row step run
+    row by row (mkdsl/run/verify_rows.py), so both runs cost about one interpret step per token."""
+    from smollm2_gguf import smollm2_gguf
+
+    gguf = str(smollm2_gguf())
+    command = [
+        *(sys.executable, "-m", "mkdsl", "run", "specs/smollm2_135m.mk", "--weights", gguf),
+        *("--prompt", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "--max-tokens", "16", "--temperature", "0"),
+        "--interpret",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    plain = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert plain.returncode == 0, plain.stderr
+    spec = subprocess.run(
+        [*command, "--draft", "ngram", "--draft-rows", "4"], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and len(plain.stdout) > len("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,") + 8
+    m = re.search(r"mean accepted ([0-9.]+) tokens/step", spec.stderr)
+    assert m and float(m[1]) > 1, spec.stderr
