@@ -245,9 +245,9 @@ def generate(
     """Generate after `prompt` (token ids), speculatively when `draft` is given, on one sequence:
     the XLA prefill, then the loop of mkdsl/run/speculative.py (drafts, an R-row verify step,
     the accept rule, commit). `draft`: None (plain decoding, one row per step), "ngram", or a
-    `Drafter` (docs/python-api.md); `draft_rows`: R for "ngram". `target`: "reference" (the
-    unfused step, jitted; `weights` as `random_inputs` gives them) or "kernel" (the generated
-    kernel, `weights` as `build_step` takes them; `interpret` as there). Greedy (the default
+    `Drafter` (docs/python-api.md); `draft_rows`: R for "ngram". `weights` as `random_inputs`
+    gives them (the reference's layout); `target`: "reference" (the unfused step, jitted) or
+    "kernel" (the generated kernel's step, `interpret` as in `build_step`). Greedy (the default
     `sampling`) gives plain greedy decoding's tokens exactly; sampling keeps its distribution.
     Returns a `Speculation`: `tokens`, per-step accepted counts (`steps`), `mean_accepted`."""
     import numpy as np
@@ -256,28 +256,32 @@ def generate(
     from mkdsl.run.drafters import NgramDrafter, make_drafter
     from mkdsl.run.sampling import Sampling
 
+    if target not in ("reference", "kernel"):
+        raise ValueError(f"target must be 'reference' or 'kernel', got {target!r}")
     sampling = sampling or Sampling()
     drafter = draft if draft is not None and not isinstance(draft, str) else None
     if drafter is None:
         drafter = NgramDrafter(1) if draft is None else make_drafter(draft, draft_rows)
     if drafter.context_layers:
         raise ValueError("a drafter reading target hidden states needs the R-row verify step (not available yet)")
-    if target == "kernel":
-        from mkdsl.run.decode import Decoder, cache_length
-
-        module = load_kernel(spec)
-        seq_len = seq_len or cache_length(len(prompt), max_tokens, drafter.rows, module.KV_TILE)
-        decoder = Decoder(spec, module, weights, 1, seq_len, sampling, interpret=interpret, seed=seed)
-        out, _, _ = speculative.run_decoder(decoder, drafter, list(prompt), max_tokens, frozenset(stop), on_tokens)
-        return out
-    if target != "reference":
-        raise ValueError(f"target must be 'reference' or 'kernel', got {target!r}")
-    state = speculative.zero_state(spec.model, seq_len or len(prompt) + max_tokens + drafter.rows)
+    module = load_kernel(spec) if target == "kernel" else None
+    tile = module.KV_TILE if module is not None else 1
+    seq_len = seq_len or -(-(len(prompt) + max_tokens + drafter.rows) // tile) * tile
+    if module is None:
+        state = speculative.zero_state(spec.model, seq_len)
+    else:
+        state = {n: np.zeros(s.shape, s.dtype) for n, s in module.state_layout(1, seq_len).items()}
     prefill = speculative.reference_fns(spec.model, sampling)[0]
     _, first, state = prefill(weights, state, np.asarray([prompt], np.int32), seed=seed)
-    ref = speculative.reference_target(spec.model, weights, state)
+    if module is None:
+        verifier = speculative.reference_target(spec.model, weights, state)
+    else:
+        step = build_step(spec, 1, seq_len, interpret=interpret, sampling=sampling, module=module)
+        packed = kernel_weights(weights)
+        packed = module.pad_weights(packed) if hasattr(module, "pad_weights") else packed
+        verifier = speculative.kernel_step_target(step, packed, state, seed)
     return speculative.speculate(
-        ref,
+        verifier,
         drafter,
         list(prompt),
         int(first[0]),

@@ -120,12 +120,16 @@ def kernel_target(decoder) -> RowByRow:
     """The kernel's one-row step of a `mkdsl.run.decode.Decoder` (batch 1, its state), row by row."""
     if decoder.batch != 1:
         raise ValueError(f"speculative decoding runs one sequence (batch 1), not {decoder.batch}")
-    step = decoder.step(1)
+    return kernel_step_target(decoder.step(1), decoder.weights, decoder.state, decoder.seed)
+
+
+def kernel_step_target(step: Callable, weights: dict, state: dict, seed: int) -> RowByRow:
+    """A batch-1 kernel step (`build_step`'s, weights in its layout) as a target, row by row."""
 
     def step1(state, tokens, positions):
-        return step(decoder.weights, state, tokens, positions, decoder.seed)
+        return step(weights, state, tokens, positions, seed)
 
-    return RowByRow(step1, decoder.state, copies=True)
+    return RowByRow(step1, state, copies=True)
 
 
 @functools.lru_cache(maxsize=4)
