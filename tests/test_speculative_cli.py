@@ -73,6 +73,26 @@ def test_plan_draft_spec_is_planned_at_its_block_of_rows(capsys):
     assert p["tps"] == pytest.approx(2 * 3e6 / (p["verify"] + p["draft"] + p["accept"]), rel=1e-3)
 
 
+def test_kimi_k3_speculative_figure_beside_the_public_ones(capsys):
+    """Kimi K3 at the public setting (one sequence, R = 8, A = 6, context 1152, 32 cores) with a
+    draft spec: Qwen3-30B-A3B stands in for specs/kimi_k3_dspark.mk until it lands. Every part
+    is printed, labelled modeled, beside the public 709 and 452."""
+    kimi, stand_in = str(ROOT / "specs" / "kimi_k3.mk"), str(ROOT / "specs" / "qwen3_30b_a3b.mk")
+    argv = ["plan", kimi, "--batch", "1", "--context", "1152", "--draft", stand_in, "--draft-rows", "8"]
+    assert cli.main([*argv, "--acceptance", "6"]) == 0
+    out = capsys.readouterr().out
+    p = _parts(out)
+    spec, draft = load(kimi), load(stand_in)
+    wide = make_plan(spec.local, batch=spec.model.dims[0].high, context=1152)
+    verify = make_plan(spec.local, batch=8, context=1152, ring_depth=wide.ring_depth).timing.modeled_us
+    assert p["verify"] == pytest.approx(verify, abs=0.05)  # printed .1f
+    assert p["draft"] == pytest.approx(make_plan(draft.local, batch=8, context=1152).timing.modeled_us, abs=0.05)
+    assert p["tps"] == pytest.approx(6e6 / (p["verify"] + p["draft"] + p["accept"]), rel=1e-3)
+    assert "speculative decoding (modeled)" in out and "accept: 20.0 us (estimate, not measured" in out
+    assert "public, measured (not mkdsl): 709 accepted tokens/s" in out
+    assert "public, measured (not mkdsl): 452 tokens/s on 16 GB200 GPUs" in out
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
