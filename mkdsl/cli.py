@@ -256,6 +256,9 @@ def _check_plan_draft(args) -> None:
 
     if args.draft is None:
         return
+    shown = [f"--{o}" for o in ("full", "json", "placement", "levers", "static") if getattr(args, o)]
+    if shown:
+        raise UsageError(f"--draft prints the summary and the speculative figure; it does not combine with {shown[0]}")
     if args.draft == "mtp":
         raise UsageError("--draft mtp: MTP heads in the target spec are not available yet (issue #22's drafter specs)")
     if args.draft != "ngram" and Path(args.draft).suffix != ".mk":

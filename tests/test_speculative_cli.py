@@ -100,6 +100,7 @@ def test_kimi_k3_speculative_figure_beside_the_public_ones(capsys):
         (["--draft", "ngram", "--acceptance", "9"], "--acceptance must be in 1 .. --draft-rows (8)"),
         (["--draft", "ngram", "--batch", "2"], "outside `B`"),
         (["--draft", "/nonexistent.mk"], "cannot read"),
+        (["--draft", "ngram", "--json"], "does not combine with --json"),
     ],
 )
 def test_plan_draft_argument_errors(capsys, extra, message):

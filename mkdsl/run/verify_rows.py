@@ -7,7 +7,8 @@ the one-row step fed token r at position + r on the state row r-1 left, and comm
 keeps the state after row k-1. That is exact by construction (each row is a plain decode step).
 Rows are computed when the accept rule first reads them, so a step stops at the first rejected
 draft: the emulation runs as many rows as plain decoding would (its timings say nothing about an
-R-row step). The state before each row is kept only while a later commit may need it.
+R-row step). The state each row leaves is kept until the commit picks one (the kernel donates
+its input state, so each row runs on a copy).
 """
 
 from __future__ import annotations
