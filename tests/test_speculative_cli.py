@@ -109,10 +109,13 @@ def test_plan_draft_argument_errors(capsys, extra, message):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_smollm2_ngram_speculation_prints_the_plain_text():
     """The issue's command, as written, with and without `--draft ngram --draft-rows 4`: the same
     text, and a mean accepted length above 1. The verify step is the kernel's one-row step run
-    row by row (mkdsl/run/verify_rows.py), so both runs cost about one interpret step per token."""
+    row by row (mkdsl/run/verify_rows.py), so both runs cost about one interpret step per token:
+    about 2 minutes of CPU each (load, XLA prefill, the kernel's trace and 15-17 interpret steps),
+    measured; on a loaded 2-core machine 9-12 minutes each, hence the longer timeout."""
     from smollm2_gguf import smollm2_gguf
 
     gguf = str(smollm2_gguf())
