@@ -4,7 +4,8 @@ megakernel with an unfused JAX reference to test it against.
 The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to` it, the
 `reference_step`, `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
 the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_tokens`, and
-`load_weights` from a checkpoint (`export_hf`: a GGUF written out as a Hugging Face one).
+`load_weights` from a checkpoint (`export_hf`: a GGUF written out as a Hugging Face one);
+`generate` (speculatively with a `Drafter`, e.g. `NgramDrafter`).
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -18,6 +19,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     build_step,
     compile_text,
     compile_to,
+    generate,
     kernel_weights,
     load,
     load_kernel,
@@ -29,6 +31,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
 from mkdsl.checkpoint import export_hf, load_weights  # noqa: E402
 from mkdsl.checkpoint.formats import CheckpointError  # noqa: E402
 from mkdsl.lang.diagnostics import SpecError  # noqa: E402
+from mkdsl.run.drafters import Drafter, NgramDrafter  # noqa: E402
 from mkdsl.run.sampling import Sampling, sample_tokens  # noqa: E402
 
 __all__ = [
@@ -39,11 +42,14 @@ __all__ = [
     "build_step",
     "compile_text",
     "compile_to",
+    "Drafter",
+    "generate",
     "export_hf",
     "kernel_weights",
     "load",
     "load_kernel",
     "load_weights",
+    "NgramDrafter",
     "random_inputs",
     "prefill_step",
     "reference_step",

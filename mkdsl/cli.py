@@ -191,6 +191,7 @@ def _plan(args) -> int:
     from mkdsl.report.markdown import render_plan
     from mkdsl.report.timing import plan_data, render_summary
 
+    _check_plan_draft(args)
     model, source, _ = _load(args)
     rows = model.dims[0]
     if not rows.low <= args.batch <= rows.high:
@@ -234,6 +235,14 @@ def _plan(args) -> int:
             raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
         _need_libtpu("--static")
         return _plan_static(args, source)
+    if args.draft is not None:
+        figure = _plan_speculative(args, model, depth, options)
+        print(render_summary(model, plan, args.spec, breakdown(model, plan)))
+        from mkdsl.report.markdown import PUBLIC
+
+        public = [f"  public, measured (not mkdsl): {line}" for line in PUBLIC.get(model.name, ())]
+        print("\n".join(["", *figure.lines(), *public]))
+        return 0
     if args.full:
         print(render_plan(model, plan, args.spec, wide=wide))
     elif args.json:
@@ -241,6 +250,68 @@ def _plan(args) -> int:
     else:
         print(render_summary(model, plan, args.spec, breakdown(model, plan)))
     return 0
+
+
+def _plan_speculative(args, model, depth: int, options: dict):
+    """`plan --draft`: the verify step planned at B x R rows, the drafter's time, the accept step."""
+    from mkdsl.plan import make_plan
+    from mkdsl.plan import speculative as spec_model
+
+    rows = args.draft_rows
+    verify_rows = args.batch * rows
+    dim = model.dims[0]
+    if not dim.low <= verify_rows <= dim.high:
+        raise UsageError(
+            f"--batch {args.batch} x --draft-rows {rows} = {verify_rows} rows, outside `{dim.name}` in "
+            f"{dim.low} .. {dim.high} (spec {args.spec})"
+        )
+    verify = make_plan(model, batch=verify_rows, context=args.context, ring_depth=depth, **options).timing.modeled_us
+    if args.draft == "ngram":
+        return spec_model.ngram(args.batch, rows, args.acceptance, verify)
+    return spec_model.with_draft_spec(
+        args.batch, rows, args.acceptance, verify, _draft_plan(args, verify_rows), args.draft
+    )
+
+
+def _check_plan_draft(args) -> None:
+    """`plan --draft`'s arguments, before anything is planned."""
+    from mkdsl.plan import speculative as spec_model
+
+    if args.draft is None:
+        return
+    shown = [f"--{o}" for o in ("full", "json", "placement", "levers", "static") if getattr(args, o)]
+    if shown:
+        raise UsageError(f"--draft prints the summary and the speculative figure; it does not combine with {shown[0]}")
+    if args.draft == "mtp":
+        raise UsageError("--draft mtp: MTP heads in the target spec are not available yet (issue #22's drafter specs)")
+    if args.draft != "ngram" and Path(args.draft).suffix != ".mk":
+        raise UsageError(f"--draft {args.draft}: expected ngram, mtp or a draft spec (a .mk file)")
+    if args.draft != "ngram":
+        _read(args.draft)  # unreadable or oversized files are usage errors
+    if args.draft_rows < 1:
+        raise UsageError(f"--draft-rows must be at least 1, got {args.draft_rows}")
+    try:
+        spec_model.check_acceptance(args.draft_rows, args.acceptance)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _draft_plan(args, rows: int):
+    """A draft spec's step planned at `rows` rows, its context as the target's."""
+    from mkdsl.api import load
+    from mkdsl.plan import make_plan
+
+    try:
+        draft = load(args.draft)
+    except SpecError as e:
+        raise UsageError(f"--draft {args.draft}: not a valid spec:\n{e.render(args.draft, e.source)}") from None
+    dim = draft.model.dims[0]
+    if not dim.low <= rows <= dim.high:
+        raise UsageError(f"--draft {args.draft}: its `{dim.name}` in {dim.low} .. {dim.high} has no {rows}-row block")
+    context = args.context
+    if context is not None and len(draft.model.dims) > 1:
+        context = min(context, draft.model.dims[1].high - 1)
+    return make_plan(draft.local, batch=rows, context=context)
 
 
 def _cost_options(args) -> dict:
@@ -478,6 +549,27 @@ def _check_run_args(args) -> None:
         raise UsageError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
     if args.steps_per_call < 1:
         raise UsageError(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
+    _check_draft_args(args)
+
+
+def _check_draft_args(args) -> None:
+    """`run --draft`: a drafter this build runs, R in 2..16, one sequence (before any loading)."""
+    from mkdsl.run.drafters import DrafterUnavailable, check_draft
+
+    if args.draft is None:
+        if args.draft_weights is not None or args.draft_rows is not None:
+            raise UsageError("--draft-weights and --draft-rows need --draft")
+        return
+    try:
+        check_draft(args.draft)
+    except DrafterUnavailable as e:
+        raise UsageError(str(e)) from None
+    if args.draft_weights is not None:
+        raise UsageError("--draft-weights: the n-gram drafter has no weights")
+    if not 2 <= (args.draft_rows or 4) <= 16:
+        raise UsageError(f"--draft-rows must be in 2 .. 16 (the anchor and 1..15 drafts), got {args.draft_rows}")
+    if args.batch != 1 or args.steps_per_call != 1:
+        raise UsageError("--draft decodes one sequence, one verify step per call: --batch 1, --steps-per-call 1")
 
 
 def _prompt_texts(args) -> list[str] | None:
@@ -555,7 +647,8 @@ def _run_prompt(args, spec, module, weights, codec, group, interrupted) -> None:
     from mkdsl.run.sampling import Sampling
 
     longest = max(len(ids) for ids in group.ids)
-    seq_len = cache_length(longest, args.max_tokens, args.steps_per_call, module.KV_TILE)
+    rows = (args.draft_rows or 4) if args.draft else args.steps_per_call  # what one call may run past the end
+    seq_len = cache_length(longest, args.max_tokens, rows, module.KV_TILE)
     _fits(spec, args.batch, seq_len - 1)  # caches of this length for every row must fit in HBM
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     options = {"seed": args.seed, "steps_per_call": args.steps_per_call, "prefill": args.prefill}
@@ -564,6 +657,8 @@ def _run_prompt(args, spec, module, weights, codec, group, interrupted) -> None:
     if not args.chat:
         sys.stdout.write(group.texts[0])
         sys.stdout.flush()
+    if args.draft:
+        return _run_draft(args, decoder, list(group.ids[0]), codec, stream)
     result = generate(decoder, [list(ids) for ids in group.ids], args.max_tokens, codec.eos_ids, stream.push)
     sys.stdout.write("\n")
     same = len(set(group.texts)) == 1
@@ -572,6 +667,18 @@ def _run_prompt(args, spec, module, weights, codec, group, interrupted) -> None:
         print(f"[row {b}] {shown}{codec.decode(_until(result.tokens[b], codec.eos_ids))}")
     sys.stdout.flush()
     print(result.summary(args.batch), file=sys.stderr)
+
+
+def _run_draft(args, decoder, ids, codec, stream) -> None:
+    """Speculative decoding of one sequence: the prefill, then the accept loop on the host."""
+    from mkdsl.run.drafters import make_drafter
+    from mkdsl.run.speculative import run_decoder
+
+    drafter = make_drafter(args.draft, args.draft_rows or 4)
+    out, prefill_s, how = run_decoder(decoder, drafter, ids, args.max_tokens, codec.eos_ids, lambda t: stream.push([t]))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(f"prefill ({how}) {prefill_s:.2f} s for {len(ids)} tokens; {out.summary(args.draft)}", file=sys.stderr)
 
 
 def _until(tokens, stop) -> list[int]:
@@ -799,6 +906,16 @@ def _plan_parser(c) -> None:
         help="decode steps per device call (default 1; the ~70 us per step is charged per step: measured so)",
     )
     c.add_argument(
+        "--draft",
+        metavar="ngram|mtp|DRAFT.mk",
+        default=None,
+        help="also model speculative decoding with this drafter: accepted tokens/s and its parts",
+    )
+    c.add_argument("--draft-rows", type=int, default=8, metavar="R", help="rows per verify step with --draft (8)")
+    c.add_argument(
+        "--acceptance", type=float, default=6.0, metavar="A", help="mean tokens accepted per step with --draft (6)"
+    )
+    c.add_argument(
         "--static-costs",
         metavar="FILE",
         default=None,
@@ -829,6 +946,13 @@ def _run_parser(spec_command) -> None:
     )
     c.add_argument("--steps-per-call", type=int, default=1, help="decode steps per call (default 1)")
     c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU (the default without a TPU)")
+    c.add_argument(
+        "--draft",
+        metavar="ngram|mtp|DRAFT.mk",
+        help="speculative decoding with this drafter (ngram: prompt lookup; one sequence)",
+    )
+    c.add_argument("--draft-rows", type=int, default=None, metavar="R", help="rows per verify step (default 4)")
+    c.add_argument("--draft-weights", metavar="PATH", help="a draft spec's checkpoint")
     c.add_argument(
         "--prefill",
         choices=("auto", "xla", "steps"),

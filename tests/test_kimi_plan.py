@@ -132,11 +132,19 @@ def test_sixteen_chip_figures_beside_the_public_ones(plan, printed):
     )  # .2f of a unit >= 1
     assert "| public, measured (not mkdsl) | 709 accepted tokens/s" in section
     assert "| public, measured (not mkdsl) | 452 tokens/s on 16 GB200 GPUs |" in section
-    assert re.search(
-        r"^\| modeled accepted tokens/s if each step verified 8 draft rows and accepted 6 .*\| [0-9.]+ \|$",
+    # speculative decoding at the public setting, every part shown: 6 / (verify + drafter + accept)
+    step8 = re.search(
+        r"^\| modeled step time at batch 8 \(the verify step of 8 rows\) \| ([0-9.]+) us \|$", section, re.M
+    )
+    m = re.search(
+        r"^\| modeled accepted tokens/s, speculative decoding: one sequence, 8 rows verified per step, acceptance 6 "
+        r".*\| 6 / \(verify ([0-9.]+) us \+ drafter ([0-9.]+) us \+ accept ([0-9.]+) us\) = ([0-9.]+) accepted tokens/s \|$",
         section,
         re.M,
     )
+    assert step8 and m and m[1] == step8[1], section
+    parts = sum(float(m[i]) for i in (1, 2, 3))
+    assert float(m[3]) > 0 and float(m[4]) == pytest.approx(6e6 / parts, rel=1e-3)  # .1f of figures > 100
 
 
 def test_hbm_floor_is_the_total_over_bandwidth(plan, printed):

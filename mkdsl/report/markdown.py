@@ -5,7 +5,7 @@ bytes per step, the HBM floor and the modeled time. Every time is modeled."""
 from __future__ import annotations
 
 from mkdsl.lang.ir import Model
-from mkdsl.plan import collectives
+from mkdsl.plan import collectives, speculative
 from mkdsl.plan.breakdown import breakdown
 from mkdsl.plan.hbm import hbm_line
 from mkdsl.plan.types import Plan
@@ -37,7 +37,6 @@ PUBLIC = {
         "452 tokens/s on 16 GB200 GPUs",
     ),
 }
-SPECULATIVE_ROWS, ACCEPTED = 8, 6  # the public speculative setting: rows verified per step, tokens accepted
 
 
 def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = None) -> str:
@@ -191,16 +190,8 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         f"| modeled tokens/s, {plan.devices} cores ({chips:g} chips), batch {plan.batch} | "
         f"{plan.batch * 1e6 / t.modeled_us:.1f} |",
     ]
-    if wide is not None and wide.batch >= SPECULATIVE_ROWS:
-        w = wide.timing
-        out.append(
-            f"| modeled step time at batch {wide.batch} (conservative; `mkdsl plan --batch {wide.batch} "
-            f"--context {wide.context}`) | {w.modeled_us:.1f} us |",
-        )
-        out.append(
-            f"| modeled accepted tokens/s if each step verified {SPECULATIVE_ROWS} draft rows and accepted "
-            f"{ACCEPTED} (the public setting; mkdsl has no speculative verify yet) | {ACCEPTED * 1e6 / w.modeled_us:.1f} |"
-        )
+    if wide is not None and wide.batch >= speculative.PUBLIC_ROWS:
+        out += _speculative_rows(model, plan, wide)
     out.append(f"| collectives' wire type (all-reduce partial sums) | {plan.wire} |")
     for line in PUBLIC.get(model.name, ()):
         out.append(f"| public, measured (not mkdsl) | {line} |")
@@ -236,6 +227,24 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         )
     out.append("")
     return out
+
+
+def _speculative_rows(model: Model, plan: Plan, wide: Plan) -> list[str]:
+    """The modeled speculative figure at the public setting (one sequence, 8 rows verified per
+    step, 6 accepted) with the n-gram drafter: mkdsl/plan/speculative.py, each part shown."""
+    from mkdsl.plan import make_plan
+
+    rows = speculative.PUBLIC_ROWS
+    verify = (
+        wide if wide.batch == rows else make_plan(model, batch=rows, context=plan.context, ring_depth=wide.ring_depth)
+    )
+    figure = speculative.ngram(1, rows, speculative.PUBLIC_ACCEPTANCE, verify.timing.modeled_us)
+    return [
+        f"| modeled step time at batch {rows} (the verify step of {rows} rows) | {verify.timing.modeled_us:.1f} us |",
+        f"| modeled accepted tokens/s, speculative decoding: one sequence, {rows} rows verified per step, "
+        f"acceptance {figure.acceptance:g} (the public setting), n-gram drafter on the host, accept step "
+        f"estimated (`mkdsl plan --draft`) | {figure.formula()} |",
+    ]
 
 
 def traffic_split(model: Model, plan: Plan) -> dict[str, int]:
