@@ -240,7 +240,7 @@ def _speculative_rows(model: Model, plan: Plan, wide: Plan) -> list[str]:
     )
     figure = speculative.ngram(1, rows, speculative.PUBLIC_ACCEPTANCE, verify.timing.modeled_us)
     return [
-        f"| modeled step time at batch {rows} (the verify step of {rows} rows) | {verify.timing.modeled_us:.1f} us |",
+        f"| modeled step time at batch {rows} (the verify step of {rows} rows; conservative) | {verify.timing.modeled_us:.1f} us |",
         f"| modeled accepted tokens/s, speculative decoding: one sequence, {rows} rows verified per step, "
         f"acceptance {figure.acceptance:g} (the public setting), n-gram drafter on the host, accept step "
         f"estimated (`mkdsl plan --draft`) | {figure.formula()} |",
