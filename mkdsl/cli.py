@@ -299,7 +299,7 @@ def _check_plan_draft(args) -> None:
 def _draft_plan(args, rows: int):
     """A draft spec's step planned at `rows` rows, its context as the target's."""
     from mkdsl.api import load
-    from mkdsl.plan import make_plan
+    from mkdsl.plan import make_plan, static_costs
 
     try:
         draft = load(args.draft)
@@ -311,7 +311,8 @@ def _draft_plan(args, rows: int):
     context = args.context
     if context is not None and len(draft.model.dims) > 1:
         context = min(context, draft.model.dims[1].high - 1)
-    return make_plan(draft.local, batch=rows, context=context)
+    static, where = static_costs.default_costs(args.draft, None)  # as `mkdsl plan DRAFT.mk` with no flags
+    return make_plan(draft.local, batch=rows, context=context, static=static, static_from=where)
 
 
 def _cost_options(args) -> dict:

@@ -39,6 +39,13 @@ def test_run_draft_arguments_are_usage_errors_before_loading(capsys, extra, mess
     assert message in capsys.readouterr().err
 
 
+def _committed(path: str):
+    """The static costs `mkdsl plan` reads with no flag: the spec's committed specs/costs file."""
+    from mkdsl.plan.static_costs import default_costs
+
+    return default_costs(path, None)[0]
+
+
 def _parts(out: str) -> dict[str, float]:
     m = re.search(
         r"= (?:[0-9]+ x )?([0-9.]+) / \(verify ([0-9.]+) us \+ drafter ([0-9.]+) us \+ accept ([0-9.]+) us\) = "
@@ -53,9 +60,9 @@ def test_plan_draft_ngram_prints_the_figure_and_its_parts(capsys):
     assert cli.main(["plan", TINY, "--draft", "ngram", "--draft-rows", "4", "--acceptance", "2.5"]) == 0
     out = capsys.readouterr().out
     p = _parts(out)
-    spec = load(TINY)
-    wide = make_plan(spec.local, batch=spec.model.dims[0].high)
-    verify = make_plan(spec.local, batch=4, ring_depth=wide.ring_depth).timing.modeled_us  # B x R = 4 rows
+    spec, static = load(TINY), _committed(TINY)
+    wide = make_plan(spec.local, batch=spec.model.dims[0].high, static=static)
+    verify = make_plan(spec.local, batch=4, ring_depth=wide.ring_depth, static=static).timing.modeled_us  # B x R = 4
     assert p["a"] == 2.5 and p["verify"] == pytest.approx(verify, abs=0.05)  # printed .1f
     assert p["draft"] == 0 and p["accept"] == ACCEPT_US and "n-gram lookup on the host" in out
     assert p["tps"] == pytest.approx(2.5e6 / (p["verify"] + p["accept"]), rel=1e-3)  # .1f of figures > 100
@@ -69,7 +76,9 @@ def test_plan_draft_spec_is_planned_at_its_block_of_rows(capsys):
     p = _parts(out)
     assert "= 2 x 3 / (verify" in out
     spec = load(TINY)
-    assert p["draft"] == pytest.approx(make_plan(spec.local, batch=8).timing.modeled_us, abs=0.05)
+    assert p["draft"] == pytest.approx(
+        make_plan(spec.local, batch=8, static=_committed(TINY)).timing.modeled_us, abs=0.05
+    )
     assert p["tps"] == pytest.approx(2 * 3e6 / (p["verify"] + p["draft"] + p["accept"]), rel=1e-3)
 
 
@@ -82,11 +91,12 @@ def test_kimi_k3_speculative_figure_beside_the_public_ones(capsys):
     assert cli.main([*argv, "--acceptance", "6"]) == 0
     out = capsys.readouterr().out
     p = _parts(out)
-    spec, draft = load(kimi), load(stand_in)
-    wide = make_plan(spec.local, batch=spec.model.dims[0].high, context=1152)
-    verify = make_plan(spec.local, batch=8, context=1152, ring_depth=wide.ring_depth).timing.modeled_us
+    spec, draft, static = load(kimi), load(stand_in), _committed(kimi)
+    wide = make_plan(spec.local, batch=spec.model.dims[0].high, context=1152, static=static)
+    verify = make_plan(spec.local, batch=8, context=1152, ring_depth=wide.ring_depth, static=static).timing.modeled_us
     assert p["verify"] == pytest.approx(verify, abs=0.05)  # printed .1f
-    assert p["draft"] == pytest.approx(make_plan(draft.local, batch=8, context=1152).timing.modeled_us, abs=0.05)
+    drafted = make_plan(draft.local, batch=8, context=1152, static=_committed(stand_in)).timing.modeled_us
+    assert p["draft"] == pytest.approx(drafted, abs=0.05)
     assert p["tps"] == pytest.approx(6e6 / (p["verify"] + p["draft"] + p["accept"]), rel=1e-3)
     assert "speculative decoding (modeled)" in out and "accept: 20.0 us (estimate, not measured" in out
     assert "public, measured (not mkdsl): 709 accepted tokens/s" in out
