@@ -290,7 +290,7 @@ def blame(model: Model, index: int, weights, trace: HFTrace, seq, rows: slice) -
     if rows.start != 0:
         return "the prefill's layers agreed: the decode step's form of an op differs"
     values = mk_op_values(model, index, weights, trace.layer_in[index][rows], seq[rows], carry_dtype(model))
-    hf_values = trace.modules[index]
+    hf_values = [(n, v[rows]) for n, v in trace.modules[index]]
     tol = 2.0**-4
 
     def close(a, b):
