@@ -175,7 +175,7 @@ def _check_settings(d, consts, rep: Reporter) -> tuple[tuple[str, object], ...]:
         if any(v is None for v in values):
             continue  # not a constant: consts reported why
         if key == "architecture" and not isinstance(values[0], str):
-            rep.error(s.span, "`architecture` names a transformers class: a quoted word such as \"LlamaForCausalLM\"")
+            rep.error(s.span, '`architecture` names a transformers class: a quoted word such as "LlamaForCausalLM"')
             continue
         out.append((key, tuple(values) if isinstance(s.value, tuple) else values[0]))
     return tuple(out)
