@@ -84,7 +84,7 @@ checkpoint hf {
 
 def test_config_errors(tmp_path):
     base = (ROOT / "specs/smollm2_135m.mk").read_text()
-    twice = base.replace('    rope_theta = THETA\n', "    rope_theta = THETA\n    rope_theta = 1.0\n", 1)
+    twice = base.replace("    rope_theta = THETA\n", "    rope_theta = THETA\n    rope_theta = 1.0\n", 1)
     path = tmp_path / "twice.mk"
     path.write_text(twice)
     with pytest.raises(SpecError, match="config field `rope_theta` is set twice"):
@@ -95,7 +95,9 @@ def test_config_errors(tmp_path):
 
 
 def test_config_values():
-    cmap = next(c for c in mkdsl.load(ROOT / "specs/qwen3_next_80b_a3b.mk", "mini").model.checkpoints if c.format == "hf")
+    cmap = next(
+        c for c in mkdsl.load(ROOT / "specs/qwen3_next_80b_a3b.mk", "mini").model.checkpoints if c.format == "hf"
+    )
     config = cmap.config()
     assert cmap.architecture == "Qwen3NextForCausalLM" and "architecture" not in config
     assert config["hidden_size"] == 256 and config["partial_rotary_factor"] == 0.25 and config["norm_topk_prob"] is True
