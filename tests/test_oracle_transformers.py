@@ -30,7 +30,18 @@ ORACLE_SPECS = [p for p in SPECS if _architecture(p) is not None]
 def test_the_specs_with_an_architecture():
     """Every spec whose model transformers implements says so (more join as their mappings land)."""
     names = {p.stem for p in ORACLE_SPECS}
-    assert {"qwen3_next_80b_a3b", "qwen3_30b_a3b", "llama3_8b", "smollm2_135m"} <= names
+    assert {
+        "qwen3_next_80b_a3b",
+        "qwen3_30b_a3b",
+        "llama3_8b",
+        "smollm2_135m",
+        "gemma3_27b",
+        "olmo2_7b",
+        "phi3_mini_4k",
+        "mixtral_8x7b",
+        "qwen2_5_7b",
+        "deepseek_v2_lite",
+    } <= names
 
 
 @pytest.mark.slow
@@ -72,6 +83,7 @@ checkpoint hf {
     rope_scaling.factor = FACTOR / 2
     rope_scaling.rope_type = "llama3"
     layer_types = ["a", "b"]
+    q_lora_rank = null
     tie_word_embeddings = true
   }
 }

@@ -170,6 +170,9 @@ def _check_settings(d, consts, rep: Reporter) -> tuple[tuple[str, object], ...]:
             rep.error(s.span, f"checkpoint {d.format}: config field `{key}` is set twice (first at line {seen[key]})")
             continue
         seen[key] = s.span.line
+        if s.value is None:  # `null`: config.json's null (a feature the model does not have)
+            out.append((key, None))
+            continue
         exprs = s.value if isinstance(s.value, tuple) else (s.value,)
         values = [consts.eval(e) for e in exprs]
         if any(v is None for v in values):

@@ -212,7 +212,7 @@ class CkptSetting:
 
     span: Span
     key: tuple[str, ...]
-    value: Expr | tuple[Expr, ...]
+    value: Expr | tuple[Expr, ...] | None  # None: `null`
 
 
 @dataclass(frozen=True)
@@ -274,6 +274,9 @@ class _ToAst(Transformer_NonRecursive):
     def ckpt_setting(self, meta, c):
         names = [x for x in c if isinstance(x, lark.Token) and x.type == "NAME"]
         return CkptSetting(Span.of(names[0]), tuple(map(str, names)), c[len(names)])
+
+    def ckpt_null(self, meta, c):
+        return None
 
     def ckpt_list(self, meta, c):
         return tuple(x for x in c if x is not None)

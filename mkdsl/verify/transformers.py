@@ -168,8 +168,9 @@ def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int) -> np.nda
     from mkdsl.run.reference import build_reference
 
     state = zero_state(model, len(ids) + steps + 1)
-    _, token, state = build_prefill(model, donate=False)(weights, state, jnp.asarray(ids[None]))
-    out, step = [int(np.asarray(token)[0])], build_reference(model)
+    # unjitted: at mini sizes XLA's compile of the whole step costs more than running it op by op
+    _, token, state = build_prefill(model, jit=False)(weights, state, jnp.asarray(ids[None]))
+    out, step = [int(np.asarray(token)[0])], build_reference(model, jit=False)
     ref_w = reference_weights(model, weights)
     for j in range(steps):
         pos = jnp.asarray([len(ids) + j], jnp.int32)
