@@ -272,8 +272,7 @@ class _ToAst(Transformer_NonRecursive):
         return tuple(c)
 
     def ckpt_setting(self, meta, c):
-        names = [x for x in c if isinstance(x, lark.Token) and x.type == "NAME"]
-        return CkptSetting(Span.of(names[0]), tuple(map(str, names)), c[len(names)])
+        return CkptSetting(Span.of(c[0]), tuple(str(c[0]).split(".")), c[1])
 
     def ckpt_null(self, meta, c):
         return None
