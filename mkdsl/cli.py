@@ -432,6 +432,8 @@ def cmd_verify(args) -> int:
 
     from mkdsl.compiler import compile_source
 
+    if args.against is not None:
+        return _verify_against(args)
     source = _read(args.spec)
     try:
         out, _ = compile_source(source, args.spec, args.profile, None)
@@ -461,6 +463,24 @@ def _need_libtpu(what: str, alternative: str = "") -> None:
     problem = missing()
     if problem:
         raise UsageError(f"{what} needs libtpu: {problem}{alternative}")
+
+
+def _verify_against(args) -> int:
+    """`verify --against transformers`: the spec against the model's own implementation."""
+    if args.steps < 1 or args.prompt_tokens < 1:
+        raise UsageError(f"--steps and --prompt-tokens must be at least 1, got {args.steps} and {args.prompt_tokens}")
+    _host_devices(1)
+    spec = _load_spec(args)
+    from mkdsl.verify.transformers import OracleError, verify_against_transformers
+
+    try:
+        report = verify_against_transformers(spec.model, args.spec, steps=args.steps, prompt=args.prompt_tokens)
+    except OracleError as e:
+        print(f"mkdsl: error: {e}", file=sys.stderr)
+        return 1
+    print(report.text())
+    print(f"{args.spec}: {'agrees with transformers' if report.ok else 'FAILED'}")
+    return 0 if report.ok else 1
 
 
 def _run_verify(args, out, batches, tempfile) -> int:
@@ -819,6 +839,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=2, help="decode steps per batch (default 2)")
     c.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the spec's mesh size)")
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
+    c.add_argument(
+        "--against",
+        choices=("transformers",),
+        help="instead: the spec against the model's own implementation (random weights through its `checkpoint hf`)",
+    )
+    c.add_argument(
+        "--prompt-tokens", type=int, default=12, help="with --against: random prompt tokens before the steps (12)"
+    )
     _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
     _run_parser(spec_command)
     c = sub.add_parser(

@@ -206,10 +206,21 @@ class CkptEntry:
 
 
 @dataclass(frozen=True)
+class CkptSetting:
+    """`field.sub = value` in a checkpoint's `config { ... }`: one config.json field (a list of
+    expressions for a list value)."""
+
+    span: Span
+    key: tuple[str, ...]
+    value: Expr | tuple[Expr, ...] | None  # None: `null`
+
+
+@dataclass(frozen=True)
 class CheckpointDecl:
     span: Span
     format: str
     entries: tuple[CkptEntry, ...]
+    settings: tuple[CkptSetting, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -253,7 +264,21 @@ class _ToAst(Transformer_NonRecursive):
         return Assign(Span.of(c[0]), str(c[0]), c[1])
 
     def checkpoint_decl(self, meta, c):
-        return CheckpointDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
+        entries = tuple(x for x in c[1:] if isinstance(x, CkptEntry))
+        settings = tuple(s for x in c[1:] if not isinstance(x, CkptEntry) for s in x)
+        return CheckpointDecl(Span.of(c[0]), str(c[0]), entries, settings)
+
+    def ckpt_config(self, meta, c):
+        return tuple(c)
+
+    def ckpt_setting(self, meta, c):
+        return CkptSetting(Span.of(c[0]), tuple(str(c[0]).split(".")), c[1])
+
+    def ckpt_null(self, meta, c):
+        return None
+
+    def ckpt_list(self, meta, c):
+        return tuple(x for x in c if x is not None)
 
     def ckpt_entry(self, meta, c):
         strings, rest = c[1], list(c[2:])
