@@ -24,6 +24,7 @@ from mkdsl.lang.syntax import (
     Call,
     CheckpointDecl,
     ConstDecl,
+    ContextDecl,
     DimDecl,
     Expr,
     FuncDef,
@@ -42,6 +43,7 @@ from mkdsl.lang.syntax import (
     UnOp,
     parse,
 )
+from mkdsl.lang.context import check_context
 from mkdsl.ops import OPS, REQUIRED, Operand, OpError
 
 # Schedule hints the planner understands (checked here, used by the planner).
@@ -92,6 +94,7 @@ class _Decls:
     steps: list[FuncDef] = field(default_factory=list)
     redefined: set[str] = field(default_factory=set)  # names defined twice: reported once, not as unknown
     checkpoints: list[CheckpointDecl] = field(default_factory=list)
+    contexts: list[ContextDecl] = field(default_factory=list)
 
 
 def load(path: str, profile: str | None = None) -> Model:
@@ -122,6 +125,7 @@ class _Elaborator:
         tensors = self.check_tensors(mesh, schedule)
         step, kinds, inputs, used = self.elaborate_functions(tensors, schedule, dims)
         checkpoints = check_checkpoints(self.d.checkpoints, tensors, self.consts, self.rep, self.d.tensors)
+        context = check_context(self.d.contexts, tensors, self.consts, self.rep)
         self.rep.check()
         return Model(
             name=self.d.model.name,
@@ -137,6 +141,7 @@ class _Elaborator:
             hints=tuple(hints.values()),
             warnings=self.unused_weights(used),
             checkpoints=checkpoints,
+            context=context,
         )
 
     def unused_weights(self, used: set[str]) -> tuple[Diagnostic, ...]:
@@ -198,6 +203,8 @@ class _Elaborator:
                 self.d.layers.append(it)
             elif isinstance(it, CheckpointDecl):
                 self.d.checkpoints.append(it)
+            elif isinstance(it, ContextDecl):
+                self.d.contexts.append(it)
             elif isinstance(it, FuncDef):
                 self.d.steps.append(it)
         if self.d.model is None:

@@ -157,6 +157,9 @@ class Model:
     hints: tuple[Hint, ...]
     warnings: tuple = field(default=(), compare=False)  # Diagnostics that do not stop compilation
     checkpoints: tuple = ()  # mkdsl.checkpoint.mapping.CheckpointMap records: where weights come from
+    # A drafter's target context (`context NAME from layers ...`): the state tensor the host fills and
+    # the target layers whose hidden states (residual stream outputs) it holds, in order
+    context: tuple[str, tuple[int, ...]] | None = None
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)

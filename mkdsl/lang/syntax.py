@@ -213,6 +213,15 @@ class CheckpointDecl:
 
 
 @dataclass(frozen=True)
+class ContextDecl:
+    """`context ctx from layers 24, 48`: the state `ctx` holds the target's hidden states of those layers."""
+
+    span: Span
+    name: str
+    layers: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
 class Module:
     items: tuple[object, ...]
 
@@ -254,6 +263,9 @@ class _ToAst(Transformer_NonRecursive):
 
     def checkpoint_decl(self, meta, c):
         return CheckpointDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
+
+    def context_decl(self, meta, c):
+        return ContextDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
 
     def ckpt_entry(self, meta, c):
         strings, rest = c[1], list(c[2:])
