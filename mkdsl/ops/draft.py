@@ -30,6 +30,7 @@ def slot_write(ck, cv, k_cache, v_cache, slot_pos, ctx_positions):
     """Write context row i (its position `ctx_positions[i]` >= 0; -1 marks no row) at slot
     position mod S of both caches [kv_heads, S, d], and remember its position in `slot_pos` [S]
     (-1: an empty slot). Rows are written in order, so a later row wins a shared slot."""
+    k_cache, v_cache, slot_pos = jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(slot_pos)
     kvh, size, dk = k_cache.shape
     dv = v_cache.shape[2]
     n = ck.shape[0]
@@ -160,15 +161,15 @@ def markov_argmax(logits, tokens, w1, w2):
     """Drafts read left to right: draft r = argmax_v (logits[r, v] + w2[v] . w1[prev]), prev
     being tokens[0] (the anchor) for r = 0 and draft r-1 after it (first index on ties).
     w1, w2: [V, rank]; the bias is an f32 product of the stored weights."""
-    x = logits.astype(jnp.float32)
-    w1f, w2f = w1.astype(jnp.float32), w2.astype(jnp.float32)
+    x = jnp.asarray(logits, jnp.float32)
+    w1f, w2f = jnp.asarray(w1, jnp.float32), jnp.asarray(w2, jnp.float32)
 
     def row(prev, xr):
         bias = jnp.dot(w2f, w1f[prev], precision="highest")
         d = jnp.argmax(xr + bias).astype(jnp.int32)
         return d, d
 
-    _, drafts = jax.lax.scan(row, tokens[0].astype(jnp.int32), x)
+    _, drafts = jax.lax.scan(row, jnp.asarray(tokens[0], jnp.int32), x)
     return (drafts,)
 
 
@@ -183,8 +184,8 @@ def _markov_infer(args, attrs):
             raise OpError(f"operand {i + 1} must be a declared weight [V, rank], not `{w.name}`", i)
         expect_rank(w, 2, i, "a Markov matrix [V, rank]")
         expect_float(w, i)
-    if w1.type.shape != w2.type.shape or w2.type.shape[0] != x.type.shape[1]:
-        raise OpError(f"Markov matrices {w1.type}, {w2.type} must both be [{x.type.shape[1]}, rank]", 3)
+    if w1.type.shape[1] != w2.type.shape[1] or w2.type.shape[0] != x.type.shape[1]:  # w1 whole on every device
+        raise OpError(f"Markov matrices {w1.type}, {w2.type} must be [V, rank], [{x.type.shape[1]}, rank]", 3)
     if tokens.type.shape[0] != x.type.shape[0]:
         raise OpError(f"token ids {tokens.type} must have one per row of the logits {x.type}", 1)
     return (TensorType(I32, (x.type.shape[0],)),)

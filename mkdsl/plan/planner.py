@@ -129,6 +129,8 @@ def make_plan(
         raise SpecError(s.errors)
     for step in PASSES:  # each pass carries on past a broken rule, so one run reports every error
         step(s)
+        if step is check_lowering and s.errors:  # the later passes size the lowerings of every node
+            raise SpecError(list(dict.fromkeys(s.errors)))
     if s.errors:
         raise SpecError(list(dict.fromkeys(s.errors)))  # a rule broken in several kinds is said once
     traffic, graph_flops = count_traffic(s)
