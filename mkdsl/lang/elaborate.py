@@ -16,6 +16,7 @@ from mkdsl.checkpoint.mapping import check_checkpoints
 from mkdsl.lang import dtypes
 from mkdsl.lang.block_attrs import resolve_block_attrs
 from mkdsl.lang.consts import MATH, ConstEnv, walk
+from mkdsl.lang.context import check_context
 from mkdsl.lang.diagnostics import NOWHERE, Diagnostic, Reporter, Span, SpecError, did_you_mean
 from mkdsl.lang.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.lang.syntax import (
@@ -43,7 +44,6 @@ from mkdsl.lang.syntax import (
     UnOp,
     parse,
 )
-from mkdsl.lang.context import check_context
 from mkdsl.ops import OPS, REQUIRED, Operand, OpError
 
 # Schedule hints the planner understands (checked here, used by the planner).

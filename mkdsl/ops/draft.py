@@ -129,7 +129,7 @@ def _block_attention_infer(args, attrs):
 
 def _block_attention_cost(ins, outs, attrs):
     """The slot caches are read whole and written back (the kernel keeps them in VMEM per layer)."""
-    q, ck, kc, vc, sp = ins[0], ins[3], ins[5], ins[6], ins[7]
+    q, kc, vc = ins[0], ins[5], ins[6]
     kvh, size, dk = kc.shape
     dv = vc.shape[2]
     cache = kvh * size * (dk + dv) * (kc.dtype.bits // 8) + size * 4
