@@ -88,7 +88,7 @@ weight markov_w2:   bf16[V @tp, MR]
 # last step) and their positions (-1: no row); the host writes both before each step.
 state context:      f32[B, NC*H @tp]
 state context_pos:  i32[B]
-context context from layers C1, C2, C3, C4, C5
+context context at context_pos from layers C1, C2, C3, C4, C5
 
 # Each layer's context cache: keys and values by slot, and the position each slot holds (-1: empty).
 state k_cache:      bf16[NKVR @tp, W, D] per layer

@@ -1,8 +1,9 @@
-"""A drafter's target context: `context NAME from layers 24, 48, 72, 88, 92`.
+"""A drafter's target context: `context NAME at POS from layers 24, 48, 72, 88, 92`.
 
 A block drafter (Kimi K3's DSpark) reads, for each row its step adds, the hidden states the
 target computed at chosen layers, concatenated. The declaration names the state tensor that
-holds them ([B, n * W]: n layers of width W each) and the target layers, so that the host knows
+holds them ([B, n * W]: n layers of width W each), the i32 state [B] holding their positions (-1:
+no row) and the target layers, so that the host knows
 what to ask the target for and where to write it before each step (docs/language.md, "Drafters").
 """
 
@@ -16,7 +17,7 @@ MAX_CONTEXT_LAYERS = 64  # far above any published drafter (EAGLE-3 reads 3 laye
 
 
 def check_context(decls: list[ContextDecl], tensors: dict[str, Tensor], consts, rep: Reporter):
-    """The declared context: (state tensor name, target layer ids), or None without one."""
+    """The declared context: (rows' state, positions' state, target layer ids), or None without one."""
     if not decls:
         return None
     for dup in decls[1:]:
@@ -43,4 +44,12 @@ def check_context(decls: list[ContextDecl], tensors: dict[str, Tensor], consts, 
     if isinstance(width, int) and width % len(layers):
         rep.error(d.span, f"the context `{d.name}` is {t.type}: {width} columns do not hold {len(layers)} layers")
         return None
-    return d.name, layers
+    p = tensors.get(d.positions)
+    if p is None or p.kind != "state" or p.stacked or p.type.dtype.name != "i32" or p.type.shape != t.type.shape[:1]:
+        rep.error(
+            d.span,
+            f"the context's positions `{d.positions}` must be a state i32[{t.type.shape[0]}] (one per context row)",
+            f"declare it: `state {d.positions}: i32[{t.type.shape[0]}]`",
+        )
+        return None
+    return d.name, d.positions, layers

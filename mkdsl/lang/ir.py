@@ -157,9 +157,10 @@ class Model:
     hints: tuple[Hint, ...]
     warnings: tuple = field(default=(), compare=False)  # Diagnostics that do not stop compilation
     checkpoints: tuple = ()  # mkdsl.checkpoint.mapping.CheckpointMap records: where weights come from
-    # A drafter's target context (`context NAME from layers ...`): the state tensor the host fills and
-    # the target layers whose hidden states (residual stream outputs) it holds, in order
-    context: tuple[str, tuple[int, ...]] | None = None
+    # A drafter's target context (`context NAME at POS from layers ...`): the state tensors the host
+    # fills (the rows, their positions) and the target layers whose hidden states (residual stream
+    # outputs) the rows hold, in order
+    context: tuple[str, str, tuple[int, ...]] | None = None
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)

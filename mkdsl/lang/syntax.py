@@ -214,10 +214,12 @@ class CheckpointDecl:
 
 @dataclass(frozen=True)
 class ContextDecl:
-    """`context ctx from layers 24, 48`: the state `ctx` holds the target's hidden states of those layers."""
+    """`context ctx at ctx_pos from layers 24, 48`: the state `ctx` holds the target's hidden states of
+    those layers, `ctx_pos` their positions."""
 
     span: Span
     name: str
+    positions: str
     layers: tuple[Expr, ...]
 
 
@@ -265,7 +267,7 @@ class _ToAst(Transformer_NonRecursive):
         return CheckpointDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
 
     def context_decl(self, meta, c):
-        return ContextDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
+        return ContextDecl(Span.of(c[0]), str(c[0]), str(c[1]), tuple(c[2:]))
 
     def ckpt_entry(self, meta, c):
         strings, rest = c[1], list(c[2:])
