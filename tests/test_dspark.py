@@ -95,11 +95,11 @@ def test_drafts_from_context_fed_in_steps():
         d.accept([got[0], got[1], 5], more)
     again = small.propose(5, 16)
     assert again == big.propose(5, 16)[:3]
-    # a different context gives different logits (the drafter reads it): compare with a fresh one
-    other = SpecDrafter(spec, weights, 16, target.model)
-    other.start(prompt, ctx * 0 + _context(rng, 13, 5, 256))
-    logits_differ = other.propose(7, 13) != want
-    assert logits_differ or np.any(np.asarray(other.state["k_cache"]) != np.asarray(big.state["k_cache"]))
+    # the drafts read the context: another prompt context changes the slot caches and the logits
+    other = SpecDrafter(spec, weights, 4, target.model)
+    other.start(prompt, _context(rng, 13, 5, 256))
+    other.propose(7, 13)
+    assert not np.array_equal(np.asarray(other.state["k_cache"]), np.asarray(small.state["k_cache"]))
 
 
 def test_make_drafter_checks_pairing_first():

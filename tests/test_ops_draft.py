@@ -20,6 +20,8 @@ Tolerances:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -77,7 +79,7 @@ def _attention_oracle(q, k, v, ck, cv, kc, vc, sp, cpos, pos, heads, kvh, window
 @FEW
 @given(
     seed=SEEDS,
-    b=st.sampled_from([1, 3, 8]),
+    b=st.sampled_from([1, 8]),
     kvh=st.sampled_from([1, 2]),
     g=st.sampled_from([1, 3]),
     size=st.sampled_from([16, 64]),
@@ -96,9 +98,10 @@ def test_block_attention(seed, b, kvh, g, size, window):
     cpos = (anchor - b + np.arange(b)).astype(np.int32)
     cpos[0] = -1  # a row with no context
     pos = (anchor + np.arange(b)).astype(np.int32)
-    got = OPS["block_attention"].reference(
-        q, k, v, ck, cv, kc, vc, sp, cpos, pos, heads=heads, kv_heads=kvh, scale=None, window=window
+    ref = jax.jit(
+        functools.partial(OPS["block_attention"].reference, heads=heads, kv_heads=kvh, scale=None, window=window)
     )
+    got = ref(q, k, v, ck, cv, kc, vc, sp, cpos, pos)
     want = _attention_oracle(
         q, k, v, ck, cv, kc.astype(np.float64), vc.astype(np.float64), sp, cpos, pos, heads, kvh, window
     )

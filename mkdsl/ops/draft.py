@@ -35,13 +35,14 @@ def slot_write(ck, cv, k_cache, v_cache, slot_pos, ctx_positions):
     dv = v_cache.shape[2]
     n = ck.shape[0]
     slots = jnp.where(ctx_positions >= 0, ctx_positions % size, size)  # size: dropped
-    ks = ck.reshape(n, kvh, dk).astype(k_cache.dtype)
-    vs = cv.reshape(n, kvh, dv).astype(v_cache.dtype)
-    for i in range(n):  # in order: a later row wins a shared slot
-        k_cache = k_cache.at[:, slots[i]].set(ks[i], mode="drop")
-        v_cache = v_cache.at[:, slots[i]].set(vs[i], mode="drop")
-        slot_pos = slot_pos.at[slots[i]].set(ctx_positions[i], mode="drop")
-    return k_cache, v_cache, slot_pos
+    i = jnp.arange(n)
+    later = ((slots[None, :] == slots[:, None]) & (i[None, :] > i[:, None])).any(axis=1)
+    slots = jnp.where(later, size, slots)  # a later row wins a shared slot: the earlier one is dropped
+    ks = jnp.swapaxes(ck.reshape(n, kvh, dk).astype(k_cache.dtype), 0, 1)
+    vs = jnp.swapaxes(cv.reshape(n, kvh, dv).astype(v_cache.dtype), 0, 1)
+    k_cache = k_cache.at[:, slots].set(ks, mode="drop")
+    v_cache = v_cache.at[:, slots].set(vs, mode="drop")
+    return k_cache, v_cache, slot_pos.at[slots].set(ctx_positions, mode="drop")
 
 
 def block_attention(

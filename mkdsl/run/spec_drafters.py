@@ -17,6 +17,7 @@ import numpy as np
 from mkdsl.lang.ir import Model
 
 EMPTY = -1  # a slot or context row that holds no position
+_STEPS: dict[int, tuple] = {}  # id(spec) -> (spec, its jitted reference step): drafters of a spec share it
 
 
 class DraftSpecError(ValueError):
@@ -65,7 +66,7 @@ class SpecDrafter:
         self.rows, self.spec, self.weights = rows, spec, weights
         self.ctx_name, self.pos_name, self.context_layers = model.context
         self.mask = int(_const(model, "MASK"))
-        self._step = reference_step(spec)
+        self._step = _STEPS.setdefault(id(spec), (spec, reference_step(spec)))[1]  # one jit per spec
         self.state = self._empty_state()
         self.pending: list[tuple[int, np.ndarray]] = []  # (position, context row) not yet written
         self.next_pos = 0  # the position of the next context row
