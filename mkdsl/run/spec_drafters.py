@@ -44,7 +44,9 @@ def check_pairing(draft: Model, target: Model | None) -> None:
     if bad:
         raise DraftSpecError(f"{draft.name} reads layers {bad} of {target.name}, which has {len(target.schedule)}")
     if t_hidden is not None and width != len(layers) * t_hidden:
-        raise DraftSpecError(f"{draft.name}'s context is {width} wide, {len(layers)} layers of {target.name} make {len(layers) * t_hidden}")
+        raise DraftSpecError(
+            f"{draft.name}'s context is {width} wide, {len(layers)} layers of {target.name} make {len(layers) * t_hidden}"
+        )
     if t_vocab is not None and _const(draft, "V") != t_vocab:
         raise DraftSpecError(f"{draft.name}'s vocabulary {_const(draft, 'V')} is not {target.name}'s {t_vocab}")
 
@@ -93,7 +95,9 @@ class SpecDrafter:
 
     def _queue(self, context) -> None:
         if context is None:
-            raise DraftSpecError(f"{self.spec.model.name} reads the target's layers {self.context_layers}: no context given")
+            raise DraftSpecError(
+                f"{self.spec.model.name} reads the target's layers {self.context_layers}: no context given"
+            )
         ctx = np.asarray(context, np.float32)
         ctx = ctx.reshape(ctx.shape[0], -1)
         for row in ctx:

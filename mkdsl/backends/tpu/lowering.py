@@ -156,8 +156,12 @@ def check_lowerable(model: Model) -> list[Diagnostic]:
                 )
             )
         out.extend(lw.check(model, at))
-        out.extend(_state_reads(model, at))
-    return out
+    return out + unread_states(model)
+
+
+def unread_states(model: Model) -> list[Diagnostic]:
+    """Every read of a state tensor the kernel cannot make (`_state_reads`)."""
+    return [d for at in sites(model) for d in _state_reads(model, at)]
 
 
 def _state_reads(model: Model, at: Site) -> list[Diagnostic]:
