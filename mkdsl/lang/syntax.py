@@ -224,6 +224,15 @@ class ContextDecl:
 
 
 @dataclass(frozen=True)
+class MtpDef:
+    """`mtp(h: f32[B, H], tokens, positions) { ... }`: a multi-token prediction head."""
+
+    span: Span
+    hidden_type: TypeExpr
+    func: FuncDef  # kind "mtp", params (hidden, tokens, positions)
+
+
+@dataclass(frozen=True)
 class Module:
     items: tuple[object, ...]
 
@@ -347,6 +356,11 @@ class _ToAst(Transformer_NonRecursive):
 
     def step_def(self, meta, c):
         return self._func("step", meta, c)
+
+    def mtp_def(self, meta, c):
+        span = Span(meta.line, meta.column, len("mtp"))
+        names = (str(c[0]), str(c[2]), str(c[3]))
+        return MtpDef(span, c[1], FuncDef(span, "mtp", "mtp", names, tuple(c[4:])))
 
     def layers_decl(self, meta, c):
         return LayersDecl(_span(meta), c[0], tuple(c[1:]))

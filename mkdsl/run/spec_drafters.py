@@ -17,7 +17,7 @@ import numpy as np
 from mkdsl.lang.ir import Model
 
 EMPTY = -1  # a slot or context row that holds no position
-_STEPS: dict[int, tuple] = {}  # id(spec) -> (spec, its jitted reference step): drafters of a spec share it
+_STEPS: dict = {}  # id(spec) (or ("mtp", id)) -> (spec, its jitted reference): drafters of a spec share it
 
 
 class DraftSpecError(ValueError):
@@ -51,6 +51,24 @@ def check_pairing(draft: Model, target: Model | None) -> None:
         raise DraftSpecError(f"{draft.name}'s vocabulary {_const(draft, 'V')} is not {target.name}'s {t_vocab}")
 
 
+def empty_state(model: Model, rows: int, seq_len: int | None = None, names: set[str] | None = None) -> dict:
+    """Zero caches, every slot, position and context row empty (-1), for `rows` rows and caches of
+    `seq_len` tokens (default the longest); only the state tensors in `names` when given."""
+    import ml_dtypes
+
+    from mkdsl.run.random_params import concrete_shape
+
+    sizes = {d.name: rows for d in model.dims[:1]} | {d.name: seq_len or d.high for d in model.dims[1:]}
+    out = {}
+    for t in model.tensors:
+        if t.kind != "state" or (names is not None and t.name not in names):
+            continue
+        shape = concrete_shape(t.full_shape, sizes)
+        dtype = ml_dtypes.bfloat16 if t.type.dtype.name == "bf16" else np.dtype(t.type.dtype.numpy)
+        out[t.name] = np.zeros(shape, dtype) if t.type.dtype.float else np.full(shape, EMPTY, dtype)
+    return out
+
+
 class SpecDrafter:
     """A block drafter from a draft spec: each `propose` runs one drafter step over the block
     [anchor, MASK, ..., MASK] at positions anchor.., after writing the context rows the target
@@ -75,23 +93,7 @@ class SpecDrafter:
         self.drafts: list[int] = []
 
     def _empty_state(self) -> dict:
-        """Caches of zeros, every slot and context row empty."""
-        from mkdsl.run.random_params import concrete_shape
-
-        m = self.spec.model
-        sizes = {d.name: self.rows for d in m.dims[:1]} | {d.name: d.high for d in m.dims[1:]}
-        out = {}
-        for t in m.tensors:
-            if t.kind != "state":
-                continue
-            shape = concrete_shape(t.full_shape, sizes)
-            dtype = np.dtype(t.type.dtype.numpy) if t.type.dtype.name != "bf16" else None
-            if dtype is None:
-                import ml_dtypes
-
-                dtype = ml_dtypes.bfloat16
-            out[t.name] = np.full(shape, EMPTY, dtype) if not t.type.dtype.float else np.zeros(shape, dtype)
-        return out
+        return empty_state(self.spec.model, self.rows)
 
     def _queue(self, context) -> None:
         if context is None:
@@ -148,14 +150,86 @@ def random_drafter_weights(spec, seed: int = 0) -> dict:
     return random_inputs(spec, batch=spec.batch_range[0], seq_len=1, seed=seed)[0]
 
 
-def make_drafter(kind_or_path: str, target_spec=None, weights: dict | None = None, rows: int = 8, profile=None, seed=0):
-    """A model drafter: a draft spec's path (`.mk`; `profile` picks its profile, default the
-    target's). Without `weights` it gets random ones (seeded). The n-gram drafter lives with the
-    speculative loop (mkdsl/run/drafters.py)."""
-    from mkdsl.api import load
+class MtpDrafter:
+    """The target spec's `mtp` head, run R-1 times per step: draft k+1 is the argmax of the head's
+    logits fed its own hidden state after draft k and draft k (the first: the target's hidden
+    state of the token before the anchor, and the anchor). The head's cache holds a pair (hidden
+    state of position i, token at i + 1) at position i + 1: the prompt's pairs after `start`, the
+    accepted ones after `accept` (the pairs it wrote while drafting are overwritten there before
+    they are read). Its context is the target's last layer's output (before the final norm)."""
 
+    def __init__(self, spec, weights: dict, rows: int, seq_len: int | None = None):
+        from mkdsl.run.reference import build_mtp_reference
+
+        model = spec.model
+        if model.mtp is None:
+            raise DraftSpecError(f"{model.name} declares no `mtp` head: --draft mtp needs one")
+        self.spec, self.weights, self.rows, self.seq_len = spec, weights, rows, seq_len
+        self.context_layers = (len(model.schedule) - 1,)
+        self._mtp = _STEPS.setdefault(("mtp", id(spec)), (spec, build_mtp_reference(model)))[1]
+        reads = {r.name for n in model.mtp.nodes for r in n.inputs if r.kind == "tensor"}
+        self.state_names = {t.name for t in model.tensors if t.kind == "state" and t.name in reads}
+        self.state, self.last_h = self._empty_state(), None
+
+    def _empty_state(self) -> dict:
+        return empty_state(self.spec.model, 1, self.seq_len, self.state_names)
+
+    def _run(self, h, token: int, position: int):
+        h2, logits, self.state = self._mtp(
+            self.weights,
+            self.state,
+            np.asarray(h, np.float32).reshape(1, -1),
+            np.array([token], np.int32),
+            np.array([position], np.int32),
+        )
+        return np.asarray(h2)[0], np.asarray(logits)[0]
+
+    def _pairs(self, hidden, tokens: list[int], first: int) -> None:
+        for i, t in enumerate(tokens):
+            self._run(hidden[i], int(t), first + i)
+
+    def start(self, prompt_tokens: list[int], context) -> None:
+        hs = np.asarray(context, np.float32).reshape(len(prompt_tokens), -1)
+        self.state, self.pos = self._empty_state(), len(prompt_tokens)
+        self._pairs(hs, prompt_tokens[1:], 1)
+        self.last_h = hs[-1]
+
+    def propose(self, anchor_token: int, position: int) -> list[int]:
+        h, tok, out = self.last_h, int(anchor_token), []
+        for k in range(self.rows - 1):
+            h, logits = self._run(h, tok, position + k)
+            tok = int(np.argmax(logits))
+            out.append(tok)
+        self.pos = position
+        return out
+
+    def accept(self, tokens: list[int], context) -> None:
+        """Context: the target's hidden states of the anchor and the kept drafts (one per token but
+        the last, the next anchor)."""
+        hs = np.asarray(context, np.float32).reshape(len(tokens), -1)
+        self._pairs(hs, tokens[:-1], self.pos + 1)
+        self.last_h = hs[-1]
+
+
+def make_drafter(
+    kind_or_path: str, target_spec=None, weights: dict | None = None, rows: int = 8, profile=None, seed=0, seq_len=None
+):
+    """A model drafter: `mtp` (the target spec's `mtp` head, with the target's weights) or a draft
+    spec's path (`.mk`; `profile` picks its profile, default the target's). Without `weights` it
+    gets random ones (seeded); `seq_len` sizes the MTP head's cache (default the spec's longest).
+    The n-gram drafter lives with the speculative loop (mkdsl/run/drafters.py)."""
+    from mkdsl.api import load, random_inputs
+
+    if kind_or_path == "mtp":
+        if target_spec is None:
+            raise DraftSpecError("--draft mtp: the target spec's `mtp` head needs the target spec")
+        if target_spec.model.mtp is None:
+            raise DraftSpecError(f"--draft mtp: {target_spec.model.name} declares no `mtp` head")
+        if weights is None:
+            weights = random_inputs(target_spec, batch=1, seq_len=1, seed=seed)[0]
+        return MtpDrafter(target_spec, weights, rows, seq_len)
     if Path(kind_or_path).suffix != ".mk":
-        raise DraftSpecError(f"--draft {kind_or_path}: expected a draft spec (.mk) here")
+        raise DraftSpecError(f"--draft {kind_or_path}: expected mtp or a draft spec (.mk) here")
     target = target_spec.model if target_spec is not None else None
     spec = load(kind_or_path, profile if profile is not None else (target.profile if target else None))
     check_pairing(spec.model, target)
