@@ -34,8 +34,12 @@ SEEDS = st.integers(0, 2**32 - 1)
 FEW = settings(max_examples=6, deadline=None)
 ATOL = 1e-5  # relative to max|v|; see the docstring
 
-ORACLES: dict[str, list[str]] = {"block_attention": ["test_block_attention"], "markov_argmax": ["test_markov_argmax"]}
-KNOWN_ATTRS = {"block_attention": {"heads", "kv_heads", "scale", "window"}, "markov_argmax": set()}
+ORACLES: dict[str, list[str]] = {
+    "block_attention": ["test_block_attention"],
+    "markov_argmax": ["test_markov_argmax"],
+    "concat": ["test_concat"],
+}
+KNOWN_ATTRS = {"block_attention": {"heads", "kv_heads", "scale", "window"}, "markov_argmax": set(), "concat": set()}
 
 
 def bf16(x) -> np.ndarray:
@@ -156,3 +160,18 @@ def test_markov_bias_matters():
     # row 0: anchor 0 has no bias -> 2; row 1: previous 2 biases 3 by 8 -> 3; row 2: previous 3 -> 0
     np.testing.assert_array_equal(np.asarray(got), [2, 3, 0])
     assert jax.numpy.asarray(got).dtype == np.int32
+
+
+@FEW
+@given(seed=SEEDS, b=st.sampled_from([1, 3]), na=st.sampled_from([1, 128]), nb=st.sampled_from([5, 256]))
+def test_concat(seed, b, na, nb):
+    """Exact: row r is a's row r, then b's, as f32 (bf16 inputs widen exactly)."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((b, na)).astype(ml_dtypes.bfloat16)
+    c = rng.standard_normal((b, nb)).astype(np.float32)
+    (got,) = OPS["concat"].reference(a, c)
+    want = np.zeros((b, na + nb))
+    for r in range(b):
+        want[r, :na], want[r, na:] = a[r].astype(np.float64), c[r]
+    assert np.asarray(got).dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(got, np.float64), want)
