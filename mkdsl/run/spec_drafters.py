@@ -75,6 +75,8 @@ class SpecDrafter:
     accepted since (more than `rows` of them, as after the prompt, go in earlier steps whose block
     is discarded: the block's rows are causal, so nothing of it stays)."""
 
+    draft_probs = None  # deterministic drafts (the speculative loop's protocol)
+
     def __init__(self, spec, weights: dict, rows: int, target: Model | None = None):
         from mkdsl.api import reference_step
 
@@ -157,6 +159,8 @@ class MtpDrafter:
     state of position i, token at i + 1) at position i + 1: the prompt's pairs after `start`, the
     accepted ones after `accept` (the pairs it wrote while drafting are overwritten there before
     they are read). Its context is the target's last layer's output (before the final norm)."""
+
+    draft_probs = None  # deterministic drafts (the speculative loop's protocol)
 
     def __init__(self, spec, weights: dict, rows: int, seq_len: int | None = None):
         from mkdsl.run.reference import build_mtp_reference
