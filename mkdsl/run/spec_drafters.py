@@ -28,6 +28,13 @@ def _const(model: Model, name: str):
     return model.const.get(name)
 
 
+def _vocab(model: Model):
+    """The width of the step's logits."""
+    from mkdsl.lang.elaborate import graph_value_type
+
+    return graph_value_type(model.step, model.step.results[0]).shape[1]
+
+
 def check_pairing(draft: Model, target: Model | None) -> None:
     """A block drafter must declare its context and a mask token, and read layers the target has,
     with the target's width and vocabulary. Checked before any weight is drawn or loaded."""
@@ -39,7 +46,7 @@ def check_pairing(draft: Model, target: Model | None) -> None:
         return
     name, _, layers = draft.context
     width = draft.tensor(name).type.shape[1]
-    t_hidden, t_vocab = _const(target, "H"), _const(target, "V")
+    t_hidden, t_vocab = _const(target, "H"), _vocab(target)  # the width its layers' hidden states have (`H`)
     bad = [lay for lay in layers if lay >= len(target.schedule)]
     if bad:
         raise DraftSpecError(f"{draft.name} reads layers {bad} of {target.name}, which has {len(target.schedule)}")
@@ -47,8 +54,8 @@ def check_pairing(draft: Model, target: Model | None) -> None:
         raise DraftSpecError(
             f"{draft.name}'s context is {width} wide, {len(layers)} layers of {target.name} make {len(layers) * t_hidden}"
         )
-    if t_vocab is not None and _const(draft, "V") != t_vocab:
-        raise DraftSpecError(f"{draft.name}'s vocabulary {_const(draft, 'V')} is not {target.name}'s {t_vocab}")
+    if _vocab(draft) != t_vocab:
+        raise DraftSpecError(f"{draft.name}'s vocabulary {_vocab(draft)} is not {target.name}'s {t_vocab}")
 
 
 def empty_state(model: Model, rows: int, seq_len: int | None = None, names: set[str] | None = None) -> dict:
