@@ -17,8 +17,10 @@ wrong head moves the results by O(their magnitude).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import mkdsl
+from mkdsl.lang.diagnostics import SpecError
 from mkdsl.run.reference import build_layered_reference, build_mtp_reference
 from mkdsl.run.spec_drafters import MtpDrafter, make_drafter
 
@@ -132,3 +134,26 @@ def test_mtp_drafter_chains_the_head():
     assert drafts == [first, int(np.argmax(np.asarray(logits2)[0]))]
     d.accept([drafts[0], 77], rng.standard_normal((2, 1, target.model.const["H"])).astype(np.float32))
     assert len(d.propose(77, 6)) == 2
+
+
+@pytest.mark.parametrize(
+    "old, new, message",
+    [
+        ("mtp(h: f32[B, H], tokens, positions)", "mtp(h: i32[B, H], tokens, positions)", "must be a float [B, width]"),
+        ("mtp(h: f32[B, H], tokens, positions)", "mtp(h: f32[H], tokens, positions)", "must be a float [B, width]"),
+        (
+            "  return x, linear(rmsnorm(x, mtp_head_norm",
+            "  return x, x, linear(rmsnorm(x, mtp_head_norm",
+            "`mtp` must return",
+        ),
+        ("x = linear(concat(e, rmsnorm(h,", "x = linear(concat(tokens, rmsnorm(h,", "concat"),
+    ],
+)
+def test_mtp_errors_point_at_the_head(tmp_path, old, new, message):
+    text = open(DSV3, encoding="utf-8").read()
+    assert old in text
+    path = tmp_path / "bad.mk"
+    path.write_text(text.replace(old, new), encoding="utf-8")
+    with pytest.raises(SpecError) as e:
+        mkdsl.load(path, profile="mini")
+    assert message in str(e.value)
