@@ -124,7 +124,7 @@ def test_mtp_drafter_chains_the_head():
     drafts = d.propose(40, 4)
     assert len(drafts) == 2 and all(0 <= t < target.model.const["V"] for t in drafts)
     # by hand: a fresh head fed the same pairs
-    mtp = build_mtp_reference(target.model)
+    mtp = d._mtp  # the head's jitted reference (tested above against the equations)
     state = {k: v for k, v in d._empty_state().items()}
     for i in range(3):
         _, _, state = mtp(d.weights, state, ctx[i], np.array([prompt[i + 1]], np.int32), np.array([i + 1], np.int32))

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from mkdsl.ops import OPS
 
 SEEDS = st.integers(0, 2**32 - 1)
-FEW = settings(max_examples=6, deadline=None)
+FEW = settings(max_examples=4, deadline=None)
 ATOL = 1e-5  # relative to max|v|; see the docstring
 
 ORACLES: dict[str, list[str]] = {
