@@ -223,3 +223,20 @@ def test_mini_step_equals_the_published_equations():
     np.testing.assert_allclose(got, want, rtol=0, atol=0.03 * np.abs(want).max())
     np.testing.assert_array_equal(np.asarray(new["slot_pos"]), slot_pos)
     assert np.asarray(drafts).shape == (b,)
+
+
+def test_drafter_floor_counts_what_a_step_must_read():
+    """Modeled HBM floor of the full-size drafter at 8 rows, per device: counted here from the
+    facts' sizes and the spec's TP32 layout (bf16 everywhere; `wk`, `wv` and `k_norm` are read for
+    the block and again for the context rows; one KV head per device; the slot caches read and
+    written whole; the embedding and markov_w1 read one row per block row)."""
+    from mkdsl.run.spec_drafters import drafter_floor_us
+
+    h, v, nh, d, f, w, mr, nc, tp, b, layers = 7168, 163840, 96, 64, 14336, 2048, 256, 5, 32, 8, 5
+    kv = 32 // tp  # KV heads per device (16 stored twice)
+    per_layer = 2 * (2 * h + h * nh * d // tp * 2 + 2 * 2 * h * kv * d + d + 2 * d + 3 * h * f // tp)
+    per_layer += 2 * (kv * w * 2 * d * 2 + w * 4)  # slot caches and slot positions, read and written
+    weights = 2 * (b * h + nc * h // tp * h + h + h + h * v // tp + v // tp * mr + b * mr)
+    us, moved = drafter_floor_us(mkdsl.load(DSPARK).model, b)
+    assert moved == weights + layers * per_layer
+    assert us == pytest.approx(moved / 3.05e12 * 1e6)

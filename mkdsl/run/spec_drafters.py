@@ -245,3 +245,40 @@ def make_drafter(
     spec = load(kind_or_path, profile if profile is not None else (target.profile if target else None))
     check_pairing(spec.model, target)
     return SpecDrafter(spec, weights if weights is not None else random_drafter_weights(spec, seed), rows, target)
+
+
+def drafter_floor_us(model: Model, rows: int, context: int = 0) -> tuple[float, int]:
+    """Modeled: a drafter's step at its HBM floor per device, (us, bytes), from its ops' costs on the
+    per-device model (weights read, state read and written, caches at `context` tokens where an op
+    charges by tokens), at the dense ring's measured rate. A drafter has no kernel yet, so this is
+    the floor its step cannot beat, not a planned schedule (`mkdsl plan --draft` sets it beside the
+    target's verify step)."""
+    from mkdsl.lang.elaborate import graph_value_type
+    from mkdsl.lang.ir import TensorType
+    from mkdsl.ops import OPS, Cost
+    from mkdsl.plan.cost_model import FLOOR_BYTES_PER_S
+    from mkdsl.plan.nodes import concrete, cost_attrs
+    from mkdsl.spmd.shard import is_sharded, shard
+
+    local = shard(model) if is_sharded(model) else model
+    sizes = {d.name: rows for d in local.dims[:1]} | {d.name: context + 1 for d in local.dims[1:]}
+
+    def typ(graph, ref) -> TensorType:
+        if ref.kind == "tensor":
+            return local.tensor(ref.name).type
+        if ref.kind == "input":
+            return next(v.type for v in local.inputs if v.name == ref.name)
+        return graph_value_type(graph, ref)
+
+    total = Cost()
+    runs = {g.name: local.schedule.count(g.name) for g in local.kinds} | {local.step.name: 1}
+    for graph in (*local.kinds, local.step):
+        for node in graph.nodes:
+            if node.op not in OPS:
+                continue
+            ins = [concrete(typ(graph, r), sizes) for r in node.inputs]
+            outs = [concrete(v.type, sizes) for v in node.outputs]
+            cost = OPS[node.op].cost(ins, outs, cost_attrs(node))
+            total = total + Cost(cost.weight_bytes * runs[graph.name], cost.state_bytes * runs[graph.name])
+    moved = total.weight_bytes + total.state_bytes
+    return moved / FLOOR_BYTES_PER_S * 1e6, moved
