@@ -5,7 +5,23 @@ head by head (`rope` in runtime/core.py.jinja)."""
 from __future__ import annotations
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lowering
+from mkdsl.lang.diagnostics import Diagnostic
+from mkdsl.lang.ir import Model
 from mkdsl.ops.rope import layout
+
+
+def _check(model: Model, at: Site) -> list[Diagnostic]:
+    """The tables are built from the step's positions (SMEM): other positions would rotate wrongly."""
+    pos, step_pos = at.node.arg("positions"), model.inputs[1].name
+    if pos.kind == "input" and pos.name == step_pos:
+        return []
+    return [
+        Diagnostic(
+            at.node.span,
+            f"the kernel rotates at the step's positions only, not at `{pos.name}`",
+            f"pass `{step_pos}` (the step's second input) to `rope`",
+        )
+    ]
 
 
 def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
@@ -28,4 +44,4 @@ def _setup(em: EmitContext) -> list[str]:
     ]
 
 
-register_lowering(Lowering("rope", "lowerings/attention.jinja", "rope", _record))
+register_lowering(Lowering("rope", "lowerings/attention.jinja", "rope", _record, check=_check))
