@@ -149,6 +149,7 @@ register(
         attrs={"heads": 1, "kv_heads": 1, "scale": None, "window": None},
         unset=(("window", 0),),
         inout=("k_cache", "v_cache", "slot_pos"),
+        reach=(("ctx_positions", "own"),),  # a state its lowering copies to SMEM itself
         doc="A block of rows of one sequence attends to a slot cache of context (positions below the first "
         "row's, within the window) and causally to itself; writes the context rows into the cache first.",
         shard="block_heads",

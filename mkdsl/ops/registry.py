@@ -123,7 +123,7 @@ class OpDef:
     near_tie: Callable | None = None
 
     def reached(self, operand: str) -> str:
-        """How the kernel reaches a weight operand: "stream", "own" or "fetch"."""
+        """How the kernel reaches a weight (or state) operand: "stream", "own" or "fetch"."""
         return dict(self.reach).get(operand, "fetch")
 
 

@@ -166,11 +166,12 @@ def unread_states(model: Model) -> list[Diagnostic]:
 
 def _state_reads(model: Model, at: Site) -> list[Diagnostic]:
     """A state tensor the op reads without owning it (not one of its in-place operands): the kernel
-    holds state in HBM, and only the ops that own a state move it (a drafter's `context`)."""
+    holds state in HBM, and only the ops that own a state move it (in place, or read by their own
+    lowering: `OpDef.reach` "own", e.g. `block_attention`'s context positions)."""
     op = OPS[at.node.op]
     out = []
     for name, ref in zip(op.operands, at.node.inputs):
-        if ref.kind == "tensor" and model.tensor(ref.name).kind == "state" and name not in op.inout:
+        if ref.kind == "tensor" and model.tensor(ref.name).kind == "state" and name not in op.inout and op.reached(name) != "own":
             out.append(
                 Diagnostic(
                     at.node.span,
