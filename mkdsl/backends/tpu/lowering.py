@@ -171,7 +171,12 @@ def _state_reads(model: Model, at: Site) -> list[Diagnostic]:
     op = OPS[at.node.op]
     out = []
     for name, ref in zip(op.operands, at.node.inputs):
-        if ref.kind == "tensor" and model.tensor(ref.name).kind == "state" and name not in op.inout and op.reached(name) != "own":
+        if (
+            ref.kind == "tensor"
+            and model.tensor(ref.name).kind == "state"
+            and name not in op.inout
+            and op.reached(name) != "own"
+        ):
             out.append(
                 Diagnostic(
                     at.node.span,
