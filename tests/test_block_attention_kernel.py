@@ -5,7 +5,8 @@ the slot caches and slot positions it writes (bf16 caches: within one storage ul
 exact).
 
 The step's rows are a block at consecutive positions from an anchor; the context rows are the
-block's own keys and values at the positions of a state `cpos` the test sets: some rows absent
+block's own keys and values, the keys rotated at the positions of a state `cpos` the test sets
+(`rope` at a state's positions, mkdsl/backends/tpu/lowerings/rope.py): some rows absent
 (-1), some below the anchor (written, then seen by this very step), some at or past it (written,
 unseen), two sharing a slot (the later wins). The caches start with random entries and slot
 positions below, at and above the anchor, inside and outside the window, and empty, so every
@@ -51,9 +52,11 @@ state slot_pos:   i32[W]          per layer
 layer dec(x) {
   h = rmsnorm(x, norm1)
   q = rope(linear(h, wq), positions, heads=NH)
-  k = rope(linear(h, wk), positions, heads=NKV)
+  kr = linear(h, wk)
+  k = rope(kr, positions, heads=NKV)
+  ck = rope(kr, cpos, heads=NKV)
   v = linear(h, wv)
-  a = block_attention(q, k, v, k, v, k_cache, v_cache, slot_pos, cpos, positions, heads=NH, kv_heads=NKV, window=W)
+  a = block_attention(q, k, v, ck, v, k_cache, v_cache, slot_pos, cpos, positions, heads=NH, kv_heads=NKV, window=W)
   return x + linear(a, wo)
 }
 
