@@ -45,6 +45,13 @@ def _block_check(model: Model, at: Site) -> list[Diagnostic]:
         out.append(
             Diagnostic(at.node.span, "the kernel reads the context positions from a state or the step's positions")
         )
+    elif cpos.kind == "tensor" and model.tensor(cpos.name).type.shape[0] != model.dims[0].name:
+        rows = model.dims[0].name
+        out.append(
+            Diagnostic(
+                at.node.span, f"the kernel takes one context row per block row: `{cpos.name}` must be i32[{rows}]"
+            )
+        )
     return out
 
 
