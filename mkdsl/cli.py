@@ -268,9 +268,10 @@ def _plan_speculative(args, model, depth: int, options: dict):
     verify = make_plan(model, batch=verify_rows, context=args.context, ring_depth=depth, **options).timing.modeled_us
     if args.draft == "ngram":
         return spec_model.ngram(args.batch, rows, args.acceptance, verify)
-    return spec_model.with_draft_spec(
-        args.batch, rows, args.acceptance, verify, _draft_plan(args, verify_rows), args.draft
-    )
+    draft = _draft_plan(args, verify_rows)
+    if isinstance(draft, tuple):  # its kernel does not lower yet: (floor us, why)
+        return spec_model.with_draft_floor(args.batch, rows, args.acceptance, verify, *draft, args.draft)
+    return spec_model.with_draft_spec(args.batch, rows, args.acceptance, verify, draft, args.draft)
 
 
 def _check_plan_draft(args) -> None:
@@ -297,7 +298,8 @@ def _check_plan_draft(args) -> None:
 
 
 def _draft_plan(args, rows: int):
-    """A draft spec's step planned at `rows` rows, its context as the target's."""
+    """A draft spec's step planned at `rows` rows, its context as the target's; for a draft spec
+    whose kernel does not lower yet, (its HBM floor in us, why)."""
     from mkdsl.api import load
     from mkdsl.plan import make_plan, static_costs
 
@@ -312,7 +314,13 @@ def _draft_plan(args, rows: int):
     if context is not None and len(draft.model.dims) > 1:
         context = min(context, draft.model.dims[1].high - 1)
     static, where = static_costs.default_costs(args.draft, None)  # as `mkdsl plan DRAFT.mk` with no flags
-    return make_plan(draft.local, batch=rows, context=context, static=static, static_from=where)
+    try:
+        return make_plan(draft.local, batch=rows, context=context, static=static, static_from=where)
+    except SpecError as e:  # the kernel cannot lower it (yet): the floor its step cannot beat
+        from mkdsl.run.spec_drafters import drafter_floor_us
+
+        first = e.diagnostics[0].message if e.diagnostics else str(e)
+        return drafter_floor_us(draft.model, rows, context or 0)[0], f"`mkdsl check` says: {first}"
 
 
 def _cost_options(args) -> dict:

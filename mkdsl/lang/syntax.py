@@ -224,6 +224,26 @@ class CheckpointDecl:
 
 
 @dataclass(frozen=True)
+class ContextDecl:
+    """`context ctx at ctx_pos from layers 24, 48`: the state `ctx` holds the target's hidden states of
+    those layers, `ctx_pos` their positions."""
+
+    span: Span
+    name: str
+    positions: str
+    layers: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class MtpDef:
+    """`mtp(h: f32[B, H], tokens, positions) { ... }`: a multi-token prediction head."""
+
+    span: Span
+    hidden_type: TypeExpr
+    func: FuncDef  # kind "mtp", params (hidden, tokens, positions)
+
+
+@dataclass(frozen=True)
 class Module:
     items: tuple[object, ...]
 
@@ -279,6 +299,9 @@ class _ToAst(Transformer_NonRecursive):
 
     def ckpt_list(self, meta, c):
         return tuple(x for x in c if x is not None)
+
+    def context_decl(self, meta, c):
+        return ContextDecl(Span.of(c[0]), str(c[0]), str(c[1]), tuple(c[2:]))
 
     def ckpt_entry(self, meta, c):
         strings, rest = c[1], list(c[2:])
@@ -358,6 +381,11 @@ class _ToAst(Transformer_NonRecursive):
 
     def step_def(self, meta, c):
         return self._func("step", meta, c)
+
+    def mtp_def(self, meta, c):
+        span = Span(meta.line, meta.column, len("mtp"))
+        names = (str(c[0]), str(c[2]), str(c[3]))
+        return MtpDef(span, c[1], FuncDef(span, "mtp", "mtp", names, tuple(c[4:])))
 
     def layers_decl(self, meta, c):
         return LayersDecl(_span(meta), c[0], tuple(c[1:]))

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites
+from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites, unread_states
 from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
 from mkdsl.lang.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.lang.dtypes import storage_bytes
@@ -131,6 +131,8 @@ def make_plan(
         raise SpecError(s.errors)
     for step in PASSES:  # each pass carries on past a broken rule, so one run reports every error
         step(s)
+        if step is check_lowering and unread_states(s.model):  # later passes find no buffer for them
+            raise SpecError(list(dict.fromkeys(s.errors)))
     if s.errors:
         raise SpecError(list(dict.fromkeys(s.errors)))  # a rule broken in several kinds is said once
     traffic, graph_flops = count_traffic(s)

@@ -71,6 +71,17 @@ def ngram(batch: int, rows: int, acceptance: float, verify_us: float) -> Specula
     return Speculative(batch, rows, acceptance, verify_us, 0.0, NGRAM_HOST)
 
 
+def with_draft_floor(batch: int, rows: int, acceptance: float, verify_us: float, floor_us: float, why: str, path: str):
+    """A draft spec whose kernel does not lower yet: its step at its HBM floor (weights, state and
+    caches it must read at the ring's measured rate), which no schedule beats. The figure is
+    therefore optimistic on the drafter's part, and says so."""
+    what = (
+        f"the draft spec {path} at its HBM floor for {batch * rows} rows (OPTIMISTIC: no kernel schedule to "
+        f"plan, {why})"
+    )
+    return Speculative(batch, rows, acceptance, verify_us, floor_us, what)
+
+
 def with_draft_spec(batch: int, rows: int, acceptance: float, verify_us: float, draft_plan, path: str) -> Speculative:
     """A draft spec's step, planned at its block of B x R rows, as the drafter's time."""
     t = draft_plan.timing

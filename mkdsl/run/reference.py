@@ -157,3 +157,24 @@ def run_layer(model: Model, index: int, weights, state, tokens, positions, carri
 
 def _no_nesting(carries):
     raise ValueError("a layer stack inside a layer")
+
+
+def build_mtp_reference(model: Model, jit: bool = True) -> Callable:
+    """The spec's `mtp` head: `mtp(weights, state, hidden, tokens, positions) -> (hidden, logits,
+    new_state)`; its state (its attention's caches) is read and written as the step's is."""
+    if model.mtp is None:
+        raise ValueError(f"model `{model.name}` declares no `mtp` head")
+    names = [v.name for v in model.mtp_inputs]
+    register_pytree()
+
+    def mtp(weights, state, hidden, tokens, positions):
+        state = dict(state)
+        inputs = dict(zip(names, (tokens, positions)))
+        out, logits = _run_graph(model, model.mtp, [hidden], weights, state, inputs, None, _no_layers)
+        return out, logits, state
+
+    return jax.jit(mtp) if jit else mtp
+
+
+def _no_layers(carries):
+    raise ValueError("an `mtp` head calls no layer stack")
