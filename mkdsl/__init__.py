@@ -5,7 +5,8 @@ The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to
 `reference_step` (plain, or verifying R rows: `commit`, `verify_state`,
 `plain_state`), `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
 the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_tokens`, and
-`load_weights` from a checkpoint.
+`load_weights` from a checkpoint (`export_hf`: a GGUF written out as a Hugging Face one);
+`generate` (speculatively with a `Drafter`, e.g. `NgramDrafter`).
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -20,6 +21,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     commit,
     compile_text,
     compile_to,
+    generate,
     kernel_weights,
     load,
     load_kernel,
@@ -30,9 +32,10 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     state_shardings,
     verify_state,
 )
-from mkdsl.checkpoint import load_weights  # noqa: E402
+from mkdsl.checkpoint import export_hf, load_weights  # noqa: E402
 from mkdsl.checkpoint.formats import CheckpointError  # noqa: E402
 from mkdsl.lang.diagnostics import SpecError  # noqa: E402
+from mkdsl.run.drafters import Drafter, NgramDrafter  # noqa: E402
 from mkdsl.run.sampling import Sampling, sample_tokens  # noqa: E402
 
 __all__ = [
@@ -44,10 +47,14 @@ __all__ = [
     "commit",
     "compile_text",
     "compile_to",
+    "Drafter",
+    "generate",
+    "export_hf",
     "kernel_weights",
     "load",
     "load_kernel",
     "load_weights",
+    "NgramDrafter",
     "plain_state",
     "random_inputs",
     "prefill_step",

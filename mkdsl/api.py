@@ -262,3 +262,70 @@ class _HostCallbacks:
 
     def __getattr__(self, name):
         return getattr(self.step, name)
+
+
+def generate(
+    spec: Spec,
+    weights: dict,
+    prompt: list[int],
+    *,
+    max_tokens: int = 32,
+    draft=None,
+    draft_rows: int = 4,
+    sampling=None,
+    seed: int = 0,
+    stop: tuple[int, ...] = (),
+    target: str = "reference",
+    seq_len: int | None = None,
+    interpret=True,
+    on_tokens=None,
+):
+    """Generate after `prompt` (token ids), speculatively when `draft` is given, on one sequence:
+    the XLA prefill, then the loop of mkdsl/run/speculative.py (drafts, an R-row verify step,
+    the accept rule, commit). `draft`: None (plain decoding, one row per step), "ngram", or a
+    `Drafter` (docs/python-api.md); `draft_rows`: R for "ngram". `weights` as `random_inputs`
+    gives them (the reference's layout); `target`: "reference" (the unfused step, jitted) or
+    "kernel" (the generated kernel's step, `interpret` as in `build_step`). Greedy (the default
+    `sampling`) gives plain greedy decoding's tokens exactly; sampling keeps its distribution.
+    Returns a `Speculation`: `tokens`, per-step accepted counts (`steps`), `mean_accepted`."""
+    import numpy as np
+
+    from mkdsl.run import speculative
+    from mkdsl.run.drafters import NgramDrafter, make_drafter
+    from mkdsl.run.sampling import Sampling
+
+    if target not in ("reference", "kernel"):
+        raise ValueError(f"target must be 'reference' or 'kernel', got {target!r}")
+    sampling = sampling or Sampling()
+    drafter = draft if draft is not None and not isinstance(draft, str) else None
+    if drafter is None:
+        drafter = NgramDrafter(1) if draft is None else make_drafter(draft, draft_rows)
+    if drafter.context_layers:
+        raise ValueError("a drafter reading target hidden states needs the R-row verify step (not available yet)")
+    module = load_kernel(spec) if target == "kernel" else None
+    tile = module.KV_TILE if module is not None else 1
+    seq_len = seq_len or -(-(len(prompt) + max_tokens + drafter.rows) // tile) * tile
+    if module is None:
+        state = speculative.zero_state(spec.model, seq_len)
+    else:
+        state = {n: np.zeros(s.shape, s.dtype) for n, s in module.state_layout(1, seq_len).items()}
+    prefill = speculative.reference_fns(spec.model, sampling)[0]
+    _, first, state = prefill(weights, state, np.asarray([prompt], np.int32), seed=seed)
+    if module is None:
+        verifier = speculative.reference_target(spec.model, weights, state)
+    else:
+        step = build_step(spec, 1, seq_len, interpret=interpret, sampling=sampling, module=module)
+        packed = kernel_weights(weights)
+        packed = module.pad_weights(packed) if hasattr(module, "pad_weights") else packed
+        verifier = speculative.kernel_step_target(step, packed, state, seed)
+    return speculative.speculate(
+        verifier,
+        drafter,
+        list(prompt),
+        int(first[0]),
+        max_tokens,
+        sampling=sampling,
+        seed=seed,
+        stop=frozenset(stop),
+        on_tokens=on_tokens,
+    )

@@ -8,8 +8,10 @@ when the checkpoint does not fit the spec.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
+import stat
 import sys
 import time
 import traceback
@@ -25,21 +27,36 @@ class UsageError(Exception):
     pass
 
 
+class CompilerFailure(Exception):
+    """libtpu refused a generated kernel: an internal compiler error (exit 3), with its message."""
+
+
 MAX_SPEC_BYTES = 2**20  # a spec is text a person writes (kimi_k3.mk is 10 KB): more is a mistake, slow to parse
 
 
 def _read(path: str) -> str:
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SPEC_BYTES + 1)  # bounded: the path may be /dev/zero or a huge file
+        data, pipe = _read_bounded(path)
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror}") from None
+    if pipe and not data:
+        raise UsageError(f"cannot read {path}: a named pipe with no writer, not a regular file")
     if len(data) > MAX_SPEC_BYTES:
         raise UsageError(f"cannot read {path}: more than {MAX_SPEC_BYTES // 2**20} MiB, too large for a spec")
     try:
         return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read()  # universal newlines, as open()
     except UnicodeDecodeError:
         raise UsageError(f"cannot read {path}: not UTF-8 text") from None
+
+
+def _read_bounded(path: str) -> tuple[bytes, bool]:
+    """At most MAX_SPEC_BYTES + 1 bytes (the path may be /dev/zero or a huge file), and whether it
+    is a pipe. Opened without blocking, so a named pipe nobody writes to reads as empty instead of
+    waiting forever; a pipe with a writer (`<(cat spec.mk)`) is read as it comes."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb") as f:
+        os.set_blocking(fd, True)
+        return f.read(MAX_SPEC_BYTES + 1), stat.S_ISFIFO(os.fstat(fd).st_mode)
 
 
 def _parse(args, source: str):
@@ -156,13 +173,18 @@ def cmd_compile(args) -> int:
     t = out.plan.timing
     print(f"wrote {shown}/: {sizes} [{time.perf_counter() - t0:.2f} s]")
     print(
-        f"  modeled step at batch {out.plan.batch}: {t.modeled_us:.1f} us, HBM floor {t.floor_us:.1f} us "
+        f"  modeled step at batch {out.plan.batch}: {t.modeled_us:.1f} us (conservative; optimistic {t.optimistic_us:.1f} us), HBM floor {t.floor_us:.1f} us "
         f"({t.modeled_us / t.floor_us:.3f} x); VMEM {out.plan.vmem_total / 2**20:.1f} of {out.plan.vmem_cap / 2**20:.0f} MiB"
     )
     return 0
 
 
 def cmd_plan(args) -> int:
+    with _calibration(args.calibration):
+        return _plan(args)
+
+
+def _plan(args) -> int:
     import json
 
     from mkdsl.plan import make_plan
@@ -170,6 +192,7 @@ def cmd_plan(args) -> int:
     from mkdsl.report.markdown import render_plan
     from mkdsl.report.timing import plan_data, render_summary
 
+    _check_plan_draft(args)
     model, source, _ = _load(args)
     rows = model.dims[0]
     if not rows.low <= args.batch <= rows.high:
@@ -211,7 +234,16 @@ def cmd_plan(args) -> int:
     if args.static:
         if not args.clock_ghz > 0:
             raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
+        _need_libtpu("--static")
         return _plan_static(args, source)
+    if args.draft is not None:
+        figure = _plan_speculative(args, model, depth, options)
+        print(render_summary(model, plan, args.spec, breakdown(model, plan)))
+        from mkdsl.report.markdown import PUBLIC
+
+        public = [f"  public, measured (not mkdsl): {line}" for line in PUBLIC.get(model.name, ())]
+        print("\n".join(["", *figure.lines(), *public]))
+        return 0
     if args.full:
         print(render_plan(model, plan, args.spec, wide=wide))
     elif args.json:
@@ -221,63 +253,177 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _plan_speculative(args, model, depth: int, options: dict):
+    """`plan --draft`: the verify step planned at B x R rows, the drafter's time, the accept step."""
+    from mkdsl.plan import make_plan
+    from mkdsl.plan import speculative as spec_model
+
+    rows = args.draft_rows
+    verify_rows = args.batch * rows
+    dim = model.dims[0]
+    if not dim.low <= verify_rows <= dim.high:
+        raise UsageError(
+            f"--batch {args.batch} x --draft-rows {rows} = {verify_rows} rows, outside `{dim.name}` in "
+            f"{dim.low} .. {dim.high} (spec {args.spec})"
+        )
+    verify = make_plan(model, batch=verify_rows, context=args.context, ring_depth=depth, **options).timing.modeled_us
+    if args.draft == "ngram":
+        return spec_model.ngram(args.batch, rows, args.acceptance, verify)
+    draft = _draft_plan(args, verify_rows)
+    if isinstance(draft, tuple):  # its kernel does not lower yet: (floor us, why)
+        return spec_model.with_draft_floor(args.batch, rows, args.acceptance, verify, *draft, args.draft)
+    return spec_model.with_draft_spec(args.batch, rows, args.acceptance, verify, draft, args.draft)
+
+
+def _check_plan_draft(args) -> None:
+    """`plan --draft`'s arguments, before anything is planned."""
+    from mkdsl.plan import speculative as spec_model
+
+    if args.draft is None:
+        return
+    shown = [f"--{o}" for o in ("full", "json", "placement", "levers", "static") if getattr(args, o)]
+    if shown:
+        raise UsageError(f"--draft prints the summary and the speculative figure; it does not combine with {shown[0]}")
+    if args.draft == "mtp":
+        raise UsageError("--draft mtp: MTP heads in the target spec are not available yet (issue #22's drafter specs)")
+    if args.draft != "ngram" and Path(args.draft).suffix != ".mk":
+        raise UsageError(f"--draft {args.draft}: expected ngram, mtp or a draft spec (a .mk file)")
+    if args.draft != "ngram":
+        _read(args.draft)  # unreadable or oversized files are usage errors
+    if args.draft_rows < 1:
+        raise UsageError(f"--draft-rows must be at least 1, got {args.draft_rows}")
+    try:
+        spec_model.check_acceptance(args.draft_rows, args.acceptance)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _draft_plan(args, rows: int):
+    """A draft spec's step planned at `rows` rows, its context as the target's; for a draft spec
+    whose kernel does not lower yet, (its HBM floor in us, why)."""
+    from mkdsl.api import load
+    from mkdsl.plan import make_plan, static_costs
+
+    try:
+        draft = load(args.draft)
+    except SpecError as e:
+        raise UsageError(f"--draft {args.draft}: not a valid spec:\n{e.render(args.draft, e.source)}") from None
+    dim = draft.model.dims[0]
+    if not dim.low <= rows <= dim.high:
+        raise UsageError(f"--draft {args.draft}: its `{dim.name}` in {dim.low} .. {dim.high} has no {rows}-row block")
+    context = args.context
+    if context is not None and len(draft.model.dims) > 1:
+        context = min(context, draft.model.dims[1].high - 1)
+    static, where = static_costs.default_costs(args.draft, None)  # as `mkdsl plan DRAFT.mk` with no flags
+    try:
+        return make_plan(draft.local, batch=rows, context=context, static=static, static_from=where)
+    except SpecError as e:  # the kernel cannot lower it (yet): the floor its step cannot beat
+        from mkdsl.run.spec_drafters import drafter_floor_us
+
+        first = e.diagnostics[0].message if e.diagnostics else str(e)
+        return drafter_floor_us(draft.model, rows, context or 0)[0], f"`mkdsl check` says: {first}"
+
+
 def _cost_options(args) -> dict:
-    """The cost model's options of `mkdsl plan`: steps per device call, static compute ratios."""
-    import json
+    """The cost model's options of `mkdsl plan`: steps per device call, static compute ratios (the
+    spec's committed file unless `--static-costs FILE|none` says otherwise)."""
+    from mkdsl.plan import static_costs
 
     if args.steps_per_call < 1:
         raise UsageError(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
-    static = None
+    if args.static_costs == "none":
+        return {"steps_per_call": args.steps_per_call, "static": None, "static_from": "the per-op estimate"}
     if args.static_costs:
         try:
-            data = json.loads(Path(args.static_costs).read_text(encoding="utf-8"))
-            static = {str(k): float(v) for k, v in data["compute_over_stream"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            static = static_costs.load(Path(args.static_costs))
+        except (OSError, ValueError) as e:
             raise UsageError(
                 f"--static-costs {args.static_costs}: not a JSON object with `compute_over_stream` (op -> number): {e}"
             ) from None
-    return {"steps_per_call": args.steps_per_call, "static": static}
+        return {"steps_per_call": args.steps_per_call, "static": static, "static_from": args.static_costs}
+    try:
+        static, where = static_costs.default_costs(args.spec, args.profile)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{static_costs.default_path(args.spec)}: {e} (`--static-costs none` skips it)") from None
+    return {"steps_per_call": args.steps_per_call, "static": static, "static_from": where}
 
 
-def _static_seq_len(context: int | None, kv_tile: int) -> int:
-    """The cache length `--static` compiles for: the context and the new token, in whole KV tiles
-    (the kernel takes no other; 0: the default, two tiles). The loops' code does not depend on it."""
-    return -(-(context + 1) // kv_tile) * kv_tile if context else 0
+@contextlib.contextmanager
+def _calibration(path: str | None):
+    """The measured constants of plan/measured.py, replaced by a calibration file's while planning."""
+    from mkdsl.plan import measured
+
+    if path is None:
+        yield
+        return
+    from mkdsl.backends.tpu import calibrate
+
+    try:
+        values = calibrate.read(Path(path))
+        old = measured.apply(values, f"calibration {path}")
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--calibration {path}: {e}") from None
+    try:
+        yield
+    finally:
+        measured.restore(old)
 
 
 def _plan_static(args, source: str) -> int:
     """Compile the kernel with libtpu and time its loops from the final bundles."""
-    import tempfile
-    from pathlib import Path
+    from mkdsl.backends.tpu import bundles, static_run
+    from mkdsl.backends.tpu.bundle_dump import DumpError
 
-    from mkdsl.backends.tpu import bundles
-    from mkdsl.backends.tpu.bundle_dump import DumpError, dump_kernel
-    from mkdsl.compiler import compile_source
-
-    out, _ = compile_source(source, args.spec, args.profile, None)
     clock = args.clock_ghz * 1e9
-    with tempfile.TemporaryDirectory(prefix="mkdsl-static-") as tmp:
-        kernel = Path(tmp) / "kernel.py"
-        kernel.write_text(out.files["kernel.py"], encoding="utf-8")
-        print("compiling with libtpu ...", file=sys.stderr)
-        try:
-            dump = dump_kernel(kernel, args.batch, _static_seq_len(args.context, out.plan.kv_tile), Path(tmp) / "dump")
-        except DumpError as e:
-            raise UsageError(str(e)) from None
-        found = bundles.parse_bundles(dump.bundles.read_text())
-        util = bundles.parse_utilization(dump.utilization.read_text()) if dump.utilization else None
-        timings = bundles.time_loops(found, util, clock_hz=clock)
-    print(bundles.render_static(out.model.name, dump, timings, len(found), clock))
+    print("compiling with libtpu ...", file=sys.stderr)
+    try:
+        read = static_run.read_schedule(source, args.spec, args.profile, args.batch, args.context, clock)
+    except DumpError as e:
+        raise CompilerFailure(str(e)) from None
+    print(bundles.render_static(read.out.model.name, read.dump, read.timings, read.total_bundles, clock))
     if args.save_costs:
-        from mkdsl.plan import static_costs
-
-        ratios, skipped = static_costs.ratios(out.model, out.plan, timings)
-        source = (
-            f"mkdsl plan {args.spec} --static (libtpu, {dump.topology}, batch {args.batch}), loops matched by bytes"
-        )
-        static_costs.save(Path(args.save_costs), ratios, skipped, clock, source)
-        print(f"\ncompute / stream per op for --static-costs: {ratios or 'none matched'} -> {args.save_costs}")
+        found = static_run.save_costs(read, args.spec, args.batch, clock, Path(args.save_costs))
+        print(f"\ncompute / stream per op for --static-costs: {found or 'none matched'} -> {args.save_costs}")
     return 0
+
+
+def cmd_static_costs(args) -> int:
+    """Every spec's static costs, one libtpu compile after the other, into specs/costs/."""
+    from mkdsl.backends.tpu import static_run
+
+    specs = args.specs or sorted(str(p) for p in Path("specs").glob("*.mk"))
+    if not specs:
+        raise UsageError("no specs given and no specs/*.mk here")
+    for spec in specs:
+        _read(spec)  # unreadable specs are usage errors, before any compile
+    if not args.clock_ghz > 0:
+        raise UsageError(f"--clock-ghz must be positive, got {args.clock_ghz}")
+    return 1 if static_run.write_all(specs, args.clock_ghz * 1e9) else 0
+
+
+def cmd_calibrate(args) -> int:
+    """Microbenchmarks for plan/measured.py: timed on a TPU into a calibration file; checked only in
+    interpret mode."""
+    if args.devices is not None and (args.devices < 2 or args.devices & (args.devices - 1)):
+        raise UsageError(f"--devices must be a power of two of at least 2, got {args.devices}")
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and not out.is_file():
+        raise UsageError(f"--out {out}: not a file")
+    if out is not None and not out.parent.is_dir():
+        raise UsageError(f"--out {out}: no directory {out.parent}")
+    if args.interpret:
+        _host_devices(args.devices or 4)  # before jax starts: virtual CPU devices for the exchanges
+    import jax
+
+    from mkdsl.backends.tpu import calibrate
+
+    if not args.interpret and jax.default_backend() != "tpu":
+        raise UsageError("no TPU here: `mkdsl calibrate --interpret` checks the microbenchmarks on the CPU")
+    have = len(jax.devices())
+    devices = args.devices or (4 if args.interpret else 1 << (have.bit_length() - 1))
+    if devices > have or devices < 2:
+        raise UsageError(f"the exchanges need {max(devices, 2)} devices; {have} here")
+    return 1 if calibrate.calibrate(out, args.interpret, devices) else 0
 
 
 def _host_devices(n: int) -> None:
@@ -295,6 +441,8 @@ def cmd_verify(args) -> int:
 
     from mkdsl.compiler import compile_source
 
+    if args.against is not None:
+        return _verify_against(args)
     source = _read(args.spec)
     try:
         out, _ = compile_source(source, args.spec, args.profile, None)
@@ -314,7 +462,36 @@ def cmd_verify(args) -> int:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if not 1 <= args.rows <= 16 or any(b * args.rows > max(rows.high, 16) for b in batches):
         raise UsageError(f"--rows {args.rows}: verify rows must be 1..16, batch x rows at most {max(rows.high, 16)}")
+    if not args.no_compile:
+        _need_libtpu("verify's compile check", "; `--no-compile` skips it")
     return _run_verify(args, out, batches, tempfile)
+
+
+def _need_libtpu(what: str, alternative: str = "") -> None:
+    """A missing optional dependency is a usage problem, said before any slow work."""
+    from mkdsl.backends.tpu.libtpu import missing
+
+    problem = missing()
+    if problem:
+        raise UsageError(f"{what} needs libtpu: {problem}{alternative}")
+
+
+def _verify_against(args) -> int:
+    """`verify --against transformers`: the spec against the model's own implementation."""
+    if args.steps < 1 or args.prompt_tokens < 1:
+        raise UsageError(f"--steps and --prompt-tokens must be at least 1, got {args.steps} and {args.prompt_tokens}")
+    _host_devices(1)
+    spec = _load_spec(args)
+    from mkdsl.verify.transformers import OracleError, verify_against_transformers
+
+    try:
+        report = verify_against_transformers(spec.model, args.spec, steps=args.steps, prompt=args.prompt_tokens)
+    except OracleError as e:
+        print(f"mkdsl: error: {e}", file=sys.stderr)
+        return 1
+    print(report.text())
+    print(f"{args.spec}: {'agrees with transformers' if report.ok else 'FAILED'}")
+    return 0 if report.ok else 1
 
 
 def _run_verify(args, out, batches, tempfile) -> int:
@@ -349,6 +526,13 @@ def _run_verify(args, out, batches, tempfile) -> int:
 
 
 def cmd_run(args) -> int:
+    from mkdsl.run import prompts as run_prompts
+
+    with run_prompts.interrupts_kept() as interrupted:
+        return _run(args, interrupted)
+
+
+def _run(args, interrupted: list[bool]) -> int:
     import math
 
     from mkdsl.api import Spec, spec_profiles
@@ -356,9 +540,11 @@ def cmd_run(args) -> int:
     from mkdsl.checkpoint.loader import load_weights, plan_load
     from mkdsl.checkpoint.tokenizer import load_codec
     from mkdsl.jax_setup import tpu_attached
+    from mkdsl.run import prompts as run_prompts
     from mkdsl.spmd.shard import shard
 
     _check_run_args(args)
+    texts = _prompt_texts(args)  # piped standard input is read now: an empty one is known at once
     model, source, module_ast = _load(args)
     try:
         local = shard(model)
@@ -370,6 +556,7 @@ def cmd_run(args) -> int:
     if devices > 1 and not tpu_attached():
         _host_devices(devices)  # a sharded kernel in interpret mode: one virtual CPU device per core
     rows = model.dims[0]
+    args.batch = run_prompts.batch_of(args.batch, args.prompt, rows.low, rows.high)
     if not rows.low <= args.batch <= rows.high:
         raise UsageError(
             f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})"
@@ -379,14 +566,17 @@ def cmd_run(args) -> int:
     reader = open_checkpoint(args.weights)
     plan_load(model, reader)  # a checkpoint that does not fit fails here, before the compile
     codec = load_codec(reader)
-    from mkdsl.run.decode import cached_kernel
+    from mkdsl.run.decode import cached_kernel, use_compilation_cache
 
     module, _ = cached_kernel(source, args.spec, args.profile)
+    use_compilation_cache()
+    groups = _prompt_groups(args, codec, module, texts)  # every known prompt checked before the load
+    _say_emulation(args, module)
     weights, report = load_weights(model, reader, module=module, progress=sys.stderr.isatty())
+    run_prompts.check(interrupted)  # an interrupt JAX's collector swallowed during the load
     print(f"{args.weights}: {report.summary()}", file=sys.stderr)
-    prompts = [args.prompt] if args.prompt is not None else _stdin_prompts()
-    for prompt in prompts:
-        _run_prompt(args, spec, module, weights, codec, prompt)
+    for group in groups if groups is not None else _typed_groups(args, codec, module):
+        _run_prompt(args, spec, module, weights, codec, group, interrupted)
     return 0
 
 
@@ -397,6 +587,85 @@ def _check_run_args(args) -> None:
         raise UsageError("--temperature and --top-k must be >= 0 and --top-p in (0, 1]")
     if args.steps_per_call < 1:
         raise UsageError(f"--steps-per-call must be at least 1, got {args.steps_per_call}")
+    _check_draft_args(args)
+
+
+def _check_draft_args(args) -> None:
+    """`run --draft`: a drafter this build runs, R in 2..16, one sequence (before any loading)."""
+    from mkdsl.run.drafters import DrafterUnavailable, check_draft
+
+    if args.draft is None:
+        if args.draft_weights is not None or args.draft_rows is not None:
+            raise UsageError("--draft-weights and --draft-rows need --draft")
+        return
+    try:
+        check_draft(args.draft)
+    except DrafterUnavailable as e:
+        raise UsageError(str(e)) from None
+    if args.draft_weights is not None:
+        raise UsageError("--draft-weights: the n-gram drafter has no weights")
+    if not 2 <= (args.draft_rows or 4) <= 16:
+        raise UsageError(f"--draft-rows must be in 2 .. 16 (the anchor and 1..15 drafts), got {args.draft_rows}")
+    if args.batch != 1 or args.steps_per_call != 1:
+        raise UsageError("--draft decodes one sequence, one verify step per call: --batch 1, --steps-per-call 1")
+
+
+def _prompt_texts(args) -> list[str] | None:
+    """`--prompt`s or piped standard input, checked; None: a terminal, read as the user types."""
+    from mkdsl.run.prompts import PromptError, given
+
+    try:
+        return given(args.prompt, sys.stdin)
+    except PromptError as e:
+        raise UsageError(str(e)) from None
+
+
+def _prompt_groups(args, codec, module, texts: list[str] | None):
+    """The known prompts as generations of `--batch` rows, each checked against the cache; for a
+    terminal, `--max-tokens` alone is checked (with a one-token prompt)."""
+    from mkdsl.run.decode import cache_length
+    from mkdsl.run.prompts import PromptError, groups
+
+    def fits(longest: int) -> str | None:
+        need = cache_length(longest, args.max_tokens, args.steps_per_call, module.KV_TILE)
+        if need <= module.SEQ_RANGE[1]:
+            return None
+        return f"{longest} prompt tokens + --max-tokens {args.max_tokens} exceed the cache ({module.SEQ_RANGE[1]})"
+
+    def encode(text: str) -> list[int]:
+        return codec.encode(codec.chat(text) if args.chat else text)
+
+    try:
+        if texts is None:
+            problem = fits(1)
+            if problem:
+                raise PromptError(problem)
+            return None
+        return groups(texts, args.batch, encode, fits)
+    except PromptError as e:
+        raise UsageError(str(e)) from None
+
+
+def _typed_groups(args, codec, module):
+    """Prompts typed at a terminal, one generation each (every row the same)."""
+    for text in _stdin_prompts():
+        try:
+            yield from _prompt_groups(args, codec, module, [text])
+        except UsageError as e:
+            print(f"mkdsl: error: {e}", file=sys.stderr)
+
+
+def _say_emulation(args, module) -> None:
+    """Once, before the load: the CPU path is an emulation, and about how long it will take."""
+    if _interpret(args) is None:
+        return
+    import math
+
+    from mkdsl.run.prompts import emulation_notice
+
+    layout = module.weight_layout()
+    nbytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in layout.values())
+    print(emulation_notice(nbytes, args.max_tokens, args.batch), file=sys.stderr, flush=True)
 
 
 def _stdin_prompts():
@@ -411,31 +680,43 @@ def _stdin_prompts():
             yield line.rstrip("\n")
 
 
-def _run_prompt(args, spec, module, weights, codec, prompt: str) -> None:
+def _run_prompt(args, spec, module, weights, codec, group, interrupted) -> None:
     from mkdsl.run.decode import Decoder, cache_length, generate
     from mkdsl.run.sampling import Sampling
 
-    ids = codec.encode(codec.chat(prompt) if args.chat else prompt)
-    if not ids:
-        raise UsageError("the prompt encodes to no tokens")
-    seq_len = cache_length(len(ids), args.max_tokens, args.steps_per_call, module.KV_TILE)
-    if seq_len > module.SEQ_RANGE[1]:
-        raise UsageError(
-            f"{len(ids)} prompt tokens + --max-tokens {args.max_tokens} exceed the cache ({module.SEQ_RANGE[1]})"
-        )
+    longest = max(len(ids) for ids in group.ids)
+    rows = (args.draft_rows or 4) if args.draft else args.steps_per_call  # what one call may run past the end
+    seq_len = cache_length(longest, args.max_tokens, rows, module.KV_TILE)
+    _fits(spec, args.batch, seq_len - 1)  # caches of this length for every row must fit in HBM
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     options = {"seed": args.seed, "steps_per_call": args.steps_per_call, "prefill": args.prefill}
     decoder = Decoder(spec, module, weights, args.batch, seq_len, sampling, interpret=_interpret(args), **options)
-    stream = _TextStream(codec)
+    stream = _TextStream(codec, interrupted)
     if not args.chat:
-        sys.stdout.write(prompt)
+        sys.stdout.write(group.texts[0])
         sys.stdout.flush()
-    result = generate(decoder, ids, args.max_tokens, codec.eos_ids, stream.push)
+    if args.draft:
+        return _run_draft(args, decoder, list(group.ids[0]), codec, stream)
+    result = generate(decoder, [list(ids) for ids in group.ids], args.max_tokens, codec.eos_ids, stream.push)
     sys.stdout.write("\n")
-    for b in range(1, args.batch):
-        print(f"[row {b}] {codec.decode(_until(result.tokens[b], codec.eos_ids))}")
+    same = len(set(group.texts)) == 1
+    for b in range(1, group.shown if not same else args.batch):
+        shown = "" if same or args.chat else group.texts[b]
+        print(f"[row {b}] {shown}{codec.decode(_until(result.tokens[b], codec.eos_ids))}")
     sys.stdout.flush()
     print(result.summary(args.batch), file=sys.stderr)
+
+
+def _run_draft(args, decoder, ids, codec, stream) -> None:
+    """Speculative decoding of one sequence: the prefill, then the accept loop on the host."""
+    from mkdsl.run.drafters import make_drafter
+    from mkdsl.run.speculative import run_decoder
+
+    drafter = make_drafter(args.draft, args.draft_rows or 4)
+    out, prefill_s, how = run_decoder(decoder, drafter, ids, args.max_tokens, codec.eos_ids, lambda t: stream.push([t]))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(f"prefill ({how}) {prefill_s:.2f} s for {len(ids)} tokens; {out.summary(args.draft)}", file=sys.stderr)
 
 
 def _until(tokens, stop) -> list[int]:
@@ -450,10 +731,14 @@ def _until(tokens, stop) -> list[int]:
 class _TextStream:
     """Row 0's text printed as it is generated (a partial UTF-8 character waits for its end)."""
 
-    def __init__(self, codec):
+    def __init__(self, codec, interrupted: list[bool] | None = None):
         self.codec, self.ids, self.shown, self.stopped = codec, [], "", False
+        self.interrupted = interrupted if interrupted is not None else []
 
     def push(self, new) -> None:
+        from mkdsl.run.prompts import check
+
+        check(self.interrupted)  # a Ctrl-C swallowed by a collector callback stops the run here
         for t in new[0]:
             if self.stopped or int(t) in self.codec.eos_ids:
                 self.stopped = True
@@ -497,12 +782,26 @@ def cmd_bench(args) -> int:
     seq_len = args.context + 1 if args.context is not None else module.KV_TILE
     if seq_len % module.KV_TILE or not module.SEQ_RANGE[0] <= seq_len <= module.SEQ_RANGE[1]:
         raise UsageError(f"--context {args.context}: the cache (context + 1) must be a multiple of {module.KV_TILE}")
+    for b in batches:  # a batch x context that does not fit in HBM: exit 1 before anything runs
+        _fits(spec, b, seq_len - 1)
     weights = _bench_weights(args, spec)
     if not native:
         print("mkdsl bench: no TPU here; running in TPU interpret mode (CPU timings, not TPU timings)", file=sys.stderr)
-    rows = bench.bench(spec, batches, seq_len, steps=args.steps, weights=weights)
+    with _calibration(args.calibration):
+        rows = bench.bench(spec, batches, seq_len, steps=args.steps, weights=weights)
     print(bench.render(spec, rows, native))
     return 0
+
+
+def _fits(spec, batch: int, context: int) -> None:
+    """SpecError (exit 1) naming the largest context that fits when batch x context exceeds HBM."""
+    from mkdsl.run.bench import modeled
+
+    try:
+        modeled(spec, batch, context)
+    except SpecError as e:
+        e.source = spec.source
+        raise
 
 
 def _load_spec(args):
@@ -563,8 +862,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the spec's mesh size)")
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
+    c.add_argument(
+        "--against",
+        choices=("transformers",),
+        help="instead: the spec against the model's own implementation (random weights through its `checkpoint hf`)",
+    )
+    c.add_argument(
+        "--prompt-tokens", type=int, default=12, help="with --against: random prompt tokens before the steps (12)"
+    )
     _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
     _run_parser(spec_command)
+    c = sub.add_parser(
+        "calibrate",
+        help="microbenchmarks for the cost model's constants: timed on a TPU (--out FILE), checked in interpret mode",
+    )
+    c.add_argument("--out", metavar="FILE", help="write the calibration file (for `mkdsl plan --calibration`)")
+    c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU: results checked, not timed")
+    c.add_argument("--devices", type=int, default=None, help="cores for the exchanges (default: all on a TPU, 4 here)")
+    c.set_defaults(fn=cmd_calibrate, parser=c)
+    c = sub.add_parser(
+        "static-costs",
+        help="read libtpu's schedule of every spec (compile-only TPU7x) into specs/costs/, for `plan` and `compile`",
+    )
+    c.add_argument("specs", nargs="*", metavar="SPEC", help="specs (default: every specs/*.mk)")
+    c.add_argument("--clock-ghz", type=float, default=1.9, help="assumed TPU7x clock (not public; default 1.9)")
+    c.set_defaults(fn=cmd_static_costs, parser=c)
     c = spec_command(
         "bench", "time the kernel's step: ms/step, tokens/s and % of the HBM floor (CPU: interpret mode)", cmd_bench
     )
@@ -579,6 +901,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
     c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
+    c.add_argument(
+        "--calibration", metavar="FILE", help="the cost model's constants from `mkdsl calibrate` (the ratio)"
+    )
     return p
 
 
@@ -597,7 +922,7 @@ def _plan_parser(c) -> None:
     shown.add_argument(
         "--levers",
         action="store_true",
-        help="re-plan with each lever not pulled (deeper ring, placement, fused collectives, dispatch); compare",
+        help="re-plan with each lever not pulled (deeper ring, placement, fused collectives); compare",
     )
     shown.add_argument(
         "--static",
@@ -621,29 +946,65 @@ def _plan_parser(c) -> None:
         help="cached tokens per row (default: a quarter of the cache, at most 4096)",
     )
     c.add_argument(
-        "--steps-per-call", type=int, default=1, help="decode steps per device call, sharing its dispatch (default 1)"
+        "--calibration",
+        metavar="FILE",
+        default=None,
+        help="constants measured by `mkdsl calibrate` on a TPU instead of plan/measured.py's borrowed ones",
+    )
+    c.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=1,
+        help="decode steps per device call (default 1; the ~70 us per step is charged per step: measured so)",
+    )
+    c.add_argument(
+        "--draft",
+        metavar="ngram|mtp|DRAFT.mk",
+        default=None,
+        help="also model speculative decoding with this drafter: accepted tokens/s and its parts",
+    )
+    c.add_argument("--draft-rows", type=int, default=8, metavar="R", help="rows per verify step with --draft (8)")
+    c.add_argument(
+        "--acceptance", type=float, default=6.0, metavar="A", help="mean tokens accepted per step with --draft (6)"
     )
     c.add_argument(
         "--static-costs",
         metavar="FILE",
         default=None,
-        help="JSON with `compute_over_stream` (op -> ratio from --static): the cost model's compute per op",
+        help="JSON with `compute_over_stream` (op -> ratio from --static): the cost model's compute per op "
+        "(default: the spec's costs/<name>.json if committed; `none`: the per-op estimate)",
     )
 
 
 def _run_parser(spec_command) -> None:
     c = spec_command("run", "generate text from a checkpoint with the spec's kernel", cmd_run)
     c.add_argument("--weights", required=True, metavar="PATH", help="a .gguf or .safetensors file, index or directory")
-    c.add_argument("--prompt", help="the prompt (default: one prompt per line from standard input)")
+    c.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt; repeat for one per row of --batch (default: one prompt per line from standard input)",
+    )
     c.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
     c.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     c.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy")
     c.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     c.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
     c.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
-    c.add_argument("--batch", type=int, default=1, help="rows decoded together, each from the prompt (default 1)")
+    c.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="rows decoded together: the prompts fill them in order, one prompt fills all (default: one per --prompt)",
+    )
     c.add_argument("--steps-per-call", type=int, default=1, help="decode steps per call (default 1)")
     c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU (the default without a TPU)")
+    c.add_argument(
+        "--draft",
+        metavar="ngram|mtp|DRAFT.mk",
+        help="speculative decoding with this drafter (ngram: prompt lookup; one sequence)",
+    )
+    c.add_argument("--draft-rows", type=int, default=None, metavar="R", help="rows per verify step (default 4)")
+    c.add_argument("--draft-weights", metavar="PATH", help="a draft spec's checkpoint")
     c.add_argument(
         "--prefill",
         choices=("auto", "xla", "steps"),
@@ -667,11 +1028,13 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"mkdsl: error: {e}", file=sys.stderr)
         return 1
-    except KernelCompileError as e:  # libtpu rejected what mkdsl generated: mkdsl's bug
-        print(f"mkdsl: internal compiler error: {e}\nThis is a bug in mkdsl (the spec checks).", file=sys.stderr)
+    except (KernelCompileError, CompilerFailure) as e:  # libtpu rejected what mkdsl generated: mkdsl's bug
+        print(f"mkdsl: internal compiler error: {e}\nThis is a bug in mkdsl's code generation.", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         print("mkdsl: interrupted", file=sys.stderr)
+        if argv is None:  # the command itself: JAX's threads may be mid-compile, and tearing
+            _exit_now(130)  # the interpreter down under them can crash; end the process here
         return 130
     except BrokenPipeError:  # `mkdsl plan ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -679,12 +1042,27 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug in mkdsl, never the user's fault
         if os.environ.get("MKDSL_DEBUG"):
             traceback.print_exc()
+        if "Mosaic" in str(e):  # libtpu refused a kernel while a command ran it: say what it said
+            from mkdsl.backends.tpu.libtpu import describe_failure
+
+            print(f"mkdsl: internal compiler error: {describe_failure(str(e), '')}", file=sys.stderr)
+            return 3
         print(
             f"mkdsl: internal error: {type(e).__name__}: {e}\n"
             "This is a bug in mkdsl; rerun with MKDSL_DEBUG=1 for the traceback.",
             file=sys.stderr,
         )
         return 3
+
+
+def _exit_now(status: int) -> None:
+    """End the process with `status` at once, output flushed, without interpreter teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from mkdsl.lang.elaborate import elaborate, spec_sha256
 from mkdsl.lang.ir import Model
 from mkdsl.lang.syntax import parse
 from mkdsl.output import write_output
-from mkdsl.plan import Plan, make_plan
+from mkdsl.plan import Plan, make_plan, static_costs
 from mkdsl.report.markdown import render_picture, render_plan
 from mkdsl.spmd.shard import shard
 
@@ -48,14 +48,18 @@ def compile_source(
     # The spec as named in the output: relative to its project, so the output does not depend on `out`.
     shown = os.path.relpath(Path(spec_path).resolve(), project_root(spec_path)).replace(os.sep, "/")
     local = shard(model)  # what one device runs (the model itself on a one-device mesh)
+    static, where = static_costs.default_costs(spec_path, profile)  # as `mkdsl plan SPEC` with no flags
     budget = make_plan(local, batch=model.dims[0].high)  # VMEM at the largest batch
-    plan = make_plan(local, batch=model.dims[0].low, ring_depth=budget.ring_depth)  # traffic and timing at the smallest
+    timed = make_plan(local, batch=model.dims[0].high, static=static, static_from=where)  # plan.md's batch-8 row
+    plan = make_plan(  # traffic and timing at the smallest
+        local, batch=model.dims[0].low, ring_depth=budget.ring_depth, static=static, static_from=where
+    )
     default = os.path.relpath(default_out_dir(spec_path, model.name, profile), project_root(spec_path))
     command = f"mkdsl compile {shown}{f' --profile {profile}' if profile else ''} -o {default.replace(os.sep, '/')}"
     src = Source(shown, source, spec_sha256(source), command)
     files = {
         "kernel.py": emit_module(model, local, budget, src),
-        "plan.md": render_plan(local, plan, shown, wide=budget),
+        "plan.md": render_plan(local, plan, shown, wide=timed),
         "plan.svg": render_picture(local, plan),
     }
     return Output(model, plan, files, local), out
@@ -65,7 +69,8 @@ def stale_files(out: Output, out_dir: Path) -> list[str]:
     """Summary lines for every file that differs from what is on disk (empty: up to date)."""
     lines = []
     try:
-        existing = {p.name for p in out_dir.iterdir() if p.is_file()} if out_dir.is_dir() else set()
+        # every entry but Python's bytecode cache: a stray file or subdirectory is drift too
+        existing = {p.name for p in out_dir.iterdir() if p.name != "__pycache__"} if out_dir.is_dir() else set()
     except OSError as e:
         return [f"{out_dir}: cannot be listed ({e.strerror or e})"]
     for name, text in out.files.items():
@@ -91,7 +96,10 @@ def _read_generated(path: Path) -> tuple[str, str | None]:
     if not path.is_file():
         return "", "not a regular file"
     try:
-        return path.read_text(encoding="utf-8"), None
+        text = path.read_text(encoding="utf-8")
+        if "\r" in path.read_bytes().decode("utf-8"):  # read_text translates line ends: CRLF would pass
+            return "", "differs (CR or CRLF line ends)"
+        return text, None
     except OSError as e:
         return "", f"unreadable ({e.strerror or e})"
     except UnicodeDecodeError:

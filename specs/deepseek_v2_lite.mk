@@ -140,3 +140,63 @@ step(tokens, positions) {
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
 }
+
+# Where each weight comes from in the published Hugging Face checkpoint (bf16): matrices are stored
+# [out, in], the spec's [in, out]; each expert is its own tensor, stacked over `{e}`; the shared
+# experts are one MLP. `config` names transformers' class and config.json fields (for
+# `mkdsl verify --against transformers`).
+checkpoint hf {
+  config {
+    architecture = "DeepseekV2ForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = FD
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NH
+    q_lora_rank = null
+    kv_lora_rank = KVR
+    qk_nope_head_dim = NOPE
+    qk_rope_head_dim = ROPE
+    v_head_dim = VD
+    head_dim = ROPE
+    n_routed_experts = E
+    num_experts_per_tok = TOPK
+    moe_intermediate_size = FE
+    n_shared_experts = NSH
+    first_k_dense_replace = DENSE
+    routed_scaling_factor = RSF
+    topk_method = "greedy"
+    norm_topk_prob = false
+    rms_norm_eps = EPS
+    rope_theta = THETA
+    rope_scaling.type = "yarn"
+    rope_scaling.factor = YF
+    rope_scaling.original_max_position_embeddings = OMP
+    rope_scaling.beta_fast = 32.0
+    rope_scaling.beta_slow = 1.0
+    rope_scaling.mscale = MSCALE_ALL
+    rope_scaling.mscale_all_dim = MSCALE_ALL
+    tie_word_embeddings = false
+  }
+  embed       = "model.embed_tokens.weight"
+  attn_norm   = "model.layers.{l}.input_layernorm.weight"
+  mlp_norm    = "model.layers.{l}.post_attention_layernorm.weight"
+  final_norm  = "model.norm.weight"
+  lm_head     = "lm_head.weight" | transpose
+  wq          = "model.layers.{l}.self_attn.q_proj.weight" | transpose
+  wkv_a       = "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight" | transpose
+  kv_norm     = "model.layers.{l}.self_attn.kv_a_layernorm.weight"
+  wkv_b       = "model.layers.{l}.self_attn.kv_b_proj.weight" | transpose
+  wo          = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  dense_gate  = "model.layers.{l}.mlp.gate_proj.weight" | transpose
+  dense_up    = "model.layers.{l}.mlp.up_proj.weight" | transpose
+  dense_down  = "model.layers.{l}.mlp.down_proj.weight" | transpose
+  router      = "model.layers.{l}.mlp.gate.weight" | transpose
+  w_gate      = "model.layers.{l}.mlp.experts.{e}.gate_proj.weight" | transpose
+  w_up        = "model.layers.{l}.mlp.experts.{e}.up_proj.weight" | transpose
+  w_down      = "model.layers.{l}.mlp.experts.{e}.down_proj.weight" | transpose
+  shared_gate = "model.layers.{l}.mlp.shared_experts.gate_proj.weight" | transpose
+  shared_up   = "model.layers.{l}.mlp.shared_experts.up_proj.weight" | transpose
+  shared_down = "model.layers.{l}.mlp.shared_experts.down_proj.weight" | transpose
+}

@@ -117,6 +117,31 @@ weight shared_gate: fp8_e4m3(block=128)[H, FE @tp]               per layer(moe)
 weight shared_up:   fp8_e4m3(block=128)[H, FE @tp]               per layer(moe)
 weight shared_down: fp8_e4m3(block=128)[FE @tp, H]               per layer(moe)
 
+# ---- the MTP head's own weights (its layer is a MoE layer; embedding and output head are shared),
+# split like the layers' (the kernel holds them for the host, which runs the head: it does not read them)
+weight mtp_enorm:       bf16[H]
+weight mtp_hnorm:       bf16[H]
+weight mtp_eh_proj:     bf16[2*H, H]
+weight mtp_head_norm:   bf16[H]
+weight mtp_attn_norm:   bf16[H]
+weight mtp_mlp_norm:    bf16[H]
+weight mtp_wq_a:        fp8_e4m3(block=128)[H, QR]
+weight mtp_q_norm:      bf16[QR]
+weight mtp_wq_b:        fp8_e4m3(block=128)[QR, NH*(NOPE+ROPE) @(ep, tp)]
+weight mtp_wkv_a:       fp8_e4m3(block=128)[H, KVR + ROPE]
+weight mtp_kv_norm:     bf16[KVR]
+weight mtp_wkv_b:       fp8_e4m3(block=128)[KVR, NH*(NOPE+VD) @(ep, tp)]
+weight mtp_wo:          fp8_e4m3(block=128)[NH*VD @(ep, tp), H]
+weight mtp_router:      bf16[H, E]
+weight mtp_router_bias: f32[E]
+weight mtp_w_gate:      fp8_e4m3(block=128)[E @ep, H, FE @tp]
+weight mtp_w_up:        fp8_e4m3(block=128)[E @ep, H, FE @tp]
+weight mtp_w_down:      fp8_e4m3(block=128)[E @ep, FE @tp, H]
+weight mtp_shared_gate: fp8_e4m3(block=128)[H, FE @tp]
+weight mtp_shared_up:   fp8_e4m3(block=128)[H, FE @tp]
+weight mtp_shared_down: fp8_e4m3(block=128)[FE @tp, H]
+state mtp_cache:        bf16[B, S, KVR + ROPE]
+
 # Interleaved-pair YaRN rope over `dim` lanes from `offset` in each of `heads` heads.
 block yarn(x, heads, dim, offset) {
   return rope(x, positions, heads=heads, theta=THETA, rotary_dim=dim, rotary_offset=offset,
@@ -124,7 +149,8 @@ block yarn(x, heads, dim, offset) {
               beta_fast=32.0, beta_slow=1.0, truncate=true)
 }
 
-block mla(h) {
+# MLA with its weights and cache as parameters: the layers' and the MTP layer's.
+block mla(h, wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo, kv_cache) {
   q = yarn(linear(rmsnorm(linear(h, wq_a), q_norm, eps=EPS), wq_b), NH, ROPE, NOPE)
   kv = linear(h, wkv_a)
   c = rmsnorm(slice(kv, start=0, size=KVR), kv_norm, eps=EPS)
@@ -140,7 +166,7 @@ block dense_mlp(h) {
 
 # Sigmoid scores; the biased scores choose (4 of 8 groups, then the top 8), the unbiased ones
 # weigh, renormalised over the chosen 8 and scaled by 2.5; plus the shared expert.
-block moe_ffn(h) {
+block moe_ffn(h, router, router_bias, w_gate, w_up, w_down, shared_gate, shared_up, shared_down) {
   s = sigmoid(linear(h, router))
   c, ids = group_topk(s + router_bias, k=TOPK, groups=NG, topk_groups=TG)
   w = take(s, ids)
@@ -149,13 +175,14 @@ block moe_ffn(h) {
 }
 
 layer dense(x) {
-  x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
+  x = x + mla(rmsnorm(x, attn_norm, eps=EPS), wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo, kv_cache)
   return x + dense_mlp(rmsnorm(x, mlp_norm, eps=EPS))
 }
 
 layer moe(x) {
-  x = x + mla(rmsnorm(x, attn_norm, eps=EPS))
-  return x + moe_ffn(rmsnorm(x, mlp_norm, eps=EPS))
+  x = x + mla(rmsnorm(x, attn_norm, eps=EPS), wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo, kv_cache)
+  return x + moe_ffn(rmsnorm(x, mlp_norm, eps=EPS), router, router_bias, w_gate, w_up, w_down,
+                     shared_gate, shared_up, shared_down)
 }
 
 layers L {
@@ -169,8 +196,23 @@ step(tokens, positions) {
   return logits, argmax(logits)
 }
 
+# Multi-token prediction (the checkpoint's layer 61; num_nextn_predict_layers = 1): the hidden state
+# h the layers give for a token (before the final norm) and the embedding of the token after it,
+# each RMS-normed, concatenated [embedding | hidden] (`eh_proj`'s input order, inferred from its
+# name), projected back to H, through one MoE layer of its own, then its own norm and the shared
+# output head. The host runs it for each draft (docs/language.md, "MTP heads").
+mtp(h: f32[B, H], tokens, positions) {
+  e = rmsnorm(embedding(tokens, embed), mtp_enorm, eps=EPS)
+  x = linear(concat(e, rmsnorm(h, mtp_hnorm, eps=EPS)), mtp_eh_proj)
+  x = x + mla(rmsnorm(x, mtp_attn_norm, eps=EPS), mtp_wq_a, mtp_q_norm, mtp_wq_b, mtp_wkv_a, mtp_kv_norm,
+              mtp_wkv_b, mtp_wo, mtp_cache)
+  x = x + moe_ffn(rmsnorm(x, mtp_mlp_norm, eps=EPS), mtp_router, mtp_router_bias, mtp_w_gate, mtp_w_up,
+                  mtp_w_down, mtp_shared_gate, mtp_shared_up, mtp_shared_down)
+  return x, linear(rmsnorm(x, mtp_head_norm, eps=EPS), lm_head)
+}
+
 # Where each weight comes from in the published Hugging Face checkpoint (deepseek-ai/DeepSeek-V3;
-# prefix model.layers.N.; layer 61, the MTP layer, is not read). Matrices are stored [out, in]
+# prefix model.layers.N.; layer 61 is the MTP head's). Matrices are stored [out, in]
 # (the spec's are [in, out]); an fp8 matrix is its codes `*` its 128x128 block scales, both
 # transposed. The dense MLP is read for layers 0 .. DENSE-1, the router and experts (one tensor
 # each, stacked over `{e}`) for the others. Nothing rounds: every weight is stored as the spec
@@ -210,4 +252,36 @@ checkpoint hf {
                 * "model.layers.{l}.mlp.shared_experts.up_proj.weight_scale_inv" | transpose
   shared_down = "model.layers.{l}.mlp.shared_experts.down_proj.weight"
                 * "model.layers.{l}.mlp.shared_experts.down_proj.weight_scale_inv" | transpose
+  mtp_enorm       = "model.layers.61.enorm.weight"
+  mtp_hnorm       = "model.layers.61.hnorm.weight"
+  mtp_eh_proj     = "model.layers.61.eh_proj.weight" | transpose
+  mtp_head_norm   = "model.layers.61.shared_head.norm.weight"
+  mtp_attn_norm   = "model.layers.61.input_layernorm.weight"
+  mtp_mlp_norm    = "model.layers.61.post_attention_layernorm.weight"
+  mtp_wq_a        = "model.layers.61.self_attn.q_a_proj.weight"
+                    * "model.layers.61.self_attn.q_a_proj.weight_scale_inv" | transpose
+  mtp_q_norm      = "model.layers.61.self_attn.q_a_layernorm.weight"
+  mtp_wq_b        = "model.layers.61.self_attn.q_b_proj.weight"
+                    * "model.layers.61.self_attn.q_b_proj.weight_scale_inv" | transpose
+  mtp_wkv_a       = "model.layers.61.self_attn.kv_a_proj_with_mqa.weight"
+                    * "model.layers.61.self_attn.kv_a_proj_with_mqa.weight_scale_inv" | transpose
+  mtp_kv_norm     = "model.layers.61.self_attn.kv_a_layernorm.weight"
+  mtp_wkv_b       = "model.layers.61.self_attn.kv_b_proj.weight"
+                    * "model.layers.61.self_attn.kv_b_proj.weight_scale_inv" | transpose
+  mtp_wo          = "model.layers.61.self_attn.o_proj.weight"
+                    * "model.layers.61.self_attn.o_proj.weight_scale_inv" | transpose
+  mtp_router      = "model.layers.61.mlp.gate.weight" | transpose
+  mtp_router_bias = "model.layers.61.mlp.gate.e_score_correction_bias"
+  mtp_w_gate      = "model.layers.61.mlp.experts.{e}.gate_proj.weight"
+                    * "model.layers.61.mlp.experts.{e}.gate_proj.weight_scale_inv" | transpose
+  mtp_w_up        = "model.layers.61.mlp.experts.{e}.up_proj.weight"
+                    * "model.layers.61.mlp.experts.{e}.up_proj.weight_scale_inv" | transpose
+  mtp_w_down      = "model.layers.61.mlp.experts.{e}.down_proj.weight"
+                    * "model.layers.61.mlp.experts.{e}.down_proj.weight_scale_inv" | transpose
+  mtp_shared_gate = "model.layers.61.mlp.shared_experts.gate_proj.weight"
+                    * "model.layers.61.mlp.shared_experts.gate_proj.weight_scale_inv" | transpose
+  mtp_shared_up   = "model.layers.61.mlp.shared_experts.up_proj.weight"
+                    * "model.layers.61.mlp.shared_experts.up_proj.weight_scale_inv" | transpose
+  mtp_shared_down = "model.layers.61.mlp.shared_experts.down_proj.weight"
+                    * "model.layers.61.mlp.shared_experts.down_proj.weight_scale_inv" | transpose
 }

@@ -135,3 +135,45 @@ step(tokens, positions) {
   logits = linear(norm(x, final_norm), embed, transposed=true)
   return logits, argmax(logits)
 }
+
+# Where each weight comes from in the published Hugging Face checkpoint (bf16; the text model of
+# google/gemma-3-27b-it, prefix language_model. there, model. in a text-only save as here): matrices
+# are stored [out, in], the spec's [in, out]; the output head is the embedding (tied). `config`
+# names transformers' class and config.json fields (for `mkdsl verify --against transformers`).
+checkpoint hf {
+  config {
+    architecture = "Gemma3ForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = F
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NKV
+    head_dim = D
+    rms_norm_eps = EPS
+    query_pre_attn_scalar = QPAS
+    sliding_window = WINDOW
+    sliding_window_pattern = PATTERN
+    rope_theta = GLOBAL_THETA
+    rope_local_base_freq = LOCAL_THETA
+    rope_scaling.rope_type = "linear"
+    rope_scaling.factor = GLOBAL_FACTOR
+    hidden_activation = "gelu_pytorch_tanh"
+    tie_word_embeddings = true
+  }
+  embed          = "model.embed_tokens.weight"
+  attn_norm      = "model.layers.{l}.input_layernorm.weight"
+  wq             = "model.layers.{l}.self_attn.q_proj.weight" | transpose
+  wk             = "model.layers.{l}.self_attn.k_proj.weight" | transpose
+  wv             = "model.layers.{l}.self_attn.v_proj.weight" | transpose
+  q_norm         = "model.layers.{l}.self_attn.q_norm.weight"
+  k_norm         = "model.layers.{l}.self_attn.k_norm.weight"
+  wo             = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  post_attn_norm = "model.layers.{l}.post_attention_layernorm.weight"
+  pre_ffn_norm   = "model.layers.{l}.pre_feedforward_layernorm.weight"
+  w_gate         = "model.layers.{l}.mlp.gate_proj.weight" | transpose
+  w_up           = "model.layers.{l}.mlp.up_proj.weight" | transpose
+  w_down         = "model.layers.{l}.mlp.down_proj.weight" | transpose
+  post_ffn_norm  = "model.layers.{l}.post_feedforward_layernorm.weight"
+  final_norm     = "model.norm.weight"
+}

@@ -73,6 +73,19 @@ step(tokens, positions) {
 
 # Where each weight comes from. Hugging Face stores matrices [out, in]; the spec's are [in, out].
 checkpoint hf {
+  config {
+    architecture = "LlamaForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = F
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NKV
+    head_dim = D
+    rms_norm_eps = EPS
+    rope_theta = THETA
+    tie_word_embeddings = false
+  }
   embed      = "model.embed_tokens.weight"
   attn_norm  = "model.layers.{l}.input_layernorm.weight"
   wq         = "model.layers.{l}.self_attn.q_proj.weight" | transpose

@@ -88,3 +88,38 @@ step(tokens, positions) {
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
 }
+
+# Where each weight comes from in the published Hugging Face checkpoint (bf16): each expert is its own
+# tensor, stacked over `{e}`; matrices are
+# stored [out, in], the spec's [in, out]. `config` names transformers' class and config.json fields
+# (for `mkdsl verify --against transformers`).
+checkpoint hf {
+  config {
+    architecture = "MixtralForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = FE
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NKV
+    head_dim = D
+    num_local_experts = E
+    num_experts_per_tok = TOPK
+    rms_norm_eps = EPS
+    rope_theta = THETA
+    tie_word_embeddings = false
+  }
+  embed      = "model.embed_tokens.weight"
+  attn_norm  = "model.layers.{l}.input_layernorm.weight"
+  wq         = "model.layers.{l}.self_attn.q_proj.weight" | transpose
+  wk         = "model.layers.{l}.self_attn.k_proj.weight" | transpose
+  wv         = "model.layers.{l}.self_attn.v_proj.weight" | transpose
+  wo         = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  mlp_norm   = "model.layers.{l}.post_attention_layernorm.weight"
+  router     = "model.layers.{l}.block_sparse_moe.gate.weight" | transpose
+  w1         = "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight" | transpose
+  w3         = "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight" | transpose
+  w2         = "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight" | transpose
+  final_norm = "model.norm.weight"
+  lm_head    = "lm_head.weight" | transpose
+}

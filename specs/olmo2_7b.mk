@@ -79,3 +79,36 @@ step(tokens, positions) {
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
 }
+
+# Where each weight comes from in the published Hugging Face checkpoint (bf16): matrices are
+# stored [out, in], the spec's [in, out]. `config` names transformers' class and config.json fields
+# (for `mkdsl verify --against transformers`).
+checkpoint hf {
+  config {
+    architecture = "Olmo2ForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = F
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NH
+    head_dim = D
+    rms_norm_eps = EPS
+    rope_theta = THETA
+    tie_word_embeddings = false
+  }
+  embed          = "model.embed_tokens.weight"
+  wq             = "model.layers.{l}.self_attn.q_proj.weight" | transpose
+  wk             = "model.layers.{l}.self_attn.k_proj.weight" | transpose
+  wv             = "model.layers.{l}.self_attn.v_proj.weight" | transpose
+  q_norm         = "model.layers.{l}.self_attn.q_norm.weight"
+  k_norm         = "model.layers.{l}.self_attn.k_norm.weight"
+  wo             = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  post_attn_norm = "model.layers.{l}.post_attention_layernorm.weight"
+  w_gate         = "model.layers.{l}.mlp.gate_proj.weight" | transpose
+  w_up           = "model.layers.{l}.mlp.up_proj.weight" | transpose
+  w_down         = "model.layers.{l}.mlp.down_proj.weight" | transpose
+  post_ffn_norm  = "model.layers.{l}.post_feedforward_layernorm.weight"
+  final_norm     = "model.norm.weight"
+  lm_head        = "lm_head.weight" | transpose
+}

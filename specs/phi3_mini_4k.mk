@@ -83,3 +83,37 @@ step(tokens, positions) {
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
 }
+
+# Where each weight comes from in the published Hugging Face checkpoint (bf16): qkv_proj fuses q, k, v
+# and gate_up_proj gate, up along their rows; matrices are
+# stored [out, in], the spec's [in, out]. `config` names transformers' class and config.json fields
+# (for `mkdsl verify --against transformers`).
+checkpoint hf {
+  config {
+    architecture = "Phi3ForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = F
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NH
+    head_dim = D
+    rms_norm_eps = EPS
+    rope_theta = THETA
+    sliding_window = WINDOW
+    pad_token_id = V - 64    # 32000
+    tie_word_embeddings = false
+  }
+  embed      = "model.embed_tokens.weight"
+  attn_norm  = "model.layers.{l}.input_layernorm.weight"
+  wq         = "model.layers.{l}.self_attn.qkv_proj.weight" | rows(0, NH*D) | transpose
+  wk         = "model.layers.{l}.self_attn.qkv_proj.weight" | rows(NH*D, 2*NH*D) | transpose
+  wv         = "model.layers.{l}.self_attn.qkv_proj.weight" | rows(2*NH*D, 3*NH*D) | transpose
+  wo         = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  mlp_norm   = "model.layers.{l}.post_attention_layernorm.weight"
+  w_gate     = "model.layers.{l}.mlp.gate_up_proj.weight" | rows(0, F) | transpose
+  w_up       = "model.layers.{l}.mlp.gate_up_proj.weight" | rows(F, 2*F) | transpose
+  w_down     = "model.layers.{l}.mlp.down_proj.weight" | transpose
+  final_norm = "model.norm.weight"
+  lm_head    = "lm_head.weight" | transpose
+}

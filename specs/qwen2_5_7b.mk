@@ -90,3 +90,37 @@ step(tokens, positions) {
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
 }
+
+# Where each weight comes from in the published Hugging Face checkpoint (bf16): matrices are
+# stored [out, in], the spec's [in, out]. `config` names transformers' class and config.json fields
+# (for `mkdsl verify --against transformers`).
+checkpoint hf {
+  config {
+    architecture = "Qwen2ForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = F
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NKV
+    head_dim = D
+    rms_norm_eps = EPS
+    rope_theta = THETA
+    tie_word_embeddings = false
+  }
+  embed      = "model.embed_tokens.weight"
+  attn_norm  = "model.layers.{l}.input_layernorm.weight"
+  wq         = "model.layers.{l}.self_attn.q_proj.weight" | transpose
+  bq         = "model.layers.{l}.self_attn.q_proj.bias"
+  wk         = "model.layers.{l}.self_attn.k_proj.weight" | transpose
+  bk         = "model.layers.{l}.self_attn.k_proj.bias"
+  wv         = "model.layers.{l}.self_attn.v_proj.weight" | transpose
+  bv         = "model.layers.{l}.self_attn.v_proj.bias"
+  wo         = "model.layers.{l}.self_attn.o_proj.weight" | transpose
+  mlp_norm   = "model.layers.{l}.post_attention_layernorm.weight"
+  w_gate     = "model.layers.{l}.mlp.gate_proj.weight" | transpose
+  w_up       = "model.layers.{l}.mlp.up_proj.weight" | transpose
+  w_down     = "model.layers.{l}.mlp.down_proj.weight" | transpose
+  final_norm = "model.norm.weight"
+  lm_head    = "lm_head.weight" | transpose
+}

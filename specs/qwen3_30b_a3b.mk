@@ -94,6 +94,23 @@ step(tokens, positions) {
 # matrices are stored [out, in] (the spec's are [in, out]); each expert is its own tensor,
 # stacked over `{e}`.
 checkpoint hf {
+  config {
+    architecture = "Qwen3MoeForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NKV
+    head_dim = D
+    rms_norm_eps = EPS
+    rope_theta = THETA
+    num_experts = E
+    num_experts_per_tok = TOPK
+    moe_intermediate_size = FE
+    norm_topk_prob = true
+    decoder_sparse_step = 1
+    tie_word_embeddings = false
+  }
   embed      = "model.embed_tokens.weight"
   attn_norm  = "model.layers.{l}.input_layernorm.weight"
   wq         = "model.layers.{l}.self_attn.q_proj.weight" | transpose

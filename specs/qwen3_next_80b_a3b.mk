@@ -178,6 +178,31 @@ step(tokens, positions) {
 # before its a rows, `pad` adds the zero columns up to BA; the conv's three channel ranges lose
 # its [C, 1, 4] middle dimension; experts are stacked over `{e}`.
 checkpoint hf {
+  config {
+    architecture = "Qwen3NextForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    num_hidden_layers = L
+    rms_norm_eps = EPS
+    linear_num_key_heads = NK
+    linear_num_value_heads = NV
+    linear_key_head_dim = DK
+    linear_value_head_dim = DV
+    linear_conv_kernel_dim = CONV
+    num_attention_heads = NH
+    num_key_value_heads = NKV
+    head_dim = HD
+    partial_rotary_factor = ROT / HD
+    rope_theta = THETA
+    full_attention_interval = 4
+    num_experts = E
+    num_experts_per_tok = TOPK
+    norm_topk_prob = true
+    moe_intermediate_size = FE
+    shared_expert_intermediate_size = FS
+    decoder_sparse_step = 1
+    tie_word_embeddings = false
+  }
   embed        = "model.embed_tokens.weight"
   lm_head      = "lm_head.weight" | transpose
   final_norm   = "model.norm.weight"

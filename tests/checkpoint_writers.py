@@ -202,6 +202,35 @@ def fp8_decode(codes: np.ndarray, scales: np.ndarray, b: int = 128) -> np.ndarra
     return codes.astype(np.float32) * np.repeat(np.repeat(scales, b, 0), b, 1)[:n, :k]
 
 
+MTP = "model.layers.61."  # DeepSeek-V3's MTP head is stored as layer 61
+DSV3_MTP_PLAIN = {
+    "mtp_enorm": (MTP + "enorm.weight", False),
+    "mtp_hnorm": (MTP + "hnorm.weight", False),
+    "mtp_eh_proj": (MTP + "eh_proj.weight", True),
+    "mtp_head_norm": (MTP + "shared_head.norm.weight", False),
+    "mtp_attn_norm": (MTP + "input_layernorm.weight", False),
+    "mtp_mlp_norm": (MTP + "post_attention_layernorm.weight", False),
+    "mtp_q_norm": (MTP + "self_attn.q_a_layernorm.weight", False),
+    "mtp_kv_norm": (MTP + "self_attn.kv_a_layernorm.weight", False),
+    "mtp_router": (MTP + "mlp.gate.weight", True),
+    "mtp_router_bias": (MTP + "mlp.gate.e_score_correction_bias", False),
+}
+
+
+def _deepseek_mtp(weights: dict) -> dict:
+    """The MTP head's tensors (`mtp_*`): its norms and projection, and a MoE layer's tensors."""
+    out = {name: _t(weights[w]) if matrix else np.asarray(weights[w]) for w, (name, matrix) in DSV3_MTP_PLAIN.items()}
+    for w, (prefix, kind) in (DSV3_FP8 | {"wkv_b": ("model.layers.{l}.self_attn.kv_b_proj", None)}).items():
+        if kind == "dense":
+            continue
+        q, prefix = weights["mtp_" + w], prefix.replace("model.layers.{l}.", MTP)
+        for e in range(q.codes.shape[0]) if "{e}" in prefix else [None]:
+            index = () if e is None else (e,)
+            out[prefix.format(e=e) + ".weight"] = _t(q.codes[index])
+            out[prefix.format(e=e) + ".weight_scale_inv"] = _t(q.scales[index])
+    return out
+
+
 def deepseek_tensors(weights: dict, schedule, c: dict) -> dict:
     """wkv_b, if bf16 in the spec, is stored as the checkpoint stores kv_b_proj: fp8 blocks."""
     from mkdsl.lang.quant import QTensor
@@ -224,6 +253,8 @@ def deepseek_tensors(weights: dict, schedule, c: dict) -> dict:
         out[name + ".weight"], out[name + ".weight_scale_inv"] = fp8_blocks(
             _t(weights["wkv_b"][layer]).astype(np.float32)
         )
+    if "mtp_enorm" in weights:
+        out |= _deepseek_mtp(weights)
     return out
 
 
@@ -546,4 +577,7 @@ def published_header(name: str, schedule) -> dict:
     out["model.norm.weight"] = ((hidden,), BF)
     for i, kind in enumerate(schedule):
         out |= layer(f"model.layers.{i}.", kind)
+    if name == "deepseek_v3":  # the MTP head, layer 61: a MoE layer and its own norms and projection
+        out |= _dsv3_layer("model.layers.61.", "moe") | {"model.layers.61.eh_proj.weight": ((7168, 14336), BF)}
+        out |= {f"model.layers.61.{n}.weight": ((7168,), BF) for n in ("enorm", "hnorm", "shared_head.norm")}
     return out

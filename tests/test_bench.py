@@ -38,3 +38,15 @@ def test_batches_parse(values, want):
 def test_bench_usage_errors_exit_2(args, capsys):
     assert main(["bench", "specs/tiny.mk", *args]) == 2
     assert "mkdsl: error:" in capsys.readouterr().err
+
+
+def test_on_a_tpu_bench_prints_the_model_beside_the_measured_step():
+    from types import SimpleNamespace
+
+    from mkdsl.run.bench import BenchRow, render
+
+    row = BenchRow(batch=8, context=1152, ms_per_step=9.0, floor_us=4000.0, model_us=7500.0)
+    assert row.model_ratio == pytest.approx(1.2)  # 9000 us measured over 7500 us modeled: the model is optimistic
+    text = render(SimpleNamespace(path="specs/x.mk", profile=None), [row], native=True)
+    assert "measured/model" in text and "7500.0" in text and "1.200" in text
+    assert "measured/model" not in render(SimpleNamespace(path="specs/x.mk", profile=None), [row], native=False)

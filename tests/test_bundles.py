@@ -73,10 +73,10 @@ def test_plan_static_compiles_tiny_and_reports_its_loops():
 
 
 def test_static_compiles_the_context_in_whole_kv_tiles():
-    from mkdsl.cli import _static_seq_len
+    from mkdsl.backends.tpu.static_run import seq_len
 
-    assert _static_seq_len(1152, 256) == 1280 and _static_seq_len(255, 256) == 256 and _static_seq_len(256, 256) == 512
-    assert _static_seq_len(None, 256) == 0  # the default: two tiles
+    assert seq_len(1152, 256) == 1280 and seq_len(255, 256) == 256 and seq_len(256, 256) == 512
+    assert seq_len(None, 256) == 0  # the default: two tiles
 
 
 def test_plan_static_rejects_a_bad_clock():

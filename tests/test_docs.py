@@ -305,6 +305,7 @@ def test_python_api_examples_run():
     assert "tokens[1] = 256 is outside 0..255 (the vocabulary has 256 tokens)" in r.stdout
     assert "seq_len must be an int in 1..256, got 512" in r.stdout
     assert "['kernel.py', 'plan.md', 'plan.svg']" in r.stdout
+    assert re.search(r"^True \[[0-9, ]+\]$", r.stdout, re.M), r.stdout  # mkdsl.generate: speculative == plain
 
 
 def test_readme_quickstart_runs_as_written(tmp_path):

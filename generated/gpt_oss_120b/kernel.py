@@ -354,6 +354,22 @@ def check_inputs(weights, state, tokens, positions, batch, seq_len, rows=1):
             raise ValueError(f"positions must be consecutive in each sequence's {rows} rows, got {p.tolist()}")
 
 
+def guard_inputs(tokens, positions, room):
+    """Inside the jitted step, so under any outer jit (where check_inputs cannot see values):
+    token ids clamped into the vocabulary and positions into the first `room` cache slots, so
+    the kernel never reads or writes outside them nor waits on a slot that does not exist; and
+    the rows that were outside (mkdsl/run/guard.py: the reference's and the prefill's rule too)."""
+    bad = (tokens < 0) | (tokens >= VOCAB_SIZE) | (positions < 0) | (positions >= room)
+    return jnp.clip(tokens, 0, VOCAB_SIZE - 1), jnp.clip(positions, 0, room - 1), bad
+
+
+def flag_rows(bad, logits, next_tokens):
+    """A row guard_inputs clamped is flagged: NaN logits and next token(s) -1. Its cache may
+    have been written at the clamped position; the caller discards the row."""
+    logits = jnp.where(bad[..., None], jnp.float32(jnp.nan), logits)  # bad: [batch] or [batch, rows]
+    return logits, jnp.where(bad if next_tokens.ndim == bad.ndim else bad[..., None], -1, next_tokens)
+
+
 def _seed(seed):
     """The sampling seed as a uint32 scalar (an int is taken modulo 2**32)."""
     if isinstance(seed, (int, np.integer)):
@@ -472,8 +488,10 @@ def sampling_mask(z, sampling):
 def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None):
     """Next tokens i32 [batch] of `logits` f32 [batch, vocab] under `sampling`: the Gumbel-max
     draw argmax(z + g), g = -log(-log(u)) from `sample_uniform`, z the masked scaled logits.
-    Greedy returns `greedy_tokens` (the kernel's own argmax) if given."""
+    Greedy returns `greedy_tokens` (the kernel's own argmax) if given. A NaN logit is never
+    chosen: it counts as -inf, here, in the step's `argmax` and in the kernel (all NaN: token 0)."""
     logits = logits.astype(jnp.float32)
+    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
     if sampling.greedy:
         if greedy_tokens is not None:
             return greedy_tokens
@@ -507,11 +525,13 @@ def _order_key(z):
 
 
 def _fold(x, chunk, fn, init):
-    """fn(columns [batch, chunk] of ref x, their first column, acc) over the row, chunk by chunk."""
+    """fn(columns [batch, chunk] of ref x, their first column, acc) over the row, chunk by chunk;
+    a NaN logit reads as -inf (never drawn, as in sample_tokens)."""
 
     def body(c, acc):
         c0 = pl.multiple_of(c * chunk, chunk)
-        return fn(x[:, pl.ds(c0, chunk)], c0, acc)
+        v = x[:, pl.ds(c0, chunk)]
+        return fn(jnp.where(v == v, v, -jnp.inf), c0, acc)
 
     return jax.lax.fori_loop(0, x.shape[1] // chunk, body, init)
 
@@ -951,13 +971,15 @@ def embedding(r, table, tokens_ref, batch, out, block, sem, offset=0):
 
 
 def row_argmax(x, chunk):
-    """(largest entry, its index: first on ties) of each row, scanning `chunk` columns at a time."""
+    """(largest entry, its index: first on ties) of each row, scanning `chunk` columns at a time.
+    A NaN entry counts as -inf (never chosen; all NaN: index 0), as the reference's argmax."""
     rows = x.shape[0]
 
     def scan(c, best):
         best_v, best_i = best
         c0 = pl.multiple_of(c * chunk, chunk)
         v = x[:, pl.ds(c0, chunk)]
+        v = jnp.where(v == v, v, NEG_INF)
         m = jnp.max(v, axis=1, keepdims=True)
         col = jax.lax.broadcasted_iota(I32, v.shape, 1) + c0
         i = jnp.min(jnp.where(v == m, col, jnp.int32(2**30)), axis=1, keepdims=True)
@@ -2610,8 +2632,9 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
 
     Returns `step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`, which
     checks its inputs (ValueError) before tracing; `state` buffers are donated and updated in
-    place. `interpret`: a `pltpu.InterpretParams` to run on the CPU in TPU interpret mode, or
-    None to compile for a TPU.
+    place. Under an outer jit (no values to check) a token id or position out of range is clamped
+    and its row flagged: NaN logits, next token -1 (guard_inputs). `interpret`: a
+    `pltpu.InterpretParams` to run on the CPU in TPU interpret mode, or None to compile for a TPU.
     Arrays are global (split over `mesh` as WEIGHT_SPLIT / STATE_SPLIT say; default
     make_mesh()); one kernel runs per device inside shard_map and exchanges values in-kernel.
 
@@ -3048,7 +3071,9 @@ def build_decode_step(batch, seq_len, *, mesh=None, interpret=None, layer_trace=
         for name, rows in padded.items():
             flat[name] = jnp.pad(flat[name], ((0, rows - flat[name].shape[0]), (0, 0)))
         tokens, positions = tokens.astype(I32).reshape(batch), positions.astype(I32).reshape(batch)
+        tokens, positions, bad = guard_inputs(tokens, positions, seq_len - steps_per_call + 1)
         logits, next_tokens, new_state, trace = one_step(flat, state, tokens, positions, seed)
+        logits, next_tokens = flag_rows(bad.reshape(logits.shape[:-1]), logits, next_tokens)
         out = (logits, next_tokens, new_state)
         if context_layers:
             out += (trace.pop("context"),)

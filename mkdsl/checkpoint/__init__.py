@@ -10,3 +10,10 @@ def load_weights(*args, **kwargs):
     from mkdsl.checkpoint.loader import load_weights as load
 
     return load(*args, **kwargs)
+
+
+def export_hf(*args, **kwargs):
+    """See `mkdsl.checkpoint.export.export_hf`: a GGUF written out as a Hugging Face checkpoint."""
+    from mkdsl.checkpoint.export import export_hf as export
+
+    return export(*args, **kwargs)

@@ -148,15 +148,48 @@ def _read_raw(path: Path, name: str, dtype: str) -> np.ndarray:
     return np.frombuffer(data, getattr(ml_dtypes, dtype)).reshape(entry["shape"])
 
 
+def _checked_gguf_class():
+    """gguf's reader, checking the tensors' data before it maps them: every tensor inside the file
+    (else "truncated: N of M bytes") and no two sharing bytes (llama.cpp's loader refuses overlaps)."""
+    import gguf
+
+    class Checked(gguf.GGUFReader):
+        def _build_tensors(self, start_offs, fields) -> None:
+            extents = sorted(_extent(start_offs, f) for f in fields)
+            need = max((end for _, end, _ in extents), default=0)
+            if need > len(self.data):
+                raise CheckpointError(f"truncated: {len(self.data)} of {need} bytes")
+            for (_, end, a), (start, _, b) in zip(extents, extents[1:]):
+                if start < end:
+                    raise CheckpointError(f"tensors `{a}` and `{b}` overlap in the file (their data offsets)")
+            super()._build_tensors(start_offs, fields)
+
+    return Checked
+
+
+def _extent(start_offs: int, field) -> tuple[int, int, str]:
+    """(first byte, end, name) of a tensor's data, from its info field (gguf's own arithmetic)."""
+    import gguf
+
+    _, name, _, dims, raw_dtype, offset = field.parts
+    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
+    start = int(start_offs + offset[0])
+    return start, start + int(np.prod(dims)) * type_size // block, bytes(name).decode("utf-8", "replace")
+
+
+def _open_gguf(path: str):
+    return _checked_gguf_class()(path)
+
+
 class GGUFReader:
     format = "gguf"
 
     def __init__(self, path: Path):
-        import gguf
-
         try:
-            self._r = gguf.GGUFReader(str(path))
-        except Exception as e:  # a truncated or damaged file
+            self._r = _open_gguf(str(path))
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except Exception as e:  # a damaged header
             raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
         self.root = path.parent
         self.path = path
@@ -182,4 +215,18 @@ class GGUFReader:
 
     def metadata(self, key: str, default=None):
         f = self._r.fields.get(key)
-        return default if f is None else f.contents()
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except UnicodeDecodeError:
+            bad = next((i for i, at in enumerate(f.data) if not _utf8(f.parts[at].tobytes())), 0)
+            raise CheckpointError(f"{self.path}: metadata `{key}` item {bad} is not UTF-8 text") from None
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False

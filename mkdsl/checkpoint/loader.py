@@ -75,6 +75,7 @@ class LoadReport:
     rounded: Counter = field(default_factory=Counter)  # stored type -> tensors rounded
     target: dict = field(default_factory=dict)  # stored type -> spec dtype it rounded into
     seen: set = field(default_factory=set, repr=False)  # stored tensors read (one may feed two weights)
+    check_finite: bool = False  # refuse a stored tensor holding NaN or inf (load_weights(check_finite=True))
 
     def read(self, names) -> int:
         """Count the stored tensors read for the first time; how many."""
@@ -91,7 +92,9 @@ class LoadReport:
         return line
 
 
-def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, host: bool = False):
+def load_weights(
+    model, path, *, module=None, mesh=None, progress: bool = True, host: bool = False, check_finite: bool = False
+):
     """(weights, report): the checkpoint at `path` (safetensors file, index or directory; GGUF;
     or a reader from `formats.open_checkpoint`)
     as `model`'s weights (a `mkdsl.Spec` or a `Model`), by the spec's mapping for that format.
@@ -100,7 +103,9 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
     as `w_codes` and `w_scales`, padded as its `pad_weights` pads) and, for a sharded one, placed
     on `mesh` (default `module.make_mesh()`) by its `weight_shardings`, one device's shard at a
     time. `host=True` returns numpy arrays in the spec's (and the reference's) layout, a
-    quantised weight as a `QTensor`.
+    quantised weight as a `QTensor`. `check_finite=True` refuses (CheckpointError) a stored tensor
+    holding a NaN or an infinity, naming it (a NaN weight otherwise loads: its NaN logits are
+    never chosen, see `sample_tokens`).
     Raises `CheckpointError` listing every missing or mismatched tensor before reading any data.
     """
     model = getattr(model, "model", model)
@@ -109,7 +114,7 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
     shardings = None
     if module is not None and hasattr(module, "weight_shardings") and not host:
         shardings = module.weight_shardings(mesh or module.make_mesh())
-    report = LoadReport(reader.format)
+    report = LoadReport(reader.format, check_finite=check_finite)
     t0 = time.perf_counter()
     total = len({n for wp in plans for p in wp.pieces for n in p.names})
     out = {}
@@ -299,6 +304,8 @@ def _piece(wp: WeightPlan, p: Piece, reader, report: LoadReport, bar) -> tuple[n
     t = wp.tensor
     parts = [_read(reader, n) for n in p.names]
     bar.update(report.read(p.names))
+    if report.check_finite:
+        _check_finite(p.names, parts)
     if p.pair is not None:
         return _pair_piece(p, parts, wp, report)
     x = parts[0] if len(parts) == 1 else np.concatenate([a.astype(np.float32) for a in parts])
@@ -308,6 +315,16 @@ def _piece(wp: WeightPlan, p: Piece, reader, report: LoadReport, bar) -> tuple[n
             report.rounded[stored] += 1
             report.target[stored] = str(t.type.dtype)
     return (apply_steps(x, wp.source.steps).astype(numpy_dtype(t.type.dtype.numpy)),)
+
+
+def _check_finite(names, parts) -> None:
+    """CheckpointError naming the first stored tensor with a NaN or an infinity (float data only:
+    a quantised pair's codes are integers, its scales are checked)."""
+    for name, a in zip(names, parts, strict=True):
+        if "float" in a.dtype.name:  # float16/32, bfloat16, float8_*
+            bad = int(np.size(a) - np.count_nonzero(np.isfinite(a.astype(np.float32))))
+            if bad:
+                raise CheckpointError(f"tensor `{name}` holds {bad} non-finite values (NaN or infinity)")
 
 
 def _read(reader, name: str) -> np.ndarray:

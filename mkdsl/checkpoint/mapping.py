@@ -70,6 +70,27 @@ class CheckpointMap:
     format: str  # a key of FORMATS
     sources: tuple[WeightSource, ...]
     span: Span = field(compare=False)
+    # `config { ... }`: the model's class (`architecture`) and config.json fields, folded; a
+    # dotted key is a nested field (rope_scaling.factor). `mkdsl verify --against transformers`
+    # builds the model's own implementation from them.
+    settings: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def architecture(self) -> str | None:
+        return dict(self.settings).get("architecture")
+
+    def config(self) -> dict:
+        """The config.json fields (all settings but `architecture`), nested by their dots."""
+        out: dict = {}
+        for key, value in self.settings:
+            if key == "architecture":
+                continue
+            *outer, last = key.split(".")
+            where = out
+            for k in outer:
+                where = where.setdefault(k, {})
+            where[last] = list(value) if isinstance(value, tuple) else value
+        return out
 
     def source(self, weight: str) -> WeightSource:
         return next(s for s in self.sources if s.weight == weight)
@@ -136,7 +157,30 @@ def check_checkpoints(decls, tensors: dict, consts, rep: Reporter, declared=()) 
             continue
         seen[d.format] = d.span.line
         sources = _check_entries(d, tensors, consts, rep, set(declared))
-        out.append(CheckpointMap(d.format, tuple(sources), d.span))
+        out.append(CheckpointMap(d.format, tuple(sources), d.span, _check_settings(d, consts, rep)))
+    return tuple(out)
+
+
+def _check_settings(d, consts, rep: Reporter) -> tuple[tuple[str, object], ...]:
+    """A section's `config { ... }` folded: each value a constant (a list: a tuple of them)."""
+    out, seen = [], {}
+    for s in getattr(d, "settings", ()):
+        key = ".".join(s.key)
+        if key in seen:
+            rep.error(s.span, f"checkpoint {d.format}: config field `{key}` is set twice (first at line {seen[key]})")
+            continue
+        seen[key] = s.span.line
+        if s.value is None:  # `null`: config.json's null (a feature the model does not have)
+            out.append((key, None))
+            continue
+        exprs = s.value if isinstance(s.value, tuple) else (s.value,)
+        values = [consts.eval(e) for e in exprs]
+        if any(v is None for v in values):
+            continue  # not a constant: consts reported why
+        if key == "architecture" and not isinstance(values[0], str):
+            rep.error(s.span, '`architecture` names a transformers class: a quoted word such as "LlamaForCausalLM"')
+            continue
+        out.append((key, tuple(values) if isinstance(s.value, tuple) else values[0]))
     return tuple(out)
 
 

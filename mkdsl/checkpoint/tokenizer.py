@@ -9,6 +9,7 @@ tokens (`<|im_start|>`) are special, so chat markup becomes single tokens.
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 
 from mkdsl.checkpoint.formats import CheckpointError
@@ -95,8 +96,11 @@ def _gguf_codec(reader) -> TextCodec:
     if pre not in PRE_SPLITS:
         raise CheckpointError(f"GGUF pre-tokenizer `{pre}` is not supported (known: {', '.join(PRE_SPLITS)})")
     tokens = reader.metadata("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in reader.metadata("tokenizer.ggml.merges", [])]
-    tk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    if not tokens:
+        raise CheckpointError("GGUF tokenizer: `tokenizer.ggml.tokens` is missing or empty")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = _gguf_merges(reader.metadata("tokenizer.ggml.merges", []), vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
     tk.pre_tokenizer = pre_tokenizers.Sequence(
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -104,8 +108,7 @@ def _gguf_codec(reader) -> TextCodec:
     tk.decoder = decoders.ByteLevel()
     types = reader.metadata("tokenizer.ggml.token_type", [])
     tk.add_special_tokens([tokens[i] for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)])
-    eos = reader.metadata("tokenizer.ggml.eos_token_id")
-    bos = reader.metadata("tokenizer.ggml.bos_token_id")
+    eos, bos = (_token_id(reader, f"tokenizer.ggml.{k}_token_id", len(tokens)) for k in ("eos", "bos"))
     return TextCodec(
         tk,
         frozenset([int(eos)] if eos is not None else []),
@@ -113,3 +116,28 @@ def _gguf_codec(reader) -> TextCodec:
         tokens[int(bos)] if bos is not None else "",
         tokens[int(eos)] if eos is not None else "",
     )
+
+
+def _gguf_merges(merges: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges `a b`, checked: two tokens of the vocabulary whose join is one too (what
+    llama.cpp's loader requires), so a damaged tokenizer is named here, not a tokenizers panic."""
+    out = []
+    for i, m in enumerate(merges):
+        pair = tuple(m.split(" ", 1))
+        if len(pair) != 2:
+            raise CheckpointError(f"GGUF tokenizer: merge {i} {m!r} is not two tokens separated by a space")
+        unknown = [t for t in (*pair, pair[0] + pair[1]) if t not in vocab]
+        if unknown:
+            raise CheckpointError(f"GGUF tokenizer: merge {i} {m!r} names {unknown[0]!r}, not in the vocabulary")
+        out.append(pair)
+    return out
+
+
+def _token_id(reader, key: str, n: int) -> int | None:
+    """A special token's id from the metadata, checked to be a token of the vocabulary."""
+    value = reader.metadata(key)
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Integral) or not 0 <= value < n:
+        raise CheckpointError(f"GGUF tokenizer: `{key}` is {value!r}, not a token id in 0 .. {n - 1}")
+    return int(value)

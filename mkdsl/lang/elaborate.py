@@ -16,6 +16,7 @@ from mkdsl.checkpoint.mapping import check_checkpoints
 from mkdsl.lang import dtypes
 from mkdsl.lang.block_attrs import resolve_block_attrs
 from mkdsl.lang.consts import MATH, ConstEnv, walk
+from mkdsl.lang.context import check_context
 from mkdsl.lang.diagnostics import NOWHERE, Diagnostic, Reporter, Span, SpecError, did_you_mean
 from mkdsl.lang.ir import DimRange, Graph, Hint, LayerExpr, Model, Node, Ref, Tensor, TensorType, Value
 from mkdsl.lang.syntax import (
@@ -24,6 +25,7 @@ from mkdsl.lang.syntax import (
     Call,
     CheckpointDecl,
     ConstDecl,
+    ContextDecl,
     DimDecl,
     Expr,
     FuncDef,
@@ -33,6 +35,7 @@ from mkdsl.lang.syntax import (
     MeshDecl,
     ModelDecl,
     Module,
+    MtpDef,
     Name,
     Num,
     ProfileDecl,
@@ -92,6 +95,8 @@ class _Decls:
     steps: list[FuncDef] = field(default_factory=list)
     redefined: set[str] = field(default_factory=set)  # names defined twice: reported once, not as unknown
     checkpoints: list[CheckpointDecl] = field(default_factory=list)
+    contexts: list[ContextDecl] = field(default_factory=list)
+    mtps: list[MtpDef] = field(default_factory=list)
 
 
 def load(path: str, profile: str | None = None) -> Model:
@@ -121,7 +126,9 @@ class _Elaborator:
         schedule = self.check_layer_schedule()
         tensors = self.check_tensors(mesh, schedule)
         step, kinds, inputs, used = self.elaborate_functions(tensors, schedule, dims)
+        mtp, mtp_inputs = self.elaborate_mtp(tensors, schedule, dims, used)
         checkpoints = check_checkpoints(self.d.checkpoints, tensors, self.consts, self.rep, self.d.tensors)
+        context = check_context(self.d.contexts, tensors, self.consts, self.rep)
         self.rep.check()
         return Model(
             name=self.d.model.name,
@@ -137,6 +144,9 @@ class _Elaborator:
             hints=tuple(hints.values()),
             warnings=self.unused_weights(used),
             checkpoints=checkpoints,
+            context=context,
+            mtp=mtp,
+            mtp_inputs=mtp_inputs,
         )
 
     def unused_weights(self, used: set[str]) -> tuple[Diagnostic, ...]:
@@ -198,6 +208,10 @@ class _Elaborator:
                 self.d.layers.append(it)
             elif isinstance(it, CheckpointDecl):
                 self.d.checkpoints.append(it)
+            elif isinstance(it, ContextDecl):
+                self.d.contexts.append(it)
+            elif isinstance(it, MtpDef):
+                self.d.mtps.append(it)
             elif isinstance(it, FuncDef):
                 self.d.steps.append(it)
         if self.d.model is None:
@@ -399,6 +413,11 @@ class _Elaborator:
     def check_type(self, t: TypeExpr, name: str, allow_dims: bool) -> tuple[dtypes.DType | None, tuple]:
         dt = None
         args = {a.name: a for a in t.dtype_args}
+        seen: set[str] = set()
+        for a in t.dtype_args:  # as with op attributes: a parameter given twice is an error, not the last wins
+            if a.name in seen:
+                self.rep.error(a.span, f"parameter `{a.name}` of {t.dtype} is given twice")
+            seen.add(a.name)
         if t.dtype in dtypes.SCALED and (t.dtype_args or t.dtype in ("int4", "int8")):
             dt = self.scaled_dtype(t, args)
         elif t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
@@ -512,6 +531,38 @@ class _Elaborator:
         if graph is not None:
             self.check_step_results(graph, step, rows, ctx)
         return graph, tuple(ctx.kind_graphs.values()), inputs, ctx.used
+
+    def elaborate_mtp(self, tensors, schedule, dims, used: set[str]) -> tuple[Graph | None, tuple[Value, ...]]:
+        """The `mtp` head's graph: the hidden state `[rows, W]` and the step's inputs in, the head's
+        hidden state (the same type) and logits `[rows, V]` out."""
+        for dup in self.d.mtps[1:]:
+            self.rep.error(dup.span, f"second `mtp` head (first at line {self.d.mtps[0].span.line})")
+        if not self.d.mtps:
+            return None, ()
+        d, rows = self.d.mtps[0], next(iter(dims), None)
+        h, tok, pos = d.func.params
+        dt, shape = self.check_type(d.hidden_type, h, allow_dims=True)
+        if dt is None or None in shape:
+            return None, ()
+        hidden = TensorType(dt, shape)
+        if len(shape) != 2 or shape[0] != rows or not dt.float:
+            self.rep.error(d.hidden_type.span, f"the hidden state `{h}` must be a float [{rows}, width], not {hidden}")
+            return None, ()
+        inputs = tuple(Value(p, TensorType(dtypes.I32, (rows,)), d.span) for p in (tok, pos))
+        ctx = _Context(self, tensors, {v.name: v for v in inputs}, schedule)
+        graph = ctx.build_graph("mtp", d.func, params=(Value(h, hidden, d.span),), layer_kind=None)
+        used |= ctx.used
+        if graph is None:
+            return None, ()
+        types = [ctx.type_of(graph, r) for r in graph.results]
+        if len(types) != 2 or types[0] != TensorType(dtypes.F32, shape) or types[1].shape[:1] != (rows,):
+            got = ", ".join(str(t) for t in types)
+            self.rep.error(
+                _return_span(d.func),
+                f"`mtp` must return (hidden f32[{rows}, {shape[1]}], logits f32[{rows}, V]); it returns ({got})",
+            )
+            return None, ()
+        return graph, inputs
 
     def check_step_results(self, graph: Graph, step: FuncDef, rows: str, ctx: _Context) -> None:
         types = [ctx.type_of(graph, r) for r in graph.results]

@@ -157,6 +157,14 @@ class Model:
     hints: tuple[Hint, ...]
     warnings: tuple = field(default=(), compare=False)  # Diagnostics that do not stop compilation
     checkpoints: tuple = ()  # mkdsl.checkpoint.mapping.CheckpointMap records: where weights come from
+    # A drafter's target context (`context NAME at POS from layers ...`): the state tensors the host
+    # fills (the rows, their positions) and the target layers whose hidden states (residual stream
+    # outputs) the rows hold, in order
+    context: tuple[str, str, tuple[int, ...]] | None = None
+    # A multi-token prediction head (`mtp(h: ..., tokens, positions) { ... }`), run by the host (the
+    # kernel does not lower it): params (hidden), inputs (tokens, positions), results (hidden, logits)
+    mtp: Graph | None = None
+    mtp_inputs: tuple[Value, ...] = ()
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)

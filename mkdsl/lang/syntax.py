@@ -206,10 +206,41 @@ class CkptEntry:
 
 
 @dataclass(frozen=True)
+class CkptSetting:
+    """`field.sub = value` in a checkpoint's `config { ... }`: one config.json field (a list of
+    expressions for a list value)."""
+
+    span: Span
+    key: tuple[str, ...]
+    value: Expr | tuple[Expr, ...] | None  # None: `null`
+
+
+@dataclass(frozen=True)
 class CheckpointDecl:
     span: Span
     format: str
     entries: tuple[CkptEntry, ...]
+    settings: tuple[CkptSetting, ...] = ()
+
+
+@dataclass(frozen=True)
+class ContextDecl:
+    """`context ctx at ctx_pos from layers 24, 48`: the state `ctx` holds the target's hidden states of
+    those layers, `ctx_pos` their positions."""
+
+    span: Span
+    name: str
+    positions: str
+    layers: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class MtpDef:
+    """`mtp(h: f32[B, H], tokens, positions) { ... }`: a multi-token prediction head."""
+
+    span: Span
+    hidden_type: TypeExpr
+    func: FuncDef  # kind "mtp", params (hidden, tokens, positions)
 
 
 @dataclass(frozen=True)
@@ -253,7 +284,24 @@ class _ToAst(Transformer_NonRecursive):
         return Assign(Span.of(c[0]), str(c[0]), c[1])
 
     def checkpoint_decl(self, meta, c):
-        return CheckpointDecl(Span.of(c[0]), str(c[0]), tuple(c[1:]))
+        entries = tuple(x for x in c[1:] if isinstance(x, CkptEntry))
+        settings = tuple(s for x in c[1:] if not isinstance(x, CkptEntry) for s in x)
+        return CheckpointDecl(Span.of(c[0]), str(c[0]), entries, settings)
+
+    def ckpt_config(self, meta, c):
+        return tuple(c)
+
+    def ckpt_setting(self, meta, c):
+        return CkptSetting(Span.of(c[0]), tuple(str(c[0]).split(".")), c[1])
+
+    def ckpt_null(self, meta, c):
+        return None
+
+    def ckpt_list(self, meta, c):
+        return tuple(x for x in c if x is not None)
+
+    def context_decl(self, meta, c):
+        return ContextDecl(Span.of(c[0]), str(c[0]), str(c[1]), tuple(c[2:]))
 
     def ckpt_entry(self, meta, c):
         strings, rest = c[1], list(c[2:])
@@ -333,6 +381,11 @@ class _ToAst(Transformer_NonRecursive):
 
     def step_def(self, meta, c):
         return self._func("step", meta, c)
+
+    def mtp_def(self, meta, c):
+        span = Span(meta.line, meta.column, len("mtp"))
+        names = (str(c[0]), str(c[2]), str(c[3]))
+        return MtpDef(span, c[1], FuncDef(span, "mtp", "mtp", names, tuple(c[4:])))
 
     def layers_decl(self, meta, c):
         return LayersDecl(_span(meta), c[0], tuple(c[1:]))

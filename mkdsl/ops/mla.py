@@ -59,6 +59,31 @@ register(
 )
 
 
+def _concat_infer(args, attrs):
+    a, b = args
+    for i, x in enumerate(args):
+        expect_rank(x, 2, i, "the inputs")
+        expect_float(x, i)
+    if a.type.shape[0] != b.type.shape[0]:
+        raise OpError(f"`{a.name}` {a.type} and `{b.name}` {b.type} have different row counts", 1)
+    na, nb = a.type.shape[1], b.type.shape[1]
+    return (TensorType(F32, (a.type.shape[0], na + nb if isinstance(na, int) and isinstance(nb, int) else na)),)
+
+
+register(
+    OpDef(
+        "concat",
+        ("a", "b"),
+        _concat_infer,
+        lambda a, b: (jnp.concatenate([a.astype(jnp.float32), b.astype(jnp.float32)], axis=1),),
+        lambda ins, outs, a: Cost(),
+        doc="The columns of a, then those of b, in each row, as f32 (MTP heads join two normed inputs).",
+        kernel_expr="jnp.concatenate([{a}, {b}], axis=1)",
+        shard="whole",
+    )
+)
+
+
 def _compact_infer(args, attrs):
     (x,) = args
     expect_rank(x, 2, 0, "the input")

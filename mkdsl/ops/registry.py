@@ -78,7 +78,7 @@ class OpDef:
     # The shard pass's rule family (mkdsl/spmd/shard.py RULES): "elementwise", "sum" (elementwise that
     # may add partial sums), "broadcast", "broadcast_sum" (binary arithmetic that broadcasts a
     # [N] or [B, 1] operand), "row_sum" (a split row sums to a partial sum), "whole", "norm",
-    # "channels", "heads", "kv_heads", "key_heads", "latent_attention",
+    # "channels", "heads", "kv_heads", "key_heads", "block_heads", "markov", "latent_attention",
     # "matmul", "vocab_rows", "pick", "any", "experts"; "" = no sharding rule yet.
     shard: str = ""
     # How each weight operand is reached: "stream" (tiles through the weight ring) or "own" (the op's
@@ -123,7 +123,7 @@ class OpDef:
     near_tie: Callable | None = None
 
     def reached(self, operand: str) -> str:
-        """How the kernel reaches a weight operand: "stream", "own" or "fetch"."""
+        """How the kernel reaches a weight (or state) operand: "stream", "own" or "fetch"."""
         return dict(self.reach).get(operand, "fetch")
 
 

@@ -194,5 +194,6 @@ register(
         doc="Rotary position embedding of each head at each row's position (half or interleaved pairs, "
         "partial rotary, linear/llama3/yarn frequency scaling).",
         shard="heads",
+        reach=(("positions", "own"),),  # a state's positions: its lowering copies them to SMEM
     )
 )

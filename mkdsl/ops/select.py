@@ -34,6 +34,21 @@ def topk(x, k):
     return values, indices.astype(jnp.int32)
 
 
+def _topk_runner_up(row: int, margin: float, flipped: list):
+    """A `topk` reference that gives `row`'s k-th choice to the runner-up, once, where the two
+    are closer than `margin` times the k-th value (relative: a softmax's values are ~1/E; a near
+    tie rounding may tip, mkdsl/verify/); appends to `flipped` when it did."""
+
+    def chosen(x, k):
+        values, ids = topk(x, k + 1)
+        if flipped or float(values[row, k - 1] - values[row, k]) >= margin * abs(float(values[row, k - 1])):
+            return values[:, :k], ids[:, :k]
+        flipped.append(True)
+        return values[:, :k].at[row, k - 1].set(values[row, k]), ids[:, :k].at[row, k - 1].set(ids[row, k])
+
+    return chosen
+
+
 register(
     OpDef(
         "topk",
@@ -45,6 +60,7 @@ register(
         outputs=2,
         doc="(values, indices) of the k largest entries of each row; ties to the lower index.",
         shard="whole",
+        near_tie=_topk_runner_up,
     )
 )
 
@@ -57,7 +73,10 @@ def _argmax_infer(args, attrs):
 
 
 def _argmax(x):
-    return (jnp.argmax(x.astype(jnp.float32), axis=-1).astype(jnp.int32),)
+    """The first largest logit; a NaN logit is never chosen (it counts as -inf), the rule of the
+    kernel's argmax and of `sample_tokens` (all NaN: token 0)."""
+    x = x.astype(jnp.float32)
+    return (jnp.argmax(jnp.where(jnp.isnan(x), -jnp.inf, x), axis=-1).astype(jnp.int32),)
 
 
 def _argmax_spmd(rows, arrays, attrs):

@@ -52,14 +52,16 @@ def hbm_items(model: Model, vocab: int, sizes: dict[str, int], padded: dict | No
     return [*items, ("logits and next tokens", sizes[model.dims[0].name] * (vocab * 4 + 4))]
 
 
-def max_cache(model: Model, vocab: int, padded: dict | None = None) -> int:
-    """The longest cache (within the cache dim's range) that fits at the largest batch; 0 if none."""
+def max_cache(model: Model, vocab: int, padded: dict | None = None, batch: int | None = None) -> int:
+    """The longest cache (within the cache dim's range) that fits at `batch` rows (default: the
+    largest batch); 0 if none."""
     if len(model.dims) < 2:
         return 0
     lo, hi = model.dims[1].low, model.dims[1].high
 
     def fits(n: int) -> bool:
-        return sum(b for _, b in hbm_items(model, vocab, build_sizes(model, tokens=n), padded)) <= HBM_USABLE_PER_CORE
+        sizes = {**build_sizes(model, tokens=n), **({model.dims[0].name: batch} if batch else {})}
+        return sum(b for _, b in hbm_items(model, vocab, sizes, padded)) <= HBM_USABLE_PER_CORE
 
     if not fits(lo):
         return 0
@@ -85,5 +87,30 @@ def check_hbm(model: Model, items: list[tuple[str, int]], devices: int) -> list[
             f"HBM capacity exceeded {where}: weights and state (batch {model.dims[0].high}, shortest cache) need {total / GB:.2f} GB of the "
             f"{HBM_USABLE_PER_CORE / GB:.1f} GB usable per TPU7x core; the largest: {shown}",
             "split the largest tensors over more devices (`mesh` and `@axis`), or store them in a smaller dtype",
+        )
+    ]
+
+
+def check_capacity(model: Model, vocab: int, batch: int, context: int, padded: dict | None = None) -> list[Diagnostic]:
+    """A diagnostic when `batch` rows with caches of `context + 1` tokens (weights, caches, state and
+    outputs) do not fit one core's HBM, naming the longest context that does at that batch."""
+    if len(model.dims) < 2:
+        return []
+    sizes = {model.dims[0].name: batch, **{d.name: max(d.low, context + 1) for d in model.dims[1:]}}
+    total = sum(b for _, b in hbm_items(model, vocab, sizes, padded))
+    if total <= HBM_USABLE_PER_CORE:
+        return []
+    most = max_cache(model, vocab, padded, batch)
+    fit = (
+        f"the largest context that fits at batch {batch} is {most - 1} tokens (a cache of {most})"
+        if most
+        else f"no cache of `{model.dims[1].name}` fits at batch {batch}"
+    )
+    return [
+        Diagnostic(
+            model.step.span,
+            f"batch {batch} x context {context} does not fit in HBM: weights, caches and state need "
+            f"{total / GB:.2f} GB per core of the {HBM_USABLE_PER_CORE / GB:.1f} GB usable per TPU7x core; {fit}",
+            "a shorter context or a smaller batch, or split the caches over more devices (`mesh` and `@axis`)",
         )
     ]

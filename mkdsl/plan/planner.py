@@ -13,11 +13,12 @@ override them and are checked here, with diagnostics that point at the hint's li
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites
+from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites, unread_states
 from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
 from mkdsl.lang.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.lang.dtypes import storage_bytes
@@ -113,6 +114,7 @@ def make_plan(
     steps_per_call: int = 1,
     static: dict[str, float] | None = None,
     fuse_ready: bool = False,
+    static_from: str = "",
 ) -> Plan:
     """Plan the decode step for `batch` rows reading `context` cached tokens each.
 
@@ -121,7 +123,7 @@ def make_plan(
     `steps_per_call`: decode steps per device call (the dispatch is shared by them); `static`: op ->
     compute / stream ratio of its loop in libtpu's schedule, used by the cost model where given.
     `fuse_ready`: a what-if of the cost model, collectives ready together as one exchange
-    (plan/levers.py); the kernel does not do it.
+    (plan/levers.py); the kernel does not do it. `static_from`: where `static` came from (shown).
     """
     s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
     pad_rows(s)
@@ -129,6 +131,8 @@ def make_plan(
         raise SpecError(s.errors)
     for step in PASSES:  # each pass carries on past a broken rule, so one run reports every error
         step(s)
+        if step is check_lowering and unread_states(s.model):  # later passes find no buffer for them
+            raise SpecError(list(dict.fromkeys(s.errors)))
     if s.errors:
         raise SpecError(list(dict.fromkeys(s.errors)))  # a rule broken in several kinds is said once
     traffic, graph_flops = count_traffic(s)
@@ -139,6 +143,8 @@ def make_plan(
     must_move = sum(t.bytes for t in traffic)
     fused = _fused(model, s.collectives) if fuse_ready else None
     timing, costs = timeline.model_step(s, items, s.depth - 1, steps_per_call, static, must_move, flops, fused)
+    if static_from or not static:
+        timing = dataclasses.replace(timing, compute_from=static_from or "the per-op estimate")
     return Plan(
         model=model.name,
         profile=model.profile,
@@ -611,6 +617,8 @@ def check_hbm(s: _State) -> None:
     s.hbm = sum(b for _, b in items)
     s.hbm_tokens = hbm.max_cache(s.model, vocab, s.pads)
     s.errors.extend(hbm.check_hbm(s.model, items, devices(s.model)))
+    if not s.errors:
+        s.errors.extend(hbm.check_capacity(s.model, vocab, s.batch, s.context, s.pads))
 
 
 PASSES = (

@@ -93,11 +93,64 @@ def ratios(model: Model, plan: Plan, timings) -> tuple[dict[str, float], list[tu
     return found, skipped
 
 
-def save(path: Path, found: dict[str, float], skipped, clock_hz: float, source: str) -> None:
+def layer_code_us(timings) -> float | None:
+    """The layer loop's own code (outside the tile loops nested in it) in us, on its longest path:
+    the depth-1 loop that holds the most. With several layer kinds the path is the longest kind's
+    (a conservative figure for the others)."""
+    outer = [t for t in timings if t.depth == 1 and t.bundles > t.self_bundles]
+    if not outer:
+        return None
+    return max(outer, key=lambda t: t.bundles).compute_s * 1e6
+
+
+def save(path: Path, found: dict[str, float], skipped, clock_hz: float, source: str, code_us=None, sha="") -> None:
     data = {
         "source": source,
+        **({"spec_sha256": sha} if sha else {}),
         "clock_hz": clock_hz,
         "compute_over_stream": dict(sorted(found.items())),
+        **({"layer_code_us": code_us} if code_us is not None else {}),
         "unmatched_loops": [f"{a:#x}: {why}" for a, why in skipped],
     }
-    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)  # nothing half-written
+
+
+def load(path: Path) -> dict[str, float]:
+    """The cost model's `static` from a file `save` wrote: op -> ratio, and `layer_code_us` if read.
+    Raises ValueError (or OSError) on anything else."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        static = {str(k): float(v) for k, v in data["compute_over_stream"].items()}
+        if "layer_code_us" in data:
+            static["layer_code_us"] = float(data["layer_code_us"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a JSON object with `compute_over_stream` (op -> number): {e}") from None
+    return static
+
+
+COSTS_DIR = "costs"  # specs/costs/<spec stem>.json: what `mkdsl static-costs` writes
+
+
+def default_path(spec_path: str) -> Path:
+    """Where the committed static costs of a spec live: beside it, in costs/<stem>.json."""
+    spec = Path(spec_path)
+    return spec.parent / COSTS_DIR / f"{spec.stem}.json"
+
+
+def default_costs(spec_path: str, profile: str | None) -> tuple[dict[str, float] | None, str]:
+    """(static, its source) for `mkdsl plan SPEC` and `compile` with no flag: the committed file of
+    the spec's own sizes (a profile changes the shapes: none), else (None, why)."""
+    path = default_path(spec_path)
+    if profile is not None:
+        return None, f"profile {profile}: no static costs (they are read at the spec's own sizes)"
+    if not path.is_file():
+        return None, f"the per-op estimate (no {COSTS_DIR}/{path.name} beside the spec)"
+    from mkdsl.lang.elaborate import spec_sha256
+
+    sha = json.loads(path.read_text(encoding="utf-8")).get("spec_sha256")
+    current = spec_sha256(Path(spec_path).read_text(encoding="utf-8"))
+    stale = " (read from an earlier version of the spec: `mkdsl static-costs` renews it)" if sha != current else ""
+    return load(path), f"libtpu's schedule, {COSTS_DIR}/{path.name}{stale}"

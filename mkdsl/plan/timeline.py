@@ -9,6 +9,7 @@ prologue, each layer of the schedule, then its epilogue.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 from mkdsl.backends.tpu.lowering import Site
@@ -17,7 +18,13 @@ from mkdsl.ops import OPS
 from mkdsl.plan import cost_model
 from mkdsl.plan.cost_model import Phase
 from mkdsl.plan.nodes import concrete, cost_attrs, streamed_weight
-from mkdsl.plan.types import PhaseCost, ScheduleItem, Timing
+from mkdsl.plan.types import Assumption, PhaseCost, ScheduleItem, Timing
+
+
+def _types(s, g: Graph, node):
+    dims = [d.name for d in s.model.dims]
+    sizes = {dims[0]: s.rows, **{d: s.context + 1 for d in dims[1:]}}
+    return [concrete(s.type_of(g, r), sizes) for r in node.inputs], [concrete(v.type, sizes) for v in node.outputs]
 
 
 def node_flops(s, g: Graph, i: int) -> int:
@@ -25,11 +32,23 @@ def node_flops(s, g: Graph, i: int) -> int:
     node = g.nodes[i]
     if node.op not in OPS:
         return 0
-    dims = [d.name for d in s.model.dims]
-    sizes = {dims[0]: s.rows, **{d: s.context + 1 for d in dims[1:]}}
-    types = [concrete(s.type_of(g, r), sizes) for r in node.inputs]
-    outs = [concrete(v.type, sizes) for v in node.outputs]
+    types, outs = _types(s, g, node)
     return OPS[node.op].cost(types, outs, cost_attrs(node)).flops
+
+
+def node_vector_us(s, g: Graph, node) -> float:
+    """The per-op estimate of node's vector work: its activations in and out and the vectors it reads
+    (declared matrices, caches and state are streamed: their tiles' work is the op's loop's)."""
+    types, outs = _types(s, g, node)
+    ins = [t for r, t in zip(node.inputs, types, strict=True) if r.kind != "tensor" or len(t.shape) <= 1]
+    return cost_model.vector_us(sum(_numel(t) for t in (*ins, *outs)))
+
+
+def _numel(t) -> int:
+    n = 1
+    for d in t.shape:
+        n *= d if isinstance(d, int) else 1
+    return n
 
 
 def tokens_seen(s, node) -> int:
@@ -54,6 +73,9 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fu
     during = {i for graph, _, run in s.windows if graph == g.name for i in run}
     out = []
     fetched = sum(it.bytes for it in by_node.get(-1, ()))
+    code = (static or {}).get(cost_model.LAYER_CODE) if not step else None
+    if code:  # libtpu's schedule: this layer's code outside its tile loops, whole
+        out.append(Phase(g.name, "per-layer code outside the tile loops", 0, "code", 0, 1.0, code, "static", ""))
     if fetched:
         name, rate = cost_model.bandwidth("", step, False, False)  # small op-issued DMAs
         out.append(Phase(g.name, "weights fetched whole", 0, "fetch", fetched, rate / 1e6, 0.0, "", name))
@@ -73,11 +95,38 @@ def graph_phases(s, g: Graph, items: list[ScheduleItem], static: dict | None, fu
     return out
 
 
+def written(g: Graph, value: str, at) -> str:
+    """The value as the spec author wrote it: the shard passes' `x__sum` / `x__mine` is `x`; an
+    unnamed expression (named after its op: `linear_7`) is that op at its line and column; inlined
+    from a block, the block is named. `at`: the collective's node, where the producer is gone."""
+    base = value.split("__", 1)[0]
+    node = next((n for n in g.nodes if any(v.name == base for v in n.outputs)), at)
+    where = f" in block `{node.block}`" if node.block else ""
+    op = re.fullmatch(r"(\w+?)(_\d+)?", base)[1]
+    if op in OPS:
+        return f"the `{op}`{where} at {node.span.line}:{node.span.column}"
+    return f"`{base}`{where}"
+
+
 def _collective_phase(g: Graph, node, c, us: float) -> Phase:
     """A collective's phase: `us` of exchanges, of which its first phase may hide work run during it."""
     first = c.phases[0].time_us() if c.phases else 0.0
-    what = f"{c.label} of `{c.value}`"  # the algorithm the planner chose
-    return Phase(g.name, what, node.span.line, node.op, 0, 1.0, 0.0, "", "", exchange_us=us, overlap_us=min(first, us))
+    what = f"{c.label} of {written(g, c.value, node)}"  # the algorithm the planner chose
+    wide = any(ph.peers >= cost_model.measured.DIRECT_FIT_CORES for ph in c.phases)
+    return Phase(
+        g.name,
+        what,
+        node.span.line,
+        node.op,
+        0,
+        1.0,
+        0.0,
+        "",
+        "",
+        exchange_us=us,
+        overlap_us=min(first, us),
+        wide_peers=wide,
+    )
 
 
 def _op_phase(s, g: Graph, i: int, its_items, static: dict | None, during: bool) -> Phase | None:
@@ -93,15 +142,30 @@ def _op_phase(s, g: Graph, i: int, its_items, static: dict | None, during: bool)
     stream_us = nbytes / rate * 1e6
     key = f"{node.op}:{weight.name}" if weight is not None else node.op
     flops = node_flops(s, g, i)
-    comp, source = cost_model.compute_us(
-        node.op, flops, stream_us, s.batch, tokens_seen(s, node), static, key, op.latency
-    )
+    whole = cost_model.LAYER_CODE in (static or {}) and not step  # the layer's code is charged whole
+    vector = 0.0 if whole else node_vector_us(s, g, node)
+    tokens = tokens_seen(s, node)
+    comp, source = cost_model.compute_us(node.op, flops, stream_us, s.batch, tokens, static, key, op.latency, vector)
     if not (nbytes or comp):
         return None
     what = next((it.what for it in its_items), node.op)
     tile = nbytes // st.tiles if ring and st.tiles else 0
+    measured_tokens = cost_model.measured.ATTENTION_MEASURED_TOKENS
+    beyond = comp * (1 - measured_tokens / tokens) if source == "latency" and op.latency == "cached_tokens" else 0.0
     return Phase(
-        g.name, what, node.span.line, node.op, nbytes, rate / 1e6, comp, source, name, ring, tile, during=during
+        g.name,
+        what,
+        node.span.line,
+        node.op,
+        nbytes,
+        rate / 1e6,
+        comp,
+        source,
+        name,
+        ring,
+        tile,
+        during=during,
+        extrapolated_us=max(0.0, beyond),
     )
 
 
@@ -121,7 +185,8 @@ def step_order(s, items, static, fused=None) -> list[list[Phase]]:
 def model_step(s, items, slots: int, steps_per_call: int, static: dict | None, must_move: int, flops: int, fused=None):
     """(Timing, per-phase costs per step) of the plan's step."""
     order = step_order(s, items, static, fused)
-    charges = cost_model.simulate(order, slots)
+    charges = cost_model.simulate(order, slots, cost_model.measured.EXCHANGE_STREAM_OVERLAP)
+    granted = cost_model.simulate(order, slots, 1.0)  # every tile in flight lands during an exchange
     costs: dict[tuple, list[float]] = {}
     keys: dict[tuple, tuple] = {}
     for ch in charges:
@@ -138,11 +203,13 @@ def model_step(s, items, slots: int, steps_per_call: int, static: dict | None, m
         for (g, what, line), a in costs.items()
     )
     phases = [p for run in order for p in run]
-    fixed = cost_model.dispatch_us(steps_per_call)
+    fixed = cost_model.dispatch_us()
     modeled = fixed + sum(c.stream_us + c.compute_us + c.comm_us for c in charges)
+    optimistic = fixed + sum(c.stream_us + c.compute_us + c.comm_us for c in granted)
+    floor_rate = cost_model.floor_bytes_per_s()
     timing = Timing(
-        hbm_bytes_per_s=cost_model.FLOOR_BYTES_PER_S,
-        floor_us=must_move / cost_model.FLOOR_BYTES_PER_S * 1e6,
+        hbm_bytes_per_s=floor_rate,
+        floor_us=must_move / floor_rate * 1e6,
         stream_us=sum(p.stream_us for p in phases),
         mxu_us=flops / cost_model.measured.PEAK_BF16_FLOPS_PER_CORE * 1e6,
         compute_us=sum(p.compute_us for p in phases),
@@ -151,5 +218,72 @@ def model_step(s, items, slots: int, steps_per_call: int, static: dict | None, m
         comm_us=sum(p.exchange_us for p in phases),
         steps_per_call=steps_per_call,
         during_us=sum(p.exchange_us for p in phases) - sum(c.comm_us for c in charges),
+        optimistic_us=optimistic,
+        assumptions=assumptions(s, charges, modeled - optimistic),
+        constants=cost_model.measured.SOURCE,
     )
     return timing, out
+
+
+def assumptions(s, charges, spread: float) -> tuple[Assumption, ...]:
+    """What the modeled step rests on beyond the measurements, each with the us that depend on it."""
+    m = cost_model.measured
+    share = m.EXCHANGE_STREAM_OVERLAP
+    out = [
+        Assumption(
+            "exchange_overlap",
+            f"weight tiles in flight land during {share:.0%} of each exchange (the hand kernel: about "
+            f"{m.EXCHANGE_UNDER_STREAM_US:g} of {m.EXCHANGE_US_PER_LAYER:g} us per layer); all of it is the optimistic end",
+            spread,
+            spans_range=True,
+        )
+    ]
+    vector = sum(c.compute_us for c in charges if c.phase.source == "vector")
+    if vector:
+        out.append(
+            Assumption(
+                "vector_estimate",
+                f"vector and scalar work of ops libtpu's schedule was not read for: {m.VECTOR_OP_US:.2f} us per op "
+                f"plus its elements at the vector unit's width ({m.UNEXPLAINED_LAYER_US:g} us per layer unexplained "
+                f"in the hand kernel over {m.VECTOR_OPS_PER_LAYER} ops; an estimate)",
+                vector,
+            )
+        )
+    beyond = sum(min(c.compute_us, c.phase.extrapolated_us) for c in charges if c.phase.extrapolated_us)
+    if beyond:
+        out.append(
+            Assumption(
+                "attention_context",
+                f"attention's {m.ATTENTION_250_TOKENS_US:g} us per {m.ATTENTION_MEASURED_TOKENS} cached tokens "
+                f"(measured there) extended linearly to {s.context + 1} tokens and {s.rows} rows",
+                beyond,
+            )
+        )
+    wide = sum(c.comm_us for c in charges if c.phase.wide_peers)
+    if wide:
+        out.append(
+            Assumption(
+                "collective_peers",
+                f"exchange phases with more than {m.DIRECT_FIT_CORES - 1} peers use the direct fit measured on "
+                f"{m.DIRECT_FIT_CORES} cores (latency extrapolated per peer; bandwidth taken as the same)",
+                wide,
+            )
+        )
+    devices = _devices(s.model)
+    if devices > m.DISPATCH_MEASURED_CORES:
+        out.append(
+            Assumption(
+                "dispatch_cores",
+                f"the {m.DISPATCH_US:g} us per step of dispatch, glue and barrier measured on "
+                f"{m.DISPATCH_MEASURED_CORES} cores, used for {devices}",
+                m.DISPATCH_US,
+            )
+        )
+    return tuple(out)
+
+
+def _devices(model) -> int:
+    n = 1
+    for _, size in model.mesh:
+        n *= size
+    return n

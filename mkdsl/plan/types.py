@@ -137,6 +137,16 @@ class PhaseCost:
 
 
 @dataclass(frozen=True)
+class Assumption:
+    """An assumption of the cost model no measurement supports, and what rests on it per step."""
+
+    name: str  # short key: "exchange_overlap", "vector_estimate", "attention_context", ...
+    what: str  # one sentence: the assumption and the measurement it goes beyond
+    effect_us: float  # us of the modeled step that depend on it (or the range it spans)
+    spans_range: bool = False  # the conservative .. optimistic range is this assumption's
+
+
+@dataclass(frozen=True)
 class Timing:
     """Modeled figures (no TPU measured them), from measured components (plan/cost_model.py)."""
 
@@ -150,6 +160,10 @@ class Timing:
     comm_us: float = 0.0  # exchange phases of the in-kernel collectives (sharded models)
     steps_per_call: int = 1
     during_us: float = 0.0  # of comm_us, the time ops ran while an exchange travelled (mkdsl/spmd/overlap.py)
+    optimistic_us: float = 0.0  # the step with every unmeasured overlap granted (the range's other end)
+    assumptions: tuple[Assumption, ...] = ()
+    constants: str = "plan/measured.py"  # where the measured constants came from (or a calibration file)
+    compute_from: str = "the static ratios given"  # libtpu's schedule (which file) or the per-op estimate
 
     @property
     def tokens_per_s(self) -> float:

@@ -5,13 +5,13 @@ bytes per step, the HBM floor and the modeled time. Every time is modeled."""
 from __future__ import annotations
 
 from mkdsl.lang.ir import Model
-from mkdsl.plan import collectives
+from mkdsl.plan import collectives, speculative
 from mkdsl.plan.breakdown import breakdown
 from mkdsl.plan.hbm import hbm_line
 from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB
 from mkdsl.report.svg import render_svg
-from mkdsl.report.timing import time_section, verdict
+from mkdsl.report.timing import assumptions_section, time_section, verdict
 
 
 def _bytes(n: int) -> str:
@@ -37,7 +37,6 @@ PUBLIC = {
         "452 tokens/s on 16 GB200 GPUs",
     ),
 }
-SPECULATIVE_ROWS, ACCEPTED = 8, 6  # the public speculative setting: rows verified per step, tokens accepted
 
 
 def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = None) -> str:
@@ -52,6 +51,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         "No TPU measured anything here: every time below is **modeled** (see docs/performance.md).",
         "",
         *time_section(model, plan, breakdown(model, plan)),
+        *assumptions_section(plan, spec_path),
         "## Summary (modeled)",
         "",
         "| figure | value |",
@@ -60,7 +60,8 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         f"| state bytes per step (KV read + written) | {_bytes(plan.state_bytes)} |",
         f"| bytes the schedule moves | {_bytes(plan.schedule_bytes)} |",
         f"| HBM floor at {t.hbm_bytes_per_s / 1e12:.2f} TB/s (modeled) | {t.floor_us:.1f} us |",
-        f"| modeled step time | {t.modeled_us:.1f} us ({t.modeled_us / t.floor_us:.3f} x floor) |",
+        f"| modeled step time (conservative) | {t.modeled_us:.1f} us ({t.modeled_us / t.floor_us:.3f} x floor) |",
+        f"| modeled step time, optimistic (see Assumptions) | {t.optimistic_us:.1f} us |",
         f"| modeled tokens/s per sequence | {t.tokens_per_s:.1f} |",
         f"| DMAs per step | {plan.dma_count} |",
         f"| VMEM planned (explicit) | {_mib(plan.vmem_total)} of {_mib(plan.vmem_cap)} cap |",
@@ -69,7 +70,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         "Modeled time = dispatch + every phase in order, each op max(its compute, its bytes not yet landed)"
         + (", each collective its exchange phases:" if plan.mesh else ":"),
         f"stream {t.stream_us:.1f} us (every phase's bytes at its measured rate), compute {t.compute_us:.1f} us "
-        f"(of which MXU at peak {t.mxu_us:.1f} us), dispatch {t.fixed_us:.1f} us"
+        f"(of which MXU at peak {t.mxu_us:.1f} us), dispatch {t.fixed_us:.1f} us per step"
         + (f", collectives {t.comm_us:.1f} us" if plan.mesh else "")
         + f"; overlapped {t.overlap_us:.1f} us.",
         "",
@@ -185,19 +186,12 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         f"| HBM floor per core at {t.hbm_bytes_per_s / 1e12:.2f} TB/s | {t.floor_us:.1f} us |",
         f"| exchange phases per step | {plan.exchange_phases} |",
         f"| collectives per step | {t.comm_us:.1f} us |",
-        f"| modeled step time | {t.modeled_us:.1f} us |",
+        f"| modeled step time (conservative) | {t.modeled_us:.1f} us |",
         f"| modeled tokens/s, {plan.devices} cores ({chips:g} chips), batch {plan.batch} | "
         f"{plan.batch * 1e6 / t.modeled_us:.1f} |",
     ]
-    if wide is not None and wide.batch >= SPECULATIVE_ROWS:
-        w = wide.timing
-        out.append(
-            f"| modeled step time at batch {wide.batch} | {w.modeled_us:.1f} us |",
-        )
-        out.append(
-            f"| modeled accepted tokens/s if each step verified {SPECULATIVE_ROWS} draft rows and accepted "
-            f"{ACCEPTED} (the public setting; mkdsl has no speculative verify yet) | {ACCEPTED * 1e6 / w.modeled_us:.1f} |"
-        )
+    if wide is not None and wide.batch >= speculative.PUBLIC_ROWS:
+        out += _speculative_rows(model, plan, wide)
     out.append(f"| collectives' wire type (all-reduce partial sums) | {plan.wire} |")
     for line in PUBLIC.get(model.name, ()):
         out.append(f"| public, measured (not mkdsl) | {line} |")
@@ -233,6 +227,24 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         )
     out.append("")
     return out
+
+
+def _speculative_rows(model: Model, plan: Plan, wide: Plan) -> list[str]:
+    """The modeled speculative figure at the public setting (one sequence, 8 rows verified per
+    step, 6 accepted) with the n-gram drafter: mkdsl/plan/speculative.py, each part shown."""
+    from mkdsl.plan import make_plan
+
+    rows = speculative.PUBLIC_ROWS
+    verify = (
+        wide if wide.batch == rows else make_plan(model, batch=rows, context=plan.context, ring_depth=wide.ring_depth)
+    )
+    figure = speculative.ngram(1, rows, speculative.PUBLIC_ACCEPTANCE, verify.timing.modeled_us)
+    return [
+        f"| modeled step time at batch {rows} (the verify step of {rows} rows; conservative) | {verify.timing.modeled_us:.1f} us |",
+        f"| modeled accepted tokens/s, speculative decoding: one sequence, {rows} rows verified per step, "
+        f"acceptance {figure.acceptance:g} (the public setting), n-gram drafter on the host, accept step "
+        f"estimated (`mkdsl plan --draft`) | {figure.formula()} |",
+    ]
 
 
 def traffic_split(model: Model, plan: Plan) -> dict[str, int]:

@@ -15,7 +15,15 @@ from mkdsl.plan.types import Plan
 from mkdsl.plan.vmem import MIB, VMEM_PER_CORE
 
 COLOURS = {"stream": "#4e79a7", "compute": "#59a14f", "collectives": "#e15759", "fixed": "#f28e2b"}
-VMEM_COLOURS = ("#4e79a7", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac")
+# One colour per VMEM category, the same in every picture, none shared with a cost kind above.
+VMEM_COLOURS = {
+    "weight ring": "#76b7b2",
+    "values": "#edc948",
+    "fetched weights": "#b07aa1",
+    "collectives": "#ff9da7",
+    "outputs": "#9c755f",
+    "op scratch": "#bab0ac",
+}
 # VMEM buffers by the planner's name prefix (plan/planner.py names them as the emitter does).
 VMEM_GROUPS = {
     "ring": "weight ring",
@@ -51,7 +59,7 @@ def _step_bar(b: Breakdown, y: int) -> list[str]:
     """One bar for the whole step: per graph, its cost kinds; graph names under their spans."""
     scale = (RIGHT - LEFT) / b.modeled_us
     out, x = [f'<g id="step" data-us="{_num(b.modeled_us)}">'], float(LEFT)
-    spans = []
+    spans: list[tuple[str, float, float]] = []
     for g in b.graphs:
         start = x
         for k in COST_KINDS:
@@ -62,11 +70,17 @@ def _step_bar(b: Breakdown, y: int) -> list[str]:
                 x += us * scale
         spans.append((g, start, x))
     out.append("</g>")
+    narrow = []
     for g, x0, x1 in spans:
         out.append(f'<path d="M{x0 + 1:.2f} {y + 30}v4H{x1 - 1:.2f}v-4" fill="none" stroke="#333"/>')
         name = "outside the layers" if g == "step" else g
         if x1 - x0 >= 7 * len(name):
             out.append(_text((x0 + x1) / 2, y + 46, name, text_anchor="middle"))
+        else:  # too narrow for its name: numbered under the bar, named at its end
+            narrow.append(f"{len(narrow) + 1} {name} {b.us(graph=g):.1f} us")
+            out.append(_text((x0 + x1) / 2, y + 46, str(len(narrow)), text_anchor="middle", font_size="9"))
+    if narrow:
+        out.append(_text(RIGHT, y + 46, "; ".join(narrow), text_anchor="end", font_size="10"))
     return out
 
 
@@ -94,7 +108,9 @@ def _legend(b: Breakdown, y: int) -> list[str]:
     out, x = [], LEFT
     for k in COST_KINDS:
         out.append(f'<rect x="{x}" y="{y}" width="12" height="12" fill="{COLOURS[k]}"/>')
-        shown = "hidden" if b.us(kind=k) == 0 and k in ("stream", "compute") else f"{b.us(kind=k):.1f} us"
+        if b.us(kind=k) == 0 and k not in ("stream", "compute"):
+            continue  # nothing to show (no collectives on one device, no dispatch charged)
+        shown = "hidden" if b.us(kind=k) == 0 else f"{b.us(kind=k):.1f} us"
         out.append(_text(x + 16, y + 10, f"{k} {shown}"))
         x += 210
     return out
@@ -124,8 +140,8 @@ def _vmem_bar(plan: Plan, y: int) -> list[str]:
     ]
     x = float(LEFT)
     legend = []
-    for i, (group, size) in enumerate(vmem_groups(plan).items()):
-        colour = VMEM_COLOURS[i % len(VMEM_COLOURS)]
+    for group, size in vmem_groups(plan).items():
+        colour = VMEM_COLOURS[group]
         out.append(
             _rect(x, y, size * scale, 24, colour, f"{group}: {size / MIB:.2f} MiB", group=group, bytes=str(size))
         )
@@ -146,7 +162,8 @@ def _vmem_bar(plan: Plan, y: int) -> list[str]:
 def render_svg(model: Model, plan: Plan, b: Breakdown, verdict: str) -> str:
     """The picture; deterministic for the same plan."""
     where = f", one of {plan.devices} devices" if plan.mesh else ""
-    title = f"{model.name} (profile {model.profile or 'none'}), batch {plan.batch}{where}: modeled step {b.modeled_us:.1f} us"
+    profile = f" (profile {model.profile})" if model.profile else ""
+    title = f"{model.name}{profile}, batch {plan.batch}{where}: modeled step {b.modeled_us:.1f} us"
     lines = textwrap.wrap(verdict.replace("`", ""), 130)
     y = 40 + 16 * len(lines)
     body = [_text(LEFT, 20, title, font_weight="bold")]

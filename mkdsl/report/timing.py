@@ -39,6 +39,45 @@ def verdict(model: Model, b: Breakdown, plan: Plan) -> str:
     )
 
 
+def headline(plan: Plan) -> str:
+    """The step with its range: the conservative reading, and what the optimistic one grants."""
+    t = plan.timing
+    spans = next((a for a in t.assumptions if a.spans_range), None)
+    if spans is None or t.modeled_us - t.optimistic_us < 0.05:
+        return f"Step {t.modeled_us:.1f} us (conservative; no unmeasured overlap changes it)"
+    return (
+        f"Step {t.modeled_us:.1f} us (conservative; range {t.optimistic_us:.1f} .. {t.modeled_us:.1f} us, spanned by "
+        f"`{spans.name}`)"
+    )
+
+
+def assumption_lines(plan: Plan) -> list[str]:
+    """One line per assumption no measurement supports, with the us that rest on it; then where the
+    constants and the compute came from."""
+    t = plan.timing
+    out = [f"- `{a.name}` ({a.effect_us:.1f} us): {a.what}" for a in t.assumptions]
+    return [
+        *out,
+        f"- constants: {t.constants}; compute: {t.compute_from}; the ~{t.fixed_us:.0f} us of dispatch, glue and "
+        "barrier per step (measured per step, not shared by several steps per call)",
+    ]
+
+
+def assumptions_section(plan: Plan, spec_path: str) -> list[str]:
+    """The plan.md section: the range and every assumption with its effect, and the command that
+    gives the same figures."""
+    command = f"mkdsl plan {spec_path}{f' --profile {plan.profile}' if plan.profile else ''} --batch {plan.batch} --context {plan.context}"
+    return [
+        "## Assumptions (modeled)",
+        "",
+        f"**{headline(plan)}** (`{command}`). The headline is the conservative reading; each assumption below "
+        "goes beyond a measurement, with the modeled us that rest on it:",
+        "",
+        *assumption_lines(plan),
+        "",
+    ]
+
+
 def _cell(b: Breakdown, graph: str | None, kind: str) -> str:
     return f"{b.us(graph, kind):.1f}"
 
@@ -60,7 +99,7 @@ def time_section(model: Model, plan: Plan, b: Breakdown) -> list[str]:
         "",
         "Modeled us per step, phase by phase in the kernel's order: each op is charged what it waits for "
         "(its bytes not yet landed, or its compute), each collective its exchange phases; the weight ring's "
-        "tiles in flight land during compute and exchanges; fixed: the device call's dispatch.",
+        "tiles in flight land during compute and exchanges; fixed: dispatch, glue and barrier, per step.",
         "",
         head,
         "|---|---|" + "---|" * len(COST_KINDS) + "---|---|---|",
@@ -83,9 +122,9 @@ def render_summary(model: Model, plan: Plan, spec_path: str, b: Breakdown) -> st
     t = plan.timing
     where = f", one of {plan.devices} devices" if plan.mesh else ""
     out = [
-        f"{model.name} (profile {model.profile or 'none'}) from {spec_path}{where}: batch {plan.batch} "
+        f"{model.name}{f' (profile {model.profile})' if model.profile else ''} from {spec_path}{where}: batch {plan.batch} "
         f"(rows padded to {plan.rows}), {plan.context} cached tokens per row. All times modeled.",
-        f"Step {t.modeled_us:.1f} us, HBM floor {t.floor_us:.1f} us ({t.modeled_us / t.floor_us:.2f} x); "
+        f"{headline(plan)}, HBM floor {t.floor_us:.1f} us ({t.modeled_us / t.floor_us:.3f} x); "
         f"{t.tokens_per_s:.1f} tokens/s per sequence; VMEM {plan.vmem_total / MIB:.1f} of "
         f"{plan.vmem_cap / MIB:.0f} MiB.",
         *textwrap.wrap(hbm_line(plan) + ".", WIDTH),
@@ -102,6 +141,8 @@ def render_summary(model: Model, plan: Plan, spec_path: str, b: Breakdown) -> st
     out += ["", "Top 5 costs (modeled us per step):"]
     for i, c in enumerate(b.top(), 1):
         out.append(f"{i}. {c.us:9.1f} us {b.share(c.us):>6}  {_cost_line(c)}")
+    rest = ", ".join(f"{a.name} {a.effect_us:.1f}" for a in t.assumptions)
+    out += ["", f"Assumptions no measurement supports (us resting on each; `--full` says what each is): {rest}."]
     out += ["", "More: `mkdsl plan --full` (the whole report, as plan.md), `--json` (the plan as data)."]
     return "\n".join(part for line in out for part in (textwrap.wrap(line, WIDTH) if len(line) > WIDTH else [line]))
 

@@ -21,6 +21,12 @@ class BenchRow:
     context: int
     ms_per_step: float
     floor_us: float  # the plan's HBM floor for this batch and context
+    model_us: float = 0.0  # the cost model's step (conservative) for this batch and context
+
+    @property
+    def model_ratio(self) -> float:
+        """The measured step over the model's: above 1, the model is optimistic."""
+        return self.ms_per_step * 1e3 / self.model_us if self.model_us else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -38,10 +44,14 @@ def on_tpu() -> bool:
     return jax.default_backend() == "tpu"
 
 
-def _floor_us(spec: Spec, batch: int, context: int) -> float:
-    from mkdsl.plan import make_plan
+def modeled(spec: Spec, batch: int, context: int):
+    """The plan's Timing for this batch and context, as `mkdsl plan SPEC` models it (the spec's
+    committed static costs; the constants in force: a calibration's when one is applied). Raises
+    SpecError when the batch x context does not fit in HBM: call it before any slow work."""
+    from mkdsl.plan import make_plan, static_costs
 
-    return make_plan(spec.local, batch=batch, context=context).timing.floor_us
+    static, where = static_costs.default_costs(spec.path, spec.profile)
+    return make_plan(spec.local, batch=batch, context=context, static=static, static_from=where).timing
 
 
 def bench_batch(spec: Spec, module, batch: int, seq_len: int, steps: int, weights=None, mesh=None) -> BenchRow:
@@ -67,7 +77,8 @@ def bench_batch(spec: Spec, module, batch: int, seq_len: int, steps: int, weight
         jax.block_until_ready(logits)
         if i:
             times.append(time.perf_counter() - start)
-    return BenchRow(batch, seq_len - 1, statistics.median(times) * 1e3, _floor_us(spec, batch, seq_len - 1))
+    t = modeled(spec, batch, seq_len - 1)
+    return BenchRow(batch, seq_len - 1, statistics.median(times) * 1e3, t.floor_us, t.modeled_us)
 
 
 def bench(spec: Spec, batches: list[int], seq_len: int, steps: int = 3, weights=None, progress=None) -> list[BenchRow]:
@@ -86,11 +97,13 @@ def render(spec: Spec, rows: list[BenchRow], native: bool) -> str:
     lines = [f"{spec.path}{f' (profile {spec.profile})' if spec.profile else ''} on {where}"]
     lines.append(
         f"{'batch':>5} {'context':>8} {'ms/step':>10} {'tokens/s':>10} {'HBM floor us':>13} {'% of floor':>10}"
+        + (f" {'model us':>10} {'measured/model':>15}" if native else "")
     )
     for r in rows:
         lines.append(
             f"{r.batch:>5} {r.context:>8} {r.ms_per_step:>10.3f} {r.tokens_per_s:>10.2f} "
             f"{r.floor_us:>13.1f} {100 * r.floor_share:>9.3f}%"
+            + (f" {r.model_us:>10.1f} {r.model_ratio:>15.3f}" if native else "")
         )
     if not native:
         lines.append(

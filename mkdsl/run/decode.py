@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -115,7 +116,7 @@ def _zeros(layout: dict) -> dict:
 
 @dataclass
 class Generation:
-    tokens: np.ndarray  # [B, generated]
+    tokens: list[np.ndarray]  # per row, the tokens generated (rows that stopped early have fewer)
     prompt_tokens: int
     prefill: str  # how: "XLA" or "kernel steps"
     prefill_s: float
@@ -140,34 +141,58 @@ class Generation:
 
 def generate(
     decoder: Decoder,
-    prompt: list[int],
+    prompt,
     max_tokens: int,
     stop: frozenset[int],
-    on_tokens: Callable[[np.ndarray], None] | None = None,
+    on_tokens: Callable[[list], None] | None = None,
 ) -> Generation:
-    """Prefill `prompt` (every row the same), then decode `steps_per_call` tokens per call until
-    every row has stopped or `max_tokens` tokens are made; `on_tokens` sees each call's new tokens.
-    The cache must hold the prompt, `max_tokens` and one call's worth more (see `cache_length`)."""
-    rows = np.tile(np.asarray(prompt, np.int32), (decoder.batch, 1))
+    """Prefill, then decode until every row has stopped or made `max_tokens` tokens. `prompt`: one
+    prompt's ids (every row the same) or one per row, of any lengths: the prefill takes the
+    shortest length, then rows with more prompt are fed it one step at a time (the step's
+    positions are shared, so a row still in its prompt ignores the sampled token), then
+    `steps_per_call` tokens per call. `on_tokens` sees each call's new tokens, a list per row.
+    The cache must hold the longest prompt, `max_tokens` and one call's worth more (`cache_length`)."""
+    rows = _rows(prompt, decoder.batch)
+    shortest = min(len(r) for r in rows)
     t0 = time.perf_counter()
-    token = decoder.prefill(rows)
+    token = decoder.prefill(np.array([r[:shortest] for r in rows], np.int32))
     prefill_s = time.perf_counter() - t0
-    out, done, position, calls = [token[:, None]], np.isin(token, list(stop)), len(prompt), []
-    if on_tokens:
-        on_tokens(out[0])
-    made = 1
-    while made < max_tokens and not done.all():
-        n = decoder.steps_per_call
+    made: list[list[int]] = [[] for _ in rows]
+    position, calls = shortest, []
+    _take(made, rows, position - 1, token[:, None], max_tokens, on_tokens)
+    while not all(len(m) >= max_tokens or stop & set(m) for m in made):
+        forcing = any(len(r) > position for r in rows)
+        n = 1 if forcing else decoder.steps_per_call
+        inputs = [r[position] if position < len(r) else (m[-1] if m else 0) for r, m in zip(rows, made, strict=True)]
         t0 = time.perf_counter()
-        new = decoder.decode(out[-1][:, -1], position, n)[:, : max_tokens - made]
+        new = decoder.decode(np.asarray(inputs, np.int32), position, n)
         calls.append((n, time.perf_counter() - t0))
-        position, made = position + n, made + new.shape[1]
-        out.append(new)
-        done |= np.isin(new, list(stop)).any(axis=1)
-        if on_tokens:
-            on_tokens(new)
+        _take(made, rows, position, new, max_tokens, on_tokens)
+        position += n
     how = "XLA" if decoder.prefill_fn is not None else "kernel steps"
-    return Generation(np.concatenate(out, axis=1), len(prompt), how, prefill_s, calls)
+    return Generation([np.asarray(m, np.int32) for m in made], shortest, how, prefill_s, calls)
+
+
+def _rows(prompt, batch: int) -> list[list[int]]:
+    """One prompt for every row, or a prompt per row."""
+    if len(prompt) and not isinstance(prompt[0], int | np.integer):
+        rows = [[int(t) for t in r] for r in prompt]
+        if len(rows) != batch:
+            raise ValueError(f"{len(rows)} prompts for a batch of {batch}")
+        return rows
+    return [[int(t) for t in prompt]] * batch
+
+
+def _take(made, rows, position: int, new: np.ndarray, max_tokens: int, on_tokens) -> None:
+    """Each row keeps the tokens sampled at or after its last prompt position (`position` is the
+    first one `new` was sampled at), up to `max_tokens`."""
+    shown = []
+    for b, (r, m) in enumerate(zip(rows, made, strict=True)):
+        keep = [int(t) for i, t in enumerate(new[b]) if position + i >= len(r) - 1][: max_tokens - len(m)]
+        m.extend(keep)
+        shown.append(keep)
+    if on_tokens:
+        on_tokens(shown)
 
 
 def cache_length(prompt: int, max_tokens: int, steps_per_call: int, kv_tile: int) -> int:
@@ -196,16 +221,25 @@ def _mkdsl_sources_hash() -> str:
 
 
 def cached_kernel(source: str, spec_path: str, profile: str | None):
-    """(the generated module, its directory): compiled once per spec, profile and mkdsl version."""
+    """(the generated module, its directory): compiled once per spec, profile and mkdsl version.
+    An entry counts only with its digest (`<key>.sha256`, written after the directory is in place)
+    matching its files: a damaged or half-copied one is rebuilt, never imported."""
     from mkdsl.compiler import compile_source, write_atomically
 
     key = hashlib.sha256(f"{profile}\0{source}\0{_mkdsl_sources_hash()}".encode()).hexdigest()[:16]
     out_dir = cache_root() / "kernels" / key
+    digest = out_dir.with_name(f"{key}.sha256")
     kernel = out_dir / "kernel.py"
-    if not kernel.exists():
+    if not _intact(out_dir, digest):
         out, _ = compile_source(source, spec_path, profile, out_dir)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
+        digest.unlink(missing_ok=True)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)  # ours (the cache), damaged: write_atomically would refuse what it cannot read
         write_atomically(out, out_dir)
+        tmp = digest.with_name(f".{digest.name}.{os.getpid()}")
+        tmp.write_text(_digest(out_dir, out.files), encoding="utf-8")
+        os.replace(tmp, digest)
     name = f"mkdsl_cached_kernel_{key}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, kernel)
@@ -213,3 +247,27 @@ def cached_kernel(source: str, spec_path: str, profile: str | None):
         sys.modules[name] = module  # dataclasses in the module look their module up by name
         spec.loader.exec_module(module)
     return sys.modules[name], out_dir
+
+
+def _digest(out_dir: Path, names) -> str:
+    """`name sha256` lines of an entry's files."""
+    return "".join(f"{n} {hashlib.sha256((out_dir / n).read_bytes()).hexdigest()}\n" for n in sorted(names))
+
+
+def _intact(out_dir: Path, digest: Path) -> bool:
+    """The entry is there and its files are the bytes its digest names."""
+    try:
+        lines = digest.read_text(encoding="utf-8").splitlines()
+        names = [line.split(" ", 1)[0] for line in lines]
+        return bool(names) and "kernel.py" in names and _digest(out_dir, names) == "\n".join(lines) + "\n"
+    except (OSError, ValueError):
+        return False
+
+
+def use_compilation_cache() -> None:
+    """JAX's persistent compilation cache in `cache_root()/jax`: a later `mkdsl run` of the same
+    kernel, batch and cache length loads XLA's compiled executables instead of compiling again."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

@@ -30,6 +30,7 @@ from mkdsl.lang.quant import QTensor, register_pytree
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.ops.prefill import Rows
+from mkdsl.run import guard
 from mkdsl.run.reference import _no_nesting, _run_graph
 from mkdsl.run.sampling import Sampling, sample_tokens
 
@@ -86,12 +87,20 @@ def _prompt_rows(tokens, lengths, start) -> tuple[Rows, object, object]:
     return Rows(batch, length, positions, (t < lengths[:, None]).reshape(-1)), lengths, start
 
 
-def _prompt_inputs(model: Model, tokens, lengths, start) -> tuple[Rows, dict, object, object]:
-    """The prompt's rows, the step's inputs over them (tokens, positions), lengths and start."""
+def _prompt_inputs(
+    model: Model, tokens, lengths, start, room=None, vocab=None
+) -> tuple[Rows, dict, object, object, object]:
+    """The prompt's rows, the step's inputs over them (tokens, positions), lengths and start.
+    Token ids and positions out of range are clamped (mkdsl/run/guard.py); `rows.bad` flags
+    each prompt row that had one among its valid tokens (`room`: the cache length): the fifth value."""
     tokens = jnp.asarray(tokens)
     rows, lengths, start = _prompt_rows(tokens, lengths, start)
     token_name, position_name = (v.name for v in model.inputs)
-    return rows, {token_name: tokens.reshape(-1).astype(jnp.int32), position_name: rows.positions}, lengths, start
+    vocab = guard.vocab(model) if vocab is None else vocab
+    flat, positions, bad = guard.guard(tokens.reshape(-1).astype(jnp.int32), rows.positions, vocab, room)
+    bad = jnp.any((bad & rows.valid).reshape(rows.batch, rows.length), axis=1)
+    rows = Rows(rows.batch, rows.length, positions, rows.valid)
+    return rows, {token_name: flat, position_name: positions}, lengths, start, bad
 
 
 def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries, lengths=None, start=None, spmd=False):
@@ -99,7 +108,7 @@ def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries,
     [B*T, ...], and the state after its writes). Fed the carries token-by-token decoding enters
     the layer with, it checks one layer's prefill rules in place, where rounding differences
     cannot compound through the stack (as mkdsl/verify/kernel.py checks a kernel)."""
-    rows, inputs, _, _ = _prompt_inputs(model, tokens, lengths, start)
+    rows, inputs, *_ = _prompt_inputs(model, tokens, lengths, start)
     state, graph = dict(state), model.kind(model.schedule[index])
     weights = reference_weights(model, weights)
     out = _run_graph(model, graph, list(carries), weights, state, inputs, index, _no_nesting, _caller([rows], spmd))
@@ -107,14 +116,16 @@ def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries,
 
 
 def run_prefill(
-    model: Model, sampling, weights, state, tokens, lengths=None, start=None, seed=0, feed=None, spmd=False
+    model: Model, sampling, weights, state, tokens, lengths=None, start=None, seed=0, feed=None, spmd=False, vocab=None
 ):
     """The prefill, unjitted (build_prefill's body). `feed(index, carries) -> carries` replaces
     what layer `index` (the epilogue: index L) receives: a debug hook, to feed the prefill the
     carries token-by-token decoding has there (run_prefill_layer's check, for the epilogue).
-    `spmd`: per device under `shard_map`, each op's `OpDef.spmd_prefill` first (see `_caller`)."""
+    `spmd`: per device under `shard_map`, each op's `OpDef.spmd_prefill` first (see `_caller`).
+    `vocab`: the token ids allowed (default: the model's; a per-device model passes the whole one)."""
     weights = reference_weights(model, weights)
-    rows, inputs, lengths, start = _prompt_inputs(model, tokens, lengths, start)
+    room = guard.cache_length(model, state)
+    rows, inputs, lengths, start, bad = _prompt_inputs(model, tokens, lengths, start, room, vocab)
     token_name, position_name = (v.name for v in model.inputs)
     state, current = dict(state), [rows]
     last = jnp.arange(rows.batch) * rows.length + lengths - 1  # each row's last token
@@ -127,13 +138,14 @@ def run_prefill(
             carries = _run_graph(model, model.kind(kind), carries, weights, state, inputs, layer, run_layers, call)
         carries = feed(len(model.schedule), carries)
         # the epilogue sees one row per prompt row: its last token
-        inputs.update({token_name: inputs[token_name][last], position_name: start + lengths - 1})
+        inputs.update({token_name: inputs[token_name][last], position_name: inputs[position_name][last]})
         current[0] = Rows(rows.batch, 1, inputs[position_name], jnp.ones((rows.batch,), bool))
         return [c[last] for c in carries]
 
     logits, greedy = _run_graph(model, model.step, [], weights, state, inputs, None, run_layers, call)
     seed = np.uint32(seed % 2**32) if isinstance(seed, int) else seed
-    return logits, sample_tokens(logits, inputs[position_name], seed, sampling, greedy), state
+    next_tokens = sample_tokens(logits, inputs[position_name], seed, sampling, greedy)
+    return (*guard.flag(bad, logits, next_tokens), state)
 
 
 def build_prefill(

@@ -22,6 +22,7 @@ from mkdsl.lang.ir import Model, Tensor
 from mkdsl.lang.quant import register_pytree
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
+from mkdsl.run import guard
 from mkdsl.run.prefill import check_prefill, reference_weights, run_prefill
 from mkdsl.run.sampling import Sampling, sample_tokens
 from mkdsl.spmd.shard import shard
@@ -62,8 +63,10 @@ def build_sharded_prefill(
     s_specs = {t.name: tensor_spec(t) for t in local.states}
     logit_spec = P(None, _vocab_axes(local) or None)
 
+    vocab = guard.vocab(model)  # the whole vocabulary: a device's embedding may hold only its share
+
     def per_device(weights, state, tokens, lengths, start):
-        return run_prefill(local, Sampling(), weights, state, tokens, lengths, start, spmd=True)
+        return run_prefill(local, Sampling(), weights, state, tokens, lengths, start, spmd=True, vocab=vocab)
 
     def prefill(weights, state, tokens, lengths=None, start=None, seed=0):
         weights = reference_weights(model, weights)
@@ -75,7 +78,8 @@ def build_sharded_prefill(
         mapped = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)
         logits, greedy, new = mapped(weights, state, jnp.asarray(tokens, jnp.int32), lengths, start)
         seed = jnp.uint32(seed % 2**32) if isinstance(seed, int) else seed
-        return logits, sample_tokens(logits, start + lengths - 1, seed, sampling, greedy), new
+        drawn = sample_tokens(logits, start + lengths - 1, seed, sampling, greedy)
+        return logits, jnp.where(greedy < 0, -1, drawn), new  # a row flagged per device stays flagged
 
     register_pytree()
     if not jit:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from mkdsl.lang.ir import Graph, LayerExpr, Model, Ref
 from mkdsl.lang.quant import QTensor, register_pytree
-from mkdsl.lazy import jax
+from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
+from mkdsl.run import guard
 
 LayersFn = Callable[[list], list]  # carries entering the layer stack -> carries leaving it
 
@@ -69,11 +70,17 @@ def build_reference(model: Model, jit: bool = True) -> Callable:
     """`step(weights, state, tokens, positions) -> (logits, next_tokens, new_state)`.
 
     weights: name -> array (a `QTensor` for quantised formats); state: name -> array.
-    Stacked tensors carry a leading layer-slot axis, as declared.
+    Stacked tensors carry a leading layer-slot axis, as declared. A token id or position out of
+    range is clamped and its row flagged (NaN logits, next token -1), as the kernel's step does
+    (mkdsl/run/guard.py).
     """
+    vocab = guard.vocab(model)
 
     def step(weights, state, tokens, positions):
         state = dict(state)
+        tokens, positions, bad = guard.guard(
+            jnp.asarray(tokens), jnp.asarray(positions), vocab, guard.cache_length(model, state)
+        )
         inputs = _inputs(model, tokens, positions)
 
         def run_layers(carries):
@@ -82,7 +89,7 @@ def build_reference(model: Model, jit: bool = True) -> Callable:
             return carries
 
         logits, next_tokens = _run_graph(model, model.step, [], weights, state, inputs, None, run_layers)
-        return logits, next_tokens, state
+        return (*guard.flag(bad, logits, next_tokens), state)
 
     register_pytree()
     return jax.jit(step) if jit else step
@@ -150,3 +157,24 @@ def run_layer(model: Model, index: int, weights, state, tokens, positions, carri
 
 def _no_nesting(carries):
     raise ValueError("a layer stack inside a layer")
+
+
+def build_mtp_reference(model: Model, jit: bool = True) -> Callable:
+    """The spec's `mtp` head: `mtp(weights, state, hidden, tokens, positions) -> (hidden, logits,
+    new_state)`; its state (its attention's caches) is read and written as the step's is."""
+    if model.mtp is None:
+        raise ValueError(f"model `{model.name}` declares no `mtp` head")
+    names = [v.name for v in model.mtp_inputs]
+    register_pytree()
+
+    def mtp(weights, state, hidden, tokens, positions):
+        state = dict(state)
+        inputs = dict(zip(names, (tokens, positions)))
+        out, logits = _run_graph(model, model.mtp, [hidden], weights, state, inputs, None, _no_layers)
+        return out, logits, state
+
+    return jax.jit(mtp) if jit else mtp
+
+
+def _no_layers(carries):
+    raise ValueError("an `mtp` head calls no layer stack")

@@ -347,6 +347,9 @@ def _rule_same_split(s: _Sharder, node: Node, places, heads: bool):
         if r.kind == "input":
             need[i] = places[i]
             continue
+        if r.kind == "tensor" and not s.tensors[r.name].type.dtype.float:  # positions or ids: whole
+            need[i] = WHOLE
+            continue
         if r.kind == "tensor":
             t = s.tensors[r.name]
             split = next((axes for axes in t.sharding if axes), ())
@@ -434,6 +437,39 @@ def _rule_attention(s: _Sharder, node: Node, places):
             raise ShardError(f"{kv} KV heads do not split {ways} ways")
         attrs["kv_heads"] = kv // ways
     return need, outs, attrs
+
+
+def _rule_block_heads(s: _Sharder, node: Node, places):
+    """`block_attention`: query and KV heads split alike (as many KV heads as devices at least: a
+    spec repeats them), the slot caches split by KV head; positions and slot positions whole."""
+    q = places[0]
+    if q.kind != "S":
+        return _rule_whole(s, node, places)
+    ways = s.ways(q.axes)
+    if node.attr.get("kv_heads", 1) % ways or _per_head(s, node, q) is None:
+        raise ShardError(
+            f"{node.attr.get('heads')} query and {node.attr.get('kv_heads')} KV heads do not both split {ways} ways",
+            "store each KV head repeated (the same model) so that every device holds one",
+        )
+    need, _, _ = _rule_same_split(s, node, places, heads=True)
+    attrs = {"heads": node.attr["heads"] // ways, "kv_heads": node.attr["kv_heads"] // ways}
+    return need, [q], attrs
+
+
+def _rule_markov(s: _Sharder, node: Node, places):
+    """`markov_argmax`: logits split by vocabulary with `w2`'s rows; `w1` whole for the lookup of the
+    previous token; the devices combine each row's best before the next row (`shard_axes`)."""
+    x = places[0]
+    v_axes, _ = s.tensor_axes(node.inputs[3])
+    if any(s.tensor_axes(node.inputs[2])):
+        raise ShardError(f"`{node.inputs[2].name}` is read by the previous token: leave it whole")
+    if x.kind != "S" or not v_axes:
+        return _rule_whole(s, node, places)
+    if v_axes != x.axes:
+        raise ShardError(
+            f"`{node.inputs[3].name}` must be split by vocabulary rows like the logits ({', '.join(x.axes)})"
+        )
+    return {0: x, 1: WHOLE, 2: WHOLE, 3: places[3]}, [WHOLE], {"shard_axes": x.axes}
 
 
 def _rule_key_heads(s: _Sharder, node: Node, places):
@@ -524,6 +560,8 @@ RULES = {
     "heads": lambda s, n, p: _rule_same_split(s, n, p, heads=True),
     "kv_heads": _rule_attention,
     "key_heads": _rule_key_heads,
+    "block_heads": _rule_block_heads,
+    "markov": _rule_markov,
     "latent_attention": _rule_mla,
     "matmul": _rule_linear,
     "vocab_rows": _rule_embedding,

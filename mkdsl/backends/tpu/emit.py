@@ -39,6 +39,7 @@ RUNTIME_PARTS = (
     "runtime/routing.py.jinja",
     "runtime/moe.py.jinja",
     "runtime/elementwise.py.jinja",
+    "runtime/draft.py.jinja",
 )
 
 

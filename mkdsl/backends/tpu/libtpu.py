@@ -136,3 +136,37 @@ def compiler_vmem(
     if abs(float(m[3]) * UNITS[m[4]] - limit) >= 0.01 * limit:
         raise CompilerVmemUnknown(f"the {limit / MIB:.2f} MiB limit was not the one applied")
     return float(m[1]) * UNITS[m[2]], seconds
+
+
+def missing() -> str | None:
+    """Why libtpu cannot compile here (it is not installed), or None. Checked before slow work."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("libtpu") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return "libtpu (the TPU compiler) is not installed: `pip install -e '.[tpu]'` installs it"
+
+
+_KERNEL_LINE = re.compile(r"kernel[\w]*\.py\"?[:,]\s*(?:line\s+)?(\d+)")
+_SPEC_LINE = re.compile(r"# spec line (\d+)")
+_MESSAGE = re.compile(r"(Mosaic|INTERNAL|error:|Error:|failed)")
+
+
+def describe_failure(output: str, kernel: str) -> str:
+    """A libtpu failure as a compiler error: the compiler's own message (Mosaic's, not the Python
+    traceback around it) and, where it names a line of the generated kernel, the spec line that
+    line was generated from (the kernel's `# spec line N` comments)."""
+    lines = [s for s in output.splitlines() if s.strip() and not s.startswith(("Traceback", "  File", "    "))]
+    message = "\n".join(s for s in lines if _MESSAGE.search(s)) or "\n".join(lines[-3:])
+    where = ""
+    at = _KERNEL_LINE.findall(output)
+    if at:
+        above = kernel.splitlines()[: int(at[-1])]
+        spec = next((m[1] for s in reversed(above) if (m := _SPEC_LINE.search(s))), None)
+        if spec:
+            where = f" (generated from spec line {spec})"
+    return f"libtpu failed to compile the kernel{where}:\n{message[-3000:]}"

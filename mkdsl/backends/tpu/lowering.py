@@ -156,6 +156,35 @@ def check_lowerable(model: Model) -> list[Diagnostic]:
                 )
             )
         out.extend(lw.check(model, at))
+    return out + unread_states(model)
+
+
+def unread_states(model: Model) -> list[Diagnostic]:
+    """Every read of a state tensor the kernel cannot make (`_state_reads`)."""
+    return [d for at in sites(model) for d in _state_reads(model, at)]
+
+
+def _state_reads(model: Model, at: Site) -> list[Diagnostic]:
+    """A state tensor the op reads without owning it (not one of its in-place operands): the kernel
+    holds state in HBM, and only the ops that own a state move it (in place, or read by their own
+    lowering: `OpDef.reach` "own", e.g. `block_attention`'s context positions)."""
+    op = OPS[at.node.op]
+    out = []
+    for name, ref in zip(op.operands, at.node.inputs):
+        if (
+            ref.kind == "tensor"
+            and model.tensor(ref.name).kind == "state"
+            and name not in op.inout
+            and op.reached(name) != "own"
+        ):
+            out.append(
+                Diagnostic(
+                    at.node.span,
+                    f"`{at.node.op}` reads the state `{ref.name}` as its `{name}`: the kernel cannot read a state "
+                    "tensor as a value yet (the reference can)",
+                    "the reference path runs it (`mkdsl.reference_step`; drafters: mkdsl/run/drafters.py)",
+                )
+            )
     return out
 
 

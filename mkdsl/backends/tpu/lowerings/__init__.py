@@ -3,6 +3,7 @@
 from mkdsl.backends.tpu.lowerings import (  # noqa: F401
     attention,
     collective,
+    draft,
     elementwise,
     kda,
     linear,

@@ -1,0 +1,324 @@
+"""A spec against the model's own implementation: `mkdsl verify SPEC --against transformers`.
+
+The kernel-vs-reference check (mkdsl/verify/kernel.py) proves the compiler; this proves the spec.
+From the spec's `checkpoint hf` section (its `config { architecture = ... }` names the
+transformers class and the config.json fields, sized by the spec's constants and profile) it
+builds the transformers model with random weights — every parameter random, norm gains, biases,
+sinks and router biases included, so that an off-by-one form (`w` for `1 + w`) shows — rounded
+to bf16 values, saves it as safetensors, loads that file through the spec's own mapping, and
+compares:
+
+* per layer, isolated (`LAYER_RTOL`): each layer of the spec's prefill over the prompt, and of
+  each decode step after it, is fed the hidden states transformers has entering that layer; its
+  output is compared to transformers' output of the same layer, so differences cannot compound
+  through the stack. The first layer that differs is named, and inside it the first op: the
+  first op (in spec order) whose value matches no intermediate transformers computes, of the
+  width of the first transformers module output that no spec value matches.
+* the epilogue, fed transformers' last hidden state: logits within `LOGIT_RTOL`.
+* greedy tokens: the spec's prefill and decode steps run free (no feeding); transformers, teacher
+  forced on the same tokens, must pick the same token at each position unless the spec's token
+  scores within `TIE_RTOL` of its best (a near tie, reported and not failed).
+
+Bounds (the numeric contract, docs/language.md): the spec rounds every matmul input to bf16
+(2^-9 relative at most, half a bf16 ulp) and stores bf16 caches; transformers, run here in f32 on
+the same bf16 weights, rounds nothing. One rounded input moves a matmul's output by ~2^-9 of its
+scale (random signs: sqrt(n) terms of 2^-9 |x||w| against an output of sqrt(n) |x||w|). A layer
+whose ops read n weights or states (a matmul-like chain of at most n rounded inputs) is therefore
+within n x 2^-9 of the row's largest update (|out - in|), summed linearly as a worst case:
+LAYER_RTOL = 2^-9 per such op; F32_RTOL covers f32 accumulation order where an update is 0.
+A routing near tie (an op's `OpDef.near_tie` within ROUTE_TIE) may pick another expert: a row
+that fails in such a layer is run again with the runner-up, and passes as a reported near tie.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mkdsl.lang.ir import Graph, Model
+from mkdsl.lazy import jnp
+from mkdsl.ops import OPS
+from mkdsl.verify.oracle_trace import HFTrace, hf_trace, mk_op_values, zero_state
+
+ROUNDING = 2.0**-9  # one bf16-rounded matmul input, relative to the output's scale
+F32_RTOL = 2.0**-16  # f32 accumulation-order noise (as mkdsl/verify/kernel.py)
+LOGIT_RTOL = 4 * ROUNDING  # the epilogue: a norm and one matmul, room for a few flips
+TIE_RTOL = 2.0**-5  # of the largest logit: a greedy choice this close after the whole stack is a near tie
+ROUTE_TIE = 2.0**-6  # a routing near tie: 4x the kernel check's 2^-8, as no matmul input is rounded here
+
+
+class OracleError(Exception):
+    """The spec cannot be compared (no mapping, no architecture, transformers missing)."""
+
+
+@dataclass
+class OracleReport:
+    spec: str
+    architecture: str
+    lines: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    ties: list[str] = field(default_factory=list)
+    worst: dict[str, float] = field(default_factory=dict)  # check -> largest error / bound
+
+    def note(self, what: str, ratio: float) -> None:
+        self.worst[what] = max(self.worst.get(what, 0.0), float(ratio))
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def text(self) -> str:
+        rows = [f"{self.spec}: against transformers {self.architecture}"]
+        rows += [f"  {line}" for line in self.lines]
+        rows += [f"  worst {k}: {v:.3f} of the bound" for k, v in sorted(self.worst.items())]
+        rows += [f"  near tie (not failed): {t}" for t in self.ties]
+        rows += [f"  FAILED: {f}" for f in self.failures]
+        return "\n".join(rows)
+
+
+def hf_map(model: Model):
+    cmap = next((c for c in model.checkpoints if c.format == "hf"), None)
+    if cmap is None:
+        raise OracleError(f"`{model.name}` has no `checkpoint hf` section: nothing says how transformers stores it")
+    if cmap.architecture is None:
+        raise OracleError(
+            f'`{model.name}`\'s `checkpoint hf` has no `config {{ architecture = "..." }}`: '
+            "the transformers class and its config fields are needed"
+        )
+    return cmap
+
+
+def import_transformers():
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise OracleError(f"{e}: install the oracle extra (pip install -e '.[oracle]')") from None
+    return torch, transformers
+
+
+def build_hf_model(model: Model, seed: int):
+    """The transformers model of the spec's mapping, every parameter random (bf16 values), f32."""
+    torch, transformers = import_transformers()
+    cmap = hf_map(model)
+    cls = getattr(transformers, cmap.architecture, None)
+    if cls is None:
+        raise OracleError(f"transformers {transformers.__version__} has no class `{cmap.architecture}`")
+    config = cls.config_class(**cmap.config())
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    hf = cls(config).eval().to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(hf.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 1:  # gains, biases, sinks, decays: their init moved by a random amount
+                p.copy_(p + 0.1 * noise)
+            else:  # matrices ~ N(0, 1/fan_in): activations stay O(1) through the stack
+                p.copy_(noise / p.shape[-1] ** 0.5)
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    return hf
+
+
+def save_bf16(hf, directory: Path) -> None:
+    torch, _ = import_transformers()
+    hf.to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
+    hf.to(torch.float32)
+
+
+def rounded_reads(graph: Graph) -> int:
+    """How many of a graph's ops read a declared tensor (a weight or a state): each is a chain
+    position where the spec rounds an activation to bf16 against a bf16 operand."""
+    return sum(1 for n in graph.nodes if any(r.kind not in ("value", "input") for r in n.inputs))
+
+
+def verify_against_transformers(
+    model: Model, spec: str, *, steps: int = 2, prompt: int = 12, seed: int = 0, progress=None
+) -> OracleReport:
+    """Build, save, load and compare (the module docstring); `prompt` random tokens, then `steps`
+    decode steps."""
+    from mkdsl.checkpoint.loader import load_weights
+
+    if len({len(model.kind(k).params) for k in model.schedule}) != 1 or len(model.kind(model.schedule[0]).params) != 1:
+        raise OracleError("the oracle compares a layer stack that carries one value (the residual stream)")
+    hf = build_hf_model(model, seed)
+    report = OracleReport(spec, hf_map(model).architecture)
+    with tempfile.TemporaryDirectory(prefix="mkdsl-oracle-") as tmp:
+        save_bf16(hf, Path(tmp))
+        weights, load = load_weights(model, tmp, progress=False, host=True)
+    report.lines.append(load.summary() if hasattr(load, "summary") else f"loaded {len(weights)} weights")
+    vocab = hf.config.vocab_size
+    ids = np.random.default_rng(seed).integers(0, vocab, size=prompt).astype(np.int32)
+    greedy = free_run(model, weights, ids, steps)
+    seq = np.concatenate([ids, greedy[:-1]]).astype(np.int32)
+    trace = hf_trace(hf, seq)
+    check_greedy(report, trace, greedy, len(ids))
+    check_isolated(report, model, weights, trace, seq, len(ids), progress)
+    report.lines.append(f"{len(ids)} prompt tokens + {steps} decode steps; greedy {greedy.tolist()}")
+    return report
+
+
+def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int) -> np.ndarray:
+    """The spec's greedy tokens: its prefill over the prompt, then `steps` decode steps."""
+    from mkdsl.run.prefill import build_prefill, reference_weights
+    from mkdsl.run.reference import build_reference
+
+    state = zero_state(model, len(ids) + steps + 1)
+    # unjitted: at mini sizes XLA's compile of the whole step costs more than running it op by op
+    _, token, state = build_prefill(model, jit=False)(weights, state, jnp.asarray(ids[None]))
+    out, step = [int(np.asarray(token)[0])], build_reference(model, jit=False)
+    ref_w = reference_weights(model, weights)
+    for j in range(steps):
+        pos = jnp.asarray([len(ids) + j], jnp.int32)
+        _, token, state = step(ref_w, state, jnp.asarray([out[-1]], jnp.int32), pos)
+        out.append(int(np.asarray(token)[0]))
+    return np.asarray(out, np.int32)
+
+
+def check_greedy(report: OracleReport, trace: HFTrace, greedy: np.ndarray, prompt: int) -> None:
+    for j, token in enumerate(greedy):
+        logits = trace.logits[prompt - 1 + j]
+        best = int(logits.argmax())
+        if best == int(token):
+            continue
+        margin = float(logits.max() - logits[token])
+        where = f"greedy token {j}: spec {int(token)}, transformers {best} (margin {margin:.4g})"
+        if margin <= TIE_RTOL * float(np.abs(logits).max()):
+            report.ties.append(where)
+        else:
+            report.failures.append(where + ": no near tie")
+
+
+def check_isolated(report, model: Model, weights, trace: HFTrace, seq, prompt: int, progress) -> None:
+    """Every layer of the prefill (positions < prompt) and of each decode step after it, fed
+    transformers' hidden states; then the epilogue, fed its last one."""
+    from mkdsl.run.prefill import run_prefill
+    from mkdsl.run.reference import build_layered_reference, run_layer
+    from mkdsl.run.sampling import Sampling
+
+    dtype = carry_dtype(model)
+    outs: dict[int, np.ndarray] = {}
+    length = len(model.schedule)
+
+    def feed(index, carries):
+        if index > 0:
+            outs[index - 1] = np.asarray(carries[0], np.float32)
+        source = trace.layer_in[index] if index < length else trace.layer_out[length - 1]
+        return [jnp.asarray(source[:prompt], dtype)]
+
+    state = zero_state(model, len(seq) + 1)
+    logits, _, state = run_prefill(model, Sampling(), weights, state, jnp.asarray(seq[None, :prompt]), feed=feed)
+    for i in range(length):
+        compare_layer(report, model, i, outs[i], trace, slice(0, prompt), "prefill", weights, seq)
+    compare_logits(report, np.asarray(logits, np.float32)[0], trace.logits[prompt - 1], "prefill")
+    layered = build_layered_reference(model)
+    from mkdsl.run.prefill import reference_weights
+
+    ref_w = reference_weights(model, weights)
+    for p in range(prompt, len(seq)):
+        tok, pos = jnp.asarray(seq[p : p + 1]), jnp.asarray([p], jnp.int32)
+        for i in range(length):
+            carries, state = run_layer(
+                model, i, ref_w, state, tok, pos, [jnp.asarray(trace.layer_in[i][p : p + 1], dtype)]
+            )
+            compare_layer(
+                report, model, i, np.asarray(carries[0], np.float32), trace, slice(p, p + 1), f"step {p - prompt + 1}"
+            )
+        last = [jnp.asarray(trace.layer_out[length - 1][p : p + 1], dtype)]
+        logits, _ = layered.epilogue(ref_w, state, tok, pos, last)
+        compare_logits(report, np.asarray(logits, np.float32)[0], trace.logits[p], f"step {p - prompt + 1}")
+
+
+def carry_dtype(model: Model):
+    from mkdsl.lang.dtypes import numpy_dtype
+
+    return numpy_dtype(model.kind(model.schedule[0]).params[0].type.dtype.numpy)
+
+
+def layer_ratio(model: Model, index: int, got: np.ndarray, trace: HFTrace, rows: slice) -> np.ndarray:
+    """Per row: |spec - transformers| over the bound (module docstring)."""
+    want, entering = trace.layer_out[index][rows], trace.layer_in[index][rows]
+    n = rounded_reads(model.kind(model.schedule[index]))
+    update = np.abs(want - entering).max(axis=-1)
+    bound = n * ROUNDING * update + F32_RTOL * np.abs(want).max(axis=-1) + np.finfo(np.float32).tiny
+    return np.abs(got - want).max(axis=-1) / bound
+
+
+def compare_layer(report, model, index, got, trace, rows: slice, where: str, weights=None, seq=None) -> None:
+    """Each row of layer `index`'s output against transformers'; a failing row in a layer that
+    routes is first run again at its near tie (prefill rows only: they need no earlier state)."""
+    ratio = layer_ratio(model, index, got, trace, rows)
+    report.note("layer", ratio.max())
+    kind = model.schedule[index]
+    routes = any(OPS[n.op].near_tie for n in model.kind(kind).nodes)
+    for bad in np.flatnonzero(~(ratio <= 1)):
+        what = f"{where} layer {index} ({kind}): row {rows.start + bad} off by {ratio[bad]:.2f}x the bound"
+        if rows.start == 0 and weights is not None and routes:
+            tie, fits = _runner_up(model, index, weights, trace, seq, rows, int(bad))
+            if tie:
+                how = "the runner-up fits" if fits else "another of the near-tied choices"
+                report.ties.append(f"{what}: a routing near tie ({how})")
+                continue
+        if weights is not None and not any(" layer " in f for f in report.failures):
+            what += "; " + blame(model, index, weights, trace, seq, rows)
+        report.failures.append(what)
+        return  # the first failing row of a layer names it
+
+
+def _runner_up(model, index, weights, trace, seq, rows: slice, row: int) -> tuple[bool, bool]:
+    """(whether `row` has a routing near tie in the layer, whether the runner-up then fits)."""
+    from mkdsl.run.prefill import run_prefill_layer
+
+    kind = model.kind(model.schedule[index])
+    originals = {n.op: OPS[n.op] for n in kind.nodes if OPS[n.op].near_tie is not None}
+    flipped: list[bool] = []
+    for name, op in originals.items():
+        OPS[name] = dataclasses.replace(op, reference=op.near_tie(row, ROUTE_TIE, flipped), prefill=None)
+    try:
+        state = zero_state(model, rows.stop + 1)
+        carries = [jnp.asarray(trace.layer_in[index][rows], carry_dtype(model))]
+        out, _ = run_prefill_layer(model, index, weights, state, jnp.asarray(seq[None, rows]), carries)
+    finally:
+        OPS.update(originals)
+    return bool(flipped), bool(flipped) and layer_ratio(model, index, np.asarray(out[0], np.float32), trace, rows)[
+        row
+    ] <= 1
+
+
+def compare_logits(report: OracleReport, got: np.ndarray, want: np.ndarray, where: str) -> None:
+    bound = (LOGIT_RTOL + F32_RTOL) * np.abs(want).max()
+    ratio = float(np.abs(got - want).max() / bound)
+    report.note("logits", ratio)
+    if not ratio <= 1:
+        report.failures.append(f"{where} epilogue: logits off by {ratio:.2f}x the bound")
+
+
+def blame(model: Model, index: int, weights, trace: HFTrace, seq, rows: slice) -> str:
+    """The first op of layer `index` that differs (the module docstring), fed transformers' input."""
+    if rows.start != 0:
+        return "the prefill's layers agreed: the decode step's form of an op differs"
+    values = mk_op_values(model, index, weights, trace.layer_in[index][rows], seq[rows], carry_dtype(model))
+    hf_values = [(n, v[rows]) for n, v in trace.modules[index]]
+    tol = 2.0**-4
+
+    def close(a, b):
+        return a.shape == b.shape and np.abs(a - b).max() <= tol * np.abs(b).max() + 1e-6
+
+    width = {v.shape[-1] for _, v in values}
+    first = next(
+        ((n, v) for n, v in hf_values if v.shape[-1] in width and not any(close(x, v) for _, x in values)), None
+    )
+    if first is None:
+        return "every transformers module output of the layer has a matching spec value (an op outside them differs)"
+    hf_name, hf_value = first
+    for node, v in values:
+        if v.shape == hf_value.shape and not any(close(v, x) for _, x in hf_values):
+            return (
+                f"first op that differs: `{node.op}` at spec line {node.span.line}"
+                f"{f' (block {node.block})' if node.block else ''}; transformers' `{hf_name}` has no match"
+            )
+    return f"transformers' `{hf_name}` has no match among the spec's values"

@@ -1,0 +1,126 @@
+# Kimi K3's DSpark block drafter: one drafting step (speculative decoding).
+# Its rows are one block of one sequence: the anchor (the last accepted token) and mask tokens at
+# consecutive positions. Five Qwen3-style layers (pre-norm attention with per-head q/k RMSNorms
+# and rotate-half RoPE, pre-norm SwiGLU MLP, residual adds), its own embedding and output head.
+# Every layer's queries also attend to a cache of the target's context: the hidden states of target
+# layers 24, 48, 72, 88 and 92 for each accepted token, concatenated, projected by `fc` and normed,
+# give each layer a key and a value at the token's position, kept in 2048 slots (slot = position
+# mod 2048, each remembering its position). Draft k = argmax of slot k's logits plus the Markov
+# bias markov_w2 . markov_w1[previous token], read left to right from the anchor.
+# Sizes from the checkpoint's config.json (transformer_layer_config, aux_hidden_state_layer_ids,
+# sliding_window, markov_rank, mask_token_id); see docs/language.md "Drafters".
+model kimi_k3_dspark
+
+const L     = 5         # layers
+const H     = 7168      # hidden width (the target's)
+const V     = 163840    # vocabulary (the target's)
+const NH    = 96        # query heads
+const NKV   = 16        # key/value heads
+const D     = 64        # head dim
+const F     = 14336     # SwiGLU width
+const W     = 2048      # context slots (sliding_window)
+const MR    = 256       # Markov rank
+const MASK  = 163837    # mask_token_id: the block's rows after the anchor
+const EPS   = 0.00001
+const THETA = 10000.0
+
+# The target layers whose hidden states (each layer's residual stream output) make the context.
+const C1    = 24
+const C2    = 48
+const C3    = 72
+const C4    = 88
+const C5    = 92
+const NC    = 5
+
+# Devices: the target's 32 cores, tensor-parallel 32 as the hand kernel runs it: query heads split
+# by device (3 each), each KV head repeated so that every device computes the one its query heads
+# share (the loader writes each of the 16 checkpoint heads REP times; the same model), MLP columns
+# and fc's input features split, embedding, output head and markov_w2 split by vocabulary rows,
+# markov_w1 kept whole for the lookup of the previous token, norms replicated.
+const TP    = 32
+const REP   = (TP + NKV - 1) // NKV    # copies of each KV head
+const NKVR  = NKV * REP                # KV heads as stored
+mesh { tp = TP }
+
+dim B in 1 .. 16        # rows: the anchor and the mask tokens (8 for Kimi K3's verify step)
+
+# Pairs with Kimi K3's `mini` profile (vocabulary 1024, hidden 256, 8 layers): the context comes
+# from its layers 2, 3, 5, 6 and 7; one device, small enough for TPU interpret mode.
+profile mini {
+  L = 2
+  H = 256
+  V = 1024
+  NH = 4
+  NKV = 2
+  D = 64
+  F = 512
+  W = 64
+  MR = 32
+  MASK = 1021
+  C1 = 2
+  C2 = 3
+  C3 = 5
+  C4 = 6
+  C5 = 7
+  TP = 1
+}
+
+weight embed:       bf16[V @tp, H]
+weight fc:          bf16[NC*H @tp, H]
+weight hidden_norm: bf16[H]
+weight attn_norm:   bf16[H]              per layer
+weight wq:          bf16[H, NH*D @tp]    per layer
+weight wk:          bf16[H, NKVR*D @tp]  per layer
+weight wv:          bf16[H, NKVR*D @tp]  per layer
+weight q_norm:      bf16[D]              per layer
+weight k_norm:      bf16[D]              per layer
+weight wo:          bf16[NH*D @tp, H]    per layer
+weight mlp_norm:    bf16[H]              per layer
+weight w_gate:      bf16[H, F @tp]       per layer
+weight w_up:        bf16[H, F @tp]       per layer
+weight w_down:      bf16[F @tp, H]       per layer
+weight final_norm:  bf16[H]
+weight lm_head:     bf16[H, V @tp]
+weight markov_w1:   bf16[V, MR]
+weight markov_w2:   bf16[V @tp, MR]
+
+# The context rows this step adds (the target's hidden states of the tokens accepted since the
+# last step) and their positions (-1: no row); the host writes both before each step.
+state context:      f32[B, NC*H @tp]
+state context_pos:  i32[B]
+context context at context_pos from layers C1, C2, C3, C4, C5
+
+# Each layer's context cache: keys and values by slot, and the position each slot holds (-1: empty).
+state k_cache:      bf16[NKVR @tp, W, D] per layer
+state v_cache:      bf16[NKVR @tp, W, D] per layer
+state slot_pos:     i32[W]               per layer
+
+block attn(h, c) {
+  q = rope(rmsnorm(linear(h, wq), q_norm, heads=NH, eps=EPS), positions, heads=NH, theta=THETA)
+  k = rope(rmsnorm(linear(h, wk), k_norm, heads=NKVR, eps=EPS), positions, heads=NKVR, theta=THETA)
+  ck = rope(rmsnorm(linear(c, wk), k_norm, heads=NKVR, eps=EPS), context_pos, heads=NKVR, theta=THETA)
+  y = block_attention(q, k, linear(h, wv), ck, linear(c, wv), k_cache, v_cache, slot_pos, context_pos, positions,
+                      heads=NH, kv_heads=NKVR, window=W)
+  return linear(y, wo)
+}
+
+block mlp(h) {
+  return linear(swiglu(linear(h, w_gate), linear(h, w_up)), w_down)
+}
+
+layer decoder(x, c) {
+  x = x + attn(rmsnorm(x, attn_norm, eps=EPS), c)
+  return x + mlp(rmsnorm(x, mlp_norm, eps=EPS)), c
+}
+
+layers L {
+  decoder: otherwise
+}
+
+# tokens: the anchor, then MASK in every other row; positions: anchor .. anchor + B - 1.
+step(tokens, positions) {
+  c = rmsnorm(linear(context, fc), hidden_norm, eps=EPS)
+  x, c = layers(embedding(tokens, embed), c)
+  logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
+  return logits, markov_argmax(logits, tokens, markov_w1, markov_w2)
+}
