@@ -43,12 +43,10 @@ def main() -> int:
     try:
         run(a)
     except Exception as e:
-        watch.publish(f"{type(e).__name__}: {e}")
-        print(f"worker: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        import time
+        import traceback
 
-        time.sleep(3)  # the others read the error before this process (maybe the coordinator) goes
-        return 1
+        traceback.print_exc()
+        watch.fail(f"worker: {type(e).__name__}: {e}")
     watch.stop()
     return 0
 

@@ -49,13 +49,14 @@ class Decoder:
         prefill="auto",
         decode="kernel",
         mesh=None,
+        per_device_prefill=None,
     ):
         self.module, self.weights, self.batch, self.seq_len = module, weights, batch, seq_len
         self.sampling, self.seed, self.interpret, self.steps_per_call = sampling, seed, interpret, steps_per_call
         self.model, self.mesh, self.decode_with = spec.model, mesh, decode
         self.state = _zeros(module.state_layout(batch, seq_len), _state_shardings(module, mesh))
         self._steps: dict[int, Callable] = {}
-        self.prefill_fn = _prefill_fn(spec.model, module, sampling, prefill, mesh)
+        self.prefill_fn = _prefill_fn(spec.model, module, sampling, prefill, mesh, per_device_prefill)
 
     def step(self, n: int) -> Callable:
         """The kernel's step running `n` decode steps per call (built once per count); with
@@ -127,9 +128,11 @@ def _state_shardings(module, mesh) -> dict | None:
     return module.state_shardings(mesh) if mesh is not None and hasattr(module, "state_shardings") else None
 
 
-def _prefill_fn(model, module, sampling, prefill: str, mesh) -> Callable | None:
-    """The spec's XLA prefill on the kernel's (padded) weights, per device under `shard_map` for
-    a sharded spec given its mesh; None for kernel steps (asked, or an op without a prefill rule)."""
+def _prefill_fn(model, module, sampling, prefill: str, mesh, per_device: bool | None) -> Callable | None:
+    """The spec's XLA prefill on the kernel's (padded) weights: per device under `shard_map` for
+    a sharded spec given its mesh (unless `per_device=False`: then the whole model under `jit`,
+    partitioned by XLA over the weights' shardings); None for kernel steps (asked, or an op
+    without a prefill rule)."""
     from mkdsl.run.prefill import PrefillError, build_prefill, check_prefill
     from mkdsl.spmd.shard import is_sharded
 
@@ -141,12 +144,14 @@ def _prefill_fn(model, module, sampling, prefill: str, mesh) -> Callable | None:
         if prefill == "xla":
             raise
         return None
-    if mesh is not None and is_sharded(model):
+    if per_device is None:
+        per_device = mesh is not None and is_sharded(model)
+    if per_device:
         from mkdsl.run.prefill_spmd import build_sharded_prefill
 
         fn = build_sharded_prefill(model, mesh, sampling=sampling, state_shardings=_state_shardings(module, mesh))
     else:
-        fn = build_prefill(model, sampling=sampling)
+        fn = build_prefill(model, sampling=sampling, state_shardings=_state_shardings(module, mesh))
     pads = getattr(module, "PADDED", {})
     return lambda w, *a, **k: fn(unpad_weights(w, pads), *a, **k)
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 FAILED_KEY = "mkdsl/failed"  # the key-value store entry a failing process writes its error to
+LINGER_S = 3.0  # how long a failed process 0 keeps the coordinator up for the others to read its error
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
 
 
@@ -151,12 +153,23 @@ class FailureWatch:
         except Exception:  # already set by another process, or the service is gone
             pass
 
+    def fail(self, message: str, exit_code: int = 1) -> None:
+        """Publish this process's error, print it and leave at once (`os._exit`: JAX's exit hook
+        would wait at a shutdown barrier for peers that wait in a collective). Process 0 runs the
+        coordination service, so it stays a moment for the others to read the error first."""
+        self.publish(message)
+        print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        time.sleep(LINGER_S if process_index() == 0 else 0.2)
+        os._exit(exit_code)
+
     def _watch(self) -> None:
         client = _client()
         while not self._stop.is_set():
             try:
                 message = client.blocking_key_value_get(FAILED_KEY, self.poll_ms)
             except Exception:  # not set yet (a timeout), or the coordinator is gone
+                self._stop.wait(0.05)
                 continue
             if not message.startswith(f"process {process_index()}:"):
                 print(f"mkdsl: error on {message}", file=sys.stderr, flush=True)

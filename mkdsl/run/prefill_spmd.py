@@ -35,7 +35,9 @@ def tensor_spec(t: Tensor):
 
 def _vocab_axes(local: Model) -> tuple[str, ...]:
     """The mesh axes the per-device logits are split over (the output argmax's)."""
-    return tuple(next((n.attr["shard_axes"] for n in local.step.nodes if n.op in OPS and OPS[n.op].exchange == "best"), ()) or ())
+    return tuple(
+        next((n.attr["shard_axes"] for n in local.step.nodes if n.op in OPS and OPS[n.op].exchange == "best"), ()) or ()
+    )
 
 
 def build_sharded_prefill(
