@@ -279,13 +279,19 @@ def _plan_static(args, source: str) -> int:
     return 0
 
 
+_PROCESSES = 1  # processes in the cluster (`_join_cluster`)
+
+
 def _host_devices(n: int) -> None:
-    """Ask XLA for `n` virtual CPU devices (sharded kernels run one per device in interpret mode).
-    Must happen before jax starts its CPU backend; libtpu's compile-only devices still work."""
+    """Ask XLA for `n` virtual CPU devices in all (sharded kernels run one per device in
+    interpret mode), `n / processes` in each process of a cluster. Must happen before jax starts
+    its CPU backend; libtpu's compile-only devices still work."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        if n % _PROCESSES:
+            raise UsageError(f"the spec's {n} devices do not divide among {_PROCESSES} processes")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n // _PROCESSES}".strip()
 
 
 def cmd_verify(args) -> int:
@@ -340,6 +346,17 @@ def _run_verify(args, out, batches, tempfile) -> int:
 
 
 def cmd_run(args) -> int:
+    _check_run_args(args)
+    spec, module, weights, codec = _prepare_run(args, args.batch)
+    prompts = [args.prompt] if args.prompt is not None else _stdin_prompts()
+    for prompt in prompts:
+        _run_prompt(args, spec, module, weights, codec, prompt)
+    return 0
+
+
+def _prepare_run(args, batch: int | None):
+    """(spec, kernel module, weights on the devices, tokenizer) for `run` and `serve`: every
+    argument and the checkpoint's fit checked before the compile and the load."""
     import math
 
     from mkdsl.api import Spec, spec_profiles
@@ -349,7 +366,6 @@ def cmd_run(args) -> int:
     from mkdsl.jax_setup import tpu_attached
     from mkdsl.spmd.shard import shard
 
-    _check_run_args(args)
     model, source, module_ast = _load(args)
     try:
         local = shard(model)
@@ -361,10 +377,10 @@ def cmd_run(args) -> int:
     if devices > 1 and not tpu_attached():
         _host_devices(devices)  # a sharded kernel in interpret mode: one virtual CPU device per core
     rows = model.dims[0]
-    if not rows.low <= args.batch <= rows.high:
-        raise UsageError(
-            f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})"
-        )
+    if batch is None:  # serve: the spec's most rows
+        batch = args.batch = rows.high
+    if not rows.low <= batch <= rows.high:
+        raise UsageError(f"--batch {batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})")
     if not os.path.exists(args.weights):
         raise UsageError(f"--weights {args.weights}: no such file or directory")
     reader = open_checkpoint(args.weights)
@@ -375,9 +391,31 @@ def cmd_run(args) -> int:
     module, _ = cached_kernel(source, args.spec, args.profile)
     weights, report = load_weights(model, reader, module=module, progress=sys.stderr.isatty())
     print(f"{args.weights}: {report.summary()}", file=sys.stderr)
-    prompts = [args.prompt] if args.prompt is not None else _stdin_prompts()
-    for prompt in prompts:
-        _run_prompt(args, spec, module, weights, codec, prompt)
+    return spec, module, weights, codec
+
+
+def _mesh(module):
+    """The kernel's mesh over every process's devices (None for a one-device spec)."""
+    return module.make_mesh() if hasattr(module, "MESH_SHAPE") else None
+
+
+def cmd_serve(args) -> int:
+    from mkdsl.run import serve
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port}: not a port number")
+    spec, module, weights, codec = _prepare_run(args, args.batch)
+    batch = args.batch
+    seq_len = args.context if args.context is not None else 4 * module.KV_TILE
+    if seq_len % module.KV_TILE or not module.SEQ_RANGE[0] <= seq_len <= module.SEQ_RANGE[1]:
+        raise UsageError(f"--context {seq_len}: must be a multiple of {module.KV_TILE} in {module.SEQ_RANGE}")
+    from mkdsl.run.prefill import PrefillError
+
+    options = {"interpret": _interpret(args), "decode": args.decode, "mesh": _mesh(module)}
+    try:
+        serve.run_server(spec, module, weights, codec, batch, seq_len, args.host, args.port, args.model_name, **options)
+    except PrefillError as e:
+        raise UsageError(f"serve needs the spec's XLA prefill (each request prefills its own row): {e}") from None
     return 0
 
 
@@ -416,6 +454,7 @@ def _run_prompt(args, spec, module, weights, codec, prompt: str) -> None:
         )
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     options = {"seed": args.seed, "steps_per_call": args.steps_per_call, "prefill": args.prefill}
+    options |= {"decode": args.decode, "mesh": _mesh(module)}
     decoder = Decoder(spec, module, weights, args.batch, seq_len, sampling, interpret=_interpret(args), **options)
     stream = _TextStream(codec)
     if not args.chat:
@@ -426,7 +465,10 @@ def _run_prompt(args, spec, module, weights, codec, prompt: str) -> None:
     for b in range(1, args.batch):
         print(f"[row {b}] {codec.decode(_until(result.tokens[b], codec.eos_ids))}")
     sys.stdout.flush()
-    print(result.summary(args.batch), file=sys.stderr)
+    from mkdsl.run.distributed import is_main
+
+    if is_main():
+        print(result.summary(args.batch), file=sys.stderr)
 
 
 def _until(tokens, stop) -> list[int]:
@@ -548,6 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--steps", type=int, default=2, help="decode steps per batch (default 2)")
     c.add_argument("--devices", type=int, default=None, help="virtual CPU devices (default: the spec's mesh size)")
     c.add_argument("--no-compile", action="store_true", help="skip the libtpu compile for TPU7x")
+    _cluster_args(c)
     _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
     _run_parser(spec_command)
     c = spec_command(
@@ -564,7 +607,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
     c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
+    _cluster_args(c)
+    _serve_parser(spec_command)
     return p
+
+
+def _cluster_args(c) -> None:
+    """One process per host (docs/multihost.md): jax.distributed from these or the environment."""
+    g = c.add_argument_group("multi-host (one process per host; default: JAX_COORDINATOR_ADDRESS etc.)")
+    g.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address, or `auto` (JAX detects the cluster)"
+    )
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes in all (one per host)")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process, 0 .. N-1 (0 prints and serves)")
+
+
+def _serve_parser(spec_command) -> None:
+    c = spec_command("serve", "serve a checkpoint over an OpenAI-compatible HTTP API", cmd_serve)
+    c.add_argument("--weights", required=True, metavar="PATH", help="a .gguf or .safetensors file, index or directory")
+    c.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    c.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    c.add_argument("--batch", type=int, default=None, help="rows: requests decoded together (default: the spec's most)")
+    c.add_argument(
+        "--context", type=int, default=None, help="tokens per row, prompt and completion (default: 4 KV tiles)"
+    )
+    c.add_argument("--model-name", default=None, help="the model id clients name (default: the spec's model name)")
+    _decode_args(c)
+    _cluster_args(c)
+
+
+def _decode_args(c) -> None:
+    c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU (the default without a TPU)")
+    c.add_argument(
+        "--decode",
+        choices=("kernel", "reference"),
+        default="kernel",
+        help="decode with the kernel (default) or the spec's unfused XLA reference step (sharded by XLA)",
+    )
 
 
 def _plan_parser(c) -> None:
@@ -628,13 +707,14 @@ def _run_parser(spec_command) -> None:
     c.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
     c.add_argument("--batch", type=int, default=1, help="rows decoded together, each from the prompt (default 1)")
     c.add_argument("--steps-per-call", type=int, default=1, help="decode steps per call (default 1)")
-    c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU (the default without a TPU)")
+    _decode_args(c)
     c.add_argument(
         "--prefill",
         choices=("auto", "xla", "steps"),
         default="auto",
         help="the prompt through the spec's XLA prefill (auto: when every op has a prefill rule) or kernel steps",
     )
+    _cluster_args(c)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -642,18 +722,59 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # reported with the subcommand's usage, not the top-level one
         args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.fn(args)
-    except SpecError as e:
-        print(e.render(args.spec, getattr(e, "source", "")), file=sys.stderr)
-        return 1
+        watch = _join_cluster(args)
     except UsageError as e:
         print(f"mkdsl: error: {e}", file=sys.stderr)
         return 2
+    code = _dispatch(args)
+    if watch is not None:
+        watch.stop()
+        if code != 0:  # the others stop too, with this process's error
+            watch.fail(getattr(args, "error_message", f"exit status {code}"), code)
+    return code
+
+
+def _join_cluster(args):
+    """With --coordinator (or JAX_COORDINATOR_ADDRESS): join the cluster, print from process 0
+    only, and watch for another process's failure. None for a single process."""
+    if not hasattr(args, "coordinator"):
+        return None
+    from mkdsl.run import distributed
+
+    try:
+        cluster = distributed.Cluster.resolve(args.coordinator, args.num_processes, args.process_id)
+    except distributed.ClusterError as e:
+        raise UsageError(str(e)) from None
+    if cluster is None:
+        return None
+    global _PROCESSES
+    _PROCESSES = cluster.num_processes or 1
+    distributed.initialize(cluster)
+    if not distributed.is_main():
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (text and figures from process 0 only)
+    return distributed.FailureWatch().start()
+
+
+def _error(args, message: str) -> None:
+    """Print an error; on a cluster, the others stop with it (`FailureWatch`)."""
+    args.error_message = message
+    print(message, file=sys.stderr)
+
+
+def _dispatch(args) -> int:
+    try:
+        return args.fn(args)
+    except SpecError as e:
+        _error(args, e.render(args.spec, getattr(e, "source", "")))
+        return 1
+    except UsageError as e:
+        _error(args, f"mkdsl: error: {e}")
+        return 2
     except CheckpointError as e:
-        print(f"mkdsl: error: {e}", file=sys.stderr)
+        _error(args, f"mkdsl: error: {e}")
         return 1
     except KeyboardInterrupt:
-        print("mkdsl: interrupted", file=sys.stderr)
+        _error(args, "mkdsl: interrupted")
         return 130
     except BrokenPipeError:  # `mkdsl plan ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -661,10 +782,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug in mkdsl, never the user's fault
         if os.environ.get("MKDSL_DEBUG"):
             traceback.print_exc()
-        print(
+        _error(
+            args,
             f"mkdsl: internal error: {type(e).__name__}: {e}\n"
             "This is a bug in mkdsl; rerun with MKDSL_DEBUG=1 for the traceback.",
-            file=sys.stderr,
         )
         return 3
 

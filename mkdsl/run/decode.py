@@ -56,7 +56,21 @@ class Decoder:
         self.model, self.mesh, self.decode_with = spec.model, mesh, decode
         self.state = _zeros(module.state_layout(batch, seq_len), _state_shardings(module, mesh))
         self._steps: dict[int, Callable] = {}
+        self._prefill_options = (prefill, per_device_prefill)
         self.prefill_fn = _prefill_fn(spec.model, module, sampling, prefill, mesh, per_device_prefill)
+        self._by_sampling = {sampling: (self._steps, self.prefill_fn)}
+
+    def use_sampling(self, sampling) -> None:
+        """Sample with `sampling` from now on (its steps and prefill built once, then kept)."""
+        if sampling == self.sampling:
+            return
+        if sampling not in self._by_sampling:
+            fn = _prefill_fn(
+                self.model, self.module, sampling, *self._prefill_options[:1], self.mesh, self._prefill_options[1]
+            )
+            self._by_sampling[sampling] = ({}, fn)
+        self.sampling = sampling
+        self._steps, self.prefill_fn = self._by_sampling[sampling]
 
     def step(self, n: int) -> Callable:
         """The kernel's step running `n` decode steps per call (built once per count); with
@@ -75,18 +89,25 @@ class Decoder:
         return self._steps[n]
 
     def _call(self, tokens, position: int, n: int) -> np.ndarray:
-        positions = np.full((self.batch,), position, np.int32)
-        tokens = np.asarray(tokens, np.int32)
+        return self.step_rows(tokens, np.full((self.batch,), position, np.int32), n)
+
+    def step_rows(self, tokens, positions, n: int = 1) -> np.ndarray:
+        """`n` steps from each row's token at its own position: tokens [B, n]."""
+        tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
         self.logits, chosen, self.state = self.step(n)(self.weights, self.state, tokens, positions, self.seed)
         chosen = to_host(chosen)  # waits for the call
         return chosen.reshape(self.batch, n)
 
-    def prefill(self, tokens: np.ndarray) -> np.ndarray:
+    def prefill(self, tokens: np.ndarray, lengths=None, start=None) -> np.ndarray:
+        """Each row's prompt (its first `lengths[b]` tokens, at positions from `start[b]`; the
+        XLA prefill only) into the state; the next token of each row."""
         if self.prefill_fn is not None:
             self.logits, chosen, self.state = self.prefill_fn(
-                self.weights, self.state, np.asarray(tokens, np.int32), seed=self.seed
+                self.weights, self.state, np.asarray(tokens, np.int32), lengths, start, seed=self.seed
             )
             return to_host(chosen)
+        if lengths is not None or start is not None:
+            raise ValueError("prompts of their own lengths per row need the spec's XLA prefill")
         for t in range(tokens.shape[1]):
             chosen = self._call(tokens[:, t], t, 1)[:, 0]
         return chosen
