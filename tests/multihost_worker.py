@@ -63,7 +63,7 @@ def run(a) -> None:
     module = mkdsl.load_kernel(spec)
     mesh = module.make_mesh()
     if a.weights:
-        weights, report = mkdsl.load_weights(spec, a.weights, module=module, mesh=mesh, progress=False)
+        weights = load_measured(spec, module, mesh, a)
     else:
         host, _ = mkdsl.random_inputs(spec, batch=2, seq_len=module.KV_TILE, seed=1)
         host = mkdsl.kernel_weights(host)
@@ -91,6 +91,28 @@ def run(a) -> None:
         }
         with open(a.out, "w") as f:
             json.dump(record, f)
+
+
+def load_measured(spec, module, mesh, a) -> dict:
+    """This process's shards, with what the load held on the host (numpy's allocations, traced)
+    beyond what it keeps, against the loader's bound: written beside `a.out` per process."""
+    import tracemalloc
+
+    import mkdsl
+    from mkdsl.checkpoint.formats import open_checkpoint
+    from mkdsl.checkpoint.loader import plan_load, working_set_bound
+    from mkdsl.run import distributed
+
+    reader = open_checkpoint(a.weights)
+    bound = working_set_bound(plan_load(spec.model, reader), reader, module, module.weight_shardings(mesh))
+    tracemalloc.start()
+    weights, report = mkdsl.load_weights(spec, reader, module=module, mesh=mesh, progress=False)
+    kept, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    stats = {"peak": peak, "kept": kept, "bound": bound, "read": report.bytes_read, "tensors": report.tensors}
+    with open(f"{a.out}.load{distributed.process_index()}.json", "w") as f:
+        json.dump(stats, f)
+    return weights
 
 
 if __name__ == "__main__":

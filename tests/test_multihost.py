@@ -106,6 +106,16 @@ def test_deepseek_v3_mini_on_four_processes_equals_one_process(tmp_path):
     one = run_ok(1, 4, args, tmp_path / "one.json")
     four = run_ok(4, 1, args, tmp_path / "four.json")
     assert_same_run(one, four, 4, 1)
+    size = (tmp_path / "model.safetensors").stat().st_size
+    whole = json.loads((tmp_path / "one.json.load0.json").read_text())
+    for i in range(4):
+        load = json.loads((tmp_path / f"four.json.load{i}.json").read_text())
+        # the loader's bound on what a load holds beyond the shards it keeps, below the checkpoint
+        assert 0 < load["bound"] < size
+        assert load["peak"] - load["kept"] <= load["bound"], load
+        # each process reads only the stored tensors its device's shards need: fewer than one
+        # process holding every device (a pair's piece is read once for its codes, once for its scales)
+        assert 0 < load["tensors"] < whole["tensors"] and load["read"] < whole["read"], (load, whole)
 
 
 @pytest.mark.slow
