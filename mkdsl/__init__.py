@@ -4,7 +4,7 @@ megakernel with an unfused JAX reference to test it against.
 The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to` it, the
 `reference_step`, `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
 the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_tokens`, and
-`load_weights` from a checkpoint.
+`load_weights` from a checkpoint; `join_cluster` for one process per host.
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -18,6 +18,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     build_step,
     compile_text,
     compile_to,
+    join_cluster,
     kernel_weights,
     load,
     load_kernel,
@@ -38,6 +39,7 @@ __all__ = [
     "SpecError",
     "build_step",
     "compile_text",
+    "join_cluster",
     "compile_to",
     "kernel_weights",
     "load",

@@ -391,7 +391,22 @@ def _prepare_run(args, batch: int | None):
     module, _ = cached_kernel(source, args.spec, args.profile)
     weights, report = load_weights(model, reader, module=module, progress=sys.stderr.isatty())
     print(f"{args.weights}: {report.summary()}", file=sys.stderr)
+    _loaded_by_all(args.weights, report)
     return spec, module, weights, codec
+
+
+def _loaded_by_all(path: str, report) -> None:
+    """On a cluster, process 0 adds up what every process read."""
+    from mkdsl.run.distributed import gather_counts, is_main
+
+    counts = gather_counts([report.tensors, report.bytes_read / 2**20])
+    if len(counts) > 1 and is_main():
+        tensors, mib = counts.sum(axis=0)
+        each = ", ".join(f"{m:.1f}" for m in counts[:, 1])
+        print(
+            f"{path}: {len(counts)} processes read {int(tensors)} tensors, {mib:.1f} MiB in all ({each} MiB each)",
+            file=sys.stderr,
+        )
 
 
 def _mesh(module):

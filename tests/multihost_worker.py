@@ -28,6 +28,7 @@ def main() -> int:
     p.add_argument("--process-id", type=int)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--tokens", type=int, default=3)
+    p.add_argument("--decode", default="reference", help="kernel: the kernel's step in TPU interpret mode")
     p.add_argument("--fail-on", type=int, default=None, help="this process raises after loading (a failure test)")
     a = p.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
@@ -72,8 +73,13 @@ def run(a) -> None:
     if a.fail_on is not None and a.fail_on == distributed.process_index():
         raise RuntimeError(f"failing on purpose on process {a.fail_on}")
     sampling = Sampling(a.temperature, 0, 1.0)
+    interpret = None
+    if a.decode == "kernel":
+        from jax.experimental.pallas import tpu as pltpu
+
+        interpret = pltpu.InterpretParams()
     decoder = Decoder(
-        spec, module, weights, 2, module.KV_TILE, sampling, interpret=None, seed=7, decode="reference", mesh=mesh
+        spec, module, weights, 2, module.KV_TILE, sampling, interpret=interpret, seed=7, decode=a.decode, mesh=mesh
     )
     prompt = [3, 1, 4, 1, 5]
     result = generate(decoder, prompt, a.tokens, frozenset())

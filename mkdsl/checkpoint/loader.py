@@ -116,7 +116,12 @@ def load_weights(model, path, *, module=None, mesh=None, progress: bool = True, 
     out = {}
     from tqdm import tqdm
 
-    with tqdm(total=total, desc="loading", unit="tensor", file=sys.stderr, disable=not progress, leave=False) as bar:
+    desc, processes = "loading", _processes()
+    if processes > 1:  # each process its own bar, counting what it reads (not known before: total unset)
+        import jax
+
+        desc, total = f"loading [process {jax.process_index()}/{processes}]", None
+    with tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=not progress, leave=False) as bar:
         for wp in plans:
             if shardings is not None:  # one device's shard at a time
                 out.update(_place_sharded(wp, reader, report, bar, module, shardings))
@@ -141,6 +146,12 @@ def working_set_bound(plans: list[WeightPlan], reader, module=None, shardings=No
             local = shardings[name].shard_shape(tuple(shape))
             shard = max(shard, int(np.prod(local, dtype=np.int64)) * numpy_dtype(dtype).itemsize)
     return 3 * largest + 2 * shard
+
+
+def _processes() -> int:
+    """JAX's process count, if JAX is in use (a loader for host arrays need not start it)."""
+    jax = sys.modules.get("jax")
+    return jax.process_count() if jax is not None else 1
 
 
 def plan_load(model: Model, reader) -> list[WeightPlan]:

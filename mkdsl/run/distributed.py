@@ -113,6 +113,19 @@ def to_host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def gather_counts(values: list[float]) -> np.ndarray:
+    """Each process's `values` ([processes, len(values)], f32), on every process (a collective
+    on a cluster: every process must call it)."""
+    import jax
+
+    mine = np.asarray(values, np.float32)
+    if jax.process_count() == 1:
+        return mine[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+
+
 def place(host: dict, shardings: dict) -> dict:
     """Host arrays (the same on every process) as global arrays: each process copies only the
     shards of its own devices (`jax.make_array_from_callback`)."""
