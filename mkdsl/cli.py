@@ -745,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     if watch is not None:
         watch.stop()
         if code != 0:  # the others stop too, with this process's error
-            watch.fail(getattr(args, "error_message", f"exit status {code}"), code)
+            watch.fail(getattr(args, "error_message", f"exit status {code}"), code, show=False)
     return code
 
 
@@ -765,7 +765,10 @@ def _join_cluster(args):
     global _PROCESSES
     _PROCESSES = cluster.num_processes or 1
     distributed.initialize(cluster)
-    if not distributed.is_main():
+    # the id given, not jax.process_index(): that would start JAX's backends before
+    # `_host_devices` sets the virtual CPU device count (with `auto`, a TPU's, it does not matter)
+    main = cluster.process_id == 0 if cluster.process_id is not None else distributed.is_main()
+    if not main:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (text and figures from process 0 only)
     return distributed.FailureWatch().start()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -71,7 +72,9 @@ def test_two_processes_serve_what_one_process_runs(tmp_path):
         text = served.choices[0].text
         assert served.usage.completion_tokens >= 1
     finally:
-        procs[0][0].terminate()  # process 0 stops; it tells process 1, which returns
+        # Ctrl-C (`timeout` relays it): process 0 stops and tells process 1, which returns. Not
+        # SIGTERM: jax.distributed takes that as a preemption notice, and the process just ends
+        procs[0][0].send_signal(signal.SIGINT)
         for p, log in procs:
             try:
                 p.wait(timeout=60)

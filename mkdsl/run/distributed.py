@@ -166,12 +166,14 @@ class FailureWatch:
         except Exception:  # already set by another process, or the service is gone
             pass
 
-    def fail(self, message: str, exit_code: int = 1) -> None:
+    def fail(self, message: str, exit_code: int = 1, show: bool = True) -> None:
         """Publish this process's error, print it and leave at once (`os._exit`: JAX's exit hook
         would wait at a shutdown barrier for peers that wait in a collective). Process 0 runs the
         coordination service, so it stays a moment for the others to read the error first."""
         self.publish(message)
-        print(message, file=sys.stderr, flush=True)
+        if show:
+            print(message, file=sys.stderr, flush=True)
+        sys.stderr.flush()
         sys.stdout.flush()
         time.sleep(LINGER_S if process_index() == 0 else 0.2)
         os._exit(exit_code)
