@@ -186,10 +186,14 @@ def test_bad_requests_get_400_with_an_error_body(server):
 def test_a_client_leaving_mid_stream_frees_its_row(server):
     base, _ = server
     before = httpx.get(f"{base}/health", timeout=10).json()["left_early"]
-    body = {"model": MODEL, "prompt": "the", "max_tokens": 240, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+    # a chat stream's first chunk (the role) comes before any token: leaving after it is leaving
+    # before the end, however fast the tokens come; the engine sees it at the row's next token
+    messages = [{"role": "user", "content": "the"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 240, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
-        next(line for line in r.iter_lines() if line.startswith("data: "))  # one chunk, then leave
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))  # then the client leaves
+        assert json.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         health = httpx.get(f"{base}/health", timeout=10).json()

@@ -69,7 +69,7 @@ class Engine:
         self.stopped = threading.Event()
         self.broadcast: Callable[[np.ndarray], np.ndarray] | None = None  # set on multi-host
         self._zero = None
-        self.left = 0  # requests whose client went away before their end (their rows freed)
+        self.left = 0  # requests ended before their end: the client gone (waiting or on a row), a stop string
         self.error: BaseException | None = None
 
     def submit(self, request: Request) -> Request:
@@ -109,7 +109,8 @@ class Engine:
         busy = {row.request.key() for row in self.rows if row}
         new, rest = [], []
         for r in held:
-            if r.cancelled.is_set():
+            if r.cancelled.is_set():  # its client left while it waited
+                self.left += 1
                 r.out.put(None)
                 continue
             free = [i for i, row in enumerate(self.rows) if row is None and i not in {j for j, _ in new}]
@@ -152,7 +153,9 @@ class Engine:
         """Row i's newest token to its request; the row is freed when the request ends."""
         row = self.rows[i]
         r = row.request
-        if row.token in r.stop_ids:
+        if r.cancelled.is_set():  # its client left (or a stop string ended it) since the last step
+            self.left += 1
+        elif row.token in r.stop_ids:
             r.finish = "stop"
         else:
             r.out.put(row.token)

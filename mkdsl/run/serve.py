@@ -88,13 +88,9 @@ class Api:
         r = Request(ids, body.max_tokens, sampling, body.seed or 0, self.codec.eos_ids)
         return self.engine.submit(r), TextSink(self.codec, stop)
 
-    async def tokens(self, r: Request, http=None):
-        """The request's tokens as they come (None at the end); ends early when the client of
-        `http` (a streamed response's request) has gone (uvicorn drops writes to a closed
-        connection silently, so the stream looks for it)."""
+    async def tokens(self, r: Request):
+        """The request's tokens as they come (None at the end)."""
         while True:
-            if http is not None and await http.is_disconnected():
-                return
             try:
                 t = await asyncio.to_thread(r.out.get, True, POLL_S)
             except queue.Empty:
@@ -105,10 +101,12 @@ class Api:
             if t is None:
                 return
 
-    async def generate(self, r: Request, sink: TextSink, http=None):
-        """(delta text, finish reason or None) pairs; the row is freed however this ends."""
+    async def generate(self, r: Request, sink: TextSink):
+        """(delta text, finish reason or None) pairs, ("", None) for a token whose text is not
+        yet certain; the row is freed however this ends (the stream's generator is closed when
+        a write finds the client gone: uvicorn raises there)."""
         try:
-            async for t in self.tokens(r, http):
+            async for t in self.tokens(r):
                 text = sink.push(t)
                 if sink.stopped:
                     yield text, "stop"
@@ -116,8 +114,7 @@ class Api:
                 if t is None:
                     yield text, r.finish
                     return
-                if text:
-                    yield text, None
+                yield text, None
         finally:
             r.cancelled.set()  # the client left, or the text ended: the engine frees the row
 
@@ -133,7 +130,7 @@ class Api:
         done = len(sink.ids)
         return {"prompt_tokens": len(r.prompt), "completion_tokens": done, "total_tokens": len(r.prompt) + done}
 
-    async def completion(self, body, http=None):
+    async def completion(self, body):
         prompt = body.prompt if isinstance(body.prompt, str) else _one(body.prompt, "prompt")
         r, sink = self.start(body, prompt)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time())}
@@ -145,14 +142,14 @@ class Api:
         if body.stream:
 
             async def chunks():
-                async for text, finish in self.generate(r, sink, http):
-                    yield {**head, "choices": [choice(text, finish)]}
+                async for text, finish in self.generate(r, sink):
+                    yield {**head, "choices": [choice(text, finish)]} if text or finish else None
 
             return _sse(chunks())
         text, finish = await self.collect(r, sink)
         return {**head, "choices": [choice(text, finish)], "usage": self.usage(r, sink)}
 
-    async def chat(self, body, http=None):
+    async def chat(self, body):
         try:
             prompt = self.codec.render([m.model_dump() for m in body.messages])
         except Exception as e:  # no template, or the template refused the conversation
@@ -164,7 +161,10 @@ class Api:
 
             async def chunks():
                 yield {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-                async for text, finish in self.generate(r, sink, http):
+                async for text, finish in self.generate(r, sink):
+                    if not (text or finish):
+                        yield None
+                        continue
                     delta = {"content": text} if text else {}
                     yield {**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
@@ -179,8 +179,8 @@ def _sse(chunks):
     from fastapi.responses import StreamingResponse
 
     async def events():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
+        async for chunk in chunks:  # None: a token with no text yet, sent as a comment (clients skip it)
+            yield ": token\n\n" if chunk is None else f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
@@ -189,7 +189,6 @@ def _sse(chunks):
 def build_app(engine: Engine, codec, model_id: str, seq_len: int):
     """The FastAPI app serving `engine` (rows of `seq_len` tokens) as model `model_id`."""
     from fastapi import FastAPI
-    from fastapi import Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
@@ -216,12 +215,12 @@ def build_app(engine: Engine, codec, model_id: str, seq_len: int):
     app.get("/v1/models")(api.models)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: HttpRequest):
-        return await api.completion(body, http)
+    async def completions(body: CompletionRequest):
+        return await api.completion(body)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, http: HttpRequest):
-        return await api.chat(body, http)
+    async def chat(body: ChatRequest):
+        return await api.chat(body)
 
     return app
 
