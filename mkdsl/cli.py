@@ -282,6 +282,18 @@ def _plan_static(args, source: str) -> int:
 _PROCESSES = 1  # processes in the cluster (`_join_cluster`)
 
 
+def _one_process_kernel(what: str, hint: str = "") -> None:
+    """The kernel in TPU interpret mode (no TPU here) does not run across processes (it hangs in
+    jax 0.10.2: docs/multihost.md); say so before any slow work."""
+    from mkdsl.jax_setup import tpu_attached
+
+    if _PROCESSES > 1 and not tpu_attached():
+        raise UsageError(
+            f"{what} runs the kernel in TPU interpret mode, which does not run across processes "
+            f"(docs/multihost.md); run it as one process{hint}"
+        )
+
+
 def _host_devices(n: int) -> None:
     """Ask XLA for `n` virtual CPU devices in all (sharded kernels run one per device in
     interpret mode), `n / processes` in each process of a cluster. Must happen before jax starts
@@ -300,6 +312,7 @@ def cmd_verify(args) -> int:
 
     from mkdsl.compiler import compile_source
 
+    _one_process_kernel("mkdsl verify")
     source = _read(args.spec)
     try:
         out, _ = compile_source(source, args.spec, args.profile, None)
@@ -347,6 +360,8 @@ def _run_verify(args, out, batches, tempfile) -> int:
 
 def cmd_run(args) -> int:
     _check_run_args(args)
+    if args.decode == "kernel":
+        _one_process_kernel("mkdsl run --decode kernel", ", or with --decode reference")
     spec, module, weights, codec = _prepare_run(args, args.batch)
     prompts = [args.prompt] if args.prompt is not None else _stdin_prompts()
     for prompt in prompts:
@@ -419,6 +434,8 @@ def cmd_serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port}: not a port number")
+    if args.decode == "kernel":
+        _one_process_kernel("mkdsl serve --decode kernel", ", or with --decode reference")
     spec, module, weights, codec = _prepare_run(args, args.batch)
     batch = args.batch
     seq_len = args.context if args.context is not None else 4 * module.KV_TILE
@@ -530,6 +547,7 @@ def cmd_bench(args) -> int:
     from mkdsl import api
     from mkdsl.run import bench
 
+    _one_process_kernel("mkdsl bench")
     spec = _load_spec(args)
     import math
 
