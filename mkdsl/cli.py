@@ -788,7 +788,7 @@ def _join_cluster(args):
     main = cluster.process_id == 0 if cluster.process_id is not None else distributed.is_main()
     if not main:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (text and figures from process 0 only)
-    return distributed.FailureWatch().start()
+    return distributed.FailureWatch(cluster.process_id).start()
 
 
 def _error(args, message: str) -> None:

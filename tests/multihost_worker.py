@@ -40,7 +40,7 @@ def main() -> int:
     cluster = distributed.Cluster.resolve(a.coordinator, a.num_processes, a.process_id)
     if cluster is not None:
         distributed.initialize(cluster, timeout_s=120)
-    watch = distributed.FailureWatch().start()
+    watch = distributed.FailureWatch(a.process_id).start()
     try:
         run(a)
     except Exception as e:

@@ -184,3 +184,18 @@ def test_cluster_from_flags_and_environment():
             Cluster.resolve(*bad, environ={})
     with pytest.raises(ClusterError, match="not an integer"):
         Cluster.resolve(None, None, None, environ={**env, "JAX_NUM_PROCESSES": "four"})
+
+
+def test_the_cli_refuses_the_interpret_kernel_across_processes_on_every_process(tmp_path):
+    """`mkdsl bench` on 2 processes without a TPU: a usage error before any slow work, on each
+    process its own (exit 2) or the other's, relayed by the failure watch (exit 1)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "mkdsl", "bench", str(ROOT / "specs/deepseek_v3.mk"), "-p", "mini"]
+    cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id"]
+    procs = [subprocess.Popen([*cmd, str(i)], stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    errs = [p.communicate(timeout=180)[1] for p in procs]
+    for p, err in zip(procs, errs):
+        assert p.returncode in (1, 2) and "does not run across processes" in err, err
+        assert "Traceback" not in err

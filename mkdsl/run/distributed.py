@@ -143,7 +143,10 @@ def _client():
 class FailureWatch:
     """A failure on one process stops every process with that process's error."""
 
-    def __init__(self, poll_s: float = 0.5):
+    def __init__(self, process_id: int | None = None, poll_s: float = 0.5):
+        # the id given, if known: jax.process_index() starts JAX's backends, which on a cluster
+        # waits for every process (one that has failed may never come)
+        self.process_id = process_id
         self.poll_ms = int(poll_s * 1000)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="mkdsl-failure-watch", daemon=True)
@@ -162,9 +165,12 @@ class FailureWatch:
         if client is None:
             return
         try:
-            client.key_value_set(FAILED_KEY, f"process {process_index()}: {message}")
+            client.key_value_set(FAILED_KEY, f"process {self._me()}: {message}")
         except Exception:  # already set by another process, or the service is gone
             pass
+
+    def _me(self) -> int:
+        return self.process_id if self.process_id is not None else process_index()
 
     def fail(self, message: str, exit_code: int = 1, show: bool = True) -> None:
         """Publish this process's error, print it and leave at once (`os._exit`: JAX's exit hook
@@ -175,7 +181,7 @@ class FailureWatch:
             print(message, file=sys.stderr, flush=True)
         sys.stderr.flush()
         sys.stdout.flush()
-        time.sleep(LINGER_S if process_index() == 0 else 0.2)
+        time.sleep(LINGER_S if self._me() == 0 else 0.2)
         os._exit(exit_code)
 
     def _watch(self) -> None:
@@ -186,7 +192,9 @@ class FailureWatch:
             except Exception:  # not set yet (a timeout), or the coordinator is gone
                 self._stop.wait(0.05)
                 continue
-            if not message.startswith(f"process {process_index()}:"):
+            if not message.startswith(f"process {self._me()}:"):
                 print(f"mkdsl: error on {message}", file=sys.stderr, flush=True)
+                if self._me() == 0:  # the coordinator stays a moment: the others leave first
+                    time.sleep(LINGER_S)
                 os._exit(1)
             return
