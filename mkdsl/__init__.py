@@ -6,7 +6,7 @@ The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to
 `plain_state`), `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
 the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_tokens`, and
 `load_weights` from a checkpoint (`export_hf`: a GGUF written out as a Hugging Face one);
-`generate` (speculatively with a `Drafter`, e.g. `NgramDrafter`).
+`generate` (speculatively with a `Drafter`, e.g. `NgramDrafter`); `join_cluster` for one process per host.
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -22,6 +22,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     compile_text,
     compile_to,
     generate,
+    join_cluster,
     kernel_weights,
     load,
     load_kernel,
@@ -46,6 +47,7 @@ __all__ = [
     "build_step",
     "commit",
     "compile_text",
+    "join_cluster",
     "compile_to",
     "Drafter",
     "generate",

@@ -329,3 +329,21 @@ def generate(
         stop=frozenset(stop),
         on_tokens=on_tokens,
     )
+
+
+def join_cluster(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> bool:
+    """Join a multi-host run (one process per host, docs/multihost.md) before anything uses JAX:
+    `jax.distributed.initialize` from the arguments, else from `JAX_COORDINATOR_ADDRESS`,
+    `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` (`coordinator="auto"`: JAX detects the cluster), with
+    gloo collectives on the CPU. False (nothing done) when neither describes a cluster. Then
+    `load_kernel(spec).make_mesh()` spans every process's devices and `load_weights(...,
+    module=, mesh=)` loads only this process's shards."""
+    from mkdsl.run import distributed
+
+    cluster = distributed.Cluster.resolve(coordinator, num_processes, process_id)
+    if cluster is None:
+        return False
+    distributed.initialize(cluster)
+    return True

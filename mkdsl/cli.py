@@ -426,13 +426,31 @@ def cmd_calibrate(args) -> int:
     return 1 if calibrate.calibrate(out, args.interpret, devices) else 0
 
 
+_PROCESSES = 1  # processes in the cluster (`_join_cluster`)
+
+
+def _one_process_kernel(what: str, hint: str = "") -> None:
+    """The kernel in TPU interpret mode (no TPU here) does not run across processes (it hangs in
+    jax 0.10.2: docs/multihost.md); say so before any slow work."""
+    from mkdsl.jax_setup import tpu_attached
+
+    if _PROCESSES > 1 and not tpu_attached():
+        raise UsageError(
+            f"{what} runs the kernel in TPU interpret mode, which does not run across processes "
+            f"(docs/multihost.md); run it as one process{hint}"
+        )
+
+
 def _host_devices(n: int) -> None:
-    """Ask XLA for `n` virtual CPU devices (sharded kernels run one per device in interpret mode).
-    Must happen before jax starts its CPU backend; libtpu's compile-only devices still work."""
+    """Ask XLA for `n` virtual CPU devices in all (sharded kernels run one per device in
+    interpret mode), `n / processes` in each process of a cluster. Must happen before jax starts
+    its CPU backend; libtpu's compile-only devices still work."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        if n % _PROCESSES:
+            raise UsageError(f"the spec's {n} devices do not divide among {_PROCESSES} processes")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n // _PROCESSES}".strip()
 
 
 def cmd_verify(args) -> int:
@@ -441,6 +459,7 @@ def cmd_verify(args) -> int:
 
     from mkdsl.compiler import compile_source
 
+    _one_process_kernel("mkdsl verify")
     if args.against is not None:
         return _verify_against(args)
     source = _read(args.spec)
@@ -533,6 +552,20 @@ def cmd_run(args) -> int:
 
 
 def _run(args, interrupted: list[bool]) -> int:
+    _check_run_args(args)
+    if args.decode == "kernel":
+        _one_process_kernel("mkdsl run --decode kernel", ", or with --decode reference")
+    texts = _prompt_texts(args)  # piped standard input is read now: an empty one is known at once
+    spec, module, weights, codec, groups = _prepare_run(args, texts, interrupted)
+    for group in groups if groups is not None else _typed_groups(args, codec, module):
+        _run_prompt(args, spec, module, weights, codec, group, interrupted)
+    return 0
+
+
+def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, serving: bool = False):
+    """(spec, kernel module, weights on the devices, tokenizer, the prompts' groups) for `run` and
+    `serve`: every argument, every known prompt and the checkpoint's fit checked before the
+    compile and the load. `serving`: no prompts; the batch defaults to the spec's most rows."""
     import math
 
     from mkdsl.api import Spec, spec_profiles
@@ -543,8 +576,6 @@ def _run(args, interrupted: list[bool]) -> int:
     from mkdsl.run import prompts as run_prompts
     from mkdsl.spmd.shard import shard
 
-    _check_run_args(args)
-    texts = _prompt_texts(args)  # piped standard input is read now: an empty one is known at once
     model, source, module_ast = _load(args)
     try:
         local = shard(model)
@@ -556,7 +587,10 @@ def _run(args, interrupted: list[bool]) -> int:
     if devices > 1 and not tpu_attached():
         _host_devices(devices)  # a sharded kernel in interpret mode: one virtual CPU device per core
     rows = model.dims[0]
-    args.batch = run_prompts.batch_of(args.batch, args.prompt, rows.low, rows.high)
+    if serving and args.batch is None:  # serve: the spec's most rows
+        args.batch = rows.high
+    elif not serving:
+        args.batch = run_prompts.batch_of(args.batch, args.prompt, rows.low, rows.high)
     if not rows.low <= args.batch <= rows.high:
         raise UsageError(
             f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})"
@@ -570,13 +604,54 @@ def _run(args, interrupted: list[bool]) -> int:
 
     module, _ = cached_kernel(source, args.spec, args.profile)
     use_compilation_cache()
-    groups = _prompt_groups(args, codec, module, texts)  # every known prompt checked before the load
+    groups = None if serving else _prompt_groups(args, codec, module, texts)  # known prompts, before the load
     _say_emulation(args, module)
     weights, report = load_weights(model, reader, module=module, progress=sys.stderr.isatty())
-    run_prompts.check(interrupted)  # an interrupt JAX's collector swallowed during the load
+    if interrupted is not None:
+        run_prompts.check(interrupted)  # an interrupt JAX's collector swallowed during the load
     print(f"{args.weights}: {report.summary()}", file=sys.stderr)
-    for group in groups if groups is not None else _typed_groups(args, codec, module):
-        _run_prompt(args, spec, module, weights, codec, group, interrupted)
+    _loaded_by_all(args.weights, report)
+    return spec, module, weights, codec, groups
+
+
+def _loaded_by_all(path: str, report) -> None:
+    """On a cluster, process 0 adds up what every process read."""
+    from mkdsl.run.distributed import gather_counts, is_main
+
+    counts = gather_counts([report.tensors, report.bytes_read / 2**20])
+    if len(counts) > 1 and is_main():
+        tensors, mib = counts.sum(axis=0)
+        each = ", ".join(f"{m:.1f}" for m in counts[:, 1])
+        print(
+            f"{path}: {len(counts)} processes read {int(tensors)} tensors, {mib:.1f} MiB in all ({each} MiB each)",
+            file=sys.stderr,
+        )
+
+
+def _mesh(module):
+    """The kernel's mesh over every process's devices (None for a one-device spec)."""
+    return module.make_mesh() if hasattr(module, "MESH_SHAPE") else None
+
+
+def cmd_serve(args) -> int:
+    from mkdsl.run import serve
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port}: not a port number")
+    if args.decode == "kernel":
+        _one_process_kernel("mkdsl serve --decode kernel", ", or with --decode reference")
+    spec, module, weights, codec, _ = _prepare_run(args, None, None, serving=True)
+    batch = args.batch
+    seq_len = args.context if args.context is not None else 4 * module.KV_TILE
+    if seq_len % module.KV_TILE or not module.SEQ_RANGE[0] <= seq_len <= module.SEQ_RANGE[1]:
+        raise UsageError(f"--context {seq_len}: must be a multiple of {module.KV_TILE} in {module.SEQ_RANGE}")
+    from mkdsl.run.prefill import PrefillError
+
+    options = {"interpret": _interpret(args), "decode": args.decode, "mesh": _mesh(module)}
+    try:
+        serve.run_server(spec, module, weights, codec, batch, seq_len, args.host, args.port, args.model_name, **options)
+    except PrefillError as e:
+        raise UsageError(f"serve needs the spec's XLA prefill (each request prefills its own row): {e}") from None
     return 0
 
 
@@ -690,6 +765,7 @@ def _run_prompt(args, spec, module, weights, codec, group, interrupted) -> None:
     _fits(spec, args.batch, seq_len - 1)  # caches of this length for every row must fit in HBM
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     options = {"seed": args.seed, "steps_per_call": args.steps_per_call, "prefill": args.prefill}
+    options |= {"decode": args.decode, "mesh": _mesh(module)}
     decoder = Decoder(spec, module, weights, args.batch, seq_len, sampling, interpret=_interpret(args), **options)
     stream = _TextStream(codec, interrupted)
     if not args.chat:
@@ -704,7 +780,10 @@ def _run_prompt(args, spec, module, weights, codec, group, interrupted) -> None:
         shown = "" if same or args.chat else group.texts[b]
         print(f"[row {b}] {shown}{codec.decode(_until(result.tokens[b], codec.eos_ids))}")
     sys.stdout.flush()
-    print(result.summary(args.batch), file=sys.stderr)
+    from mkdsl.run.distributed import is_main
+
+    if is_main():
+        print(result.summary(args.batch), file=sys.stderr)
 
 
 def _run_draft(args, decoder, ids, codec, stream) -> None:
@@ -767,6 +846,7 @@ def cmd_bench(args) -> int:
     from mkdsl import api
     from mkdsl.run import bench
 
+    _one_process_kernel("mkdsl bench")
     spec = _load_spec(args)
     import math
 
@@ -870,6 +950,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--prompt-tokens", type=int, default=12, help="with --against: random prompt tokens before the steps (12)"
     )
+    _cluster_args(c)
     _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
     _run_parser(spec_command)
     c = sub.add_parser(
@@ -904,7 +985,43 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--calibration", metavar="FILE", help="the cost model's constants from `mkdsl calibrate` (the ratio)"
     )
+    _cluster_args(c)
+    _serve_parser(spec_command)
     return p
+
+
+def _cluster_args(c) -> None:
+    """One process per host (docs/multihost.md): jax.distributed from these or the environment."""
+    g = c.add_argument_group("multi-host (one process per host; default: JAX_COORDINATOR_ADDRESS etc.)")
+    g.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address, or `auto` (JAX detects the cluster)"
+    )
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes in all (one per host)")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process, 0 .. N-1 (0 prints and serves)")
+
+
+def _serve_parser(spec_command) -> None:
+    c = spec_command("serve", "serve a checkpoint over an OpenAI-compatible HTTP API", cmd_serve)
+    c.add_argument("--weights", required=True, metavar="PATH", help="a .gguf or .safetensors file, index or directory")
+    c.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    c.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    c.add_argument("--batch", type=int, default=None, help="rows: requests decoded together (default: the spec's most)")
+    c.add_argument(
+        "--context", type=int, default=None, help="tokens per row, prompt and completion (default: 4 KV tiles)"
+    )
+    c.add_argument("--model-name", default=None, help="the model id clients name (default: the spec's model name)")
+    _decode_args(c)
+    _cluster_args(c)
+
+
+def _decode_args(c) -> None:
+    c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU (the default without a TPU)")
+    c.add_argument(
+        "--decode",
+        choices=("kernel", "reference"),
+        default="kernel",
+        help="decode with the kernel (default) or the spec's unfused XLA reference step (sharded by XLA)",
+    )
 
 
 def _plan_parser(c) -> None:
@@ -997,7 +1114,7 @@ def _run_parser(spec_command) -> None:
         help="rows decoded together: the prompts fill them in order, one prompt fills all (default: one per --prompt)",
     )
     c.add_argument("--steps-per-call", type=int, default=1, help="decode steps per call (default 1)")
-    c.add_argument("--interpret", action="store_true", help="TPU interpret mode on the CPU (the default without a TPU)")
+    _decode_args(c)
     c.add_argument(
         "--draft",
         metavar="ngram|mtp|DRAFT.mk",
@@ -1011,6 +1128,7 @@ def _run_parser(spec_command) -> None:
         default="auto",
         help="the prompt through the spec's XLA prefill (auto: when every op has a prefill rule) or kernel steps",
     )
+    _cluster_args(c)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1018,21 +1136,65 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # reported with the subcommand's usage, not the top-level one
         args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        return args.fn(args)
-    except SpecError as e:
-        print(e.render(args.spec, getattr(e, "source", "")), file=sys.stderr)
-        return 1
+        watch = _join_cluster(args)
     except UsageError as e:
         print(f"mkdsl: error: {e}", file=sys.stderr)
         return 2
+    code = _dispatch(args, argv)
+    if watch is not None:
+        watch.stop()
+        if code != 0:  # the others stop too, with this process's error
+            watch.fail(getattr(args, "error_message", f"exit status {code}"), code, show=False)
+    return code
+
+
+def _join_cluster(args):
+    """With --coordinator (or JAX_COORDINATOR_ADDRESS): join the cluster, print from process 0
+    only, and watch for another process's failure. None for a single process."""
+    if not hasattr(args, "coordinator"):
+        return None
+    from mkdsl.run import distributed
+
+    try:
+        cluster = distributed.Cluster.resolve(args.coordinator, args.num_processes, args.process_id)
+    except distributed.ClusterError as e:
+        raise UsageError(str(e)) from None
+    if cluster is None:
+        return None
+    global _PROCESSES
+    _PROCESSES = cluster.num_processes or 1
+    distributed.initialize(cluster)
+    # the id given, not jax.process_index(): that would start JAX's backends before
+    # `_host_devices` sets the virtual CPU device count (with `auto`, a TPU's, it does not matter)
+    main = cluster.process_id == 0 if cluster.process_id is not None else distributed.is_main()
+    if not main:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (text and figures from process 0 only)
+    return distributed.FailureWatch(cluster.process_id).start()
+
+
+def _error(args, message: str) -> None:
+    """Print an error; on a cluster, the others stop with it (`FailureWatch`)."""
+    args.error_message = message
+    print(message, file=sys.stderr)
+
+
+def _dispatch(args, argv: list[str] | None) -> int:
+    try:
+        return args.fn(args)
+    except SpecError as e:
+        _error(args, e.render(args.spec, getattr(e, "source", "")))
+        return 1
+    except UsageError as e:
+        _error(args, f"mkdsl: error: {e}")
+        return 2
     except CheckpointError as e:
-        print(f"mkdsl: error: {e}", file=sys.stderr)
+        _error(args, f"mkdsl: error: {e}")
         return 1
     except (KernelCompileError, CompilerFailure) as e:  # libtpu rejected what mkdsl generated: mkdsl's bug
         print(f"mkdsl: internal compiler error: {e}\nThis is a bug in mkdsl's code generation.", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        print("mkdsl: interrupted", file=sys.stderr)
+        _error(args, "mkdsl: interrupted")
         if argv is None:  # the command itself: JAX's threads may be mid-compile, and tearing
             _exit_now(130)  # the interpreter down under them can crash; end the process here
         return 130
@@ -1045,12 +1207,12 @@ def main(argv: list[str] | None = None) -> int:
         if "Mosaic" in str(e):  # libtpu refused a kernel while a command ran it: say what it said
             from mkdsl.backends.tpu.libtpu import describe_failure
 
-            print(f"mkdsl: internal compiler error: {describe_failure(str(e), '')}", file=sys.stderr)
+            _error(args, f"mkdsl: internal compiler error: {describe_failure(str(e), '')}")
             return 3
-        print(
+        _error(
+            args,
             f"mkdsl: internal error: {type(e).__name__}: {e}\n"
             "This is a bug in mkdsl; rerun with MKDSL_DEBUG=1 for the traceback.",
-            file=sys.stderr,
         )
         return 3
 

@@ -120,13 +120,16 @@ def test_an_op_that_updates_state_needs_a_prefill_rule(monkeypatch):
         build_prefill(spec.model)
 
 
-def test_prefill_takes_the_kernels_weight_layout_too():
-    """A quantised weight given as the kernel's `w_codes`, `w_scales` is the reference's QTensor."""
-    spec = mkdsl.load("specs/kimi_k3.mk", "mini")
+@pytest.mark.parametrize("name", ["kimi_k3", "deepseek_v3"])  # MXFP4 experts; fp8 with block scales
+def test_prefill_takes_the_kernels_weight_layout_too(name):
+    """A quantised weight given as the kernel's `w_codes`, `w_scales` is the reference's QTensor,
+    with its format and group (a block-scaled fp8's `fp8_e4m3:block` and block size)."""
+    spec = mkdsl.load(f"specs/{name}.mk", "mini")
     weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=256, seed=5)
     back = reference_weights(spec.model, mkdsl.kernel_weights(weights))
     assert set(back) == set(weights)
     for name, w in weights.items():
+        assert jax.tree_util.tree_structure(back[name]) == jax.tree_util.tree_structure(w), name
         for a, b in zip(jax.tree_util.tree_leaves(w), jax.tree_util.tree_leaves(back[name]), strict=True):
             assert (np.asarray(a) == np.asarray(b)).all(), name
         assert type(back[name]) is type(w)

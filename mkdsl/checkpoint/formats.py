@@ -121,9 +121,32 @@ class SafetensorsReader:
             return _read_raw(self._file[name], name, RAW_TYPES[kind])
         return self._where[name].get_tensor(name)
 
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray | None:
+        """Rows start..stop of a stored tensor, read by offset from its file (None: not a plain type)."""
+        kind = self._where[name].get_slice(name).get_dtype()
+        if kind not in ROW_TYPES:
+            return None
+        import ml_dtypes
+
+        begin, header = _header(self._file[name])
+        entry = header[name]
+        shape = entry["shape"]
+        row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(_numpy(ROW_TYPES[kind], ml_dtypes)).itemsize
+        with open(self._file[name], "rb") as f:
+            f.seek(begin + entry["data_offsets"][0] + start * row)
+            data = f.read((stop - start) * row)
+        return np.frombuffer(data, _numpy(ROW_TYPES[kind], ml_dtypes)).reshape(stop - start, *shape[1:])
+
 
 # Stored types that numpy reads only through ml_dtypes: read from the file's bytes.
 RAW_TYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# Stored types whose rows `read_rows` reads by offset (one element per value, no blocks).
+ROW_TYPES = {**RAW_TYPES, "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I32": "int32"}
+ROW_TYPES |= {"I8": "int8", "U8": "uint8", "I64": "int64"}
+
+
+def _numpy(name: str, ml_dtypes):
+    return getattr(ml_dtypes, name, None) or np.dtype(name)
 
 
 @functools.lru_cache(maxsize=8)
@@ -212,6 +235,15 @@ class GGUFReader:
         if t.tensor_type.name in ("F32", "F16"):
             return np.asarray(t.data).reshape(shape)
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray | None:
+        """Rows start..stop of an F32 or F16 tensor, from the file's memory map at its offset
+        (None for block formats, which are decoded whole)."""
+        t = self._t[name]
+        if t.tensor_type.name not in ("F32", "F16"):
+            return None
+        shape = tuple(int(d) for d in reversed(t.shape))
+        return np.array(np.asarray(t.data).reshape(shape)[start:stop])
 
     def metadata(self, key: str, default=None):
         f = self._r.fields.get(key)

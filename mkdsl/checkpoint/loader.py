@@ -72,6 +72,7 @@ class LoadReport:
     tensors: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    bytes_read: int = 0  # from the files, by this process
     rounded: Counter = field(default_factory=Counter)  # stored type -> tensors rounded
     target: dict = field(default_factory=dict)  # stored type -> spec dtype it rounded into
     seen: set = field(default_factory=set, repr=False)  # stored tensors read (one may feed two weights)
@@ -120,7 +121,12 @@ def load_weights(
     out = {}
     from tqdm import tqdm
 
-    with tqdm(total=total, desc="loading", unit="tensor", file=sys.stderr, disable=not progress, leave=False) as bar:
+    desc, processes = "loading", _processes()
+    if processes > 1:  # each process its own bar, counting what it reads (not known before: total unset)
+        import jax
+
+        desc, total = f"loading [process {jax.process_index()}/{processes}]", None
+    with tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=not progress, leave=False) as bar:
         for wp in plans:
             if shardings is not None:  # one device's shard at a time
                 out.update(_place_sharded(wp, reader, report, bar, module, shardings))
@@ -128,6 +134,29 @@ def load_weights(
                 out.update(_place(_build(wp, reader, report, bar), wp.tensor.name, module, shardings, host))
     report.seconds = time.perf_counter() - t0
     return out, report
+
+
+def working_set_bound(plans: list[WeightPlan], reader, module=None, shardings=None) -> int:
+    """Host bytes a load holds beyond the shards it keeps: the largest stored tensor (read
+    whole, or for a sharded piece its rows) three times at f32 (as read, after the steps, and
+    converted), plus two device shards (the one built and the last one kept for the devices
+    that share it). Each process of a multi-host run holds its share of the weights plus this."""
+    largest = 0
+    for wp in plans:
+        for p in wp.pieces:
+            largest = max(largest, sum(4 * int(np.prod(reader.info(n).shape, dtype=np.int64)) for n in p.names))
+    shard = 0
+    if module is not None and shardings is not None:
+        for name, (shape, dtype) in module.WEIGHTS.items():
+            local = shardings[name].shard_shape(tuple(shape))
+            shard = max(shard, int(np.prod(local, dtype=np.int64)) * numpy_dtype(dtype).itemsize)
+    return 3 * largest + 2 * shard
+
+
+def _processes() -> int:
+    """JAX's process count, if JAX is in use (a loader for host arrays need not start it)."""
+    jax = sys.modules.get("jax")
+    return jax.process_count() if jax is not None else 1
 
 
 def plan_load(model: Model, reader) -> list[WeightPlan]:
@@ -299,22 +328,55 @@ def _build(wp: WeightPlan, reader, report: LoadReport, bar):
     return out
 
 
-def _piece(wp: WeightPlan, p: Piece, reader, report: LoadReport, bar) -> tuple[np.ndarray, ...]:
-    """One piece in the spec's dtype: (array,), or a quantised weight's (codes, scales)."""
+def _piece(wp: WeightPlan, p: Piece, reader, report: LoadReport, bar, cut: tuple | None = None) -> tuple:
+    """One piece in the spec's dtype: (array,), or a quantised weight's (codes, scales); with
+    `cut` (slices of the piece's axes, a single-part piece) only that block, read by offset
+    where the stored tensor's rows are the block's rows (see `_rows_read`)."""
     t = wp.tensor
-    parts = [_read(reader, n) for n in p.names]
+    sliced = _rows_read(wp, p, reader, report, cut) if cut is not None else None
+    if sliced is not None:
+        x, cut = sliced, None
+        if report.check_finite:
+            _check_finite(p.names, [x])
+    else:
+        parts = [_read(reader, n) for n in p.names]
+        report.bytes_read += sum(a.nbytes for a in parts)
+        if report.check_finite:
+            _check_finite(p.names, parts)
+        if p.pair is not None:
+            bar.update(report.read(p.names))
+            return _pair_piece(p, parts, wp, report)
+        x = parts[0] if len(parts) == 1 else np.concatenate([a.astype(np.float32) for a in parts])
     bar.update(report.read(p.names))
-    if report.check_finite:
-        _check_finite(p.names, parts)
-    if p.pair is not None:
-        return _pair_piece(p, parts, wp, report)
-    x = parts[0] if len(parts) == 1 else np.concatenate([a.astype(np.float32) for a in parts])
     for n in p.names:
         stored = reader.info(n).dtype
         if stored in wp.rounded:
             report.rounded[stored] += 1
             report.target[stored] = str(t.type.dtype)
-    return (apply_steps(x, wp.source.steps).astype(numpy_dtype(t.type.dtype.numpy)),)
+    if sliced is None:
+        x = apply_steps(x, wp.source.steps)
+    x = x.astype(numpy_dtype(t.type.dtype.numpy))
+    return (x if cut is None else x[cut],)
+
+
+def _rows_read(wp: WeightPlan, p: Piece, reader, report: LoadReport, cut: tuple) -> np.ndarray | None:
+    """The block `cut` of a 2-D piece stored as one plain tensor mapped as is or transposed: the
+    stored rows it needs read by offset (`reader.read_rows`), then the steps; None otherwise."""
+    steps = tuple(s for s in wp.source.steps if s.name != "round")
+    if p.pair is not None or len(p.names) != 1 or len(cut) != 2 or not hasattr(reader, "read_rows"):
+        return None
+    if [s.name for s in steps] not in ([], ["transpose"]):
+        return None
+    rows, cols = (cut[0], cut[1]) if not steps else (cut[1], cut[0])
+    try:
+        x = reader.read_rows(p.names[0], rows.start or 0, rows.stop)
+    except Exception as e:  # a damaged file
+        raise CheckpointError(f"tensor `{p.names[0]}` cannot be read: {e}") from None
+    if x is None:
+        return None
+    report.bytes_read += x.nbytes
+    x = x[:, cols]
+    return x.T if steps else x
 
 
 def _check_finite(names, parts) -> None:
@@ -354,7 +416,9 @@ def _place_sharded(wp: WeightPlan, reader, report: LoadReport, bar, module, shar
 
     lead = len(wp.pieces[0].index) if wp.pieces else 0
     pieces = {p.index: p for p in wp.pieces}
-    out = place_sharded(wp.tensor, pieces, lead, lambda p: _piece(wp, p, reader, report, bar), module, shardings)
+    out = place_sharded(
+        wp.tensor, pieces, lead, lambda p, cut=None: _piece(wp, p, reader, report, bar, cut), module, shardings
+    )
     report.bytes += sum(a.nbytes for a in out.values())
     return out
 

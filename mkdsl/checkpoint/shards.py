@@ -64,7 +64,9 @@ def _shard(key, *, part: int, dtype, pads: dict, lead: int, pieces: dict, piece:
     cut = tuple(slice(r.start, r.stop) for r in src[lead:])
     for idx in itertools.product(*src[:lead]):
         here = tuple(i - r.start for i, r in zip(idx, src, strict=False))
-        local[here] = piece(pieces[idx])[part][cut]
+        p = pieces[idx]
+        # a one-part piece: only this block is read (by offset where it can be); else cut here
+        local[here] = piece(p, cut)[0] if part == 0 and len(p.names) == 1 and p.pair is None else piece(p)[part][cut]
     for ax, (valid, padded) in pads.items():
         blocks = np.moveaxis(local, ax, -1).reshape(*np.moveaxis(local, ax, -1).shape[:-1], -1, valid)
         blocks = np.pad(blocks, [(0, 0)] * (blocks.ndim - 1) + [(0, padded - valid)])

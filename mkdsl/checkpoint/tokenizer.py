@@ -44,6 +44,10 @@ class TextCodec:
 
     def chat(self, prompt: str) -> str:
         """The prompt as one user turn through the checkpoint's chat template, ready for the reply."""
+        return self.render([{"role": "user", "content": prompt}])
+
+    def render(self, messages: list[dict]) -> str:
+        """A conversation (role, content) through the checkpoint's chat template, ready for the reply."""
         if not self.chat_template:
             raise CheckpointError("the checkpoint has no chat template (--chat needs one)")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -54,10 +58,7 @@ class TextCodec:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
+            messages=messages, add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token
         )
 
 

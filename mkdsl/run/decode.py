@@ -29,35 +29,55 @@ from pathlib import Path
 
 import numpy as np
 
+from mkdsl.run.distributed import to_host
+
 
 class Decoder:
     """The kernel's step with its weights and state, and the prefill that fills the state."""
 
     def __init__(
-        self, spec, module, weights, batch, seq_len, sampling, *, interpret, seed=0, steps_per_call=1, prefill="auto"
+        self,
+        spec,
+        module,
+        weights,
+        batch,
+        seq_len,
+        sampling,
+        *,
+        interpret,
+        seed=0,
+        steps_per_call=1,
+        prefill="auto",
+        decode="kernel",
+        mesh=None,
+        per_device_prefill=None,
     ):
-        from mkdsl.run.prefill import PrefillError, check_prefill
-
         self.module, self.weights, self.batch, self.seq_len = module, weights, batch, seq_len
         self.sampling, self.seed, self.interpret, self.steps_per_call = sampling, seed, interpret, steps_per_call
-        self.state = _zeros(module.state_layout(batch, seq_len))
+        self.model, self.mesh, self.decode_with = spec.model, mesh, decode
+        self.state = _zeros(module.state_layout(batch, seq_len), _state_shardings(module, mesh))
         self._steps: dict[int, Callable] = {}
-        self.prefill_fn = None
-        if prefill != "steps":
-            try:
-                check_prefill(spec.model)
-            except PrefillError:
-                if prefill == "xla":
-                    raise
-            else:
-                from mkdsl.run.prefill import build_prefill
+        self._prefill_options = (prefill, per_device_prefill)
+        self.prefill_fn = _prefill_fn(spec.model, module, sampling, prefill, mesh, per_device_prefill)
+        self._by_sampling = {sampling: (self._steps, self.prefill_fn)}
 
-                prefill_fn = build_prefill(spec.model, sampling=sampling)
-                pads = getattr(module, "PADDED", {})
-                self.prefill_fn = lambda w, *a, **k: prefill_fn(unpad_weights(w, pads), *a, **k)
+    def use_sampling(self, sampling) -> None:
+        """Sample with `sampling` from now on (its steps and prefill built once, then kept)."""
+        if sampling == self.sampling:
+            return
+        if sampling not in self._by_sampling:
+            fn = _prefill_fn(
+                self.model, self.module, sampling, *self._prefill_options[:1], self.mesh, self._prefill_options[1]
+            )
+            self._by_sampling[sampling] = ({}, fn)
+        self.sampling = sampling
+        self._steps, self.prefill_fn = self._by_sampling[sampling]
 
     def step(self, n: int) -> Callable:
-        """The kernel's step running `n` decode steps per call (built once per count)."""
+        """The kernel's step running `n` decode steps per call (built once per count); with
+        `decode="reference"` the spec's unfused XLA step, `n` times, sampled as the kernel samples."""
+        if n not in self._steps and self.decode_with == "reference":
+            self._steps[n] = _reference_steps(self.model, self.module, self.sampling, n)
         if n not in self._steps:
             kernel_sampling = self.module.Sampling(**dataclasses.asdict(self.sampling))  # the module's own class
             options = {"interpret": self.interpret, "sampling": kernel_sampling, "steps_per_call": n}
@@ -70,18 +90,25 @@ class Decoder:
         return self._steps[n]
 
     def _call(self, tokens, position: int, n: int) -> np.ndarray:
-        positions = np.full((self.batch,), position, np.int32)
-        tokens = np.asarray(tokens, np.int32)
-        _, chosen, self.state = self.step(n)(self.weights, self.state, tokens, positions, self.seed)
-        chosen = np.asarray(chosen)  # waits for the call
+        return self.step_rows(tokens, np.full((self.batch,), position, np.int32), n)
+
+    def step_rows(self, tokens, positions, n: int = 1) -> np.ndarray:
+        """`n` steps from each row's token at its own position: tokens [B, n]."""
+        tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
+        self.logits, chosen, self.state = self.step(n)(self.weights, self.state, tokens, positions, self.seed)
+        chosen = to_host(chosen)  # waits for the call
         return chosen.reshape(self.batch, n)
 
-    def prefill(self, tokens: np.ndarray) -> np.ndarray:
+    def prefill(self, tokens: np.ndarray, lengths=None, start=None) -> np.ndarray:
+        """Each row's prompt (its first `lengths[b]` tokens, at positions from `start[b]`; the
+        XLA prefill only) into the state; the next token of each row."""
         if self.prefill_fn is not None:
-            _, chosen, self.state = self.prefill_fn(
-                self.weights, self.state, np.asarray(tokens, np.int32), seed=self.seed
+            self.logits, chosen, self.state = self.prefill_fn(
+                self.weights, self.state, np.asarray(tokens, np.int32), lengths, start, seed=self.seed
             )
-            return np.asarray(chosen)
+            return to_host(chosen)
+        if lengths is not None or start is not None:
+            raise ValueError("prompts of their own lengths per row need the spec's XLA prefill")
         for t in range(tokens.shape[1]):
             chosen = self._call(tokens[:, t], t, 1)[:, 0]
         return chosen
@@ -108,10 +135,73 @@ def unpad_weights(weights: dict, pads: dict) -> dict:
     return out
 
 
-def _zeros(layout: dict) -> dict:
+def _zeros(layout: dict, shardings: dict | None = None) -> dict:
+    """The zero state; with shardings, global arrays each process makes its own shards of."""
+    import jax
     import jax.numpy as jnp
 
-    return {name: jnp.zeros(s.shape, s.dtype) for name, s in layout.items()}
+    if shardings is None:
+        return {name: jnp.zeros(s.shape, s.dtype) for name, s in layout.items()}
+    make = jax.jit(lambda: {n: jnp.zeros(s.shape, s.dtype) for n, s in layout.items()}, out_shardings=shardings)
+    return make()
+
+
+def _state_shardings(module, mesh) -> dict | None:
+    return module.state_shardings(mesh) if mesh is not None and hasattr(module, "state_shardings") else None
+
+
+def _prefill_fn(model, module, sampling, prefill: str, mesh, per_device: bool | None) -> Callable | None:
+    """The spec's XLA prefill on the kernel's (padded) weights: per device under `shard_map` for
+    a sharded spec given its mesh (unless `per_device=False`: then the whole model under `jit`,
+    partitioned by XLA over the weights' shardings); None for kernel steps (asked, or an op
+    without a prefill rule)."""
+    from mkdsl.run.prefill import PrefillError, build_prefill, check_prefill
+    from mkdsl.spmd.shard import is_sharded
+
+    if prefill == "steps":
+        return None
+    try:
+        check_prefill(model)
+    except PrefillError:
+        if prefill == "xla":
+            raise
+        return None
+    if per_device is None:
+        per_device = mesh is not None and is_sharded(model)
+    if per_device:
+        from mkdsl.run.prefill_spmd import build_sharded_prefill
+
+        fn = build_sharded_prefill(model, mesh, sampling=sampling, state_shardings=_state_shardings(module, mesh))
+    else:
+        fn = build_prefill(model, sampling=sampling, state_shardings=_state_shardings(module, mesh))
+    pads = getattr(module, "PADDED", {})
+    return lambda w, *a, **k: fn(unpad_weights(w, pads), *a, **k)
+
+
+def _reference_steps(model, module, sampling, n: int) -> Callable:
+    """`n` steps of the spec's reference on the kernel's weights, each token drawn by the
+    module's sampling code at its position: what the kernel's step computes, unfused in XLA."""
+    import jax
+
+    from mkdsl.run.prefill import reference_weights
+    from mkdsl.run.reference import build_reference
+    from mkdsl.run.sampling import sample_tokens
+
+    ref, pads = build_reference(model, jit=False), getattr(module, "PADDED", {})
+
+    def steps(weights, state, tokens, positions, seed):
+        weights = reference_weights(model, unpad_weights(weights, pads))
+        chosen = []
+        for i in range(n):
+            logits, greedy, state = ref(weights, state, tokens, positions + i)
+            tokens = sample_tokens(logits, positions + i, seed, sampling, greedy)
+            chosen.append(tokens)
+        return logits, jax.numpy.stack(chosen, axis=1), state
+
+    jitted = jax.jit(steps, donate_argnums=(1,))
+    return lambda weights, state, tokens, positions, seed: jitted(
+        weights, state, tokens, positions, np.uint32(seed % 2**32)
+    )
 
 
 @dataclass

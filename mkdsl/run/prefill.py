@@ -54,7 +54,7 @@ def reference_weights(model: Model, weights: dict) -> dict:
     for t in model.weights:
         if t.type.dtype.quantised and t.name not in out:
             codes, scales = out.pop(f"{t.name}_codes"), out.pop(f"{t.name}_scales")
-            out[t.name] = QTensor(codes, scales, t.type.dtype.name, t.type.dtype.group)
+            out[t.name] = QTensor(codes, scales, t.type.dtype.fmt, t.type.dtype.block or t.type.dtype.group)
     return out
 
 
