@@ -605,7 +605,8 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
     module, _ = cached_kernel(source, args.spec, args.profile)
     use_compilation_cache()
     groups = None if serving else _prompt_groups(args, codec, module, texts)  # known prompts, before the load
-    _say_emulation(args, module)
+    if not serving:
+        _say_emulation(args, module)
     weights, report = load_weights(model, reader, module=module, progress=sys.stderr.isatty())
     if interrupted is not None:
         run_prompts.check(interrupted)  # an interrupt JAX's collector swallowed during the load
@@ -927,6 +928,34 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--check", action="store_true", help="write nothing; exit 1 with a summary if the output directory is stale"
     )
+    _verify_parser(spec_command)
+    _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
+    _run_parser(spec_command)
+    _cost_parsers(sub)
+    c = spec_command(
+        "bench", "time the kernel's step: ms/step, tokens/s and % of the HBM floor (CPU: interpret mode)", cmd_bench
+    )
+    c.add_argument(
+        "--batch",
+        action="append",
+        metavar="N|A..B",
+        help="batches to time (default: all on a TPU, the smallest on a CPU)",
+    )
+    c.add_argument(
+        "--context", type=int, default=None, help="cached tokens per row (cache = context + 1; default: one KV tile)"
+    )
+    c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
+    c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
+    c.add_argument(
+        "--calibration", metavar="FILE", help="the cost model's constants from `mkdsl calibrate` (the ratio)"
+    )
+    _cluster_args(c)
+    _serve_parser(spec_command)
+    return p
+
+
+def _verify_parser(spec_command) -> None:
+    """`mkdsl verify`'s arguments."""
     c = spec_command(
         "verify",
         "run the kernel in TPU interpret mode against the reference, layer by layer, and compile it",
@@ -951,8 +980,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", type=int, default=12, help="with --against: random prompt tokens before the steps (12)"
     )
     _cluster_args(c)
-    _plan_parser(spec_command("plan", "print where the modeled time goes (--full: the whole plan report)", cmd_plan))
-    _run_parser(spec_command)
+
+
+def _cost_parsers(sub) -> None:
+    """`mkdsl calibrate` and `mkdsl static-costs`: the cost model's measured inputs."""
     c = sub.add_parser(
         "calibrate",
         help="microbenchmarks for the cost model's constants: timed on a TPU (--out FILE), checked in interpret mode",
@@ -968,26 +999,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("specs", nargs="*", metavar="SPEC", help="specs (default: every specs/*.mk)")
     c.add_argument("--clock-ghz", type=float, default=1.9, help="assumed TPU7x clock (not public; default 1.9)")
     c.set_defaults(fn=cmd_static_costs, parser=c)
-    c = spec_command(
-        "bench", "time the kernel's step: ms/step, tokens/s and % of the HBM floor (CPU: interpret mode)", cmd_bench
-    )
-    c.add_argument(
-        "--batch",
-        action="append",
-        metavar="N|A..B",
-        help="batches to time (default: all on a TPU, the smallest on a CPU)",
-    )
-    c.add_argument(
-        "--context", type=int, default=None, help="cached tokens per row (cache = context + 1; default: one KV tile)"
-    )
-    c.add_argument("--steps", type=int, default=3, help="timed steps per batch (default 3; the median is shown)")
-    c.add_argument("--weights", metavar="PATH", help="a checkpoint instead of random weights")
-    c.add_argument(
-        "--calibration", metavar="FILE", help="the cost model's constants from `mkdsl calibrate` (the ratio)"
-    )
-    _cluster_args(c)
-    _serve_parser(spec_command)
-    return p
 
 
 def _cluster_args(c) -> None:
