@@ -2606,7 +2606,7 @@ class MoE:
                 r0 = pl.multiple_of(c * self.kc + i * FP8_BLOCK, FP8_BLOCK)
                 w = codes[slot, pl.ds(r0, FP8_BLOCK), :].astype(BF16)
                 b0 = ct * (self.tn // FP8_BLOCK)
-                row = spread_scales(lambda j, i=i, s=scales: s[slot, c * (self.kc // FP8_BLOCK) + i, b0 + j], self.tn, FP8_BLOCK)
+                row = spread_scales(lambda j, i=i, s=scales, b0=b0: s[slot, c * (self.kc // FP8_BLOCK) + i, b0 + j], self.tn, FP8_BLOCK)
                 part = jnp.dot(zc[:, i * FP8_BLOCK : (i + 1) * FP8_BLOCK], w, preferred_element_type=F32) * row
                 acc = part if acc is None else acc + part
             out.append(acc)
