@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mkdsl.backends.tpu import bundles
-from mkdsl.backends.tpu.bundle_dump import DumpError, dump_kernel
+from mkdsl.backends.tpu import bundle_dump, bundles
+from mkdsl.backends.tpu.bundle_dump import DumpError
 from mkdsl.backends.tpu.libtpu import describe_failure
 
 
@@ -39,7 +39,7 @@ def read_schedule(source: str, spec: str, profile: str | None, batch: int, conte
         kernel = Path(tmp) / "kernel.py"
         kernel.write_text(out.files["kernel.py"], encoding="utf-8")
         try:
-            dump = dump_kernel(kernel, batch, seq_len(context, out.plan.kv_tile), Path(tmp) / "dump")
+            dump = bundle_dump.dump_kernel(kernel, batch, seq_len(context, out.plan.kv_tile), Path(tmp) / "dump")
         except DumpError as e:  # name the op and the spec line Mosaic refused, from the kernel's comments
             raise DumpError(describe_failure(str(e), out.files["kernel.py"])) from None
         found = bundles.parse_bundles(dump.bundles.read_text())
