@@ -682,7 +682,7 @@ def _check_draft_args(args) -> None:
         raise UsageError("--draft-weights: the n-gram drafter has no weights")
     if not 2 <= (args.draft_rows or 4) <= 16:
         raise UsageError(f"--draft-rows must be in 2 .. 16 (the anchor and 1..15 drafts), got {args.draft_rows}")
-    if args.batch != 1 or args.steps_per_call != 1:
+    if args.batch not in (None, 1) or len(args.prompt or ()) > 1 or args.steps_per_call != 1:
         raise UsageError("--draft decodes one sequence, one verify step per call: --batch 1, --steps-per-call 1")
 
 
@@ -1206,8 +1206,8 @@ def _dispatch(args, argv: list[str] | None) -> int:
         return 3
     except KeyboardInterrupt:
         _error(args, "mkdsl: interrupted")
-        if argv is None:  # the command itself: JAX's threads may be mid-compile, and tearing
-            _exit_now(130)  # the interpreter down under them can crash; end the process here
+        if argv is None and _PROCESSES == 1:  # the command itself: JAX's threads may be mid-compile,
+            _exit_now(130)  # and tearing the interpreter down under them can crash; end it here
         return 130
     except BrokenPipeError:  # `mkdsl plan ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -89,7 +89,7 @@ def run(a) -> None:
         state.update(np.ascontiguousarray(distributed.to_host(decoder.state[name])).tobytes())
     if distributed.is_main():
         record = {
-            "tokens": result.tokens.tolist(),
+            "tokens": [[int(t) for t in row] for row in result.tokens],
             "logits": logits.astype(np.float32).tolist(),
             "state_sha256": state.hexdigest(),
             "processes": __import__("jax").process_count(),

@@ -30,7 +30,23 @@ ELSEWHERE = {  # spec -> the test that compiles it at full size
     "qwen3_next_80b_a3b": "test_qwen3_next_compile.py",
     "llama3_8b": "test_tpu_compile.py",
 }
-HERE = [s for s in SPECS if s.stem not in ELSEWHERE]
+# Specs `mkdsl check` refuses today (so there is no kernel to compile), each with why. The test
+# below keeps this list honest: once such a spec checks, it must leave the list and compile here.
+REFUSED = {
+    "kimi_k3_dspark": "the kernel cannot yet run its `fc` projection of the target context before the layer stack",
+}
+HERE = [s for s in SPECS if s.stem not in ELSEWHERE and s.stem not in REFUSED]
+
+
+def test_the_refused_specs_are_still_refused_by_check():
+    from mkdsl.api import load
+    from mkdsl.lang.diagnostics import SpecError
+    from mkdsl.plan import make_plan
+
+    for stem in REFUSED:
+        spec = load(str(ROOT / "specs" / f"{stem}.mk"))
+        with pytest.raises(SpecError):
+            make_plan(spec.local, batch=spec.model.dims[0].high)
 
 
 def few_layers(text: str) -> tuple[str, int, int]:
@@ -48,7 +64,7 @@ def test_every_spec_is_compiled_at_full_size_somewhere():
     for stem, test in ELSEWHERE.items():
         assert (ROOT / "specs" / f"{stem}.mk").exists(), stem
         assert f'"{stem}.mk"' in (TESTS / test).read_text(encoding="utf-8"), (stem, test)
-    assert {s.stem for s in SPECS} == {s.stem for s in HERE} | set(ELSEWHERE)
+    assert {s.stem for s in SPECS} == {s.stem for s in HERE} | set(ELSEWHERE) | set(REFUSED)
 
 
 @pytest.mark.slow

@@ -97,7 +97,7 @@ def mk_op_values(model: Model, index: int, weights, carry_in: np.ndarray, tokens
     from mkdsl.run.prefill import _caller, _prompt_inputs, reference_weights
     from mkdsl.run.reference import _no_nesting, _run_graph
 
-    rows, inputs, _, _ = _prompt_inputs(model, jnp.asarray(tokens[None]), None, None)
+    rows, inputs, *_ = _prompt_inputs(model, jnp.asarray(tokens[None]), None, None)
     graph = model.kind(model.schedule[index])
     base, seen = _caller([rows]), []
 
