@@ -157,7 +157,12 @@ class FailureWatch:
         return self
 
     def stop(self) -> None:
+        """Stop watching and wait for the watcher to leave its blocking read: a daemon thread still
+        inside the coordination client's C++ call when the interpreter exits aborts the process
+        ("terminate called after throwing ..."; seen with jax 0.10.2)."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.poll_ms / 1000 + 5)
 
     def publish(self, message: str) -> None:
         """This process failed: tell the others (first failure wins)."""
