@@ -46,6 +46,7 @@ from mkdsl.lang.syntax import (
     parse,
 )
 from mkdsl.ops import OPS, REQUIRED, Operand, OpError
+from mkdsl.ops.state import READ_STATE
 
 # Schedule hints the planner understands (checked here, used by the planner).
 HINTS = {
@@ -868,10 +869,20 @@ class _Context:
         writes = self.in_place_writes(op, e, refs, operands)
         if writes is None:
             return None
-        outs = tuple(Value(g.fresh(name_hint or op.name), t, e.span) for t in out_types)
         block = inline_stack[-1] if inline_stack else ""
+        refs = [self.read_state(op, name, r, o, g, e, block) for name, r, o in zip(op.operands, refs, operands)]
+        outs = tuple(Value(g.fresh(name_hint or op.name), t, e.span) for t in out_types)
         g.add(Node(op.name, tuple(refs), tuple(sorted(attrs.items())), outs, tuple(writes), e.span, block))
         return [Ref("value", v.name) for v in outs]
+
+    def read_state(self, op, name: str, ref: Ref, operand: Operand, g, e: Call, block: str) -> Ref:
+        """A state tensor the op reads as a plain value (not in place, not moved by the op itself)
+        is read through a `read_state` node (mkdsl/ops/state.py): one kernel copy into VMEM."""
+        if ref.kind != "tensor" or not operand.is_state or name in op.inout or op.reached(name) == "own":
+            return ref
+        v = Value(g.fresh(f"{ref.name}_value"), operand.type, e.span)
+        g.add(Node(READ_STATE, (ref,), (), (v,), (), e.span, block))
+        return Ref("value", v.name)
 
     def in_place_writes(self, op, e: Call, refs: list[Ref], operands: list[Operand]) -> list[str] | None:
         """The state tensors the node updates in place: declared states, each passed once."""

@@ -97,7 +97,7 @@ class _State:
 
     def stream_of(self, at: Site) -> Stream | None:
         """The weight stream of a node, in its kind's sequence (the epilogue's for the step)."""
-        name = "epilogue" if at.graph is self.model.step else at.graph.name
+        name = step_part(self.model, at.index) if at.graph is self.model.step else at.graph.name
         seq = next((q for q in self.sequences if q.name == name), None)
         return next((st for st in seq.streams if st.node == at.node.outputs[0].name), None) if seq else None
 
@@ -226,7 +226,7 @@ def tile_streams(s: _State) -> None:
     if s.tile_n <= 0 or s.tile_n % 128:
         s.errors.append(Diagnostic(s.hint_span("tile_n"), f"tile_n must be a multiple of 128 lanes, got {s.tile_n}"))
         s.tile_n = TILE_N
-    for g in [*s.model.kinds, _epilogue(s.model)]:
+    for g in [_prologue(s.model), *s.model.kinds, _epilogue(s.model)]:
         streams, start = [], 0
         for node in g.nodes:
             w = streamed_weight(node)
@@ -260,7 +260,8 @@ def tile_streams(s: _State) -> None:
             )
             streams.append(stream)
             start += stream.tiles
-        s.sequences.append(Sequence(g.name, tuple(streams)))
+        if streams or g.name != "prologue":  # a prologue that streams nothing has no sequence
+            s.sequences.append(Sequence(g.name, tuple(streams)))
 
 
 def pad_storage(s: _State) -> None:
@@ -288,11 +289,27 @@ def pad_storage(s: _State) -> None:
             )
 
 
+def _cut(model: Model) -> int:
+    """The index of the step's layer stack (-1: none)."""
+    return next((i for i, n in enumerate(model.step.nodes) if n.op == "layers"), -1)
+
+
+def step_part(model: Model, index: int) -> str:
+    """The tile sequence of the step's node `index`: "prologue" before the layer stack (its tiles
+    stream first, before layer 0's), "epilogue" after it."""
+    return "prologue" if index < _cut(model) else "epilogue"
+
+
+def _prologue(model: Model) -> Graph:
+    """The step's nodes before the layer stack (embedding, a drafter's projection of its context)."""
+    nodes = model.step.nodes
+    return Graph("prologue", (), nodes[: max(0, _cut(model))], (), model.step.span)
+
+
 def _epilogue(model: Model) -> Graph:
     """The step's nodes after the layer stack (final norm, lm_head, sampling)."""
     nodes = model.step.nodes
-    cut = next((i for i, n in enumerate(nodes) if n.op == "layers"), -1) + 1
-    return Graph("epilogue", (), nodes[cut:], model.step.results, model.step.span)
+    return Graph("epilogue", (), nodes[_cut(model) + 1 :], model.step.results, model.step.span)
 
 
 def all_streams(s) -> list[Stream]:

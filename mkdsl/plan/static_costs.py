@@ -51,7 +51,7 @@ UNITS = {"kv_tiles": _attention_unit, "latent_tiles": _mla_unit, "expert_tiles":
 
 def _stream_op(model: Model, seq: str, value: str) -> str:
     """The op of the node that produces `value` in the graph of sequence `seq`."""
-    g = model.step if seq == "epilogue" else model.kind(seq)
+    g = model.step if seq in ("prologue", "epilogue") else model.kind(seq)
     return next(n.op for n in g.nodes if n.outputs and n.outputs[0].name == value)
 
 

@@ -132,12 +132,13 @@ def _wire_rows(plan: Plan) -> str:
 
 
 def _phases(model: Model, plan: Plan) -> list[str]:
-    """One table per tile sequence: each op of the layer kind (or the epilogue) and its stream."""
+    """One table per tile sequence: each op of the layer kind (or the prologue, the epilogue) and its stream."""
     out: list[str] = []
     for seq in plan.sequences:
-        g = model.step if seq.name == "epilogue" else model.kind(seq.name)
+        step = seq.name in ("prologue", "epilogue")
+        g = model.step if step else model.kind(seq.name)
         out += [
-            f"### {seq.name} ({seq.tiles} weight tiles{' per layer' if seq.name != 'epilogue' else ''})",
+            f"### {seq.name} ({seq.tiles} weight tiles{' per layer' if not step else ''})",
             "",
             "| phase | op | spec line | weight | tile | tiles |",
             "|---|---|---|---|---|---|",
@@ -145,9 +146,9 @@ def _phases(model: Model, plan: Plan) -> list[str]:
         streams = {st.node: st for st in seq.streams}
         during = {i: value for graph, value, run in plan.windows if graph == seq.name for i in run}
         nodes = g.nodes
-        if seq.name == "epilogue":
+        if step:
             cut = next((i for i, n in enumerate(nodes) if n.op == "layers"), -1)
-            nodes = nodes[cut + 1 :]
+            nodes = nodes[cut + 1 :] if seq.name == "epilogue" else nodes[:cut]
         for i, n in enumerate(nodes):
             if n.op == "layers":
                 continue

@@ -271,22 +271,23 @@ class _Emitter:
             )
         cut = next(i for i, n in enumerate(m.step.nodes) if n.op == "layers")
         steps = list(enumerate(m.step.nodes))
-        prologue_starts, prologue = self.lower_body(m.step, steps[:cut], "epilogue", layer="0")
+        prologue_starts, prologue = self.lower_body(m.step, steps[:cut], "prologue", layer="0")
         carries = [dict(buf=f"carry{i}", init=self.operand(m.step, r)) for i, r in enumerate(m.step.nodes[cut].inputs)]
         epilogue_starts, epilogue_body = self.lower_body(m.step, steps[cut + 1 :], "epilogue", layer="0")
         return dict(
             kinds=kinds,
             prologue_starts=prologue_starts,
             prologue=prologue,
+            prologue_streams=seqs.get("prologue", {}).get("streams", []),
             carries=[c for c in carries if c["buf"] != c["init"]],  # values built in their carry need no copy
             epilogue=dict(seqs["epilogue"], body=epilogue_body, starts=epilogue_starts),
             traced=[dict(name=v.name, buf=f"carry{i}", width=v.type.shape[1]) for i, v in enumerate(m.kinds[0].params)],
         )
 
     def layer_tables(self, seqs: dict) -> dict:
-        """Kind index and first global tile of each layer (and the epilogue's first tile)."""
+        """Kind index and first global tile of each layer (after the prologue's; and the epilogue's first)."""
         m = self.m
-        base, bases = 0, []
+        base, bases = seqs["prologue"]["tiles"] if "prologue" in seqs else 0, []  # the prologue's tiles come first
         for name in m.schedule:
             bases.append(base)
             base += seqs[name]["tiles"]

@@ -14,4 +14,5 @@ from mkdsl.backends.tpu.lowerings import (  # noqa: F401
     rope,
     routing,
     select,
+    state,
 )

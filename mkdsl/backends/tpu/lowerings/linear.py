@@ -141,9 +141,6 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
     w = at.node.arg("weight")
     if w.kind != "tensor":
         return [Diagnostic(at.node.span, "the kernel streams declared weight matrices only: `linear` of two values")]
-    cut = next((i for i, n in enumerate(model.step.nodes) if n.op == "layers"), -1)
-    if at.graph is model.step and at.index < cut:
-        return [Diagnostic(at.node.span, "the kernel streams matrices in the layers and after them, not before")]
     t = model.tensor(w.name)
     if stream_format(t.type.dtype) is None:
         return [

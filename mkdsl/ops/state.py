@@ -1,0 +1,33 @@
+"""`read_state`: a state tensor read as a value, inserted by the elaborator, never written in a spec.
+
+Ops that own a state move it themselves (in place, or `OpDef.reach` "own"). Any other op that reads
+a state tensor (a drafter's `linear(context, fc)` over the target's hidden states) reads it
+through this op: the elaborator puts a `read_state` node before it, so that the kernel has one
+place that copies the state from HBM into a VMEM value, the planner one place to charge its bytes,
+and the shard pass one rule (the value keeps the state's split). Its reference is the identity.
+"""
+
+from __future__ import annotations
+
+from mkdsl.ops.registry import Cost, OpDef, nbytes, register
+
+READ_STATE = "read_state"
+
+
+def _same(args, attrs):
+    return (args[0].type,)
+
+
+register(
+    OpDef(
+        READ_STATE,
+        ("x",),
+        _same,
+        lambda x: (x,),
+        lambda ins, outs, a: Cost(state_bytes=nbytes(ins[0])),
+        doc="A state tensor as a value (rows x width): the kernel copies it from HBM into VMEM once per step.",
+        internal=True,
+        shard="any",  # the value is split as the state is
+        reach=(("x", "own"),),  # its lowering moves the state
+    )
+)
