@@ -612,9 +612,10 @@ class RingTables:
         return len(self.static)
 
 
-def ring_tables(kind_streams, epilogue_streams):
-    """The descriptor table of every global tile, from each layer kind's streams (with the slot
-    table of their layer slices, None: the layer index) and the epilogue's streams."""
+def ring_tables(kind_streams, epilogue_streams, prologue_streams=()):
+    """The descriptor table of every global tile, from the prologue's streams (before layer 0),
+    each layer kind's streams (with the slot table of their layer slices, None: the layer index)
+    and the epilogue's streams."""
     arms, index, static = [], {}, []
 
     def add(st, slot):
@@ -627,6 +628,9 @@ def ring_tables(kind_streams, epilogue_streams):
             static.append((index[key], slot, j % st.nk, j // st.nk))
 
     owners = []  # per stream instance: (stream, its first global tile)
+    for st in prologue_streams:
+        owners.append((st, len(static)))
+        add(st, 0)
     for layer, kind in enumerate(LAYER_KIND):
         for st, table in kind_streams[kind]:
             assert len(static) == LAYER_TILE_BASE[layer] + st.start, (layer, st)
