@@ -281,12 +281,12 @@ NOT_LOWERED = {  # name: (spec text, message of the first diagnostic, text of it
         "`layers(...)` is called twice",
         "layers(layers(",
     ),
-    "linear-before-layers": (  # StopIteration in the emitter
-        tiny(EMBED_STEP, "  x = layers(linear(embedding(tokens, embed), w_pre))").replace(
-            "weight out_norm:", "weight w_pre: bf16[H, H]\nweight out_norm:"
+    "state-per-layer-read-as-a-value": (
+        tiny("  return x + linear(swiglu", "  x = x + hist\n  return x + linear(swiglu").replace(
+            "weight out_norm:", "state hist: f32[B, H] per layer\nweight out_norm:"
         ),
-        "the kernel streams matrices in the layers and after them, not before",
-        "w_pre))",
+        "the kernel reads a state as a value when it holds one row per step row",
+        "x + hist",
     ),
     "rope-theta-per-layer": (  # TypeError in the emitter
         tiny("heads=NH)\n  k", "heads=NH, theta=10000.0 * (l + 1))\n  k"),
@@ -351,6 +351,20 @@ def test_weights_stacked_unlike_their_op_partners_compile_at_their_own_slots(tmp
 @pytest.mark.parametrize("text, message, at", NOT_LOWERED.values(), ids=NOT_LOWERED)
 def test_what_the_kernel_cannot_lower_is_a_diagnostic(tmp_path, capsys, text, message, at):
     diagnosed(tmp_path, capsys, text, message, command="compile", line=line_of(text, at))
+
+
+def test_a_matrix_before_the_layers_streams_in_the_prologue(tmp_path, capsys):
+    """`linear` before the layer stack (StopIteration in the emitter once, then refused) streams
+    through the ring ahead of layer 0's tiles, over a state read as a value (`read_state`)."""
+    text = tiny(EMBED_STEP, "  x = layers(linear(embedding(tokens, embed) + hist, w_pre))").replace(
+        "weight out_norm:", "weight w_pre: bf16[H, H]\nstate hist: f32[B, H]\nweight out_norm:"
+    )
+    code, err, _ = run(tmp_path, capsys, text, "compile")
+    assert code == 0, err
+    kernel = (tmp_path / "out" / "kernel.py").read_text(encoding="utf-8")
+    tiles = int(re.search(r"^PROLOGUE_TILES = (\d+)$", kernel, re.M)[1])
+    assert tiles >= 1 and re.search(rf"^LAYER_TILE_BASE = np.array\(\[{tiles}, ", kernel, re.M)
+    assert "pltpu.sync_copy(r.hist, r.rs0_stage)" in kernel
 
 
 def test_an_embedding_of_the_tokens_inside_a_layer_compiles(tmp_path, capsys):

@@ -1936,11 +1936,18 @@ def block_attention(q, k, v, ck, cv, caches, scratch, cpos, positions_ref, out, 
     spv = sp[pl.ds(slot, 1), :]
 
     def write(b, s):
+        """Row b's key and value into slot s: its aligned block of KV_BLOCK slots read, the row
+        replaced and the block stored back (a bf16 store at a dynamic single row is unaligned)."""
+
         @pl.when(cpos[b] >= 0)
         def _():
+            s0 = pl.multiple_of(s // KV_BLOCK * KV_BLOCK, KV_BLOCK)
+            at = jax.lax.broadcasted_iota(I32, (KV_BLOCK, d), 0) == s - s0
             for h in range(kv_heads):
-                kc[h, pl.ds(s, 1), :] = ck[b : b + 1, h * d : (h + 1) * d].astype(kc.dtype)
-                vc[h, pl.ds(s, 1), :] = cv[b : b + 1, h * d : (h + 1) * d].astype(vc.dtype)
+                for cache, src in ((kc, ck), (vc, cv)):
+                    block = cache[h, pl.ds(s0, KV_BLOCK), :].astype(F32)
+                    row = src[b : b + 1, h * d : (h + 1) * d].astype(cache.dtype).astype(F32)
+                    cache[h, pl.ds(s0, KV_BLOCK), :] = jnp.where(at, row, block).astype(cache.dtype)
 
     for b in range(batch):
         p = cpos[b]

@@ -16,6 +16,7 @@ from mkdsl.lang.ir import Model
 T = "lowerings/draft.jinja"
 DRAFT = ("runtime/draft.py.jinja",)
 W1_BLOCK = 16  # rows of `w1` per DMA: a whole bf16 HBM tile, so the window starts on a tile
+SLOT_BLOCK = 16  # slots per write of a context row (KV_BLOCK in the runtime): a whole bf16 tile of rows
 
 
 def _caches(model: Model, at: Site):
@@ -29,6 +30,14 @@ def _block_check(model: Model, at: Site) -> list[Diagnostic]:
     if kc.type.dtype.name != "bf16" or vc.type.dtype.name != "bf16" or kc.type.shape != vc.type.shape:
         out.append(
             Diagnostic(at.node.span, "the kernel keeps block_attention's slot caches as bf16 [kv_heads, W, d] alike")
+        )
+    elif kc.type.shape[1] % SLOT_BLOCK:
+        out.append(
+            Diagnostic(
+                at.node.span,
+                f"the kernel writes slots in aligned blocks of {SLOT_BLOCK}: the caches' {kc.type.shape[1]} slots "
+                "must be a multiple of it",
+            )
         )
     if not (kc.stacked and vc.stacked and sp.stacked) or not (kc.slots == vc.slots == sp.slots):
         out.append(
