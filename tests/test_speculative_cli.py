@@ -83,10 +83,10 @@ def test_plan_draft_spec_is_planned_at_its_block_of_rows(capsys):
 
 
 def test_kimi_k3_speculative_figure_beside_the_public_ones(capsys):
-    """Kimi K3 at the public setting (one sequence, R = 8, A = 6, context 1152, 32 cores) with a
-    draft spec: Qwen3-30B-A3B stands in for specs/kimi_k3_dspark.mk until it lands. Every part
-    is printed, labelled modeled, beside the public 709 and 452."""
-    kimi, stand_in = str(ROOT / "specs" / "kimi_k3.mk"), str(ROOT / "specs" / "qwen3_30b_a3b.mk")
+    """Kimi K3 at the public setting (one sequence, R = 8, A = 6, context 1152, 32 cores) with its
+    DSpark drafter, specs/kimi_k3_dspark.mk, planned (its kernel lowers: not the OPTIMISTIC HBM
+    floor). Every part is printed, labelled modeled, beside the public 709 and 452."""
+    kimi, stand_in = str(ROOT / "specs" / "kimi_k3.mk"), str(ROOT / "specs" / "kimi_k3_dspark.mk")
     argv = ["plan", kimi, "--batch", "1", "--context", "1152", "--draft", stand_in, "--draft-rows", "8"]
     assert cli.main([*argv, "--acceptance", "6"]) == 0
     out = capsys.readouterr().out
@@ -97,10 +97,25 @@ def test_kimi_k3_speculative_figure_beside_the_public_ones(capsys):
     assert p["verify"] == pytest.approx(verify, abs=0.05)  # printed .1f
     drafted = make_plan(draft.local, batch=8, context=1152, static=_committed(stand_in)).timing.modeled_us
     assert p["draft"] == pytest.approx(drafted, abs=0.05)
+    assert "planned at 8 rows" in out and "OPTIMISTIC" not in out
     assert p["tps"] == pytest.approx(6e6 / (p["verify"] + p["draft"] + p["accept"]), rel=1e-3)
     assert "speculative decoding (modeled)" in out and "accept: 20.0 us (estimate, not measured" in out
     assert "public, measured (not mkdsl): 709 accepted tokens/s" in out
     assert "public, measured (not mkdsl): 452 tokens/s on 16 GB200 GPUs" in out
+
+
+def test_a_draft_spec_the_kernel_cannot_lower_is_priced_at_its_floor(tmp_path, capsys):
+    """A draft spec `check` refuses (here: an embedding of the positions) has no planned step: its
+    HBM floor stands in, labelled OPTIMISTIC, with the first diagnostic as the reason."""
+    text = Path(TINY).read_text(encoding="utf-8")
+    old = "  return x + linear(swiglu"
+    assert old in text
+    draft = tmp_path / "draft.mk"
+    draft.write_text(text.replace(old, "  x = x + embedding(pos, embed)\n" + old, 1), encoding="utf-8")
+    argv = ["plan", TINY, "--draft", str(draft), "--draft-rows", "4", "--acceptance", "2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "at its HBM floor for 4 rows (OPTIMISTIC" in out and "not by the positions" in out
 
 
 @pytest.mark.parametrize(
