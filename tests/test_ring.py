@@ -19,7 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # (spec, profile, the most arms one consumer may pick among): Llama's `w_down` issues into
 # `w_down`, the next layer's `wq` and, in the last layer, `lm_head`; Kimi K3's last stream of a
 # layer kind issues into its own tiles and the first stream of either next kind.
-CASES = [("specs/llama3_8b.mk", None, 4), ("specs/kimi_k3.mk", "core", 3), ("specs/tiny.mk", None, 0)]
+# Kimi K3's DSpark drafter (mini) streams `fc` in the step's prologue, ahead of layer 0's tiles;
+# its small tiles each issue one arm (the one-arm `own` and `beyond` loops of `linear`).
+CASES = [
+    ("specs/llama3_8b.mk", None, 4),
+    ("specs/kimi_k3.mk", "core", 3),
+    ("specs/tiny.mk", None, 0),
+    ("specs/kimi_k3_dspark.mk", "mini", 1),
+]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{Path(c[0]).stem}-{c[1]}")
@@ -32,15 +39,18 @@ def module(request, tmp_path_factory):
 
 def _tile_of(mod, g: int):
     """Tile g the way the old dispatch found it: its layer by LAYER_TILE_BASE (past the last: the
-    epilogue, which reads slice 0), then its stream by start: ((stream, slot), index in it)."""
+    epilogue, before the first: the prologue, both reading slice 0), then its stream by start:
+    ((stream, slot), index in it)."""
     layer = bisect.bisect_right(list(mod.LAYER_TILE_BASE), g) - 1
-    j = g - int(mod.LAYER_TILE_BASE[layer])
-    if layer == mod.NUM_LAYERS:
+    j = g - int(mod.LAYER_TILE_BASE[layer]) if layer >= 0 else g
+    if layer < 0:
+        streams = [(st, None) for st in mod.PROLOGUE_STREAMS]
+    elif layer == mod.NUM_LAYERS:
         streams = [(st, None) for st in mod.EPILOGUE_STREAMS]
     else:
         streams = mod.KIND_STREAMS[int(mod.LAYER_KIND[layer])]
     st, table = next((st, t) for st, t in streams if st.start <= j < st.start + st.tiles)
-    slot = (layer if table is None else int(table[layer])) if st.stacked and layer < mod.NUM_LAYERS else 0
+    slot = (layer if table is None else int(table[layer])) if st.stacked and 0 <= layer < mod.NUM_LAYERS else 0
     return (st, slot), j - st.start
 
 
@@ -48,6 +58,7 @@ def test_every_tile_is_described_as_the_stream_owning_it(module):
     mod, _ = module
     ring = mod.RING
     assert ring.tiles == int(mod.LAYER_TILE_BASE[-1]) + sum(st.tiles for st in mod.EPILOGUE_STREAMS)
+    assert int(mod.LAYER_TILE_BASE[0]) == sum(st.tiles for st in getattr(mod, "PROLOGUE_STREAMS", ()))
     for g, (arm, slot, k, n) in enumerate(ring.static):
         (st, want_slot), j = _tile_of(mod, g)
         assert ring.arms[arm] == dataclasses.replace(st, start=0), g
