@@ -210,9 +210,14 @@ class LayerChecker:
         """[1 + states, batch]: each row's worst error / bound in the carries and each state written."""
         rows = [self._carry_ratio(ref_carries, want, carries_in)]
         for name in self._states_of(index):
-            slot = self.model.tensor(name).slots[index]
-            ratio = state_ratio(_f32(ref_state[name][slot]), _f32(out.state[name][slot]), out.state[name].dtype)
-            rows.append(np.repeat(ratio, len(rows[0]) // len(ratio)))  # a cache's sequence: all its verify rows
+            t = self.model.tensor(name)
+            ratio = state_ratio(
+                _f32(ref_state[name][t.slots[index]]), _f32(out.state[name][t.slots[index]]), out.state[name].dtype
+            )
+            if self.model.dims[0].name not in t.type.shape:  # no row axis (a drafter's slot cache): every row's
+                rows.append(np.full(len(rows[0]), ratio.max()))
+            else:
+                rows.append(np.repeat(ratio, len(rows[0]) // len(ratio)))  # a cache's sequence: all its verify rows
         return np.stack(rows)
 
     @staticmethod
@@ -265,10 +270,13 @@ class LayerChecker:
 
 
 def state_ratio(ref: np.ndarray, got: np.ndarray, dtype) -> np.ndarray:
-    """Each row's worst error / bound in one layer slot of a state tensor ([batch, ..., vector])."""
+    """Each row's worst error / bound in one layer slot of a state tensor ([batch, ..., vector]);
+    an integer state (a drafter's slot positions) must be exact (ratio 0 or inf)."""
     scale = np.abs(ref).max(axis=-1, keepdims=True)
     bound = storage_ulp(ref, dtype) + STATE_RTOL * scale + np.finfo(np.float32).tiny
     ratio = np.abs(got - ref) / bound
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        ratio = np.where(got == ref, 0.0, np.inf)
     ratio = np.where(np.isfinite(got), ratio, np.inf)
     return ratio.reshape(ratio.shape[0], -1).max(axis=1)
 
