@@ -75,6 +75,19 @@ def test_a_state_read_as_a_value_is_one_read_state_node():
     assert not any(n.op == "read_state" for k in m.kinds for n in k.nodes)
 
 
+def test_read_state_prefills_each_token_row_with_its_sequences_row():
+    """Over a prompt's B*T rows, row b*T + t reads row b of the state; B*T rows pass through."""
+    from mkdsl.ops import OPS
+    from mkdsl.ops.prefill import Rows
+
+    rows = Rows(2, 3, np.zeros(6, np.int32), np.ones(6, bool))
+    x = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    (got,) = OPS["read_state"].prefill(rows, x)
+    np.testing.assert_array_equal(np.asarray(got), x[[0, 0, 0, 1, 1, 1]])
+    (same,) = OPS["read_state"].prefill(rows, np.arange(12.0).reshape(6, 2))
+    assert np.asarray(same).shape == (6, 2)
+
+
 def _context(rng, n, layers, width):
     return rng.standard_normal((n, layers, width)).astype(np.float32)
 

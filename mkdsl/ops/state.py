@@ -9,6 +9,7 @@ and the shard pass one rule (the value keeps the state's split). Its reference i
 
 from __future__ import annotations
 
+from mkdsl.lazy import jnp
 from mkdsl.ops.registry import Cost, OpDef, nbytes, register
 
 READ_STATE = "read_state"
@@ -16,6 +17,14 @@ READ_STATE = "read_state"
 
 def _same(args, attrs):
     return (args[0].type,)
+
+
+def _prefill(rows, x):
+    """Over a prompt's B*T rows (mkdsl/ops/prefill.py `Rows`): each token row reads its sequence's
+    row of the state (a state kept per row already has the B*T rows)."""
+    if x.shape[0] == rows.batch * rows.length:
+        return (x,)
+    return (jnp.take(x, rows.row_ids(), axis=0),)
 
 
 register(
@@ -29,5 +38,6 @@ register(
         internal=True,
         shard="any",  # the value is split as the state is
         reach=(("x", "own"),),  # its lowering moves the state
+        prefill=_prefill,
     )
 )
