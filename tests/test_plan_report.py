@@ -26,6 +26,7 @@ SCHEMA = json.loads((ROOT / "docs" / "plan-schema.json").read_text(encoding="utf
 COMMITTED = sorted(p.parent for p in (ROOT / "generated").glob("*/kernel.py"))
 SPECS = [("specs/tiny.mk", None), ("specs/llama3_8b.mk", None), ("specs/llama3_8b.mk", "mini")]
 SPECS += [("specs/kimi_k3.mk", None), ("specs/kimi_k3.mk", "mini"), ("specs/kimi_k3.mk", "core")]
+SPECS += [("specs/kimi_k3_dspark.mk", None)]  # a prologue that streams; markov_argmax exchanges
 SVG = "{http://www.w3.org/2000/svg}"
 
 
@@ -155,7 +156,9 @@ def schema_errors(value, schema: dict, path: str = "$") -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("spec, profile", [("specs/tiny.mk", None), ("specs/kimi_k3.mk", None)])
+@pytest.mark.parametrize(
+    "spec, profile", [("specs/tiny.mk", None), ("specs/kimi_k3.mk", None), ("specs/kimi_k3_dspark.mk", None)]
+)
 def test_json_validates_against_the_documented_schema(spec, profile):
     r = mkdsl("plan", spec, "--json", "--batch", "4", *(["--profile", profile] if profile else []))
     assert r.returncode == 0, r.stderr
