@@ -108,7 +108,6 @@ def pytest_collection_modifyitems(config, items):
         if module in SLOW_MODULES or item.originalname in SLOW_TESTS.get(module, ()):
             item.add_marker(pytest.mark.slow)
     # Heaviest files first, so that both xdist workers finish together (tests/suite_order.py).
-    order = heaviest_first(
-        [i.path.name for i in items], [i.get_closest_marker("slow") is not None for i in items], load_table()
-    )
+    slow = [i.get_closest_marker("slow") is not None for i in items]
+    order = heaviest_first([i.nodeid for i in items], slow, load_table())
     items[:] = [items[i] for i in order]

@@ -7,59 +7,73 @@ order (most tests first, `--loadscope-reorder`) queued the megakernel files, a f
 minutes each, last: one worker then ran them alone for minutes. pyproject.toml turns that off
 (`--no-loadscope-reorder`), and tests/conftest.py orders the items with `heaviest_first`.
 
-A file's weight is its serial seconds in tests/module_seconds.json (measured with
-`python -m pytest -n 0 --junitxml=REPORT.xml`, written by `python tests/suite_order.py REPORT.xml`).
-A file not in it (a new one) is estimated from its tests' marks: SLOW_GUESS seconds per slow test,
-FAST_GUESS per other test. Only the order depends on these figures, never a result.
+A file's weight is the sum of its tests' seconds: measured for the slowest tests, listed in
+tests/slowest_tests.json (test id -> seconds), else guessed from the test's marks (SLOW_GUESS for a
+slow test, FAST_GUESS for another). `python tests/suite_order.py REPORT` rewrites the list from a
+pytest JUnit XML report (`--junitxml=REPORT`) or a saved `--durations=N` listing. Only the order
+depends on these figures, never a result.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-TABLE = Path(__file__).with_name("module_seconds.json")
-SLOW_GUESS = 30.0  # a slow test: an interpret-mode kernel or a libtpu compile, tens of seconds
+TABLE = Path(__file__).with_name("slowest_tests.json")
+SLOW_GUESS = 10.0  # a slow test not listed: below the listed ones (an interpret-mode kernel, a compile)
 FAST_GUESS = 0.5
+LISTED = SLOW_GUESS  # tests of at least this many seconds are listed
+DURATION = re.compile(r"^([0-9.]+)s (?:setup|call|teardown)\s+(\S+)$")
 
 
 def load_table(path: Path = TABLE) -> dict[str, float]:
-    """File name -> measured serial seconds; empty if the table is missing or unreadable."""
+    """Test id -> measured seconds; empty if the list is missing or unreadable."""
     try:
         return {str(k): float(v) for k, v in json.loads(path.read_text(encoding="utf-8")).items()}
     except (OSError, ValueError, AttributeError):
         return {}
 
 
-def file_weights(tests: Iterable[tuple[str, bool]], table: dict[str, float]) -> dict[str, float]:
-    """(file name, slow?) per test -> each file's weight: measured seconds, else the marks' guess."""
-    guess: dict[str, float] = defaultdict(float)
-    for name, slow in tests:
-        guess[name] += SLOW_GUESS if slow else FAST_GUESS
-    return {name: table.get(name, g) for name, g in guess.items()}
+def file_weights(ids: Sequence[str], slow: Sequence[bool], table: dict[str, float]) -> dict[str, float]:
+    """Each test file's weight: its tests' measured seconds, else their marks' guesses."""
+    weights: dict[str, float] = defaultdict(float)
+    for test, is_slow in zip(ids, slow, strict=True):
+        guess = SLOW_GUESS if is_slow else FAST_GUESS
+        weights[test.split("::")[0]] += table.get(test, guess)
+    return dict(weights)
 
 
-def heaviest_first(files: Sequence[str], slow: Sequence[bool], table: dict[str, float]) -> list[int]:
-    """A permutation of the tests (given by file name and slow mark, in collection order): files
-    by weight descending (ties by name), each file's tests together and in their own order."""
-    weights = file_weights(zip(files, slow, strict=True), table)
-    return sorted(range(len(files)), key=lambda i: (-weights[files[i]], files[i], i))
+def heaviest_first(ids: Sequence[str], slow: Sequence[bool], table: dict[str, float]) -> list[int]:
+    """A permutation of the tests (ids `path::name`, slow marks, in collection order): files by
+    weight descending (ties by path), each file's tests together and in their own order."""
+    weights = file_weights(ids, slow, table)
+    files = [test.split("::")[0] for test in ids]
+    return sorted(range(len(ids)), key=lambda i: (-weights[files[i]], files[i], i))
 
 
-def seconds_per_file(junit_xml: Path) -> dict[str, float]:
-    """Serial seconds per test file (calls, set-ups and teardowns) from a pytest JUnit XML report."""
+def seconds_per_test(report: Path) -> dict[str, float]:
+    """Test id -> seconds (set-up, call and teardown) from a JUnit XML report or a `--durations`
+    listing; only tests of LISTED seconds or more, slowest first."""
     total: dict[str, float] = defaultdict(float)
-    for case in ET.parse(junit_xml).getroot().iter("testcase"):
-        parts = case.get("classname", "").split(".")  # tests.test_x, or tests.test_x.TestClass
-        total[parts[1 if parts[0] == "tests" else 0] + ".py"] += float(case.get("time", 0.0))
-    return {k: round(v, 1) for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+    text = report.read_text(encoding="utf-8")
+    if text.lstrip().startswith("<"):
+        for case in ET.fromstring(text).iter("testcase"):
+            module, *cls = case.get("classname", "").split(".")[1:] or [""]  # tests.test_x[.Class]
+            total["::".join([f"tests/{module}.py", *cls, case.get("name", "")])] += float(case.get("time", 0.0))
+    else:
+        for line in text.splitlines():
+            if m := DURATION.match(line.strip()):
+                total[m[2]] += float(m[1])
+    listed = {k: round(v, 1) for k, v in total.items() if v >= LISTED}
+    return dict(sorted(listed.items(), key=lambda kv: -kv[1]))
 
 
-if __name__ == "__main__":  # python tests/suite_order.py REPORT.xml: rewrite module_seconds.json
+if __name__ == "__main__":  # python tests/suite_order.py REPORT: rewrite tests/slowest_tests.json
     if len(sys.argv) != 2:
-        sys.exit("usage: python tests/suite_order.py REPORT.xml")
-    TABLE.write_text(json.dumps(seconds_per_file(Path(sys.argv[1])), indent=1) + "\n", encoding="utf-8")
+        sys.exit("usage: python tests/suite_order.py REPORT (a JUnit XML report or a --durations listing)")
+    TABLE.write_text(json.dumps(seconds_per_test(Path(sys.argv[1])), indent=1) + "\n", encoding="utf-8")

@@ -6,34 +6,38 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from suite_order import FAST_GUESS, SLOW_GUESS, file_weights, heaviest_first, load_table, seconds_per_file
+import conftest
+from suite_order import FAST_GUESS, SLOW_GUESS, file_weights, heaviest_first, load_table, seconds_per_test
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_files_are_queued_by_measured_seconds_then_by_their_marks():
-    files = ["test_a.py", "test_b.py", "test_a.py", "test_new.py", "test_c.py", "test_b.py", "test_new.py"]
+    ids = ["a.py::x", "b.py::x", "a.py::y", "new.py::x", "c.py::x", "b.py::y", "new.py::y"]
     slow = [False, False, False, True, False, True, False]
-    table = {"test_a.py": 5.0, "test_b.py": 100.0, "test_c.py": 1.0}
-    order = heaviest_first(files, slow, table)
-    assert sorted(order) == list(range(len(files)))
-    # test_b (100 s measured) > test_new (one slow + one fast test, guessed) > test_a (5 s) > test_c (1 s)
-    assert SLOW_GUESS + FAST_GUESS > 5.0
-    assert order == [1, 5, 3, 6, 0, 2, 4]
-    assert file_weights(zip(files, slow, strict=True), table)["test_new.py"] == SLOW_GUESS + FAST_GUESS
+    table = {"a.py::x": 5.0, "b.py::y": 100.0, "c.py::x": 1.0}
+    weights = file_weights(ids, slow, table)
+    assert weights == {  # measured where listed, else guessed
+        "a.py": 5.0 + FAST_GUESS,
+        "b.py": FAST_GUESS + 100.0,
+        "new.py": SLOW_GUESS + FAST_GUESS,
+        "c.py": 1.0,
+    }
+    assert SLOW_GUESS > 5.0 + FAST_GUESS
+    assert heaviest_first(ids, slow, table) == [1, 5, 3, 6, 0, 2, 4]  # b, new, a, c
 
 
 def test_many_fast_tests_do_not_outrank_one_slow_test():
-    files = ["test_many.py"] * 40 + ["test_kernel.py"]
-    order = heaviest_first(files, [False] * 40 + [True], {})
-    assert order[0] == 40 and order[1:] == list(range(40))
+    ids = [f"many.py::t{k}" for k in range(15)] + ["kernel.py::t"]
+    order = heaviest_first(ids, [False] * 15 + [True], {})
+    assert order == [15, *range(15)]
 
 
 class FakeItem:
     """What tests/conftest.py's collection hook reads of a pytest item."""
 
     def __init__(self, path: str, name: str):
-        self.path, self.originalname, self.marks = Path(path), name, set()
+        self.path, self.originalname, self.nodeid, self.marks = Path(path), name, f"{path}::{name}", set()
 
     def add_marker(self, mark) -> None:
         self.marks.add(mark.name)
@@ -45,8 +49,6 @@ class FakeItem:
 def test_the_collection_hook_marks_then_queues_heaviest_file_first():
     """tests/conftest.py applies the order: a megakernel file of two slow tests, collected last
     (as xdist's test-count order queued it), comes first; fast files keep their relative order."""
-    import conftest
-
     items = [FakeItem(f"tests/test_zz_fast_{k % 3}.py", f"test_{k}") for k in range(9)]
     items.sort(key=lambda i: i.path.name)
     items += [FakeItem("tests/test_kimi_kernel.py", "test_kimi_k3_mini_matches_reference")] * 2
@@ -63,18 +65,35 @@ def test_xdist_keeps_the_order_and_hands_out_whole_files():
     assert opts[opts.index("--dist") + 1] == "loadfile"
 
 
-def test_the_table_is_read_from_a_junit_report(tmp_path):
+def test_the_list_is_read_from_a_junit_report_or_a_durations_listing(tmp_path):
     report = tmp_path / "report.xml"
     report.write_text(
         '<testsuites><testsuite name="pytest">'
-        '<testcase classname="tests.test_x" name="test_a" time="1.25"/>'
-        '<testcase classname="tests.test_x.TestGroup" name="test_b" time="2.5"/>'
+        '<testcase classname="tests.test_x" name="test_a[1]" time="16.31"/>'
+        '<testcase classname="tests.test_x.TestGroup" name="test_b" time="12.5"/>'
         '<testcase classname="tests.test_y" name="test_c" time="0.5"/>'
         "</testsuite></testsuites>",
         encoding="utf-8",
     )
-    assert seconds_per_file(report) == {"test_x.py": 3.8, "test_y.py": 0.5}  # rounded to 0.1 s
+    want = {"tests/test_x.py::TestGroup::test_b": 12.5, "tests/test_x.py::test_a[1]": 16.3}  # >= LISTED s, to 0.1 s
+    assert seconds_per_test(report) == want
+    listing = tmp_path / "durations.txt"
+    listing.write_text(
+        "===== slowest durations =====\n12.00s call     tests/test_x.py::TestGroup::test_b\n"
+        "0.50s setup    tests/test_x.py::TestGroup::test_b\n16.30s call     tests/test_x.py::test_a[1]\n"
+        "9.90s call     tests/test_y.py::test_c\n",
+        encoding="utf-8",
+    )
+    assert seconds_per_test(listing) == want
     table = tmp_path / "t.json"
-    assert load_table(table) == {}  # missing: every file guessed from its marks
-    table.write_text('{"test_x.py": 3.8}', encoding="utf-8")
-    assert load_table(table) == {"test_x.py": 3.8}
+    assert load_table(table) == {}  # missing: every test guessed from its marks
+    table.write_text('{"tests/test_x.py::test_a[1]": 6.2}', encoding="utf-8")
+    assert load_table(table) == {"tests/test_x.py::test_a[1]": 6.2}
+
+
+def test_the_listed_tests_are_heavier_than_the_guesses():
+    """The committed list holds the slow tail: each entry at least LISTED (= SLOW_GUESS) seconds, so a slow test
+    that is not listed (guessed) is lighter than the listed ones."""
+    table = load_table()
+    assert table, "tests/slowest_tests.json is missing or empty"
+    assert min(table.values()) >= SLOW_GUESS
