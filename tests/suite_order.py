@@ -9,8 +9,8 @@ minutes each, last: one worker then ran them alone for minutes. pyproject.toml t
 
 A file's weight is the sum of its tests' seconds: measured for the slowest tests, listed in
 tests/slowest_tests.json (test id -> seconds), else guessed from the test's marks (SLOW_GUESS for a
-slow test, FAST_GUESS for another). `python tests/suite_order.py REPORT` rewrites the list from a
-pytest JUnit XML report (`--junitxml=REPORT`) or a saved `--durations=N` listing. Only the order
+slow test, FAST_GUESS for another). `python tests/suite_order.py REPORT` updates the list with the
+tests of a pytest JUnit XML report (`--junitxml=REPORT`) or of a saved `--durations=N` listing. Only the order
 depends on these figures, never a result.
 """
 
@@ -58,7 +58,7 @@ def heaviest_first(ids: Sequence[str], slow: Sequence[bool], table: dict[str, fl
 
 def seconds_per_test(report: Path) -> dict[str, float]:
     """Test id -> seconds (set-up, call and teardown) from a JUnit XML report or a `--durations`
-    listing; only tests of LISTED seconds or more, slowest first."""
+    listing."""
     total: dict[str, float] = defaultdict(float)
     text = report.read_text(encoding="utf-8")
     if text.lstrip().startswith("<"):
@@ -69,11 +69,19 @@ def seconds_per_test(report: Path) -> dict[str, float]:
         for line in text.splitlines():
             if m := DURATION.match(line.strip()):
                 total[m[2]] += float(m[1])
-    listed = {k: round(v, 1) for k, v in total.items() if v >= LISTED}
-    return dict(sorted(listed.items(), key=lambda kv: -kv[1]))
+    return dict(total)
 
 
-if __name__ == "__main__":  # python tests/suite_order.py REPORT: rewrite tests/slowest_tests.json
+def updated(table: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
+    """The list with a (partial) run's measurements: a measured test is listed with its new
+    seconds if it took LISTED or more, and dropped otherwise; other entries stay. Slowest first."""
+    kept = {k: v for k, v in table.items() if k not in measured}
+    kept.update({k: round(v, 1) for k, v in measured.items() if v >= LISTED})
+    return dict(sorted(kept.items(), key=lambda kv: -kv[1]))
+
+
+if __name__ == "__main__":  # python tests/suite_order.py REPORT: update tests/slowest_tests.json
     if len(sys.argv) != 2:
         sys.exit("usage: python tests/suite_order.py REPORT (a JUnit XML report or a --durations listing)")
-    TABLE.write_text(json.dumps(seconds_per_test(Path(sys.argv[1])), indent=1) + "\n", encoding="utf-8")
+    table = updated(load_table(), seconds_per_test(Path(sys.argv[1])))
+    TABLE.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 import conftest
-from suite_order import FAST_GUESS, SLOW_GUESS, file_weights, heaviest_first, load_table, seconds_per_test
+from suite_order import FAST_GUESS, SLOW_GUESS, file_weights, heaviest_first, load_table, seconds_per_test, updated
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +65,7 @@ def test_xdist_keeps_the_order_and_hands_out_whole_files():
     assert opts[opts.index("--dist") + 1] == "loadfile"
 
 
-def test_the_list_is_read_from_a_junit_report_or_a_durations_listing(tmp_path):
+def test_the_list_is_updated_from_a_junit_report_or_a_durations_listing(tmp_path):
     report = tmp_path / "report.xml"
     report.write_text(
         '<testsuites><testsuite name="pytest">'
@@ -75,16 +75,24 @@ def test_the_list_is_read_from_a_junit_report_or_a_durations_listing(tmp_path):
         "</testsuite></testsuites>",
         encoding="utf-8",
     )
-    want = {"tests/test_x.py::TestGroup::test_b": 12.5, "tests/test_x.py::test_a[1]": 16.3}  # >= LISTED s, to 0.1 s
-    assert seconds_per_test(report) == want
+    want = {"tests/test_x.py::TestGroup::test_b": 12.5, "tests/test_x.py::test_a[1]": 16.31}
+    assert seconds_per_test(report) == {**want, "tests/test_y.py::test_c": 0.5}
     listing = tmp_path / "durations.txt"
     listing.write_text(
         "===== slowest durations =====\n12.00s call     tests/test_x.py::TestGroup::test_b\n"
-        "0.50s setup    tests/test_x.py::TestGroup::test_b\n16.30s call     tests/test_x.py::test_a[1]\n"
+        "0.50s setup    tests/test_x.py::TestGroup::test_b\n16.31s call     tests/test_x.py::test_a[1]\n"
         "9.90s call     tests/test_y.py::test_c\n",
         encoding="utf-8",
     )
-    assert seconds_per_test(listing) == want
+    measured = seconds_per_test(listing)
+    assert measured == {**want, "tests/test_y.py::test_c": 9.9}
+    old = {"tests/test_y.py::test_c": 30.0, "tests/test_z.py::test_d": 20.0, "tests/test_x.py::test_a[1]": 11.0}
+    # re-measured: updated (to 0.1 s), or dropped under LISTED seconds; not re-measured: kept
+    assert list(updated(old, measured).items()) == [
+        ("tests/test_z.py::test_d", 20.0),
+        ("tests/test_x.py::test_a[1]", 16.3),
+        ("tests/test_x.py::TestGroup::test_b", 12.5),
+    ]
     table = tmp_path / "t.json"
     assert load_table(table) == {}  # missing: every test guessed from its marks
     table.write_text('{"tests/test_x.py::test_a[1]": 6.2}', encoding="utf-8")
