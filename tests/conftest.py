@@ -101,8 +101,13 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     import pytest
+    from suite_order import heaviest_first, load_table
 
     for item in items:
         module = item.path.name
         if module in SLOW_MODULES or item.originalname in SLOW_TESTS.get(module, ()):
             item.add_marker(pytest.mark.slow)
+    # Heaviest files first, so that both xdist workers finish together (tests/suite_order.py).
+    slow = [i.get_closest_marker("slow") is not None for i in items]
+    order = heaviest_first([i.nodeid for i in items], slow, load_table())
+    items[:] = [items[i] for i in order]
