@@ -275,3 +275,27 @@ def test_plan_uses_the_specs_committed_static_costs_and_says_when_the_spec_chang
     (tmp_path / "tiny.mk").write_text((ROOT / "specs/tiny.mk").read_text() + "\n// edited\n")
     again, note = static_costs.default_costs(str(tmp_path / "tiny.mk"), None)
     assert again == static and "earlier version of the spec" in note
+
+
+def test_every_spec_that_checks_has_its_committed_static_costs_of_its_current_text():
+    """`mkdsl static-costs` writes specs/costs/<spec>.json; each spec in specs/ that checks has one,
+    read from its current text (a spec edited since is stale), and no file outlives its spec. A
+    spec check refuses (test_specs_compile.REFUSED) has no kernel to schedule."""
+    from test_specs_compile import REFUSED
+
+    from mkdsl.plan import static_costs
+
+    specs = sorted((ROOT / "specs").glob("*.mk"))
+    missing, stale = [], []
+    for spec in specs:
+        if spec.stem in REFUSED:
+            continue
+        found, where = static_costs.default_costs(str(spec), None)
+        if found is None:
+            missing.append(spec.name)
+        elif "earlier version" in where:
+            stale.append(spec.name)
+    assert not missing, f"no specs/costs file (run `python -m mkdsl static-costs SPEC`): {missing}"
+    assert not stale, f"static costs of an earlier spec text (run `python -m mkdsl static-costs SPEC`): {stale}"
+    orphans = {p.stem for p in (ROOT / "specs/costs").glob("*.json")} - {s.stem for s in specs}
+    assert not orphans, f"static costs of no spec: {orphans}"
