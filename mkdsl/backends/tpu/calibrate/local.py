@@ -123,56 +123,88 @@ def ring(x: np.ndarray, w: np.ndarray, tk: int, tn: int, depth: int, interpret=N
     return fn, (jnp.asarray(tables.desc), jnp.asarray(x), jnp.asarray(w)), expected
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, tile: int, interpret=None):
-    """One row's decode attention over a cache of len(k) tokens, K and V streamed in `tile`-token
-    tiles (two buffers) with an online softmax, as mkdsl's attention walks its KV tiles."""
-    s, d = k.shape
-    n = s // tile
+KV_SLOTS = 3  # KV tile buffers in flight, as the kernel's (lowerings/attention.py KV_SLOTS)
 
-    def kernel(q_ref, k_hbm, v_hbm, o_ref, kb, vb, sem):
-        def copies(i):
-            b = i % 2
-            return (
-                pltpu.make_async_copy(k_hbm.at[pl.ds(i * tile, tile)], kb.at[b], sem.at[0, b]),
-                pltpu.make_async_copy(v_hbm.at[pl.ds(i * tile, tile)], vb.at[b], sem.at[1, b]),
-            )
 
-        for c in copies(0):
-            c.start()
+def attention(tokens: int, heads: int, kv_heads: int, d: int, kv_tile: int, interpret=None):
+    """One row's decode attention by the kernel's `Attention` (runtime/attention.py.jinja): the new
+    token at position tokens - 1 patched into its KV tile and written back in place, the cache
+    walked in `kv_tile`-token tiles (KV_SLOTS - 1 in flight) with an online softmax; the (row, KV
+    tile) tables from the kernel's `kv_tables`. Result: the row's output [1, heads * d]."""
+    rt = runtime.module(2)
+    rows, batch, seq = 16, 1, -(-tokens // kv_tile) * kv_tile
+    keys = ("q2d", "k2d", "v2d", "o2d", "ktiles", "vtiles", "m", "l", "acc", "wb", "kv_sem", "wb_sem")
+    scratch = {
+        "q2d": pltpu.VMEM((1, heads * rows, 128), F32),
+        "k2d": pltpu.VMEM((1, kv_heads * rows, 128), F32),
+        "v2d": pltpu.VMEM((1, kv_heads * rows, 128), F32),
+        "o2d": pltpu.VMEM((1, heads * rows, 128), F32),
+        "ktiles": pltpu.VMEM((KV_SLOTS, kv_heads, kv_tile, d), jnp.bfloat16),
+        "vtiles": pltpu.VMEM((KV_SLOTS, kv_heads, kv_tile, d), jnp.bfloat16),
+        "m": pltpu.VMEM((heads, 1), F32),
+        "l": pltpu.VMEM((heads, 1), F32),
+        "acc": pltpu.VMEM((heads, d), F32),
+        "wb": pltpu.VMEM((2, batch, kv_heads, rt.KV_BLOCK, d), jnp.bfloat16),
+        "kv_sem": pltpu.SemaphoreType.DMA((2, KV_SLOTS)),
+        "wb_sem": pltpu.SemaphoreType.DMA((1,)),
+        "kv_row": pltpu.SMEM((batch * seq // kv_tile,), jnp.int32),
+        "kv_t0": pltpu.SMEM((batch * seq // kv_tile,), jnp.int32),
+        "kv_n": pltpu.SMEM((1,), jnp.int32),
+        "wb_pending": pltpu.SMEM((1,), jnp.int32),
+    }
+    names = ("positions", "q", "k", "v", "k_cache", "v_cache", "out", "k_cache_out", "v_cache_out", *scratch)
+    caches = {"k_cache": "k_cache", "v_cache": "v_cache", "k_cache_out": "k_cache_out", "v_cache_out": "v_cache_out"}
 
-        def body(i, carry):
-            m, den, acc = carry
+    def kernel(*refs):
+        r = rt.Refs(names, refs)
+        rt.kv_tables(r.positions, batch, kv_tile, r.kv_row, r.kv_t0, r.kv_n)
+        r.wb_pending[0] = 0
+        att = rt.Attention(r, r.positions, 0, rows=rows, batch=batch, heads=heads, kv_heads=kv_heads, dk=d, dv=d,
+                           kv_tile=kv_tile, kv_slots=KV_SLOTS, scale=d**-0.5,
+                           names={**{k: k for k in keys}, **caches}, window=None)  # fmt: skip
+        att(0, r.q, r.k, r.v, r.out)
+        att.drain()  # the write-back of the new token's block, as the kernel drains at its end
 
-            @pl.when(i + 1 < n)
-            def _():
-                for c in copies(i + 1):
-                    c.start()
-
-            for c in copies(i):
-                c.wait()
-            sc = jnp.dot(q_ref[...], kb[i % 2].T, preferred_element_type=F32)  # [8, tile]
-            m2 = jnp.maximum(m, sc.max(axis=1, keepdims=True))
-            p = jnp.exp(sc - m2)
-            scale = jnp.exp(m - m2)
-            acc = acc * scale + jnp.dot(p, vb[i % 2], preferred_element_type=F32)
-            return m2, den * scale + p.sum(axis=1, keepdims=True), acc
-
-        init = (jnp.full((8, 1), -jnp.inf, F32), jnp.zeros((8, 1), F32), jnp.zeros((8, d), F32))
-        m, den, acc = jax.lax.fori_loop(0, n, body, init)
-        o_ref[...] = acc / den
-
-    fn = _call(
+    vmem, any_ = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
+    cache = jax.ShapeDtypeStruct((1, batch, kv_heads, seq, d), jnp.bfloat16)
+    call = pl.pallas_call(
         kernel,
-        jax.ShapeDtypeStruct((8, d), F32),
-        [pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-        [pltpu.VMEM((2, tile, d), F32), pltpu.VMEM((2, tile, d), F32), pltpu.SemaphoreType.DMA((2, 2))],
-        interpret,
+        out_shape=(jax.ShapeDtypeStruct((rows, heads * d), F32), cache, cache),
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), vmem, vmem, vmem, any_, any_],
+        out_specs=(vmem, any_, any_),
+        scratch_shapes=list(scratch.values()),
+        input_output_aliases={4: 1, 5: 2},
+        interpret=interpret,
     )
-    qs = np.repeat(q[None], 8, 0)  # the row padded to a sublane tile, as the kernel pads rows
-    sc = qs @ k.T
-    p = np.exp(sc - sc.max(1, keepdims=True))
-    expected = (p / p.sum(1, keepdims=True)) @ v
-    return fn, (jnp.asarray(qs), jnp.asarray(k), jnp.asarray(v)), expected
+    r = np.random.default_rng(tokens)
+    bf16 = tile_dtype("bf16")
+    q, k, v = (r.standard_normal((rows, n * d)).astype(np.float32) / 2 for n in (heads, kv_heads, kv_heads))
+    kc, vc = (r.standard_normal(cache.shape).astype(bf16) for _ in range(2))
+    pos = np.array([tokens - 1], np.int32)
+    return (
+        (lambda *a: call(*a)[0][0:1]),
+        (pos, q, k, v, kc, vc),
+        _attention_expected(q, k, v, kc, vc, tokens, heads, kv_heads, d),
+    )
+
+
+def _attention_expected(q, k, v, kc, vc, tokens, heads, kv_heads, d) -> Within:
+    """Row 0's attention in float64 over the cache's first tokens - 1 entries and the new token (K/V
+    stored as bf16, as the kernel patches them). The kernel also rounds q and the softmax weights to
+    bf16 before the MXU (relative 2^-8 each): within 2^-6 of the largest |value| per entry."""
+    bf = tile_dtype("bf16")
+    group = heads // kv_heads
+    out = np.zeros((1, heads * d))
+    vmax = 0.0
+    for h in range(heads):
+        g = h // group
+        keys = np.concatenate([kc[0, 0, g, : tokens - 1], k[0:1, g * d : (g + 1) * d].astype(bf)]).astype(np.float64)
+        vals = np.concatenate([vc[0, 0, g, : tokens - 1], v[0:1, g * d : (g + 1) * d].astype(bf)]).astype(np.float64)
+        s = keys @ q[0, h * d : (h + 1) * d].astype(np.float64) * d**-0.5
+        p = np.exp(s - s.max())
+        out[0, h * d : (h + 1) * d] = p @ vals / p.sum()
+        vmax = max(vmax, float(np.abs(vals).max()))
+    return Within(out.astype(np.float32), np.full(out.shape, 2.0**-6 * vmax))
 
 
 def routing(scores: np.ndarray, k: int, interpret=None):

@@ -106,14 +106,12 @@ def exchange_benches(tiny: bool, devices: int, interp) -> list[Bench]:
 
 
 def compute_benches(tiny: bool, interp) -> list[Bench]:
-    """Attention at several contexts, top-k routing, the vector work of a norm and a gate."""
-    d, tile = (128, 16) if tiny else (128, 256)
+    """The kernel's attention at several contexts, top-k routing, the vector work of a norm and a gate."""
+    tile = 16 if tiny else 256
     out = []
-    for ctx in (32, 64) if tiny else (256, 1024, 4096):
-        r = _rng(ctx)
-        q, k, v = (r.standard_normal(s).astype(np.float32) / 4 for s in ((d,), (ctx, d), (ctx, d)))
+    for ctx in (32, 64) if tiny else (256, 1024, 4096):  # one row, 2 heads over 1 KV head of 128
         out.append(Bench(f"attention, {ctx} tokens", "decode_attention", {"tokens": ctx},
-                         lambda q=q, k=k, v=v: local.attention(q, k, v, tile, interp)))  # fmt: skip
+                         lambda c=ctx: local.attention(c, 2, 1, 128, tile, interp)))  # fmt: skip
     scores = _rng(1).standard_normal((8, 128 if tiny else 1024)).astype(np.float32)
     out.append(Bench("routing top-8", "routing", {"experts": scores.shape[1], "k": 8},
                      lambda: local.routing(scores, 8, interp)))  # fmt: skip
