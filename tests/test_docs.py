@@ -339,6 +339,10 @@ def test_readme_quickstart_runs_as_written(tmp_path):
 # its section's heading.
 FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s*(?:us|µs|ms/step|ms per step|tokens/s|tok/s)(?!\w)")
 LABEL = re.compile(r"\bmodell?ed\b|\bmeasured\b|`(?:python -m )?mkdsl [a-z]", re.IGNORECASE)
+# A modeled step (or its tokens/s) also says which reading it is: conservative, or optimistic (the
+# range's other end, a floor, or a previous model's), in its paragraph or an enclosing heading.
+STEP = re.compile(r"modell?ed (?:step|accepted tokens/s|tokens/s)|step time|\*\*modell?ed", re.IGNORECASE)
+READING = re.compile(r"conservative|optimistic", re.IGNORECASE)
 ROOT = DOCS.parent
 FIGURE_FILES = sorted(
     [ROOT / "README.md", *DOCS.glob("*.md"), *(ROOT / "generated").glob("*/plan.md")], key=lambda p: str(p)
@@ -346,8 +350,8 @@ FIGURE_FILES = sorted(
 
 
 def _paragraphs(text: str) -> list[tuple[int, str, str]]:
-    """(first line, section heading, text) of each paragraph; a table or fenced block joined with
-    the paragraph just before it (its caption), in the same section."""
+    """(first line, enclosing headings, text) of each paragraph; a table or fenced block joined
+    with the paragraph just before it (its caption), in the same section."""
     out: list[list] = []
     cur: list[str] = []
     start, heading, fence = 0, "", False
@@ -371,7 +375,10 @@ def _paragraphs(text: str) -> list[tuple[int, str, str]]:
                 flush()
         elif line.startswith("#") or not line.strip():
             flush()
-            heading = line if line.startswith("#") else heading
+            if line.startswith("#"):  # the chain of headings this one is under, then itself
+                level = len(line) - len(line.lstrip("#"))
+                chain = [h for h in heading.splitlines() if h and len(h) - len(h.lstrip("#")) < level]
+                heading = "\n".join([*chain, line])
         else:
             start = i if not cur else start
             cur.append(line)
@@ -381,11 +388,12 @@ def _paragraphs(text: str) -> list[tuple[int, str, str]]:
 
 def unlabelled_figures(text: str) -> list[tuple[int, list[str]]]:
     """(line, figures) of each paragraph quoting a µs / ms-per-step / tokens/s figure with no
-    command, no "modeled" and no "measured" near it."""
+    command, no "modeled" and no "measured" near it, or a modeled step with no reading."""
     bad = []
     for start, heading, body in _paragraphs(text):
         figures = FIGURE.findall(body)
-        if figures and not LABEL.search(heading + "\n" + body):
+        near = heading + "\n" + body
+        if figures and (not LABEL.search(near) or (STEP.search(body) and not READING.search(near))):
             bad.append((start, figures))
     return bad
 
@@ -395,11 +403,16 @@ def test_the_figure_check_finds_an_unlabelled_figure():
     # the table is read with the paragraph before it, its caption
     assert unlabelled_figures(bad) == [(3, ["8073.7 us", "990.8 tokens/s", "5296.3 us"])]
     good = bad.replace("The step takes", "`mkdsl plan specs/kimi_k3.mk --batch 8` models").replace(
-        "| batch | step |", "| batch | modeled step |"
+        "| batch | step |", "| batch | modeled step (conservative) |"
     )
     assert unlabelled_figures(good) == []
     assert unlabelled_figures("## Modeled time\n\n12.5 us per layer\n") == []  # the section says it
     assert unlabelled_figures("```\n$ x\n3.0 ms/step\n```\n") == [(1, ["3.0 ms/step"])]
+    # a modeled step says which reading it is, here or in a heading above
+    step = "## Kimi K3\n\nThe modeled step is 8073.7 us.\n"
+    assert unlabelled_figures(step) == [(3, ["8073.7 us"])]
+    assert unlabelled_figures(step.replace("us.", "us (conservative).")) == []
+    assert unlabelled_figures("# Previous, optimistic model\n\n## Kimi K3\n\n" + step[12:]) == []
 
 
 @pytest.mark.parametrize("path", FIGURE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
