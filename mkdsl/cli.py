@@ -246,7 +246,10 @@ def _plan(args) -> int:
         print("\n".join(["", *figure.lines(), *public]))
         return 0
     if args.full:
-        print(render_plan(model, plan, args.spec, wide=wide))
+        from mkdsl.plan.speculative import verify_plan
+
+        verify = verify_plan(model, args.context, depth, **options)
+        print(render_plan(model, plan, args.spec, wide=wide, verify=verify))
     elif args.json:
         print(json.dumps(plan_data(model, plan, args.spec, breakdown(model, plan)), indent=1))
     else:

@@ -16,6 +16,7 @@ from mkdsl.lang.ir import Model
 from mkdsl.lang.syntax import parse
 from mkdsl.output import write_output
 from mkdsl.plan import Plan, make_plan, static_costs
+from mkdsl.plan.speculative import verify_plan
 from mkdsl.report.markdown import render_picture, render_plan
 from mkdsl.spmd.shard import shard
 
@@ -54,7 +55,7 @@ def compile_source(
     plan = make_plan(  # traffic and timing at the smallest
         local, batch=model.dims[0].low, ring_depth=budget.ring_depth, static=static, static_from=where
     )
-    verify = _verify_plan(local, budget.ring_depth, static, where)
+    verify = verify_plan(local, None, budget.ring_depth, static=static, static_from=where)
     default = os.path.relpath(default_out_dir(spec_path, model.name, profile), project_root(spec_path))
     command = f"mkdsl compile {shown}{f' --profile {profile}' if profile else ''} -o {default.replace(os.sep, '/')}"
     src = Source(shown, source, spec_sha256(source), command)
@@ -64,18 +65,6 @@ def compile_source(
         "plan.svg": render_picture(local, plan),
     }
     return Output(model, plan, files, local), out
-
-
-def _verify_plan(local, depth: int, static, where: str):
-    """plan.md's verify step of speculative.PUBLIC_ROWS rows of one sequence, when an op runs verify
-    rows in series (else the batch plan at that many rows is the same step: None)."""
-    from mkdsl.ops import OPS
-    from mkdsl.plan.speculative import PUBLIC_ROWS
-
-    series = any(OPS[n.op].rows_in_series for k in local.kinds for n in k.nodes if n.op in OPS)
-    if not series or local.dims[0].high < PUBLIC_ROWS:
-        return None
-    return make_plan(local, batch=PUBLIC_ROWS, static=static, static_from=where, verify_rows=PUBLIC_ROWS)
 
 
 def stale_files(out: Output, out_dir: Path) -> list[str]:

@@ -73,6 +73,20 @@ class Speculative:
         ]
 
 
+def verify_plan(model, context: int | None, depth: int, **options):
+    """The verify step of PUBLIC_ROWS rows of one sequence (plan.md's and `plan --full`'s
+    speculative row), when an op runs verify rows in series (`OpDef.rows_in_series`); None when
+    none does, or the batch cannot hold the rows: then it is the batch plan at that many rows."""
+    from mkdsl.ops import OPS
+    from mkdsl.plan.planner import make_plan
+
+    series = any(OPS[n.op].rows_in_series for k in model.kinds for n in k.nodes if n.op in OPS)
+    if not series or model.dims[0].high < PUBLIC_ROWS:
+        return None
+    rows = PUBLIC_ROWS
+    return make_plan(model, batch=rows, context=context, ring_depth=depth, verify_rows=rows, **options)
+
+
 def check_acceptance(rows: int, acceptance: float) -> None:
     """ValueError unless 1 <= A <= R (a step accepts at least the target's token, at most R)."""
     if not 1 <= acceptance <= rows:

@@ -14,6 +14,26 @@ from mkdsl.report.svg import render_svg
 from mkdsl.report.timing import assumptions_section, time_section, verdict
 
 
+def _header(model: Model, plan: Plan, spec_path: str, wide: Plan | None) -> list[str]:
+    """The title, what the figures are for, and the command that prints them."""
+    profile = f" --profile {model.profile}" if model.profile else ""
+    other = (
+        f" (`--batch {wide.batch}` the batch-{wide.batch} rows)"
+        if wide is not None and wide.batch != plan.batch
+        else ""
+    )
+    return [
+        f"# {model.name}: decode step plan",
+        "",
+        f"Spec `{spec_path}`, profile {model.profile or 'none'}. Figures for batch {plan.batch} "
+        f"(rows padded to {plan.rows}) with {plan.context} cached tokens per row.",
+        "No TPU measured anything here: every time below is **modeled**, the conservative reading unless it "
+        "says optimistic (docs/performance.md says what each reading grants); "
+        f"`mkdsl plan {spec_path}{profile} --full` prints them{other}.",
+        "",
+    ]
+
+
 def _bytes(n: int) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= size:
@@ -45,15 +65,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
     speculative.PUBLIC_ROWS rows (`make_plan(verify_rows=...)`), when it differs from `wide`."""
     t = plan.timing
     out = [
-        f"# {model.name}: decode step plan",
-        "",
-        f"Spec `{spec_path}`, profile {model.profile or 'none'}. Figures for batch {plan.batch} "
-        f"(rows padded to {plan.rows}) with {plan.context} cached tokens per row.",
-        "No TPU measured anything here: every time below is **modeled**, the conservative reading unless it "
-        "says optimistic (docs/performance.md says what each reading grants); "
-        f"`mkdsl plan {spec_path}{f' --profile {model.profile}' if model.profile else ''} --full` prints them"
-        f"{f' (`--batch {wide.batch}` the batch-{wide.batch} rows)' if wide is not None and wide.batch != plan.batch else ''}.",
-        "",
+        *_header(model, plan, spec_path, wide),
         *time_section(model, plan, breakdown(model, plan)),
         *assumptions_section(plan, spec_path),
         "## Summary (modeled)",

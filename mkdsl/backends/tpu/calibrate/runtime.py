@@ -11,15 +11,21 @@ import sys
 import types
 
 # The parts the microbenchmarks call, in a generated module's order (emit.RUNTIME_PARTS).
-PARTS = ("core", "comm", "attention", "decode", "qlinear", "routing")
+PARTS = (
+    "runtime/core.py.jinja",
+    "runtime/comm.py.jinja",
+    "runtime/attention.py.jinja",
+    "runtime/decode.py.jinja",
+    "runtime/qlinear.py.jinja",
+    "runtime/routing.py.jinja",
+)
 
 
 def source(ring_depth: int) -> str:
     """The rendered module text."""
     from mkdsl.backends.tpu.emit import _env
 
-    parts = [f"runtime/{p}.py.jinja" for p in PARTS]
-    return _env().get_template("calibrate/runtime.py.jinja").render(ring_depth=ring_depth, runtime=parts)
+    return _env().get_template("calibrate/runtime.py.jinja").render(ring_depth=ring_depth, runtime=list(PARTS))
 
 
 @functools.cache
