@@ -329,6 +329,8 @@ def test_verify_rows_run_the_recurrent_state_in_series_and_the_plan_says_what_it
     dense = shard(load(str(ROOT / "specs/tiny.mk")))  # no recurrent state: the same step either way
     one, rows = make_plan(dense, batch=4, context=32), make_plan(dense, batch=4, context=32, verify_rows=4)
     assert rows.timing.modeled_us == one.timing.modeled_us
+    with pytest.raises(ValueError, match="must divide the batch"):
+        make_plan(dense, batch=4, context=32, verify_rows=3)
 
 
 def test_a_serial_phase_charges_its_stream_after_its_compute():

@@ -129,8 +129,7 @@ def make_plan(
     `verify_rows` = R > 1: the verify step of batch / R sequences of R rows each, whose ops with
     `rows_in_series` run the rows one after the other (their state through HBM).
     """
-    s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
-    s.span = verify_rows
+    s = _start(model, batch, context, ring_depth, verify_rows)
     pad_rows(s)
     if not s.rows:  # no layer stack: nothing to plan
         raise SpecError(s.errors)
@@ -186,6 +185,14 @@ def make_plan(
         ),
         phases=costs,
     )
+
+
+def _start(model: Model, batch: int, context: int | None, ring_depth: int | None, verify_rows: int) -> _State:
+    if verify_rows < 1 or batch % verify_rows:
+        raise ValueError(f"verify_rows {verify_rows} must divide the batch {batch} (sequences x rows)")
+    s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
+    s.span = verify_rows
+    return s
 
 
 def check_lowering(s: _State) -> None:
