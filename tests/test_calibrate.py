@@ -46,13 +46,16 @@ def test_every_microbenchmark_runs_in_interpret_mode_and_its_result_is_checked(t
 
 
 def test_a_wrong_result_fails_its_microbenchmark():
-    tiles = np.random.default_rng(0).standard_normal((3, 16, 128)).astype(np.float32)
+    r = np.random.default_rng(0)
+    x, g = (r.standard_normal((8, 256)).astype(np.float32) for _ in range(2))
+    w = r.standard_normal((1, 256)).astype(np.float32)
 
     def wrong():
-        fn, args, expected = suite.local.stream(np.arange(3), tiles, 2, None)
-        return (lambda *a: np.asarray(expected) + 1e-3), args, expected  # a tile's sum off by 1e-3
+        fn, args, expected = suite.local.vector(x, w, g, 1, None)
+        off = 1e-3 * max(1.0, float(np.abs(expected).max()))  # 10x the check's 1e-4 of the largest value
+        return (lambda *a: np.asarray(expected) + off), args, expected
 
-    b = suite.Bench("broken", "ring", {}, wrong)
+    b = suite.Bench("broken", "vector", {}, wrong)
     suite.run(b, timed=False)
     assert not b.checked and "AssertionError" in b.error
 
@@ -75,12 +78,13 @@ def test_the_ring_benchmark_checks_x_times_w_within_its_rounding_bound():
 def test_the_microbenchmarks_run_the_kernels_own_runtime_rendered_from_its_templates():
     """calibrate/runtime.py renders templates/runtime/*.py.jinja (the parts a generated module
     carries) with the module constants they read; the benchmarks call its `linear`, `Comm`,
-    `topk_into` and `rmsnorm`, the same text as every generated kernel's."""
+    `topk_into`, `rmsnorm`, `MoE` and `Attention`, the same text as every generated kernel's."""
     from mkdsl.backends.tpu.calibrate import runtime
 
     text = runtime.source(4)
     gen = (ROOT / "generated/qwen3_30b_a3b/kernel.py").read_text()  # a MoE model: it routes
-    for fn in ("def linear(", "def ring_issue(", "def topk_into(", "def rmsnorm(", "class Stream:"):
+    parts = ("def linear(", "def ring_issue(", "def topk_into(", "def rmsnorm(", "class Stream:", "class MoE:")
+    for fn in (*parts, "class Attention:", "class Comm:"):
         at = gen.index(fn)
         body = gen[at : gen.index("\n\n\n", at)]
         assert body in text, fn  # the generated kernel's own code, verbatim

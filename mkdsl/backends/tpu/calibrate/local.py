@@ -1,10 +1,9 @@
-"""One-core microbenchmarks of `mkdsl calibrate`: the weight ring (the kernel's own `linear` over its
-ring tables, from the rendered runtime: calibrate/runtime.py), the expert DMAs (a stream kernel,
-the tiles' order given by an SMEM table as the kernel's expert slots are), decode attention over a
-streamed KV cache, top-k routing (the kernel's `topk_into`) and the vector work of a norm and a
-gate (the kernel's `rmsnorm`, the gate's kernel expression). Each builder returns (function,
-arguments, expected result): the caller times the function on a TPU and always checks its result
-against the numpy expectation."""
+"""One-core microbenchmarks of `mkdsl calibrate`, each running the kernel's own code from the
+rendered runtime (calibrate/runtime.py): the weight ring (`linear` / `qlinear` over the ring
+tables), the routed experts (`MoE`), decode attention (`Attention`), top-k routing (`topk_into`)
+and the vector work of a norm and a gate (`rmsnorm`, the gate's kernel expression). Each builder
+returns (function, arguments, expected result): the caller times the function on a TPU and always
+checks its result against the numpy expectation."""
 
 from __future__ import annotations
 
@@ -40,41 +39,6 @@ def _call(kernel, out_shape, in_specs, scratch, interpret):
         scratch_shapes=scratch,
         interpret=interpret,
     )
-
-
-def stream(ids: np.ndarray, tiles: np.ndarray, slots: int, interpret=None):
-    """Tiles `tiles[ids[i]]` streamed in order through `slots` VMEM banks, `slots - 1` in flight
-    ahead (the kernel's ring; its expert slots when `ids` are chosen experts). Result: the sum of
-    each tile's first ROWS rows, in f32."""
-    n, (tk, tn) = len(ids), tiles.shape[1:]
-
-    def kernel(ids_ref, w_hbm, o_ref, ring, sem):
-        def copy(i):
-            slot = i % slots
-            return pltpu.make_async_copy(w_hbm.at[ids_ref[i]], ring.at[slot], sem.at[slot])
-
-        for i in range(min(slots - 1, n)):
-            copy(i).start()
-
-        def body(i, acc):
-            @pl.when(i + slots - 1 < n)
-            def _():
-                copy(i + slots - 1).start()
-
-            copy(i).wait()
-            return acc + ring[i % slots, :ROWS, :].astype(F32)
-
-        o_ref[...] = jax.lax.fori_loop(0, n, body, jnp.zeros((ROWS, tn), F32))
-
-    fn = _call(
-        kernel,
-        jax.ShapeDtypeStruct((ROWS, tn), F32),
-        [pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec(memory_space=pl.ANY)],
-        [pltpu.VMEM((slots, tk, tn), tiles.dtype), pltpu.SemaphoreType.DMA((slots,))],
-        interpret,
-    )
-    expected = tiles[ids, :ROWS, :].astype(np.float32).sum(0)
-    return fn, (jnp.asarray(ids, jnp.int32), jnp.asarray(tiles)), expected
 
 
 def ring(x: np.ndarray, w: np.ndarray, tk: int, tn: int, depth: int, interpret=None):
@@ -205,6 +169,62 @@ def _attention_expected(q, k, v, kc, vc, tokens, heads, kv_heads, d) -> Within:
         out[0, h * d : (h + 1) * d] = p @ vals / p.sum()
         vmax = max(vmax, float(np.abs(vals).max()))
     return Within(out.astype(np.float32), np.full(out.shape, 2.0**-6 * vmax))
+
+
+def experts(ids: np.ndarray, w13: tuple, w2: np.ndarray, tn: int, slots: int, interpret=None):
+    """The routed experts of one layer by the kernel's `MoE` (runtime/moe.py.jinja, bf16 experts):
+    the rows' chosen ids staged to SMEM and made distinct (`take_ids`), each distinct expert
+    streamed once in [D, tn] / [tn, D] column tile sets through `slots` slots, `slots - 1` in
+    flight, and summed by the rows' weights. ids [rows, k]; w13: W1, W3 [E, D, F]; w2 [E, F, D].
+    Result: the experts' output f32 [rows, D]."""
+    rt = runtime.module(2)
+    rows, k = ids.shape
+    e, d, f = w13[0].shape
+    pieces = {"w1": (slots, d, tn), "w3": (slots, d, tn), "w2": (slots, tn, d)}
+    scratch = {f"moe_{n}": pltpu.VMEM(shape, jnp.bfloat16) for n, shape in pieces.items()}
+    scratch |= {
+        "moe_sem": pltpu.SemaphoreType.DMA((3, slots)),
+        "moe_zb": pltpu.VMEM((rows, d), jnp.bfloat16),
+        "moe_ids_stage": pltpu.VMEM((rows, rt.ID_LANES), jnp.int32),
+        "moe_ids_smem": pltpu.SMEM((rows, rt.ID_LANES), jnp.int32),
+        "moe_id_sem": pltpu.SemaphoreType.DMA((1,)),
+        "moe_list": pltpu.SMEM((rows * k,), jnp.int32),
+        "moe_count": pltpu.SMEM((1,), jnp.int32),
+        "moe_pos": pltpu.SMEM((e,), jnp.int32),
+    }
+    names = ("ids", "weights", "z", "w_1", "w_3", "w_2", "out", *scratch)
+
+    def kernel(*refs):
+        r = rt.Refs(names, refs)
+        moe = rt.MoE(r, rows=rows, batch=rows, E=e, k=k, D=d, F=f, tn=tn, slots=slots, prefix="moe_", fmt="bf16",
+                     names={"w1": "w_1", "w3": "w_3", "w2": "w_2"}, act=lambda g, u: jax.nn.silu(g) * u)  # fmt: skip
+        moe.take_ids(r.ids)
+        moe.experts(None, r.z, r.weights, r.out, r.ids)
+
+    vmem, any_ = pl.BlockSpec(memory_space=pltpu.VMEM), pl.BlockSpec(memory_space=pl.ANY)
+    call = _call(kernel, jax.ShapeDtypeStruct((rows, d), F32), [vmem, vmem, vmem, any_, any_, any_],
+                 list(scratch.values()), interpret)  # fmt: skip
+    r = np.random.default_rng(int(ids.sum()) + slots)
+    z = r.standard_normal((rows, d)).astype(np.float32)
+    weights = r.random((rows, k)).astype(np.float32)
+    return call, (ids, weights, z, *w13, w2), _experts_expected(ids, weights, z, w13, w2)
+
+
+def _experts_expected(ids, weights, z, w13, w2) -> Within:
+    """sum_i w[b, i] * bf16(silu(bf16 z W1) * (bf16 z W3)) @ W2 of expert ids[b, i], in float64.
+    The kernel's f32 sums over D (and then F) may round its hidden values to bf16 differently
+    (one bf16 step, 2^-8 relative): within 2^-7 of sum_i |w| (|h| @ |W2|) per entry."""
+    bf = tile_dtype("bf16")
+    zb = z.astype(bf).astype(np.float64)
+    out, bound = np.zeros(z.shape), np.zeros(z.shape)
+    for b in range(ids.shape[0]):
+        for i, ex in enumerate(ids[b]):
+            g, u = zb[b] @ w13[0][ex].astype(np.float64), zb[b] @ w13[1][ex].astype(np.float64)
+            h = (g / (1 + np.exp(-g)) * u).astype(bf).astype(np.float64)
+            w2e = w2[ex].astype(np.float64)
+            out[b] += weights[b, i] * (h @ w2e)
+            bound[b] += abs(weights[b, i]) * 2.0**-7 * (np.abs(h) @ np.abs(w2e))
+    return Within(out.astype(np.float32), bound)
 
 
 def routing(scores: np.ndarray, k: int, interpret=None):

@@ -18,6 +18,7 @@ PARTS = (
     "runtime/decode.py.jinja",
     "runtime/qlinear.py.jinja",
     "runtime/routing.py.jinja",
+    "runtime/moe.py.jinja",
 )
 
 
