@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import os
 import stat
@@ -245,7 +246,10 @@ def _plan(args) -> int:
         print("\n".join(["", *figure.lines(), *public]))
         return 0
     if args.full:
-        print(render_plan(model, plan, args.spec, wide=wide))
+        from mkdsl.plan.speculative import verify_plan
+
+        verify = verify_plan(model, args.context, depth, **options)
+        print(render_plan(model, plan, args.spec, wide=wide, verify=verify))
     elif args.json:
         print(json.dumps(plan_data(model, plan, args.spec, breakdown(model, plan)), indent=1))
     else:
@@ -266,13 +270,18 @@ def _plan_speculative(args, model, depth: int, options: dict):
             f"--batch {args.batch} x --draft-rows {rows} = {verify_rows} rows, outside `{dim.name}` in "
             f"{dim.low} .. {dim.high} (spec {args.spec})"
         )
-    verify = make_plan(model, batch=verify_rows, context=args.context, ring_depth=depth, **options).timing.modeled_us
+    planned = make_plan(model, batch=verify_rows, context=args.context, ring_depth=depth, verify_rows=rows, **options)
+    verify = planned.timing.modeled_us
+    series = sum(a.effect_us for a in planned.timing.assumptions if a.name == "rows_in_series")
     if args.draft == "ngram":
-        return spec_model.ngram(args.batch, rows, args.acceptance, verify)
-    draft = _draft_plan(args, verify_rows)
-    if isinstance(draft, tuple):  # its kernel does not lower yet: (floor us, why)
-        return spec_model.with_draft_floor(args.batch, rows, args.acceptance, verify, *draft, args.draft)
-    return spec_model.with_draft_spec(args.batch, rows, args.acceptance, verify, draft, args.draft)
+        figure = spec_model.ngram(args.batch, rows, args.acceptance, verify)
+    else:
+        draft = _draft_plan(args, verify_rows)
+        if isinstance(draft, tuple):  # its kernel does not lower yet: (floor us, why)
+            figure = spec_model.with_draft_floor(args.batch, rows, args.acceptance, verify, *draft, args.draft)
+        else:
+            figure = spec_model.with_draft_spec(args.batch, rows, args.acceptance, verify, draft, args.draft)
+    return dataclasses.replace(figure, series_us=series)
 
 
 def _check_plan_draft(args) -> None:

@@ -16,6 +16,7 @@ from mkdsl.lang.ir import Model
 from mkdsl.lang.syntax import parse
 from mkdsl.output import write_output
 from mkdsl.plan import Plan, make_plan, static_costs
+from mkdsl.plan.speculative import verify_plan
 from mkdsl.report.markdown import render_picture, render_plan
 from mkdsl.spmd.shard import shard
 
@@ -54,12 +55,13 @@ def compile_source(
     plan = make_plan(  # traffic and timing at the smallest
         local, batch=model.dims[0].low, ring_depth=budget.ring_depth, static=static, static_from=where
     )
+    verify = verify_plan(local, None, budget.ring_depth, static=static, static_from=where)
     default = os.path.relpath(default_out_dir(spec_path, model.name, profile), project_root(spec_path))
     command = f"mkdsl compile {shown}{f' --profile {profile}' if profile else ''} -o {default.replace(os.sep, '/')}"
     src = Source(shown, source, spec_sha256(source), command)
     files = {
         "kernel.py": emit_module(model, local, budget, src),
-        "plan.md": render_plan(local, plan, shown, wide=timed),
+        "plan.md": render_plan(local, plan, shown, wide=timed, verify=verify),
         "plan.svg": render_picture(local, plan),
     }
     return Output(model, plan, files, local), out

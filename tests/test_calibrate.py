@@ -37,7 +37,7 @@ def test_every_microbenchmark_runs_in_interpret_mode_and_its_result_is_checked(t
     assert forms == {"sibling", "cross-chip", "direct 3 peers", "hierarchical 4 cores"}
     groups = {b["group"] for b in benches}
     assert groups == {"ring", "long", "experts", "exchange", "dispatch", "decode_attention", "routing", "vector"}
-    assert {b["params"]["dtype"] for b in benches if b["group"] == "ring"} == {"bf16", "int8"}
+    assert {b["params"]["dtype"] for b in benches if b["group"] == "ring"} == {"bf16", "fp8"}
     assert {b["params"]["slots"] for b in benches if b["group"] == "experts"} == {1, 2, 4}
     # The file is one `mkdsl plan --calibration` reads (no constant timed here: the figure stays).
     base = json.loads(mkdsl("plan", "specs/tiny.mk", "--json").stdout)["plan"]["timing"]
@@ -46,15 +46,50 @@ def test_every_microbenchmark_runs_in_interpret_mode_and_its_result_is_checked(t
 
 
 def test_a_wrong_result_fails_its_microbenchmark():
-    tiles = np.random.default_rng(0).standard_normal((3, 16, 128)).astype(np.float32)
+    r = np.random.default_rng(0)
+    x, g = (r.standard_normal((8, 256)).astype(np.float32) for _ in range(2))
+    w = r.standard_normal((1, 256)).astype(np.float32)
 
     def wrong():
-        fn, args, expected = suite.local.stream(np.arange(3), tiles, 2, None)
-        return (lambda *a: np.asarray(expected) + 1e-3), args, expected  # a tile's sum off by 1e-3
+        fn, args, expected = suite.local.vector(x, w, g, 1, None)
+        off = 1e-3 * max(1.0, float(np.abs(expected).max()))  # 10x the check's 1e-4 of the largest value
+        return (lambda *a: np.asarray(expected) + off), args, expected
 
-    b = suite.Bench("broken", "ring", {}, wrong)
+    b = suite.Bench("broken", "vector", {}, wrong)
     suite.run(b, timed=False)
     assert not b.checked and "AssertionError" in b.error
+
+
+def test_the_ring_benchmark_checks_x_times_w_within_its_rounding_bound():
+    """The ring microbenchmark's check (x @ W within K * 2^-24 * sum |products|) fails a result
+    one bound past it, and passes the exact one."""
+    r = np.random.default_rng(1)
+    x = r.standard_normal((16, 256)).astype(suite.local.tile_dtype("bf16"))
+    w = r.standard_normal((256, 128)).astype(suite.local.tile_dtype("bf16"))
+    fn, args, expected = suite.local.ring(x, w, 128, 128, 4, None)
+    for shift, ok in ((0.0, True), (2.0, False)):
+        b = suite.Bench(
+            "ring", "ring", {}, lambda s=shift: ((lambda *a: expected.value + s * expected.bound), args, expected)
+        )
+        suite.run(b, timed=False)
+        assert b.checked is ok, b.error
+
+
+def test_the_microbenchmarks_run_the_kernels_own_runtime_rendered_from_its_templates():
+    """calibrate/runtime.py renders templates/runtime/*.py.jinja (the parts a generated module
+    carries) with the module constants they read; the benchmarks call its `linear`, `Comm`,
+    `topk_into`, `rmsnorm`, `MoE` and `Attention`, the same text as every generated kernel's."""
+    from mkdsl.backends.tpu.calibrate import runtime
+
+    text = runtime.source(4)
+    gen = (ROOT / "generated/qwen3_30b_a3b/kernel.py").read_text()  # a MoE model: it routes
+    parts = ("def linear(", "def ring_issue(", "def topk_into(", "def rmsnorm(", "class Stream:", "class MoE:")
+    for fn in (*parts, "class Attention:", "class Comm:"):
+        at = gen.index(fn)
+        body = gen[at : gen.index("\n\n\n", at)]
+        assert body in text, fn  # the generated kernel's own code, verbatim
+    assert "RING_DEPTH = 4" in text and runtime.module(4).RING_DEPTH == 4
+    assert "class Comm:" in text and "class QStream(" in text
 
 
 def timed(group: str, seconds: float, **params) -> suite.Bench:

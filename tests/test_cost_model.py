@@ -275,3 +275,67 @@ def test_plan_uses_the_specs_committed_static_costs_and_says_when_the_spec_chang
     (tmp_path / "tiny.mk").write_text((ROOT / "specs/tiny.mk").read_text() + "\n// edited\n")
     again, note = static_costs.default_costs(str(tmp_path / "tiny.mk"), None)
     assert again == static and "earlier version of the spec" in note
+
+
+def test_every_spec_that_checks_has_its_committed_static_costs_of_its_current_text():
+    """`mkdsl static-costs` writes specs/costs/<spec>.json; each spec in specs/ that checks has one,
+    read from its current text (a spec edited since is stale), and no file outlives its spec. A
+    spec check refuses (test_specs_compile.REFUSED) has no kernel to schedule."""
+    from test_specs_compile import REFUSED
+
+    from mkdsl.plan import static_costs
+
+    specs = sorted((ROOT / "specs").glob("*.mk"))
+    missing, stale = [], []
+    for spec in specs:
+        if spec.stem in REFUSED:
+            continue
+        found, where = static_costs.default_costs(str(spec), None)
+        if found is None:
+            missing.append(spec.name)
+        elif "earlier version" in where:
+            stale.append(spec.name)
+    assert not missing, f"no specs/costs file (run `python -m mkdsl static-costs SPEC`): {missing}"
+    assert not stale, f"static costs of an earlier spec text (run `python -m mkdsl static-costs SPEC`): {stale}"
+    orphans = {p.stem for p in (ROOT / "specs/costs").glob("*.json")} - {s.stem for s in specs}
+    assert not orphans, f"static costs of no spec: {orphans}"
+
+
+def test_verify_rows_run_the_recurrent_state_in_series_and_the_plan_says_what_it_costs():
+    """A verify step's R rows of a sequence run a recurrent state one after the other (row r reads
+    the state row r - 1 wrote to HBM), so `recurrent` (OpDef.rows_in_series) is charged its state
+    stream after its compute: the verify plan of B x R rows costs more than the batch plan of as
+    many rows, by at most the smaller of the two per such phase (the ring refills during the
+    compute), and names that as `rows_in_series`. Ops without the trait (attention's KV, the short
+    convolutions' windows) charge the rows as batch rows."""
+    from mkdsl.ops import OPS
+
+    assert OPS["recurrent"].rows_in_series and not OPS["attention"].rows_in_series
+    assert not OPS["short_conv"].rows_in_series
+    model = shard(load(str(ROOT / "specs/qwen3_next_80b_a3b.mk"), profile="mini"))
+    batch = make_plan(model, batch=8, context=100)
+    verify = make_plan(model, batch=8, context=100, verify_rows=8)
+    rec = [p for p in verify.phases if p.op == "recurrent"]
+    assert rec and all(p.stream_us > 0 and p.compute_us > 0 for p in rec)
+    extra = sum(min(p.stream_us, p.compute_us) for p in rec)  # every run of a phase is the same
+    (named,) = [a for a in verify.timing.assumptions if a.name == "rows_in_series"]
+    assert named.effect_us == pytest.approx(extra, rel=1e-9)
+    assert batch.timing.modeled_us < verify.timing.modeled_us <= batch.timing.modeled_us + extra + 1e-9
+    assert not [a for a in batch.timing.assumptions if a.name == "rows_in_series"]
+    # the same phases without the trait's rule: each the larger of its stream and compute
+    assert sum(max(p.stream_us, p.compute_us) for p in batch.phases if p.op == "recurrent") < sum(
+        p.stream_us + p.compute_us for p in rec
+    )
+    dense = shard(load(str(ROOT / "specs/tiny.mk")))  # no recurrent state: the same step either way
+    one, rows = make_plan(dense, batch=4, context=32), make_plan(dense, batch=4, context=32, verify_rows=4)
+    assert rows.timing.modeled_us == one.timing.modeled_us
+    with pytest.raises(ValueError, match="must divide the batch"):
+        make_plan(dense, batch=4, context=32, verify_rows=3)
+
+
+def test_a_serial_phase_charges_its_stream_after_its_compute():
+    state = Phase("k", "recurrent", 3, "recurrent", int(2 * RATE), RATE, 1.5, "mxu", "RING")
+    assert total([state], 0) == pytest.approx(2.0)  # max(2 us of state, 1.5 us of compute)
+    from dataclasses import replace
+
+    assert total([replace(state, serial=True)], 0) == pytest.approx(3.5)  # one after the other

@@ -330,3 +330,93 @@ def test_readme_quickstart_runs_as_written(tmp_path):
     assert m, r.stdout
     # Kernel and reference round matmul inputs to bf16 and accumulate in f32 (docs/python-api.md).
     assert float(m[1]) <= 2**-5
+
+
+# ---------------------------------------------------------------------------- performance figures
+# A step time or a rate in the docs says where it came from: the command that prints it, or the
+# word "modeled" (no TPU ran mkdsl's kernels) or "measured" (compile times, interpret-mode runs,
+# public figures of other systems), in its paragraph, its table with the paragraph before it, or
+# its section's heading.
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s*(?:us|µs|ms/step|ms per step|tokens/s|tok/s)(?!\w)")
+LABEL = re.compile(r"\bmodell?ed\b|\bmeasured\b|`(?:python -m )?mkdsl [a-z]", re.IGNORECASE)
+# A modeled step (or its tokens/s) also says which reading it is: conservative, or optimistic (the
+# range's other end, a floor, or a previous model's), in its paragraph or an enclosing heading.
+STEP = re.compile(r"modell?ed (?:step|accepted tokens/s|tokens/s)|step time|\*\*modell?ed", re.IGNORECASE)
+READING = re.compile(r"conservative|optimistic", re.IGNORECASE)
+ROOT = DOCS.parent
+FIGURE_FILES = sorted(
+    [ROOT / "README.md", *DOCS.glob("*.md"), *(ROOT / "generated").glob("*/plan.md")], key=lambda p: str(p)
+)
+
+
+def _paragraphs(text: str) -> list[tuple[int, str, str]]:
+    """(first line, enclosing headings, text) of each paragraph; a table or fenced block joined
+    with the paragraph just before it (its caption), in the same section."""
+    out: list[list] = []
+    cur: list[str] = []
+    start, heading, fence = 0, "", False
+
+    def flush() -> None:
+        if cur:
+            joined = "\n".join(cur)
+            if out and joined[:1] in "|`" and out[-1][1] == heading:
+                out[-1][2] += "\n" + joined
+            else:
+                out.append([start, heading, joined])
+            cur.clear()
+
+    for i, line in enumerate(text.splitlines(), 1):
+        if fence or line.startswith("```"):
+            if not cur:
+                start = i
+            cur.append(line)
+            fence = fence != line.startswith("```")
+            if not fence and line.startswith("```") and len(cur) > 1:
+                flush()
+        elif line.startswith("#") or not line.strip():
+            flush()
+            if line.startswith("#"):  # the chain of headings this one is under, then itself
+                level = len(line) - len(line.lstrip("#"))
+                chain = [h for h in heading.splitlines() if h and len(h) - len(h.lstrip("#")) < level]
+                heading = "\n".join([*chain, line])
+        else:
+            start = i if not cur else start
+            cur.append(line)
+    flush()
+    return [(s, h, t) for s, h, t in out]
+
+
+def unlabelled_figures(text: str) -> list[tuple[int, list[str]]]:
+    """(line, figures) of each paragraph quoting a µs / ms-per-step / tokens/s figure with no
+    command, no "modeled" and no "measured" near it, or a modeled step with no reading."""
+    bad = []
+    for start, heading, body in _paragraphs(text):
+        figures = FIGURE.findall(body)
+        near = heading + "\n" + body
+        if figures and (not LABEL.search(near) or (STEP.search(body) and not READING.search(near))):
+            bad.append((start, figures))
+    return bad
+
+
+def test_the_figure_check_finds_an_unlabelled_figure():
+    bad = "## Kimi K3\n\nThe step takes 8073.7 us at batch 8, 990.8 tokens/s.\n\n| batch | step |\n|---|---|\n| 1 | 5296.3 us |\n"
+    # the table is read with the paragraph before it, its caption
+    assert unlabelled_figures(bad) == [(3, ["8073.7 us", "990.8 tokens/s", "5296.3 us"])]
+    good = bad.replace("The step takes", "`mkdsl plan specs/kimi_k3.mk --batch 8` models").replace(
+        "| batch | step |", "| batch | modeled step (conservative) |"
+    )
+    assert unlabelled_figures(good) == []
+    assert unlabelled_figures("## Modeled time\n\n12.5 us per layer\n") == []  # the section says it
+    assert unlabelled_figures("```\n$ x\n3.0 ms/step\n```\n") == [(1, ["3.0 ms/step"])]
+    # a modeled step says which reading it is, here or in a heading above
+    step = "## Kimi K3\n\nThe modeled step is 8073.7 us.\n"
+    assert unlabelled_figures(step) == [(3, ["8073.7 us"])]
+    assert unlabelled_figures(step.replace("us.", "us (conservative).")) == []
+    assert unlabelled_figures("# Previous, optimistic model\n\n## Kimi K3\n\n" + step[12:]) == []
+
+
+@pytest.mark.parametrize("path", FIGURE_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_performance_figure_says_where_it_came_from(path):
+    bad = unlabelled_figures(path.read_text(encoding="utf-8"))
+    where = [f"{path.relative_to(ROOT)}:{line}: {', '.join(figs)}" for line, figs in bad]
+    assert not bad, "figures without a command or a modeled / measured label:\n" + "\n".join(where)

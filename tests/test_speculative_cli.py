@@ -93,7 +93,9 @@ def test_kimi_k3_speculative_figure_beside_the_public_ones(capsys):
     p = _parts(out)
     spec, draft, static = load(kimi), load(stand_in), _committed(kimi)
     wide = make_plan(spec.local, batch=spec.model.dims[0].high, context=1152, static=static)
-    verify = make_plan(spec.local, batch=8, context=1152, ring_depth=wide.ring_depth, static=static).timing.modeled_us
+    verify = make_plan(  # the verify step: its recurrent state's 8 rows in series (OpDef.rows_in_series)
+        spec.local, batch=8, context=1152, ring_depth=wide.ring_depth, static=static, verify_rows=8
+    ).timing.modeled_us
     assert p["verify"] == pytest.approx(verify, abs=0.05)  # printed .1f
     drafted = make_plan(draft.local, batch=8, context=1152, static=_committed(stand_in)).timing.modeled_us
     assert p["draft"] == pytest.approx(drafted, abs=0.05)

@@ -370,5 +370,6 @@ register(
         attends=True,
         data_dependent=True,
         prefill=_recurrent_prefill,  # the recurrence, token by token
+        rows_in_series=True,  # verify rows: row r reads the state row r - 1 wrote (runtime/kda.py.jinja)
     )
 )

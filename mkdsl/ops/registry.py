@@ -93,6 +93,10 @@ class OpDef:
     # What one iteration of its hot loop waits for, to match libtpu's loops to it
     # (plan/static_costs.py UNITS): "kv_tiles", "latent_tiles" or "expert_tiles".
     loop_unit: str = ""
+    # A verify step's R rows of a sequence (speculative decoding) run its state in series: row r
+    # reads the state row r - 1 wrote to HBM (the recurrent rules keep a state per row), so the
+    # cost model charges its state stream after its compute, not under it (plan/timeline.py).
+    rows_in_series: bool = False
     in_place: tuple[tuple[int, int], ...] = ()  # (output, operand) pairs that may share a buffer
     # devices exchange its value: "sum", "gather", "best" (an argmax), "scatter" (a reduce-scatter)
     # or "scaled" (an all-reduce with a deferred norm's row scale, mkdsl/spmd/defer_norm.py)

@@ -13,6 +13,8 @@ flight ahead of the ops, at most `depth - 1` of the coming tiles. Then
 
     op on the ring     t = max(compute, (bytes - ahead) / bandwidth)   (the ring refills meanwhile)
     op-issued stream   t = max(compute, bytes / bandwidth)             (KV, state, experts, fetches)
+    ... rows in series t = compute + bytes / bandwidth                 (a verify step's recurrent state:
+                           row r reads what row r - 1 wrote, OpDef.rows_in_series)
     collective         t = its exchange phases, one after the other; the tiles already in flight
                            land during `overlap` of it (conservative: the fraction the hand kernel
                            showed, measured.EXCHANGE_STREAM_OVERLAP; optimistic: all of it); the
@@ -67,6 +69,7 @@ class Phase:
     during: bool = False  # runs while the collective before it exchanges (mkdsl/spmd/overlap.py)
     extrapolated_us: float = 0.0  # of compute_us, what a constant gives beyond its measured range
     wide_peers: bool = False  # a collective with a phase of more peers than the direct fit was measured on
+    serial: bool = False  # its stream waits for its compute (verify rows in series: OpDef.rows_in_series)
 
     @property
     def stream_us(self) -> float:
@@ -152,6 +155,10 @@ def run_phase(p: Phase, ahead: float, cap: float, overlap: float = 1.0) -> tuple
         wait = max(0.0, p.bytes - ahead) / p.rate
         t = max(p.compute_us, wait)
         used, gain = p.bytes, p.rate * t
+    elif p.serial:  # each row's state read waits for the previous row's write: nothing overlaps
+        wait = p.stream_us
+        t = p.compute_us + wait
+        used, gain = 0.0, rate * p.compute_us
     else:
         wait = t = p.stream_us
         t = max(p.compute_us, wait)
@@ -159,6 +166,8 @@ def run_phase(p: Phase, ahead: float, cap: float, overlap: float = 1.0) -> tuple
     left = max(0.0, min(ahead + gain - used, max(cap, ahead - used)))
     if p.exchange_us:
         return Charge(p, 0.0, 0.0, t), left
+    if p.serial:
+        return Charge(p, wait, p.compute_us, 0.0), left
     return _split(p, t, wait), left
 
 

@@ -67,6 +67,7 @@ class _State:
     hbm: int = 0  # bytes one device holds in HBM (largest batch, shortest cache)
     hbm_tokens: int = 0  # the longest cache that fits at the largest batch
     pads: dict = field(default_factory=dict)  # tensor -> {axis: padded width}: stored wider (pad_storage)
+    span: int = 1  # verify rows per sequence (the batch is sequences x span): a speculative verify step
 
     def hint(self, name: str, default: int) -> int:
         h = self.model.hint(name)
@@ -115,6 +116,7 @@ def make_plan(
     static: dict[str, float] | None = None,
     fuse_ready: bool = False,
     static_from: str = "",
+    verify_rows: int = 1,
 ) -> Plan:
     """Plan the decode step for `batch` rows reading `context` cached tokens each.
 
@@ -124,8 +126,10 @@ def make_plan(
     compute / stream ratio of its loop in libtpu's schedule, used by the cost model where given.
     `fuse_ready`: a what-if of the cost model, collectives ready together as one exchange
     (plan/levers.py); the kernel does not do it. `static_from`: where `static` came from (shown).
+    `verify_rows` = R > 1: the verify step of batch / R sequences of R rows each, whose ops with
+    `rows_in_series` run the rows one after the other (their state through HBM).
     """
-    s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
+    s = _start(model, batch, context, ring_depth, verify_rows)
     pad_rows(s)
     if not s.rows:  # no layer stack: nothing to plan
         raise SpecError(s.errors)
@@ -181,6 +185,14 @@ def make_plan(
         ),
         phases=costs,
     )
+
+
+def _start(model: Model, batch: int, context: int | None, ring_depth: int | None, verify_rows: int) -> _State:
+    if verify_rows < 1 or batch % verify_rows:
+        raise ValueError(f"verify_rows {verify_rows} must divide the batch {batch} (sequences x rows)")
+    s = _State(model, batch, context if context is not None else default_context(model), fixed_depth=ring_depth)
+    s.span = verify_rows
+    return s
 
 
 def check_lowering(s: _State) -> None:

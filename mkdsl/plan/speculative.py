@@ -4,7 +4,10 @@ of B sequences each verifying R rows and accepting A tokens on average (A includ
 own token, so 1 <= A <= R). Every part is modeled:
 
 - verify: the planner's step at B x R rows (the R rows of a sequence share the weight stream as
-  batch rows do; the row-by-row causal attention among them is not priced separately);
+  batch rows do; the row-by-row causal attention among them is not priced separately), planned
+  with `verify_rows=R`: an op whose state runs the rows in series (`OpDef.rows_in_series`, the
+  recurrent rules: row r reads the state row r - 1 wrote to HBM) is charged its state stream after
+  its compute (`series_us`, shown);
 - drafter: a draft spec planned like any spec at its block of B x R rows; the n-gram drafter
   runs on the host, not on the device, counted as 0 (its host cost: NGRAM_HOST);
 - accept: ACCEPT_US, an estimate (not measured): the verify step's R tokens per sequence copied
@@ -32,6 +35,7 @@ class Speculative:
     draft_us: float
     draft: str  # what the drafter is and how its time was found
     accept_us: float = ACCEPT_US
+    series_us: float = 0.0  # of verify_us: recurrent state charged row after row (OpDef.rows_in_series)
 
     @property
     def step_us(self) -> float:
@@ -55,10 +59,32 @@ class Speculative:
             f"speculative decoding (modeled): {self.batch} sequence(s) x {self.rows} rows per verify step, "
             f"acceptance {self.acceptance:g}",
             f"  verify step, the planner at {self.batch * self.rows} rows: {self.verify_us:.1f} us",
+            *(
+                [
+                    f"    of which {self.series_us:.1f} us: the recurrent state of the {self.rows} rows in series "
+                    "(row r reads the state row r - 1 wrote to HBM; its stream charged after its compute)"
+                ]
+                if self.series_us
+                else []
+            ),
             f"  drafter: {self.draft}: {self.draft_us:.1f} us",
             f"  accept: {self.accept_us:.1f} us (estimate, not measured: tokens to the host and compared)",
             f"  modeled accepted tokens/s = {self.formula()}",
         ]
+
+
+def verify_plan(model, context: int | None, depth: int, **options):
+    """The verify step of PUBLIC_ROWS rows of one sequence (plan.md's and `plan --full`'s
+    speculative row), when an op runs verify rows in series (`OpDef.rows_in_series`); None when
+    none does, or the batch cannot hold the rows: then it is the batch plan at that many rows."""
+    from mkdsl.ops import OPS
+    from mkdsl.plan.planner import make_plan
+
+    series = any(OPS[n.op].rows_in_series for k in model.kinds for n in k.nodes if n.op in OPS)
+    if not series or model.dims[0].high < PUBLIC_ROWS:
+        return None
+    rows = PUBLIC_ROWS
+    return make_plan(model, batch=rows, context=context, ring_depth=depth, verify_rows=rows, **options)
 
 
 def check_acceptance(rows: int, acceptance: float) -> None:

@@ -166,6 +166,7 @@ def _op_phase(s, g: Graph, i: int, its_items, static: dict | None, during: bool)
         tile,
         during=during,
         extrapolated_us=max(0.0, beyond),
+        serial=s.span > 1 and op.rows_in_series and nbytes > 0,
     )
 
 
@@ -267,6 +268,17 @@ def assumptions(s, charges, spread: float) -> tuple[Assumption, ...]:
                 f"exchange phases with more than {m.DIRECT_FIT_CORES - 1} peers use the direct fit measured on "
                 f"{m.DIRECT_FIT_CORES} cores (latency extrapolated per peer; bandwidth taken as the same)",
                 wide,
+            )
+        )
+    series = sum(min(c.stream_us, c.compute_us) for c in charges if c.phase.serial)
+    if series:
+        out.append(
+            Assumption(
+                "rows_in_series",
+                f"a verify step's {s.span} rows per sequence run each recurrent state in series (row r reads "
+                "the state row r - 1 wrote to HBM): its stream is charged after its compute, none of it under "
+                "(the kernel overlaps heads within a row; these us are what full overlap would save)",
+                series,
             )
         )
     devices = _devices(s.model)

@@ -14,6 +14,26 @@ from mkdsl.report.svg import render_svg
 from mkdsl.report.timing import assumptions_section, time_section, verdict
 
 
+def _header(model: Model, plan: Plan, spec_path: str, wide: Plan | None) -> list[str]:
+    """The title, what the figures are for, and the command that prints them."""
+    profile = f" --profile {model.profile}" if model.profile else ""
+    other = (
+        f" (`--batch {wide.batch}` the batch-{wide.batch} rows)"
+        if wide is not None and wide.batch != plan.batch
+        else ""
+    )
+    return [
+        f"# {model.name}: decode step plan",
+        "",
+        f"Spec `{spec_path}`, profile {model.profile or 'none'}. Figures for batch {plan.batch} "
+        f"(rows padded to {plan.rows}) with {plan.context} cached tokens per row.",
+        "No TPU measured anything here: every time below is **modeled**, the conservative reading unless it "
+        "says optimistic (docs/performance.md says what each reading grants); "
+        f"`mkdsl plan {spec_path}{profile} --full` prints them{other}.",
+        "",
+    ]
+
+
 def _bytes(n: int) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= size:
@@ -39,17 +59,13 @@ PUBLIC = {
 }
 
 
-def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = None) -> str:
+def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = None, verify: Plan | None = None) -> str:
     """Markdown; deterministic for the same model and plan. `wide`: the plan at the largest batch,
-    for the speculative-decoding comparison of sharded models."""
+    for the speculative-decoding comparison of sharded models; `verify`: the verify step of
+    speculative.PUBLIC_ROWS rows (`make_plan(verify_rows=...)`), when it differs from `wide`."""
     t = plan.timing
     out = [
-        f"# {model.name}: decode step plan",
-        "",
-        f"Spec `{spec_path}`, profile {model.profile or 'none'}. Figures for batch {plan.batch} "
-        f"(rows padded to {plan.rows}) with {plan.context} cached tokens per row.",
-        "No TPU measured anything here: every time below is **modeled** (see docs/performance.md).",
-        "",
+        *_header(model, plan, spec_path, wide),
         *time_section(model, plan, breakdown(model, plan)),
         *assumptions_section(plan, spec_path),
         "## Summary (modeled)",
@@ -74,7 +90,7 @@ def render_plan(model: Model, plan: Plan, spec_path: str, wide: Plan | None = No
         + (f", collectives {t.comm_us:.1f} us" if plan.mesh else "")
         + f"; overlapped {t.overlap_us:.1f} us.",
         "",
-        *(_devices(model, plan, wide) if plan.mesh else []),
+        *(_devices(model, plan, wide, verify) if plan.mesh else []),
         "## Layers",
         "",
         "| kind | layers | count |",
@@ -169,7 +185,7 @@ def render_picture(model: Model, plan: Plan) -> str:
     return render_svg(model, plan, b, verdict(model, b, plan))
 
 
-def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
+def _devices(model: Model, plan: Plan, wide: Plan | None, verify: Plan | None = None) -> list[str]:
     """The sharded step: mesh, per-core figures, collectives and the modeled tokens/s of the whole mesh."""
     t = plan.timing
     mesh = " x ".join(f"{name} {size}" for name, size in plan.mesh)
@@ -192,7 +208,7 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
         f"{plan.batch * 1e6 / t.modeled_us:.1f} |",
     ]
     if wide is not None and wide.batch >= speculative.PUBLIC_ROWS:
-        out += _speculative_rows(model, plan, wide)
+        out += _speculative_rows(model, plan, wide, verify)
     out.append(f"| collectives' wire type (all-reduce partial sums) | {plan.wire} |")
     for line in PUBLIC.get(model.name, ()):
         out.append(f"| public, measured (not mkdsl) | {line} |")
@@ -230,18 +246,23 @@ def _devices(model: Model, plan: Plan, wide: Plan | None) -> list[str]:
     return out
 
 
-def _speculative_rows(model: Model, plan: Plan, wide: Plan) -> list[str]:
+def _speculative_rows(model: Model, plan: Plan, wide: Plan, verify: Plan | None) -> list[str]:
     """The modeled speculative figure at the public setting (one sequence, 8 rows verified per
     step, 6 accepted) with the n-gram drafter: mkdsl/plan/speculative.py, each part shown."""
     from mkdsl.plan import make_plan
 
     rows = speculative.PUBLIC_ROWS
-    verify = (
-        wide if wide.batch == rows else make_plan(model, batch=rows, context=plan.context, ring_depth=wide.ring_depth)
-    )
+    if verify is None:
+        verify = (
+            wide
+            if wide.batch == rows
+            else make_plan(model, batch=rows, context=plan.context, ring_depth=wide.ring_depth, verify_rows=rows)
+        )
     figure = speculative.ngram(1, rows, speculative.PUBLIC_ACCEPTANCE, verify.timing.modeled_us)
+    series = sum(a.effect_us for a in verify.timing.assumptions if a.name == "rows_in_series")
+    what = f"; {series:.1f} us of it the recurrent state of the rows in series" if series else ""
     return [
-        f"| modeled step time at batch {rows} (the verify step of {rows} rows; conservative) | {verify.timing.modeled_us:.1f} us |",
+        f"| modeled step time of the verify step of {rows} rows (one sequence; conservative{what}) | {verify.timing.modeled_us:.1f} us |",
         f"| modeled accepted tokens/s, speculative decoding: one sequence, {rows} rows verified per step, "
         f"acceptance {figure.acceptance:g} (the public setting), n-gram drafter on the host, accept step "
         f"estimated (`mkdsl plan --draft`) | {figure.formula()} |",

@@ -91,7 +91,7 @@ def time_section(model: Model, plan: Plan, b: Breakdown) -> list[str]:
     """The plan.md section: verdict, picture, time per layer kind and cost kind, top 5 costs."""
     head = "| part | layers | " + " | ".join(COST_KINDS) + " | total | share | per layer |"
     out = [
-        "## Where the time goes (modeled)",
+        "## Where the time goes (modeled, conservative)",
         "",
         f"**{verdict(model, b, plan)}**",
         "",

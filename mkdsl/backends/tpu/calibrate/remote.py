@@ -1,8 +1,9 @@
-"""Microbenchmarks of `mkdsl calibrate` across cores: pairwise remote copies (the chip's other core,
-a core of another chip), direct and hierarchical exchanges at several peer counts and sizes, and
-the per-step entry barrier at 1 and N steps per device call. One kernel per device under
-`jax.shard_map`, peers addressed as the collectives runtime addresses them (LOGICAL device ids,
-the index XOR an offset; runtime/comm.py.jinja), an entry barrier on the barrier semaphore."""
+"""Microbenchmarks of `mkdsl calibrate` across cores, run by the kernel's own collectives (`Comm`
+of the rendered runtime, calibrate/runtime.py; runtime/comm.py.jinja): all-gathers over the chip's
+other core (mask 1), over a core of another chip (mask 2) and directly over 2..N cores (the low
+bits), the chip-hierarchical all-reduce over every core, and the per-step entry barrier
+(`Comm.enter`) at 1 and N steps per device call. One kernel per device under `jax.shard_map`
+over a one-axis mesh, as a generated sharded kernel runs."""
 
 from __future__ import annotations
 
@@ -12,95 +13,83 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mkdsl.backends.tpu.calibrate import runtime
+
 AXIS = "d"
 
 
-def _held(phases: list[list[int]]) -> list[list[int]]:
-    """The blocks (XOR offsets) each device holds before each phase, and after the last."""
-    out = [[0]]
-    for offsets in phases:
-        out.append(sorted({h ^ d for h in out[-1] for d in [0, *offsets]}))
-    return out
+def _group(idx: int, mask: int, rt) -> list[int]:
+    """The devices of idx's group over `mask`, by group index."""
+    return [(idx & ~mask) | rt.expand(mask, c) for c in range(1 << len(rt.mask_bits(mask)))]
 
 
-def exchange(devices: int, phases: list[list[int]], x: np.ndarray, reps: int, interpret=None):
-    """An all-gather by XOR offsets: in each phase every device sends each block it holds to every
-    peer `idx ^ d` (d in the phase's offsets), one direct phase each; `[[1, 2, 3]]` is one direct
-    phase over 4 cores, `[[1], [2, 4, 6]]` the hierarchical form over 8. `x` [devices, rows, lanes]:
-    one block per device. Result per device: position p holds the block of device idx ^ p."""
-    held = _held(phases)
-    size = max(held[-1]) + 1
-    rows, lanes = x.shape[1:]
-    peers = sorted({d for offsets in phases for d in offsets})
-    first = np.cumsum([0, *(len(o) * len(h) for o, h in zip(phases, held, strict=False))]).tolist()
-    copies = first[-1]  # each phase its own semaphores: a fast peer's next phase must not satisfy this one's wait
-
-    def kernel(x_ref, o_ref, buf, ssem, rsem):
-        idx = jax.lax.axis_index(AXIS).astype(jnp.int32)
-        barrier = pltpu.get_barrier_semaphore()
-        for d in peers:
-            pl.semaphore_signal(barrier, 1, device_id=idx ^ d, device_id_type=pl.DeviceIdType.LOGICAL)
-        pl.semaphore_wait(barrier, len(peers))
-        buf[0] = x_ref[...]
-
-        def rep(_, carry):
-            for n, (offsets, have) in enumerate(zip(phases, held, strict=False)):
-                sent = []
-                for k, (d, h) in enumerate(((d, h) for d in offsets for h in have), start=first[n]):
-                    c = pltpu.make_async_remote_copy(
-                        buf.at[h], buf.at[h ^ d], ssem.at[k], rsem.at[k],
-                        device_id=idx ^ d, device_id_type=pl.DeviceIdType.LOGICAL,
-                    )  # fmt: skip
-                    c.start()
-                    sent.append(c)
-                for c in sent:
-                    c.wait_send()
-                    c.wait_recv()
-            return carry
-
-        jax.lax.fori_loop(0, reps, rep, 0)
-        o_ref[...] = buf[...]
-
-    call = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((size, rows, lanes), x.dtype),
+def _comm_call(scratch: dict, kernel, out_shape, rt, interpret):
+    """The kernel over one device's block: refs by name (inputs x, output o, then the scratch)."""
+    names = ("x", "o", *scratch)
+    return pl.pallas_call(
+        lambda *refs: kernel(rt.Refs(names, refs)),
+        out_shape=out_shape,
         in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
         out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-        scratch_shapes=[
-            pltpu.VMEM((size, rows, lanes), x.dtype),
-            pltpu.SemaphoreType.DMA((copies,)),
-            pltpu.SemaphoreType.DMA((copies,)),
-        ],
+        scratch_shapes=rt.comm_scratch_shapes(scratch),
         compiler_params=pltpu.CompilerParams(collective_id=0),
         interpret=interpret,
     )
+
+
+def exchange(devices: int, form: str, mask: int, x: np.ndarray, reps: int, interpret=None):
+    """`reps` collectives over `mask` of the kernel's `Comm`: form "gather" (`all_gather`, one
+    direct phase: each core sends its block to every peer of the group) or "hier"
+    (`all_reduce_hier` over every core). x [devices, rows, lanes] f32, one block per device.
+    Result per device: the gathered blocks by group index, or the group's sum."""
+    rt = runtime.module(2)
+    rows, n = x.shape[1:]
+    group = 1 << len(rt.mask_bits(mask))
+    if form == "gather":
+        scratch = rt.comm_scratch(rows, {mask: n}, n)
+        width = n * group
+    else:
+        cw = rt.chunk_width(n, 2, rt.F32)
+        inner = group // 2
+        stage = max(2 * cw, inner * rt.chunk_width(cw, inner, rt.F32))
+        scratch = rt.comm_scratch(rows, {1: n, mask ^ 1: n}, stage, half_width=cw)
+        width = n
+
+    def kernel(r):
+        comm = rt.Comm(r, axes=(AXIS,), sizes=(devices,))
+        comm.enter()
+        if form == "gather":
+            jax.lax.fori_loop(0, reps, lambda _, c: (comm.all_gather(r.x, r.o, mask), c)[1], 0)
+        else:
+
+            def once(_, c):
+                r.o[...] = r.x[...]
+                comm.all_reduce_hier(r.o, mask)
+                return c
+
+            jax.lax.fori_loop(0, reps, once, 0)
+
+    call = _comm_call(scratch, kernel, jax.ShapeDtypeStruct((rows, width), jnp.float32), rt, interpret)
     fn = _sharded(lambda xs: call(xs[0])[None], devices)
-    expected = {p: np.stack([x[i ^ p] for i in range(devices)]) for p in held[-1]}
+    if form == "gather":
+        expected = np.stack([np.concatenate([x[j] for j in _group(i, mask, rt)], axis=1) for i in range(devices)])
+    else:
+        expected = np.stack([x[_group(i, mask, rt)].sum(0) for i in range(devices)])
     return fn, (jnp.asarray(x),), expected
 
 
 def barrier_steps(devices: int, steps: int, interpret=None):
-    """`steps` decode steps in one device call, each a kernel whose only work is the entry barrier
-    over every core (what each step of mkdsl's kernel pays before its first exchange). Result: each
-    device's count of steps."""
-    peers = [d for d in range(1, devices)]
+    """`steps` decode steps in one device call, each a kernel whose only work is the kernel's entry
+    barrier (`Comm.enter` over every core: what each step of mkdsl's kernel pays before its first
+    exchange). Result: each device's count of steps."""
+    rt = runtime.module(2)
+    scratch = rt.comm_scratch(8, {devices - 1: 128}, 128)
 
-    def kernel(c_ref, o_ref):
-        idx = jax.lax.axis_index(AXIS).astype(jnp.int32)
-        barrier = pltpu.get_barrier_semaphore()
-        for d in peers:
-            pl.semaphore_signal(barrier, 1, device_id=idx ^ d, device_id_type=pl.DeviceIdType.LOGICAL)
-        pl.semaphore_wait(barrier, len(peers))
-        o_ref[...] = c_ref[...] + 1
+    def kernel(r):
+        rt.Comm(r, axes=(AXIS,), sizes=(devices,)).enter()
+        r.o[...] = r.x[...] + 1
 
-    call = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.int32),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
-        out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
-        compiler_params=pltpu.CompilerParams(collective_id=0),
-        interpret=interpret,
-    )
+    call = _comm_call(scratch, kernel, jax.ShapeDtypeStruct((8, 128), jnp.int32), rt, interpret)
 
     def per_device(c):
         return jax.lax.fori_loop(0, steps, lambda _, v: call(v[0])[None], c)
