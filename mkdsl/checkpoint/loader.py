@@ -34,7 +34,7 @@ from mkdsl.checkpoint.pairs import PAIRS, STORAGE, PairKind, target_groups
 from mkdsl.checkpoint.steps import Grid
 from mkdsl.lang.dtypes import numpy_dtype, storage
 from mkdsl.lang.ir import Model, Tensor
-from mkdsl.lang.quant import QTensor
+from mkdsl.lang.quant import QTensor, from_storage, storage_arrays
 
 MAX_REPORTED = 12  # mistakes listed in one error (the rest are counted)
 
@@ -312,7 +312,7 @@ def _empty(t: Tensor):
     """The weight's host array(s) to fill: a QTensor for a quantised dtype."""
     dtype = t.type.dtype
     parts = [np.empty(p.shape, numpy_dtype(p.dtype)) for p in storage(dtype, tuple(t.full_shape))]
-    return QTensor(*parts, dtype.fmt, dtype.block or dtype.group) if dtype.quantised else parts[0]
+    return from_storage(dtype, parts) if dtype.quantised else parts[0]
 
 
 def _build(wp: WeightPlan, reader, report: LoadReport, bar):
@@ -430,7 +430,7 @@ def _place(x, name: str, module, shardings, host: bool) -> dict:
         return {name: x}
     import jax
 
-    parts = {f"{name}_codes": x.codes, f"{name}_scales": x.scales} if isinstance(x, QTensor) else {name: x}
+    parts = storage_arrays(name, x) if isinstance(x, QTensor) else {name: x}
     pad = getattr(module, "pad_weights", None)
     if pad is not None:
         parts = pad(parts)
