@@ -334,6 +334,11 @@ def _rule_norm(s: _Sharder, node: Node, places):
     if local is None or node.attr.get("heads", 1) == 1:
         return _rule_whole(s, node, places)
     need = {0: x} | {i: WHOLE for i in range(1, len(places))}
+    w = node.inputs[1] if len(node.inputs) > 1 else None
+    if w is not None and w.kind == "tensor" and s.tensors[w.name].type.shape[0] == node.outputs[0].type.shape[1]:
+        if places[1] != x:  # a weight per channel of the row (Mamba2's grouped norm): split like x
+            raise ShardError(f"`{w.name}` (one weight per channel) must be split like `{node.inputs[0].name}`")
+        need[1] = x
     return need, [x], {"heads": local}
 
 
