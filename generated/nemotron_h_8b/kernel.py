@@ -1309,13 +1309,15 @@ class ShortConv:
             y = xv * wf[taps : taps + 1, :]
             for t in range(taps):
                 y = y + jnp.where(live, self.buf[t, :, cols], 0.0) * wf[t : t + 1, :]
-            if bias is not None:  # a [1, C] value: a traced chunk is a dynamic slice of it
-                y = y + (bias[:, cols] if isinstance(cols, slice) else jax.lax.dynamic_slice_in_dim(bias, cols.start, cols.size, axis=1))
+            if bias is not None:  # staged in `out` below: a ref takes a traced lane-aligned slice, a value not
+                y = y + out[:, cols]
             out[:, cols] = jax.nn.silu(y) if self.silu else y
             for t in range(taps - 1):
                 self.buf[t, :, cols] = self.buf[t + 1, :, cols]
             self.buf[taps - 1, :, cols] = xv
 
+        if bias is not None:  # each chunk reads its columns' bias here before it writes them
+            out[...] = jnp.broadcast_to(bias.astype(F32), out.shape)
         width = next((n for n in (512, 256, 128) if c % n == 0 and c > n), c)
         if width == c:
             chunk(slice(0, c))
