@@ -48,7 +48,9 @@ def test_grouped_gated_norm_with_a_weight_per_channel():
     # f32 arithmetic on O(1) values: a few f32 ulps relative
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     shared = np.asarray(rmsnorm(y, w[:width], 1e-5, heads=g))  # the per-head weight form is unchanged
-    np.testing.assert_allclose(shared, ((want / w).reshape(b, g, width) * w[:width]).reshape(b, -1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        shared, ((want / w).reshape(b, g, width) * w[:width]).reshape(b, -1), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_repeat_step_stores_a_per_head_vector_per_channel():
