@@ -145,3 +145,69 @@ def test_nvfp4_and_f32_scaled_int4_stream_and_match_the_reference(tmp_path):
         assert moved[f"linear `{name}`"] == dtypes.storage_bytes(t.type.dtype, t.type.shape), name
     result = verify.check_batch(out.model, module, verify.LayerChecker(out.model), batch=2, steps=1, seed=0)
     assert not result.failures, result.failures
+
+
+# ---------------------------------------------------------------- NVFP4 from a ModelOpt-style checkpoint
+
+CKPT_SPEC = """
+model nvload
+const H = 256
+const L = 2
+dim B in 1 .. 8
+weight embed: bf16[512, H]
+weight w: nvfp4[H, H] per layer
+layer l(x) { return x + linear(x, w) }
+layers L { l: otherwise }
+step(tokens, positions) {
+  logits = linear(layers(embedding(tokens, embed)), embed, transposed=true)
+  return logits, argmax(logits)
+}
+checkpoint hf {
+  embed = "embed" | round
+  w = "layers.{l}.w.weight" * "layers.{l}.w.weight_scale" * "layers.{l}.w.weight_scale_2" | transpose
+}
+"""
+
+
+def modelopt_nvfp4(codes: np.ndarray, scales: np.ndarray, glob: np.ndarray) -> dict:
+    """One [K, N] nvfp4 matrix as NVIDIA ModelOpt stores it for a [out, in] = [N, K] linear:
+    `weight` uint8 [N, K/2] (input 2j in the low nibble of byte j), `weight_scale` e4m3 [N, K/16],
+    `weight_scale_2` the f32 global scale (a 0-d tensor)."""
+    nib = nibbles(codes).T.astype(np.uint8)  # [N, K]
+    return {
+        "weight": np.ascontiguousarray(nib[:, 0::2] | (nib[:, 1::2] << 4)),
+        "weight_scale": np.ascontiguousarray(scales.T),
+        "weight_scale_2": np.asarray(glob, np.float32).reshape(()),
+    }
+
+
+def test_nvfp4_loads_exactly_from_a_modelopt_checkpoint(tmp_path):
+    """The three stored tensors become the kernel's codes, scales and global scale bit for bit."""
+    from safetensors.numpy import save_file
+
+    import mkdsl
+
+    path = tmp_path / "nvload.mk"
+    path.write_text(CKPT_SPEC)
+    spec = mkdsl.load(path)
+    rng = np.random.default_rng(7)
+    qs = [quantize(dtypes.NVFP4, rng.standard_normal((256, 256)).astype(np.float32) * (i + 1)) for i in range(2)]
+    tensors = {"embed": rng.standard_normal((512, 256)).astype(np.float32)}
+    for i, q in enumerate(qs):
+        for name, a in modelopt_nvfp4(q.codes, q.scales, q.glob).items():
+            tensors[f"layers.{i}.w.{name}"] = a
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded, _ = mkdsl.load_weights(spec, tmp_path / "model.safetensors", host=True, progress=False)
+    w = loaded["w"]
+    for i, q in enumerate(qs):
+        np.testing.assert_array_equal(w.codes[i], q.codes)
+        np.testing.assert_array_equal(w.scales[i].view(np.uint8), q.scales.view(np.uint8))
+        np.testing.assert_array_equal(w.glob[i], q.glob)
+    assert w.glob[0, 0, 0] != w.glob[1, 0, 0]  # each layer its own global scale
+
+
+def test_nvfp4_mapping_needs_its_global_scale(tmp_path):
+    text = CKPT_SPEC.replace(' * "layers.{l}.w.weight_scale_2"', "")
+    with pytest.raises(SpecError) as e:
+        compile_source(text, str(tmp_path / "q.mk"), None, tmp_path / "out")
+    assert "which has a global scale: name it third" in str(e.value)
