@@ -63,9 +63,9 @@ def test_repeat_step_stores_a_per_head_vector_per_channel():
 
 @pytest.mark.slow
 def test_mini_kernel_matches_the_reference_in_interpret_mode(tmp_path):
-    """Two steps of the 8-layer mini (every kind; 4 Mamba heads in 2 groups), checked layer by layer."""
+    """A step of the 8-layer mini (every kind; 4 Mamba heads in 2 groups) at batch 2, checked layer by layer."""
     out, _ = compile_source(SPEC.read_text(encoding="utf-8"), str(SPEC), "mini", None)
     module = verify.import_generated(out.files["kernel.py"], tmp_path, "nemotron_mini")
-    result = verify.check_batch(out.model, module, verify.LayerChecker(out.model), batch=2, steps=2, seed=0)
+    result = verify.check_batch(out.model, module, verify.LayerChecker(out.model), batch=2, steps=1, seed=0)
     assert not result.failures, result.failures
     assert "state ssm" in result.worst and "state cx" in result.worst  # the Mamba2 state was compared
