@@ -69,3 +69,32 @@ def test_mini_kernel_matches_the_reference_in_interpret_mode(tmp_path):
     result = verify.check_batch(out.model, module, verify.LayerChecker(out.model), batch=2, steps=1, seed=0)
     assert not result.failures, result.failures
     assert "state ssm" in result.worst and "state cx" in result.worst  # the Mamba2 state was compared
+
+
+GROUPED = """
+model grouped
+const H = 256
+dim B in 1 .. 8
+mesh {{ tp = 2 }}
+weight embed: bf16[512, H]
+weight w_in: bf16[H, 512 @tp] per layer
+weight g_norm: bf16[{norm}] per layer
+weight w_out: bf16[512 @tp, H] per layer
+layer l(x) {{ return x + linear(rmsnorm(linear(x, w_in), g_norm, heads=4), w_out) }}
+layers 1 {{ l: otherwise }}
+step(tokens, positions) {{
+  logits = linear(layers(embedding(tokens, embed)), embed, transposed=true)
+  return logits, argmax(logits)
+}}
+"""
+
+
+def test_a_per_channel_norm_weight_splits_with_its_groups(tmp_path):
+    """Under a mesh the grouped norm's per-channel weight is split like its input (each device
+    its groups' channels); left whole, the check names it."""
+    ok = GROUPED.format(norm="512 @tp")
+    out, _ = compile_source(ok, str(tmp_path / "g.mk"), None, tmp_path / "ok")
+    assert "rmsnorm(" in out.files["kernel.py"]
+    with pytest.raises(Exception) as e:
+        compile_source(GROUPED.format(norm="512"), str(tmp_path / "g.mk"), None, tmp_path / "bad")
+    assert "`g_norm` (one weight per channel) must be split like" in str(e.value)
