@@ -57,7 +57,7 @@ def test_every_op_has_a_sharding_rule_family():
 @pytest.mark.parametrize(
     "old, new, message",
     [
-        ("bf16[NH*D, H]", "f32[NH*D, H]", "matrices of `linear` stream as bf16, fp8, int8, int4 or mxfp4"),
+        ("bf16[NH*D, H]", "f32[NH*D, H]", "matrices of `linear` stream as bf16, fp8, int8, int4, mxfp4 or nvfp4"),
         ("state k_cache: bf16", "state k_cache: f32", "the kernel streams bf16 caches only"),
     ],
     ids=["f32-matmul", "f32-cache"],
@@ -78,7 +78,7 @@ def test_plan_reports_all_its_errors_in_one_run(tmp_path, monkeypatch, capsys):
     status, out, err = run(tmp_path, monkeypatch, capsys, spec, "plan")
     assert status == 1
     for message in (
-        "matrices of `linear` stream as bf16, fp8, int8, int4 or mxfp4",
+        "matrices of `linear` stream as bf16, fp8, int8, int4, mxfp4 or nvfp4",
         "KV cache `v_cache`",
         "kv_tile must be",
         "tile_n must be",

@@ -447,6 +447,44 @@ def test_linear_int4(seed, b, k, n, group, scale, dt):
     check_linear(np.asarray(out), xv, int4_decode(codes, scales, group), f"linear int4(group={group})")
 
 
+@oracle_for("linear", "nvfp4")
+@FEW
+@given(seed=SEEDS, b=ROWS, k=st.sampled_from([16, 128]), n=st.sampled_from([1, 24]), scale=SCALES, dt=ACT_DTYPES)
+def test_linear_nvfp4(seed, b, k, n, scale, dt):
+    """NVFP4: e2m1 code x e4m3 scale (one per 16 inputs) x the matrix's f32 global scale."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    x, xv = activation(rng, (b, k), scale, dt)
+    codes = rng.integers(0, 2**32, (k // 8, n), dtype=np.uint32)
+    scales = (rng.uniform(0.01, 448.0, (k // 16, n)) * rng.choice([-1, 1], (k // 16, n))).astype(
+        ml_dtypes.float8_e4m3fn
+    )
+    glob = np.array([[rng.uniform(1e-4, 1e-2)]], np.float32)
+    e4m3 = scales.astype(np.float64)  # every e4m3 value is exact in float64
+    want = np.array([[E2M1[nibble(codes, i, j)] for j in range(n)] for i in range(k)])
+    want = want * np.repeat(e4m3, 16, axis=0) * float(glob[0, 0])
+    ref = OPS["linear"].reference
+    (out,) = jax.jit(lambda x, c, s, g: ref(x, QTensor(c, s, "nvfp4", 16, g)))(x, codes, scales, glob)
+    # the reference rounds each value x global to f32 once (2^-24 relative): inside check_linear's bound
+    check_linear(np.asarray(out), xv, want, "linear nvfp4")
+
+
+@oracle_for("linear")
+@FEW
+@given(seed=SEEDS, b=ROWS, n=st.sampled_from([1, 24]), group=st.sampled_from([16, 128]), scale=SCALES, dt=ACT_DTYPES)
+def test_linear_int4_with_f32_scales(seed, b, n, group, scale, dt):
+    rng = np.random.default_rng(seed)
+    k = 128
+    x, xv = activation(rng, (b, k), scale, dt)
+    codes = rng.integers(0, 2**32, (k // 8, n), dtype=np.uint32)
+    scales = (rng.standard_normal((k // group, n)) * 0.05).astype(np.float32)
+    nib = np.array([[nibble(codes, i, j) for j in range(n)] for i in range(k)])
+    want = np.where(nib >= 8, nib - 16, nib) * np.repeat(scales.astype(np.float64), group, axis=0)
+    (out,) = _jitted_qlinear("int4", group)(x, codes, scales)
+    check_linear(np.asarray(out), xv, want, f"linear int4(group={group}, scale=f32)")
+
+
 @oracle_for("embedding")
 @MANY
 @given(

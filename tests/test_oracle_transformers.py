@@ -41,6 +41,8 @@ def test_the_specs_with_an_architecture():
         "mixtral_8x7b",
         "qwen2_5_7b",
         "deepseek_v2_lite",
+        "nemotron_h_8b",
+        "mamba_codestral_7b",
     } <= names
 
 

@@ -835,14 +835,20 @@ def rms_rows(x, w, eps):
 
 
 def rmsnorm(x, w, out, eps, heads):
-    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
+    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32
+    [1, d], or [1, heads * d] (a weight per channel: each slice takes its own columns, unrolled)."""
     d = x.shape[1] // heads
+    whole = heads > 1 and w.shape[1] == x.shape[1]
 
     def head(h):
         cols = head_cols(h, d)
-        out[:, cols] = rms_rows(x[:, cols], w, eps)
+        out[:, cols] = rms_rows(x[:, cols], w[:, h * d : (h + 1) * d] if whole else w, eps)
 
-    for_each_head(heads, d, head)
+    if whole:
+        for h in range(heads):
+            head(h)
+    else:
+        for_each_head(heads, d, head)
 
 
 def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):

@@ -864,14 +864,20 @@ def rms_rows(x, w, eps):
 
 
 def rmsnorm(x, w, out, eps, heads):
-    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
+    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32
+    [1, d], or [1, heads * d] (a weight per channel: each slice takes its own columns, unrolled)."""
     d = x.shape[1] // heads
+    whole = heads > 1 and w.shape[1] == x.shape[1]
 
     def head(h):
         cols = head_cols(h, d)
-        out[:, cols] = rms_rows(x[:, cols], w, eps)
+        out[:, cols] = rms_rows(x[:, cols], w[:, h * d : (h + 1) * d] if whole else w, eps)
 
-    for_each_head(heads, d, head)
+    if whole:
+        for h in range(heads):
+            head(h)
+    else:
+        for_each_head(heads, d, head)
 
 
 def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):
@@ -1954,6 +1960,15 @@ def mxfp4_decode(codes_u32, scale_bf16):
     return (w.reshape(K // 32, 32, N) * scale_bf16[:, None, :]).reshape(K, N)
 
 
+def fp4_decode(codes_u32, scale_bf16, group):
+    """mxfp4_decode with `group` rows per scale row (nvfp4: 16, its e4m3 scales exact in bf16;
+    e2m1 times e4m3 has at most 6 significant bits, so the bf16 product is exact)."""
+    words = jax.lax.bitcast_convert_type(codes_u32, I32)
+    w = pltpu.bitcast(words, jnp.float4_e2m1fn).astype(BF16)
+    K, N = w.shape
+    return (w.reshape(K // group, group, N) * scale_bf16[:, None, :]).reshape(K, N)
+
+
 def int4_decode(codes_u32, scale_f32, group):
     """[K/8, N] uint32 words of two's-complement nibbles (row 8*w + j = nibble j of word w) and
     [K/group, N] scales -> [K, N] f32 nibble * scale (exact: a 4-bit integer times a bf16)."""
@@ -2000,7 +2015,9 @@ class QStream(Stream):
         out = []
         for suffix, ring, rdiv, cdiv in self.parts:
             rows, cols = _part_tile(self, rdiv, cdiv)
-            if self.transposed:
+            if rdiv == 0:  # one value per matrix (nvfp4's global scale)
+                r0, c0 = 0, 0
+            elif self.transposed:
                 # one K tile (k always 0): a static column offset, as a width that is no multiple of
                 # 128 (SmolLM2's 576) cannot be proven lane-aligned at a traced k
                 r0, c0 = pl.multiple_of(n * rows, rows), 0 if self.tk >= self.k else pl.multiple_of(k * cols, cols)
@@ -2022,6 +2039,8 @@ def _part_tile(st, rdiv, cdiv):
     """(rows, cols) of a part's tile in its bank: [tn, tk] for a transposed matrix; block scales
     (cdiv > 1) as whole rows of squares, since a narrow window at a dynamic lane offset is not
     word-aligned in HBM."""
+    if rdiv == 0:
+        return 1, 1
     if st.transposed:
         return st.tn, st.tk
     return _part_rows(st, rdiv), (st.n if cdiv > 1 else st.tn) // cdiv
@@ -2061,6 +2080,20 @@ def dot_int4(r, st, bank, x, n):
     return _dot(x, hi) + _dot(x, lo)
 
 
+def dot_int4_f32(r, st, bank, x, n):
+    """nibble * f32 scale, rounded to f32 as the reference decodes it: three exact bf16 parts."""
+    w = int4_decode(_tile_part(r, st, bank, 0), _tile_part(r, st, bank, 1), st.group)
+    hi = w.astype(BF16)
+    mid, lo = split_bf16(w - hi.astype(F32))
+    return _dot(x, hi) + _dot(x, mid) + _dot(x, lo)
+
+
+def dot_nvfp4(r, st, bank, x, n):
+    """e2m1 * e4m3 (exact in bf16) through the MXU, the f32 product times the global scale."""
+    w = fp4_decode(_tile_part(r, st, bank, 0), _tile_part(r, st, bank, 1).astype(BF16), 16)
+    return _dot(x, w) * _tile_part(r, st, bank, 2)
+
+
 def dot_group(r, st, bank, x, n):
     """int8 or fp8 codes with one f32 scale per `group` inputs of a column: each group's
     product of bf16 codes (exact) times its scale row."""
@@ -2095,7 +2128,7 @@ def dot_block(r, st, bank, x, n):
     return acc
 
 
-TILE_DOTS = {"bf16": dot_bf16, "cast": dot_cast, "mxfp4": dot_mxfp4, "int4": dot_int4, "group": dot_group, "block": dot_block}
+TILE_DOTS = {"bf16": dot_bf16, "cast": dot_cast, "mxfp4": dot_mxfp4, "int4": dot_int4, "int4_f32": dot_int4_f32, "nvfp4": dot_nvfp4, "group": dot_group, "block": dot_block}
 
 
 def qlinear(r, issue, st: QStream, slot, base, xb, out):

@@ -906,14 +906,20 @@ def rms_rows(x, w, eps):
 
 
 def rmsnorm(x, w, out, eps, heads):
-    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32 [1, d]."""
+    """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32
+    [1, d], or [1, heads * d] (a weight per channel: each slice takes its own columns, unrolled)."""
     d = x.shape[1] // heads
+    whole = heads > 1 and w.shape[1] == x.shape[1]
 
     def head(h):
         cols = head_cols(h, d)
-        out[:, cols] = rms_rows(x[:, cols], w, eps)
+        out[:, cols] = rms_rows(x[:, cols], w[:, h * d : (h + 1) * d] if whole else w, eps)
 
-    for_each_head(heads, d, head)
+    if whole:
+        for h in range(heads):
+            head(h)
+    else:
+        for_each_head(heads, d, head)
 
 
 def rope_tables(positions_ref, rows, batch, *, d, offset, rotary, shift, freq, concentration):
@@ -2072,13 +2078,15 @@ class ShortConv:
             y = xv * wf[taps : taps + 1, :]
             for t in range(taps):
                 y = y + jnp.where(live, self.buf[t, :, cols], 0.0) * wf[t : t + 1, :]
-            if bias is not None:  # a [1, C] value: a traced chunk is a dynamic slice of it
-                y = y + (bias[:, cols] if isinstance(cols, slice) else jax.lax.dynamic_slice_in_dim(bias, cols.start, cols.size, axis=1))
+            if bias is not None:  # staged in `out` below: a ref takes a traced lane-aligned slice, a value not
+                y = y + out[:, cols]
             out[:, cols] = jax.nn.silu(y) if self.silu else y
             for t in range(taps - 1):
                 self.buf[t, :, cols] = self.buf[t + 1, :, cols]
             self.buf[taps - 1, :, cols] = xv
 
+        if bias is not None:  # each chunk reads its columns' bias here before it writes them
+            out[...] = jnp.broadcast_to(bias.astype(F32), out.shape)
         width = next((n for n in (512, 256, 128) if c % n == 0 and c > n), c)
         if width == c:
             chunk(slice(0, c))
@@ -2292,6 +2300,15 @@ def mxfp4_decode(codes_u32, scale_bf16):
     w = pltpu.bitcast(words, jnp.float4_e2m1fn).astype(BF16)
     K, N = w.shape
     return (w.reshape(K // 32, 32, N) * scale_bf16[:, None, :]).reshape(K, N)
+
+
+def fp4_decode(codes_u32, scale_bf16, group):
+    """mxfp4_decode with `group` rows per scale row (nvfp4: 16, its e4m3 scales exact in bf16;
+    e2m1 times e4m3 has at most 6 significant bits, so the bf16 product is exact)."""
+    words = jax.lax.bitcast_convert_type(codes_u32, I32)
+    w = pltpu.bitcast(words, jnp.float4_e2m1fn).astype(BF16)
+    K, N = w.shape
+    return (w.reshape(K // group, group, N) * scale_bf16[:, None, :]).reshape(K, N)
 
 
 def int4_decode(codes_u32, scale_f32, group):

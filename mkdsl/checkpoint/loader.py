@@ -34,7 +34,7 @@ from mkdsl.checkpoint.pairs import PAIRS, STORAGE, PairKind, target_groups
 from mkdsl.checkpoint.steps import Grid
 from mkdsl.lang.dtypes import numpy_dtype, storage
 from mkdsl.lang.ir import Model, Tensor
-from mkdsl.lang.quant import QTensor
+from mkdsl.lang.quant import QTensor, from_storage, storage_arrays
 
 MAX_REPORTED = 12  # mistakes listed in one error (the rest are counted)
 
@@ -216,7 +216,7 @@ def _plan_weight(t: Tensor, src: WeightSource, reader, problems: list[str]) -> W
         pair = fits.get(key)
         if key not in fits:
             if src.scales is not None:
-                pair = _plan_pair(t, src, *infos, piece_shape, rounded)
+                pair = _plan_pair(t, src, infos[0], infos[1], piece_shape, rounded, infos[2:])
                 problem = pair if isinstance(pair, str) else None
             else:
                 problem = _check_piece(t, src, infos, piece_shape, rounded)
@@ -267,13 +267,17 @@ def _after(src: WeightSource, got: tuple) -> str:
     return f" (after `{steps}`: {_shape(got)})" if steps else ""
 
 
-def _plan_pair(t: Tensor, src: WeightSource, codes: Stored, scales: Stored, want: tuple, rounded: set):
-    """How a `codes * scales` pair becomes the weight (a PairPlan), or what is wrong with it."""
+def _plan_pair(t: Tensor, src: WeightSource, codes: Stored, scales: Stored, want: tuple, rounded: set, glob=()):
+    """How a `codes * scales` pair (NVFP4: and its global scale) becomes the weight (a PairPlan),
+    or what is wrong with it."""
     pair = f"`{codes.name}` {codes.dtype} {_shape(codes.shape)} * `{scales.name}` {scales.dtype} {_shape(scales.shape)}"
     target = t.type.dtype
     kind = PAIRS.get((codes.dtype, scales.dtype))
-    if kind is None or (target.quantised and target.fmt not in kind.formats):
+    if kind is None or (target.quantised and target.fmt not in kind.formats) or (kind.glob and not target.quantised):
         return f"tensors {pair} are not a pair that holds {target} (expected {_expected(t, src, want)})"
+    if glob and (glob[0].dtype != "F32" or int(np.prod(glob[0].shape)) != 1):
+        g = glob[0]
+        return f"tensor `{g.name}` {g.dtype} {_shape(g.shape)} is not a global scale (one F32 value)"
     grid = kind.grid(codes.shape, scales.shape, target.block)
     if isinstance(grid, str):
         return f"tensors {pair}: {grid}; expected {_expected(t, src, want)}"
@@ -312,7 +316,7 @@ def _empty(t: Tensor):
     """The weight's host array(s) to fill: a QTensor for a quantised dtype."""
     dtype = t.type.dtype
     parts = [np.empty(p.shape, numpy_dtype(p.dtype)) for p in storage(dtype, tuple(t.full_shape))]
-    return QTensor(*parts, dtype.fmt, dtype.block or dtype.group) if dtype.quantised else parts[0]
+    return from_storage(dtype, parts) if dtype.quantised else parts[0]
 
 
 def _build(wp: WeightPlan, reader, report: LoadReport, bar):
@@ -321,7 +325,9 @@ def _build(wp: WeightPlan, reader, report: LoadReport, bar):
     for p in wp.pieces:
         parts = _piece(wp, p, reader, report, bar)
         if isinstance(out, QTensor):
-            out.codes[p.index], out.scales[p.index] = parts
+            out.codes[p.index], out.scales[p.index] = parts[:2]
+            if out.glob is not None:
+                out.glob[p.index] = parts[2]
         else:
             out[p.index] = parts[0]
     report.bytes += sum(a.nbytes for a in (out[:2] if isinstance(out, QTensor) else (out,)))
@@ -399,11 +405,13 @@ def _read(reader, name: str) -> np.ndarray:
 
 
 def _pair_piece(p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadReport) -> tuple:
-    """A stored pair's piece: re-packed into the spec's storage, or decoded into its plain dtype."""
+    """A stored pair's piece: re-packed into the spec's storage, or decoded into its plain dtype
+    (a global scale, NVFP4's, is one more storage part, `[1, 1]`)."""
     kind, dtype = p.pair.kind, wp.tensor.type.dtype
     elements, scales = apply_pair(kind.unpack(parts[0]), parts[1], wp.source.steps, p.pair.moves)
     if dtype.quantised:
-        return STORAGE[dtype.name](elements, scales)
+        glob = tuple(np.asarray(g, np.float32).reshape(1, 1) for g in parts[2:])
+        return (*STORAGE[dtype.name](elements, scales), *glob)
     key = next((n for n in wp.rounded if "*" in n), None)
     if key is not None:
         report.rounded[key] += 1
@@ -430,7 +438,7 @@ def _place(x, name: str, module, shardings, host: bool) -> dict:
         return {name: x}
     import jax
 
-    parts = {f"{name}_codes": x.codes, f"{name}_scales": x.scales} if isinstance(x, QTensor) else {name: x}
+    parts = storage_arrays(name, x) if isinstance(x, QTensor) else {name: x}
     pad = getattr(module, "pad_weights", None)
     if pad is not None:
         parts = pad(parts)

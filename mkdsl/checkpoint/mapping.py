@@ -20,6 +20,7 @@ import numpy as np
 
 from mkdsl.checkpoint.steps import STEPS, Grid, StepDef, step_apply, step_grid, step_shape
 from mkdsl.lang.diagnostics import Reporter, Span, did_you_mean
+from mkdsl.lang.dtypes import storage
 
 FORMATS = {"hf": "Hugging Face safetensors", "gguf": "GGUF (llama.cpp)"}
 _PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -52,6 +53,7 @@ class WeightSource:
     stack: tuple[str, ...]
     span: Span = field(compare=False)
     scales: str | None = None
+    glob: str | None = None  # NVFP4's per-tensor global scale (`"codes" * "scales" * "global"`)
 
     @property
     def rounds(self) -> bool:
@@ -61,7 +63,7 @@ class WeightSource:
     def names(self, layer: int | None, index: tuple[int, ...] = ()) -> list[str]:
         """The stored tensors of one piece: the patterns' (then the scales', for a pair)."""
         values = {"l": layer, **dict(zip(self.stack, index, strict=True))}
-        pats = self.patterns + ((self.scales,) if self.scales is not None else ())
+        pats = self.patterns + tuple(p for p in (self.scales, self.glob) if p is not None)
         return [p.format_map(values) for p in pats]  # checked: `{name}` placeholders only, no other braces
 
 
@@ -203,7 +205,8 @@ def _check_entries(d, tensors: dict, consts, rep: Reporter, declared: set) -> li
         steps = tuple(s for s in (_check_step(d.format, st, consts, rep) for st in e.steps) if s is not None)
         if stack is not None and len(steps) == len(e.steps):
             scales = e.scales[0] if e.scales is not None else None
-            sources.append(WeightSource(e.weight, e.patterns, steps, stack, e.span, scales))
+            glob = e.glob[0] if e.glob is not None else None
+            sources.append(WeightSource(e.weight, e.patterns, steps, stack, e.span, scales, glob))
     missing = [n for n, t in tensors.items() if t.kind == "weight" and n not in mapped]
     if missing:
         rep.error(
@@ -228,16 +231,30 @@ def _check_pair(fmt: str, e, t, rep: Reporter) -> bool:
         rep.error(
             e.pattern_spans[0],
             f"checkpoint {fmt}: `{e.weight}` is {t.type.dtype}, stored as codes and scales",
-            'name both: `"codes name" * "scales name"`',
+            'name both: `"codes name" * "scales name"`' + (' * "global scale name"' if _global(t) else ""),
+        )
+        return False
+    if e.scales is not None and (e.glob is not None) != _global(t):
+        span = e.glob[1] if e.glob is not None else e.scales[1]
+        rep.error(
+            span,
+            f"checkpoint {fmt}: `{e.weight}` is {t.type.dtype}, "
+            + ("which has a global scale: name it third" if _global(t) else "which has no global scale"),
+            '`"codes" * "scales" * "global scale"`' if _global(t) else '`"codes" * "scales"`',
         )
         return False
     return True
 
 
+def _global(t) -> bool:
+    """The weight's format has a per-tensor global scale besides its codes and scales (nvfp4)."""
+    return any(p.suffix == "global" for p in storage(t.type.dtype, (16, 1)))
+
+
 def _check_patterns(fmt: str, e, t, rep: Reporter) -> tuple[str, ...] | None:
     """The stacking placeholders of the entry's patterns, or None after reporting a mistake."""
     found = None
-    pairs = list(zip(e.patterns, e.pattern_spans, strict=True)) + ([e.scales] if e.scales is not None else [])
+    pairs = list(zip(e.patterns, e.pattern_spans, strict=True)) + [x for x in (e.scales, e.glob) if x is not None]
     for pattern, span in pairs:
         names = _PLACEHOLDER.findall(pattern)
         bad = next((n for n in names if not _IDENT.fullmatch(n)), None)

@@ -32,6 +32,7 @@ class PairKind:
     decode: Callable[[np.ndarray, np.ndarray, Grid], np.ndarray]
     formats: frozenset[str]
     exact: frozenset[str]
+    glob: bool = False  # a third stored tensor, the per-tensor f32 global scale (NVFP4); quantised targets only
 
 
 def _expand(scales: np.ndarray, grid: Grid) -> np.ndarray:
@@ -79,6 +80,22 @@ def _mx_decode(nib: np.ndarray, scales: np.ndarray, grid: Grid) -> np.ndarray:
     return np.where(nib & 8, -mag, mag) * power
 
 
+def _nv_grid(codes: tuple, scales: tuple, block: int) -> Grid | str:
+    """NVIDIA ModelOpt's NVFP4: codes uint8 [..., n, k/2], two e2m1 codes a byte (the even input in
+    the low nibble); one e4m3 scale per 16 inputs, [..., n, k/16]."""
+    if len(codes) < 2 or scales[:-1] != codes[:-1] or scales[-1] * 8 != codes[-1]:
+        return f"codes {list(codes)} and scales {list(scales)} are not NVFP4 ([..., n, k/2] and [..., n, k/16])"
+    return Grid(codes[:-1] + (codes[-1] * 2,), (1,) * (len(codes) - 1) + (16,))
+
+
+def _nv_unpack(codes: np.ndarray) -> np.ndarray:
+    return np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+
+
+def _nv_decode(nib: np.ndarray, scales: np.ndarray, grid: Grid) -> np.ndarray:
+    raise AssertionError("NVFP4 decodes only into nvfp4 (its global scale is a third tensor)")
+
+
 _FP8 = {"name": "fp8 codes with block scales", "grid": _block_grid, "unpack": lambda x: x}
 # (stored codes type, stored scales type) -> kind
 PAIRS: dict[tuple[str, str], PairKind] = {
@@ -86,6 +103,9 @@ PAIRS: dict[tuple[str, str], PairKind] = {
     ("F8_E5M2", "F32"): PairKind(**_FP8, decode=_fp8_decode, formats=frozenset({"fp8_e5m2:block"}), exact=frozenset()),
     ("U8", "U8"): PairKind(
         "MXFP4 blocks", _mx_grid, _mx_unpack, _mx_decode, frozenset({"mxfp4"}), frozenset({"float32", "bfloat16"})
+    ),
+    ("U8", "F8_E4M3"): PairKind(
+        "NVFP4", _nv_grid, _nv_unpack, _nv_decode, frozenset({"nvfp4"}), frozenset(), glob=True
     ),
 }
 
@@ -99,6 +119,7 @@ def target_groups(dtype: DType, ndim: int) -> tuple[int, ...]:
 # Spec dtype name -> (elements [..., K, N], scales) in its storage (mkdsl/lang/dtypes.py `storage`).
 STORAGE: dict[str, Callable] = {
     "mxfp4": lambda e, s: (pack_nibbles(e), s.astype(np.uint8)),
+    "nvfp4": lambda e, s: (pack_nibbles(e), s),
     "fp8_e4m3": lambda e, s: (e, s.astype(np.float32)),
     "fp8_e5m2": lambda e, s: (e, s.astype(np.float32)),
 }

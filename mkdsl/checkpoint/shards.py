@@ -19,8 +19,13 @@ import numpy as np
 
 
 def kernel_names(t) -> list[str]:
-    """The arrays a generated module takes for spec weight `t` (a quantised `w`: codes, scales)."""
-    return [f"{t.name}_codes", f"{t.name}_scales"] if t.type.dtype.quantised else [t.name]
+    """The arrays a generated module takes for spec weight `t` (a quantised `w`: codes, scales;
+    nvfp4's global scale too)."""
+    from mkdsl.lang.dtypes import storage
+
+    if not t.type.dtype.quantised:
+        return [t.name]
+    return [f"{t.name}_{p.suffix}" for p in storage(t.type.dtype, tuple(t.type.shape))]
 
 
 def place_sharded(t, pieces: dict, lead: int, piece: Callable, module, shardings) -> dict:

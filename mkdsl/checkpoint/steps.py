@@ -79,6 +79,15 @@ def _group_rows(s: Shape, a: dict):
     return d, (np.arange(g)[:, None] * r + np.arange(lo, hi)).ravel()
 
 
+def _repeat(s: Shape, a: dict):
+    d = _axis(s, a)
+    if isinstance(d, str):
+        return d
+    if a["times"] < 1:
+        return f"`repeat(times={a['times']})` needs times >= 1"
+    return d, np.repeat(np.arange(s[d]), a["times"])
+
+
 def _regroup(s: Shape, a: dict):
     d = _axis(s, a)
     if isinstance(d, str):
@@ -155,6 +164,13 @@ STEPS: dict[str, StepDef] = {
         "of 2 takes the even entries)",
         (("dim", 0),),
         select=_group_rows,
+    ),
+    "repeat": StepDef(
+        ("times", "dim"),
+        "repeats each entry of dimension `dim` `times` times in place (a per-head vector stored once "
+        "per head, e.g. Mamba2's D, as the spec's weight of one entry per channel)",
+        (("dim", 0),),
+        select=_repeat,
     ),
     "regroup": StepDef(
         ("groups", "parts", "dim"),

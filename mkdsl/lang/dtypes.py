@@ -20,6 +20,7 @@ class DType:
     float: bool = True
     group: int = 0  # inputs (along K) sharing one scale per column (group-scaled formats)
     block: int = 0  # one scale per [block, block] square of [K, N] (block-scaled fp8)
+    scale: str = ""  # numpy name of the group scales where the format lets the spec choose (int4)
 
     @property
     def quantised(self) -> bool:
@@ -40,7 +41,9 @@ class DType:
     def __str__(self) -> str:
         if self.block:
             return f"{self.name}(block={self.block})"
-        if self.group and self.name != "mxfp4":
+        if self.name == "int4" and self.scale == "float32":
+            return f"int4(group={self.group}, scale=f32)"
+        if self.group and self.name not in FIXED_GROUP:
             return f"{self.name}(group={self.group})"
         return self.name
 
@@ -51,15 +54,19 @@ I32 = DType("i32", 32, "int32", float=False)
 FP8_E4M3 = DType("fp8_e4m3", 8, "float8_e4m3fn")
 FP8_E5M2 = DType("fp8_e5m2", 8, "float8_e5m2")
 MXFP4 = DType("mxfp4", 4, None, group=32)
+# NVIDIA's NVFP4: e2m1 codes, one fp8 e4m3 scale per 16 inputs and one f32 scale per tensor
+NVFP4 = DType("nvfp4", 4, None, group=16)
+FIXED_GROUP = {d.name: d for d in (MXFP4, NVFP4)}  # 4-bit float formats whose group is the format's
 
 PLAIN = {d.name: d for d in (BF16, F32, I32, FP8_E4M3, FP8_E5M2)}
 # Dtypes that take parameters: int4 and int8 need `group`, fp8 may take `group` or `block`.
 SCALED = ("int4", "int8", "fp8_e4m3", "fp8_e5m2")
-ALL_NAMES = (*PLAIN, "mxfp4", "int4", "int8")
+ALL_NAMES = (*PLAIN, *FIXED_GROUP, "int4", "int8")
+INT4_SCALES = {"bf16": "bfloat16", "f32": "float32"}  # `int4(group=G, scale=...)`; bf16 if not given
 
 
-def int4(group: int) -> DType:
-    return DType("int4", 4, None, group=group)
+def int4(group: int, scale: str = "bfloat16") -> DType:
+    return DType("int4", 4, None, group=group, scale=scale)
 
 
 def int8(group: int) -> DType:
@@ -86,7 +93,9 @@ def storage(dtype: DType, shape: tuple) -> tuple[StoragePart, ...]:
 
     mxfp4: e2m1 codes, 8 per uint32 along the input (second-to-last) axis, low nibble first,
     plus one E8M0 exponent byte per 32 inputs. int4: two's-complement nibbles packed the same
-    way, plus one bf16 scale per `group` inputs. int8 and fp8 with `group`: one code per
+    way, plus one bf16 (or f32) scale per `group` inputs. nvfp4: e2m1 codes packed as mxfp4's, one
+    fp8 e4m3 scale per 16 inputs and one f32 `global` scale per matrix (`[..., 1, 1]`: each layer's
+    matrix its own). int8 and fp8 with `group`: one code per
     element, plus one f32 scale per `group` inputs of a column. fp8 with `block`: one code per
     element, plus one f32 scale per [block, block] square, `[ceil(K/block), ceil(N/block)]`.
     """
@@ -107,7 +116,10 @@ def storage(dtype: DType, shape: tuple) -> tuple[StoragePart, ...]:
     codes = StoragePart("codes", (*lead, k // 8, n), "uint32")
     if dtype.name == "mxfp4":
         return (codes, StoragePart("scales", (*lead, k // dtype.group, n), "uint8"))
-    return (codes, StoragePart("scales", (*lead, k // dtype.group, n), "bfloat16"))
+    if dtype.name == "nvfp4":
+        scales = StoragePart("scales", (*lead, k // dtype.group, n), "float8_e4m3fn")
+        return (codes, scales, StoragePart("global", (*lead, 1, 1), "float32"))
+    return (codes, StoragePart("scales", (*lead, k // dtype.group, n), dtype.scale or "bfloat16"))
 
 
 # Bytes per element of the storage dtypes, so sizing a plan (`mkdsl check`) needs no ml_dtypes

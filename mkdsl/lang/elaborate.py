@@ -421,8 +421,8 @@ class _Elaborator:
             seen.add(a.name)
         if t.dtype in dtypes.SCALED and (t.dtype_args or t.dtype in ("int4", "int8")):
             dt = self.scaled_dtype(t, args)
-        elif t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
-            dt = dtypes.PLAIN.get(t.dtype, dtypes.MXFP4)
+        elif t.dtype in dtypes.PLAIN or t.dtype in dtypes.FIXED_GROUP:
+            dt = dtypes.PLAIN.get(t.dtype) or dtypes.FIXED_GROUP[t.dtype]
             for a in t.dtype_args:
                 self.rep.error(a.span, f"dtype {t.dtype} takes no parameters")
         else:
@@ -441,9 +441,13 @@ class _Elaborator:
         return dt, tuple(shape)
 
     def scaled_dtype(self, t: TypeExpr, args: dict) -> dtypes.DType | None:
-        """`int4(group=G)`, `int8(group=G)`, `fp8_e4m3(group=G)` or `fp8_e4m3(block=B)`."""
+        """`int4(group=G)`, `int4(group=G, scale=f32)`, `int8(group=G)`, `fp8_e4m3(group=G)` or
+        `fp8_e4m3(block=B)`."""
         allowed = ("group", "block") if t.dtype.startswith("fp8") else ("group",)
+        scale = self.int4_scale(t, args) if t.dtype == "int4" else None
         for a in t.dtype_args:
+            if a.name == "scale" and t.dtype == "int4":
+                continue
             if a.name not in allowed:
                 self.rep.error(
                     a.span, f"{t.dtype} has no parameter `{a.name}`", f"its parameters: {', '.join(allowed)}"
@@ -463,10 +467,20 @@ class _Elaborator:
         if not size or size <= 0:
             return None
         if t.dtype == "int4":
-            return dtypes.int4(size)
+            return dtypes.int4(size, scale) if scale else None
         if t.dtype == "int8":
             return dtypes.int8(size)
         return dtypes.fp8(t.dtype, **{given[0]: size})
+
+    def int4_scale(self, t: TypeExpr, args: dict) -> str | None:
+        """The numpy name of an int4's scales: `scale=bf16` (the default) or `scale=f32`."""
+        if "scale" not in args:
+            return "bfloat16"
+        v = args["scale"].value
+        if isinstance(v, Name) and v.id in dtypes.INT4_SCALES:
+            return dtypes.INT4_SCALES[v.id]
+        self.rep.error(args["scale"].span, "int4 scales are bf16 or f32", "write `scale=bf16` or `scale=f32`")
+        return None
 
     def check_tensors(self, mesh: dict[str, int], schedule: tuple[str, ...]) -> dict[str, Tensor]:
         out = {}

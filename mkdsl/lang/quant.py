@@ -2,7 +2,8 @@
 
 Layouts are described in `mkdsl.lang.dtypes.storage`. Decoding is exact where the value is
 representable: an mxfp4 value is a power of two times an e2m1 magnitude and an int4 value a
-nibble times a bf16 scale, both exact in f32. A scaled int8 or fp8 value is its code times an
+nibble times a bf16 scale, both exact in f32; an nvfp4 value is an e2m1 magnitude times an e4m3
+scale (exact), times its tensor's f32 global scale (rounded once). A scaled int8 or fp8 value is its code times an
 f32 scale, rounded once to f32 (correctly rounded, as IEEE multiplication is).
 """
 
@@ -13,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mkdsl.lang.dtypes import DType
+from mkdsl.lang.dtypes import DType, numpy_dtype
 from mkdsl.lazy import jax, jnp
 
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -23,19 +24,22 @@ FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}  # largest finite code of eac
 class QTensor(NamedTuple):
     """A quantised weight as the reference sees it: its storage arrays and its format."""
 
-    codes: object  # mxfp4, int4: uint32 [..., K/8, N]; int8, fp8: [..., K, N] of the element
-    scales: object  # mxfp4: uint8 [..., K/g, N]; int4: bf16 [..., K/g, N]; int8, fp8: f32 (dtypes.storage)
-    fmt: str  # "mxfp4" | "int4" | "int8" | "fp8_e4m3" | "fp8_e5m2" | "fp8_e4m3:block" | "fp8_e5m2:block"
+    codes: object  # mxfp4, nvfp4, int4: uint32 [..., K/8, N]; int8, fp8: [..., K, N] of the element
+    scales: object  # mxfp4: uint8 [..., K/g, N]; nvfp4: e4m3; int4: bf16 or f32; int8, fp8: f32 (dtypes.storage)
+    fmt: str  # "mxfp4" | "nvfp4" | "int4" | "int8" | "fp8_e4m3" | "fp8_e5m2" | "fp8_e4m3:block" | "fp8_e5m2:block"
     group: int  # inputs per scale; for ":block" formats the block's side
+    glob: object = None  # nvfp4: f32 [..., 1, 1], the per-tensor global scale; None for the others
 
 
 @functools.cache
 def register_pytree() -> None:
-    """Let `jax.jit` take QTensors: codes and scales are leaves, format and group are static.
+    """Let `jax.jit` take QTensors: codes, scales (and glob) are leaves, format and group are static.
 
     Called by whoever jits over weights (not at import: that would import jax for `check`)."""
     jax.tree_util.register_pytree_node(
-        QTensor, lambda q: ((q.codes, q.scales), (q.fmt, q.group)), lambda aux, ch: QTensor(*ch, *aux)
+        QTensor,
+        lambda q: ((q.codes, q.scales, q.glob), (q.fmt, q.group)),
+        lambda aux, ch: QTensor(ch[0], ch[1], *aux, ch[2]),
     )
 
 
@@ -62,6 +66,12 @@ def _mxfp4(w: QTensor):
     return jnp.where(nib & 8, -mag, mag), e8m0_to_f32(w.scales)
 
 
+def _nvfp4(w: QTensor):
+    """e2m1 codes times their e4m3 scale: exact in f32 (a 2-bit and a 4-bit significand)."""
+    vals, _ = _mxfp4(QTensor(w.codes, jnp.zeros((), jnp.uint8), "mxfp4", 32))
+    return vals, w.scales.astype(jnp.float32)
+
+
 def _int4(w: QTensor):
     nib = unpack_nibbles(w.codes)
     return jnp.where(nib >= 8, nib - 16, nib).astype(jnp.float32), w.scales.astype(jnp.float32)
@@ -82,6 +92,7 @@ def _block(w: QTensor) -> jnp.ndarray:
 # Per group-scaled format: (values, scales) in f32; the value is values * its group's scale.
 GROUP_DECODERS = {
     "mxfp4": _mxfp4,
+    "nvfp4": _nvfp4,
     "int4": _int4,
     "int8": _plain_codes,
     "fp8_e4m3": _plain_codes,
@@ -89,12 +100,33 @@ GROUP_DECODERS = {
 }
 
 
+def storage_arrays(name: str, w: QTensor) -> dict:
+    """A quantised `w` as a generated kernel takes it: `w_codes`, `w_scales` (and nvfp4's `w_global`)."""
+    out = {f"{name}_codes": w.codes, f"{name}_scales": w.scales}
+    if w.glob is not None:
+        out[f"{name}_global"] = w.glob
+    return out
+
+
+def from_storage(dtype: DType, arrays: list) -> QTensor:
+    """The QTensor of a quantised dtype from its storage arrays, in `dtypes.storage` order."""
+    glob = arrays[2] if len(arrays) > 2 else None
+    return QTensor(arrays[0], arrays[1], dtype.fmt, dtype.block or dtype.group, glob)
+
+
+def slot_of(w: QTensor, slot) -> QTensor:
+    """One layer's matrix of a stacked quantised weight."""
+    glob = None if w.glob is None else w.glob[slot]
+    return QTensor(w.codes[slot], w.scales[slot], w.fmt, w.group, glob)
+
+
 def dequantize(w: QTensor) -> jnp.ndarray:
     """Decode a quantised weight to f32 of its logical shape [..., K, N]."""
     if w.fmt.endswith(":block"):
         return _block(w)
     vals, scale = GROUP_DECODERS[w.fmt](w)
-    return vals * jnp.repeat(scale, w.group, axis=-2)
+    out = vals * jnp.repeat(scale, w.group, axis=-2)
+    return out if w.glob is None else out * jnp.asarray(w.glob, jnp.float32)
 
 
 def quantize(dtype: DType, w: np.ndarray) -> QTensor:
@@ -106,8 +138,25 @@ def quantize(dtype: DType, w: np.ndarray) -> QTensor:
     g = dtype.group
     blocks = w.reshape(*lead, k // g, g, n)
     amax = np.abs(blocks).max(axis=-2)
+    if dtype.name == "nvfp4":
+        return _quantize_nvfp4(blocks, amax)
     codes, scales = QUANTIZERS[dtype.name](dtype, blocks, amax)
     return QTensor(codes.reshape(*lead, -1, n), scales, dtype.fmt, g)
+
+
+def _quantize_nvfp4(blocks: np.ndarray, amax: np.ndarray) -> QTensor:
+    """NVIDIA's recipe: global = amax(tensor) / (448 * 6), so that each block's e4m3 scale
+    amax(block) / 6 / global fits e4m3; the codes are the nearest e2m1 of value / (scale * global)."""
+    import ml_dtypes
+
+    *lead, kg, g, n = blocks.shape
+    glob = np.maximum(amax.max(axis=(-2, -1), keepdims=True), 1e-30) / (448.0 * 6.0)
+    scales = (amax / 6.0 / glob).astype(ml_dtypes.float8_e4m3fn)
+    step = np.maximum(scales.astype(np.float32) * glob, 1e-30)[..., None, :]
+    mag = np.abs(blocks) / step
+    nib = np.abs(mag[..., None] - E2M1_VALUES).argmin(-1) | np.where(blocks < 0, 8, 0)
+    codes = pack_nibbles(nib.reshape(*lead, kg * g, n))
+    return QTensor(codes, scales, "nvfp4", g, glob.astype(np.float32))
 
 
 def _q_mxfp4(dtype, blocks, amax):
@@ -119,9 +168,7 @@ def _q_mxfp4(dtype, blocks, amax):
 
 
 def _q_int4(dtype, blocks, amax):
-    import ml_dtypes
-
-    scales = (np.maximum(amax, 1e-30) / 7.0).astype(ml_dtypes.bfloat16)
+    scales = (np.maximum(amax, 1e-30) / 7.0).astype(numpy_dtype(dtype.scale or "bfloat16"))
     q = np.clip(np.round(blocks / scales.astype(np.float32)[..., None, :]), -8, 7)
     *lead, kg, g, n = q.shape
     return pack_nibbles((q.astype(np.int32) & 0xF).reshape(*lead, kg * g, n)), scales

@@ -203,6 +203,7 @@ class CkptEntry:
     pattern_spans: tuple[Span, ...]
     steps: tuple[CkptStep, ...]
     scales: tuple[str, Span] | None = None
+    glob: tuple[str, Span] | None = None  # `"codes" * "scales" * "global"`: NVFP4's per-tensor scale
 
 
 @dataclass(frozen=True)
@@ -305,18 +306,19 @@ class _ToAst(Transformer_NonRecursive):
 
     def ckpt_entry(self, meta, c):
         strings, rest = c[1], list(c[2:])
-        scales = rest.pop(0) if rest and isinstance(rest[0], tuple) else None
+        scaled = rest.pop(0) if rest and isinstance(rest[0], tuple) else ()
         return CkptEntry(
             Span.of(c[0]),
             str(c[0]),
             tuple(str(t)[1:-1] for t in strings),
             tuple(map(Span.of, strings)),
             tuple(rest),
-            scales,
+            scaled[0] if scaled else None,
+            scaled[1] if len(scaled) > 1 else None,
         )
 
     def ckpt_scales(self, meta, c):
-        return (str(c[0])[1:-1], Span.of(c[0]))
+        return tuple((str(t)[1:-1], Span.of(t)) for t in c)
 
     def ckpt_source(self, meta, c):
         return tuple(c)

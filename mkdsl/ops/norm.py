@@ -25,10 +25,11 @@ def _infer(args, attrs):
     expect_rank(w, 1, 1, "the norm weight")
     heads = attrs["heads"]
     width = expect_divides(x.type.shape[1], heads, "row width per head", "heads")
-    if w.type.shape[0] != width:
+    if w.type.shape[0] != width and (heads == 1 or w.type.shape[0] != x.type.shape[1]):
         raise OpError(
             f"norm weight `{w.name}` has {w.type.shape[0]} elements but each "
-            f"{'head' if heads > 1 else 'row'} of `{x.name}` has {width}",
+            f"{'head' if heads > 1 else 'row'} of `{x.name}` has {width}"
+            + (f" (or one per channel of the row, {x.type.shape[1]})" if heads > 1 else ""),
             1,
         )
     return (TensorType(F32, x.type.shape),)
@@ -36,12 +37,14 @@ def _infer(args, attrs):
 
 def rmsnorm(x, w, eps, heads=1, offset=0.0):
     """x·rsqrt(mean(x²)+eps)·(offset + w) in f32; with heads > 1 each head's slice is normalised
-    alone. `offset=1.0` is the `(1 + w)` form (Gemma, Qwen3-Next), whose weights are stored as w."""
+    alone, scaled by one head's weight or, with a weight as wide as the row, by each channel's own
+    (Mamba2's grouped gated norm). `offset=1.0` is the `(1 + w)` form (Gemma, Qwen3-Next), whose
+    weights are stored as w."""
     x = x.astype(jnp.float32)
     b, n = x.shape
     xh = x.reshape(b, heads, n // heads)
     y = xh * jax.lax.rsqrt(jnp.mean(xh * xh, axis=-1, keepdims=True) + eps)
-    return (y * (offset + w.astype(jnp.float32))).reshape(b, n)
+    return (y * (offset + w.astype(jnp.float32).reshape(-1 if w.shape[0] == n else 1, n // heads))).reshape(b, n)
 
 
 def rmsnorm_row_split(node: Node) -> list[Node]:
@@ -76,7 +79,8 @@ register(
         lambda x, w, eps, heads, offset: (rmsnorm(x, w, eps, heads, offset),),
         lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]), flops=4 * numel(outs[0])),
         attrs={"eps": 1e-5, "heads": 1, "offset": 0.0},
-        doc="RMSNorm: x·rsqrt(mean(x²)+eps)·(offset + weight), f32; `heads=n` normalises n equal slices.",
+        doc="RMSNorm: x·rsqrt(mean(x²)+eps)·(offset + weight), f32; `heads=n` normalises n equal slices "
+        "(the weight one slice wide, or one per channel of the row).",
         shard="norm",
         row_split=lambda node: rmsnorm_row_split(node) if node.attr["heads"] == 1 else None,
     )

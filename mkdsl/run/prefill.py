@@ -25,8 +25,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mkdsl.lang.dtypes import storage
 from mkdsl.lang.ir import Model
-from mkdsl.lang.quant import QTensor, register_pytree
+from mkdsl.lang.quant import from_storage, register_pytree
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.ops.prefill import Rows
@@ -53,8 +54,8 @@ def reference_weights(model: Model, weights: dict) -> dict:
     out = dict(weights)
     for t in model.weights:
         if t.type.dtype.quantised and t.name not in out:
-            codes, scales = out.pop(f"{t.name}_codes"), out.pop(f"{t.name}_scales")
-            out[t.name] = QTensor(codes, scales, t.type.dtype.fmt, t.type.dtype.block or t.type.dtype.group)
+            parts = storage(t.type.dtype, tuple(t.full_shape))
+            out[t.name] = from_storage(t.type.dtype, [out.pop(f"{t.name}_{p.suffix}") for p in parts])
     return out
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from mkdsl.lang.dtypes import numpy_dtype
 from mkdsl.lang.ir import Model, Tensor
-from mkdsl.lang.quant import QTensor, quantize
+from mkdsl.lang.quant import QTensor, quantize, storage_arrays
 
 
 def concrete_shape(shape: tuple, sizes: dict[str, int]) -> tuple[int, ...]:
@@ -46,7 +46,7 @@ def kernel_weights(weights: dict) -> dict:
     out = {}
     for name, w in weights.items():
         if isinstance(w, QTensor):
-            out[f"{name}_codes"], out[f"{name}_scales"] = w.codes, w.scales
+            out.update(storage_arrays(name, w))
         else:
             out[name] = w
     return out

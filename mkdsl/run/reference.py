@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mkdsl.lang.ir import Graph, LayerExpr, Model, Ref
-from mkdsl.lang.quant import QTensor, register_pytree
+from mkdsl.lang.quant import QTensor, register_pytree, slot_of
 from mkdsl.lazy import jax, jnp
 from mkdsl.ops import OPS
 from mkdsl.run import guard
@@ -22,7 +22,7 @@ LayersFn = Callable[[list], list]  # carries entering the layer stack -> carries
 
 def _slot(array, slot: int):
     if isinstance(array, QTensor):
-        return QTensor(array.codes[slot], array.scales[slot], array.fmt, array.group)
+        return slot_of(array, slot)
     return array[slot]
 
 

@@ -334,7 +334,17 @@ def _rule_norm(s: _Sharder, node: Node, places):
     if local is None or node.attr.get("heads", 1) == 1:
         return _rule_whole(s, node, places)
     need = {0: x} | {i: WHOLE for i in range(1, len(places))}
+    w = node.inputs[1] if len(node.inputs) > 1 else None
+    if w is not None and w.kind == "tensor" and _full_width(s, w.name, places[1]) == node.outputs[0].type.shape[1]:
+        if places[1] != x:  # a weight per channel of the row (Mamba2's grouped norm): split like x
+            raise ShardError(f"`{w.name}` (one weight per channel) must be split like `{node.inputs[0].name}`")
+        need[1] = x
     return need, [x], {"heads": local}
+
+
+def _full_width(s: _Sharder, name: str, place) -> int:
+    """A declared vector's whole length (the sharder holds each device's part)."""
+    return s.tensors[name].type.shape[0] * (s.ways(place.axes) if place.kind == "S" else 1)
 
 
 def _rule_same_split(s: _Sharder, node: Node, places, heads: bool):

@@ -35,7 +35,8 @@ class TilePart:
     suffix: str  # the storage part ("" for a plain matrix; "codes", "scales")
     dtype: str  # numpy name
     memory: str  # VMEM (SMEM would suit scalars, but Mosaic cannot DMA an HBM window into it)
-    rdiv: int  # K rows per stored row (8 nibbles per uint32 word; `group` inputs per scale row)
+    rdiv: int  # K rows per stored row (8 nibbles per uint32 word; `group` inputs per scale row); 0: one
+    # value per matrix (nvfp4's global scale), fetched with every tile
     cdiv: int = 1  # N columns per stored column (block scales)
 
     @property
@@ -43,6 +44,8 @@ class TilePart:
         """The ring array holding this part: `ring` (bf16), `ring_<dtype>`, `ring_smem_<dtype>`."""
         if self.memory == "SMEM":
             return f"ring_smem_{self.dtype}"
+        if self.rdiv == 0:
+            return f"ring_{self.suffix}"  # [1, 1] windows go to an array of their own width
         return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
 
     def ring_for(self, n: int) -> str:
@@ -56,6 +59,8 @@ class TilePart:
         of a narrow f32 array is not word-aligned in HBM."""
         if transposed:
             return tn, tk
+        if self.rdiv == 0:
+            return 1, 1
         return max(1, tk // self.rdiv), (n if self.cdiv > 1 else tn) // self.cdiv
 
     @property
@@ -89,6 +94,10 @@ def stream_format(d: DType) -> StreamFormat | None:
     if b:
         parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "VMEM", b, b))
         return StreamFormat("block", b, parts, lambda tk, k: tk % b == 0 and _aligned(tk, k, tk, 32))
+    if d.name == "int4" and d.scale == "float32":
+        parts = (TilePart("codes", "uint32", "VMEM", 8), TilePart("scales", "float32", "VMEM", g))
+        ok = lambda tk, k: tk % g == 0 and _aligned(tk, k, tk // 8, 8) and _aligned(tk, k, tk // g, 8)  # noqa: E731
+        return StreamFormat("int4_f32", g, parts, ok)
     if d.name == "mxfp4" or d.name == "int4":
         scale = "uint8" if d.name == "mxfp4" else "bfloat16"
         parts = (TilePart("codes", "uint32", "VMEM", 8), TilePart("scales", scale, "VMEM", g))
@@ -99,10 +108,24 @@ def stream_format(d: DType) -> StreamFormat | None:
             parts,
             lambda tk, k: tk % g == 0 and _aligned(tk, k, tk // 8, 8) and _aligned(tk, k, tk // g, tile),
         )
+    if d.name == "nvfp4":
+        return _nvfp4_format()
     if d.group:  # int8, fp8 with group scales
         parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "VMEM", g))
         return StreamFormat("group", g, parts, lambda tk, k: (g % tk == 0 or tk % g == 0) and _aligned(tk, k, tk, 32))
     return None
+
+
+def _nvfp4_format() -> StreamFormat:
+    """nvfp4: e2m1 words (8 rows of a uint32 tile), e4m3 scales per 16 rows (32 rows of an fp8
+    tile: K tiles of 512 unless the whole K) and the matrix's global scale with every tile."""
+    parts = (
+        TilePart("codes", "uint32", "VMEM", 8),
+        TilePart("scales", "float8_e4m3fn", "VMEM", 16),
+        TilePart("global", "float32", "VMEM", 0),
+    )
+    ok = lambda tk, k: tk % 16 == 0 and _aligned(tk, k, tk // 8, 8) and _aligned(tk, k, tk // 16, 32)  # noqa: E731
+    return StreamFormat("nvfp4", 16, parts, ok)
 
 
 def padded_columns(n: int) -> int:
@@ -146,7 +169,7 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
         return [
             Diagnostic(
                 t.span,
-                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4 or mxfp4",
+                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4, mxfp4 or nvfp4",
                 "declare it in one of those, or use it through an op that takes it",
             )
         ]

@@ -49,7 +49,7 @@ def expert_format(model: Model, node: Node) -> str | None:
         names.add("fp8_block" if dt.block == FP8_BLOCK and dt.name.startswith("fp8") else str(dt))
     name = names.pop() if len(names) == 1 else None
     if name is not None and name.startswith("int4("):
-        return "int4"
+        return "int4" if "scale=" not in name else name  # f32-scaled int4 experts are not decoded here
     return "group" if name is not None and name.endswith(")") and "(group=" in name else name
 
 
