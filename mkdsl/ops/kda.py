@@ -370,5 +370,6 @@ register(
         attends=True,
         data_dependent=True,
         prefill=_recurrent_prefill,  # the recurrence, token by token
+        state_unit=2,  # S += k uᵀ moves a head's whole [dk, dv] matrix (mkdsl/verify/kernel.py)
     )
 )
