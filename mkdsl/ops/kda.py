@@ -371,5 +371,6 @@ register(
         data_dependent=True,
         prefill=_recurrent_prefill,  # the recurrence, token by token
         rows_in_series=True,  # verify rows: row r reads the state row r - 1 wrote (runtime/kda.py.jinja)
+        state_unit=2,  # S += k uᵀ moves a head's whole [dk, dv] matrix (mkdsl/verify/kernel.py)
     )
 )

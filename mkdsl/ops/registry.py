@@ -125,6 +125,9 @@ class OpDef:
     # reference that takes the runner-up for `row` where its margin is below `margin`, and calls
     # `flipped()` when it did; None: the op makes no discrete choice that rounding can tip.
     near_tie: Callable | None = None
+    # The trailing axes of an `inout` state that one update writes as a whole: the unit whose largest
+    # entry scales the kernel check's state bound (mkdsl/verify/kernel.py). 1: each vector alone.
+    state_unit: int = 1
 
     def reached(self, operand: str) -> str:
         """How the kernel reaches a weight (or state) operand: "stream", "own" or "fetch"."""
