@@ -102,19 +102,32 @@ class NgramDrafter:
 
 
 def check_draft(name: str) -> None:
-    """Raise DrafterUnavailable unless `name` names a drafter this build runs (before any loading)."""
-    if name == "ngram":
+    """Raise DrafterUnavailable unless `name` names a drafter kind: ngram, mtp or a draft spec's
+    path (a .mk file); what it pairs with is checked by `make_drafter` (before any weights)."""
+    if name in ("ngram", "mtp") or Path(name).suffix == ".mk":
         return
-    if name == "mtp" or Path(name).suffix == ".mk":
-        what = "MTP heads" if name == "mtp" else f"the draft spec {name}"
-        raise DrafterUnavailable(
-            f"--draft {name}: {what} as a drafter is not available yet (model drafters come with "
-            "issue #22's drafter specs); --draft ngram works today"
-        )
     raise DrafterUnavailable(f"--draft {name}: expected one of ngram, mtp or a draft spec (a .mk file)")
 
 
-def make_drafter(name: str, rows: int) -> Drafter:
-    """The drafter `name` (ngram, mtp or a draft spec's path) for R = `rows`."""
+def make_drafter(
+    name: str,
+    rows: int,
+    target_spec=None,
+    weights: dict | None = None,
+    draft_weights: dict | None = None,
+    *,
+    seed: int = 0,
+    seq_len: int | None = None,
+) -> Drafter:
+    """The drafter `name` for R = `rows`: ngram; mtp (the target spec's `mtp` head, with the
+    target's `weights` in the spec's layout, or `draft_weights`); or a draft spec's path, paired
+    with `target_spec` (its context layers, width and vocabulary), with `draft_weights` (default:
+    random, seeded). `seq_len`: the MTP head's cache length. Raises DrafterUnavailable for an
+    unknown name, mkdsl.run.spec_drafters.DraftSpecError for a drafter that does not pair."""
     check_draft(name)
-    return NgramDrafter(rows)
+    if name == "ngram":
+        return NgramDrafter(rows)
+    from mkdsl.run.spec_drafters import make_drafter as make_model_drafter
+
+    own = draft_weights if draft_weights is not None else (weights if name == "mtp" else None)
+    return make_model_drafter(name, target_spec, own, rows, seed=seed, seq_len=seq_len)

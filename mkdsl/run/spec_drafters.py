@@ -229,7 +229,7 @@ def make_drafter(
     spec's path (`.mk`; `profile` picks its profile, default the target's). Without `weights` it
     gets random ones (seeded); `seq_len` sizes the MTP head's cache (default the spec's longest).
     The n-gram drafter lives with the speculative loop (mkdsl/run/drafters.py)."""
-    from mkdsl.api import load, random_inputs
+    from mkdsl.api import ProfileError, load, random_inputs
 
     if kind_or_path == "mtp":
         if target_spec is None:
@@ -242,7 +242,12 @@ def make_drafter(
     if Path(kind_or_path).suffix != ".mk":
         raise DraftSpecError(f"--draft {kind_or_path}: expected mtp or a draft spec (.mk) here")
     target = target_spec.model if target_spec is not None else None
-    spec = load(kind_or_path, profile if profile is not None else (target.profile if target else None))
+    try:  # the target's profile where the draft spec declares one of that name
+        spec = load(kind_or_path, profile if profile is not None else (target.profile if target else None))
+    except ProfileError:
+        if profile is not None:
+            raise
+        spec = load(kind_or_path)
     check_pairing(spec.model, target)
     return SpecDrafter(spec, weights if weights is not None else random_drafter_weights(spec, seed), rows, target)
 
