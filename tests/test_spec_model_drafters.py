@@ -60,8 +60,8 @@ def _check_heard(spec, weights, heard: Heard, tokens: list[int]) -> None:
     seq = PROMPT + tokens[: got.shape[0] - len(PROMPT)]
     assert got.shape[0] == len(PROMPT) + len(heard.accepted)
     layers = tuple(heard.context_layers)
-    from mkdsl.run.speculative import reference_fns, zero_state
     from mkdsl.run.sampling import Sampling
+    from mkdsl.run.speculative import reference_fns, zero_state
 
     prefill = reference_fns(spec.model, Sampling(), layers)[0]
     *_, want = prefill(weights, zero_state(spec.model, 64), np.asarray([seq], np.int32))
