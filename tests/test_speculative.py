@@ -310,6 +310,17 @@ def test_drafter_names_are_checked():
             check_draft(name)
 
 
+def test_summary_sets_the_speculative_figures_beside_the_plain_ones():
+    """Mean accepted tokens per verify step (all steps), then, without the first (trace and
+    compile) step: ms per step, accepted tokens/s, and the tokens/s of one token per step."""
+    from mkdsl.run.speculative import Speculation
+
+    out = Speculation([1] * 6, 4, [(1, 9.0), (3, 0.5), (2, 0.5)], calls=3).summary("ngram")
+    assert "3 verify steps; 3 target calls, mean accepted 2.00 tokens/step" in out
+    assert "500.0 ms/step, 5.00 accepted tokens/s (2 timed steps)" in out
+    assert "2.00 tokens/s if each step kept only the target's token (drafts: x2.50)" in out
+
+
 def test_stop_token_ends_the_generation_and_is_kept():
     out = speculate(_CountTarget(), NgramDrafter(3), [1, 2, 3], 4, 30, sampling=Sampling(), stop=frozenset({9}))
     assert out.tokens == [4, 5, 6, 7, 8, 9]
