@@ -144,3 +144,30 @@ def test_run_draft_mtp_without_a_head_is_a_usage_error_before_loading(tmp_path, 
     argv = ["run", TINY, "--weights", str(weights), "--prompt", "x", "--draft", "mtp", "--draft-weights", "/nope"]
     assert cli.main(argv) == 2
     assert "--draft-weights /nope: no such file" in capsys.readouterr().err
+
+
+def test_run_draft_spec_prints_the_plain_text(tmp_path, monkeypatch, capsys):
+    """`mkdsl run` of Llama 3 mini (a synthetic checkpoint, as tests/test_run.py writes it) with
+    `--draft tests/data/tiny_draft.mk` (its `mini` profile, the target's: random drafter weights)
+    and --decode reference: the plain run's text, one target call per verify step."""
+    import re
+
+    from checkpoint_writers import hf_tensors
+    from safetensors.numpy import save_file
+    from test_run import write_tokenizer
+
+    monkeypatch.setenv("MKDSL_CACHE", str(tmp_path / "cache"))
+    llama = mkdsl.load(ROOT / "specs" / "llama3_8b.mk", "mini")
+    weights, _ = mkdsl.random_inputs(llama, batch=1, seq_len=8, seed=5)
+    save_file(hf_tensors(weights, 2), str(tmp_path / "model.safetensors"))
+    write_tokenizer(tmp_path, llama.model.const["V"])
+    argv = ["run", str(ROOT / "specs" / "llama3_8b.mk"), "-p", "mini", "--weights", str(tmp_path)]
+    argv += ["--prompt", "the hello the hello", "--max-tokens", "10", "--temperature", "0", "--decode", "reference"]
+    assert cli.main(argv) == 0
+    plain, _ = capsys.readouterr()
+    assert cli.main([*argv, "--draft", TINY_DRAFT, "--draft-rows", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain and len(out) > len("the hello the hello\n"), (out, plain)
+    assert "random drafter weights" in err
+    m = re.search(r"(\d+) verify steps; (\d+) target calls, mean accepted ([0-9.]+) tokens/step", err)
+    assert m and m[1] == m[2], err

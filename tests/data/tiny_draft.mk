@@ -1,6 +1,7 @@
 # A small block drafter for tests: Kimi K3's DSpark drafter (specs/kimi_k3_dspark.mk) at sizes that
 # pair with specs/tiny.mk (hidden 128, vocabulary 256), reading the hidden states of tiny's layers
-# 0 and 1. One layer, one device.
+# 0 and 1. One layer, one device. Its `mini` profile pairs with specs/llama3_8b.mk's mini (hidden
+# 256, vocabulary 512), whose layers 0 and 1 it then reads.
 model tiny_draft
 
 const L     = 1
@@ -21,6 +22,12 @@ const NC    = 2
 const NKVR  = NKV
 
 dim B in 1 .. 16
+
+profile mini {
+  H = 256
+  V = 512
+  MASK = 511
+}
 
 weight embed:       bf16[V, H]
 weight fc:          bf16[NC*H, H]
