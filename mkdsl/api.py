@@ -336,13 +336,48 @@ def generate(
 
 def _drafter(spec: Spec, weights: dict, draft, rows: int, draft_weights, seed: int, seq_len: int | None):
     """`generate`'s drafter: a `Drafter` as given, or one made by name (none: R = 1)."""
-    from mkdsl.run.drafters import NgramDrafter, make_drafter
+    from mkdsl.run.drafters import NgramDrafter
 
     if draft is None:
         return NgramDrafter(1)
     if not isinstance(draft, str | Path):
         return draft
-    return make_drafter(str(draft), rows, spec, weights, draft_weights, seed=seed, seq_len=seq_len)
+    own = draft_weights if draft_weights is not None else (weights if draft == "mtp" else None)
+    return make_drafter(draft, spec, own, rows, seed=seed, seq_len=seq_len)
+
+
+def make_drafter(
+    name: str | Path,
+    target: Spec | None = None,
+    weights: dict | None = None,
+    rows: int = 8,
+    profile: str | None = None,
+    seed: int = 0,
+    seq_len: int | None = None,
+):
+    """A drafter by name for R = `rows`: "ngram"; "mtp" (`target`'s `mtp` head; `weights`: the
+    target's, in the spec's layout); or a draft spec's path, loaded with `profile` (default: the
+    target's, where the draft spec declares it) and paired with `target` (`DraftSpecError`:
+    context layers it lacks, another width or vocabulary), `weights` in its layout (default:
+    random, seeded). `seq_len`: the MTP head's cache length (default the spec's longest)."""
+    from mkdsl.run.drafters import make_drafter as by_name
+
+    if Path(name).suffix == ".mk":
+        wanted = profile if profile is not None else (target.profile if target is not None else None)
+        declared = spec_profiles(_parse_file(name))
+        name = load(name, wanted if profile is not None or wanted in declared else None)
+    return by_name(name if isinstance(name, Spec) else str(name), rows, target, weights, seed=seed, seq_len=seq_len)
+
+
+def _parse_file(path: str | Path) -> Module:
+    from mkdsl.lang.syntax import parse
+
+    source = Path(path).read_text(encoding="utf-8")
+    try:
+        return parse(source)
+    except SpecError as e:
+        e.source, e.path = source, str(path)
+        raise
 
 
 def join_cluster(

@@ -837,10 +837,10 @@ def _run_draft(args, decoder, ids, codec, stream) -> None:
     from mkdsl.run.drafters import make_drafter
     from mkdsl.run.speculative import run_decoder
 
-    weights = _draft_weights(args, decoder.spec, getattr(args, "draft_spec", None))
-    drafter = make_drafter(
-        args.draft, args.draft_rows or 4, decoder.spec, None, weights, seed=args.seed, seq_len=decoder.seq_len
-    )
+    draft_spec = getattr(args, "draft_spec", None)  # loaded and paired by _check_pairing
+    weights = _draft_weights(args, decoder.spec, draft_spec)
+    name = draft_spec if args.draft.endswith(".mk") else args.draft
+    drafter = make_drafter(name, args.draft_rows or 4, decoder.spec, weights, seed=args.seed, seq_len=decoder.seq_len)
     out, prefill_s, how = run_decoder(decoder, drafter, ids, args.max_tokens, codec.eos_ids, lambda t: stream.push([t]))
     sys.stdout.write("\n")
     sys.stdout.flush()

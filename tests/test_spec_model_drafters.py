@@ -21,7 +21,7 @@ import pytest
 
 import mkdsl
 from mkdsl import cli
-from mkdsl.run.drafters import make_drafter
+from mkdsl.api import make_drafter
 from mkdsl.run.spec_drafters import DraftSpecError, MtpDrafter, SpecDrafter
 from mkdsl.verify.kernel import STATE_RTOL
 
@@ -82,7 +82,7 @@ def _plain_then_draft(path, draft, rows, n=20, **kw):
 def test_mtp_drafter_greedy_speculation_is_plain_greedy():
     """tiny_mtp's own head drafts R - 1 = 2 tokens a step from the target's last hidden state."""
     spec, weights, plain, drafter = _plain_then_draft(
-        TINY_MTP, lambda s, w: Heard(make_drafter("mtp", 3, s, w, seq_len=64)), 3
+        TINY_MTP, lambda s, w: Heard(make_drafter("mtp", s, w, rows=3, seq_len=64)), 3
     )
     assert isinstance(drafter.inner, MtpDrafter) and drafter.context_layers == (1,)
     out = mkdsl.generate(spec, weights, PROMPT, max_tokens=20, draft=drafter, seq_len=64)
@@ -94,7 +94,7 @@ def test_mtp_drafter_greedy_speculation_is_plain_greedy():
 def test_draft_spec_greedy_speculation_is_plain_greedy():
     """tiny_draft (random weights) drafts blocks of R - 1 = 3 from tiny's layers 0 and 1."""
     spec, weights, plain, drafter = _plain_then_draft(
-        TINY, lambda s, w: Heard(make_drafter(TINY_DRAFT, 4, s, seed=1)), 4
+        TINY, lambda s, w: Heard(make_drafter(TINY_DRAFT, s, rows=4, seed=1)), 4
     )
     assert isinstance(drafter.inner, SpecDrafter) and drafter.context_layers == (0, 1)
     out = mkdsl.generate(spec, weights, PROMPT, max_tokens=20, draft=drafter, seq_len=64)

@@ -32,7 +32,7 @@ class Drafter(Protocol):
 
 
 class DrafterUnavailable(ValueError):
-    """A drafter this build of mkdsl cannot run yet (the CLI reports it as a usage error)."""
+    """An unknown drafter name (the CLI reports it as a usage error)."""
 
 
 class NgramDrafter:
@@ -110,24 +110,19 @@ def check_draft(name: str) -> None:
 
 
 def make_drafter(
-    name: str,
-    rows: int,
-    target_spec=None,
-    weights: dict | None = None,
-    draft_weights: dict | None = None,
-    *,
-    seed: int = 0,
-    seq_len: int | None = None,
+    name, rows: int, target_spec=None, weights: dict | None = None, *, seed: int = 0, seq_len: int | None = None
 ) -> Drafter:
-    """The drafter `name` for R = `rows`: ngram; mtp (the target spec's `mtp` head, with the
-    target's `weights` in the spec's layout, or `draft_weights`); or a draft spec's path, paired
-    with `target_spec` (its context layers, width and vocabulary), with `draft_weights` (default:
-    random, seeded). `seq_len`: the MTP head's cache length. Raises DrafterUnavailable for an
-    unknown name, mkdsl.run.spec_drafters.DraftSpecError for a drafter that does not pair."""
-    check_draft(name)
+    """The drafter `name` for R = `rows`: "ngram"; "mtp" (the target spec's `mtp` head, `weights`
+    its weights in the spec's layout: the target's); or a loaded draft spec (`mkdsl.api.load`),
+    paired with `target_spec` (its context layers, width and vocabulary), `weights` in its layout
+    (default: random, seeded). `seq_len`: the MTP head's cache length. Raises DrafterUnavailable
+    for an unknown name, mkdsl.run.spec_drafters.DraftSpecError for a drafter that does not pair."""
+    if isinstance(name, str):
+        check_draft(name)
     if name == "ngram":
         return NgramDrafter(rows)
+    if isinstance(name, str) and name != "mtp":
+        raise DrafterUnavailable(f"--draft {name}: a draft spec is given loaded (mkdsl.api.make_drafter loads a path)")
     from mkdsl.run.spec_drafters import make_drafter as make_model_drafter
 
-    own = draft_weights if draft_weights is not None else (weights if name == "mtp" else None)
-    return make_model_drafter(name, target_spec, own, rows, seed=seed, seq_len=seq_len)
+    return make_model_drafter(name, target_spec, weights, rows, seed=seed, seq_len=seq_len)
