@@ -303,8 +303,9 @@ def generate(
     sampling = sampling or Sampling()
     module = load_kernel(spec) if target == "kernel" else None
     tile = module.KV_TILE if module is not None else 1
+    rows = draft_rows if isinstance(draft, str | Path) else getattr(draft, "rows", 1)
+    seq_len = seq_len or -(-(len(prompt) + max_tokens + rows) // tile) * tile
     drafter = _drafter(spec, weights, draft, draft_rows, draft_weights, seed, seq_len)
-    seq_len = seq_len or -(-(len(prompt) + max_tokens + drafter.rows) // tile) * tile
     layers = tuple(drafter.context_layers)
     if module is None:
         state = speculative.zero_state(spec.model, seq_len)
