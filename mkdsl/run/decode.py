@@ -60,6 +60,7 @@ class Decoder:
         self._prefill_options = (prefill, per_device_prefill)
         self.prefill_fn = _prefill_fn(spec.model, module, sampling, prefill, mesh, per_device_prefill)
         self._by_sampling = {sampling: (self._steps, self.prefill_fn)}
+        self._context_prefills: dict = {}  # (sampling, layers) -> the XLA prefill giving hidden states
 
     def use_sampling(self, sampling) -> None:
         """Sample with `sampling` from now on (its steps and prefill built once, then kept)."""
@@ -125,12 +126,13 @@ class Decoder:
             raise ValueError("a drafter reading the target's hidden states needs the spec's XLA prefill")
         from mkdsl.run.prefill import build_prefill
 
-        fn = build_prefill(
-            self.model,
-            sampling=self.sampling,
-            state_shardings=_state_shardings(self.module, self.mesh),
-            context_layers=layers,
-        )
+        key = (self.sampling, tuple(layers))
+        if key not in self._context_prefills:  # built once per sampling and layers
+            shardings = _state_shardings(self.module, self.mesh)
+            self._context_prefills[key] = build_prefill(
+                self.model, sampling=self.sampling, state_shardings=shardings, context_layers=key[1]
+            )
+        fn = self._context_prefills[key]
         weights = unpad_weights(self.weights, getattr(self.module, "PADDED", {}))
         self.logits, chosen, self.state, context = fn(weights, self.state, np.asarray(tokens, np.int32), seed=self.seed)
         return to_host(chosen), to_host(context)

@@ -156,9 +156,11 @@ def reference_fns(model, sampling, context_layers: tuple[int, ...] = ()) -> tupl
 
 @functools.lru_cache(maxsize=8)
 def _verify_reference(model, rows: int, layers: tuple[int, ...]) -> Callable:
+    """The jitted reference step: the plain one at R = 1 without layers, else the verify one."""
+    from mkdsl.run.reference import build_reference
     from mkdsl.run.rows import build_verify_reference
 
-    return build_verify_reference(model, rows, layers)
+    return build_reference(model) if rows == 1 and not layers else build_verify_reference(model, rows, layers)
 
 
 def reference_rows_target(model, weights: dict, state: dict, rows: int, layers: tuple[int, ...] = ()) -> RowsTarget:
@@ -168,24 +170,17 @@ def reference_rows_target(model, weights: dict, state: dict, rows: int, layers: 
 
     from mkdsl.run.rows import commit, verify_state
 
+    ref = _verify_reference(model, rows, tuple(layers))
     if rows == 1 and not layers:
-        ref = reference_fns(model, _greedy())[1]
 
         def call(state, tokens, positions):
             logits, chosen, new = ref(weights, state, tokens.reshape(1), positions.reshape(1))
             return logits[:, None], chosen.reshape(1, 1), new
 
         return RowsTarget(call, state, lambda s, _: s, 1)
-    ref = _verify_reference(model, rows, tuple(layers))
     return RowsTarget(
         lambda s, t, p: ref(weights, s, t, p), verify_state(model, state, rows), partial(commit, model), rows, layers
     )
-
-
-def _greedy():
-    from mkdsl.run.sampling import Sampling
-
-    return Sampling()
 
 
 def zero_state(model, seq_len: int) -> dict:
