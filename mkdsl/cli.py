@@ -703,6 +703,7 @@ def _check_pairing(args, model):
     if args.draft == "mtp":
         if model.mtp is None:
             raise UsageError(f"--draft mtp: {model.name} ({args.spec}) declares no `mtp` head")
+        _draft_checkpoint_fits(args, model)
         return None
     try:
         draft = load(args.draft, args.profile if args.profile in _profiles_of(args.draft) else None)
@@ -716,7 +717,18 @@ def _check_pairing(args, model):
         raise UsageError(
             f"--draft {args.draft}: its rows {lo} .. {hi} have no block of --draft-rows {args.draft_rows or 4}"
         )
+    _draft_checkpoint_fits(args, draft.model)
     return draft
+
+
+def _draft_checkpoint_fits(args, model) -> None:
+    """--draft-weights holds the drafter's tensors (CheckpointError, exit 1, naming each one that
+    does not fit), before any compile or load."""
+    from mkdsl.checkpoint.formats import open_checkpoint
+    from mkdsl.checkpoint.loader import plan_load
+
+    if args.draft_weights is not None:
+        plan_load(model, open_checkpoint(args.draft_weights))
 
 
 def _profiles_of(path: str) -> tuple[str, ...]:

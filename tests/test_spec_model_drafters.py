@@ -171,3 +171,15 @@ def test_run_draft_spec_prints_the_plain_text(tmp_path, monkeypatch, capsys):
     assert "random drafter weights" in err
     m = re.search(r"(\d+) verify steps; (\d+) target calls, mean accepted ([0-9.]+) tokens/step", err)
     assert m and m[1] == m[2], err
+
+
+def test_run_draft_weights_that_do_not_fit_are_an_error_before_loading(tmp_path, capsys):
+    """--draft-weights is planned against the draft spec before the target loads: tiny_draft
+    declares no checkpoint mapping, so a safetensors file is refused (exit 1), the target's
+    weights (which do not exist) never looked at."""
+    from safetensors.numpy import save_file
+
+    save_file({"x": np.zeros(3, np.float32)}, str(tmp_path / "w.safetensors"))
+    argv = ["run", TINY, "--weights", "/nonexistent", "--prompt", "x", "--draft", TINY_DRAFT]
+    assert cli.main([*argv, "--draft-weights", str(tmp_path / "w.safetensors")]) == 1
+    assert "tiny_draft has no `checkpoint hf` section" in capsys.readouterr().err
