@@ -6,7 +6,7 @@ The Python API (docs/python-api.md): `load` a spec, `compile_text` / `compile_to
 `plain_state`), `random_inputs` and `kernel_weights`, the kernel's step (`build_step`, from
 the module `load_kernel` imports), the XLA `prefill_step`, `Sampling` / `sample_tokens`, and
 `load_weights` from a checkpoint (`export_hf`: a GGUF written out as a Hugging Face one);
-`generate` (speculatively with a `Drafter`, e.g. `NgramDrafter`); `join_cluster` for one process per host.
+`generate` (speculatively with a `Drafter`, e.g. `NgramDrafter`, or one by name: `make_drafter`); `join_cluster` for one process per host.
 """
 
 from mkdsl.jax_setup import quiet_libtpu
@@ -26,6 +26,7 @@ from mkdsl.api import (  # noqa: E402  (after the platform is chosen)
     kernel_weights,
     load,
     load_kernel,
+    make_drafter,
     plain_state,
     prefill_step,
     random_inputs,
@@ -51,6 +52,7 @@ __all__ = [
     "compile_to",
     "Drafter",
     "generate",
+    "make_drafter",
     "export_hf",
     "kernel_weights",
     "load",

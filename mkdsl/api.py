@@ -272,6 +272,7 @@ def generate(
     max_tokens: int = 32,
     draft=None,
     draft_rows: int = 4,
+    draft_weights: dict | None = None,
     sampling=None,
     seed: int = 0,
     stop: tuple[int, ...] = (),
@@ -281,43 +282,45 @@ def generate(
     on_tokens=None,
 ):
     """Generate after `prompt` (token ids), speculatively when `draft` is given, on one sequence:
-    the XLA prefill, then the loop of mkdsl/run/speculative.py (drafts, an R-row verify step,
-    the accept rule, commit). `draft`: None (plain decoding, one row per step), "ngram", or a
-    `Drafter` (docs/python-api.md); `draft_rows`: R for "ngram". `weights` as `random_inputs`
-    gives them (the reference's layout); `target`: "reference" (the unfused step, jitted) or
-    "kernel" (the generated kernel's step, `interpret` as in `build_step`). Greedy (the default
-    `sampling`) gives plain greedy decoding's tokens exactly; sampling keeps its distribution.
-    Returns a `Speculation`: `tokens`, per-step accepted counts (`steps`), `mean_accepted`."""
+    the XLA prefill, then the loop of mkdsl/run/speculative.py (drafts, ONE verify step of R rows,
+    the accept rule, `commit` at the accepted length). `draft`: None (plain decoding, one row per
+    step), "ngram", "mtp" (the spec's `mtp` head, with `weights` or `draft_weights`), a draft
+    spec's path (`.mk`, paired with `spec`; `draft_weights` in its layout, default random), or a
+    `Drafter` (docs/python-api.md); `draft_rows`: R for a named drafter. A drafter reading target
+    hidden states gets the prompt's from the prefill and the accepted rows' from each verify step.
+    `weights` as `random_inputs` gives them (the reference's layout); `target`: "reference" (the
+    unfused verify step, jitted) or "kernel" (the generated kernel's, `interpret` as in
+    `build_step`). Greedy (the default `sampling`) gives plain greedy decoding's tokens exactly;
+    sampling keeps its distribution. Returns a `Speculation`: `tokens`, per-step accepted counts
+    (`steps`), `mean_accepted`, `calls` (target steps run: one per verify step)."""
     import numpy as np
 
     from mkdsl.run import speculative
-    from mkdsl.run.drafters import NgramDrafter, make_drafter
     from mkdsl.run.sampling import Sampling
 
     if target not in ("reference", "kernel"):
         raise ValueError(f"target must be 'reference' or 'kernel', got {target!r}")
     sampling = sampling or Sampling()
-    drafter = draft if draft is not None and not isinstance(draft, str) else None
-    if drafter is None:
-        drafter = NgramDrafter(1) if draft is None else make_drafter(draft, draft_rows)
-    if drafter.context_layers:
-        raise ValueError("a drafter reading target hidden states needs the R-row verify step (not available yet)")
     module = load_kernel(spec) if target == "kernel" else None
     tile = module.KV_TILE if module is not None else 1
-    seq_len = seq_len or -(-(len(prompt) + max_tokens + drafter.rows) // tile) * tile
+    rows = draft_rows if isinstance(draft, str | Path) else getattr(draft, "rows", 1)
+    seq_len = seq_len or -(-(len(prompt) + max_tokens + rows) // tile) * tile
+    drafter = _drafter(spec, weights, draft, draft_rows, draft_weights, seed, seq_len)
+    layers = tuple(drafter.context_layers)
     if module is None:
         state = speculative.zero_state(spec.model, seq_len)
     else:
         state = {n: np.zeros(s.shape, s.dtype) for n, s in module.state_layout(1, seq_len).items()}
-    prefill = speculative.reference_fns(spec.model, sampling)[0]
-    _, first, state = prefill(weights, state, np.asarray([prompt], np.int32), seed=seed)
+    prefill = speculative.reference_fns(spec.model, sampling, layers)[0]
+    _, first, state, *context = prefill(weights, state, np.asarray([prompt], np.int32), seed=seed)
     if module is None:
-        verifier = speculative.reference_target(spec.model, weights, state)
+        verifier = speculative.reference_rows_target(spec.model, weights, state, drafter.rows, layers)
     else:
-        step = build_step(spec, 1, seq_len, interpret=interpret, sampling=sampling, module=module)
+        options = {"interpret": interpret, "sampling": sampling, "module": module}
+        step = build_step(spec, 1, seq_len, rows=drafter.rows, context_layers=layers, **options)
         packed = kernel_weights(weights)
         packed = module.pad_weights(packed) if hasattr(module, "pad_weights") else packed
-        verifier = speculative.kernel_step_target(step, packed, state, seed)
+        verifier = speculative.kernel_rows_target(module, step, packed, state, drafter.rows, seed, layers)
     return speculative.speculate(
         verifier,
         drafter,
@@ -328,7 +331,54 @@ def generate(
         seed=seed,
         stop=frozenset(stop),
         on_tokens=on_tokens,
+        prompt_context=np.asarray(context[0])[0] if context else None,
     )
+
+
+def _drafter(spec: Spec, weights: dict, draft, rows: int, draft_weights, seed: int, seq_len: int | None):
+    """`generate`'s drafter: a `Drafter` as given, or one made by name (none: R = 1)."""
+    from mkdsl.run.drafters import NgramDrafter
+
+    if draft is None:
+        return NgramDrafter(1)
+    if not isinstance(draft, str | Path):
+        return draft
+    own = draft_weights if draft_weights is not None else (weights if draft == "mtp" else None)
+    return make_drafter(draft, spec, own, rows, seed=seed, seq_len=seq_len)
+
+
+def make_drafter(
+    name: str | Path,
+    target: Spec | None = None,
+    weights: dict | None = None,
+    rows: int = 8,
+    profile: str | None = None,
+    seed: int = 0,
+    seq_len: int | None = None,
+):
+    """A drafter by name for R = `rows`: "ngram"; "mtp" (`target`'s `mtp` head; `weights`: the
+    target's, in the spec's layout); or a draft spec's path, loaded with `profile` (default: the
+    target's, where the draft spec declares it) and paired with `target` (`DraftSpecError`:
+    context layers it lacks, another width or vocabulary), `weights` in its layout (default:
+    random, seeded). `seq_len`: the MTP head's cache length (default the spec's longest)."""
+    from mkdsl.run.drafters import make_drafter as by_name
+
+    if Path(name).suffix == ".mk":
+        wanted = profile if profile is not None else (target.profile if target is not None else None)
+        declared = spec_profiles(_parse_file(name))
+        name = load(name, wanted if profile is not None or wanted in declared else None)
+    return by_name(name if isinstance(name, Spec) else str(name), rows, target, weights, seed=seed, seq_len=seq_len)
+
+
+def _parse_file(path: str | Path) -> Module:
+    from mkdsl.lang.syntax import parse
+
+    source = Path(path).read_text(encoding="utf-8")
+    try:
+        return parse(source)
+    except SpecError as e:
+        e.source, e.path = source, str(path)
+        raise
 
 
 def join_cluster(

@@ -592,6 +592,8 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
         e.source = source
         raise
     spec = Spec(args.spec, args.profile, source, model, local, tuple(spec_profiles(module_ast)))
+    if getattr(args, "draft", None) not in (None, "ngram"):
+        args.draft_spec = _check_pairing(args, model)  # before the compile and the load
     devices = math.prod(n for _, n in model.mesh) if model.mesh else 1
     if devices > 1 and not tpu_attached():
         _host_devices(devices)  # a sharded kernel in interpret mode: one virtual CPU device per core
@@ -676,7 +678,8 @@ def _check_run_args(args) -> None:
 
 
 def _check_draft_args(args) -> None:
-    """`run --draft`: a drafter this build runs, R in 2..16, one sequence (before any loading)."""
+    """`run --draft`: a drafter kind, R in 2..16, one sequence, a readable --draft-weights (before
+    any loading; what the drafter pairs with is checked once the spec is read, `_check_pairing`)."""
     from mkdsl.run.drafters import DrafterUnavailable, check_draft
 
     if args.draft is None:
@@ -687,12 +690,65 @@ def _check_draft_args(args) -> None:
         check_draft(args.draft)
     except DrafterUnavailable as e:
         raise UsageError(str(e)) from None
-    if args.draft_weights is not None:
+    if args.draft_weights is not None and args.draft == "ngram":
         raise UsageError("--draft-weights: the n-gram drafter has no weights")
+    if args.draft_weights is not None and not os.path.exists(args.draft_weights):
+        raise UsageError(f"--draft-weights {args.draft_weights}: no such file or directory")
+    if args.draft.endswith(".mk"):
+        _read(args.draft)  # unreadable or oversized files are usage errors
     if not 2 <= (args.draft_rows or 4) <= 16:
         raise UsageError(f"--draft-rows must be in 2 .. 16 (the anchor and 1..15 drafts), got {args.draft_rows}")
     if args.batch not in (None, 1) or len(args.prompt or ()) > 1 or args.steps_per_call != 1:
         raise UsageError("--draft decodes one sequence, one verify step per call: --batch 1, --steps-per-call 1")
+
+
+def _check_pairing(args, model):
+    """`run --draft mtp|DRAFT.mk`: the target declares an `mtp` head, or the draft spec is valid and
+    pairs with the target (context layers it has, its width, its vocabulary), and its rows fit
+    --draft-rows; before the compile and the load. Returns the draft `Spec` (None for mtp)."""
+    from mkdsl.api import load
+    from mkdsl.run.spec_drafters import DraftSpecError, check_pairing
+
+    if args.draft == "mtp":
+        if model.mtp is None:
+            raise UsageError(f"--draft mtp: {model.name} ({args.spec}) declares no `mtp` head")
+        _draft_checkpoint_fits(args, model)
+        return None
+    try:
+        draft = load(args.draft, args.profile if args.profile in _profiles_of(args.draft) else None)
+        check_pairing(draft.model, model)
+    except SpecError as e:
+        raise UsageError(f"--draft {args.draft}: not a valid spec:\n{e.render(args.draft, e.source)}") from None
+    except DraftSpecError as e:
+        raise UsageError(f"--draft {args.draft}: {e}") from None
+    lo, hi = draft.batch_range
+    if not lo <= (args.draft_rows or 4) <= hi:
+        raise UsageError(
+            f"--draft {args.draft}: its rows {lo} .. {hi} have no block of --draft-rows {args.draft_rows or 4}"
+        )
+    _draft_checkpoint_fits(args, draft.model)
+    return draft
+
+
+def _draft_checkpoint_fits(args, model) -> None:
+    """--draft-weights holds the drafter's tensors (CheckpointError, exit 1, naming each one that
+    does not fit), before any compile or load."""
+    from mkdsl.checkpoint.formats import open_checkpoint
+    from mkdsl.checkpoint.loader import plan_load
+
+    if args.draft_weights is not None:
+        plan_load(model, open_checkpoint(args.draft_weights))
+
+
+def _profiles_of(path: str) -> tuple[str, ...]:
+    """The profiles a spec declares (none if it does not parse: `load` reports that)."""
+    from mkdsl.api import spec_profiles
+    from mkdsl.lang.syntax import parse
+
+    try:
+        return tuple(spec_profiles(parse(_read(path))))
+    except SpecError:
+        return ()
 
 
 def _prompt_texts(args) -> list[str] | None:
@@ -797,15 +853,40 @@ def _run_prompt(args, spec, module, weights, codec, group, interrupted) -> None:
 
 
 def _run_draft(args, decoder, ids, codec, stream) -> None:
-    """Speculative decoding of one sequence: the prefill, then the accept loop on the host."""
+    """Speculative decoding of one sequence: the prefill, then the accept loop on the host, one
+    R-row verify step per call."""
     from mkdsl.run.drafters import make_drafter
     from mkdsl.run.speculative import run_decoder
 
-    drafter = make_drafter(args.draft, args.draft_rows or 4)
+    draft_spec = getattr(args, "draft_spec", None)  # loaded and paired by _check_pairing
+    weights = _draft_weights(args, decoder.spec, draft_spec)
+    name = draft_spec if args.draft.endswith(".mk") else args.draft
+    drafter = make_drafter(name, args.draft_rows or 4, decoder.spec, weights, seed=args.seed, seq_len=decoder.seq_len)
     out, prefill_s, how = run_decoder(decoder, drafter, ids, args.max_tokens, codec.eos_ids, lambda t: stream.push([t]))
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(f"prefill ({how}) {prefill_s:.2f} s for {len(ids)} tokens; {out.summary(args.draft)}", file=sys.stderr)
+
+
+def _draft_weights(args, spec, draft_spec) -> dict | None:
+    """A model drafter's weights in the spec's layout (the reference runs it): --draft-weights, or
+    for mtp the target's checkpoint (its head's tensors); a draft spec without --draft-weights
+    gets random ones (said on standard error: the output stays exact, the drafts are noise)."""
+    from mkdsl.checkpoint.loader import load_weights
+
+    if args.draft == "ngram":
+        return None
+    owner = spec if args.draft == "mtp" else draft_spec
+    path = args.draft_weights or (args.weights if args.draft == "mtp" else None)
+    if path is None:
+        print(
+            f"--draft {args.draft}: no --draft-weights, random drafter weights (exact output, few accepted)",
+            file=sys.stderr,
+        )
+        return None
+    weights, report = load_weights(owner, path, host=True, progress=False)
+    print(f"{path} (drafter): {report.summary()}", file=sys.stderr)
+    return weights
 
 
 def _until(tokens, stop) -> list[int]:

@@ -306,6 +306,8 @@ def test_python_api_examples_run():
     assert "seq_len must be an int in 1..256, got 512" in r.stdout
     assert "['kernel.py', 'plan.md', 'plan.svg']" in r.stdout
     assert re.search(r"^True \[[0-9, ]+\]$", r.stdout, re.M), r.stdout  # mkdsl.generate: speculative == plain
+    # one R-row verify step per call; a draft spec's drafts verified: plain's tokens again
+    assert re.search(r"^True \[[0-9, ]+\]\nTrue\nTrue$", r.stdout, re.M), r.stdout
 
 
 def test_readme_quickstart_runs_as_written(tmp_path):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import mkdsl
+from mkdsl.api import make_drafter
 from mkdsl.lang.diagnostics import SpecError
-from mkdsl.run.spec_drafters import DraftSpecError, SpecDrafter, make_drafter, random_drafter_weights
+from mkdsl.run.spec_drafters import DraftSpecError, SpecDrafter, random_drafter_weights
 
 DSPARK = "specs/kimi_k3_dspark.mk"
 

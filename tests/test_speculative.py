@@ -1,7 +1,8 @@
 """Speculative decoding on the host (mkdsl/run/accept.py, drafters.py, speculative.py,
-verify_rows.py): greedy speculation is plain greedy decoding token for token, speculative
-sampling keeps plain sampling's distribution (a chi-square test, and the same test failing on a
-broken accept rule), and the n-gram drafter drafts what the sequence repeats."""
+verify_rows.py): greedy speculation is plain greedy decoding token for token with ONE R-row
+verify step per verify step, speculative sampling keeps plain sampling's distribution (a
+chi-square test, and the same test failing on a broken accept rule), and the n-gram drafter
+drafts what the sequence repeats."""
 
 from __future__ import annotations
 
@@ -68,6 +69,10 @@ def test_greedy_speculation_is_plain_greedy_token_for_token():
     # the script keeps s % R drafts at step s (the last step may be cut by max_tokens)
     assert lengths[:-1] == [s % rows for s in range(len(lengths) - 1)]
     assert len(spec_run.steps) < len(plain.steps)
+    # one call of the R-row step per verify step (a row-by-row emulation would call the one-row
+    # step once per row read: 1 + kept drafts per step, more than the steps here)
+    assert spec_run.calls == len(spec_run.steps) and plain.calls == len(plain.steps)
+    assert sum(n for n, _ in spec_run.steps) > spec_run.calls
 
 
 def test_greedy_accept_rule_keeps_the_matching_prefix_and_adds_the_targets_token():
@@ -297,11 +302,23 @@ def test_ngram_drafter_drives_the_loop_to_plain_greedy_on_a_repeating_target():
     assert out.accept_lengths()[1:-1] == [3] * (len(out.steps) - 2) and out.mean_accepted > 3
 
 
-def test_model_drafters_are_a_clear_error_until_they_land():
-    check_draft("ngram")
-    for name in ("mtp", "specs/kimi_k3_dspark.mk", "bogus"):
-        with pytest.raises(DrafterUnavailable, match="--draft"):
+def test_drafter_names_are_checked():
+    for name in ("ngram", "mtp", "specs/kimi_k3_dspark.mk"):
+        check_draft(name)
+    for name in ("bogus", "specs/tiny.txt"):
+        with pytest.raises(DrafterUnavailable, match="expected one of ngram, mtp or a draft spec"):
             check_draft(name)
+
+
+def test_summary_sets_the_speculative_figures_beside_the_plain_ones():
+    """Mean accepted tokens per verify step (all steps), then, without the first (trace and
+    compile) step: ms per step, accepted tokens/s, and the tokens/s of one token per step."""
+    from mkdsl.run.speculative import Speculation
+
+    out = Speculation([1] * 6, 4, [(1, 9.0), (3, 0.5), (2, 0.5)], calls=3).summary("ngram")
+    assert "3 verify steps; 3 target calls, mean accepted 2.00 tokens/step" in out
+    assert "500.0 ms/step, 5.00 accepted tokens/s (2 timed steps)" in out
+    assert "2.00 tokens/s if each step kept only the target's token (drafts: x2.50)" in out
 
 
 def test_stop_token_ends_the_generation_and_is_kept():

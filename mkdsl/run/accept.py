@@ -5,8 +5,7 @@ propose the next block; see docs/architecture.md ("Speculative decoding").
 
 A verify step fed the anchor (the last accepted token) and drafts d_1..d_{R-1} at consecutive
 positions gives, for each row r, the target's choice after row r's token. The rules read the rows
-in order through `Rows` (`next_token(r)`, `logits(r)`), so a verify step computed row by row
-(mkdsl/run/verify_rows.py) stops at the first rejected draft.
+in order through `Rows` (`next_token(r)`, `logits(r)`) and stop at the first rejected draft.
 
 - Greedy: accept the longest prefix of drafts equal to the target's argmax, then the target's
   own token after it (so the output is plain greedy decoding, token for token).

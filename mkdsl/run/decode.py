@@ -54,12 +54,13 @@ class Decoder:
     ):
         self.module, self.weights, self.batch, self.seq_len = module, weights, batch, seq_len
         self.sampling, self.seed, self.interpret, self.steps_per_call = sampling, seed, interpret, steps_per_call
-        self.model, self.mesh, self.decode_with = spec.model, mesh, decode
+        self.spec, self.model, self.mesh, self.decode_with = spec, spec.model, mesh, decode
         self.state = _zeros(module.state_layout(batch, seq_len), _state_shardings(module, mesh))
         self._steps: dict[int, Callable] = {}
         self._prefill_options = (prefill, per_device_prefill)
         self.prefill_fn = _prefill_fn(spec.model, module, sampling, prefill, mesh, per_device_prefill)
         self._by_sampling = {sampling: (self._steps, self.prefill_fn)}
+        self._context_prefills: dict = {}  # (sampling, layers) -> the XLA prefill giving hidden states
 
     def use_sampling(self, sampling) -> None:
         """Sample with `sampling` from now on (its steps and prefill built once, then kept)."""
@@ -115,6 +116,46 @@ class Decoder:
 
     def decode(self, tokens: np.ndarray, position: int, n: int) -> np.ndarray:
         return self._call(tokens, position, n)
+
+    def prefill_with_context(self, tokens: np.ndarray, layers: tuple[int, ...]):
+        """(next tokens [B], the prompt's hidden states after `layers` [B, T, len, H] or None):
+        `prefill`, or with layers the spec's XLA prefill asked for them (whole, under jit)."""
+        if not layers:
+            return self.prefill(tokens), None
+        if self.prefill_fn is None:
+            raise ValueError("a drafter reading the target's hidden states needs the spec's XLA prefill")
+        from mkdsl.run.prefill import build_prefill
+
+        key = (self.sampling, tuple(layers))
+        if key not in self._context_prefills:  # built once per sampling and layers
+            shardings = _state_shardings(self.module, self.mesh)
+            self._context_prefills[key] = build_prefill(
+                self.model, sampling=self.sampling, state_shardings=shardings, context_layers=key[1]
+            )
+        fn = self._context_prefills[key]
+        weights = unpad_weights(self.weights, getattr(self.module, "PADDED", {}))
+        self.logits, chosen, self.state, context = fn(weights, self.state, np.asarray(tokens, np.int32), seed=self.seed)
+        return to_host(chosen), to_host(context)
+
+    def verify_target(self, rows: int, layers: tuple[int, ...] = ()):
+        """The R-row verify step as a speculative target (mkdsl/run/verify_rows.py), one sequence,
+        on the current state: the kernel's (`verify_rows=rows`), or with `decode="reference"` the
+        spec's verify reference on the kernel's weights, its tokens drawn as the kernel draws them."""
+        from mkdsl.run.speculative import kernel_rows_target
+
+        if self.decode_with == "reference":
+            step = _reference_rows(self.model, self.module, self.sampling, rows, tuple(layers))
+        else:
+            kernel_sampling = self.module.Sampling(**dataclasses.asdict(self.sampling))
+            options = {"interpret": self.interpret, "sampling": kernel_sampling}
+            if rows > 1 or layers:
+                options |= {"verify_rows": rows, "context_layers": tuple(layers)}
+            step = self.module.build_decode_step(self.batch, self.seq_len, **options)
+            if self.interpret and hasattr(self.module, "MESH_SHAPE"):
+                from mkdsl.api import _HostCallbacks  # a sharded step in interpret mode (see build_step)
+
+                step = _HostCallbacks(step)
+        return kernel_rows_target(self.module, step, self.weights, self.state, rows, self.seed, tuple(layers))
 
 
 def unpad_weights(weights: dict, pads: dict) -> dict:
@@ -199,6 +240,36 @@ def _reference_steps(model, module, sampling, n: int) -> Callable:
         return logits, jax.numpy.stack(chosen, axis=1), state
 
     jitted = jax.jit(steps, donate_argnums=(1,))
+    return lambda weights, state, tokens, positions, seed: jitted(
+        weights, state, tokens, positions, np.uint32(seed % 2**32)
+    )
+
+
+def _reference_rows(model, module, sampling, rows: int, layers: tuple[int, ...]) -> Callable:
+    """The spec's verify reference of `rows` rows on the kernel's weights, as the kernel's verify
+    step is called (`step(weights, state, tokens [1, R], positions [1, R], seed)`; R = 1 without
+    layers: tokens [1]), each row's token drawn by the module's sampling code at its position,
+    keyed by its sequence (span R), as the kernel draws it."""
+    import jax
+
+    from mkdsl.run.prefill import reference_weights
+    from mkdsl.run.rows import run_verify
+    from mkdsl.run.sampling import sample_tokens
+
+    pads = getattr(module, "PADDED", {})
+
+    def step(weights, state, tokens, positions, seed):
+        weights = reference_weights(model, unpad_weights(weights, pads))
+        t, p = tokens.reshape(-1, rows), positions.reshape(-1, rows)
+        logits, greedy, state, *context = run_verify(model, weights, state, t, p, layers)
+        chosen = sample_tokens(
+            logits.reshape(-1, logits.shape[-1]), p.reshape(-1), seed, sampling, greedy.reshape(-1), span=rows
+        )
+        if rows == 1 and not layers:
+            return logits.reshape(-1, logits.shape[-1]), chosen, state
+        return (logits, chosen.reshape(t.shape), state, *context)
+
+    jitted = jax.jit(step, donate_argnums=(1,))
     return lambda weights, state, tokens, positions, seed: jitted(
         weights, state, tokens, positions, np.uint32(seed % 2**32)
     )

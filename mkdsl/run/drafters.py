@@ -32,7 +32,7 @@ class Drafter(Protocol):
 
 
 class DrafterUnavailable(ValueError):
-    """A drafter this build of mkdsl cannot run yet (the CLI reports it as a usage error)."""
+    """An unknown drafter name (the CLI reports it as a usage error)."""
 
 
 class NgramDrafter:
@@ -102,19 +102,27 @@ class NgramDrafter:
 
 
 def check_draft(name: str) -> None:
-    """Raise DrafterUnavailable unless `name` names a drafter this build runs (before any loading)."""
-    if name == "ngram":
+    """Raise DrafterUnavailable unless `name` names a drafter kind: ngram, mtp or a draft spec's
+    path (a .mk file); what it pairs with is checked by `make_drafter` (before any weights)."""
+    if name in ("ngram", "mtp") or Path(name).suffix == ".mk":
         return
-    if name == "mtp" or Path(name).suffix == ".mk":
-        what = "MTP heads" if name == "mtp" else f"the draft spec {name}"
-        raise DrafterUnavailable(
-            f"--draft {name}: {what} as a drafter is not available yet (model drafters come with "
-            "issue #22's drafter specs); --draft ngram works today"
-        )
     raise DrafterUnavailable(f"--draft {name}: expected one of ngram, mtp or a draft spec (a .mk file)")
 
 
-def make_drafter(name: str, rows: int) -> Drafter:
-    """The drafter `name` (ngram, mtp or a draft spec's path) for R = `rows`."""
-    check_draft(name)
-    return NgramDrafter(rows)
+def make_drafter(
+    name, rows: int, target_spec=None, weights: dict | None = None, *, seed: int = 0, seq_len: int | None = None
+) -> Drafter:
+    """The drafter `name` for R = `rows`: "ngram"; "mtp" (the target spec's `mtp` head, `weights`
+    its weights in the spec's layout: the target's); or a loaded draft spec (`mkdsl.api.load`),
+    paired with `target_spec` (its context layers, width and vocabulary), `weights` in its layout
+    (default: random, seeded). `seq_len`: the MTP head's cache length. Raises DrafterUnavailable
+    for an unknown name, mkdsl.run.spec_drafters.DraftSpecError for a drafter that does not pair."""
+    if isinstance(name, str):
+        check_draft(name)
+    if name == "ngram":
+        return NgramDrafter(rows)
+    if isinstance(name, str) and name != "mtp":
+        raise DrafterUnavailable(f"--draft {name}: a draft spec is given loaded (mkdsl.api.make_drafter loads a path)")
+    from mkdsl.run.spec_drafters import make_drafter as make_model_drafter
+
+    return make_model_drafter(name, target_spec, weights, rows, seed=seed, seq_len=seq_len)

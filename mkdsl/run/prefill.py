@@ -117,13 +117,26 @@ def run_prefill_layer(model: Model, index: int, weights, state, tokens, carries,
 
 
 def run_prefill(
-    model: Model, sampling, weights, state, tokens, lengths=None, start=None, seed=0, feed=None, spmd=False, vocab=None
+    model: Model,
+    sampling,
+    weights,
+    state,
+    tokens,
+    lengths=None,
+    start=None,
+    seed=0,
+    feed=None,
+    spmd=False,
+    vocab=None,
+    context_layers=(),
 ):
     """The prefill, unjitted (build_prefill's body). `feed(index, carries) -> carries` replaces
     what layer `index` (the epilogue: index L) receives: a debug hook, to feed the prefill the
     carries token-by-token decoding has there (run_prefill_layer's check, for the epilogue).
     `spmd`: per device under `shard_map`, each op's `OpDef.spmd_prefill` first (see `_caller`).
-    `vocab`: the token ids allowed (default: the model's; a per-device model passes the whole one)."""
+    `vocab`: the token ids allowed (default: the model's; a per-device model passes the whole one).
+    `context_layers`: also return the first carry (the residual stream) after each listed layer
+    for every prompt token, f32 [B, T, len, H] (the hidden states a drafter reads)."""
     weights = reference_weights(model, weights)
     room = guard.cache_length(model, state)
     rows, inputs, lengths, start, bad = _prompt_inputs(model, tokens, lengths, start, room, vocab)
@@ -131,12 +144,13 @@ def run_prefill(
     state, current = dict(state), [rows]
     last = jnp.arange(rows.batch) * rows.length + lengths - 1  # each row's last token
     call = _caller(current, spmd)
-    feed = feed or (lambda _, carries: carries)
+    feed, seen = feed or (lambda _, carries: carries), {}
 
     def run_layers(carries):
         for layer, kind in enumerate(model.schedule):
             carries = feed(layer, carries)
             carries = _run_graph(model, model.kind(kind), carries, weights, state, inputs, layer, run_layers, call)
+            seen[layer] = carries[0]
         carries = feed(len(model.schedule), carries)
         # the epilogue sees one row per prompt row: its last token
         inputs.update({token_name: inputs[token_name][last], position_name: inputs[position_name][last]})
@@ -146,7 +160,12 @@ def run_prefill(
     logits, greedy = _run_graph(model, model.step, [], weights, state, inputs, None, run_layers, call)
     seed = np.uint32(seed % 2**32) if isinstance(seed, int) else seed
     next_tokens = sample_tokens(logits, inputs[position_name], seed, sampling, greedy)
-    return (*guard.flag(bad, logits, next_tokens), state)
+    out = (*guard.flag(bad, logits, next_tokens), state)
+    if not context_layers:
+        return out
+    b, t = rows.batch, rows.length
+    hidden = [seen[layer].astype(jnp.float32).reshape(b, t, -1) for layer in context_layers]
+    return (*out, jnp.stack(hidden, axis=2))
 
 
 def build_prefill(
@@ -156,15 +175,18 @@ def build_prefill(
     state_shardings: dict | None = None,
     jit: bool = True,
     donate: bool = True,
+    context_layers: tuple[int, ...] = (),
 ) -> Callable:
     """The prefill of `model` (see the module docstring). `sampling` chooses next_tokens as the
     kernel's step does (default greedy); `state_shardings` (name -> sharding, e.g. the generated
-    module's `state_shardings(mesh)`) places the new state; `donate` donates the input state."""
+    module's `state_shardings(mesh)`) places the new state; `donate` donates the input state;
+    `context_layers`: a fourth output, the prompt's hidden states after those layers (run_prefill)."""
     check_prefill(model)
     sampling = Sampling() if sampling is None else sampling
+    layers = tuple(context_layers)
 
     def prefill(weights, state, tokens, lengths=None, start=None, seed=0):
-        return run_prefill(model, sampling, weights, state, tokens, lengths, start, seed)
+        return run_prefill(model, sampling, weights, state, tokens, lengths, start, seed, context_layers=layers)
 
     register_pytree()
     if not jit:
@@ -174,7 +196,7 @@ def build_prefill(
         return jitted
 
     def placed(*args, **kwargs):
-        logits, next_tokens, new_state = jitted(*args, **kwargs)
-        return logits, next_tokens, jax.device_put(new_state, {k: state_shardings[k] for k in new_state})
+        logits, next_tokens, new_state, *context = jitted(*args, **kwargs)
+        return logits, next_tokens, jax.device_put(new_state, {k: state_shardings[k] for k in new_state}), *context
 
     return placed

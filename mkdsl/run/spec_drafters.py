@@ -10,8 +10,6 @@ says which of its ops the kernel cannot lower yet (docs/language.md, "Drafters")
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from mkdsl.lang.ir import Model
@@ -85,7 +83,7 @@ class SpecDrafter:
     draft_probs = None  # deterministic drafts (the speculative loop's protocol)
 
     def __init__(self, spec, weights: dict, rows: int, target: Model | None = None):
-        from mkdsl.api import reference_step
+        from mkdsl.run.reference import build_reference
 
         model = spec.model
         check_pairing(model, target)
@@ -95,7 +93,7 @@ class SpecDrafter:
         self.rows, self.spec, self.weights = rows, spec, weights
         self.ctx_name, self.pos_name, self.context_layers = model.context
         self.mask = int(_const(model, "MASK"))
-        self._step = _STEPS.setdefault(id(spec), (spec, reference_step(spec)))[1]  # one jit per spec
+        self._step = _STEPS.setdefault(id(spec), (spec, build_reference(model)))[1]  # one jit per spec
         self.state = self._empty_state()
         self.pending: list[tuple[int, np.ndarray]] = []  # (position, context row) not yet written
         self.next_pos = 0  # the position of the next context row
@@ -154,9 +152,11 @@ class SpecDrafter:
 
 def random_drafter_weights(spec, seed: int = 0) -> dict:
     """Well-scaled random weights of a draft spec (tests and smoke runs)."""
-    from mkdsl.api import random_inputs
+    from mkdsl.run.random_params import random_params
 
-    return random_inputs(spec, batch=spec.batch_range[0], seq_len=1, seed=seed)[0]
+    model = spec.model
+    sizes = {model.dims[0].name: model.dims[0].low, **{d.name: 1 for d in model.dims[1:]}}
+    return random_params(model, sizes, seed)[0]
 
 
 class MtpDrafter:
@@ -222,27 +222,22 @@ class MtpDrafter:
         self.last_h = hs[-1]
 
 
-def make_drafter(
-    kind_or_path: str, target_spec=None, weights: dict | None = None, rows: int = 8, profile=None, seed=0, seq_len=None
-):
-    """A model drafter: `mtp` (the target spec's `mtp` head, with the target's weights) or a draft
-    spec's path (`.mk`; `profile` picks its profile, default the target's). Without `weights` it
-    gets random ones (seeded); `seq_len` sizes the MTP head's cache (default the spec's longest).
-    The n-gram drafter lives with the speculative loop (mkdsl/run/drafters.py)."""
-    from mkdsl.api import load, random_inputs
-
-    if kind_or_path == "mtp":
+def make_drafter(kind_or_spec, target_spec=None, weights: dict | None = None, rows: int = 8, seed=0, seq_len=None):
+    """A model drafter: `mtp` (the target spec's `mtp` head, with the target's weights) or a loaded
+    draft spec (`mkdsl.api.make_drafter` takes its path), paired with `target_spec` first. Without
+    `weights` it gets random ones (seeded); `seq_len` sizes the MTP head's cache (default the
+    spec's longest). The n-gram drafter lives with the speculative loop (mkdsl/run/drafters.py)."""
+    if kind_or_spec == "mtp":
         if target_spec is None:
             raise DraftSpecError("--draft mtp: the target spec's `mtp` head needs the target spec")
         if target_spec.model.mtp is None:
             raise DraftSpecError(f"--draft mtp: {target_spec.model.name} declares no `mtp` head")
         if weights is None:
-            weights = random_inputs(target_spec, batch=1, seq_len=1, seed=seed)[0]
+            weights = random_drafter_weights(target_spec, seed)
         return MtpDrafter(target_spec, weights, rows, seq_len)
-    if Path(kind_or_path).suffix != ".mk":
-        raise DraftSpecError(f"--draft {kind_or_path}: expected mtp or a draft spec (.mk) here")
-    target = target_spec.model if target_spec is not None else None
-    spec = load(kind_or_path, profile if profile is not None else (target.profile if target else None))
+    if isinstance(kind_or_spec, str):
+        raise DraftSpecError(f"--draft {kind_or_spec}: expected mtp or a loaded draft spec here")
+    spec, target = kind_or_spec, target_spec.model if target_spec is not None else None
     check_pairing(spec.model, target)
     return SpecDrafter(spec, weights if weights is not None else random_drafter_weights(spec, seed), rows, target)
 

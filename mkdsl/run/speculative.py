@@ -4,8 +4,9 @@ prefix of the drafts and adds the target's own token, the step is committed at t
 the drafter hears what was kept. One sequence (batch 1).
 
 `speculate` drives any target with `verify(tokens, position) -> rows` (rows with `next_token`,
-`logits`, `commit`): mkdsl/run/verify_rows.py's row-by-row emulation today, the R-row kernel
-step when it lands. With R = 1 (no drafts) it is plain decoding.
+`logits`, `commit`, and `context(k)` for a drafter reading target hidden states): the R-row step
+of the kernel or of the reference, one call per verify step (mkdsl/run/verify_rows.py). With
+R = 1 (no drafts) it is plain decoding.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from mkdsl.run.accept import Accepted, SeededCoins, accept_greedy, accept_sampled
 from mkdsl.run.drafters import Drafter
-from mkdsl.run.verify_rows import RowByRow
+from mkdsl.run.verify_rows import RowsTarget
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Speculation:
     tokens: list[int]
     rows: int  # R
     steps: list[tuple[int, float]] = field(default_factory=list)
-    rows_run: int = 0  # one-row steps the target ran (the row-by-row emulation), 0 if not counted
+    calls: int = 0  # calls of the target's step (one R-row step per verify step), 0 if not counted
 
     @property
     def mean_accepted(self) -> float:
@@ -48,13 +49,13 @@ class Speculation:
         timed = self.steps[1:] or self.steps
         secs, made = sum(t for _, t in timed), sum(n for n, _ in timed)
         note = "" if len(self.steps) > 1 else ", the only step: trace and compile included"
-        emulated = (
-            f"; the target ran {self.rows_run} one-row steps (R rows emulated row by row)" if self.rows_run else ""
-        )
+        calls = f"; {self.calls} target calls" if self.calls else ""
+        step_ms = 1000 * secs / len(timed)
         return (
-            f"speculative ({drafter}, {self.rows} rows per verify step): {len(self.steps)} verify steps, "
-            f"mean accepted {self.mean_accepted:.2f} tokens/step; {1000 * secs / len(timed):.1f} ms/step, "
-            f"{made / secs:.2f} accepted tokens/s ({len(timed)} timed steps{note}){emulated}"
+            f"speculative ({drafter}, {self.rows} rows per verify step): {len(self.steps)} verify steps{calls}, "
+            f"mean accepted {self.mean_accepted:.2f} tokens/step; {step_ms:.1f} ms/step, "
+            f"{made / secs:.2f} accepted tokens/s ({len(timed)} timed steps{note}); "
+            f"{1000 / step_ms:.2f} tokens/s if each step kept only the target's token (drafts: x{made / len(timed):.2f})"
         )
 
 
@@ -69,14 +70,20 @@ def speculate(
     seed: int = 0,
     stop: frozenset[int] = frozenset(),
     on_tokens: Callable[[list[int]], None] | None = None,
+    prompt_context=None,
 ) -> Speculation:
     """Generate after `prompt` (already prefilled) and its sampled token `first`, until a token in
-    `stop` (kept) or `max_tokens` tokens in all; `on_tokens` sees each step's new tokens."""
+    `stop` (kept) or `max_tokens` tokens in all; `on_tokens` sees each step's new tokens.
+    `prompt_context`: the target's hidden states of the prompt's tokens [T, len(layers), H], for a
+    drafter with `context_layers` (it then gets the accepted rows' after each step)."""
     rows = drafter.rows
     out = Speculation([int(first)], rows)
     if on_tokens:
         on_tokens([int(first)])
-    drafter.start(list(prompt), None)
+    reads = bool(drafter.context_layers)
+    if reads and tuple(getattr(target, "context_layers", ())) != tuple(drafter.context_layers):
+        raise ValueError(f"the drafter reads target layers {drafter.context_layers}: the target gives none of them")
+    drafter.start(list(prompt), prompt_context if reads else None)
     anchor, position = int(first), len(prompt)
     while len(out.tokens) < max_tokens and anchor not in stop:
         drafts = [int(t) for t in drafter.propose(anchor, position)]
@@ -87,7 +94,7 @@ def speculate(
         got = _accept(verified, drafts, sampling, seed, position, getattr(drafter, "draft_probs", None))
         verified.commit(got.drafts + 1)
         out.steps.append((len(got.tokens), time.perf_counter() - t0))
-        drafter.accept(got.tokens, None)
+        drafter.accept(got.tokens, verified.context(got.drafts + 1) if reads else None)
         new = _until_stop(got.tokens[: max_tokens - len(out.tokens)], stop)
         out.tokens += new
         if on_tokens:
@@ -95,7 +102,7 @@ def speculate(
         anchor, position = got.tokens[-1], position + got.drafts + 1
         if len(new) < len(got.tokens):
             break
-    out.rows_run = getattr(target, "rows_run", 0)
+    out.calls = getattr(target, "calls", 0)
     return out
 
 
@@ -116,37 +123,64 @@ def _until_stop(tokens: list[int], stop: frozenset[int]) -> list[int]:
 # ------------------------------------------------------------------------------- the targets
 
 
-def kernel_target(decoder) -> RowByRow:
-    """The kernel's one-row step of a `mkdsl.run.decode.Decoder` (batch 1, its state), row by row."""
-    if decoder.batch != 1:
-        raise ValueError(f"speculative decoding runs one sequence (batch 1), not {decoder.batch}")
-    return kernel_step_target(decoder.step(1), decoder.weights, decoder.state, decoder.seed)
+def kernel_rows_target(module, step: Callable, weights: dict, state: dict, rows: int, seed: int, layers=()):
+    """A batch-1 kernel verify step of the generated `module` (`build_decode_step(1, ...,
+    verify_rows=rows, context_layers=layers)`, weights in its layout) as a target; `state` in the
+    plain layout (as the prefill leaves it), committed by the module's `commit`."""
 
-
-def kernel_step_target(step: Callable, weights: dict, state: dict, seed: int) -> RowByRow:
-    """A batch-1 kernel step (`build_step`'s, weights in its layout) as a target, row by row."""
-
-    def step1(state, tokens, positions):
+    def call(state, tokens, positions):
+        if rows == 1 and not layers:  # the plain step: tokens and positions [1]
+            logits, chosen, new = step(weights, state, tokens.reshape(1), positions.reshape(1), seed)
+            return logits[:, None], chosen.reshape(1, 1), new
         return step(weights, state, tokens, positions, seed)
 
-    return RowByRow(step1, state, copies=True)
+    return RowsTarget(call, _expand(state, module.ROW_STATES, rows), module.commit, rows, layers)
+
+
+def _expand(state: dict, axes: dict[str, int], rows: int) -> dict:
+    """A plain state in the verify layout: each row state's slot repeated R times."""
+    import jax.numpy as jnp
+
+    return {k: jnp.repeat(v, rows, axis=axes[k]) if k in axes and rows > 1 else v for k, v in state.items()}
 
 
 @functools.lru_cache(maxsize=4)
-def reference_fns(model, sampling) -> tuple[Callable, Callable]:
-    """(the XLA prefill, the reference step) of `model`, jitted once per model and sampling."""
+def reference_fns(model, sampling, context_layers: tuple[int, ...] = ()) -> tuple[Callable, Callable]:
+    """(the XLA prefill, the reference step) of `model`, jitted once per model and sampling; the
+    prefill also returns the prompt's hidden states after `context_layers` when given."""
     from mkdsl.run.prefill import build_prefill
     from mkdsl.run.reference import build_reference
 
-    return build_prefill(model, sampling=sampling), build_reference(model)
+    return build_prefill(model, sampling=sampling, context_layers=context_layers), build_reference(model)
 
 
-def reference_target(model, weights: dict, state: dict) -> RowByRow:
-    """The unfused reference's step (jitted, weights in the spec's layout), row by row."""
-    from mkdsl.run.sampling import Sampling
+@functools.lru_cache(maxsize=8)
+def _verify_reference(model, rows: int, layers: tuple[int, ...]) -> Callable:
+    """The jitted reference step: the plain one at R = 1 without layers, else the verify one."""
+    from mkdsl.run.reference import build_reference
+    from mkdsl.run.rows import build_verify_reference
 
-    ref = reference_fns(model, Sampling())[1]
-    return RowByRow(lambda state, tokens, positions: ref(weights, state, tokens, positions), state, copies=False)
+    return build_reference(model) if rows == 1 and not layers else build_verify_reference(model, rows, layers)
+
+
+def reference_rows_target(model, weights: dict, state: dict, rows: int, layers: tuple[int, ...] = ()) -> RowsTarget:
+    """The unfused reference's step as a target (weights and `state` in the spec's layout, the
+    state plain): R = 1 without layers is the plain reference step, else the verify reference."""
+    from functools import partial
+
+    from mkdsl.run.rows import commit, verify_state
+
+    ref = _verify_reference(model, rows, tuple(layers))
+    if rows == 1 and not layers:
+
+        def call(state, tokens, positions):
+            logits, chosen, new = ref(weights, state, tokens.reshape(1), positions.reshape(1))
+            return logits[:, None], chosen.reshape(1, 1), new
+
+        return RowsTarget(call, state, lambda s, _: s, 1)
+    return RowsTarget(
+        lambda s, t, p: ref(weights, s, t, p), verify_state(model, state, rows), partial(commit, model), rows, layers
+    )
 
 
 def zero_state(model, seq_len: int) -> dict:
@@ -161,22 +195,27 @@ def zero_state(model, seq_len: int) -> dict:
 
 
 def run_decoder(decoder, drafter: Drafter, prompt: list[int], max_tokens: int, stop, on_tokens=None):
-    """`mkdsl run --draft`: the decoder's prefill, then `speculate` on its kernel, row by row.
-    Returns (Speculation, prefill seconds, how the prompt went: "XLA" or "kernel steps")."""
+    """`mkdsl run --draft`: the decoder's prefill (with the prompt's hidden states if the drafter
+    reads some), then `speculate` on its R-row verify step. Returns (Speculation, prefill
+    seconds, how the prompt went: "XLA" or "kernel steps")."""
+    if decoder.batch != 1:
+        raise ValueError(f"speculative decoding runs one sequence (batch 1), not {decoder.batch}")
+    layers = tuple(drafter.context_layers)
     t0 = time.perf_counter()
-    first = int(decoder.prefill(np.asarray([prompt], np.int32))[0])
+    first, context = decoder.prefill_with_context(np.asarray([prompt], np.int32), layers)
     prefill_s = time.perf_counter() - t0
-    target = kernel_target(decoder)
+    target = decoder.verify_target(drafter.rows, layers)
     out = speculate(
         target,
         drafter,
         prompt,
-        first,
+        int(first[0]),
         max_tokens,
         sampling=decoder.sampling,
         seed=decoder.seed,
         stop=stop,
         on_tokens=on_tokens,
+        prompt_context=None if context is None else np.asarray(context)[0],
     )
-    decoder.state = target.state
+    decoder.state = None  # in the verify layout: a new generation starts from a new decoder
     return out, prefill_s, "XLA" if decoder.prefill_fn is not None else "kernel steps"

@@ -1,14 +1,13 @@
-"""The target's verify step of R rows of one sequence, emulated by the one-row step.
+"""The target of speculative decoding: one verify step of R rows of one sequence per call.
 
-Issue #22's verify step (`step(weights, state, tokens[B, R], positions[B, R])` and
-`commit(state, accepted)`) runs R rows in one kernel call. Until it lands, `RowByRow` gives the
-speculative loop the same thing from the plain step (the kernel's or the reference's): row r is
-the one-row step fed token r at position + r on the state row r-1 left, and committing `k` rows
-keeps the state after row k-1. That is exact by construction (each row is a plain decode step).
-Rows are computed when the accept rule first reads them, so a step stops at the first rejected
-draft: the emulation runs as many rows as plain decoding would (its timings say nothing about an
-R-row step). The state each row leaves is kept until the commit picks one (the kernel donates
-its input state, so each row runs on a copy).
+`RowsTarget` wraps an R-row step (the kernel's `build_decode_step(..., verify_rows=R)` or the
+verify reference of mkdsl/run/rows.py), its state in the verify layout and its `commit`. Each
+`verify(tokens, position)` is ONE call of that step over the anchor and the R - 1 drafts at
+positions position .. position + R - 1; the accept rule then reads its rows, and `commit(k)`
+keeps the state as if rows 0..k-1 alone had been decoded (recurrent slots selected, caches
+masked by position: mkdsl/run/rows.py). `calls` counts the step's calls (one per verify step).
+With context layers the step also gives the hidden states a drafter reads; `context(k)` is
+those of the k accepted rows.
 """
 
 from __future__ import annotations
@@ -17,55 +16,56 @@ from collections.abc import Callable
 
 import numpy as np
 
-# step1(state, tokens i32 [1], positions i32 [1]) -> (logits [1, V], next_tokens [1], new_state)
-OneRowStep = Callable[[dict, np.ndarray, np.ndarray], tuple]
+# step(state, tokens i32 [1, R], positions i32 [1, R]) -> (logits [1, R, V], next_tokens [1, R],
+# new_state[, context f32 [1, R, len(context_layers), H]])
+RowsStep = Callable[[dict, np.ndarray, np.ndarray], tuple]
+# commit(state, accepted i32 [1]) -> state
+Commit = Callable[[dict, np.ndarray], dict]
 
 
-class RowByRow:
-    """A verify target for one sequence from a one-row step and its state."""
+class RowsTarget:
+    """A verify target for one sequence: an R-row step, its state (verify layout) and commit."""
 
-    context_layers: tuple[int, ...] = ()  # the one-row step exposes no hidden states
+    def __init__(self, step: RowsStep, state: dict, commit: Commit, rows: int, context_layers: tuple[int, ...] = ()):
+        self.step, self.state, self._commit, self.rows = step, state, commit, rows
+        self.context_layers = tuple(context_layers)
+        self.calls = 0  # R-row steps run so far
 
-    def __init__(self, step1: OneRowStep, state: dict, *, copies: bool = True):
-        self.step1, self.state, self.copies = step1, state, copies
-        self.rows_run = 0  # one-row steps run so far
+    def verify(self, tokens: list[int], position: int) -> Verified:
+        if len(tokens) != self.rows:
+            raise ValueError(f"{len(tokens)} tokens for a {self.rows}-row verify step")
+        toks = np.asarray([tokens], np.int32)
+        positions = (position + np.arange(self.rows, dtype=np.int32))[None]
+        out = self.step(self.state, toks, positions)
+        self.calls += 1
+        self.state = None  # the step may donate it: only a commit gives the next one
+        return Verified(self, out)
 
-    def verify(self, tokens: list[int], position: int) -> _Rows:
-        return _Rows(self, [int(t) for t in tokens], position)
 
+class Verified:
+    """One verify step's outputs: the rows the accept rule reads, and `commit(k)`."""
 
-class _Rows:
-    """One verify step's rows, computed on first read; `commit(k)` keeps rows 0..k-1."""
-
-    def __init__(self, owner: RowByRow, tokens: list[int], position: int):
-        self.owner, self.tokens, self.position = owner, tokens, position
-        self.states = [owner.state]  # states[r]: the state before row r
-        self.out: list[tuple[np.ndarray, int]] = []
-
-    def _row(self, r: int) -> tuple[np.ndarray, int]:
-        if not 0 <= r < len(self.tokens):
-            raise IndexError(f"row {r} of a {len(self.tokens)}-row verify step")
-        while len(self.out) <= r:
-            i = len(self.out)
-            state = self.states[i]
-            if self.owner.copies:  # the kernel donates its state: keep ours for a commit
-                state = {k: v.copy() for k, v in state.items()}
-            token, pos = np.array([self.tokens[i]], np.int32), np.array([self.position + i], np.int32)
-            logits, chosen, new = self.owner.step1(state, token, pos)
-            self.owner.rows_run += 1
-            self.out.append((np.asarray(logits)[0], int(np.asarray(chosen).reshape(-1)[0])))
-            self.states.append(new)
-        return self.out[r]
+    def __init__(self, owner: RowsTarget, out: tuple):
+        self.owner = owner
+        rows = owner.rows
+        self._logits = np.asarray(out[0], np.float32).reshape(rows, -1)
+        self._next = np.asarray(out[1]).reshape(rows)
+        self._state = out[2]
+        self._context = np.asarray(out[3]).reshape(rows, len(owner.context_layers), -1) if len(out) > 3 else None
 
     def next_token(self, r: int) -> int:
-        return self._row(r)[1]
+        return int(self._next[r])
 
     def logits(self, r: int) -> np.ndarray:
-        return self._row(r)[0]
+        return self._logits[r]
+
+    def context(self, kept: int) -> np.ndarray | None:
+        """The hidden states [kept, len(context_layers), H] of rows 0..kept-1 (None: no layers)."""
+        return None if self._context is None else self._context[:kept]
 
     def commit(self, kept: int) -> None:
-        """Keep rows 0..kept-1 (the anchor and kept-1 drafts): the state after row kept-1."""
-        if not 1 <= kept <= len(self.out):
-            raise ValueError(f"commit({kept}) of a step with {len(self.out)} rows computed")
-        self.owner.state = self.states[kept]
-        self.states = []
+        """Keep rows 0..kept-1 (the anchor and kept-1 drafts)."""
+        if not 1 <= kept <= self.owner.rows:
+            raise ValueError(f"commit({kept}) of a {self.owner.rows}-row step")
+        self.owner.state = self.owner._commit(self._state, np.array([kept], np.int32))
+        self._state = None
