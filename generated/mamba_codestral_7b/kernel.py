@@ -308,10 +308,12 @@ def _int32(x):
     return jax.lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.uint32 else x.astype(jnp.int32)
 
 
-def _row_keys(seed, positions, rows):
-    """Each row's key [rows, 1]: a hash of (seed, the row's position, the row)."""
+def _row_keys(seed, positions, sequences):
+    """Each row's key [rows, 1]: a hash of (seed, the row's position, the row's sequence). A
+    verify step's row r of sequence b (position p + r) thus draws what plain decoding of b draws
+    at p + r: the key names the token's place in its sequence, not the kernel row."""
     key = _mix32(_int32(seed) ^ jnp.int32(0x9E3779B9 - 2**32))
-    return _mix32(_mix32(key ^ positions) ^ rows)
+    return _mix32(_mix32(key ^ positions) ^ sequences)
 
 
 def _uniform(keys, columns):
@@ -320,12 +322,13 @@ def _uniform(keys, columns):
     return (jax.lax.shift_right_logical(bits, jnp.int32(8)).astype(jnp.float32) + 0.5) * jnp.float32(2.0**-24)
 
 
-def sample_uniform(seed, positions, vocab):
-    """u [batch, vocab] in (0, 1): a hash of (seed, row b's position, b, token id), 24 bits (exact
-    in f32). Counter-based, so a step's draws depend on nothing else: the same seed and positions
+def sample_uniform(seed, positions, vocab, span=1):
+    """u [rows, vocab] in (0, 1): a hash of (seed, row i's position, its sequence i // span, token
+    id), 24 bits (exact in f32); `span`: rows per sequence (a verify step's R; 1: a row is a
+    sequence). Counter-based, so a step's draws depend on nothing else: the same seed and positions
     give the same bits whatever ran before, in one call or several, however the vocabulary is
-    split, in XLA or in the kernel (kernel_sample)."""
-    rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]
+    split, in XLA or in the kernel (sampled_argmax)."""
+    rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None] // span
     keys = _row_keys(seed, _int32(positions)[:, None], rows)
     return _uniform(keys, jnp.arange(vocab, dtype=jnp.int32)[None, :])
 
@@ -344,9 +347,10 @@ def sampling_mask(z, sampling):
     return z
 
 
-def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None):
+def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None, span=1):
     """Next tokens i32 [batch] of `logits` f32 [batch, vocab] under `sampling`: the Gumbel-max
-    draw argmax(z + g), g = -log(-log(u)) from `sample_uniform`, z the masked scaled logits.
+    draw argmax(z + g), g = -log(-log(u)) from `sample_uniform` (`span` rows per sequence), z the
+    masked scaled logits.
     Greedy returns `greedy_tokens` (the kernel's own argmax) if given. A NaN logit is never
     chosen: it counts as -inf, here, in the step's `argmax` and in the kernel (all NaN: token 0)."""
     logits = logits.astype(jnp.float32)
@@ -356,7 +360,7 @@ def sample_tokens(logits, positions, seed, sampling, greedy_tokens=None):
             return greedy_tokens
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     z = sampling_mask(logits / jnp.float32(sampling.temperature), sampling)
-    g = -jnp.log(-jnp.log(sample_uniform(seed, positions, logits.shape[-1])))
+    g = -jnp.log(-jnp.log(sample_uniform(seed, positions, logits.shape[-1], span)))
     return jnp.argmax(z + g, axis=-1).astype(jnp.int32)
 
 
@@ -468,16 +472,18 @@ def _top_p_rule(keep_k, sampling, x, chunk, comm, mask):
     return lambda z: keep_k(z) & (bits(z) > edge)
 
 
-def _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask):
+def _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask, span=1):
     """score(columns [batch, chunk], their global token ids): the perturbed masked scaled logits
-    whose argmax is the draw (greedy: the logits)."""
+    whose argmax is the draw (greedy: the logits). Kernel row i is row i % span of sequence
+    i // span (span: verify rows per sequence), keyed by its sequence as `sample_uniform` keys it."""
     if sampling.greedy:
         return lambda v, cols: v
     row = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
-    pos = jnp.zeros(row.shape, jnp.int32)
+    pos, seq = jnp.zeros(row.shape, jnp.int32), jnp.zeros(row.shape, jnp.int32)
     for b in range(x.shape[0]):
         pos = jnp.where(row == b, positions_ref[b], pos)
-    keys = _row_keys(seed_ref[0], pos, row)
+        seq = jnp.where(row == b, jnp.int32(b // span), seq)
+    keys = _row_keys(seed_ref[0], pos, seq)
     keep = lambda z: jnp.ones(z.shape, bool)  # noqa: E731
     if sampling.top_k and sampling.top_k < vocab:
         keep = _top_k_rule(sampling, x, chunk, comm, mask)
@@ -493,12 +499,12 @@ def _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask):
     return score
 
 
-def sampled_argmax(sampling, seed_ref, positions_ref, x, out, chunk, offset=0, comm=None, mask=None):
+def sampled_argmax(sampling, seed_ref, positions_ref, x, out, chunk, offset=0, comm=None, mask=None, span=1):
     """out <- each row's next token from its logits x (ref f32 [batch, local vocab], this device's
     columns offset.. of a vocabulary split over `mask`), drawn as sample_tokens draws it from
-    (seed_ref[0], positions_ref): the first argmax when greedy."""
+    (seed_ref[0], positions_ref, `span` rows per sequence): the first argmax when greedy."""
     vocab = x.shape[1] * (1 << bin(mask).count("1") if comm is not None else 1)  # the whole vocabulary
-    score = _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask)
+    score = _draw_score(sampling, seed_ref, positions_ref, x, chunk, vocab, comm, mask, span)
 
     def best(v, c0, acc):
         cols = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1) + c0 + offset
@@ -1461,7 +1467,7 @@ def build_decode_step(batch, seq_len, *, interpret=None, layer_trace=False, samp
             cast_into(r.v12_4096, r.v12_4096_bf16)
             linear(r, issue, S_EPILOGUE_LOGITS, 0, base + S_EPILOGUE_LOGITS.start, r.v12_4096_bf16, r.logits)
             # spec line 88: return logits, argmax(logits)
-            sampled_argmax(sampling, seed_ref, positions_ref, r.logits, r.next_tokens, chunk=2048)
+            sampled_argmax(sampling, seed_ref, positions_ref, r.logits, r.next_tokens, chunk=2048, span=span)
             r.chosen[step] = r.next_tokens[...]
             feed_tokens(r, batch, step, positions_in)
             return carry
