@@ -1,4 +1,4 @@
-"""Normalisation: RMSNorm over the whole row or per head."""
+"""Normalisation: RMSNorm over the whole row or per head, with or without a weight."""
 
 from __future__ import annotations
 
@@ -19,12 +19,17 @@ from mkdsl.ops.registry import (
 
 
 def _infer(args, attrs):
-    x, w = args
+    x = args[0]
     expect_rank(x, 2, 0, "the input")
     expect_float(x, 0)
-    expect_rank(w, 1, 1, "the norm weight")
     heads = attrs["heads"]
     width = expect_divides(x.type.shape[1], heads, "row width per head", "heads")
+    if len(args) == 1:  # weightless (Llama 4's QK norm): no offset to add to
+        if attrs["offset"] != 0.0:
+            raise OpError("`offset` shifts a norm weight, and this rmsnorm has none", "offset")
+        return (TensorType(F32, x.type.shape),)
+    w = args[1]
+    expect_rank(w, 1, 1, "the norm weight")
     if w.type.shape[0] != width:
         raise OpError(
             f"norm weight `{w.name}` has {w.type.shape[0]} elements but each "
@@ -36,18 +41,19 @@ def _infer(args, attrs):
 
 def rmsnorm(x, w, eps, heads=1, offset=0.0):
     """x·rsqrt(mean(x²)+eps)·(offset + w) in f32; with heads > 1 each head's slice is normalised
-    alone. `offset=1.0` is the `(1 + w)` form (Gemma, Qwen3-Next), whose weights are stored as w."""
+    alone. `offset=1.0` is the `(1 + w)` form (Gemma, Qwen3-Next), whose weights are stored as w.
+    `w=None` is the weightless norm (x·rsqrt(mean(x²)+eps) alone: Llama 4's QK norm)."""
     x = x.astype(jnp.float32)
     b, n = x.shape
     xh = x.reshape(b, heads, n // heads)
     y = xh * jax.lax.rsqrt(jnp.mean(xh * xh, axis=-1, keepdims=True) + eps)
-    return (y * (offset + w.astype(jnp.float32))).reshape(b, n)
+    return (y if w is None else y * (offset + w.astype(jnp.float32))).reshape(b, n)
 
 
 def rmsnorm_row_split(node: Node) -> list[Node]:
     """`rmsnorm(x, w)` over whole rows as `x * rsqrt(rowsum(x * x) * (1/N) + eps) * (offset + w)`,
     so that a row split over devices is normalised by the sum of every device's squares."""
-    x, w = node.inputs
+    x, w = node.inputs[0], node.opt_arg("weight")
     (out,) = node.outputs
     b, n = out.type.shape
     a = node.attr
@@ -62,6 +68,9 @@ def rmsnorm_row_split(node: Node) -> list[Node]:
     r = step(
         "rsqrt", (step("add_scalar", (step("mul_scalar", (ss,), (b, 1), s=1.0 / n),), (b, 1), s=a["eps"]),), (b, 1)
     )
+    if w is None:
+        step("mul", (x, r), (b, n), name=out.name)
+        return chain
     if a["offset"] != 0.0:
         w = step("add_scalar", (w,), (n,), s=a["offset"])
     step("mul", (step("mul", (x, r), (b, n)), w), (b, n), name=out.name)
@@ -73,10 +82,12 @@ register(
         "rmsnorm",
         ("x", "weight"),
         _infer,
-        lambda x, w, eps, heads, offset: (rmsnorm(x, w, eps, heads, offset),),
-        lambda ins, outs, a: Cost(weight_bytes=nbytes(ins[1]), flops=4 * numel(outs[0])),
+        lambda x, w=None, *, eps, heads, offset: (rmsnorm(x, w, eps, heads, offset),),
+        lambda ins, outs, a: Cost(weight_bytes=sum(nbytes(w) for w in ins[1:]), flops=4 * numel(outs[0])),
         attrs={"eps": 1e-5, "heads": 1, "offset": 0.0},
-        doc="RMSNorm: x·rsqrt(mean(x²)+eps)·(offset + weight), f32; `heads=n` normalises n equal slices.",
+        optional=1,
+        doc="RMSNorm: x·rsqrt(mean(x²)+eps)·(offset + weight), f32 (no weight: x·rsqrt(mean(x²)+eps)); "
+        "`heads=n` normalises n equal slices.",
         shard="norm",
         row_split=lambda node: rmsnorm_row_split(node) if node.attr["heads"] == 1 else None,
     )

@@ -53,9 +53,9 @@ def _numel(t) -> int:
 
 def tokens_seen(s, node) -> int:
     """Cached tokens one row's attention reads: the context and the new token, at most its
-    sliding `window` (as its cost's KV traffic counts them)."""
-    window = cost_attrs(node).get("window")
-    return min(s.context + 1, window) if window else s.context + 1
+    sliding `window` or `chunk` (as its cost's KV traffic counts them)."""
+    bounds = [b for b in (cost_attrs(node).get(k) for k in ("window", "chunk")) if b]
+    return min(s.context + 1, *bounds)
 
 
 def _exchanges(s) -> dict[tuple[str, str], object]:

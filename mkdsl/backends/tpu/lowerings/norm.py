@@ -8,6 +8,8 @@ from mkdsl.backends.tpu.lowering import EmitContext, Lowering, Site, register_lo
 def norm_weight(em: EmitContext, node, pre: list[str]) -> str:
     """Code for a norm's fetched weight row, in the (offset + w) form where the node has an offset
     (added once to the fetched row)."""
+    if node.opt_arg("weight") is None:  # weightless: the runtime multiplies by nothing
+        return "None"
     w = em.fetched(node.arg("weight").name, pre)
     if node.attr.get("offset", 0.0) != 0.0:
         w = f"({em.attr_codes(node)['offset']} + {w})"
