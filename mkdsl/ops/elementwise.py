@@ -333,7 +333,6 @@ _unary_op(
 )
 
 
-
 def _to_f32(args, attrs):
     (x,) = args
     expect_dtype(x, ("i32",), 0)

@@ -36,7 +36,5 @@ def _to_f32_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
 
 
 register_lowering(
-    Lowering(
-        "to_f32", ELEMENTWISE.template, ELEMENTWISE.macro, _to_f32_record, check=_to_f32_check, runtime=HELPERS
-    )
+    Lowering("to_f32", ELEMENTWISE.template, ELEMENTWISE.macro, _to_f32_record, check=_to_f32_check, runtime=HELPERS)
 )
