@@ -55,7 +55,7 @@ def tokens_seen(s, node) -> int:
     """Cached tokens one row's attention reads: the context and the new token, at most its
     sliding `window` or `chunk` (as its cost's KV traffic counts them)."""
     bounds = [b for b in (cost_attrs(node).get(k) for k in ("window", "chunk")) if b]
-    return min(s.context + 1, *bounds)
+    return min([s.context + 1, *bounds])
 
 
 def _exchanges(s) -> dict[tuple[str, str], object]:
