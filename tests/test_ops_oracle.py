@@ -315,15 +315,20 @@ def test_softmax(seed, b, n, scale, dt):
     dt=ACT_DTYPES,
     wdt=ACT_DTYPES,
     eps=st.sampled_from([1e-6, 1e-5, 0.1]),
-    offset=st.sampled_from([0.0, 1.0]),
+    offset=st.sampled_from([0.0, 1.0, None]),
 )
 def test_rmsnorm(seed, b, heads, width, scale, dt, wdt, eps, offset):
-    """offset + w is one f32 rounding of exact values (relative to the result), so F32_RTOL holds."""
+    """offset + w is one f32 rounding of exact values (relative to the result), so F32_RTOL holds.
+    offset None: the weightless norm (no weight operand; Llama 4's qk norm), x·rsqrt(mean(x²)+eps)."""
     rng = np.random.default_rng(seed)
     x, xv = activation(rng, (b, heads * width), scale, dt)
     w, wv = activation(rng, (width,), 1.0, wdt)
-    (out,) = run("rmsnorm", x, w, eps=eps, heads=heads, offset=offset)
-    wv = offset + wv
+    if offset is None:
+        (out,) = run("rmsnorm", x, eps=eps, heads=heads)
+        wv = np.ones(width)
+    else:
+        (out,) = run("rmsnorm", x, w, eps=eps, heads=heads, offset=offset)
+        wv = offset + wv
     want = np.empty((b, heads * width))
     for r in range(b):
         for h in range(heads):
