@@ -41,6 +41,7 @@ def test_the_specs_with_an_architecture():
         "mixtral_8x7b",
         "qwen2_5_7b",
         "deepseek_v2_lite",
+        "llama4_scout",
     } <= names
 
 
