@@ -217,6 +217,7 @@ def test_repeat(seed, heads, each):
         for j in range(each):
             want[:, h * each + j] = sv[:, h]
     exact(run("repeat", s, each=each), want, "repeat")
+    exact(run("repeat", s[0], each=each), want[0], "repeat of a per-head weight [heads]")
 
 
 @oracle_for("rowsum")

@@ -65,6 +65,15 @@ def _rows(s: Shape, a: dict):
     return d, np.arange(lo, hi)
 
 
+def _repeat(s: Shape, a: dict):
+    d = _axis(s, a)
+    if isinstance(d, str):
+        return d
+    if a["each"] < 1:
+        return f"`repeat(each={a['each']})` needs each >= 1"
+    return d, np.arange(s[d] * a["each"]) // a["each"]
+
+
 def _group_rows(s: Shape, a: dict):
     d = _axis(s, a)
     if isinstance(d, str):
@@ -168,6 +177,13 @@ STEPS: dict[str, StepDef] = {
         "undoes llama.cpp's q/k row permutation: in each of the N heads of d rows, stored row "
         "`2j + s` is row `s*d/2 + j`, so half-split `rope` applies",
         select=_unpermute,
+    ),
+    "repeat": StepDef(
+        ("each", "dim"),
+        "repeats each entry of dimension `dim` `each` times in place (a per-head `[heads]` weight "
+        "widened to the `[heads * d]` values it scales)",
+        (("dim", 0),),
+        select=_repeat,
     ),
     "squeeze": StepDef(
         ("dim",),

@@ -87,14 +87,16 @@ def _clamp(args, attrs):
 
 
 def _repeat(args, attrs):
+    """[B, NH] per-row per-head scalars, or a declared per-head weight [NH]: each column `each` times."""
     (s,) = args
     expect_float(s, 0)
-    expect_rank(s, 2, 0, "repeat's operand")
+    if not (len(s.type.shape) == 1 and s.kind == "tensor" and not s.is_state):  # else a weight [NH]
+        expect_rank(s, 2, 0, "repeat's operand ([B, heads], or a declared weight [heads])")
     each = attrs["each"]
     if not isinstance(each, int) or isinstance(each, bool) or each < 1:
         raise OpError(f"`each` must be an integer of at least 1, got {each!r}", "each")
-    n = s.type.shape[1]
-    return (TensorType(F32, (s.type.shape[0], n * each if isinstance(n, int) else n)),)
+    n = s.type.shape[-1]
+    return (TensorType(F32, (*s.type.shape[:-1], n * each if isinstance(n, int) else n)),)
 
 
 def _rowsum(args, attrs):
@@ -315,10 +317,10 @@ _unary_op(
 )
 _unary_op(
     "repeat",
-    lambda x, each: jnp.repeat(x, each, axis=1),
+    lambda x, each: jnp.repeat(x, each, axis=-1),
     "repeat_cols({x}, {each})",
     1,
-    "Each column repeated `each` times: per-head scalars [B, NH] to [B, NH*each].",
+    "Each column repeated `each` times: per-head scalars [B, NH] to [B, NH*each], a per-head weight [NH] to [NH*each].",
     {"each": REQUIRED},
     infer=_repeat,
 )
