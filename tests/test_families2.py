@@ -1,7 +1,7 @@
 """The general capabilities Llama 4 needed, each in one small spec built on specs/tiny.mk, its kernel
 against the reference in TPU interpret mode (race detector on), layer by layer: attention's
 `chunk` mask, position-dependent scalars (`to_f32`, `floor`, `log` on the step's positions), the
-weightless `rmsnorm`, and a per-head weight `[NH]` broadcast over the head dim (`repeat` of a
+weightless `rmsnorm`, `layernorm` with and without a bias, and a per-head weight `[NH]` broadcast over the head dim (`repeat` of a
 declared weight). Decode steps, and verify rows (R = 2 per sequence, each row at its own
 position). The float64 oracles of each op are in tests/test_ops_*.py; the Llama 4 spec that uses
 them all, sharded, is tests/test_llama4.py.
@@ -39,10 +39,13 @@ def load_text(text: str):
 
 
 def families_spec(chunk: int) -> str:
-    assert LAYER in TINY
+    assert LAYER in TINY and "h = rmsnorm(x, norm2)" in TINY and "rmsnorm(x, out_norm)" in TINY
     text = TINY.replace(LAYER, FAMILIES).replace(
         "weight wo:", "weight head_scale: bf16[NH] per layer   # a per-head output scale\nweight wo:"
     )
+    text = text.replace("weight w_gate:", "weight ln_bias: bf16[H] per layer\nweight w_gate:")
+    text = text.replace("h = rmsnorm(x, norm2)", "h = layernorm(x, norm2, ln_bias)")  # LayerNorm with a bias
+    text = text.replace("rmsnorm(x, out_norm)", "layernorm(x, out_norm, eps=0.000001)")  # and without
     return text.replace("const V = 256", f"const V = 256\nconst CHUNK = {chunk}")
 
 
@@ -53,6 +56,8 @@ def test_the_spec_says_each_capability():
     assert {"to_f32", "floor", "log", "repeat"} <= set(ops)
     norms = [n for n in model.kinds[0].nodes if n.op == "rmsnorm"]
     assert sum(len(n.inputs) == 1 for n in norms) == 2  # the weightless q and k norms
+    assert [len(n.inputs) for n in model.kinds[0].nodes if n.op == "layernorm"] == [3]
+    assert [len(n.inputs) for n in model.step.nodes if n.op == "layernorm"] == [2]
 
 
 def test_per_head_weight_and_chunk_change_the_reference():
@@ -63,14 +68,15 @@ def test_per_head_weight_and_chunk_change_the_reference():
         "families": families_spec(8),
         "no chunk": families_spec(8).replace(", chunk=CHUNK", ""),
         "no head scale": families_spec(8).replace("a * repeat(head_scale, each=D)", "a"),
+        "no norm bias": families_spec(8).replace("layernorm(x, norm2, ln_bias)", "layernorm(x, norm2)"),
     }.items():
         model = load_text(text)
         if weights is None:
             weights, state = random_params(model, {"B": 2, "S": 64}, seed=5)
-        w = weights if name != "no head scale" else {k: v for k, v in weights.items() if k != "head_scale"}
+        w = {k: v for k, v in weights.items() if k in {t.name for t in model.tensors}}
         logits = build_reference(model)(w, state, np.array([3, 7], np.int32), np.array([20, 40], np.int32))[0]
         outs[name] = np.asarray(logits)
-    for name in ("no chunk", "no head scale"):
+    for name in ("no chunk", "no head scale", "no norm bias"):
         assert np.abs(outs[name] - outs["families"]).max() > 1e-3, name
 
 

@@ -337,6 +337,41 @@ def test_rmsnorm(seed, b, heads, width, scale, dt, wdt, eps, offset):
     close(out, want, TINY, F32_RTOL, f"rmsnorm heads={heads}")
 
 
+@oracle_for("layernorm")
+@MANY
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    heads=st.sampled_from([1, 2]),
+    width=st.sampled_from([8, 64]),
+    scale=SCALES,
+    shift=st.sampled_from([0.0, 3.0]),
+    eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+    bias=st.booleans(),
+)
+def test_layernorm(seed, b, heads, width, scale, shift, eps, bias):
+    """torch.nn.LayerNorm: (x - mean)/sqrt(mean((x - mean)²) + eps)·w (+ b). Rows shifted off zero
+    (`shift`): the mean's f32 rounding is relative to |x|, so the centred values carry an error of
+    ~n·u·max|x|, relative to their spread std: the bound scales by 1 + shift/std."""
+    rng = np.random.default_rng(seed)
+    x, xv = activation(rng, (b, heads * width), scale, "f32")
+    x = (x + np.float32(shift * scale)).astype(np.float32)
+    xv = x.astype(np.float64)
+    w, wv = activation(rng, (width,), 1.0, "bf16")
+    bb, bv = activation(rng, (width,), 1.0, "bf16")
+    (out,) = run("layernorm", x, w, bb, eps=eps, heads=heads) if bias else run("layernorm", x, w, eps=eps, heads=heads)
+    want = np.empty((b, heads * width))
+    rel = np.empty((b, heads * width))
+    for r in range(b):
+        for h in range(heads):
+            sl = slice(h * width, (h + 1) * width)
+            c = xv[r, sl] - xv[r, sl].mean()
+            std = np.sqrt(np.mean(c**2) + eps)
+            want[r, sl] = c / std * wv + (bv if bias else 0.0)
+            rel[r, sl] = 4 * (width + 4) * U * (1 + np.abs(xv[r, sl]).max() / std) * np.abs(wv)
+    close(out, want, TINY + rel, F32_RTOL, f"layernorm heads={heads} bias={bias}")
+
+
 # ---------------------------------------------------------------- linear and embedding
 
 
@@ -801,6 +836,7 @@ KNOWN_ATTRS = {  # the attributes the oracles above pass by name (ops not listed
     "softcap": {"cap"},
     "situ": {"beta", "linear_beta"},
     "rmsnorm": {"eps", "heads", "offset"},
+    "layernorm": {"eps", "heads"},
     "rope": {"heads", "theta"},
     "attention": {"heads", "kv_heads", "scale"},
     "topk": {"k"},

@@ -1,4 +1,5 @@
-"""Normalisation: RMSNorm over the whole row or per head, with or without a weight."""
+"""Normalisation: RMSNorm (with or without a weight) and LayerNorm (with or without a bias), over
+the whole row or per head."""
 
 from __future__ import annotations
 
@@ -90,5 +91,46 @@ register(
         "`heads=n` normalises n equal slices.",
         shard="norm",
         row_split=lambda node: rmsnorm_row_split(node) if node.attr["heads"] == 1 else None,
+    )
+)
+
+
+def _layernorm_infer(args, attrs):
+    x, w = args[:2]
+    expect_rank(x, 2, 0, "the input")
+    expect_float(x, 0)
+    width = expect_divides(x.type.shape[1], attrs["heads"], "row width per head", "heads")
+    for i, t in enumerate(args[1:], 1):
+        what = "norm weight" if i == 1 else "norm bias"
+        expect_rank(t, 1, i, f"the {what}")
+        if t.type.shape[0] != width:
+            raise OpError(
+                f"{what} `{t.name}` has {t.type.shape[0]} elements but each slice of `{x.name}` has {width}", i
+            )
+    return (TensorType(F32, x.type.shape),)
+
+
+def layernorm(x, w, b=None, *, eps, heads=1):
+    """(x - mean(x))·rsqrt(var(x) + eps)·w + b in f32 (the biased variance, mean((x - mean)²), as
+    torch's LayerNorm); with heads > 1 each head's slice alone; `b=None` is LayerNorm without bias."""
+    x = x.astype(jnp.float32)
+    rows, n = x.shape
+    xh = x.reshape(rows, heads, n // heads)
+    c = xh - jnp.mean(xh, axis=-1, keepdims=True)
+    y = c * jax.lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + eps) * w.astype(jnp.float32)
+    return (y if b is None else y + b.astype(jnp.float32)).reshape(rows, n)
+
+
+register(
+    OpDef(
+        "layernorm",
+        ("x", "weight", "bias"),
+        _layernorm_infer,
+        lambda x, w, b=None, *, eps, heads: (layernorm(x, w, b, eps=eps, heads=heads),),
+        lambda ins, outs, a: Cost(weight_bytes=sum(nbytes(t) for t in ins[1:]), flops=7 * numel(outs[0])),
+        attrs={"eps": 1e-5, "heads": 1},
+        optional=1,
+        doc="LayerNorm: (x - mean)·rsqrt(var + eps)·weight (+ bias), f32; `heads=n` normalises n equal slices.",
+        shard="norm",
     )
 )
