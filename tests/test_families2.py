@@ -80,6 +80,20 @@ def test_per_head_weight_and_chunk_change_the_reference():
         assert np.abs(outs[name] - outs["families"]).max() > 1e-3, name
 
 
+def test_the_chunk_kernel_text_is_the_one_adding_an_op_shows():
+    doc = (ROOT / "docs" / "adding-an-op.md").read_text(encoding="utf-8")
+    shown = doc.split("```python chunk kernel\n", 1)[1].split("```", 1)[0].strip()
+    text = TINY.replace(
+        "heads=NH, kv_heads=NKV)\n  x = x + linear(a, wo)",
+        "heads=NH, kv_heads=NKV, chunk=CHUNK)\n  x = x + linear(a, wo)",
+    )
+    out, _ = compile_source(text.replace("const V = 256", "const V = 256\nconst CHUNK = 8"), "spec.mk", None, None)
+    assert "chunk=CHUNK" in text and shown in out.files["kernel.py"]
+    plain = compile_source(TINY, "tiny.mk", None, None)[0].files["kernel.py"]
+    ctor = next(line for line in plain.splitlines() if "= Attention(r, positions_ref" in line)
+    assert ctor.endswith("window=None)")  # a kernel without chunks is built as before
+
+
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory):
     text = families_spec(8) + "\nhints { kv_tile = 16 }\n"

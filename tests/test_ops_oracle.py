@@ -836,10 +836,10 @@ KNOWN_ATTRS = {  # the attributes the oracles above pass by name (ops not listed
     "softcap": {"cap"},
     "situ": {"beta", "linear_beta"},
     "rmsnorm": {"eps", "heads", "offset"},
-    "layernorm": {"eps", "heads"},
     "rope": {"heads", "theta"},
     "attention": {"heads", "kv_heads", "scale"},
     "topk": {"k"},
+    "layernorm": {"eps", "heads"},
 }
 
 
