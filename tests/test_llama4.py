@@ -158,3 +158,33 @@ def test_mini_kernel_matches_reference_sharded_interpret(kernel, record_property
     assert kernel[1].MESH_SHAPE == (2, 2)
     worst = run_mini_kernel(kernel, 2, SEQ_LEN, (7, 10), 2, seed=17, vocab=1000)
     record_property("worst_of_bound", round(max(worst.values()), 4))
+
+
+@pytest.mark.slow
+def test_mini_prefill_per_device_equals_the_whole_prefill():
+    """The SPMD prefill rules of the new capabilities (the chunk mask, the temperature from the
+    positions, the weightless qk norm over split heads, experts weighted on their input over ep):
+    over ep 2 x tp 2, a 12-token prompt (crossing the chunk of 8 and the temperature steps of 4)
+    and a 5-token one; the bounds are tests/test_prefill_spmd.py's, derived there."""
+    import jax.numpy as jnp
+    from test_prefill_spmd import _f32, _mesh, _state_ratio
+
+    import mkdsl
+    from mkdsl.run.prefill import build_prefill
+    from mkdsl.run.prefill_spmd import build_sharded_prefill
+    from mkdsl.verify.kernel import LOGIT_RTOL
+
+    spec = mkdsl.load(str(SPEC), "mini")
+    model = spec.model
+    weights, state = mkdsl.random_inputs(spec, batch=2, seq_len=SEQ_LEN, seed=9)
+    state = {k: jnp.asarray(v) for k, v in state.items()}
+    tokens = np.random.default_rng(9).integers(0, 1000, (2, 12)).astype(np.int32)
+    lengths = np.array([12, 5], np.int32)
+    want_logits, want_tokens, want = build_prefill(model, donate=False)(weights, state, tokens, lengths)
+    logits, next_tokens, got = build_sharded_prefill(model, _mesh(model))(weights, state, tokens, lengths)
+    worst = {t.name: _state_ratio(model, t, want[t.name], got[t.name]) for t in model.states}
+    scale = np.abs(_f32(want_logits)).max(axis=-1)
+    err = np.abs(_f32(logits) - _f32(want_logits)).max(axis=-1)
+    worst["logits"] = float((err / ((len(model.schedule) + 1) * LOGIT_RTOL * scale)).max())
+    assert {k: round(v, 3) for k, v in worst.items() if not v <= 1} == {}, worst
+    assert (np.asarray(next_tokens) == np.asarray(want_tokens)).all()
