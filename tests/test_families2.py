@@ -1,7 +1,8 @@
 """The general capabilities Llama 4 needed, each in one small spec built on specs/tiny.mk, its kernel
 against the reference in TPU interpret mode (race detector on), layer by layer: attention's
 `chunk` mask, position-dependent scalars (`to_f32`, `floor`, `log` on the step's positions), the
-weightless `rmsnorm`, `layernorm` with and without a bias, and a per-head weight `[NH]` broadcast over the head dim (`repeat` of a
+weightless `rmsnorm`, `layernorm` with and without a bias, a `linear` whose input stays f32
+(`input="f32"`), and a per-head weight `[NH]` broadcast over the head dim (`repeat` of a
 declared weight). Decode steps, and verify rows (R = 2 per sequence, each row at its own
 position). The float64 oracles of each op are in tests/test_ops_*.py; the Llama 4 spec that uses
 them all, sharded, is tests/test_llama4.py.
@@ -46,6 +47,8 @@ def families_spec(chunk: int) -> str:
     text = text.replace("weight w_gate:", "weight ln_bias: bf16[H] per layer\nweight w_gate:")
     text = text.replace("h = rmsnorm(x, norm2)", "h = layernorm(x, norm2, ln_bias)")  # LayerNorm with a bias
     text = text.replace("rmsnorm(x, out_norm)", "layernorm(x, out_norm, eps=0.000001)")  # and without
+    assert "linear(h, w_up)" in text
+    text = text.replace("linear(h, w_up)", 'linear(h, w_up, input="f32")')  # the input kept f32
     return text.replace("const V = 256", f"const V = 256\nconst CHUNK = {chunk}")
 
 
@@ -69,6 +72,7 @@ def test_per_head_weight_and_chunk_change_the_reference():
         "no chunk": families_spec(8).replace(", chunk=CHUNK", ""),
         "no head scale": families_spec(8).replace("a * repeat(head_scale, each=D)", "a"),
         "no norm bias": families_spec(8).replace("layernorm(x, norm2, ln_bias)", "layernorm(x, norm2)"),
+        "bf16 input": families_spec(8).replace('input="f32"', 'input="bf16"'),
     }.items():
         model = load_text(text)
         if weights is None:
@@ -78,6 +82,7 @@ def test_per_head_weight_and_chunk_change_the_reference():
         outs[name] = np.asarray(logits)
     for name in ("no chunk", "no head scale", "no norm bias"):
         assert np.abs(outs[name] - outs["families"]).max() > 1e-3, name
+    assert np.abs(outs["bf16 input"] - outs["families"]).max() > 0  # the input's rounding is visible
 
 
 def test_the_chunk_kernel_text_is_the_one_adding_an_op_shows():

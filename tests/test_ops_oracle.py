@@ -425,6 +425,25 @@ def test_linear_plain_weights(seed, b, k, n, scale, dt, fmt, transposed):
     check_linear(out, xv, wv, f"linear {fmt}{' transposed' if transposed else ''}")
 
 
+@oracle_for("linear")
+@FEW
+@given(seed=SEEDS, b=ROWS, k=st.sampled_from([8, 256]), n=st.sampled_from([1, 24]), scale=SCALES)
+def test_linear_f32_input(seed, b, k, n, scale):
+    """input="f32" (a router the reference implementation computes in f32): x is not rounded, so
+    the product is x @ w to f32 summation error; rounding x to bf16 first misses it by ~2^-9."""
+    rng = np.random.default_rng(seed)
+    x, xv = activation(rng, (b, k), scale, "f32")
+    w = bf16_array(rng.standard_normal((k, n)) / np.sqrt(k))
+    wv = bf16_decode(w)
+    (out,) = run("linear", x, w, input="f32")
+    want = xv @ wv
+    close(out, want, 2 * (k + 2) * U * (np.abs(xv) @ np.abs(wv)) + TINY, 0, "linear f32 input")
+    # x = 1 + 2^-12 is no bf16 value: eight of them times ones are 8 + 2^-9 kept f32, 8 rounded first
+    ones, xs = bf16_array(np.ones((8, 1))), np.full((1, 8), 1 + 2.0**-12, np.float32)
+    exact(run("linear", xs, ones, input="f32")[0], [[8 + 2.0**-9]], "linear f32 input keeps x")
+    exact(run("linear", xs, ones)[0], [[8.0]], "linear rounds x to bf16 by default")
+
+
 @oracle_for("linear", "mxfp4")
 @FEW
 @given(seed=SEEDS, b=ROWS, k=st.sampled_from([32, 128]), n=st.sampled_from([1, 24]), scale=SCALES, dt=ACT_DTYPES)
@@ -831,7 +850,7 @@ KNOWN_ATTRS = {  # the attributes the oracles above pass by name (ops not listed
     "swiglu": set(),
     "softmax": set(),
     "embedding": set(),
-    "linear": {"transposed"},
+    "linear": {"transposed", "input"},
     "argmax": set(),
     "softcap": {"cap"},
     "situ": {"beta", "linear_beta"},
