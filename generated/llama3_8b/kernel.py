@@ -720,7 +720,11 @@ def linear(r, issue, st: Stream, slot, base, xb, out):
             issue(g + RING_DEPTH - 1, st)
         bank = ring_bank(g)
         st.wait(r, bank)
-        y = jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+        w = r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)]
+        if xb.dtype == F32:  # an f32 input (`input="f32"`): the bf16 tile upcast, full-precision products
+            y = jnp.dot(xb[:, k_columns(st, k)], w.astype(F32), preferred_element_type=F32, precision=HIGHEST)
+        else:
+            y = jnp.dot(xb[:, k_columns(st, k)], w, preferred_element_type=F32)
         if small:
             issue(g + RING_DEPTH - 1, st, part)
         return y
