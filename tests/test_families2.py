@@ -118,3 +118,22 @@ def test_kernel_matches_reference_in_interpret_mode(kernel, rows):
     result = verify.check_batch(model, module, checker, 2, 2, seed=3, rows=rows)
     assert not result.failures, "; ".join(result.failures[:8])
     assert "cross the smallest window or chunk (8 tokens" in result.note
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_families_kernel_compiles_with_libtpu(tmp_path):
+    """ "A spec that checks compiles": Mosaic accepts every new lowering (the chunk tables, the
+    positions in SMEM as f32 rows, the weightless and the bias-free norms, the f32-input matmul,
+    a per-head weight widened by lanes) at the largest batch."""
+    from compile_helpers import load_module
+
+    from mkdsl.backends.tpu.libtpu import compile_module, topology_for, tpu7x_devices
+
+    out, _ = compile_source(families_spec(8), "families.mk", None, None)
+    path = tmp_path / "kernel.py"
+    path.write_text(out.files["kernel.py"], encoding="utf-8")
+    module = load_module(path, "families2_libtpu")
+    batch = out.model.dims[0].high
+    compiled, _ = compile_module(module, tpu7x_devices(topology_for(module)), batch, verify.check_seq_len(module))
+    assert compiled is not None
