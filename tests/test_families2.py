@@ -12,14 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from mkdsl.compiler import compile_source
 from mkdsl.lang.elaborate import elaborate
 from mkdsl.lang.syntax import parse
-from mkdsl.run.random_params import random_params
-from mkdsl.run.reference import build_reference
 from mkdsl.verify import kernel as verify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,28 +60,6 @@ def test_the_spec_says_each_capability():
     assert [len(n.inputs) for n in model.step.nodes if n.op == "layernorm"] == [2]
 
 
-def test_per_head_weight_and_chunk_change_the_reference():
-    """Each attribute is read: without the chunk, or with the head scale left out, the logits differ."""
-    weights, state = None, None
-    outs = {}
-    for name, text in {
-        "families": families_spec(8),
-        "no chunk": families_spec(8).replace(", chunk=CHUNK", ""),
-        "no head scale": families_spec(8).replace("a * repeat(head_scale, each=D)", "a"),
-        "no norm bias": families_spec(8).replace("layernorm(x, norm2, ln_bias)", "layernorm(x, norm2)"),
-        "bf16 input": families_spec(8).replace('input="f32"', 'input="bf16"'),
-    }.items():
-        model = load_text(text)
-        if weights is None:
-            weights, state = random_params(model, {"B": 2, "S": 64}, seed=5)
-        w = {k: v for k, v in weights.items() if k in {t.name for t in model.tensors}}
-        logits = build_reference(model)(w, state, np.array([3, 7], np.int32), np.array([20, 40], np.int32))[0]
-        outs[name] = np.asarray(logits)
-    for name in ("no chunk", "no head scale", "no norm bias"):
-        assert np.abs(outs[name] - outs["families"]).max() > 1e-3, name
-    assert np.abs(outs["bf16 input"] - outs["families"]).max() > 0  # the input's rounding is visible
-
-
 def test_the_chunk_kernel_text_is_the_one_adding_an_op_shows():
     doc = (ROOT / "docs" / "adding-an-op.md").read_text(encoding="utf-8")
     shown = doc.split("```python chunk kernel\n", 1)[1].split("```", 1)[0].strip()
@@ -109,10 +84,12 @@ def kernel(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [2])
 def test_kernel_matches_reference_in_interpret_mode(kernel, rows):
     """Batch 2, two steps from one token before a chunk boundary (verify's start rule), so the
-    second step's rows start a new chunk and a new temperature step."""
+    second step's rows start a new chunk and a new temperature step. Verify rows (R = 2) only, to
+    keep CI's time: one-row decode of the same lowerings (the chunk among them) is
+    tests/test_llama4.py's kernel test, and the ops' float64 oracles show each attribute is read."""
     model, module = kernel
     checker = verify.LayerChecker(model, rows=rows) if rows > 1 else verify.LayerChecker(model)
     result = verify.check_batch(model, module, checker, 2, 2, seed=3, rows=rows)

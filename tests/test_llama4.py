@@ -134,7 +134,7 @@ def mini():
     return load(str(SPEC), "mini")
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [4])
 def test_reference_matches_an_independent_numpy_decode(batch, mini):
     weights, state = random_params(mini, {"B": batch, "S": SEQ_LEN}, seed=80 + batch)
     card = Card(mini, weights)
