@@ -41,8 +41,9 @@ def _linear_infer(args, attrs):
     expect_rank(w, 2, 1, "the weight")
     if not isinstance(attrs["transposed"], bool):
         raise OpError("`transposed` must be true or false", "transposed")
-    if attrs["input"] not in ("bf16", "f32"):
-        raise OpError(f'input must be "bf16" (rounded, the MXU default) or "f32", got {attrs["input"]!r}', "input")
+    given = attrs.get("input", "bf16")  # shape rules may be asked without the defaults filled in
+    if given not in ("bf16", "f32"):
+        raise OpError(f'input must be "bf16" (rounded, the MXU default) or "f32", got {given!r}', "input")
     if attrs["transposed"] and w.type.dtype.quantised:
         raise OpError(f"a transposed weight must not be quantised, but `{w.name}` is {w.type.dtype}", 1)
     n, k = w.type.shape if attrs["transposed"] else reversed(w.type.shape)
@@ -59,7 +60,7 @@ def _linear_infer(args, attrs):
 def _linear_cost(ins, outs, attrs):
     x, w = ins
     k, n = w.shape
-    passes = 3 if attrs["input"] == "f32" else 1  # an f32 input is three bf16 parts on the MXU
+    passes = 3 if attrs.get("input") == "f32" else 1  # an f32 input is three bf16 parts on the MXU
     return Cost(weight_bytes=nbytes(w), flops=2 * x.shape[0] * k * n * passes)
 
 

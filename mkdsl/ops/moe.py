@@ -193,10 +193,9 @@ def _experts_infer(args, attrs):
     if w2.type.shape != (e, f, d):
         raise OpError(f"w2 `{w2.name}` is {w2.type}, expected [{e}, {f}, {d}]", 5)
     _check_biases(args, e, d, f)
-    if attrs["weigh"] not in ("output", "input"):
-        raise OpError(
-            f'weigh must be "output" or "input" (where the routing weight applies), got {attrs["weigh"]!r}', "weigh"
-        )
+    weigh = attrs.get("weigh", "output")  # shape rules may be asked without the defaults filled in
+    if weigh not in ("output", "input"):
+        raise OpError(f'weigh must be "output" or "input" (where the routing weight applies), got {weigh!r}', "weigh")
     return (TensorType(F32, (b, d)),)
 
 

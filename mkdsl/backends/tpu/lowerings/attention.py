@@ -81,7 +81,7 @@ def _scratch(s: PlanContext, at: Site) -> dict:
         )
     reach = mask_reach(at.node)
     if reach is not None:  # this op's own KV tile tables: the tiles its window or chunk reaches
-        n = f"batch * {(reach - 1) // s.kv_tile + 2}"
+        n = f"batch * {(reach - 1) // s.kv_tile + 2 + global_tiles(at.node, s.kv_tile)}"
         parts["kv_row"] = ((n,), "int32", "masked KV tile table: row", "SMEM")
         parts["kv_t0"] = ((n,), "int32", "masked KV tile table: first token", "SMEM")
         parts["kv_n"] = ((1,), "int32", "masked KV tile count", "SMEM")
@@ -103,16 +103,23 @@ def mask_reach(node) -> int | None:
     return min(bounds) if bounds else None
 
 
-def kv_tile_count(context: int, kv_tile: int, window: int | None, chunk: int | None = None) -> int:
+def global_tiles(node, kv_tile: int) -> int:
+    """KV tiles holding the op's global tokens (0 without them)."""
+    g = node.attr.get("global_tokens")
+    return 0 if g is None else -(-g // kv_tile)
+
+
+def kv_tile_count(context: int, kv_tile: int, window: int | None, chunk: int | None = None, global_tokens=None) -> int:
     """KV tiles a row at position `context` reads: from the tile of its first seen key (window,
-    chunk) to its own (the kernel's `kv_tables`); tiles wholly before it are neither fetched nor
-    counted."""
+    chunk) to its own (the kernel's `kv_tables`), and the global tokens' tiles before that;
+    tiles wholly before it are neither fetched nor counted."""
     first = 0
     if window is not None:
         first = max(context - window + 1, first)
     if chunk is not None:
         first = max(context - context % chunk, first)
-    return context // kv_tile + 1 - first // kv_tile
+    head = 0 if global_tokens is None or first == 0 else min(-(-global_tokens // kv_tile), first // kv_tile)
+    return context // kv_tile + 1 - first // kv_tile + head
 
 
 def _traffic(s: PlanContext, at: Site) -> Traffic:
@@ -120,7 +127,8 @@ def _traffic(s: PlanContext, at: Site) -> Traffic:
     kc, vc = _caches(s.model, at)
     _, kvh, _, dk = kc.type.shape
     dv = vc.type.shape[3]
-    kv_tiles = kv_tile_count(s.context, s.kv_tile, at.node.attr["window"], at.node.attr.get("chunk"))
+    a = at.node.attr
+    kv_tiles = kv_tile_count(s.context, s.kv_tile, a["window"], a.get("chunk"), a.get("global_tokens"))
     read = s.batch * kv_tiles * s.kv_tile * loaded_kv_heads(at.node, kvh) * (dk + dv) * 2
     written = s.batch * kvh * 16 * (dk + dv) * 2
     if at.node.attr.get("kv_axes"):  # the new token's block of every KV head is read, patched, written
@@ -138,8 +146,12 @@ def _replicated(em: EmitContext, node, kvh: int) -> str:
 
 
 def _chunk(node) -> str:
-    """The constructor's `chunk` argument, only where the op has chunks (kernels without are unchanged)."""
-    return "" if node.attr.get("chunk") is None else f", chunk={node.attr['chunk']!r}"
+    """The constructor's `chunk` and `global_tokens` arguments, only where the op has them (kernels
+    without are unchanged); global tokens only matter past a window or chunk."""
+    out = "" if node.attr.get("chunk") is None else f", chunk={node.attr['chunk']!r}"
+    if node.attr.get("global_tokens") is not None and mask_reach(node) is not None:
+        out += f", global_tokens={node.attr['global_tokens']!r}"
+    return out
 
 
 def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
