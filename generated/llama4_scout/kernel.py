@@ -1683,12 +1683,23 @@ def first_tile(pos, kv_tile, window, chunk=None):
     return first_key(pos, window, chunk) // kv_tile
 
 
-def kv_tables(positions_ref, batch, kv_tile, kv_row, kv_t0, kv_n, window=None, chunk=None):
+def kv_tables(positions_ref, batch, kv_tile, kv_row, kv_t0, kv_n, window=None, chunk=None, global_tokens=None):
     """Flatten (row, KV tile) pairs up to each row's position into SMEM tables: every tile from
-    the first one the row's mask reaches (tile 0 without a window or chunks)."""
+    the first one the row's mask reaches (tile 0 without a window or chunks), after the tiles of
+    the global tokens that lie wholly before it (so a row with global tokens starts at tile 0)."""
     n = jnp.int32(0)
     for b in range(batch):
         first = first_tile(positions_ref[b], kv_tile, window, chunk)
+        if global_tokens is not None:
+            head = jnp.minimum((global_tokens + kv_tile - 1) // kv_tile, first)
+
+            def fill_global(i, carry, b=b, n=n):
+                kv_row[n + i] = jnp.int32(b)
+                kv_t0[n + i] = i * kv_tile
+                return carry
+
+            jax.lax.fori_loop(0, head, fill_global, 0)
+            n = n + head
         tiles = positions_ref[b] // kv_tile + 1 - first
 
         def fill(i, carry, b=b, n=n, first=first):
@@ -1720,7 +1731,7 @@ class Attention:
     """
 
     def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names,
-                 window=None, kv_load=None, kv_lo=None, span=1, chunk=None):
+                 window=None, kv_load=None, kv_lo=None, span=1, chunk=None, global_tokens=None):
         if span > 1 and kv_lo is not None:
             raise NotImplementedError("verify rows with replicated KV heads have no kernel yet")
         self.span = span
@@ -1730,7 +1741,7 @@ class Attention:
         self.kv_load, self.kv_lo = kv_load or kv_heads, kv_lo
         self.group = heads // self.kv_load
         self.dk, self.dv, self.kv_tile, self.kv_slots, self.scale = dk, dv, kv_tile, kv_slots, scale
-        self.window, self.chunk = window, chunk
+        self.window, self.chunk, self.global_tokens = window, chunk, global_tokens
         for key, name in names.items():
             setattr(self, key, getattr(r, name))
         if window is None and chunk is None:
@@ -1797,7 +1808,7 @@ class Attention:
         self.drain()
         if self.window is not None or self.chunk is not None:
             kv_tables(self.positions_ref, self.batch, self.kv_tile, self.kv_row, self.kv_t0, self.kv_n, self.window,
-                      self.chunk)
+                      self.chunk, self.global_tokens)
         if sinks is not None:  # the sink logits as a column, one row per head
             for h in range(heads):
                 self.sink[h : h + 1, :] = sinks[:, h : h + 1]
@@ -1817,7 +1828,7 @@ class Attention:
             t0 = self.kv_t0[j]
             pos = self.positions_ref[b]
 
-            @pl.when(t0 == first_tile(pos, self.kv_tile, self.window, self.chunk) * self.kv_tile)
+            @pl.when(t0 == self.start_tile(pos) * self.kv_tile)
             def _():
                 if sinks is None:
                     self.m[...] = jnp.full(self.m.shape, NEG_INF, F32)
@@ -1915,11 +1926,18 @@ class Attention:
             else:
                 pl.when((pos + 1) % KV_BLOCK == 0)(write)
 
+    def start_tile(self, pos):
+        """The row's first tile in its table, where its online softmax starts: tile 0 with global
+        tokens, else the tile of its first seen key."""
+        return jnp.int32(0) if self.global_tokens is not None else first_tile(pos, self.kv_tile, self.window, self.chunk)
+
     def seen(self, t, pos):
-        """The keys a query at `pos` attends to: t <= pos, from its first seen key on (window, chunk)."""
+        """The keys a query at `pos` attends to: t <= pos, from its first seen key on (window, chunk),
+        and the global tokens."""
         if self.window is None and self.chunk is None:
             return t <= pos
-        return (t <= pos) & (t >= first_key(pos, self.window, self.chunk))
+        seen = (t <= pos) & (t >= first_key(pos, self.window, self.chunk))
+        return seen if self.global_tokens is None else seen | ((t < self.global_tokens) & (t <= pos))
 
     def attend(self, buf, b, t0, pos):
         """One KV tile for row b: every KV head's scores first, then the softmax updates, then the
