@@ -248,7 +248,7 @@ register(
         "moe_experts",
         ("z", "weights", "ids", "w1", "w3", "w2", "b1", "b3", "b2"),
         _experts_infer,
-        lambda *a, act, weigh: (moe_experts(*a, act=act, weigh=weigh),),
+        lambda *a, act, weigh="output": (moe_experts(*a, act=act, weigh=weigh),),
         _experts_cost,
         attrs={"act": REQUIRED, "weigh": "output"},
         doc="Σ_i weights[:, i]·expert_ids[:, i](z): gated MLP experts w1/w3 [E, D, F], w2 [E, F, D], "
