@@ -125,7 +125,7 @@ checkpoint hf {
   conv_bc  = "backbone.layers.{l}.mixer.conv1d.bias" | rows(I + G*N, I + 2*G*N)
   a_log    = "backbone.layers.{l}.mixer.A_log"
   dt_bias  = "backbone.layers.{l}.mixer.dt_bias"
-  ssm_d    = "backbone.layers.{l}.mixer.D" | repeat(times=P)
+  ssm_d    = "backbone.layers.{l}.mixer.D" | repeat(each=P)
   ssm_norm = "backbone.layers.{l}.mixer.norm.weight"
   ssm_wo   = "backbone.layers.{l}.mixer.out_proj.weight" | transpose
 }

@@ -408,6 +408,23 @@ def test_steps_move_scales_only_in_whole_groups():
     assert mapped_grid(grid, regroup)[0] == grid
 
 
+def test_repeat_widens_a_per_head_weight():
+    """`repeat(each=D)`: a stored per-head [NH] weight as the [NH * D] vector it scales, entry h
+    at h*D .. h*D + D - 1 (the heads' layout); along another dim too, and a bad `each` refused."""
+    from mkdsl.checkpoint.mapping import Step, apply_steps, mapped_shape
+
+    def repeat(each, dim=0):
+        return (Step("repeat", (("each", each), ("dim", dim)), None),)
+
+    w = np.array([0.5, -2.0, 3.0], np.float32)
+    assert mapped_shape((3,), repeat(4))[0] == (12,)
+    assert apply_steps(w, repeat(4)).tolist() == [0.5] * 4 + [-2.0] * 4 + [3.0] * 4
+    m = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert apply_steps(m, repeat(2, 1)).tolist() == [[0, 0, 1, 1, 2, 2], [3, 3, 4, 4, 5, 5]]
+    shape, why = mapped_shape((3,), repeat(0))
+    assert shape is None and "needs each >= 1" in why
+
+
 def test_a_file_that_cannot_be_read_is_an_error_naming_the_tensor(llama, tmp_path, monkeypatch):
     """Truncated: refused when opened. Failing while the data is read (an I/O error after the
     header checked out): an error naming the tensor, not a traceback, and no weights returned."""

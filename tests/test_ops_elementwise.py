@@ -178,6 +178,35 @@ def test_softplus_does_not_overflow():
     close(run("softplus", x), want, 1e-37, RTOL, "softplus at large |x|")
 
 
+@oracle_for("floor", "to_f32")
+@FEW
+@given(seed=SEEDS, scale=SCALES, floor_scale=st.sampled_from([1, 4, 8192]))
+def test_position_scalars(seed, scale, floor_scale):
+    """floor is exact; to_f32 is exact for integers below 2^24. With both, Llama 4's query
+    temperature 1 + 0.1·log(floor((p + 1) / F) + 1) is within log's and the few f32 roundings'
+    error (a few ulps of values <= ~2) of log1p in float64."""
+    x, xv = draw(seed, (3, 64), scale)
+    exact(run("floor", x), np.floor(xv), "floor")
+    positions = np.random.default_rng(seed).integers(0, 1 << 20, 5).astype(np.int32)
+    positions[0] = 0
+    p = run("to_f32", positions)
+    exact(p, positions.astype(np.float64)[:, None], "to_f32")
+    t = run(
+        "add_scalar",
+        run(
+            "mul_scalar",
+            run(
+                "log",
+                run("add_scalar", run("floor", run("div_scalar", run("add_scalar", p, s=1.0), s=floor_scale)), s=1.0),
+            ),
+            s=0.1,
+        ),
+        s=1.0,
+    )
+    want = 1 + 0.1 * np.log1p(np.floor((positions.astype(np.float64) + 1) / floor_scale))[:, None]
+    close(t, want, 0.0, 8 * U, f"temperature, floor_scale {floor_scale}")
+
+
 @oracle_for("repeat")
 @FEW
 @given(seed=SEEDS, heads=st.sampled_from([1, 2, 5]), each=st.sampled_from([1, 3, 128]))
@@ -188,6 +217,7 @@ def test_repeat(seed, heads, each):
         for j in range(each):
             want[:, h * each + j] = sv[:, h]
     exact(run("repeat", s, each=each), want, "repeat")
+    exact(run("repeat", s[0], each=each), want[0], "repeat of a per-head weight [heads]")
 
 
 @oracle_for("rowsum")
@@ -215,6 +245,8 @@ KNOWN_ATTRS = {  # the attributes the oracles above pass by name
     "clamp": {"lo", "hi"},
     "exp": set(),
     "log": set(),
+    "floor": set(),
+    "to_f32": set(),
     "sqrt": set(),
     "rsqrt": set(),
     "tanh": set(),

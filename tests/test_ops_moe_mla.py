@@ -66,7 +66,7 @@ KNOWN_ATTRS = {  # the attributes the oracles below pass by name
     "compact": {"block", "keep"},
     "mla_attention": {"heads", "nope", "extra", "vdim", "scale"},
     "route": {"k"},
-    "moe_experts": {"act"},
+    "moe_experts": {"act", "weigh"},
 }
 
 
@@ -654,6 +654,51 @@ def test_moe_experts(seed, b, experts, k, d, f, fmt, zscale, byte, betas, on_gri
     beta, lb = betas or (4.0, 25.0)  # the documented defaults
     want, atol = moe_oracle(z.astype(np.float64), weights.astype(np.float64), ids, w1v, w3v, w2v, beta, lb)
     close(out, want, atol, f"moe_experts {fmt} E={experts} k={k} D={d} F={f} {attrs}")
+
+
+def moe_input_oracle(z, weights, ids, w1, w3, w2):
+    """Llama 4 (transformers Llama4TextMoe): the chosen expert runs on its input scaled by the
+    router score, x = s·bf16(z) (routed_in = h * score), and the outputs are summed unweighted:
+    r_b = Σ_i bf16(silu(x·W1_e)·(x·W3_e))·W2_e with x = weights[b, i]·bf16(z_b). The reference's
+    f32 products may be off by f32_dot_error(bf16(z), W)·s plus one rounding of the scaling."""
+    b, k = ids.shape
+    d, f = w1.shape[1:]
+    want, atol = np.zeros((b, d)), np.zeros((b, d))
+    for row in range(b):
+        for i in range(k):
+            e, sc = ids[row, i], weights[row, i]
+            x = sc * bf16(z[row])
+            g, u = x @ w1[e], x @ w3[e]
+            eg = abs(sc) * f32_dot_error(bf16(z[row]), w1[e]) + 2 * U * np.abs(g)
+            eu = abs(sc) * f32_dot_error(bf16(z[row]), w3[e]) + 2 * U * np.abs(u)
+            silu = g / (1 + np.exp(-g))
+            h = silu * u
+            sens = 1.1 * eg * np.abs(u) + (np.abs(silu) + 1.1 * eg) * eu  # |silu'| <= 1.1
+            h_b, gap = bf16_rounded(h, sens + RHO * (np.abs(h) + sens) + TINY)
+            want[row] += h_b @ w2[e]
+            atol[row] += gap @ np.abs(w2[e]) + (f + k + 4) * U * ((np.abs(h_b) + gap) @ np.abs(w2[e]))
+    return want, atol + TINY
+
+
+@oracle_for("moe_experts")
+@settings(max_examples=8, deadline=None)
+@given(seed=SEEDS, b=st.sampled_from([1, 3]), k=st.sampled_from([1, 2]), zscale=st.sampled_from([0.1, 1.0, 4.0]))
+def test_moe_experts_weighted_on_the_input(seed, b, k, zscale):
+    """weigh="input" against the published Llama 4 form; the output-weighted sum of the same
+    call differs (silu is not linear), so the attribute is not ignored."""
+    rng = np.random.default_rng(seed)
+    experts, d, f = 4, 32, 64
+    z = nonzero_normal(rng, (b, d), zscale)
+    ids = np.stack([rng.choice(experts, k, replace=False) for _ in range(b)]).astype(np.int32)
+    weights = rng.uniform(0.05, 1.0, (b, k)).astype(np.float32)  # sigmoid scores: not normalised
+    mats = [as_bf16(bf16(nonzero_normal(rng, shape, shape[1] ** -0.5))) for shape in ((experts, d, f),) * 2]
+    mats.append(as_bf16(bf16(nonzero_normal(rng, (experts, f, d), f**-0.5))))
+    act = BlockAttr(op_block("swiglu", (TensorType(F32, (b, f)),) * 2))
+    (out,) = run("moe_experts", z, weights, ids, *mats, act=act, weigh="input")
+    want, atol = moe_input_oracle(z.astype(np.float64), weights.astype(np.float64), ids, *map(bits_f64, mats))
+    close(out, want, atol, f"moe_experts weigh=input k={k}")
+    (other,) = run("moe_experts", z, weights, ids, *mats, act=act)
+    assert np.abs(other - want).max() > 10 * atol.max()
 
 
 # ---------------------------------------------------------------- shape rules and costs

@@ -315,21 +315,61 @@ def test_softmax(seed, b, n, scale, dt):
     dt=ACT_DTYPES,
     wdt=ACT_DTYPES,
     eps=st.sampled_from([1e-6, 1e-5, 0.1]),
-    offset=st.sampled_from([0.0, 1.0]),
+    offset=st.sampled_from([0.0, 1.0, None]),
 )
 def test_rmsnorm(seed, b, heads, width, scale, dt, wdt, eps, offset):
-    """offset + w is one f32 rounding of exact values (relative to the result), so F32_RTOL holds."""
+    """offset + w is one f32 rounding of exact values (relative to the result), so F32_RTOL holds.
+    offset None: the weightless norm (no weight operand; Llama 4's qk norm), x·rsqrt(mean(x²)+eps)."""
     rng = np.random.default_rng(seed)
     x, xv = activation(rng, (b, heads * width), scale, dt)
     w, wv = activation(rng, (width,), 1.0, wdt)
-    (out,) = run("rmsnorm", x, w, eps=eps, heads=heads, offset=offset)
-    wv = offset + wv
+    if offset is None:
+        (out,) = run("rmsnorm", x, eps=eps, heads=heads)
+        wv = np.ones(width)
+    else:
+        (out,) = run("rmsnorm", x, w, eps=eps, heads=heads, offset=offset)
+        wv = offset + wv
     want = np.empty((b, heads * width))
     for r in range(b):
         for h in range(heads):
             sl = slice(h * width, (h + 1) * width)
             want[r, sl] = xv[r, sl] / np.sqrt(np.mean(xv[r, sl] ** 2) + eps) * wv
     close(out, want, TINY, F32_RTOL, f"rmsnorm heads={heads}")
+
+
+@oracle_for("layernorm")
+@MANY
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    heads=st.sampled_from([1, 2]),
+    width=st.sampled_from([8, 64]),
+    scale=SCALES,
+    shift=st.sampled_from([0.0, 3.0]),
+    eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+    bias=st.booleans(),
+)
+def test_layernorm(seed, b, heads, width, scale, shift, eps, bias):
+    """torch.nn.LayerNorm: (x - mean)/sqrt(mean((x - mean)²) + eps)·w (+ b). Rows shifted off zero
+    (`shift`): the mean's f32 rounding is relative to |x|, so the centred values carry an error of
+    ~n·u·max|x|, relative to their spread std: the bound scales by 1 + shift/std."""
+    rng = np.random.default_rng(seed)
+    x, xv = activation(rng, (b, heads * width), scale, "f32")
+    x = (x + np.float32(shift * scale)).astype(np.float32)
+    xv = x.astype(np.float64)
+    w, wv = activation(rng, (width,), 1.0, "bf16")
+    bb, bv = activation(rng, (width,), 1.0, "bf16")
+    (out,) = run("layernorm", x, w, bb, eps=eps, heads=heads) if bias else run("layernorm", x, w, eps=eps, heads=heads)
+    want = np.empty((b, heads * width))
+    rel = np.empty((b, heads * width))
+    for r in range(b):
+        for h in range(heads):
+            sl = slice(h * width, (h + 1) * width)
+            c = xv[r, sl] - xv[r, sl].mean()
+            std = np.sqrt(np.mean(c**2) + eps)
+            want[r, sl] = c / std * wv + (bv if bias else 0.0)
+            rel[r, sl] = 4 * (width + 4) * U * (1 + np.abs(xv[r, sl]).max() / std) * np.abs(wv)
+    close(out, want, TINY + rel, F32_RTOL, f"layernorm heads={heads} bias={bias}")
 
 
 # ---------------------------------------------------------------- linear and embedding
@@ -383,6 +423,25 @@ def test_linear_plain_weights(seed, b, k, n, scale, dt, fmt, transposed):
     else:
         out = run("linear", x, w)[0]
     check_linear(out, xv, wv, f"linear {fmt}{' transposed' if transposed else ''}")
+
+
+@oracle_for("linear")
+@FEW
+@given(seed=SEEDS, b=ROWS, k=st.sampled_from([8, 256]), n=st.sampled_from([1, 24]), scale=SCALES)
+def test_linear_f32_input(seed, b, k, n, scale):
+    """input="f32" (a router the reference implementation computes in f32): x is not rounded, so
+    the product is x @ w to f32 summation error; rounding x to bf16 first misses it by ~2^-9."""
+    rng = np.random.default_rng(seed)
+    x, xv = activation(rng, (b, k), scale, "f32")
+    w = bf16_array(rng.standard_normal((k, n)) / np.sqrt(k))
+    wv = bf16_decode(w)
+    (out,) = run("linear", x, w, input="f32")
+    want = xv @ wv
+    close(out, want, 2 * (k + 2) * U * (np.abs(xv) @ np.abs(wv)) + TINY, 0, "linear f32 input")
+    # x = 1 + 2^-12 is no bf16 value: eight of them times ones are 8 + 2^-9 kept f32, 8 rounded first
+    ones, xs = bf16_array(np.ones((8, 1))), np.full((1, 8), 1 + 2.0**-12, np.float32)
+    exact(run("linear", xs, ones, input="f32")[0], [[8 + 2.0**-9]], "linear f32 input keeps x")
+    exact(run("linear", xs, ones)[0], [[8.0]], "linear rounds x to bf16 by default")
 
 
 @oracle_for("linear", "mxfp4")
@@ -829,7 +888,7 @@ KNOWN_ATTRS = {  # the attributes the oracles above pass by name (ops not listed
     "swiglu": set(),
     "softmax": set(),
     "embedding": set(),
-    "linear": {"transposed"},
+    "linear": {"transposed", "input"},
     "argmax": set(),
     "softcap": {"cap"},
     "situ": {"beta", "linear_beta"},
@@ -837,6 +896,7 @@ KNOWN_ATTRS = {  # the attributes the oracles above pass by name (ops not listed
     "rope": {"heads", "theta"},
     "attention": {"heads", "kv_heads", "scale"},
     "topk": {"k"},
+    "layernorm": {"eps", "heads"},
 }
 
 

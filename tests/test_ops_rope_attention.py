@@ -18,10 +18,14 @@ ORACLES = {  # op -> tests comparing it with an oracle (merged by tests/test_ops
         "test_yarn_deepseek_v3_table",
         "test_yarn_gpt_oss_table_and_concentration",
         "test_llama3_and_linear_tables",
+        "test_llama3_table_without_a_smoothing_band",
     ],
-    "attention": ["test_attention_window_and_sinks"],
+    "attention": ["test_attention_window_and_sinks", "test_attention_chunks"],
 }
-KNOWN_ATTRS = {"rope": set(ROPE_ATTRS), "attention": {"heads", "kv_heads", "scale", "window"}}
+KNOWN_ATTRS = {
+    "rope": set(ROPE_ATTRS),
+    "attention": {"heads", "kv_heads", "scale", "window", "chunk", "global_tokens"},
+}
 
 # f32 rope vs a float64 oracle: |x| <= ~4, angles <= ~60 rad: the f32 angle carries ~60 * 6e-8
 # rad of error, cos/sin ~1e-7 each, so entries agree to ~4 * (4e-6 + 2e-7) < 2e-5.
@@ -120,6 +124,70 @@ def test_llama3_and_linear_tables():
             want.append((1 - sm) * f / 8 + sm * f)
     np.testing.assert_allclose(inv_freq(128, a), want, rtol=1e-12)
     np.testing.assert_allclose(inv_freq(128, attrs(theta=500000.0, scaling="linear", factor=4.0)), base / 4)
+
+
+def test_llama3_table_without_a_smoothing_band():
+    """Llama 4 Scout (factor 16, low 1 = high 1, original 8192): transformers divides the
+    frequencies whose wavelength is above 8192 by 16 and keeps the others (the band between the
+    two wavelengths is empty, so nothing is blended)."""
+    base = 500000.0 ** (-np.arange(0, 128, 2) / 128)
+    a = attrs(theta=500000.0, scaling="llama3", factor=16.0, original_max_position=8192)
+    a |= {"low_freq_factor": 1.0, "high_freq_factor": 1.0}
+    want = [f / 16 if 2 * math.pi / f > 8192 else f for f in base]
+    assert want[0] == base[0] and want[-1] == base[-1] / 16  # both sides occur
+    np.testing.assert_allclose(inv_freq(128, a), want, rtol=1e-12)
+
+
+def chunk_oracle(q, kc, vc, pos, heads, kv_heads, scale, chunk, window, global_tokens=None):
+    """Chunked attention (Llama 4): a query at p sees keys t <= p with t // chunk == p // chunk
+    (and t > p - window with a window too), and the first `global_tokens` keys t <= p whatever
+    the chunk and window (prefix-global tokens); softmax(q.k_t * scale) over those."""
+    b, _, _, d = kc.shape
+    group = heads // kv_heads
+    out = np.zeros((b, heads * d))
+    for r in range(b):
+        t = np.arange(kc.shape[2])
+        seen = (t <= pos[r]) & (t // chunk == pos[r] // chunk)
+        if window is not None:
+            seen &= t > pos[r] - window
+        if global_tokens is not None:
+            seen |= (t < global_tokens) & (t <= pos[r])
+        for h in range(heads):
+            keys, values = kc[r, h // group][seen], vc[r, h // group][seen]
+            logits = keys @ q[r, h * d : (h + 1) * d] * scale
+            e = np.exp(logits - logits.max())
+            out[r, h * d : (h + 1) * d] = e @ values / e.sum()
+    return out
+
+
+@pytest.mark.parametrize(
+    "chunk, window, g", [(1, None, None), (8, None, None), (16, None, None), (40, None, None), (8, 5, None), (16, 3, 4)]
+)
+def test_attention_chunks(chunk, window, g):
+    """Rows at a chunk's first position (sees itself only, and the global tokens), mid-chunk, and
+    its last position."""
+    rng = np.random.default_rng(chunk * 100 + (window or 0))
+    b, heads, kv_heads, d, s = 4, 4, 2, 8, 40
+    q = rng.normal(size=(b, heads * d)).astype(np.float32)
+    k = rng.normal(size=(b, kv_heads * d)).astype(np.float32)
+    v = rng.normal(size=(b, kv_heads * d)).astype(np.float32)
+    kc = jnp.asarray(rng.normal(size=(b, kv_heads, s, d)), jnp.float32)
+    vc = jnp.asarray(rng.normal(size=(b, kv_heads, s, d)), jnp.float32)
+    pos = np.array([0, 8, 21, 39], np.int32)
+    got, new_kc, new_vc = attention(
+        q, k, v, kc, vc, pos, heads=heads, kv_heads=kv_heads, scale=0.3, window=window, chunk=chunk, global_tokens=g
+    )
+    want = chunk_oracle(
+        q, np.asarray(new_kc, np.float64), np.asarray(new_vc, np.float64), pos, heads, kv_heads, 0.3, chunk, window, g
+    )
+    # as test_attention_window_and_sinks: f32 scores of 8 terms through exp, weighted means: 1e-5
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
+    if 21 // chunk * chunk > (0 if window is None else 21 - window + 1):  # the chunk hides keys at row 2 (21)
+        unmasked = attention(q, k, v, kc, vc, pos, heads=heads, kv_heads=kv_heads, scale=0.3, window=window)[0]
+        assert not np.allclose(np.asarray(unmasked)[2], want[2], atol=1e-3)
+    if g is not None:  # the global tokens are seen: without them, row 2 differs
+        local = attention(q, k, v, kc, vc, pos, heads=heads, kv_heads=kv_heads, scale=0.3, window=window, chunk=chunk)
+        assert not np.allclose(np.asarray(local[0])[2], want[2], atol=1e-3)
 
 
 def attention_oracle(q, kc, vc, pos, heads, kv_heads, scale, window, sinks):

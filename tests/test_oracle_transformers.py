@@ -43,6 +43,7 @@ def test_the_specs_with_an_architecture():
         "deepseek_v2_lite",
         "nemotron_h_8b",
         "mamba_codestral_7b",
+        "llama4_scout",
     } <= names
 
 

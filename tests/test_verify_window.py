@@ -18,7 +18,7 @@ def test_verify_starts_rows_where_the_steps_cross_the_smallest_window():
     window, line = verify.smallest_window(model)
     assert window == 32 and "= attention(" in text.splitlines()[line - 1], (window, line)
     positions, note = verify.start_positions(model, 2, 2, 512)
-    assert positions.tolist() == [31, 34] and "cross the smallest window (32 tokens" in note, (positions, note)
+    assert positions.tolist() == [31, 34] and "cross the smallest window or chunk (32 tokens" in note, (positions, note)
     tiny = (root / "specs" / "tiny.mk").read_text(encoding="utf-8")
     positions, note = verify.start_positions(elaborate(parse(tiny), None, tiny), 3, 2, 64)
     assert positions.tolist() == [0, 3, 6] and note == ""

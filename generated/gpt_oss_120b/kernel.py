@@ -883,7 +883,11 @@ def linear(r, issue, st: Stream, slot, base, xb, out):
             issue(g + RING_DEPTH - 1, st)
         bank = ring_bank(g)
         st.wait(r, bank)
-        y = jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+        w = r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)]
+        if xb.dtype == F32:  # an f32 input (`input="f32"`): the bf16 tile upcast, full-precision products
+            y = jnp.dot(xb[:, k_columns(st, k)], w.astype(F32), preferred_element_type=F32, precision=HIGHEST)
+        else:
+            y = jnp.dot(xb[:, k_columns(st, k)], w, preferred_element_type=F32)
         if small:
             issue(g + RING_DEPTH - 1, st, part)
         return y
@@ -906,7 +910,9 @@ def ring_bank(g):
 
 
 def rms_rows(x, w, eps):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+    """x * rsqrt(mean(x^2) + eps), times w unless the norm is weightless (w None)."""
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if w is None else y * w
 
 
 def rmsnorm(x, w, out, eps, heads):
@@ -1713,19 +1719,39 @@ def mxu_dot(x, cached, dims):
     return jax.lax.dot_general(x, cached.astype(F32), dims, preferred_element_type=F32, precision=HIGHEST)
 
 
-def first_tile(pos, kv_tile, window):
-    """The first KV tile a row at `pos` reads: 0, or with a window the tile of pos - window + 1."""
-    if window is None:
-        return jnp.int32(0)
-    return jnp.maximum(pos - window + 1, 0) // kv_tile
+def first_key(pos, window, chunk):
+    """The first key a row at `pos` sees: 0, pos - window + 1 with a window, the start of pos's
+    chunk with chunks (the later of the two with both)."""
+    first = jnp.int32(0)
+    if window is not None:
+        first = jnp.maximum(pos - window + 1, first)
+    if chunk is not None:
+        first = jnp.maximum(pos - pos % chunk, first)
+    return first
 
 
-def kv_tables(positions_ref, batch, kv_tile, kv_row, kv_t0, kv_n, window=None):
+def first_tile(pos, kv_tile, window, chunk=None):
+    """The first KV tile a row at `pos` reads: the tile of its first seen key."""
+    return first_key(pos, window, chunk) // kv_tile
+
+
+def kv_tables(positions_ref, batch, kv_tile, kv_row, kv_t0, kv_n, window=None, chunk=None, global_tokens=None):
     """Flatten (row, KV tile) pairs up to each row's position into SMEM tables: every tile from
-    the first one the row's window reaches (tile 0 without a window)."""
+    the first one the row's mask reaches (tile 0 without a window or chunks), after the tiles of
+    the global tokens that lie wholly before it (so a row with global tokens starts at tile 0)."""
     n = jnp.int32(0)
     for b in range(batch):
-        first = first_tile(positions_ref[b], kv_tile, window)
+        first = first_tile(positions_ref[b], kv_tile, window, chunk)
+        if global_tokens is not None:
+            head = jnp.minimum((global_tokens + kv_tile - 1) // kv_tile, first)
+
+            def fill_global(i, carry, b=b, n=n):
+                kv_row[n + i] = jnp.int32(b)
+                kv_t0[n + i] = i * kv_tile
+                return carry
+
+            jax.lax.fori_loop(0, head, fill_global, 0)
+            n = n + head
         tiles = positions_ref[b] // kv_tile + 1 - first
 
         def fill(i, carry, b=b, n=n, first=first):
@@ -1744,8 +1770,8 @@ class Attention:
     q/k/v arrive row-major [rows, heads * d] and are laid out head-major ([heads * rows, d],
     row h * rows + b) so that a KV head's query group is one strided load. The new token's
     K/V row is patched into the VMEM tile holding its position, and that tile's aligned
-    KV_BLOCK-row block is written back to the cache in place. With a `window`, the op walks its
-    own KV tile tables, which hold only the tiles the window reaches; with sinks, each head's
+    KV_BLOCK-row block is written back to the cache in place. With a `window` or `chunk`, the op
+    walks its own KV tile tables, which hold only the tiles its mask reaches; with sinks, each head's
     online softmax starts from its sink logit (max = sink, sum = 1, no value), so the sink is
     in the denominator only.
 
@@ -1757,7 +1783,7 @@ class Attention:
     """
 
     def __init__(self, r, positions_ref, op_id, *, rows, batch, heads, kv_heads, dk, dv, kv_tile, kv_slots, scale, names,
-                 window=None, kv_load=None, kv_lo=None, span=1):
+                 window=None, kv_load=None, kv_lo=None, span=1, chunk=None, global_tokens=None):
         if span > 1 and kv_lo is not None:
             raise NotImplementedError("verify rows with replicated KV heads have no kernel yet")
         self.span = span
@@ -1767,10 +1793,10 @@ class Attention:
         self.kv_load, self.kv_lo = kv_load or kv_heads, kv_lo
         self.group = heads // self.kv_load
         self.dk, self.dv, self.kv_tile, self.kv_slots, self.scale = dk, dv, kv_tile, kv_slots, scale
-        self.window = window
+        self.window, self.chunk, self.global_tokens = window, chunk, global_tokens
         for key, name in names.items():
             setattr(self, key, getattr(r, name))
-        if window is None:
+        if window is None and chunk is None:
             self.kv_row, self.kv_t0, self.kv_n = r.kv_row, r.kv_t0, r.kv_n
 
     def copies(self, slot, j, buf):
@@ -1832,8 +1858,9 @@ class Attention:
     def __call__(self, slot, q, k, v, out, sinks=None):
         rows, heads, kvh = self.rows, self.heads, self.kv_heads
         self.drain()
-        if self.window is not None:
-            kv_tables(self.positions_ref, self.batch, self.kv_tile, self.kv_row, self.kv_t0, self.kv_n, self.window)
+        if self.window is not None or self.chunk is not None:
+            kv_tables(self.positions_ref, self.batch, self.kv_tile, self.kv_row, self.kv_t0, self.kv_n, self.window,
+                      self.chunk, self.global_tokens)
         if sinks is not None:  # the sink logits as a column, one row per head
             for h in range(heads):
                 self.sink[h : h + 1, :] = sinks[:, h : h + 1]
@@ -1853,7 +1880,7 @@ class Attention:
             t0 = self.kv_t0[j]
             pos = self.positions_ref[b]
 
-            @pl.when(t0 == first_tile(pos, self.kv_tile, self.window) * self.kv_tile)
+            @pl.when(t0 == self.start_tile(pos) * self.kv_tile)
             def _():
                 if sinks is None:
                     self.m[...] = jnp.full(self.m.shape, NEG_INF, F32)
@@ -1951,11 +1978,18 @@ class Attention:
             else:
                 pl.when((pos + 1) % KV_BLOCK == 0)(write)
 
+    def start_tile(self, pos):
+        """The row's first tile in its table, where its online softmax starts: tile 0 with global
+        tokens, else the tile of its first seen key."""
+        return jnp.int32(0) if self.global_tokens is not None else first_tile(pos, self.kv_tile, self.window, self.chunk)
+
     def seen(self, t, pos):
-        """The keys a query at `pos` attends to: t <= pos, and within the window if there is one."""
-        if self.window is None:
+        """The keys a query at `pos` attends to: t <= pos, from its first seen key on (window, chunk),
+        and the global tokens."""
+        if self.window is None and self.chunk is None:
             return t <= pos
-        return (t <= pos) & (t > pos - self.window)
+        seen = (t <= pos) & (t >= first_key(pos, self.window, self.chunk))
+        return seen if self.global_tokens is None else seen | ((t < self.global_tokens) & (t <= pos))
 
     def attend(self, buf, b, t0, pos):
         """One KV tile for row b: every KV head's scores first, then the softmax updates, then the
@@ -2316,8 +2350,9 @@ class MoE:
 
     def __init__(
         self, r, *, rows, batch, E, k, D, F, tn, slots, names, prefix, act, fmt="mxfp4", kc=None, dc=None,
-        group=32, E_route=None, lo=0, b2_here=True, Dv=None, Fv=None,
+        group=32, E_route=None, lo=0, b2_here=True, Dv=None, Fv=None, on_input=False,
     ):
+        self.on_input = on_input  # the routing weight scales the expert's input; outputs summed unweighted
         self.rows, self.batch, self.E, self.k, self.D, self.F = rows, batch, E, k, D, F
         self.E_route, self.lo = E_route or E, lo
         self.act, self.fmt, self.pieces, self.b2_here = act, fmt, MOE_PIECES[fmt], b2_here
@@ -2604,6 +2639,10 @@ class MoE:
             n0 = pl.multiple_of((t - j * self.nf) * tn, tn)
             w_e = jnp.sum(jnp.where(ids == e + self.lo, wts, 0.0), axis=1, keepdims=True)  # [rows, 1]
             w_e = jnp.where(real, w_e, 0.0)  # padded rows may hold any weights
+            if self.on_input:  # the rows that chose expert e: they add its output, unweighted
+                w_out = jnp.where(real, jnp.sum(jnp.where(ids == e + self.lo, 1.0, 0.0), axis=1, keepdims=True), 0.0)
+            else:
+                w_out = w_e
 
             def k_chunk(c, gu):
                 g, u = gu
@@ -2612,6 +2651,8 @@ class MoE:
 
             zero = jnp.zeros((rows, tn), F32)
             g, u = jax.lax.fori_loop(0, D // kc, k_chunk, (zero, zero))
+            if self.on_input:  # expert(w z): its gate and up products scaled by w before the biases
+                g, u = w_e * g, w_e * u
             if self.bias["b1"] is not None:
                 g = g + self.bias_row("b1", e, n0, tn)
             if self.bias["b3"] is not None:
@@ -2628,7 +2669,7 @@ class MoE:
                 y = self.down(slot, d0, h, t - j * self.nf)
                 if self.bias["b2"] is not None:
                     y = y + jnp.where(first, self.bias_row("b2", e, d0, dc), 0.0)
-                out[:, pl.ds(d0, dc)] += w_e * y
+                out[:, pl.ds(d0, dc)] += w_out * y
                 return carry
 
             jax.lax.fori_loop(0, D // dc, d_chunk, 0)

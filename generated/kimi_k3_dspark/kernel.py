@@ -869,7 +869,11 @@ def linear(r, issue, st: Stream, slot, base, xb, out):
             issue(g + RING_DEPTH - 1, st)
         bank = ring_bank(g)
         st.wait(r, bank)
-        y = jnp.dot(xb[:, k_columns(st, k)], r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)], preferred_element_type=F32)
+        w = r.ring[bank, pl.ds(0, st.tk), pl.ds(0, st.tn)]
+        if xb.dtype == F32:  # an f32 input (`input="f32"`): the bf16 tile upcast, full-precision products
+            y = jnp.dot(xb[:, k_columns(st, k)], w.astype(F32), preferred_element_type=F32, precision=HIGHEST)
+        else:
+            y = jnp.dot(xb[:, k_columns(st, k)], w, preferred_element_type=F32)
         if small:
             issue(g + RING_DEPTH - 1, st, part)
         return y
@@ -892,7 +896,9 @@ def ring_bank(g):
 
 
 def rms_rows(x, w, eps):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+    """x * rsqrt(mean(x^2) + eps), times w unless the norm is weightless (w None)."""
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if w is None else y * w
 
 
 def rmsnorm(x, w, out, eps, heads):

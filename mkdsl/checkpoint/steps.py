@@ -65,6 +65,15 @@ def _rows(s: Shape, a: dict):
     return d, np.arange(lo, hi)
 
 
+def _repeat(s: Shape, a: dict):
+    d = _axis(s, a)
+    if isinstance(d, str):
+        return d
+    if a["each"] < 1:
+        return f"`repeat(each={a['each']})` needs each >= 1"
+    return d, np.arange(s[d] * a["each"]) // a["each"]
+
+
 def _group_rows(s: Shape, a: dict):
     d = _axis(s, a)
     if isinstance(d, str):
@@ -77,15 +86,6 @@ def _group_rows(s: Shape, a: dict):
         )
     r = s[d] // g
     return d, (np.arange(g)[:, None] * r + np.arange(lo, hi)).ravel()
-
-
-def _repeat(s: Shape, a: dict):
-    d = _axis(s, a)
-    if isinstance(d, str):
-        return d
-    if a["times"] < 1:
-        return f"`repeat(times={a['times']})` needs times >= 1"
-    return d, np.repeat(np.arange(s[d]), a["times"])
 
 
 def _regroup(s: Shape, a: dict):
@@ -165,13 +165,6 @@ STEPS: dict[str, StepDef] = {
         (("dim", 0),),
         select=_group_rows,
     ),
-    "repeat": StepDef(
-        ("times", "dim"),
-        "repeats each entry of dimension `dim` `times` times in place (a per-head vector stored once "
-        "per head, e.g. Mamba2's D, as the spec's weight of one entry per channel)",
-        (("dim", 0),),
-        select=_repeat,
-    ),
     "regroup": StepDef(
         ("groups", "parts", "dim"),
         "reads dimension `dim` as `groups` x `parts` x rest and reorders it to `parts` x `groups` x "
@@ -184,6 +177,13 @@ STEPS: dict[str, StepDef] = {
         "undoes llama.cpp's q/k row permutation: in each of the N heads of d rows, stored row "
         "`2j + s` is row `s*d/2 + j`, so half-split `rope` applies",
         select=_unpermute,
+    ),
+    "repeat": StepDef(
+        ("each", "dim"),
+        "repeats each entry of dimension `dim` `each` times in place (a per-head `[heads]` weight "
+        "widened to the `[heads * d]` values it scales, e.g. Mamba2's D)",
+        (("dim", 0),),
+        select=_repeat,
     ),
     "squeeze": StepDef(
         ("dim",),

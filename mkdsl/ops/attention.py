@@ -17,9 +17,39 @@ from mkdsl.ops.registry import (
 )
 
 
-def attention(q, k, v, k_cache, v_cache, positions, sinks=None, *, heads, kv_heads, scale=None, window=None):
+def seen_keys(key, pos, window=None, chunk=None, global_tokens=None):
+    """The mask description: a query at `pos` sees key position `key` when key <= pos, within the
+    sliding window (key > pos - window) if there is one, and in the query's own chunk of `chunk`
+    positions (key // chunk == pos // chunk: block-local attention, Llama 4) if there is one; the
+    first `global_tokens` positions are seen past the window and chunk (prefix-global tokens)."""
+    seen = key <= pos
+    if window is not None:
+        seen = seen & (key > pos - window)
+    if chunk is not None:
+        seen = seen & (key >= pos - pos % chunk)
+    if global_tokens is not None:
+        seen = seen | ((key < global_tokens) & (key <= pos))
+    return seen
+
+
+def attention(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    positions,
+    sinks=None,
+    *,
+    heads,
+    kv_heads,
+    scale=None,
+    window=None,
+    chunk=None,
+    global_tokens=None,
+):
     """Decode attention: write this token's k/v at `positions`, then attend over the keys at
-    positions p-window+1..p (0..p without a window).
+    positions 0..p that the mask description lets it see (`seen_keys`: window, chunk).
 
     Grouped-query: query head h reads KV head h // (heads // kv_heads). Cached keys/values are
     read back in the cache's dtype, as a kernel would; the two products follow the MXU contract
@@ -35,8 +65,7 @@ def attention(q, k, v, k_cache, v_cache, positions, sinks=None, *, heads, kv_hea
     qh = mxu_operand(q.reshape(b, kv_heads, heads // kv_heads, dk), k_cache.dtype)
     s = jnp.einsum("bkgd,bksd->bkgs", qh, k_cache.astype(jnp.float32), precision="highest") * scale
     t = jnp.arange(k_cache.shape[2])[None, None, None, :]
-    p = positions[:, None, None, None]
-    seen = (t <= p) if window is None else (t <= p) & (t > p - window)
+    seen = seen_keys(t, positions[:, None, None, None], window, chunk, global_tokens)
     e, denom = softmax_parts(jnp.where(seen, s, -jnp.inf), sinks, (1, kv_heads, heads // kv_heads, 1))
     e = mxu_operand(e, v_cache.dtype)
     o = jnp.einsum("bkgs,bksd->bkgd", e, v_cache.astype(jnp.float32), precision="highest") / denom
@@ -65,11 +94,25 @@ def softmax_parts(s, sinks, shape):
 
 
 def attention_prefill(
-    rows, q, k, v, k_cache, v_cache, positions, sinks=None, *, heads, kv_heads, scale=None, window=None
+    rows,
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    positions,
+    sinks=None,
+    *,
+    heads,
+    kv_heads,
+    scale=None,
+    window=None,
+    chunk=None,
+    global_tokens=None,
 ):
     """Prefill: write every prompt token's k/v at its position, then each token attends causally
-    over 0..its position (earlier cached tokens and the prompt so far; within the window if there
-    is one), as `attention` per token, with its roundings."""
+    over 0..its position (earlier cached tokens and the prompt so far; within the window and its
+    chunk if the op has them), as `attention` per token, with its roundings."""
     n, (bsz, t) = q.shape[0], (rows.batch, rows.length)
     dk, dv, size = k_cache.shape[-1], v_cache.shape[-1], k_cache.shape[2]
     b, at = rows.row_ids(), rows.write_positions(size)
@@ -80,7 +123,7 @@ def attention_prefill(
     s = jnp.einsum("btkgd,bksd->btkgs", qh, k_cache.astype(jnp.float32), precision="highest") * scale
     pos = positions.reshape(bsz, t)[:, :, None, None, None]
     key = jnp.arange(size)[None, None, None, None, :]
-    seen = (key <= pos) if window is None else (key <= pos) & (key > pos - window)
+    seen = seen_keys(key, pos, window, chunk, global_tokens)
     e, denom = softmax_parts(jnp.where(seen, s, -jnp.inf), sinks, (1, 1, kv_heads, heads // kv_heads, 1))
     e = mxu_operand(e, v_cache.dtype)
     o = jnp.einsum("btkgs,bksd->btkgd", e, v_cache.astype(jnp.float32), precision="highest") / denom
@@ -98,9 +141,10 @@ def _check_sinks(sinks, heads) -> None:
 def _attention_infer(args, attrs):
     q, k, v, kc, vc, pos = args[:6]
     heads, kv_heads = attrs["heads"], attrs["kv_heads"]
-    window = attrs["window"]
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise OpError(f"window must be a positive number of tokens (or 0: none), got {window!r}", "window")
+    for what in ("window", "chunk", "global_tokens"):
+        n = attrs.get(what)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise OpError(f"{what} must be a positive number of tokens (or 0: none), got {n!r}", what)
     if len(args) > 6:
         _check_sinks(args[6], heads)
     for i, a in enumerate((q, k, v)):
@@ -131,8 +175,9 @@ def _attention_infer(args, attrs):
 def _attention_cost(ins, outs, attrs):
     kc, vc = ins[3], ins[4]
     b, kvh, s, dk = kc.shape
-    if attrs["window"] is not None:
-        s = min(s, attrs["window"])  # the cost is charged on the tokens seen (sequence dims = context + 1)
+    bounds = [b for b in (attrs["window"], attrs.get("chunk")) if b is not None]
+    if bounds:  # the cost is charged on the tokens seen (sequence dims = context + 1); a chunk: at
+        s = min(s, min(bounds) + (attrs.get("global_tokens") or 0))  # most its size, plus the global ones
     dv = vc.shape[3]
     cache_read = b * kvh * s * (dk + dv) * (kc.dtype.bits // 8)
     written = b * kvh * (dk + dv) * (kc.dtype.bits // 8)
@@ -146,12 +191,17 @@ register(
         _attention_infer,
         attention,
         _attention_cost,
-        attrs={"heads": 1, "kv_heads": 1, "scale": None, "window": None},
+        attrs={"heads": 1, "kv_heads": 1, "scale": None, "window": None, "chunk": None, "global_tokens": None},
         optional=1,
-        unset=(("window", 0),),  # `window=0`: every token (a block parameter's "no window")
+        unset=(
+            ("window", 0),
+            ("chunk", 0),
+            ("global_tokens", 0),
+        ),  # `window=0`, `chunk=0`: no window, no chunks (a block parameter's "none")
         inout=("k_cache", "v_cache"),
-        doc="Grouped-query decode attention (optional sliding window and per-head sink logits); writes k/v at "
-        "each row's position in place.",
+        doc="Grouped-query decode attention (optional sliding window, chunks of `chunk` tokens seen only from "
+        "inside, the first `global_tokens` seen by all, per-head sink logits); writes k/v at each row's position "
+        "in place.",
         shard="kv_heads",
         attends=True,
         data_dependent=True,

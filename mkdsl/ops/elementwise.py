@@ -1,5 +1,5 @@
 """Elementwise ops on activations: arithmetic with broadcasting, scalar forms of the operators,
-activations, soft-cap, softmax.
+activations, soft-cap, softmax; an integer per-row input as an f32 scalar (`to_f32`).
 
 Binary arithmetic broadcasts in three explicit ways only (see `broadcast_shape`); per-head
 scalars are widened first with `repeat`, so every broadcast a spec makes is visible in it.
@@ -15,6 +15,7 @@ from mkdsl.ops.registry import (
     Cost,
     OpDef,
     OpError,
+    expect_dtype,
     expect_float,
     expect_rank,
     numel,
@@ -86,14 +87,16 @@ def _clamp(args, attrs):
 
 
 def _repeat(args, attrs):
+    """[B, NH] per-row per-head scalars, or a declared per-head weight [NH]: each column `each` times."""
     (s,) = args
     expect_float(s, 0)
-    expect_rank(s, 2, 0, "repeat's operand")
+    if not (len(s.type.shape) == 1 and s.kind == "tensor" and not s.is_state):  # else a weight [NH]
+        expect_rank(s, 2, 0, "repeat's operand ([B, heads], or a declared weight [heads])")
     each = attrs["each"]
     if not isinstance(each, int) or isinstance(each, bool) or each < 1:
         raise OpError(f"`each` must be an integer of at least 1, got {each!r}", "each")
-    n = s.type.shape[1]
-    return (TensorType(F32, (s.type.shape[0], n * each if isinstance(n, int) else n)),)
+    n = s.type.shape[-1]
+    return (TensorType(F32, (*s.type.shape[:-1], n * each if isinstance(n, int) else n)),)
 
 
 def _rowsum(args, attrs):
@@ -277,6 +280,7 @@ _unary_op("abs", lambda x: jnp.abs(x), "jnp.abs({x})", 1, "|x|.")
 _unary_op("square", lambda x: jnp.square(x), "{x} * {x}", 1, "x * x.")
 _unary_op("exp", lambda x: jnp.exp(x), "jnp.exp({x})", 4, "e^x.")
 _unary_op("log", lambda x: jnp.log(x), "jnp.log({x})", 4, "Natural logarithm (-inf at 0, NaN below).")
+_unary_op("floor", lambda x: jnp.floor(x), "jnp.floor({x})", 1, "The largest integer <= x, as f32.")
 _unary_op("sqrt", lambda x: jnp.sqrt(x), "jnp.sqrt({x})", 4, "Square root.")
 _unary_op("rsqrt", lambda x: jax.lax.rsqrt(x), "jax.lax.rsqrt({x})", 4, "1 / sqrt(x).")
 _unary_op("tanh", lambda x: jnp.tanh(x), "jnp.tanh({x})", 4, "Hyperbolic tangent.")
@@ -313,10 +317,10 @@ _unary_op(
 )
 _unary_op(
     "repeat",
-    lambda x, each: jnp.repeat(x, each, axis=1),
+    lambda x, each: jnp.repeat(x, each, axis=-1),
     "repeat_cols({x}, {each})",
     1,
-    "Each column repeated `each` times: per-head scalars [B, NH] to [B, NH*each].",
+    "Each column repeated `each` times: per-head scalars [B, NH] to [B, NH*each], a per-head weight [NH] to [NH*each].",
     {"each": REQUIRED},
     infer=_repeat,
 )
@@ -328,6 +332,29 @@ _unary_op(
     "Sum of each row: [B, N] to [B, 1] (a per-row scalar).",
     infer=_rowsum,
     shard="row_sum",
+)
+
+
+def _to_f32(args, attrs):
+    (x,) = args
+    expect_dtype(x, ("i32",), 0)
+    expect_rank(x, 1, 0, "an integer per-row input [B] (the step's positions)")
+    return (TensorType(F32, (x.type.shape[0], 1)),)
+
+
+# Position-dependent scalars: an integer per-row input (the step's positions) as an f32 per-row
+# scalar [B, 1], which `floor`, `log` and the operators then combine and broadcast over a row
+# (Llama 4's query temperature `1 + beta·log(floor((pos + 1) / F) + 1)`).
+register(
+    OpDef(
+        "to_f32",
+        ("x",),
+        _to_f32,
+        lambda x: (x.astype(jnp.float32)[:, None],),
+        _cost(1),
+        doc="An i32 per-row input [B] (e.g. positions) as an f32 per-row scalar [B, 1] (exact below 2^24).",
+        shard="whole",
+    )
 )
 
 # ---------------------------------------------------------------- activations

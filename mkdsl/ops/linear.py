@@ -24,9 +24,10 @@ def weight_f32(w):
     return dequantize(w) if isinstance(w, QTensor) else w.astype(jnp.float32)
 
 
-def linear(x, w, transposed=False):
-    """bf16(x) @ w (or @ w.T) with f32 accumulation: the MXU's contract for every weight format."""
-    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
+def linear(x, w, transposed=False, input="bf16"):
+    """bf16(x) @ w (or @ w.T) with f32 accumulation: the MXU's contract for every weight format.
+    `input="f32"` keeps x in f32 (routers the reference implementations compute in f32)."""
+    xb = x.astype(jnp.float32) if input == "f32" else x.astype(jnp.bfloat16).astype(jnp.float32)
     wf = weight_f32(w)
     return jnp.dot(xb, wf.T if transposed else wf, precision="highest")
 
@@ -40,6 +41,9 @@ def _linear_infer(args, attrs):
     expect_rank(w, 2, 1, "the weight")
     if not isinstance(attrs["transposed"], bool):
         raise OpError("`transposed` must be true or false", "transposed")
+    given = attrs.get("input", "bf16")  # shape rules may be asked without the defaults filled in
+    if given not in ("bf16", "f32"):
+        raise OpError(f'input must be "bf16" (rounded, the MXU default) or "f32", got {given!r}', "input")
     if attrs["transposed"] and w.type.dtype.quantised:
         raise OpError(f"a transposed weight must not be quantised, but `{w.name}` is {w.type.dtype}", 1)
     n, k = w.type.shape if attrs["transposed"] else reversed(w.type.shape)
@@ -56,7 +60,8 @@ def _linear_infer(args, attrs):
 def _linear_cost(ins, outs, attrs):
     x, w = ins
     k, n = w.shape
-    return Cost(weight_bytes=nbytes(w), flops=2 * x.shape[0] * k * n)
+    passes = 3 if attrs.get("input") == "f32" else 1  # an f32 input is three bf16 parts on the MXU
+    return Cost(weight_bytes=nbytes(w), flops=2 * x.shape[0] * k * n * passes)
 
 
 register(
@@ -64,11 +69,11 @@ register(
         "linear",
         ("x", "weight"),
         _linear_infer,
-        lambda x, w, transposed=False: (linear(x, w, transposed),),
+        lambda x, w, transposed=False, input="bf16": (linear(x, w, transposed, input),),
         _linear_cost,
-        attrs={"transposed": False},
+        attrs={"transposed": False, "input": "bf16"},
         doc="x @ weight (weight.T if transposed: a tied head over the [V, H] embedding), f32 out; "
-        "x is rounded to bf16, weights of any format are decoded exactly.",
+        'x is rounded to bf16 (kept f32 with input="f32"), weights of any format are decoded exactly.',
         shard="matmul",
         reach=(("weight", "stream"),),
     )

@@ -130,17 +130,25 @@ def _bias(b, ids):
     return 0.0 if b is None else jnp.take(b.astype(jnp.float32), ids, axis=0)
 
 
-def moe_experts(z, weights, ids, w1, w3, w2, b1=None, b3=None, b2=None, *, act):
+def moe_experts(z, weights, ids, w1, w3, w2, b1=None, b3=None, b2=None, *, act, weigh="output", keep=None):
     """r_b = Σ_i weights[b, i] · (bf16(act(bf16(z_b)·W1_e + b1_e, bf16(z_b)·W3_e + b3_e))·W2_e + b2_e),
-    e = ids[b, i]; f32 accumulation, expert weights decoded exactly, biases optional."""
+    e = ids[b, i]; f32 accumulation, expert weights decoded exactly, biases optional.
+
+    `weigh="input"` (Llama 4) scales the expert's input instead and sums the outputs unweighted:
+    r_b = Σ_i expert_e(weights[b, i] · z_b), the weight multiplying the products bf16(z_b)·W
+    (equal in exact arithmetic). `keep` ([B, k] bool, SPMD prefill) drops the choices it marks false."""
     b, k = ids.shape
     flat = ids.reshape(-1)  # row b·k + i is (row b, choice i)
     x = jnp.repeat(z.astype(jnp.bfloat16).astype(jnp.float32), k, axis=0)
-    g = jnp.einsum("nd,ndf->nf", x, _experts(w1, flat), precision="highest") + _bias(b1, flat)
-    u = jnp.einsum("nd,ndf->nf", x, _experts(w3, flat), precision="highest") + _bias(b3, flat)
+    s = weights.astype(jnp.float32).reshape(-1, 1) if weigh == "input" else 1.0
+    g = s * jnp.einsum("nd,ndf->nf", x, _experts(w1, flat), precision="highest") + _bias(b1, flat)
+    u = s * jnp.einsum("nd,ndf->nf", x, _experts(w3, flat), precision="highest") + _bias(b3, flat)
     h = apply_block(act, g, u).astype(jnp.bfloat16).astype(jnp.float32)
     y = jnp.einsum("nf,nfd->nd", h, _experts(w2, flat), precision="highest") + _bias(b2, flat)
-    return jnp.einsum("bk,bkd->bd", weights.astype(jnp.float32), y.reshape(b, k, -1), precision="highest")
+    sums = weights.astype(jnp.float32) if weigh == "output" else jnp.ones((b, k), jnp.float32)
+    if keep is not None:
+        sums = jnp.where(keep, sums, 0.0)
+    return jnp.einsum("bk,bkd->bd", sums, y.reshape(b, k, -1), precision="highest")
 
 
 EXPERT_DTYPES = ("mxfp4", "bf16", "fp8_e4m3", "fp8_e5m2", "int4", "int8")  # the reference decodes any (QTensor)
@@ -185,6 +193,9 @@ def _experts_infer(args, attrs):
     if w2.type.shape != (e, f, d):
         raise OpError(f"w2 `{w2.name}` is {w2.type}, expected [{e}, {f}, {d}]", 5)
     _check_biases(args, e, d, f)
+    weigh = attrs.get("weigh", "output")  # shape rules may be asked without the defaults filled in
+    if weigh not in ("output", "input"):
+        raise OpError(f'weigh must be "output" or "input" (where the routing weight applies), got {weigh!r}', "weigh")
     return (TensorType(F32, (b, d)),)
 
 
@@ -229,7 +240,7 @@ def _experts_spmd(rows, arrays, attrs):
     lo = device_index(attrs["expert_axes"]) * e
     held = (ids >= lo) & (ids < lo + e)
     args = (z, jnp.where(held, wts, 0.0), jnp.clip(ids - lo, 0, e - 1), w1, w3, w2, *biases)
-    return (moe_experts(*args, act=attrs["act"]),)
+    return (moe_experts(*args, act=attrs["act"], weigh=attrs["weigh"], keep=held),)
 
 
 register(
@@ -237,11 +248,12 @@ register(
         "moe_experts",
         ("z", "weights", "ids", "w1", "w3", "w2", "b1", "b3", "b2"),
         _experts_infer,
-        lambda *a, act: (moe_experts(*a, act=act),),
+        lambda *a, act, weigh="output": (moe_experts(*a, act=act, weigh=weigh),),
         _experts_cost,
-        attrs={"act": REQUIRED},
+        attrs={"act": REQUIRED, "weigh": "output"},
         doc="Σ_i weights[:, i]·expert_ids[:, i](z): gated MLP experts w1/w3 [E, D, F], w2 [E, F, D], "
-        "`act` a block of elementwise ops on (gate, up), optional biases b1/b3 [E, F], b2 [E, D]; f32 out.",
+        "`act` a block of elementwise ops on (gate, up), optional biases b1/b3 [E, F], b2 [E, D]; f32 out. "
+        '`weigh="input"`: Σ_i expert(weights[:, i]·z), the weight on the input, outputs summed unweighted.',
         shard="experts",
         reach=(("w1", "own"), ("w3", "own"), ("w2", "own")),
         traffic_group="experts",

@@ -85,7 +85,10 @@ def inv_freq(rotary: int, a: dict) -> np.ndarray:
     if kind == "llama3":
         orig, lo, hi = a["original_max_position"], a["low_freq_factor"], a["high_freq_factor"]
         wavelen = 2 * math.pi / base
-        smooth = np.clip((orig / wavelen - lo) / (hi - lo), 0.0, 1.0)
+        if hi == lo:  # no smoothing band (Llama 4: 1 and 1): a step at wavelength orig / lo
+            smooth = np.where(wavelen > orig / lo, 0.0, 1.0)
+        else:
+            smooth = np.clip((orig / wavelen - lo) / (hi - lo), 0.0, 1.0)
         return (1 - smooth) * base / factor + smooth * base
     if kind == "yarn":
         low, high = yarn_range(rotary, theta, a)
@@ -158,8 +161,8 @@ def _check_attrs(d, a: dict) -> None:
             raise OpError(f"{a['scaling']} scaling needs original_max_position=N (N >= 1), got {orig!r}", "scaling")
     if a["scaling"] == "yarn":
         _check_yarn(a)
-    if a["scaling"] == "llama3" and not a["high_freq_factor"] > a["low_freq_factor"]:
-        raise OpError("llama3 scaling needs high_freq_factor > low_freq_factor", "high_freq_factor")
+    if a["scaling"] == "llama3" and not a["high_freq_factor"] >= a["low_freq_factor"] > 0:
+        raise OpError("llama3 scaling needs high_freq_factor >= low_freq_factor > 0", "high_freq_factor")
     if not isinstance(a["truncate"], bool):
         raise OpError(f"truncate must be true or false, got {a['truncate']!r}", "truncate")
 

@@ -53,9 +53,10 @@ def _numel(t) -> int:
 
 def tokens_seen(s, node) -> int:
     """Cached tokens one row's attention reads: the context and the new token, at most its
-    sliding `window` (as its cost's KV traffic counts them)."""
-    window = cost_attrs(node).get("window")
-    return min(s.context + 1, window) if window else s.context + 1
+    sliding `window` or `chunk` and its global tokens (as its cost's KV traffic counts them)."""
+    a = cost_attrs(node)
+    bounds = [b for b in (a.get(k) for k in ("window", "chunk")) if b]
+    return min(s.context + 1, min(bounds) + (a.get("global_tokens") or 0)) if bounds else s.context + 1
 
 
 def _exchanges(s) -> dict[tuple[str, str], object]:

@@ -76,6 +76,8 @@ def _find_chain(nodes: tuple[Node, ...], results) -> tuple[int, ...] | None:
         norm = _only_use(nodes, uses, i, "rmsnorm")
         if norm is None or nodes[norm].attr["heads"] != 1 or nodes[norm].inputs[0].name != node.outputs[0].name:
             continue
+        if len(nodes[norm].inputs) < 2:  # a weightless norm has no weight to multiply into the slice
+            continue
         mine = _only_use(nodes, uses, norm, TAKE_MINE)
         proj = _only_use(nodes, uses, mine, "linear") if mine is not None else None
         if proj is None or nodes[mine].attr["axes"] != node.attr["axes"] or nodes[proj].inputs[0].kind != "value":

@@ -328,8 +328,8 @@ def _per_head(s: _Sharder, node: Node, x: Place, heads_attr: str = "heads"):
 def _rule_norm(s: _Sharder, node: Node, places):
     x = places[0]
     split_rows = OPS[node.op].row_split
-    if x.kind == "S" and split_rows and places[1:2] == [x] and (nodes := split_rows(node)):
-        raise Rewrite(nodes)  # a whole-row norm of a row split like its weight
+    if x.kind == "S" and split_rows and places[1:2] in ([x], []) and (nodes := split_rows(node)):
+        raise Rewrite(nodes)  # a whole-row norm of a row split like its weight (or weightless)
     local = _per_head(s, node, x)
     if local is None or node.attr.get("heads", 1) == 1:
         return _rule_whole(s, node, places)

@@ -370,12 +370,14 @@ def check_seq_len(module) -> int:
 
 
 def smallest_window(model) -> tuple[int, int] | None:
-    """(tokens, spec line) of the smallest attention window of any layer kind (an op's `window`)."""
+    """(tokens, spec line) of the smallest attention window or chunk of any layer kind (an op's
+    `window` or `chunk`: both drop the earlier tokens at a boundary the steps should cross)."""
     found = [
-        (n.attr["window"], n.span.line)
+        (n.attr[key], n.span.line)
         for g in model.kinds
         for n in g.nodes
-        if isinstance(n.attr.get("window"), int) and n.attr["window"] > 0
+        for key in ("window", "chunk")
+        if isinstance(n.attr.get(key), int) and n.attr[key] > 0
     ]
     return min(found) if found else None
 
@@ -389,7 +391,8 @@ def start_positions(model, batch: int, steps: int, seq_len: int) -> tuple[np.nda
     if window is not None and 1 < steps and window[0] - 1 + rows[-1] + steps <= seq_len:
         w, line = window
         note = (
-            f"rows start at position {w - 1} + 3b: the steps cross the smallest window ({w} tokens, spec line {line})"
+            f"rows start at position {w - 1} + 3b: the steps cross the smallest window or chunk ({w} tokens, "
+            f"spec line {line})"
         )
         return (w - 1 + rows).astype(np.int32), note
     return (rows % (seq_len - steps)).astype(np.int32), ""

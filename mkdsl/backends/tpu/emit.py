@@ -40,6 +40,7 @@ RUNTIME_PARTS = (
     "runtime/moe.py.jinja",
     "runtime/elementwise.py.jinja",
     "runtime/draft.py.jinja",
+    "runtime/norm.py.jinja",
 )
 
 

@@ -79,11 +79,12 @@ def _scratch(s: PlanContext, at: Site) -> dict:
             f"KV tiles in flight ({KV_SLOTS} x {s.kv_tile} tokens)",
             "VMEM",
         )
-    if at.node.attr["window"] is not None:  # this op's own KV tile tables: the tiles its window reaches
-        n = f"batch * {(at.node.attr['window'] - 1) // s.kv_tile + 2}"
-        parts["kv_row"] = ((n,), "int32", "windowed KV tile table: row", "SMEM")
-        parts["kv_t0"] = ((n,), "int32", "windowed KV tile table: first token", "SMEM")
-        parts["kv_n"] = ((1,), "int32", "windowed KV tile count", "SMEM")
+    reach = mask_reach(at.node)
+    if reach is not None:  # this op's own KV tile tables: the tiles its window or chunk reaches
+        n = f"batch * {(reach - 1) // s.kv_tile + 2 + global_tiles(at.node, s.kv_tile)}"
+        parts["kv_row"] = ((n,), "int32", "masked KV tile table: row", "SMEM")
+        parts["kv_t0"] = ((n,), "int32", "masked KV tile table: first token", "SMEM")
+        parts["kv_n"] = ((1,), "int32", "masked KV tile count", "SMEM")
     if at.node.opt_arg("sinks") is not None:
         parts["sink"] = ((heads, 1), "float32", "sink logits, one row per head", "VMEM")
     return parts | {
@@ -96,11 +97,29 @@ def _scratch(s: PlanContext, at: Site) -> dict:
     }
 
 
-def kv_tile_count(context: int, kv_tile: int, window: int | None) -> int:
-    """KV tiles a row at position `context` reads: from its window's first tile to its own
-    (the kernel's `kv_tables`); tiles wholly before the window are neither fetched nor counted."""
-    first = 0 if window is None else max(context - window + 1, 0) // kv_tile
-    return context // kv_tile + 1 - first
+def mask_reach(node) -> int | None:
+    """The most keys a query sees under the op's window and chunk (None: all before it)."""
+    bounds = [b for b in (node.attr["window"], node.attr.get("chunk")) if b is not None]
+    return min(bounds) if bounds else None
+
+
+def global_tiles(node, kv_tile: int) -> int:
+    """KV tiles holding the op's global tokens (0 without them)."""
+    g = node.attr.get("global_tokens")
+    return 0 if g is None else -(-g // kv_tile)
+
+
+def kv_tile_count(context: int, kv_tile: int, window: int | None, chunk: int | None = None, global_tokens=None) -> int:
+    """KV tiles a row at position `context` reads: from the tile of its first seen key (window,
+    chunk) to its own (the kernel's `kv_tables`), and the global tokens' tiles before that;
+    tiles wholly before it are neither fetched nor counted."""
+    first = 0
+    if window is not None:
+        first = max(context - window + 1, first)
+    if chunk is not None:
+        first = max(context - context % chunk, first)
+    head = 0 if global_tokens is None or first == 0 else min(-(-global_tokens // kv_tile), first // kv_tile)
+    return context // kv_tile + 1 - first // kv_tile + head
 
 
 def _traffic(s: PlanContext, at: Site) -> Traffic:
@@ -108,7 +127,8 @@ def _traffic(s: PlanContext, at: Site) -> Traffic:
     kc, vc = _caches(s.model, at)
     _, kvh, _, dk = kc.type.shape
     dv = vc.type.shape[3]
-    kv_tiles = kv_tile_count(s.context, s.kv_tile, at.node.attr["window"])
+    a = at.node.attr
+    kv_tiles = kv_tile_count(s.context, s.kv_tile, a["window"], a.get("chunk"), a.get("global_tokens"))
     read = s.batch * kv_tiles * s.kv_tile * loaded_kv_heads(at.node, kvh) * (dk + dv) * 2
     written = s.batch * kvh * 16 * (dk + dv) * 2
     if at.node.attr.get("kv_axes"):  # the new token's block of every KV head is read, patched, written
@@ -123,6 +143,15 @@ def _replicated(em: EmitContext, node, kvh: int) -> str:
         return ""
     ways = math.prod(dict(em.m.mesh)[a] for a in axes)
     return f", kv_load=1, kv_lo={em.group_index(axes)} * {kvh} // {ways}"
+
+
+def _chunk(node) -> str:
+    """The constructor's `chunk` and `global_tokens` arguments, only where the op has them (kernels
+    without are unchanged); global tokens only matter past a window or chunk."""
+    out = "" if node.attr.get("chunk") is None else f", chunk={node.attr['chunk']!r}"
+    if node.attr.get("global_tokens") is not None and mask_reach(node) is not None:
+        out += f", global_tokens={node.attr['global_tokens']!r}"
+    return out
 
 
 def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
@@ -142,7 +171,7 @@ def _record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) -> dict:
             ctor=(
                 f"Attention(r, positions_ref, {i}, rows=rows, batch=batch, span=span, heads={node.attr['heads']}, kv_heads={kvh}, "
                 f"dk={dk}, dv={dv}, kv_tile=KV_TILE, kv_slots=KV_SLOTS, scale={float(scale)!r}, names={names!r}, "
-                f"window={node.attr['window']!r}{_replicated(em, node, kvh)})"
+                f"window={node.attr['window']!r}{_chunk(node)}{_replicated(em, node, kvh)})"
             ),
         )
     )

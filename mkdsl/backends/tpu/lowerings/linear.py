@@ -174,6 +174,14 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
             )
         ]
     transposed = bool(at.node.attr.get("transposed"))
+    if at.node.attr.get("input") == "f32" and (_linear_runtime(model, at) or t.type.dtype.name != "bf16"):
+        return [
+            Diagnostic(
+                at.node.span,
+                f'`input="f32"` streams bf16 weights of whole 128-column tiles, untransposed; `{t.name}` is not one',
+                "declare the weight bf16, or leave the input rounded to bf16",
+            )
+        ]
     tk, tn = stream_tiles(t, TILE_K, tile_n_of(model), transposed)
     k, n = reversed(t.type.shape) if transposed else t.type.shape
     kd, nd = (1, 0) if transposed else (0, 1)
@@ -189,8 +197,8 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
 
 
 def _allocate_linear(s: PlanContext, at: Site) -> None:
-    """The bf16 copy of the matmul input, once per source buffer."""
-    if at.node.arg("weight").kind != "tensor":
+    """The bf16 copy of the matmul input, once per source buffer (none for an f32 input)."""
+    if at.node.arg("weight").kind != "tensor" or at.node.attr.get("input") == "f32":
         return
     src = s.buffer(at.graph, at.node.arg("x"))
     k = s.model.tensor(at.node.arg("weight").name).type.shape[1 if at.node.attr.get("transposed") else 0]
@@ -211,11 +219,13 @@ def _linear_record(em: EmitContext, at: Site, ins: list[str], pre: list[str]) ->
     node = at.node
     st = em.plan.sequence(em.seq).stream(node.outputs[0].name)
     key = (at.graph.name, node.arg("x").name)
-    cast = key not in em.casts
-    em.casts.add(key)
+    f32 = node.attr.get("input") == "f32"  # the f32 buffer itself, multiplied at full precision
+    cast = key not in em.casts and not f32
+    if not f32:
+        em.casts.add(key)
     return dict(
         x=ins[0],
-        xb=f"{ins[0]}_bf16",
+        xb=ins[0] if f32 else f"{ins[0]}_bf16",
         cast=cast,
         fn="qlinear" if st.parts else "linear",
         stream=em.stream_const(em.seq, st),

@@ -313,6 +313,8 @@ def _moe_object(em: EmitContext, g: Graph, idx: int, node: Node) -> str:
         extra += f", Dv={d_valid}, Fv={f_valid}"
     if min(d, latent_chunk(f)) != min(d, 512):
         extra += f", kc={latent_chunk(f)}"
+    if node.attr.get("weigh") == "input":
+        extra += ", on_input=True"
     em.objects.append(
         f"{obj} = MoE(r, rows=rows, batch=batch, E={e}, k={k}, D={d}, F={f}, tn={tn}, slots={slots}, "
         f"names={names!r}, prefix={sc.prefix + '_'!r}, act={act_lambda(node.attr['act'])}{fmt_arg}{extra})"
