@@ -420,8 +420,8 @@ class _Elaborator:
             seen.add(a.name)
         if t.dtype in dtypes.SCALED and (t.dtype_args or t.dtype in ("int4", "int8")):
             dt = self.scaled_dtype(t, args)
-        elif t.dtype in dtypes.PLAIN or t.dtype == "mxfp4":
-            dt = dtypes.PLAIN.get(t.dtype, dtypes.MXFP4)
+        elif t.dtype in dtypes.PLAIN or t.dtype == "mxfp4" or t.dtype in dtypes.GGUF:
+            dt = dtypes.GGUF[t.dtype].dtype if t.dtype in dtypes.GGUF else dtypes.PLAIN.get(t.dtype, dtypes.MXFP4)
             for a in t.dtype_args:
                 self.rep.error(a.span, f"dtype {t.dtype} takes no parameters")
         else:
