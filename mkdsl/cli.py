@@ -568,7 +568,7 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
     compile and the load. `serving`: no prompts; the batch defaults to the spec's most rows."""
     import math
 
-    from mkdsl.api import Spec, spec_profiles
+    from mkdsl.api import Spec, for_checkpoint, spec_profiles
     from mkdsl.checkpoint.formats import open_checkpoint
     from mkdsl.checkpoint.loader import load_weights, plan_load
     from mkdsl.checkpoint.tokenizer import load_codec
@@ -577,6 +577,13 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
     from mkdsl.spmd.shard import shard
 
     model, source, module_ast = _load(args)
+    if os.path.exists(args.weights):  # the weights a `| stored` mapping keeps as the file has them
+        try:
+            source, module_ast, model = for_checkpoint(source, module_ast, model, args.profile, args.weights)
+        except SpecError as e:
+            e.source = source
+            raise
+        _say_stored(args.weights, model)
     try:
         local = shard(model)
     except SpecError as e:
@@ -613,6 +620,27 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
     print(f"{args.weights}: {report.summary()}", file=sys.stderr)
     _loaded_by_all(args.weights, report)
     return spec, module, weights, codec, groups
+
+
+def _say_stored(path: str, model) -> None:
+    """Which weights keep the file's GGUF block format, and the bytes a step streams for them."""
+    import math
+    from collections import Counter
+
+    from mkdsl.lang.dtypes import storage_bytes
+
+    kept = [t for t in model.weights if t.type.dtype.gguf]
+    if not kept:
+        return
+    count = Counter(str(t.type.dtype) for t in kept)
+    stored = sum(storage_bytes(t.type.dtype, tuple(t.full_shape)) for t in kept)
+    values = sum(math.prod(t.full_shape) for t in kept)
+    formats = ", ".join(f"{n} {f}" for f, n in sorted(count.items()))
+    print(
+        f"{path}: kept as stored: {formats} weights, {stored / 2**20:.1f} MiB "
+        f"({8 * stored / values:.2f} bits per weight), decoded in VMEM tile by tile",
+        file=sys.stderr,
+    )
 
 
 def _loaded_by_all(path: str, report) -> None:

@@ -183,6 +183,14 @@ STEPS: dict[str, StepDef] = {
         shape=_pad_shape,
         apply=_pad,
     ),
+    "stored": StepDef(
+        (),
+        "keeps a GGUF block format (Q8_0, Q4_0, Q4_1) as the file stores it: loaded for that file "
+        "(`mkdsl run`), the weight takes the format in place of its declared dtype; otherwise as `round`",
+        shape=lambda s, a: s,
+        apply=lambda x, a: x,
+        grid=lambda g, a: g,
+    ),
     "round": StepDef(
         (),
         "accepts rounding into the spec's dtype (see below)",
