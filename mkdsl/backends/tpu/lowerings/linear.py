@@ -9,7 +9,7 @@ import numpy as np
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.lang.diagnostics import Diagnostic
-from mkdsl.lang.dtypes import DType, itemsize
+from mkdsl.lang.dtypes import GGUF, DType, itemsize
 from mkdsl.lang.ir import Model, Tensor
 from mkdsl.spmd.shard import split_note
 
@@ -37,10 +37,14 @@ class TilePart:
     memory: str  # VMEM (SMEM would suit scalars, but Mosaic cannot DMA an HBM window into it)
     rdiv: int  # K rows per stored row (8 nibbles per uint32 word; `group` inputs per scale row)
     cdiv: int = 1  # N columns per stored column (block scales)
+    label: str = ""  # its own ring array `ring_<label>` (a part whose dtype another part of its tile has)
 
     @property
     def ring(self) -> str:
-        """The ring array holding this part: `ring` (bf16), `ring_<dtype>`, `ring_smem_<dtype>`."""
+        """The ring array holding this part: `ring` (bf16), `ring_<dtype>`, `ring_smem_<dtype>`,
+        or `ring_<label>`."""
+        if self.label:
+            return f"ring_{self.label}"
         if self.memory == "SMEM":
             return f"ring_smem_{self.dtype}"
         return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
@@ -89,6 +93,8 @@ def stream_format(d: DType) -> StreamFormat | None:
     if b:
         parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "VMEM", b, b))
         return StreamFormat("block", b, parts, lambda tk, k: tk % b == 0 and _aligned(tk, k, tk, 32))
+    if d.gguf:
+        return _gguf_stream(d)
     if d.name == "mxfp4" or d.name == "int4":
         scale = "uint8" if d.name == "mxfp4" else "bfloat16"
         parts = (TilePart("codes", "uint32", "VMEM", 8), TilePart("scales", scale, "VMEM", g))
@@ -103,6 +109,22 @@ def stream_format(d: DType) -> StreamFormat | None:
         parts = (TilePart("codes", d.numpy, "VMEM", 1), TilePart("scales", "float32", "VMEM", g))
         return StreamFormat("group", g, parts, lambda tk, k: (g % tk == 0 or tk % g == 0) and _aligned(tk, k, tk, 32))
     return None
+
+
+def _gguf_stream(d: DType) -> StreamFormat:
+    """GGUF blocks (dtypes.GGUF): codes (uint32 nibble words, or int8) and uint32 words of the
+    blocks' f16 fields, `32 * words_per` inputs per word row; a K tile keeps every window whole
+    or aligned to its HBM tile (8 rows of uint32, 32 of int8)."""
+    f = GGUF[d.name]
+    rows = 32 * f.words_per
+    codes = TilePart("codes", "uint32", "VMEM", 8) if f.nibbles else TilePart("codes", "int8", "VMEM", 1)
+    tile = 8 if f.nibbles else 32
+    return StreamFormat(
+        d.name,
+        rows,
+        (codes, TilePart("scales", "uint32", "VMEM", rows, label="gguf_words")),
+        lambda tk, k: tk % rows == 0 and _aligned(tk, k, tk // codes.rdiv, tile) and _aligned(tk, k, tk // rows, 8),
+    )
 
 
 def padded_columns(n: int) -> int:
@@ -149,7 +171,8 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
         return [
             Diagnostic(
                 t.span,
-                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4 or mxfp4",
+                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4, mxfp4 "
+                "or a GGUF block format (q8_0, q4_0, q4_1)",
                 "declare it in one of those, or use it through an op that takes it",
             )
         ]
@@ -212,7 +235,8 @@ def _linear_runtime(model: Model, at: Site) -> tuple[str, ...]:
     n = t.type.shape[0 if at.node.attr.get("transposed") else 1]
     if sf is None or (sf.fmt == "bf16" and n % 128 == 0 and not at.node.attr.get("transposed")):
         return ()
-    return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja")
+    gguf = ("runtime/gguf.py.jinja",) if t.type.dtype.gguf else ()
+    return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja", *gguf)
 
 
 register_lowering(
