@@ -49,9 +49,14 @@ class TilePart:
             return f"ring_smem_{self.dtype}"
         return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
 
-    def ring_for(self, n: int) -> str:
+    def ring_for(self, n: int, tk: int = 0) -> str:
         """Block scales (whole rows of squares) get a ring array as wide as their matrix's row of
-        squares: Mosaic DMAs an HBM window of a narrow array only into an array of its width."""
+        squares: Mosaic DMAs an HBM window of a narrow array only into an array of its width. A
+        labelled part whose tile has a row count off its 8-row tile (a whole K of 576 is 18 rows
+        of GGUF block words) gets a ring array of exactly those rows: Mosaic slices a bank only
+        along whole tiles."""
+        if self.label and (tk // self.rdiv) % 8:
+            return f"{self.ring}{tk // self.rdiv}"
         return f"ring_scales{n // self.cdiv}" if self.cdiv > 1 else self.ring
 
     def tile(self, tk: int, tn: int, n: int, transposed: bool = False) -> tuple[int, int]:
