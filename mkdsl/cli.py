@@ -193,7 +193,18 @@ def _plan(args) -> int:
     from mkdsl.report.timing import plan_data, render_summary
 
     _check_plan_draft(args)
-    model, source, _ = _load(args)
+    model, source, module_ast = _load(args)
+    if args.weights is not None:  # the formats a `| stored` mapping keeps from this file
+        from mkdsl.api import for_checkpoint
+
+        if not os.path.exists(args.weights):
+            raise UsageError(f"--weights {args.weights}: no such file or directory")
+        try:
+            source, module_ast, model = for_checkpoint(source, module_ast, model, args.profile, args.weights)
+        except SpecError as e:
+            e.source = source
+            raise
+        _say_stored(args.weights, model)
     rows = model.dims[0]
     if not rows.low <= args.batch <= rows.high:
         raise UsageError(
@@ -1070,6 +1081,12 @@ def _plan_parser(c) -> None:
         "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
     )
     shown.add_argument("--json", action="store_true", help="the plan as JSON (schema: docs/plan-schema.json)")
+    c.add_argument(
+        "--weights",
+        metavar="PATH",
+        default=None,
+        help="plan the weights a `| stored` mapping keeps from this checkpoint in its formats (GGUF Q4_1, ...)",
+    )
     shown.add_argument(
         "--placement",
         action="store_true",
