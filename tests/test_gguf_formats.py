@@ -110,7 +110,9 @@ def test_without_the_file_stored_rounds_and_a_wrong_format_is_named(mini_gguf, t
     assert text != SMOLLM2.read_text()
     other = tmp_path / "q8.mk"
     other.write_text(text)
-    with pytest.raises(CheckpointError, match=r"`blk\.0\.attn_v\.weight` is Q4_1 \[64, 192\]; the spec's q8_0 holds Q8_0"):
+    with pytest.raises(
+        CheckpointError, match=r"`blk\.0\.attn_v\.weight` is Q4_1 \[64, 192\]; the spec's q8_0 holds Q8_0"
+    ):
         mkdsl.load_weights(mkdsl.load(other, "mini"), path, host=True, progress=False)
 
 

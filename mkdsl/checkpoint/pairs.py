@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mkdsl.checkpoint import gguf_blocks
 from mkdsl.checkpoint.steps import Grid
 from mkdsl.lang.dtypes import DType
-from mkdsl.checkpoint import gguf_blocks
 from mkdsl.lang.quant import E2M1_VALUES, pack_nibbles
 
 

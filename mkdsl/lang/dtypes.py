@@ -145,7 +145,9 @@ def _gguf_storage(f: GGUFFormat, lead: list, k: int, n: int) -> tuple[StoragePar
     int4's words (unsigned nibbles) or int8; the f16 fields as uint32 words: Q4_1 `d | m << 16`
     per block, Q8_0/Q4_0 `d(2i) | d(2i+1) << 16` for blocks 2i, 2i+1 of a column (so as many
     bytes as the file holds: 8.5, 4.5 and 5 bits per weight)."""
-    codes = StoragePart("codes", (*lead, k // 8, n), "uint32") if f.nibbles else StoragePart("codes", (*lead, k, n), "int8")
+    codes = (
+        StoragePart("codes", (*lead, k // 8, n), "uint32") if f.nibbles else StoragePart("codes", (*lead, k, n), "int8")
+    )
     return (codes, StoragePart("scales", (*lead, k // (32 * f.words_per), n), "uint32"))
 
 
