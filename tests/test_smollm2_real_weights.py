@@ -90,7 +90,9 @@ def _weights(path) -> tuple[dict, dict]:
     for t in r.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))
         kind = t.tensor_type.name
-        w[t.name] = np.asarray(t.data, np.float32).reshape(shape) if kind == "F32" else decode_blocks(t.data, kind, shape)
+        w[t.name] = (
+            np.asarray(t.data, np.float32).reshape(shape) if kind == "F32" else decode_blocks(t.data, kind, shape)
+        )
     return w, meta
 
 
