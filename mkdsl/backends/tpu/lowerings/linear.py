@@ -176,8 +176,8 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
         return [
             Diagnostic(
                 t.span,
-                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4, mxfp4 "
-                "or a GGUF block format (q8_0, q4_0, q4_1)",
+                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4 or mxfp4 "
+                "(or GGUF blocks: q8_0, q4_0, q4_1)",
                 "declare it in one of those, or use it through an op that takes it",
             )
         ]
