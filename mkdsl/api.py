@@ -99,8 +99,12 @@ def for_checkpoint(source: str, module, model, profile: str | None, weights):
     if not formats:
         return source, module, model
     source = retype(source, model, formats)
-    module = parse(source)
-    return source, module, elaborate(module, profile, source)
+    try:
+        module = parse(source)
+        return source, module, elaborate(module, profile, source)
+    except SpecError as e:  # shown on the retyped text: a `stored` weight its ops cannot take quantised
+        e.source = source
+        raise
 
 
 def compile_text(spec: Spec) -> dict[str, str]:

@@ -588,13 +588,6 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
     from mkdsl.spmd.shard import shard
 
     model, source, module_ast = _load(args)
-    if os.path.exists(args.weights):  # the weights a `| stored` mapping keeps as the file has them
-        try:
-            source, module_ast, model = for_checkpoint(source, module_ast, model, args.profile, args.weights)
-        except SpecError as e:
-            e.source = source
-            raise
-        _say_stored(args.weights, model)
     try:
         local = shard(model)
     except SpecError as e:
@@ -616,6 +609,11 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
     if not os.path.exists(args.weights):
         raise UsageError(f"--weights {args.weights}: no such file or directory")
     reader = open_checkpoint(args.weights)
+    source, module_ast, retyped = for_checkpoint(source, module_ast, model, args.profile, reader)
+    if retyped is not model:  # weights a `| stored` mapping keeps as the file has them
+        _say_stored(args.weights, retyped)
+        model = retyped
+        spec = Spec(args.spec, args.profile, source, model, shard(model), tuple(spec_profiles(module_ast)))
     plan_load(model, reader)  # a checkpoint that does not fit fails here, before the compile
     codec = load_codec(reader)
     from mkdsl.run.decode import cached_kernel, use_compilation_cache

@@ -189,3 +189,50 @@ def test_smollm2_in_q4_1_at_published_width_compiles_for_tpu7x(tmp_path):
     assert module.VMEM_LIMIT_BYTES <= 64 * MIB
     compiled, seconds = compile_one_core(module, tpu7x_devices("tpu7x:2x2x1")[0], 8, 256)
     assert compiled is not None, seconds
+
+
+# llama.cpp's qwen2 names (convert_hf_to_gguf keeps q/k rows in Hugging Face's order for it):
+# spec weight -> (GGUF name, a matrix stored [out, in]).
+QWEN2_GGUF = {
+    "embed": ("token_embd.weight", False),
+    "attn_norm": ("blk.{l}.attn_norm.weight", False),
+    "wq": ("blk.{l}.attn_q.weight", True),
+    "bq": ("blk.{l}.attn_q.bias", False),
+    "wk": ("blk.{l}.attn_k.weight", True),
+    "bk": ("blk.{l}.attn_k.bias", False),
+    "wv": ("blk.{l}.attn_v.weight", True),
+    "bv": ("blk.{l}.attn_v.bias", False),
+    "wo": ("blk.{l}.attn_output.weight", True),
+    "mlp_norm": ("blk.{l}.ffn_norm.weight", False),
+    "w_gate": ("blk.{l}.ffn_gate.weight", True),
+    "w_up": ("blk.{l}.ffn_up.weight", True),
+    "w_down": ("blk.{l}.ffn_down.weight", True),
+    "final_norm": ("output_norm.weight", False),
+    "lm_head": ("output.weight", True),
+}
+
+
+def test_qwen2_5_loads_a_gguf_in_llama_cpps_layout(tmp_path):
+    """Q8_0 matrices (the embedding too), f32 norms and biases, decoded and rounded to bf16."""
+    import ml_dtypes
+
+    spec = mkdsl.load(ROOT / "specs" / "qwen2_5_7b.mk", "mini")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=7)
+    tensors = {}
+    for name, (gg, matrix) in QWEN2_GGUF.items():
+        w = np.asarray(weights[name]).astype(np.float32)
+        for layer in range(2) if "{l}" in gg else [None]:
+            x = w[layer] if layer is not None else w
+            tensors[gg.format(l=layer)] = (np.ascontiguousarray(x.T if matrix else x), "Q8_0" if x.ndim == 2 else "F32")
+    write_gguf(tmp_path / "q.gguf", tensors, block_count=2)
+    loaded, report = mkdsl.load_weights(spec, tmp_path / "q.gguf", host=True, progress=False)
+    assert dict(report.rounded) == {"Q8_0": 1 + 7 * 2 + 1, "F32": 5 * 2 + 1}
+    for name, (gg, matrix) in QWEN2_GGUF.items():
+        for layer in range(2) if "{l}" in gg else [None]:
+            x, kind = tensors[gg.format(l=layer)]
+            if kind == "Q8_0":  # the oracle's decode of the blocks the writer made
+                q = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)
+                x = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
+            want = (x.T if matrix else x).astype(ml_dtypes.bfloat16)
+            got = loaded[name][layer] if layer is not None else loaded[name]
+            assert np.array_equal(got, want), (name, layer)
