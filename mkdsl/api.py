@@ -13,6 +13,7 @@ raises `ProfileError`, a `ValueError`. Nothing here imports jax until it is need
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from dataclasses import dataclass
@@ -103,8 +104,13 @@ def for_checkpoint(source: str, module, model, profile: str | None, weights):
         module = parse(source)
         return source, module, elaborate(module, profile, source)
     except SpecError as e:  # shown on the retyped text: a `stored` weight its ops cannot take quantised
-        e.source = source
-        raise
+        kept = ", ".join(f"`{n}` as {f}" for n, f in formats.items())
+        hint = (
+            f"`| stored` declared {kept} (the checkpoint's formats); say `| round` where a weight must stay as declared"
+        )
+        out = SpecError([dataclasses.replace(d, hint=d.hint or hint) for d in e.diagnostics], e.more)
+        out.source = source
+        raise out from None
 
 
 def compile_text(spec: Spec) -> dict[str, str]:

@@ -125,6 +125,19 @@ def test_plan_with_weights_shows_the_stored_bytes(mini_gguf, capsys):
     assert "kept as stored: 7 q4_1 weights" in err and "(5.00 bits per weight)" in err, err
 
 
+def test_a_stored_weight_its_ops_cannot_take_quantised_is_an_error_naming_stored(mini_gguf, tmp_path, capsys):
+    from mkdsl.cli import main
+
+    path, _ = mini_gguf
+    text = SMOLLM2.read_text()
+    spec = tmp_path / "emb.mk"
+    spec.write_text(text.replace('"token_embd.weight" | round', '"token_embd.weight" | stored'))
+    assert spec.read_text() != text
+    assert main(["plan", str(spec), "--profile", "mini", "--weights", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "embedding table `embed` must not be quantised" in err and "`| stored` declared `embed` as q8_0" in err, err
+
+
 GSPEC = """
 model gguf_demo
 
