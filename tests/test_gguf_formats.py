@@ -249,3 +249,49 @@ def test_qwen2_5_loads_a_gguf_in_llama_cpps_layout(tmp_path):
             want = (x.T if matrix else x).astype(ml_dtypes.bfloat16)
             got = loaded[name][layer] if layer is not None else loaded[name]
             assert np.array_equal(got, want), (name, layer)
+
+
+def test_phi3_loads_a_gguf_with_its_fused_qkv_and_gate_up(tmp_path):
+    """llama.cpp's phi3 tensors: `attn_qkv` [3 x NH*D, H] and `ffn_up` [2F, H] (gate rows first)."""
+    import ml_dtypes
+
+    spec = mkdsl.load(ROOT / "specs" / "phi3_mini_4k.mk", "mini")
+    w, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=9)
+    w = {n: np.asarray(x).astype(np.float32) for n, x in w.items()}
+    tensors = {
+        "token_embd.weight": (w["embed"], "Q8_0"),
+        "output_norm.weight": (w["final_norm"], "F32"),
+        "output.weight": (np.ascontiguousarray(w["lm_head"].T), "Q8_0"),
+    }
+    for i in range(2):
+        qkv = np.concatenate([w["wq"][i].T, w["wk"][i].T, w["wv"][i].T])
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": (w["attn_norm"][i], "F32"),
+            f"blk.{i}.attn_qkv.weight": (qkv, "Q8_0"),
+            f"blk.{i}.attn_output.weight": (np.ascontiguousarray(w["wo"][i].T), "Q8_0"),
+            f"blk.{i}.ffn_norm.weight": (w["mlp_norm"][i], "F32"),
+            f"blk.{i}.ffn_up.weight": (np.concatenate([w["w_gate"][i].T, w["w_up"][i].T]), "Q8_0"),
+            f"blk.{i}.ffn_down.weight": (np.ascontiguousarray(w["w_down"][i].T), "Q8_0"),
+        }
+    write_gguf(tmp_path / "p.gguf", tensors, block_count=2)
+    loaded, report = mkdsl.load_weights(spec, tmp_path / "p.gguf", host=True, progress=False)
+
+    def q8(x):  # the oracle's decode of the blocks the writer made
+        t = gguf.GGMLQuantizationType.Q8_0
+        return gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x), t), t)
+
+    def bf16(x):
+        return np.asarray(x).astype(ml_dtypes.bfloat16)
+
+    nh = w["wq"].shape[-1]
+    f = w["w_gate"].shape[-1]
+    for i in range(2):
+        qkv = q8(tensors[f"blk.{i}.attn_qkv.weight"][0])
+        up = q8(tensors[f"blk.{i}.ffn_up.weight"][0])
+        assert np.array_equal(loaded["wk"][i], bf16(qkv[nh : 2 * nh].T))
+        assert np.array_equal(loaded["wv"][i], bf16(qkv[2 * nh :].T))
+        assert np.array_equal(loaded["w_gate"][i], bf16(up[:f].T)) and np.array_equal(loaded["w_up"][i], bf16(up[f:].T))
+        assert np.array_equal(loaded["attn_norm"][i], bf16(w["attn_norm"][i]))
+    assert np.array_equal(loaded["lm_head"], bf16(q8(w["lm_head"].T).T))
+    # counted per weight read: the fused qkv feeds three, ffn_up two
+    assert dict(report.rounded) == {"Q8_0": 2 + (3 + 1 + 2 + 1) * 2, "F32": 2 * 2 + 1}
