@@ -13,6 +13,7 @@ raises `ProfileError`, a `ValueError`. Nothing here imports jax until it is need
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from dataclasses import dataclass
@@ -63,8 +64,10 @@ class Spec:
         return self.model.dims[0].low, self.model.dims[0].high
 
 
-def load(path: str | Path, profile: str | None = None) -> Spec:
-    """Read, parse, check and shard a spec (with `profile`'s overrides)."""
+def load(path: str | Path, profile: str | None = None, weights=None) -> Spec:
+    """Read, parse, check and shard a spec (with `profile`'s overrides). `weights` (a checkpoint
+    path or an open reader): retype the weights its mapping keeps as stored (`| stored`: GGUF
+    Q8_0/Q4_0/Q4_1, mkdsl/checkpoint/stored.py) to the file's formats, as `mkdsl run` does."""
     from mkdsl.lang.elaborate import elaborate
     from mkdsl.lang.syntax import parse
     from mkdsl.spmd.shard import shard
@@ -75,12 +78,39 @@ def load(path: str | Path, profile: str | None = None) -> Spec:
         module = parse(source)
         check_profile(module, profile, path)
         model = elaborate(module, profile, source)
+        if weights is not None:
+            source, module, model = for_checkpoint(source, module, model, profile, weights)
         local = shard(model)
     except SpecError as e:
         e.source = source
         e.path = path
         raise
     return Spec(path, profile, source, model, local, tuple(spec_profiles(module)))
+
+
+def for_checkpoint(source: str, module, model, profile: str | None, weights):
+    """(source, module, model) retyped for a checkpoint's stored formats (unchanged if none)."""
+    from mkdsl.checkpoint.formats import open_checkpoint
+    from mkdsl.checkpoint.stored import retype, stored_formats
+    from mkdsl.lang.elaborate import elaborate
+    from mkdsl.lang.syntax import parse
+
+    reader = weights if hasattr(weights, "info") else open_checkpoint(weights)
+    formats = stored_formats(model, reader)
+    if not formats:
+        return source, module, model
+    source = retype(source, model, formats)
+    try:
+        module = parse(source)
+        return source, module, elaborate(module, profile, source)
+    except SpecError as e:  # shown on the retyped text: a `stored` weight its ops cannot take quantised
+        kept = ", ".join(f"`{n}` as {f}" for n, f in formats.items())
+        hint = (
+            f"`| stored` declared {kept} (the checkpoint's formats); say `| round` where a weight must stay as declared"
+        )
+        out = SpecError([dataclasses.replace(d, hint=d.hint or hint) for d in e.diagnostics], e.more)
+        out.source = source
+        raise out from None
 
 
 def compile_text(spec: Spec) -> dict[str, str]:

@@ -194,7 +194,18 @@ def _plan(args) -> int:
     from mkdsl.report.timing import plan_data, render_summary
 
     _check_plan_draft(args)
-    model, source, _ = _load(args)
+    model, source, module_ast = _load(args)
+    if args.weights is not None:  # the formats a `| stored` mapping keeps from this file
+        from mkdsl.api import for_checkpoint
+
+        if not os.path.exists(args.weights):
+            raise UsageError(f"--weights {args.weights}: no such file or directory")
+        try:
+            source, module_ast, model = for_checkpoint(source, module_ast, model, args.profile, args.weights)
+        except SpecError as e:
+            e.source = source
+            raise
+        _say_stored(args.weights, model)
     rows = model.dims[0]
     if not rows.low <= args.batch <= rows.high:
         raise UsageError(
@@ -577,7 +588,7 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
     compile and the load. `serving`: no prompts; the batch defaults to the spec's most rows."""
     import math
 
-    from mkdsl.api import Spec, spec_profiles
+    from mkdsl.api import Spec, for_checkpoint, spec_profiles
     from mkdsl.checkpoint.formats import open_checkpoint
     from mkdsl.checkpoint.loader import load_weights, plan_load
     from mkdsl.checkpoint.tokenizer import load_codec
@@ -609,6 +620,11 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
     if not os.path.exists(args.weights):
         raise UsageError(f"--weights {args.weights}: no such file or directory")
     reader = open_checkpoint(args.weights)
+    source, module_ast, retyped = for_checkpoint(source, module_ast, model, args.profile, reader)
+    if retyped is not model:  # weights a `| stored` mapping keeps as the file has them
+        _say_stored(args.weights, retyped)
+        model = retyped
+        spec = Spec(args.spec, args.profile, source, model, shard(model), tuple(spec_profiles(module_ast)))
     plan_load(model, reader)  # a checkpoint that does not fit fails here, before the compile
     codec = load_codec(reader)
     from mkdsl.run.decode import cached_kernel, use_compilation_cache
@@ -624,6 +640,27 @@ def _prepare_run(args, texts: list[str] | None, interrupted: list[bool] | None, 
     print(f"{args.weights}: {report.summary()}", file=sys.stderr)
     _loaded_by_all(args.weights, report)
     return spec, module, weights, codec, groups
+
+
+def _say_stored(path: str, model) -> None:
+    """Which weights keep the file's GGUF block format, and the bytes a step streams for them."""
+    import math
+    from collections import Counter
+
+    from mkdsl.lang.dtypes import storage_bytes
+
+    kept = [t for t in model.weights if t.type.dtype.gguf]
+    if not kept:
+        return
+    count = Counter(str(t.type.dtype) for t in kept)
+    stored = sum(storage_bytes(t.type.dtype, tuple(t.full_shape)) for t in kept)
+    values = sum(math.prod(t.full_shape) for t in kept)
+    formats = ", ".join(f"{n} {f}" for f, n in sorted(count.items()))
+    print(
+        f"{path}: kept as stored: {formats} weights, {stored / 2**20:.1f} MiB "
+        f"({8 * stored / values:.2f} bits per weight), decoded in VMEM tile by tile",
+        file=sys.stderr,
+    )
 
 
 def _loaded_by_all(path: str, report) -> None:
@@ -1132,6 +1169,12 @@ def _plan_parser(c) -> None:
         "--full", action="store_true", help="the whole report (as plan.md): phases, DMAs, VMEM table, bytes"
     )
     shown.add_argument("--json", action="store_true", help="the plan as JSON (schema: docs/plan-schema.json)")
+    c.add_argument(
+        "--weights",
+        metavar="PATH",
+        default=None,
+        help="plan the weights a `| stored` mapping keeps from this checkpoint in its formats (GGUF Q4_1, ...)",
+    )
     shown.add_argument(
         "--placement",
         action="store_true",

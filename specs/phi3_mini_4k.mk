@@ -117,3 +117,20 @@ checkpoint hf {
   final_norm = "model.norm.weight"
   lm_head    = "lm_head.weight" | transpose
 }
+
+# llama.cpp's names (its phi3 architecture keeps the fused qkv and gate_up tensors, rows in
+# Hugging Face's order). Quantised or f32 tensors round to the spec's bf16 (`round`).
+checkpoint gguf {
+  embed      = "token_embd.weight" | round
+  attn_norm  = "blk.{l}.attn_norm.weight" | round
+  wq         = "blk.{l}.attn_qkv.weight" | rows(0, NH*D) | transpose | round
+  wk         = "blk.{l}.attn_qkv.weight" | rows(NH*D, 2*NH*D) | transpose | round
+  wv         = "blk.{l}.attn_qkv.weight" | rows(2*NH*D, 3*NH*D) | transpose | round
+  wo         = "blk.{l}.attn_output.weight" | transpose | round
+  mlp_norm   = "blk.{l}.ffn_norm.weight" | round
+  w_gate     = "blk.{l}.ffn_up.weight" | rows(0, F) | transpose | round
+  w_up       = "blk.{l}.ffn_up.weight" | rows(F, 2*F) | transpose | round
+  w_down     = "blk.{l}.ffn_down.weight" | transpose | round
+  final_norm = "output_norm.weight" | round
+  lm_head    = "output.weight" | transpose | round
+}

@@ -124,3 +124,23 @@ checkpoint hf {
   final_norm = "model.norm.weight"
   lm_head    = "lm_head.weight" | transpose
 }
+
+# llama.cpp's names (its qwen2 architecture keeps Hugging Face's q/k row order: no permutation).
+# Quantised or f32 tensors round to the spec's bf16 (`round`); the loader says which.
+checkpoint gguf {
+  embed      = "token_embd.weight" | round
+  attn_norm  = "blk.{l}.attn_norm.weight" | round
+  wq         = "blk.{l}.attn_q.weight" | transpose | round
+  bq         = "blk.{l}.attn_q.bias" | round
+  wk         = "blk.{l}.attn_k.weight" | transpose | round
+  bk         = "blk.{l}.attn_k.bias" | round
+  wv         = "blk.{l}.attn_v.weight" | transpose | round
+  bv         = "blk.{l}.attn_v.bias" | round
+  wo         = "blk.{l}.attn_output.weight" | transpose | round
+  mlp_norm   = "blk.{l}.ffn_norm.weight" | round
+  w_gate     = "blk.{l}.ffn_gate.weight" | transpose | round
+  w_up       = "blk.{l}.ffn_up.weight" | transpose | round
+  w_down     = "blk.{l}.ffn_down.weight" | transpose | round
+  final_norm = "output_norm.weight" | round
+  lm_head    = "output.weight" | transpose | round
+}

@@ -98,18 +98,19 @@ checkpoint hf {
   final_norm = "model.norm.weight"
 }
 
-# llama.cpp's names; it permutes q/k rows for its adjacent-pair rope (undone here). Quantised or
-# f32 tensors round to bf16 (`round`); the loader says which.
+# llama.cpp's names; it permutes q/k rows for its adjacent-pair rope (undone here). The matrices
+# keep the file's block format (`stored`: Q4_1 in the published file, streamed as stored and
+# decoded in VMEM); the Q8_0 embedding (also the tied head) and the f32 norms round to bf16.
 checkpoint gguf {
   embed      = "token_embd.weight" | round
   attn_norm  = "blk.{l}.attn_norm.weight" | round
-  wq         = "blk.{l}.attn_q.weight" | unpermute(heads=NH) | transpose | round
-  wk         = "blk.{l}.attn_k.weight" | unpermute(heads=NKV) | transpose | round
-  wv         = "blk.{l}.attn_v.weight" | transpose | round
-  wo         = "blk.{l}.attn_output.weight" | transpose | round
+  wq         = "blk.{l}.attn_q.weight" | unpermute(heads=NH) | transpose | stored
+  wk         = "blk.{l}.attn_k.weight" | unpermute(heads=NKV) | transpose | stored
+  wv         = "blk.{l}.attn_v.weight" | transpose | stored
+  wo         = "blk.{l}.attn_output.weight" | transpose | stored
   mlp_norm   = "blk.{l}.ffn_norm.weight" | round
-  w_gate     = "blk.{l}.ffn_gate.weight" | transpose | round
-  w_up       = "blk.{l}.ffn_up.weight" | transpose | round
-  w_down     = "blk.{l}.ffn_down.weight" | transpose | round
+  w_gate     = "blk.{l}.ffn_gate.weight" | transpose | stored
+  w_up       = "blk.{l}.ffn_up.weight" | transpose | stored
+  w_down     = "blk.{l}.ffn_down.weight" | transpose | stored
   final_norm = "output_norm.weight" | round
 }

@@ -2062,7 +2062,8 @@ class QStream(Stream):
                 # 128 (SmolLM2's 576) cannot be proven lane-aligned at a traced k
                 r0, c0 = pl.multiple_of(n * rows, rows), 0 if self.tk >= self.k else pl.multiple_of(k * cols, cols)
             else:
-                r0 = pl.multiple_of(k * rows, rows) if self.tk >= rdiv else k * self.tk // rdiv
+                # one K tile: a static row offset (a part of 18 rows cannot be proven 8-row aligned at a traced k)
+                r0 = 0 if self.tk >= self.k else pl.multiple_of(k * rows, rows) if self.tk >= rdiv else k * self.tk // rdiv
                 c0 = 0 if cdiv > 1 else pl.multiple_of(n * cols, cols)
             w = getattr(r, f"{self.ref}_{suffix}" if suffix else self.ref)
             src = w.at[slot, pl.ds(r0, rows), pl.ds(c0, cols)] if self.stacked else w.at[pl.ds(r0, rows), pl.ds(c0, cols)]

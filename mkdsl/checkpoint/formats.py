@@ -2,8 +2,10 @@
 (so a whole checkpoint is checked before anything is loaded), then one tensor at a time.
 
 Shapes are numpy shapes (`[out, in]` for a matrix): GGUF's dims, fastest first, are reversed.
-GGUF's block formats (Q8_0, Q4_1, ...) are decoded to f32 by the `gguf` package as llama.cpp
-decodes them (Q8_0: `d * q`; Q4_1: `d * q + m`, with f16 `d`, `m`).
+GGUF's block formats Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K are decoded to f32 by mkdsl's own
+decoder (`gguf_blocks.py`, as llama.cpp decodes them: Q8_0 `d * q`, Q4_1 `d * q + m`, with f16
+`d`, `m`), or read as stored (`read_blocks`) for a weight that keeps them; other block formats
+by the `gguf` package's dequantizer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from mkdsl.checkpoint import gguf_blocks
 
 
 class CheckpointError(Exception):
@@ -234,7 +238,13 @@ class GGUFReader:
         shape = tuple(int(d) for d in reversed(t.shape))
         if t.tensor_type.name in ("F32", "F16"):
             return np.asarray(t.data).reshape(shape)
+        if t.tensor_type.name in gguf_blocks.SIZES:
+            return gguf_blocks.decode(t.data, t.tensor_type.name, shape)
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+
+    def read_blocks(self, name: str) -> np.ndarray:
+        """A block-format tensor's bytes as stored ([rows, bytes per row], uint8)."""
+        return np.asarray(self._t[name].data, np.uint8)
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray | None:
         """Rows start..stop of an F32 or F16 tensor, from the file's memory map at its offset

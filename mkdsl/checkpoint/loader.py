@@ -30,7 +30,7 @@ import numpy as np
 
 from mkdsl.checkpoint.formats import CheckpointError, Stored, exact, open_checkpoint
 from mkdsl.checkpoint.mapping import FORMATS, WeightSource, apply_pair, apply_steps, mapped_grid, mapped_shape
-from mkdsl.checkpoint.pairs import PAIRS, STORAGE, PairKind, target_groups
+from mkdsl.checkpoint.pairs import BLOCKS, PAIRS, STORAGE, PairKind, target_groups
 from mkdsl.checkpoint.steps import Grid
 from mkdsl.lang.dtypes import numpy_dtype, storage
 from mkdsl.lang.ir import Model, Tensor
@@ -218,6 +218,9 @@ def _plan_weight(t: Tensor, src: WeightSource, reader, problems: list[str]) -> W
             if src.scales is not None:
                 pair = _plan_pair(t, src, infos[0], infos[1], piece_shape, rounded, infos[2:])
                 problem = pair if isinstance(pair, str) else None
+            elif t.type.dtype.gguf:
+                pair = _plan_blocks(t, src, infos, piece_shape)
+                problem = pair if isinstance(pair, str) else None
             else:
                 problem = _check_piece(t, src, infos, piece_shape, rounded)
             if problem:  # not cached: the message names this piece's tensors
@@ -301,6 +304,31 @@ def _plan_pair(t: Tensor, src: WeightSource, codes: Stored, scales: Stored, want
     return PairPlan(kind, out, tuple(moves))
 
 
+def _plan_blocks(t: Tensor, src: WeightSource, infos: list[Stored], want: tuple):
+    """How one stored GGUF block tensor becomes a weight kept in its format (a PairPlan whose
+    codes and block words the steps move), or what is wrong with it."""
+    target = t.type.dtype
+    if len(infos) != 1:
+        return f"a {target} weight is one stored block tensor, not a concatenation of {len(infos)}"
+    i = infos[0]
+    kind = BLOCKS.get(i.dtype)
+    if kind is None or target.fmt not in kind.formats:
+        keeps = [s for s, k in BLOCKS.items() if target.fmt in k.formats]
+        return f"tensor `{i.name}` is {i.dtype} {_shape(i.shape)}; the spec's {target} holds {' or '.join(keeps)} as stored"
+    grid = kind.grid(i.shape, (), 0)
+    if isinstance(grid, str):
+        return f"tensor `{i.name}` is {i.dtype}: not {grid}"
+    out, moves = mapped_grid(grid, src.steps)
+    if out is None:
+        return f"tensor `{i.name}` ({kind.name}, values {_shape(grid.shape)}): {moves}; expected {_shape(want)}"
+    if out.shape != want or out.groups != target_groups(target, len(want)):
+        return (
+            f"tensor `{i.name}` is {i.dtype} {_shape(i.shape)}{_after(src, out.shape)}; expected {_shape(want)} "
+            f"with its blocks along the input dimension"
+        )
+    return PairPlan(kind, out, tuple(moves))
+
+
 def _exact_types(target: str) -> str:
     from mkdsl.checkpoint.formats import EXACT
 
@@ -345,7 +373,8 @@ def _piece(wp: WeightPlan, p: Piece, reader, report: LoadReport, bar, cut: tuple
         if report.check_finite:
             _check_finite(p.names, [x])
     else:
-        parts = [_read(reader, n) for n in p.names]
+        blocks = p.pair is not None and p.pair.kind in BLOCKS.values()
+        parts = [_read(reader, n, blocks) for n in p.names]
         report.bytes_read += sum(a.nbytes for a in parts)
         if report.check_finite:
             _check_finite(p.names, parts)
@@ -395,11 +424,12 @@ def _check_finite(names, parts) -> None:
                 raise CheckpointError(f"tensor `{name}` holds {bad} non-finite values (NaN or infinity)")
 
 
-def _read(reader, name: str) -> np.ndarray:
-    """One stored tensor's data; a file that the header promised more than it holds (truncated,
-    damaged) is a CheckpointError, and what was built so far is dropped with the call."""
+def _read(reader, name: str, blocks: bool = False) -> np.ndarray:
+    """One stored tensor's data (`blocks`: a GGUF block tensor's bytes, as stored); a file that
+    the header promised more than it holds (truncated, damaged) is a CheckpointError, and what
+    was built so far is dropped with the call."""
     try:
-        return reader.read(name)
+        return reader.read_blocks(name) if blocks else reader.read(name)
     except Exception as e:  # safetensors, gguf and numpy each raise their own error types
         raise CheckpointError(f"tensor `{name}` cannot be read: {e}") from None
 
@@ -408,7 +438,8 @@ def _pair_piece(p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadR
     """A stored pair's piece: re-packed into the spec's storage, or decoded into its plain dtype
     (a global scale, NVFP4's, is one more storage part, `[1, 1]`)."""
     kind, dtype = p.pair.kind, wp.tensor.type.dtype
-    elements, scales = apply_pair(kind.unpack(parts[0]), parts[1], wp.source.steps, p.pair.moves)
+    codes, scales = kind.unpack(parts[0]) if len(parts) == 1 else (kind.unpack(parts[0]), parts[1])
+    elements, scales = apply_pair(codes, scales, wp.source.steps, p.pair.moves)
     if dtype.quantised:
         glob = tuple(np.asarray(g, np.float32).reshape(1, 1) for g in parts[2:])
         return (*STORAGE[dtype.name](elements, scales), *glob)

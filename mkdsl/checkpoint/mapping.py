@@ -57,8 +57,14 @@ class WeightSource:
 
     @property
     def rounds(self) -> bool:
-        """The mapping accepts rounding into the spec's dtype (`| round`)."""
-        return any(s.name == "round" for s in self.steps)
+        """The mapping accepts rounding into the spec's dtype (`| round`; `| stored` where the
+        spec was not retyped to the stored format, `mkdsl/checkpoint/stored.py`)."""
+        return any(s.name in ("round", "stored") for s in self.steps)
+
+    @property
+    def keeps(self) -> bool:
+        """`| stored`: the weight may take the file's block format (one stored tensor)."""
+        return any(s.name == "stored" for s in self.steps) and self.scales is None and len(self.patterns) == 1
 
     def names(self, layer: int | None, index: tuple[int, ...] = ()) -> list[str]:
         """The stored tensors of one piece: the patterns' (then the scales', for a pair)."""
@@ -227,7 +233,10 @@ def _check_pair(fmt: str, e, t, rep: Reporter) -> bool:
     if e.scales is not None and len(e.patterns) > 1:
         rep.error(e.scales[1], f"checkpoint {fmt}: `*` pairs one codes pattern with one scales pattern, not a list")
         return False
-    if t.type.dtype.quantised and e.scales is None:
+    if t.type.dtype.gguf and (e.scales is not None or len(e.patterns) > 1):
+        rep.error(e.pattern_spans[0], f"checkpoint {fmt}: `{e.weight}` is {t.type.dtype}, one stored GGUF block tensor")
+        return False
+    if t.type.dtype.quantised and not t.type.dtype.gguf and e.scales is None:
         rep.error(
             e.pattern_spans[0],
             f"checkpoint {fmt}: `{e.weight}` is {t.type.dtype}, stored as codes and scales",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mkdsl.checkpoint import gguf_blocks
 from mkdsl.checkpoint.steps import Grid
 from mkdsl.lang.dtypes import DType
 from mkdsl.lang.quant import E2M1_VALUES, pack_nibbles
@@ -110,6 +111,55 @@ PAIRS: dict[tuple[str, str], PairKind] = {
 }
 
 
+def _gguf_grid(codes: tuple, scales: tuple, block: int) -> Grid | str:
+    """One stored block tensor ([..., out, in], blocks of 32 along `in`): `codes` is its shape."""
+    if len(codes) < 2 or codes[-1] % 32:
+        return f"a block tensor {list(codes)} with rows of whole 32-input blocks"
+    return Grid(codes, (1,) * (len(codes) - 1) + (32,))
+
+
+def _gguf_split(kind: str) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """The stored bytes [..., out, row bytes] -> (codes [..., out, in], one uint32 word per block:
+    its f16 d in the low half, Q4_1's f16 m in the high half)."""
+
+    def split(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        per, size = gguf_blocks.SIZES[kind]
+        shape = (*raw.shape[:-1], raw.shape[-1] // size * per)
+        codes, d, m = gguf_blocks.split(raw, kind, shape)
+        words = d.view(np.uint16).astype(np.uint32)
+        if m is not None:
+            words |= m.view(np.uint16).astype(np.uint32) << 16
+        return codes, words
+
+    return split
+
+
+def _gguf_decode(kind: str):
+    def decode(codes: np.ndarray, words: np.ndarray, grid: Grid) -> np.ndarray:
+        d = _expand((words & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32), grid)
+        q = codes.astype(np.float32) - (8.0 if kind == "Q4_0" else 0.0)
+        if kind != "Q4_1":
+            return q * d
+        return q * d + _expand((words >> 16).astype(np.uint16).view(np.float16).astype(np.float32), grid)
+
+    return decode
+
+
+# A GGUF block tensor kept as stored (one stored tensor, no `*`): stored type -> kind; the loader
+# reads its bytes (`read_blocks`) and `unpack` gives both codes and block words.
+BLOCKS: dict[str, PairKind] = {
+    stored: PairKind(
+        f"GGUF {stored} blocks", _gguf_grid, _gguf_split(stored), _gguf_decode(stored), frozenset({fmt}), frozenset()
+    )
+    for stored, fmt in gguf_blocks.KEPT.items()
+}
+
+
+def _pair_words(words: np.ndarray) -> np.ndarray:
+    """Q8_0/Q4_0: the d of blocks 2i and 2i+1 of a column in one word (low, high)."""
+    return words[..., 0::2, :] | (words[..., 1::2, :] << 16)
+
+
 def target_groups(dtype: DType, ndim: int) -> tuple[int, ...]:
     """The scale grid of a spec quantised dtype over its logical [..., K, N] shape."""
     lead = (1,) * (ndim - 2)
@@ -122,4 +172,7 @@ STORAGE: dict[str, Callable] = {
     "nvfp4": lambda e, s: (pack_nibbles(e), s),
     "fp8_e4m3": lambda e, s: (e, s.astype(np.float32)),
     "fp8_e5m2": lambda e, s: (e, s.astype(np.float32)),
+    "q8_0": lambda e, s: (e.astype(np.int8), _pair_words(s.astype(np.uint32))),
+    "q4_0": lambda e, s: (pack_nibbles(e), _pair_words(s.astype(np.uint32))),
+    "q4_1": lambda e, s: (pack_nibbles(e), s.astype(np.uint32)),
 }

@@ -199,6 +199,15 @@ STEPS: dict[str, StepDef] = {
         shape=_pad_shape,
         apply=_pad,
     ),
+    "stored": StepDef(
+        (),
+        "keeps a GGUF block format (Q8_0, Q4_0, Q4_1) as the file stores it: loaded for that file "
+        "(`mkdsl run`, `mkdsl plan --weights`, `mkdsl.load(spec, weights=...)`), the weight takes the "
+        "format (`q8_0`, `q4_0`, `q4_1`) in place of its declared dtype; otherwise as `round` (see below)",
+        shape=lambda s, a: s,
+        apply=lambda x, a: x,
+        grid=lambda g, a: g,
+    ),
     "round": StepDef(
         (),
         "accepts rounding into the spec's dtype (see below)",

@@ -32,10 +32,18 @@ class DType:
         """The format's name in a `QTensor` (mkdsl/lang/quant.py): the element, `:block` if block-scaled."""
         return f"{self.name}:block" if self.block else self.name
 
+    @property
+    def gguf(self) -> bool:
+        """A GGUF block format (llama.cpp's Q8_0, Q4_0, Q4_1), kept as the file stores it."""
+        return self.name in GGUF
+
     def k_multiple(self) -> int:
-        """What the input dimension K must be a multiple of (packed nibbles: 8 per uint32 word)."""
+        """What the input dimension K must be a multiple of (packed nibbles: 8 per uint32 word;
+        GGUF Q8_0/Q4_0: two blocks' f16 scales per uint32 word)."""
         if self.block:
             return 1
+        if self.gguf:
+            return GGUF[self.name].k_multiple
         return math.lcm(self.group, 8) if self.bits == 4 else self.group
 
     def __str__(self) -> str:
@@ -43,7 +51,7 @@ class DType:
             return f"{self.name}(block={self.block})"
         if self.name == "int4" and self.scale == "float32":
             return f"int4(group={self.group}, scale=f32)"
-        if self.group and self.name not in FIXED_GROUP:
+        if self.group and self.name not in FIXED_GROUP and not self.gguf:
             return f"{self.name}(group={self.group})"
         return self.name
 
@@ -61,8 +69,28 @@ FIXED_GROUP = {d.name: d for d in (MXFP4, NVFP4)}  # 4-bit float formats whose g
 PLAIN = {d.name: d for d in (BF16, F32, I32, FP8_E4M3, FP8_E5M2)}
 # Dtypes that take parameters: int4 and int8 need `group`, fp8 may take `group` or `block`.
 SCALED = ("int4", "int8", "fp8_e4m3", "fp8_e5m2")
-ALL_NAMES = (*PLAIN, *FIXED_GROUP, "int4", "int8")
 INT4_SCALES = {"bf16": "bfloat16", "f32": "float32"}  # `int4(group=G, scale=...)`; bf16 if not given
+
+
+@dataclass(frozen=True)
+class GGUFFormat:
+    """A GGUF block format as mkdsl stores it: codes (uint32 words of 8 nibbles, or int8) and
+    uint32 words of the blocks' f16 fields (`words_per`: blocks per scale word)."""
+
+    dtype: DType
+    nibbles: bool  # 4-bit codes packed 8 per uint32 word; else one int8 code per value
+    words_per: int  # blocks whose f16 scale shares one uint32 word (2: Q8_0, Q4_0; 1: Q4_1's d and m)
+    k_multiple: int
+
+
+# llama.cpp's ggml block formats (32 inputs per block along a row): Q8_0 `d * q` (q int8), Q4_0
+# `d * (q - 8)`, Q4_1 `d * q + m` (q a nibble), d and m f16.
+GGUF = {
+    "q8_0": GGUFFormat(DType("q8_0", 8, "int8", float=False, group=32), False, 2, 64),
+    "q4_0": GGUFFormat(DType("q4_0", 4, None, float=False, group=32), True, 2, 64),
+    "q4_1": GGUFFormat(DType("q4_1", 4, None, float=False, group=32), True, 1, 32),
+}
+ALL_NAMES = (*PLAIN, *FIXED_GROUP, "int4", "int8", *GGUF)
 
 
 def int4(group: int, scale: str = "bfloat16") -> DType:
@@ -102,6 +130,8 @@ def storage(dtype: DType, shape: tuple) -> tuple[StoragePart, ...]:
     if not dtype.quantised:
         return (StoragePart("", tuple(shape), dtype.numpy),)
     *lead, k, n = shape
+    if dtype.gguf:
+        return _gguf_storage(GGUF[dtype.name], lead, k, n)
     if dtype.block:
         b = dtype.block
         return (
@@ -120,6 +150,17 @@ def storage(dtype: DType, shape: tuple) -> tuple[StoragePart, ...]:
         scales = StoragePart("scales", (*lead, k // dtype.group, n), "float8_e4m3fn")
         return (codes, scales, StoragePart("global", (*lead, 1, 1), "float32"))
     return (codes, StoragePart("scales", (*lead, k // dtype.group, n), dtype.scale or "bfloat16"))
+
+
+def _gguf_storage(f: GGUFFormat, lead: list, k: int, n: int) -> tuple[StoragePart, ...]:
+    """GGUF blocks, moved into mkdsl's [K, N] layout without changing a bit of them: codes as
+    int4's words (unsigned nibbles) or int8; the f16 fields as uint32 words: Q4_1 `d | m << 16`
+    per block, Q8_0/Q4_0 `d(2i) | d(2i+1) << 16` for blocks 2i, 2i+1 of a column (so as many
+    bytes as the file holds: 8.5, 4.5 and 5 bits per weight)."""
+    codes = (
+        StoragePart("codes", (*lead, k // 8, n), "uint32") if f.nibbles else StoragePart("codes", (*lead, k, n), "int8")
+    )
+    return (codes, StoragePart("scales", (*lead, k // (32 * f.words_per), n), "uint32"))
 
 
 # Bytes per element of the storage dtypes, so sizing a plan (`mkdsl check`) needs no ml_dtypes

@@ -421,8 +421,12 @@ class _Elaborator:
             seen.add(a.name)
         if t.dtype in dtypes.SCALED and (t.dtype_args or t.dtype in ("int4", "int8")):
             dt = self.scaled_dtype(t, args)
-        elif t.dtype in dtypes.PLAIN or t.dtype in dtypes.FIXED_GROUP:
-            dt = dtypes.PLAIN.get(t.dtype) or dtypes.FIXED_GROUP[t.dtype]
+        elif t.dtype in dtypes.PLAIN or t.dtype in dtypes.FIXED_GROUP or t.dtype in dtypes.GGUF:
+            dt = (
+                dtypes.GGUF[t.dtype].dtype
+                if t.dtype in dtypes.GGUF
+                else dtypes.PLAIN.get(t.dtype) or dtypes.FIXED_GROUP[t.dtype]
+            )
             for a in t.dtype_args:
                 self.rep.error(a.span, f"dtype {t.dtype} takes no parameters")
         else:

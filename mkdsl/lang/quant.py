@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mkdsl.lang.dtypes import DType, numpy_dtype
+from mkdsl.lang.dtypes import GGUF, DType, numpy_dtype
 from mkdsl.lazy import jax, jnp
 
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -120,10 +120,32 @@ def slot_of(w: QTensor, slot) -> QTensor:
     return QTensor(w.codes[slot], w.scales[slot], w.fmt, w.group, glob)
 
 
+def f16_half(words, half: int) -> jnp.ndarray:
+    """The f16 in the low (0) or high (1) 16 bits of uint32 words, as f32 (exact)."""
+    bits = ((words >> jnp.uint32(16 * half)) & jnp.uint32(0xFFFF)).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+def _gguf(w: QTensor) -> jnp.ndarray:
+    """GGUF blocks of 32 inputs, in f32 as llama.cpp decodes them: Q8_0 `d * q`, Q4_0
+    `d * (q - 8)`, Q4_1 `d * q + m` (each product exact in f32; Q4_1's sum rounds once)."""
+    f = GGUF[w.fmt]
+    q = (unpack_nibbles(w.codes) if f.nibbles else w.codes).astype(jnp.float32)
+    if w.fmt == "q4_0":
+        q = q - 8.0
+    if f.words_per == 1:  # Q4_1: d | m << 16 per block
+        return q * jnp.repeat(f16_half(w.scales, 0), 32, axis=-2) + jnp.repeat(f16_half(w.scales, 1), 32, axis=-2)
+    d = jnp.stack([f16_half(w.scales, 0), f16_half(w.scales, 1)], axis=-2)  # [..., K/64, 2, N]
+    *lead, k64, _, n = d.shape
+    return q * jnp.repeat(d.reshape(*lead, 2 * k64, n), 32, axis=-2)
+
+
 def dequantize(w: QTensor) -> jnp.ndarray:
     """Decode a quantised weight to f32 of its logical shape [..., K, N]."""
     if w.fmt.endswith(":block"):
         return _block(w)
+    if w.fmt in GGUF:
+        return _gguf(w)
     vals, scale = GROUP_DECODERS[w.fmt](w)
     out = vals * jnp.repeat(scale, w.group, axis=-2)
     return out if w.glob is None else out * jnp.asarray(w.glob, jnp.float32)
@@ -134,6 +156,8 @@ def quantize(dtype: DType, w: np.ndarray) -> QTensor:
     w = np.asarray(w, np.float32)
     if dtype.block:
         return _quantize_block(dtype, w)
+    if dtype.gguf:
+        return _quantize_gguf(dtype, w)
     *lead, k, n = w.shape
     g = dtype.group
     blocks = w.reshape(*lead, k // g, g, n)
@@ -202,6 +226,37 @@ def _quantize_block(dtype: DType, w: np.ndarray) -> QTensor:
     scales = (np.maximum(np.abs(sq).max(axis=(-3, -1)), 1e-30) / FP8_MAX[dtype.name]).astype(np.float32)
     full = np.repeat(np.repeat(scales, b, axis=-2), b, axis=-1)[..., :k, :n]
     return QTensor((w / full).astype(getattr(ml_dtypes, dtype.numpy)), scales, dtype.fmt, b)
+
+
+def _quantize_gguf(dtype: DType, w: np.ndarray) -> QTensor:
+    """Blocks of 32 inputs as llama.cpp's reference quantizers shape them (for tests: any codes
+    and f16 fields of the format will do, the decode is what must be exact)."""
+    *lead, k, n = w.shape
+    b = w.reshape(*lead, k // 32, 32, n)
+    lo, hi = b.min(axis=-2), b.max(axis=-2)
+    if dtype.name == "q4_1":
+        d = ((hi - lo) / 15.0).astype(np.float16)
+        m = lo.astype(np.float16)
+        inv = np.where(d == 0, 0.0, 1.0 / np.maximum(d.astype(np.float32), 1e-30))
+        q = np.clip(np.round((b - m.astype(np.float32)[..., None, :]) * inv[..., None, :]), 0, 15)
+        return QTensor(*pack_gguf(dtype.name, q.reshape(*lead, k, n), d, m), dtype.fmt, 32)
+    top = {"q8_0": 127.0, "q4_0": 7.0}[dtype.name]
+    d = (np.maximum(-lo, hi) / top).astype(np.float16)
+    inv = np.where(d == 0, 0.0, 1.0 / np.maximum(d.astype(np.float32), 1e-30))
+    q = np.clip(np.round(b * inv[..., None, :]), -top - (dtype.name == "q4_0"), top)
+    q = q + 8 if dtype.name == "q4_0" else q
+    return QTensor(*pack_gguf(dtype.name, q.reshape(*lead, k, n), d), dtype.fmt, 32)
+
+
+def pack_gguf(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Codes [..., K, N] (Q8_0: -128..127; Q4_x: 0..15) and the blocks' f16 d (and Q4_1's m),
+    [..., K/32, N], into the format's storage (mkdsl/lang/dtypes.py `storage`), bit for bit."""
+    f = GGUF[fmt]
+    codes = pack_nibbles(q.astype(np.int32)) if f.nibbles else q.astype(np.int8)
+    bits = np.asarray(d, np.float16).view(np.uint16).astype(np.uint32)
+    if f.words_per == 1:
+        return codes, bits | (np.asarray(m, np.float16).view(np.uint16).astype(np.uint32) << 16)
+    return codes, bits[..., 0::2, :] | (bits[..., 1::2, :] << 16)
 
 
 def pack_nibbles(nib: np.ndarray) -> np.ndarray:

@@ -252,7 +252,7 @@ def tile_streams(s: _State) -> None:
             k, n = reversed(t.type.shape) if transposed else t.type.shape
             sf, padded = stream_format(t.type.dtype), padded_columns(n)
             plain = sf.fmt == "bf16" and padded == n and not transposed
-            parts = () if plain else tuple((p.suffix, p.ring_for(padded), p.rdiv, p.cdiv) for p in sf.parts)
+            parts = () if plain else tuple((p.suffix, p.ring_for(padded, tk), p.rdiv, p.cdiv) for p in sf.parts)
             valid = n if padded != n else 0
             stream = Stream(
                 t.name,
@@ -341,7 +341,7 @@ def ring_arrays(s: _State) -> dict:
     for st in all_streams(s):
         for p in stream_format(s.model.tensor(st.tensor).type.dtype).parts:
             rows, cols = p.tile(st.tk, st.tn, st.n, st.transposed)
-            ring = p.ring_for(st.n)
+            ring = p.ring_for(st.n, st.tk)
             r0, c0, _, _ = shapes.get(ring, (0, 0, p.dtype, p.memory))
             shapes[ring] = (max(r0, rows), max(c0, cols), p.dtype, p.memory)
     return shapes

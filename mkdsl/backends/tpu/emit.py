@@ -36,6 +36,7 @@ RUNTIME_PARTS = (
     "runtime/residual.py.jinja",
     "runtime/decode.py.jinja",
     "runtime/qlinear.py.jinja",
+    "runtime/gguf.py.jinja",
     "runtime/routing.py.jinja",
     "runtime/moe.py.jinja",
     "runtime/elementwise.py.jinja",

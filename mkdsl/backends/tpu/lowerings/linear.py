@@ -9,7 +9,7 @@ import numpy as np
 
 from mkdsl.backends.tpu.lowering import EmitContext, Lowering, PlanContext, Site, Traffic, register_lowering
 from mkdsl.lang.diagnostics import Diagnostic
-from mkdsl.lang.dtypes import DType, itemsize
+from mkdsl.lang.dtypes import GGUF, DType, itemsize
 from mkdsl.lang.ir import Model, Tensor
 from mkdsl.spmd.shard import split_note
 
@@ -38,19 +38,28 @@ class TilePart:
     rdiv: int  # K rows per stored row (8 nibbles per uint32 word; `group` inputs per scale row); 0: one
     # value per matrix (nvfp4's global scale), fetched with every tile
     cdiv: int = 1  # N columns per stored column (block scales)
+    label: str = ""  # its own ring array `ring_<label>` (a part whose dtype another part of its tile has)
 
     @property
     def ring(self) -> str:
-        """The ring array holding this part: `ring` (bf16), `ring_<dtype>`, `ring_smem_<dtype>`."""
+        """The ring array holding this part: `ring` (bf16), `ring_<dtype>`, `ring_smem_<dtype>`,
+        or `ring_<label>`."""
+        if self.label:
+            return f"ring_{self.label}"
         if self.memory == "SMEM":
             return f"ring_smem_{self.dtype}"
         if self.rdiv == 0:
             return f"ring_{self.suffix}"  # [1, 1] windows go to an array of their own width
         return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
 
-    def ring_for(self, n: int) -> str:
+    def ring_for(self, n: int, tk: int = 0) -> str:
         """Block scales (whole rows of squares) get a ring array as wide as their matrix's row of
-        squares: Mosaic DMAs an HBM window of a narrow array only into an array of its width."""
+        squares: Mosaic DMAs an HBM window of a narrow array only into an array of its width. A
+        labelled part whose tile has a row count off its 8-row tile (a whole K of 576 is 18 rows
+        of GGUF block words) gets a ring array of exactly those rows: Mosaic slices a bank only
+        along whole tiles."""
+        if self.label and (tk // self.rdiv) % 8:
+            return f"{self.ring}{tk // self.rdiv}"
         return f"ring_scales{n // self.cdiv}" if self.cdiv > 1 else self.ring
 
     def tile(self, tk: int, tn: int, n: int, transposed: bool = False) -> tuple[int, int]:
@@ -98,6 +107,8 @@ def stream_format(d: DType) -> StreamFormat | None:
         parts = (TilePart("codes", "uint32", "VMEM", 8), TilePart("scales", "float32", "VMEM", g))
         ok = lambda tk, k: tk % g == 0 and _aligned(tk, k, tk // 8, 8) and _aligned(tk, k, tk // g, 8)  # noqa: E731
         return StreamFormat("int4_f32", g, parts, ok)
+    if d.gguf:
+        return _gguf_stream(d)
     if d.name == "mxfp4" or d.name == "int4":
         scale = "uint8" if d.name == "mxfp4" else "bfloat16"
         parts = (TilePart("codes", "uint32", "VMEM", 8), TilePart("scales", scale, "VMEM", g))
@@ -126,6 +137,22 @@ def _nvfp4_format() -> StreamFormat:
     )
     ok = lambda tk, k: tk % 16 == 0 and _aligned(tk, k, tk // 8, 8) and _aligned(tk, k, tk // 16, 32)  # noqa: E731
     return StreamFormat("nvfp4", 16, parts, ok)
+
+
+def _gguf_stream(d: DType) -> StreamFormat:
+    """GGUF blocks (dtypes.GGUF): codes (uint32 nibble words, or int8) and uint32 words of the
+    blocks' f16 fields, `32 * words_per` inputs per word row; a K tile keeps every window whole
+    or aligned to its HBM tile (8 rows of uint32, 32 of int8)."""
+    f = GGUF[d.name]
+    rows = 32 * f.words_per
+    codes = TilePart("codes", "uint32", "VMEM", 8) if f.nibbles else TilePart("codes", "int8", "VMEM", 1)
+    tile = 8 if f.nibbles else 32
+    return StreamFormat(
+        d.name,
+        rows,
+        (codes, TilePart("scales", "uint32", "VMEM", rows, label="gguf_words")),
+        lambda tk, k: tk % rows == 0 and _aligned(tk, k, tk // codes.rdiv, tile) and _aligned(tk, k, tk // rows, 8),
+    )
 
 
 def padded_columns(n: int) -> int:
@@ -169,7 +196,8 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
         return [
             Diagnostic(
                 t.span,
-                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4, mxfp4 or nvfp4",
+                f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4, mxfp4 or nvfp4 "
+                "(or GGUF blocks: q8_0, q4_0, q4_1)",
                 "declare it in one of those, or use it through an op that takes it",
             )
         ]
@@ -242,7 +270,8 @@ def _linear_runtime(model: Model, at: Site) -> tuple[str, ...]:
     n = t.type.shape[0 if at.node.attr.get("transposed") else 1]
     if sf is None or (sf.fmt == "bf16" and n % 128 == 0 and not at.node.attr.get("transposed")):
         return ()
-    return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja")
+    gguf = ("runtime/gguf.py.jinja",) if t.type.dtype.gguf else ()
+    return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja", *gguf)
 
 
 register_lowering(
