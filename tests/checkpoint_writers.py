@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kimi_checkpoint import kimi_expected, kimi_header, kimi_tensors
+
 # spec weight -> (Hugging Face name, GGUF name, is a matrix); `{l}` the layer index.
 LLAMA_NAMES = {
     "embed": ("model.embed_tokens.weight", "token_embd.weight", False),
@@ -379,6 +381,7 @@ def qwen3_next_tensors(weights: dict, schedule, c: dict) -> dict:
 
 
 PUBLISHED = {
+    "kimi_k3": kimi_tensors,
     "qwen3_30b_a3b": qwen3_tensors,
     "deepseek_v3": deepseek_tensors,
     "gpt_oss_120b": oss_tensors,
@@ -394,7 +397,7 @@ def expected_weights(spec_name: str, weights: dict, tensors: dict, c: dict) -> d
 
     from mkdsl.lang.quant import QTensor
 
-    out = dict(weights)
+    out = dict(weights) if spec_name != "kimi_k3" else kimi_expected(weights, c)
     if spec_name == "deepseek_v3" and not isinstance(weights["wkv_b"], QTensor):
         rows = []
         for layer in range(weights["wkv_b"].shape[0]):
@@ -572,6 +575,8 @@ HEADERS = {
 
 def published_header(name: str, schedule) -> dict:
     """Tensor name -> (shape, stored type) of the full-size published checkpoint."""
+    if name == "kimi_k3":
+        return kimi_header(schedule)
     (vocab, hidden), layer = HEADERS[name]
     out = {"model.embed_tokens.weight": ((vocab, hidden), BF), "lm_head.weight": ((vocab, hidden), BF)}
     out["model.norm.weight"] = ((hidden,), BF)

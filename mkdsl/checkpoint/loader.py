@@ -30,7 +30,7 @@ import numpy as np
 
 from mkdsl.checkpoint.formats import CheckpointError, Stored, exact, open_checkpoint
 from mkdsl.checkpoint.mapping import FORMATS, WeightSource, apply_pair, apply_steps, mapped_grid, mapped_shape
-from mkdsl.checkpoint.pairs import PAIRS, STORAGE, PairKind, target_groups
+from mkdsl.checkpoint.pairs import PAIRS, STORAGE, PairKind, pair_kind, target_groups
 from mkdsl.checkpoint.steps import Grid
 from mkdsl.lang.dtypes import numpy_dtype, storage
 from mkdsl.lang.ir import Model, Tensor
@@ -235,7 +235,8 @@ def _where(t: Tensor, src: WeightSource, layer: int | None) -> str:
 def _expected(t: Tensor, src: WeightSource, piece_shape: tuple) -> str:
     if src.scales is None:
         return _shape(piece_shape)
-    kinds = [f"{c} * {s}" for (c, s), k in PAIRS.items() if t.type.dtype.fmt in k.formats] or list(PAIRS)
+    kinds = [f"{c} * {s}" for (c, s), ks in PAIRS.items() if any(t.type.dtype.fmt in k.formats for k in ks)]
+    kinds = kinds or [f"{c} * {s}" for c, s in PAIRS]
     return f"{' or '.join(kinds)} holding {_shape(piece_shape)} values after the steps"
 
 
@@ -271,10 +272,9 @@ def _plan_pair(t: Tensor, src: WeightSource, codes: Stored, scales: Stored, want
     """How a `codes * scales` pair becomes the weight (a PairPlan), or what is wrong with it."""
     pair = f"`{codes.name}` {codes.dtype} {_shape(codes.shape)} * `{scales.name}` {scales.dtype} {_shape(scales.shape)}"
     target = t.type.dtype
-    kind = PAIRS.get((codes.dtype, scales.dtype))
+    kind, grid = pair_kind(codes, scales, target.block)
     if kind is None or (target.quantised and target.fmt not in kind.formats):
         return f"tensors {pair} are not a pair that holds {target} (expected {_expected(t, src, want)})"
-    grid = kind.grid(codes.shape, scales.shape, target.block)
     if isinstance(grid, str):
         return f"tensors {pair}: {grid}; expected {_expected(t, src, want)}"
     out, moves = mapped_grid(grid, src.steps)
@@ -401,7 +401,10 @@ def _read(reader, name: str) -> np.ndarray:
 def _pair_piece(p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadReport) -> tuple:
     """A stored pair's piece: re-packed into the spec's storage, or decoded into its plain dtype."""
     kind, dtype = p.pair.kind, wp.tensor.type.dtype
-    elements, scales = apply_pair(kind.unpack(parts[0]), parts[1], wp.source.steps, p.pair.moves)
+    codes, scales = parts
+    if kind.scales_like_codes:
+        scales = scales.reshape(codes.shape)
+    elements, scales = apply_pair(kind.unpack(codes), scales, wp.source.steps, p.pair.moves)
     if dtype.quantised:
         return STORAGE[dtype.name](elements, scales)
     key = next((n for n in wp.rounded if "*" in n), None)
