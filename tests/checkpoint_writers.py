@@ -7,7 +7,6 @@ written out here from the format descriptions, not taken from mkdsl."""
 from __future__ import annotations
 
 import numpy as np
-
 from kimi_checkpoint import kimi_expected, kimi_header, kimi_tensors
 
 # spec weight -> (Hugging Face name, GGUF name, is a matrix); `{l}` the layer index.
