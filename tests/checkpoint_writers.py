@@ -7,7 +7,7 @@ written out here from the format descriptions, not taken from mkdsl."""
 from __future__ import annotations
 
 import numpy as np
-from kimi_checkpoint import kimi_expected, kimi_header, kimi_tensors
+from kimi_checkpoint import dspark_header, kimi_expected, kimi_header, kimi_tensors
 
 # spec weight -> (Hugging Face name, GGUF name, is a matrix); `{l}` the layer index.
 LLAMA_NAMES = {
@@ -576,6 +576,8 @@ def published_header(name: str, schedule) -> dict:
     """Tensor name -> (shape, stored type) of the full-size published checkpoint."""
     if name == "kimi_k3":
         return kimi_header(schedule)
+    if name == "kimi_k3_dspark":
+        return dspark_header(len(schedule))
     (vocab, hidden), layer = HEADERS[name]
     out = {"model.embed_tokens.weight": ((vocab, hidden), BF), "lm_head.weight": ((vocab, hidden), BF)}
     out["model.norm.weight"] = ((hidden,), BF)

@@ -186,3 +186,69 @@ def kimi_header(schedule) -> dict:
                 x = f"{m}experts.{e}.{w}."
                 t |= {x + "weight_packed": ((o, i // 2), U8), x + "weight_scale": ((o, i // 32), U8)}
     return t
+
+
+# ---- the DSpark drafter (specs/kimi_k3_dspark.mk): a Qwen3-style layer's names, no prefix
+DSPARK = {
+    "embed": ("embed_tokens.weight", False),
+    "fc": ("fc.weight", True),
+    "hidden_norm": ("hidden_norm.weight", False),
+    "attn_norm": ("layers.{l}.input_layernorm.weight", False),
+    "wq": ("layers.{l}.self_attn.q_proj.weight", True),
+    "q_norm": ("layers.{l}.self_attn.q_norm.weight", False),
+    "k_norm": ("layers.{l}.self_attn.k_norm.weight", False),
+    "wo": ("layers.{l}.self_attn.o_proj.weight", True),
+    "mlp_norm": ("layers.{l}.post_attention_layernorm.weight", False),
+    "w_gate": ("layers.{l}.mlp.gate_proj.weight", True),
+    "w_up": ("layers.{l}.mlp.up_proj.weight", True),
+    "w_down": ("layers.{l}.mlp.down_proj.weight", True),
+    "final_norm": ("norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+    "markov_w1": ("markov_w1.weight", False),
+    "markov_w2": ("markov_w2.weight", False),
+}
+
+
+def dspark_tensors(weights: dict, layers: int, c: dict) -> dict:
+    """The drafter's checkpoint; k and v keep one copy of each repeated head (the spec's `wk` holds
+    each of the NKV heads REP times in a row)."""
+    out = {}
+    for w, (name, matrix) in DSPARK.items():
+        for layer in range(layers) if "{l}" in name else [None]:
+            x = np.asarray(weights[w] if layer is None else weights[w][layer])
+            out[name.format(l=layer)] = _t(x) if matrix else np.ascontiguousarray(x)
+    d, rep = c["D"], c["REP"]
+    for layer in range(layers):
+        for w, proj in (("wk", "k_proj"), ("wv", "v_proj")):
+            heads = np.split(np.asarray(weights[w][layer]), c["NKVR"], axis=-1)
+            out[f"layers.{layer}.self_attn.{proj}.weight"] = _t(np.concatenate(heads[::rep], axis=-1))
+            assert heads[0].shape[-1] == d
+    return out
+
+
+def dspark_expected(weights: dict, c: dict) -> dict:
+    """Loading repeats each stored head: every copy equals the first of its group."""
+    out = dict(weights)
+    for w in ("wk", "wv"):
+        x = np.asarray(weights[w])
+        heads = np.split(x, c["NKVR"], axis=-1)
+        out[w] = np.concatenate([heads[h - h % c["REP"]] for h in range(len(heads))], axis=-1)
+    return out
+
+
+def dspark_header(layers: int) -> dict:
+    """The full-size drafter checkpoint's header (facts/kimi_k3.md, "The DSpark drafter")."""
+    h, v, f, q, kv = 7168, 163840, 14336, 96 * 64, 16 * 64
+    t = {"embed_tokens.weight": ((v, h), BF), "lm_head.weight": ((v, h), BF), "norm.weight": ((h,), BF)}
+    t |= {"fc.weight": ((h, 5 * h), BF), "hidden_norm.weight": ((h,), BF)}
+    t |= {"markov_w1.weight": ((v, 256), BF), "markov_w2.weight": ((v, 256), BF)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        t |= {p + n: ((h,), BF) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+        t |= {p + "self_attn.q_proj.weight": ((q, h), BF), p + "self_attn.o_proj.weight": ((h, q), BF)}
+        t |= {p + f"self_attn.{x}_proj.weight": ((kv, h), BF) for x in "kv"}
+        t |= {p + f"self_attn.{x}_norm.weight": ((64,), BF) for x in "qk"}
+        t |= {p + f"mlp.{x}_proj.weight": ((f, h), BF) for x in ("gate", "up")} | {
+            p + "mlp.down_proj.weight": ((h, f), BF)
+        }
+    return t

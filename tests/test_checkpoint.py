@@ -31,6 +31,7 @@ from checkpoint_writers import (
     write_gguf,
     write_sharded,
 )
+from kimi_checkpoint import dspark_expected, dspark_tensors
 from safetensors.numpy import save_file
 
 import mkdsl
@@ -448,7 +449,7 @@ def test_a_file_that_cannot_be_read_is_an_error_naming_the_tensor(llama, tmp_pat
         mkdsl.load_weights(spec, reader, host=True, progress=False)
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", [*sorted(PUBLISHED), "kimi_k3_dspark"])
 def test_full_size_mappings_fit_the_published_headers(name, tmp_path):
     """At the published sizes, every tensor each mapping names exists in the checkpoint's header
     (names, shapes and types as shared/facts/models.md tabulates them) and fits its weight: the
@@ -480,7 +481,27 @@ def test_every_spec_with_a_mapping_is_tested():
     paths = list((ROOT / "specs").glob("*.mk"))
     with_mapping = {p.stem for p in paths if re.search(r"^checkpoint ", p.read_text(), re.M)}
     oracle = {p.stem for p in paths if re.search(r"^\s*architecture = ", p.read_text(), re.M)}
-    assert with_mapping == set(MAPPED) | set(PUBLISHED) | oracle
+    assert with_mapping == set(MAPPED) | set(PUBLISHED) | oracle | {"kimi_k3_dspark"}  # the drafter: below
+
+
+def test_the_drafter_loads_its_checkpoint_repeating_kv_heads(tmp_path):
+    """Kimi K3's DSpark drafter from its published layout, at the mini size split over 4 devices
+    (each of the 2 stored key/value heads written twice, `repeat_groups`): every weight equals the
+    one the checkpoint was written from, its repeated heads copies of the stored ones."""
+    source = (ROOT / "specs/kimi_k3_dspark.mk").read_text()
+    assert "  TP = 1\n}" in source
+    path = tmp_path / "dspark.mk"
+    path.write_text(source.replace("  TP = 1\n}", "  TP = 4\n}"))
+    spec = mkdsl.load(path, "mini")
+    c = spec.model.const
+    assert c["REP"] == 2
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=5)
+    save_file(dspark_tensors(weights, len(spec.model.schedule), c), str(tmp_path / "model.safetensors"))
+    loaded, report = mkdsl.load_weights(spec, tmp_path, host=True, progress=False)
+    want = dspark_expected(weights, c)
+    assert not [w for w in want if not same_weight(loaded[w], want[w])]
+    heads = np.split(np.asarray(loaded["wk"][0]), c["NKVR"], axis=-1)
+    assert np.array_equal(heads[0], heads[1]) and not np.array_equal(heads[1], heads[2])
 
 
 @pytest.mark.parametrize("mistake", ["missing", "shape", "dtype"])
