@@ -587,3 +587,34 @@ def published_header(name: str, schedule) -> dict:
         out |= _dsv3_layer("model.layers.61.", "moe") | {"model.layers.61.eh_proj.weight": ((7168, 14336), BF)}
         out |= {f"model.layers.61.{n}.weight": ((7168,), BF) for n in ("enorm", "hnorm", "shared_head.norm")}
     return out
+
+
+# ---- dequantised saves (transformers' bf16 save of a quantised model): no scales, bf16 values
+
+
+def _e2m1(nib: np.ndarray) -> np.ndarray:
+    mag = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)[nib & 7]
+    return np.where(nib & 8, -mag, mag)
+
+
+def openai_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OpenAI's MXFP4 blocks [..., out, in/32, 16] and E8M0 scales [..., out, in/32] -> f32 [..., out, in]."""
+    nib = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = _e2m1(nib) * np.exp2(scales.astype(np.float32) - 127)[..., None]
+    return values.reshape(*values.shape[:-2], -1)
+
+
+def dequantised_save(name: str, tensors: dict) -> dict:
+    """The published tensors of `name` as a dequantised bf16 save stores them: DeepSeek-V3's fp8
+    `.weight` decoded with its `.weight_scale_inv` (which goes); gpt-oss's experts as
+    `gate_up_proj` [E, H, 2F] and `down_proj` [E, F, H] ([in, out], no blocks or scales)."""
+    import ml_dtypes
+
+    out = dict(tensors)
+    for n in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+        codes = out.pop(n[: -len("_scale_inv")])
+        out[n[: -len("_scale_inv")]] = fp8_decode(codes, out.pop(n)).astype(ml_dtypes.bfloat16)
+    for n in [n for n in tensors if n.endswith("_blocks")]:
+        values = openai_decode(out.pop(n), out.pop(n[: -len("_blocks")] + "_scales"))
+        out[n[: -len("_blocks")]] = np.ascontiguousarray(np.swapaxes(values, -1, -2)).astype(ml_dtypes.bfloat16)
+    return out

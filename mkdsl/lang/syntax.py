@@ -6,6 +6,7 @@ offending token underlined and the tokens that would have been accepted as the h
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -203,6 +204,8 @@ class CkptEntry:
     pattern_spans: tuple[Span, ...]
     steps: tuple[CkptStep, ...]
     scales: tuple[str, Span] | None = None
+    # `or` sources after the first: the same weight as another save stores it (a dequantised one)
+    alternatives: tuple[CkptEntry, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -304,16 +307,14 @@ class _ToAst(Transformer_NonRecursive):
         return ContextDecl(Span.of(c[0]), str(c[0]), str(c[1]), tuple(c[2:]))
 
     def ckpt_entry(self, meta, c):
-        strings, rest = c[1], list(c[2:])
+        first, *others = (CkptEntry(Span.of(c[0]), str(c[0]), *alt) for alt in c[1:])
+        return dataclasses.replace(first, alternatives=tuple(others))
+
+    def ckpt_alt(self, meta, c):
+        """(patterns, their spans, steps, scales) of one source."""
+        strings, rest = c[0], list(c[1:])
         scales = rest.pop(0) if rest and isinstance(rest[0], tuple) else None
-        return CkptEntry(
-            Span.of(c[0]),
-            str(c[0]),
-            tuple(str(t)[1:-1] for t in strings),
-            tuple(map(Span.of, strings)),
-            tuple(rest),
-            scales,
-        )
+        return tuple(str(t)[1:-1] for t in strings), tuple(map(Span.of, strings)), tuple(rest), scales
 
     def ckpt_scales(self, meta, c):
         return (str(c[0])[1:-1], Span.of(c[0]))

@@ -130,6 +130,12 @@ def save_bf16(hf, directory: Path) -> None:
     hf.to(torch.float32)
 
 
+def reload_hf(hf, directory: Path):
+    """`hf`'s class read back from its (rewritten) save, in f32."""
+    torch, _ = import_transformers()
+    return type(hf).from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def rounded_reads(graph: Graph) -> int:
     """How many of a graph's ops read a declared tensor (a weight or a state): each is a chain
     position where the spec rounds an activation to bf16 against a bf16 operand."""
@@ -145,12 +151,21 @@ def verify_against_transformers(
 
     if len({len(model.kind(k).params) for k in model.schedule}) != 1 or len(model.kind(model.schedule[0]).params) != 1:
         raise OracleError("the oracle compares a layer stack that carries one value (the residual stream)")
+    from mkdsl.verify.hf_save import compared_model, on_the_spec_grids
+
+    model, unread = compared_model(model)
     hf = build_hf_model(model, seed)
     report = OracleReport(spec, hf_map(model).architecture)
     with tempfile.TemporaryDirectory(prefix="mkdsl-oracle-") as tmp:
         save_bf16(hf, Path(tmp))
+        moved = on_the_spec_grids(model, Path(tmp))
+        if moved:  # transformers computes with the values the spec's quantised weights hold
+            hf = reload_hf(hf, Path(tmp))
+            report.lines.append(f"{moved} stored tensors moved onto the grids of the spec's quantised weights")
         weights, load = load_weights(model, tmp, progress=False, host=True)
     report.lines.append(load.summary() if hasattr(load, "summary") else f"loaded {len(weights)} weights")
+    if unread:
+        report.lines.append(f"not compared (the decode step does not read them): {', '.join(unread)}")
     vocab = hf.config.vocab_size
     ids = np.random.default_rng(seed).integers(0, vocab, size=prompt).astype(np.int32)
     greedy = free_run(model, weights, ids, steps)
