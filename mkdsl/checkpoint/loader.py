@@ -275,7 +275,9 @@ def _check_piece(t: Tensor, src: WeightSource, infos: list[Stored], want: tuple,
     target = t.type.dtype
     if target.quantised:  # quantised at load: exact codes are checked as it reads (quantise.py)
         bad = next((i for i in infos if i.dtype not in ("BF16", "F16", "F32")), None)
-        return None if bad is None else f"tensor `{bad.name}` is {bad.dtype}; {target} is quantised from BF16, F16 or F32"
+        return (
+            None if bad is None else f"tensor `{bad.name}` is {bad.dtype}; {target} is quantised from BF16, F16 or F32"
+        )
     for i in infos:
         if exact(i.dtype, target.numpy):
             continue

@@ -132,13 +132,13 @@ PAIRS: dict[tuple[str, str], tuple[PairKind, ...]] = {
 def pair_kind(codes, scales, block: int) -> tuple[PairKind | None, Grid | str]:
     """The kind of a stored pair (`formats.Stored` infos) and its grid, or (None, why not)."""
     kinds = PAIRS.get((codes.dtype, scales.dtype), ())
-    why = "not a pair the loader reads"
+    whys = []
     for kind in kinds:
         grid = kind.grid(codes.shape, scales.shape, block)
         if not isinstance(grid, str):
             return kind, grid
-        why = grid
-    return (kinds[0] if kinds else None), why
+        whys.append(grid)
+    return (kinds[0] if kinds else None), " (nor ".join(whys) + ")" * (len(whys) - 1) or "not a pair the loader reads"
 
 
 def target_groups(dtype: DType, ndim: int) -> tuple[int, ...]:

@@ -67,8 +67,6 @@ def _storage(q: QTensor) -> tuple:
     return (q.codes, q.scales)
 
 
-
-
 def grid_values(dtype: DType, x: np.ndarray) -> np.ndarray:
     """`x` rounded to the nearest values `exact_codes` reads back exactly: codes times power-of-two
     scales (what a bf16 save of such weights holds; `verify --against transformers` gives its
