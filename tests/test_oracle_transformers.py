@@ -6,6 +6,7 @@ tests do not skip without it, they fail."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,49 @@ def test_cli_usage(capsys):
     assert main(["verify", str(ROOT / "specs/tiny.mk"), "--against", "transformers", "--steps", "0"]) == 2
     assert main(["verify", str(ROOT / "specs/tiny.mk"), "--against", "transformers"]) == 1
     assert "no `checkpoint hf` section" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def saved_smollm2(tmp_path_factory):
+    """A small saved transformers checkpoint: SmolLM2's mini size, random weights, bf16."""
+    from mkdsl.verify.transformers import build_hf_model, save_bf16
+
+    root = tmp_path_factory.mktemp("smollm2-mini")
+    save_bf16(build_hf_model(mkdsl.load(ROOT / "specs/smollm2_135m.mk", "mini").model, seed=4), root)
+    return root
+
+
+@pytest.mark.slow
+def test_a_saved_checkpoint_agrees_and_a_config_the_spec_does_not_say_fails(saved_smollm2, tmp_path, capsys):
+    """`--against transformers --weights DIR`: transformers reads the directory itself, the spec
+    its mapping; three random prompts, each compared layer by layer and teacher forced. The same
+    weights with a rope_theta in config.json that the spec does not have (/ 100): transformers
+    rotates otherwise, and the first layer's `rope` is named."""
+    spec = str(ROOT / "specs/smollm2_135m.mk")
+    args = ["verify", spec, "--profile", "mini", "--against", "transformers", "--steps", "1", "--prompt-tokens", "6"]
+    assert main([*args, "--weights", str(saved_smollm2)]) == 0
+    out = capsys.readouterr().out
+    assert "prompt 3:" in out and "agrees with transformers" in out, out
+    for f in saved_smollm2.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "config.json").unlink()
+    config = json.loads((saved_smollm2 / "config.json").read_text())
+    theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]
+    config.setdefault("rope_parameters", {})["rope_theta"] = theta / 100
+    config["rope_theta"] = theta / 100
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main([*args, "--weights", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: prefill layer 0" in out and "`rope`" in out, out
+
+
+def test_weights_usage_errors(tmp_path, capsys):
+    spec = str(ROOT / "specs/smollm2_135m.mk")
+    assert main(["verify", spec, "--weights", str(tmp_path)]) == 2
+    assert "add --against transformers" in capsys.readouterr().err
+    assert main(["verify", spec, "--against", "transformers", "--prompt", "hi"]) == 2
+    assert "--prompt needs --weights" in capsys.readouterr().err
+    assert main(["verify", spec, "--against", "transformers", "--weights", str(tmp_path / "none")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert main(["verify", spec, "--profile", "mini", "--against", "transformers", "--weights", str(tmp_path)]) == 1
+    assert "error" in capsys.readouterr().err

@@ -148,11 +148,9 @@ def verify_against_transformers(
     """Build, save, load and compare (the module docstring); `prompt` random tokens, then `steps`
     decode steps."""
     from mkdsl.checkpoint.loader import load_weights
-
-    if len({len(model.kind(k).params) for k in model.schedule}) != 1 or len(model.kind(model.schedule[0]).params) != 1:
-        raise OracleError("the oracle compares a layer stack that carries one value (the residual stream)")
     from mkdsl.verify.hf_save import compared_model, on_the_spec_grids
 
+    _one_carry(model)
     model, unread = compared_model(model)
     hf = build_hf_model(model, seed)
     report = OracleReport(spec, hf_map(model).architecture)
@@ -163,18 +161,67 @@ def verify_against_transformers(
             hf = reload_hf(hf, Path(tmp))
             report.lines.append(f"{moved} stored tensors moved onto the grids of the spec's quantised weights")
         weights, load = load_weights(model, tmp, progress=False, host=True)
-    report.lines.append(load.summary() if hasattr(load, "summary") else f"loaded {len(weights)} weights")
+    report.lines.append(load.summary())
     if unread:
         report.lines.append(f"not compared (the decode step does not read them): {', '.join(unread)}")
-    vocab = hf.config.vocab_size
-    ids = np.random.default_rng(seed).integers(0, vocab, size=prompt).astype(np.int32)
+    ids = np.random.default_rng(seed).integers(0, hf.config.vocab_size, size=prompt).astype(np.int32)
+    compare(report, model, weights, hf, ids, steps, progress)
+    return report
+
+
+def verify_checkpoint(
+    model: Model,
+    spec: str,
+    directory,
+    prompts: list[np.ndarray] | None = None,
+    *,
+    steps: int = 2,
+    random_prompts: int = 3,
+    prompt: int = 12,
+    progress=None,
+) -> OracleReport:
+    """`--weights DIR`: a real checkpoint (a Hugging Face directory) read by transformers (the
+    mapping's class, in f32) and by the spec's mapping, compared on each prompt (token ids; None:
+    `random_prompts` random ones of `prompt` tokens) as above: every
+    layer fed transformers' hidden states, the logits, and the spec's greedy tokens teacher forced
+    through transformers."""
+    from mkdsl.checkpoint.loader import load_weights
+    from mkdsl.verify.hf_save import compared_model
+
+    _one_carry(model)
+    model, unread = compared_model(model)
+    torch, transformers = import_transformers()
+    cls = getattr(transformers, hf_map(model).architecture, None)
+    if cls is None:
+        raise OracleError(f"transformers {transformers.__version__} has no class `{hf_map(model).architecture}`")
+    weights, load = load_weights(model, directory, progress=False, host=True)  # its errors first: they name tensors
+    hf = cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    report = OracleReport(spec, f"{hf_map(model).architecture} from {directory}")
+    report.lines.append(load.summary())
+    if unread:
+        report.lines.append(f"not compared (the decode step does not read them): {', '.join(unread)}")
+    if prompts is None:  # `random_prompts` of `prompt` random tokens each
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, hf.config.vocab_size, size=prompt) for _ in range(random_prompts)]
+    for n, ids in enumerate(prompts):
+        report.lines.append(f"prompt {n + 1}:")
+        compare(report, model, weights, hf, np.asarray(ids, np.int32), steps, progress)
+    return report
+
+
+def _one_carry(model: Model) -> None:
+    if len({len(model.kind(k).params) for k in model.schedule}) != 1 or len(model.kind(model.schedule[0]).params) != 1:
+        raise OracleError("the oracle compares a layer stack that carries one value (the residual stream)")
+
+
+def compare(report: OracleReport, model: Model, weights, hf, ids: np.ndarray, steps: int, progress) -> None:
+    """The spec's greedy run from `ids` against transformers, teacher forced on its tokens."""
     greedy = free_run(model, weights, ids, steps)
     seq = np.concatenate([ids, greedy[:-1]]).astype(np.int32)
     trace = hf_trace(hf, seq)
     check_greedy(report, trace, greedy, len(ids))
     check_isolated(report, model, weights, trace, seq, len(ids), progress)
     report.lines.append(f"{len(ids)} prompt tokens + {steps} decode steps; greedy {greedy.tolist()}")
-    return report
 
 
 def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int) -> np.ndarray:
