@@ -27,12 +27,14 @@ whose ops read n weights or states (a matmul-like chain of at most n rounded inp
 within n x 2^-9 of the row's largest update (|out - in|), summed linearly as a worst case:
 LAYER_RTOL = 2^-9 per such op; F32_RTOL covers f32 accumulation order where an update is 0.
 A routing near tie (an op's `OpDef.near_tie` within ROUTE_TIE) may pick another expert: a row
-that fails in such a layer is run again with the runner-up, and passes as a reported near tie.
+that fails in such a layer (a prefill row or a decode step's) is run again from the same state
+with the runner-up, and passes as a reported near tie.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,8 +276,10 @@ def check_isolated(report, model: Model, weights, trace: HFTrace, seq, prompt: i
 
     state = zero_state(model, len(seq) + 1)
     logits, _, state = run_prefill(model, Sampling(), weights, state, jnp.asarray(seq[None, :prompt]), feed=feed)
+    rows = slice(0, prompt)
     for i in range(length):
-        compare_layer(report, model, i, outs[i], trace, slice(0, prompt), "prefill", weights, seq)
+        rerun = _prefill_rerun(model, i, weights, trace, seq, rows)
+        compare_layer(report, model, i, outs[i], trace, rows, "prefill", rerun, weights, seq)
     compare_logits(report, np.asarray(logits, np.float32)[0], trace.logits[prompt - 1], "prefill")
     layered = build_layered_reference(model)
     from mkdsl.run.prefill import reference_weights
@@ -284,15 +288,20 @@ def check_isolated(report, model: Model, weights, trace: HFTrace, seq, prompt: i
     for p in range(prompt, len(seq)):
         tok, pos = jnp.asarray(seq[p : p + 1]), jnp.asarray([p], jnp.int32)
         for i in range(length):
-            carries, state = run_layer(
-                model, i, ref_w, state, tok, pos, [jnp.asarray(trace.layer_in[i][p : p + 1], dtype)]
-            )
-            compare_layer(
-                report, model, i, np.asarray(carries[0], np.float32), trace, slice(p, p + 1), f"step {p - prompt + 1}"
-            )
+            before, carry = state, [jnp.asarray(trace.layer_in[i][p : p + 1], dtype)]
+            carries, state = run_layer(model, i, ref_w, before, tok, pos, carry)
+            rerun = functools.partial(_decode_rerun, model, i, ref_w, before, tok, pos, carry)
+            got = np.asarray(carries[0], np.float32)
+            compare_layer(report, model, i, got, trace, slice(p, p + 1), f"step {p - prompt + 1}", rerun)
         last = [jnp.asarray(trace.layer_out[length - 1][p : p + 1], dtype)]
         logits, _ = layered.epilogue(ref_w, state, tok, pos, last)
         compare_logits(report, np.asarray(logits, np.float32)[0], trace.logits[p], f"step {p - prompt + 1}")
+
+
+def _decode_rerun(model, index, weights, state, tok, pos, carry):
+    from mkdsl.run.reference import run_layer
+
+    return run_layer(model, index, weights, state, tok, pos, carry)[0][0]
 
 
 def carry_dtype(model: Model):
@@ -310,17 +319,21 @@ def layer_ratio(model: Model, index: int, got: np.ndarray, trace: HFTrace, rows:
     return np.abs(got - want).max(axis=-1) / bound
 
 
-def compare_layer(report, model, index, got, trace, rows: slice, where: str, weights=None, seq=None) -> None:
-    """Each row of layer `index`'s output against transformers'; a failing row in a layer that
-    routes is first run again at its near tie (prefill rows only: they need no earlier state)."""
+def compare_layer(
+    report, model, index, got, trace, rows: slice, where: str, rerun=None, weights=None, seq=None
+) -> None:
+    """Each row of layer `index`'s output against transformers'. A failing row in a layer that
+    routes is first run again with its near tie taken the other way (`rerun()`: the layer's output
+    over `rows` again, from the same state, under the ops' `OpDef.near_tie` references), in the
+    prefill and in the decode steps alike; a prefill row that still fails is blamed on an op."""
     ratio = layer_ratio(model, index, got, trace, rows)
     report.note("layer", ratio.max())
     kind = model.schedule[index]
     routes = any(OPS[n.op].near_tie for n in model.kind(kind).nodes)
     for bad in np.flatnonzero(~(ratio <= 1)):
         what = f"{where} layer {index} ({kind}): row {rows.start + bad} off by {ratio[bad]:.2f}x the bound"
-        if rows.start == 0 and weights is not None and routes:
-            tie, fits = _runner_up(model, index, weights, trace, seq, rows, int(bad))
+        if rerun is not None and routes:
+            tie, fits = _runner_up(model, index, trace, rows, int(bad), rerun)
             if tie:
                 how = "the runner-up fits" if fits else "another of the near-tied choices"
                 report.ties.append(f"{what}: a routing near tie ({how})")
@@ -331,24 +344,32 @@ def compare_layer(report, model, index, got, trace, rows: slice, where: str, wei
         return  # the first failing row of a layer names it
 
 
-def _runner_up(model, index, weights, trace, seq, rows: slice, row: int) -> tuple[bool, bool]:
-    """(whether `row` has a routing near tie in the layer, whether the runner-up then fits)."""
-    from mkdsl.run.prefill import run_prefill_layer
-
+def _runner_up(model, index, trace, rows: slice, row: int, rerun) -> tuple[bool, bool]:
+    """(whether local row `row` of `rows` has a routing near tie in the layer, whether the layer's
+    output then fits there)."""
     kind = model.kind(model.schedule[index])
     originals = {n.op: OPS[n.op] for n in kind.nodes if OPS[n.op].near_tie is not None}
     flipped: list[bool] = []
     for name, op in originals.items():
         OPS[name] = dataclasses.replace(op, reference=op.near_tie(row, ROUTE_TIE, flipped), prefill=None)
     try:
-        state = zero_state(model, rows.stop + 1)
-        carries = [jnp.asarray(trace.layer_in[index][rows], carry_dtype(model))]
-        out, _ = run_prefill_layer(model, index, weights, state, jnp.asarray(seq[None, rows]), carries)
+        out = rerun()
     finally:
         OPS.update(originals)
-    return bool(flipped), bool(flipped) and layer_ratio(model, index, np.asarray(out[0], np.float32), trace, rows)[
+    return bool(flipped), bool(flipped) and layer_ratio(model, index, np.asarray(out, np.float32), trace, rows)[
         row
     ] <= 1
+
+
+def _prefill_rerun(model, index, weights, trace, seq, rows: slice):
+    from mkdsl.run.prefill import run_prefill_layer
+
+    def rerun():
+        state = zero_state(model, rows.stop + 1)
+        carries = [jnp.asarray(trace.layer_in[index][rows], carry_dtype(model))]
+        return run_prefill_layer(model, index, weights, state, jnp.asarray(seq[None, rows]), carries)[0][0]
+
+    return rerun
 
 
 def compare_logits(report: OracleReport, got: np.ndarray, want: np.ndarray, where: str) -> None:
