@@ -188,3 +188,43 @@ def test_weights_usage_errors(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
     assert main(["verify", spec, "--profile", "mini", "--against", "transformers", "--weights", str(tmp_path)]) == 1
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gap", [0.001, 0.1], ids=["near-tie", "clear"])
+def test_a_failing_decode_row_is_rerun_at_its_routing_near_tie(gap):
+    """A decode step's row that fails in a layer that routes is run again (from the same state:
+    `rerun`) with the routing's near tie taken the other way (`OpDef.near_tie` of `topk`): a near
+    tie (top-k gap 0.1% of the k-th score, under ROUTE_TIE) is reported, not failed; a clear choice
+    (10%) is no near tie, and the row fails. The rerun here routes scores whose k-th and next
+    values are `gap` apart and gives back transformers' output."""
+    import numpy as np
+
+    from mkdsl.lazy import jnp
+    from mkdsl.ops import OPS
+    from mkdsl.verify.oracle_trace import HFTrace
+    from mkdsl.verify.transformers import OracleReport, compare_layer
+
+    model = mkdsl.load(ROOT / "specs/qwen3_30b_a3b.mk", "mini").model
+    k, h, p = model.const["TOPK"], model.const["H"], 5
+    rng = np.random.default_rng(1)
+    entering = rng.standard_normal((p + 1, h)).astype(np.float32)
+    want = entering + rng.standard_normal((p + 1, h)).astype(np.float32)
+    layers = len(model.schedule)
+    trace = HFTrace(None, [entering] * layers, [want] * layers, [[] for _ in range(layers)])
+    got = want[p : p + 1] + 0.5  # far outside the bound
+    scores = np.sort(rng.uniform(0.2, 0.3, size=(1, 16)))[:, ::-1].copy()
+    scores[0, k] = scores[0, k - 1] * (1 - gap)  # the runner-up, `gap` below the k-th choice
+    scores[0, k + 1 :] = np.minimum(scores[0, k + 1 :], scores[0, k] * 0.5)  # the rest well below it
+
+    def rerun():
+        OPS["topk"].reference(jnp.asarray(scores), k=k)  # the layer's routing, under the near-tie rule
+        return want[p : p + 1]
+
+    report = OracleReport("spec", "arch")
+    compare_layer(report, model, 0, got, trace, slice(p, p + 1), "step 1", rerun)
+    if gap < 2.0**-6:
+        assert report.ties and not report.failures, report.text()
+        assert "step 1 layer 0" in report.ties[0] and "row 5" in report.ties[0] and "runner-up fits" in report.ties[0]
+    else:
+        assert report.failures and not report.ties, report.text()
+        assert "step 1 layer 0" in report.failures[0]
