@@ -168,6 +168,16 @@ MAPPING_BASE = LLAMA.read_text()
         ('"model.layers.{l}.input_layernorm', '"model.layers.input_layernorm', r"has no layer index `\{l\}`"),
         ('"model.norm.weight"', '"model.{l}.norm.weight"', r"uses `\{l\}`, but the weight is not per layer"),
         ("unpermute(heads=NH)", "unpermute(head=NH)", r"`unpermute` takes \(heads\)"),
+        (  # an `or` source is checked as the first is
+            'self_attn.q_proj.weight" | transpose\n',
+            'self_attn.q_proj.weight" | transpose or "model.q.weight" | transpose\n',
+            r"the pattern for `wq` has no layer index `\{l\}`",
+        ),
+        (
+            'self_attn.q_proj.weight" | transpose\n',
+            'self_attn.q_proj.weight" | transpose or "model.layers.{l}.q.weight" | transpos\n',
+            r"unknown checkpoint step `transpos`",
+        ),
         ('  lm_head    = "lm_head.weight" | transpose\n', "", r"checkpoint hf does not say where `lm_head` comes from"),
         ("checkpoint gguf", "checkpoint ggml", r"unknown checkpoint format `ggml`"),
         (
