@@ -482,6 +482,8 @@ def cmd_verify(args) -> int:
     _one_process_kernel("mkdsl verify")
     if args.against is not None:
         return _verify_against(args)
+    if args.weights is not None or args.prompt is not None:
+        raise UsageError("--weights and --prompt compare a checkpoint with transformers: add --against transformers")
     source = _read(args.spec)
     try:
         out, _ = compile_source(source, args.spec, args.profile, None)
@@ -519,18 +521,40 @@ def _verify_against(args) -> int:
     """`verify --against transformers`: the spec against the model's own implementation."""
     if args.steps < 1 or args.prompt_tokens < 1:
         raise UsageError(f"--steps and --prompt-tokens must be at least 1, got {args.steps} and {args.prompt_tokens}")
+    if args.prompt is not None and args.weights is None:
+        raise UsageError("--prompt needs --weights (the checkpoint's tokenizer); without it the prompts are random")
+    if args.weights is not None and not os.path.isdir(args.weights):
+        raise UsageError(f"--weights {args.weights}: not a directory (a Hugging Face checkpoint directory)")
     _host_devices(1)
     spec = _load_spec(args)
-    from mkdsl.verify.transformers import OracleError, verify_against_transformers
+    from mkdsl.checkpoint.formats import CheckpointError
+    from mkdsl.verify.transformers import OracleError, verify_against_transformers, verify_checkpoint
 
     try:
-        report = verify_against_transformers(spec.model, args.spec, steps=args.steps, prompt=args.prompt_tokens)
-    except OracleError as e:
+        if args.weights is None:
+            report = verify_against_transformers(spec.model, args.spec, steps=args.steps, prompt=args.prompt_tokens)
+        else:
+            prompts = _encoded_prompts(args.weights, args.prompt)
+            report = verify_checkpoint(
+                spec.model, args.spec, args.weights, prompts, steps=args.steps, prompt=args.prompt_tokens
+            )
+    except (OracleError, CheckpointError) as e:
         print(f"mkdsl: error: {e}", file=sys.stderr)
         return 1
     print(report.text())
     print(f"{args.spec}: {'agrees with transformers' if report.ok else 'FAILED'}")
     return 0 if report.ok else 1
+
+
+def _encoded_prompts(directory: str, prompts: list[str] | None):
+    """The prompts as token ids by the checkpoint's tokenizer (None: random prompts)."""
+    if prompts is None:
+        return None
+    from mkdsl.checkpoint.formats import open_checkpoint
+    from mkdsl.checkpoint.tokenizer import load_codec
+
+    codec = load_codec(open_checkpoint(directory))
+    return [codec.encode(p) for p in prompts]
 
 
 def _run_verify(args, out, batches, tempfile) -> int:
@@ -1105,6 +1129,17 @@ def _verify_parser(spec_command) -> None:
     )
     c.add_argument(
         "--prompt-tokens", type=int, default=12, help="with --against: random prompt tokens before the steps (12)"
+    )
+    c.add_argument(
+        "--weights",
+        metavar="DIR",
+        help="with --against: a Hugging Face checkpoint directory, read by transformers and by the spec's mapping",
+    )
+    c.add_argument(
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="with --weights: a prompt (the checkpoint's tokenizer); repeat for several (default: 3 random ones)",
     )
     _cluster_args(c)
 

@@ -215,9 +215,45 @@ mtp(h: f32[B, H], tokens, positions) {
 # prefix model.layers.N.; layer 61 is the MTP head's). Matrices are stored [out, in]
 # (the spec's are [in, out]); an fp8 matrix is its codes `*` its 128x128 block scales, both
 # transposed. The dense MLP is read for layers 0 .. DENSE-1, the router and experts (one tensor
-# each, stacked over `{e}`) for the others. Nothing rounds: every weight is stored as the spec
-# declares it.
+# each, stacked over `{e}`) for the others. From this layout nothing rounds: every weight is stored
+# as the spec declares it. A dequantised save (bf16 `.weight`, no scales: transformers' save of the model) loads
+# by each line's `or` source, quantised back into 128x128 blocks: exactly where its values are fp8
+# codes times power-of-two block scales, else rounded to nearest (DeepSeek's amax / 448 scales).
 checkpoint hf {
+  config {
+    architecture = "DeepseekV3ForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = FD
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NH
+    q_lora_rank = QR
+    kv_lora_rank = KVR
+    qk_nope_head_dim = NOPE
+    qk_rope_head_dim = ROPE
+    v_head_dim = VD
+    n_routed_experts = E
+    num_experts_per_tok = TOPK
+    n_group = NG
+    topk_group = TG
+    moe_intermediate_size = FE
+    n_shared_experts = 1
+    first_k_dense_replace = DENSE
+    routed_scaling_factor = RSF
+    norm_topk_prob = true
+    rms_norm_eps = EPS
+    rope_theta = THETA
+    rope_interleave = true
+    rope_scaling.rope_type = "yarn"
+    rope_scaling.factor = YF
+    rope_scaling.original_max_position_embeddings = OMP
+    rope_scaling.beta_fast = 32.0
+    rope_scaling.beta_slow = 1.0
+    rope_scaling.mscale = MSCALE_ALL
+    rope_scaling.mscale_all_dim = MSCALE_ALL
+    tie_word_embeddings = false
+  }
   embed       = "model.embed_tokens.weight"
   attn_norm   = "model.layers.{l}.input_layernorm.weight"
   mlp_norm    = "model.layers.{l}.post_attention_layernorm.weight"
@@ -225,33 +261,47 @@ checkpoint hf {
   lm_head     = "lm_head.weight" | transpose
   wq_a        = "model.layers.{l}.self_attn.q_a_proj.weight"
                 * "model.layers.{l}.self_attn.q_a_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.self_attn.q_a_proj.weight" | transpose | round
   q_norm      = "model.layers.{l}.self_attn.q_a_layernorm.weight"
   wq_b        = "model.layers.{l}.self_attn.q_b_proj.weight"
                 * "model.layers.{l}.self_attn.q_b_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.self_attn.q_b_proj.weight" | transpose | round
   wkv_a       = "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight"
                 * "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight_scale_inv" | transpose
+                or "model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight" | transpose | round
   kv_norm     = "model.layers.{l}.self_attn.kv_a_layernorm.weight"
   wkv_b       = "model.layers.{l}.self_attn.kv_b_proj.weight"
                 * "model.layers.{l}.self_attn.kv_b_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.self_attn.kv_b_proj.weight" | transpose | round
   wo          = "model.layers.{l}.self_attn.o_proj.weight"
                 * "model.layers.{l}.self_attn.o_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.self_attn.o_proj.weight" | transpose | round
   dense_gate  = "model.layers.{l}.mlp.gate_proj.weight" * "model.layers.{l}.mlp.gate_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.mlp.gate_proj.weight" | transpose | round
   dense_up    = "model.layers.{l}.mlp.up_proj.weight" * "model.layers.{l}.mlp.up_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.mlp.up_proj.weight" | transpose | round
   dense_down  = "model.layers.{l}.mlp.down_proj.weight" * "model.layers.{l}.mlp.down_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.mlp.down_proj.weight" | transpose | round
   router      = "model.layers.{l}.mlp.gate.weight" | transpose
   router_bias = "model.layers.{l}.mlp.gate.e_score_correction_bias"
   w_gate      = "model.layers.{l}.mlp.experts.{e}.gate_proj.weight"
                 * "model.layers.{l}.mlp.experts.{e}.gate_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.mlp.experts.{e}.gate_proj.weight" | transpose | round
   w_up        = "model.layers.{l}.mlp.experts.{e}.up_proj.weight"
                 * "model.layers.{l}.mlp.experts.{e}.up_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.mlp.experts.{e}.up_proj.weight" | transpose | round
   w_down      = "model.layers.{l}.mlp.experts.{e}.down_proj.weight"
                 * "model.layers.{l}.mlp.experts.{e}.down_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.mlp.experts.{e}.down_proj.weight" | transpose | round
   shared_gate = "model.layers.{l}.mlp.shared_experts.gate_proj.weight"
                 * "model.layers.{l}.mlp.shared_experts.gate_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.mlp.shared_experts.gate_proj.weight" | transpose | round
   shared_up   = "model.layers.{l}.mlp.shared_experts.up_proj.weight"
                 * "model.layers.{l}.mlp.shared_experts.up_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.mlp.shared_experts.up_proj.weight" | transpose | round
   shared_down = "model.layers.{l}.mlp.shared_experts.down_proj.weight"
                 * "model.layers.{l}.mlp.shared_experts.down_proj.weight_scale_inv" | transpose
+                or "model.layers.{l}.mlp.shared_experts.down_proj.weight" | transpose | round
   mtp_enorm       = "model.layers.61.enorm.weight"
   mtp_hnorm       = "model.layers.61.hnorm.weight"
   mtp_eh_proj     = "model.layers.61.eh_proj.weight" | transpose
@@ -260,28 +310,39 @@ checkpoint hf {
   mtp_mlp_norm    = "model.layers.61.post_attention_layernorm.weight"
   mtp_wq_a        = "model.layers.61.self_attn.q_a_proj.weight"
                     * "model.layers.61.self_attn.q_a_proj.weight_scale_inv" | transpose
+                or "model.layers.61.self_attn.q_a_proj.weight" | transpose | round
   mtp_q_norm      = "model.layers.61.self_attn.q_a_layernorm.weight"
   mtp_wq_b        = "model.layers.61.self_attn.q_b_proj.weight"
                     * "model.layers.61.self_attn.q_b_proj.weight_scale_inv" | transpose
+                or "model.layers.61.self_attn.q_b_proj.weight" | transpose | round
   mtp_wkv_a       = "model.layers.61.self_attn.kv_a_proj_with_mqa.weight"
                     * "model.layers.61.self_attn.kv_a_proj_with_mqa.weight_scale_inv" | transpose
+                or "model.layers.61.self_attn.kv_a_proj_with_mqa.weight" | transpose | round
   mtp_kv_norm     = "model.layers.61.self_attn.kv_a_layernorm.weight"
   mtp_wkv_b       = "model.layers.61.self_attn.kv_b_proj.weight"
                     * "model.layers.61.self_attn.kv_b_proj.weight_scale_inv" | transpose
+                or "model.layers.61.self_attn.kv_b_proj.weight" | transpose | round
   mtp_wo          = "model.layers.61.self_attn.o_proj.weight"
                     * "model.layers.61.self_attn.o_proj.weight_scale_inv" | transpose
+                or "model.layers.61.self_attn.o_proj.weight" | transpose | round
   mtp_router      = "model.layers.61.mlp.gate.weight" | transpose
   mtp_router_bias = "model.layers.61.mlp.gate.e_score_correction_bias"
   mtp_w_gate      = "model.layers.61.mlp.experts.{e}.gate_proj.weight"
                     * "model.layers.61.mlp.experts.{e}.gate_proj.weight_scale_inv" | transpose
+                or "model.layers.61.mlp.experts.{e}.gate_proj.weight" | transpose | round
   mtp_w_up        = "model.layers.61.mlp.experts.{e}.up_proj.weight"
                     * "model.layers.61.mlp.experts.{e}.up_proj.weight_scale_inv" | transpose
+                or "model.layers.61.mlp.experts.{e}.up_proj.weight" | transpose | round
   mtp_w_down      = "model.layers.61.mlp.experts.{e}.down_proj.weight"
                     * "model.layers.61.mlp.experts.{e}.down_proj.weight_scale_inv" | transpose
+                or "model.layers.61.mlp.experts.{e}.down_proj.weight" | transpose | round
   mtp_shared_gate = "model.layers.61.mlp.shared_experts.gate_proj.weight"
                     * "model.layers.61.mlp.shared_experts.gate_proj.weight_scale_inv" | transpose
+                or "model.layers.61.mlp.shared_experts.gate_proj.weight" | transpose | round
   mtp_shared_up   = "model.layers.61.mlp.shared_experts.up_proj.weight"
                     * "model.layers.61.mlp.shared_experts.up_proj.weight_scale_inv" | transpose
+                or "model.layers.61.mlp.shared_experts.up_proj.weight" | transpose | round
   mtp_shared_down = "model.layers.61.mlp.shared_experts.down_proj.weight"
                     * "model.layers.61.mlp.shared_experts.down_proj.weight_scale_inv" | transpose
+                or "model.layers.61.mlp.shared_experts.down_proj.weight" | transpose | round
 }

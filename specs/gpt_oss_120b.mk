@@ -144,8 +144,35 @@ step(tokens, positions) {
 # prefix model.layers.N.): bf16 matrices stored [out, in] (the spec's are [in, out]); the experts
 # fused per layer, [E, ...], as MXFP4 blocks `*` their scales; gate_up's rows interleave gate
 # (even) and up (odd), so `group_rows(groups=FE, start=0, stop=1, dim=1)` of its 2 x FE rows
-# takes the gate, `start=1, stop=2` the up projection (its bias likewise).
+# takes the gate, `start=1, stop=2` the up projection (its bias likewise). A dequantised save
+# (transformers' bf16 save of the model) stores each layer's experts as `gate_up_proj` [E, H, 2 x FE]
+# (already [in, out], gate and up interleaved along the last axis) and `down_proj` [E, FE, H]: the
+# `or` sources, quantised back to MXFP4 exactly (a bf16 save of MXFP4 values is always exact; other
+# values are refused, as no line says `round`).
 checkpoint hf {
+  config {
+    architecture = "GptOssForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = FE
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NKV
+    head_dim = D
+    num_local_experts = E
+    num_experts_per_tok = TOPK
+    sliding_window = WINDOW
+    rms_norm_eps = EPS
+    swiglu_limit = LIMIT
+    rope_theta = THETA
+    rope_scaling.rope_type = "yarn"
+    rope_scaling.factor = YARN
+    rope_scaling.original_max_position_embeddings = ORIG
+    rope_scaling.beta_fast = 32.0
+    rope_scaling.beta_slow = 1.0
+    rope_scaling.truncate = false
+    tie_word_embeddings = false
+  }
   embed      = "model.embed_tokens.weight"
   attn_norm  = "model.layers.{l}.input_layernorm.weight"
   wq         = "model.layers.{l}.self_attn.q_proj.weight" | transpose
@@ -162,12 +189,15 @@ checkpoint hf {
   router_b   = "model.layers.{l}.mlp.router.bias"
   w1         = "model.layers.{l}.mlp.experts.gate_up_proj_blocks" * "model.layers.{l}.mlp.experts.gate_up_proj_scales"
                | group_rows(groups=FE, start=0, stop=1, dim=1) | transpose
+               or "model.layers.{l}.mlp.experts.gate_up_proj" | group_rows(groups=FE, start=0, stop=1, dim=2)
   b1         = "model.layers.{l}.mlp.experts.gate_up_proj_bias" | group_rows(groups=FE, start=0, stop=1, dim=1)
   w3         = "model.layers.{l}.mlp.experts.gate_up_proj_blocks" * "model.layers.{l}.mlp.experts.gate_up_proj_scales"
                | group_rows(groups=FE, start=1, stop=2, dim=1) | transpose
+               or "model.layers.{l}.mlp.experts.gate_up_proj" | group_rows(groups=FE, start=1, stop=2, dim=2)
   b3         = "model.layers.{l}.mlp.experts.gate_up_proj_bias" | group_rows(groups=FE, start=1, stop=2, dim=1)
   w2         = "model.layers.{l}.mlp.experts.down_proj_blocks" * "model.layers.{l}.mlp.experts.down_proj_scales"
                | transpose
+               or "model.layers.{l}.mlp.experts.down_proj"
   b2         = "model.layers.{l}.mlp.experts.down_proj_bias"
   final_norm = "model.norm.weight"
   lm_head    = "lm_head.weight" | transpose

@@ -253,3 +253,71 @@ step(tokens, positions) {
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, argmax(logits)
 }
+
+# Where each weight comes from in the published checkpoint (moonshotai/Kimi-K3, safetensors shards;
+# every name under `language_model.model.` but the output head): matrices stored [out, in] (the
+# spec's are [in, out]); the routed experts packed MXFP4 (`weight_packed`, two e2m1 codes a byte
+# along the input, `* weight_scale`, one E8M0 byte per 32 inputs); each attention-residual vector
+# the product of its norm gain and its projection (`*`: the residual projection's [1, H] times
+# the norm's [H], folded into bf16, so it says `round`). The spec's padded projections take
+# their zeros here: `pad` at the end, `group_pad` in each device's block of columns.
+# transformers has no class for this model (the oracle: docs/verification.md).
+checkpoint hf {
+  embed       = "language_model.model.embed_tokens.weight"
+  lm_head     = "language_model.lm_head.weight" | transpose
+  final_norm  = "language_model.model.norm.weight"
+  out_res     = "language_model.model.output_attn_res_norm.weight"
+                * "language_model.model.output_attn_res_proj.weight" | round
+  attn_res    = "language_model.model.layers.{l}.self_attention_res_norm.weight"
+                * "language_model.model.layers.{l}.self_attention_res_proj.weight" | round
+  mlp_res     = "language_model.model.layers.{l}.mlp_res_norm.weight"
+                * "language_model.model.layers.{l}.mlp_res_proj.weight" | round
+  input_norm  = "language_model.model.layers.{l}.input_layernorm.weight"
+  post_norm   = "language_model.model.layers.{l}.post_attention_layernorm.weight"
+  kda_wq      = "language_model.model.layers.{l}.self_attn.q_proj.weight" | transpose
+  kda_wk      = "language_model.model.layers.{l}.self_attn.k_proj.weight" | transpose
+  kda_wv      = "language_model.model.layers.{l}.self_attn.v_proj.weight" | transpose
+  kda_conv_q  = "language_model.model.layers.{l}.self_attn.q_conv1d.weight" | squeeze(1) | transpose
+  kda_conv_k  = "language_model.model.layers.{l}.self_attn.k_conv1d.weight" | squeeze(1) | transpose
+  kda_conv_v  = "language_model.model.layers.{l}.self_attn.v_conv1d.weight" | squeeze(1) | transpose
+  kda_wfa     = "language_model.model.layers.{l}.self_attn.f_a_proj.weight" | transpose
+  kda_wfb     = "language_model.model.layers.{l}.self_attn.f_b_proj.weight" | transpose
+  kda_a_log   = "language_model.model.layers.{l}.self_attn.A_log"
+  kda_dt_bias = "language_model.model.layers.{l}.self_attn.dt_bias"
+  kda_wb      = "language_model.model.layers.{l}.self_attn.b_proj.weight"
+                | transpose | group_pad(groups=DEV, size=NHB, dim=1)
+  kda_wg      = "language_model.model.layers.{l}.self_attn.g_proj.weight" | transpose
+  kda_onorm   = "language_model.model.layers.{l}.self_attn.o_norm.weight"
+  kda_wo      = "language_model.model.layers.{l}.self_attn.o_proj.weight" | transpose
+  mla_wqa     = "language_model.model.layers.{l}.self_attn.q_a_proj.weight" | transpose
+  mla_qnorm   = "language_model.model.layers.{l}.self_attn.q_a_layernorm.weight"
+  mla_wqb     = "language_model.model.layers.{l}.self_attn.q_b_proj.weight"
+                | transpose | group_pad(groups=DEV, size=QB, dim=1)
+  mla_wkva    = "language_model.model.layers.{l}.self_attn.kv_a_proj_with_mqa.weight"
+                | transpose | pad(KVP, dim=1)
+  mla_kvnorm  = "language_model.model.layers.{l}.self_attn.kv_a_layernorm.weight"
+  mla_wkvb    = "language_model.model.layers.{l}.self_attn.kv_b_proj.weight" | transpose
+  mla_wg      = "language_model.model.layers.{l}.self_attn.g_proj.weight" | transpose
+  mla_wo      = "language_model.model.layers.{l}.self_attn.o_proj.weight" | transpose
+  dense_gate  = "language_model.model.layers.{l}.mlp.gate_proj.weight" | transpose | pad(FDP, dim=1)
+  dense_up    = "language_model.model.layers.{l}.mlp.up_proj.weight" | transpose | pad(FDP, dim=1)
+  dense_down  = "language_model.model.layers.{l}.mlp.down_proj.weight" | transpose | pad(FDP)
+  moe_router  = "language_model.model.layers.{l}.block_sparse_moe.gate.weight" | transpose | pad(EP, dim=1)
+  moe_bias    = "language_model.model.layers.{l}.block_sparse_moe.gate.e_score_correction_bias"
+  moe_down    = "language_model.model.layers.{l}.block_sparse_moe.routed_expert_down_proj.weight"
+                | transpose | group_pad(groups=TPN, size=LATW, dim=1)
+  moe_w1      = "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight_packed"
+                * "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight_scale" | transpose
+  moe_w3      = "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight_packed"
+                * "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight_scale" | transpose
+  moe_w2      = "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight_packed"
+                * "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight_scale" | transpose
+  moe_rnorm   = "language_model.model.layers.{l}.block_sparse_moe.routed_expert_norm.weight"
+  moe_up      = "language_model.model.layers.{l}.block_sparse_moe.routed_expert_up_proj.weight" | transpose
+  shared_gate = "language_model.model.layers.{l}.block_sparse_moe.shared_experts.gate_proj.weight"
+                | transpose | pad(FSP, dim=1)
+  shared_up   = "language_model.model.layers.{l}.block_sparse_moe.shared_experts.up_proj.weight"
+                | transpose | pad(FSP, dim=1)
+  shared_down = "language_model.model.layers.{l}.block_sparse_moe.shared_experts.down_proj.weight"
+                | transpose | pad(FSP)
+}

@@ -124,3 +124,30 @@ step(tokens, positions) {
   logits = linear(rmsnorm(x, final_norm, eps=EPS), lm_head)
   return logits, markov_argmax(logits, tokens, markov_w1, markov_w2)
 }
+
+# Where each weight comes from in the published drafter checkpoint (RedHatAI/Kimi-K3-speculator.dspark,
+# safetensors): matrices stored [out, in] (the spec's are [in, out]); each of the NKV key/value
+# heads of k_proj and v_proj written REP times in a row (`repeat_groups`), as the spec stores them.
+# The field names `fc`, `hidden_norm`, `k_norm`, `markov_w1` and `markov_w2` are the checkpoint's
+# (facts/kimi_k3.md); the layer prefixes and the other names are inferred from the Qwen3-style
+# layer (Hugging Face's names), and the Markov matrices, [V, MR] each, are read as stored.
+checkpoint hf {
+  embed       = "embed_tokens.weight"
+  fc          = "fc.weight" | transpose
+  hidden_norm = "hidden_norm.weight"
+  attn_norm   = "layers.{l}.input_layernorm.weight"
+  wq          = "layers.{l}.self_attn.q_proj.weight" | transpose
+  wk          = "layers.{l}.self_attn.k_proj.weight" | repeat_groups(groups=NKV, times=REP) | transpose
+  wv          = "layers.{l}.self_attn.v_proj.weight" | repeat_groups(groups=NKV, times=REP) | transpose
+  q_norm      = "layers.{l}.self_attn.q_norm.weight"
+  k_norm      = "layers.{l}.self_attn.k_norm.weight"
+  wo          = "layers.{l}.self_attn.o_proj.weight" | transpose
+  mlp_norm    = "layers.{l}.post_attention_layernorm.weight"
+  w_gate      = "layers.{l}.mlp.gate_proj.weight" | transpose
+  w_up        = "layers.{l}.mlp.up_proj.weight" | transpose
+  w_down      = "layers.{l}.mlp.down_proj.weight" | transpose
+  final_norm  = "norm.weight"
+  lm_head     = "lm_head.weight" | transpose
+  markov_w1   = "markov_w1.weight"
+  markov_w2   = "markov_w2.weight"
+}

@@ -7,6 +7,7 @@ written out here from the format descriptions, not taken from mkdsl."""
 from __future__ import annotations
 
 import numpy as np
+from kimi_checkpoint import dspark_header, kimi_expected, kimi_header, kimi_tensors
 
 # spec weight -> (Hugging Face name, GGUF name, is a matrix); `{l}` the layer index.
 LLAMA_NAMES = {
@@ -379,6 +380,7 @@ def qwen3_next_tensors(weights: dict, schedule, c: dict) -> dict:
 
 
 PUBLISHED = {
+    "kimi_k3": kimi_tensors,
     "qwen3_30b_a3b": qwen3_tensors,
     "deepseek_v3": deepseek_tensors,
     "gpt_oss_120b": oss_tensors,
@@ -394,7 +396,7 @@ def expected_weights(spec_name: str, weights: dict, tensors: dict, c: dict) -> d
 
     from mkdsl.lang.quant import QTensor
 
-    out = dict(weights)
+    out = dict(weights) if spec_name != "kimi_k3" else kimi_expected(weights, c)
     if spec_name == "deepseek_v3" and not isinstance(weights["wkv_b"], QTensor):
         rows = []
         for layer in range(weights["wkv_b"].shape[0]):
@@ -572,6 +574,10 @@ HEADERS = {
 
 def published_header(name: str, schedule) -> dict:
     """Tensor name -> (shape, stored type) of the full-size published checkpoint."""
+    if name == "kimi_k3":
+        return kimi_header(schedule)
+    if name == "kimi_k3_dspark":
+        return dspark_header(len(schedule))
     (vocab, hidden), layer = HEADERS[name]
     out = {"model.embed_tokens.weight": ((vocab, hidden), BF), "lm_head.weight": ((vocab, hidden), BF)}
     out["model.norm.weight"] = ((hidden,), BF)
@@ -580,4 +586,35 @@ def published_header(name: str, schedule) -> dict:
     if name == "deepseek_v3":  # the MTP head, layer 61: a MoE layer and its own norms and projection
         out |= _dsv3_layer("model.layers.61.", "moe") | {"model.layers.61.eh_proj.weight": ((7168, 14336), BF)}
         out |= {f"model.layers.61.{n}.weight": ((7168,), BF) for n in ("enorm", "hnorm", "shared_head.norm")}
+    return out
+
+
+# ---- dequantised saves (transformers' bf16 save of a quantised model): no scales, bf16 values
+
+
+def _e2m1(nib: np.ndarray) -> np.ndarray:
+    mag = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)[nib & 7]
+    return np.where(nib & 8, -mag, mag)
+
+
+def openai_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OpenAI's MXFP4 blocks [..., out, in/32, 16] and E8M0 scales [..., out, in/32] -> f32 [..., out, in]."""
+    nib = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = _e2m1(nib) * np.exp2(scales.astype(np.float32) - 127)[..., None]
+    return values.reshape(*values.shape[:-2], -1)
+
+
+def dequantised_save(name: str, tensors: dict) -> dict:
+    """The published tensors of `name` as a dequantised bf16 save stores them: DeepSeek-V3's fp8
+    `.weight` decoded with its `.weight_scale_inv` (which goes); gpt-oss's experts as
+    `gate_up_proj` [E, H, 2F] and `down_proj` [E, F, H] ([in, out], no blocks or scales)."""
+    import ml_dtypes
+
+    out = dict(tensors)
+    for n in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+        codes = out.pop(n[: -len("_scale_inv")])
+        out[n[: -len("_scale_inv")]] = fp8_decode(codes, out.pop(n)).astype(ml_dtypes.bfloat16)
+    for n in [n for n in tensors if n.endswith("_blocks")]:
+        values = openai_decode(out.pop(n), out.pop(n[: -len("_blocks")] + "_scales"))
+        out[n[: -len("_blocks")]] = np.ascontiguousarray(np.swapaxes(values, -1, -2)).astype(ml_dtypes.bfloat16)
     return out

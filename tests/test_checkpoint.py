@@ -23,6 +23,7 @@ from checkpoint_writers import (
     PUBLISHED,
     decode_blocks,
     demo_tensors,
+    dequantised_save,
     expected_weights,
     gguf_tensors,
     hf_tensors,
@@ -31,6 +32,7 @@ from checkpoint_writers import (
     write_gguf,
     write_sharded,
 )
+from kimi_checkpoint import dspark_expected, dspark_tensors
 from safetensors.numpy import save_file
 
 import mkdsl
@@ -166,6 +168,16 @@ MAPPING_BASE = LLAMA.read_text()
         ('"model.layers.{l}.input_layernorm', '"model.layers.input_layernorm', r"has no layer index `\{l\}`"),
         ('"model.norm.weight"', '"model.{l}.norm.weight"', r"uses `\{l\}`, but the weight is not per layer"),
         ("unpermute(heads=NH)", "unpermute(head=NH)", r"`unpermute` takes \(heads\)"),
+        (  # an `or` source is checked as the first is
+            'self_attn.q_proj.weight" | transpose\n',
+            'self_attn.q_proj.weight" | transpose or "model.q.weight" | transpose\n',
+            r"the pattern for `wq` has no layer index `\{l\}`",
+        ),
+        (
+            'self_attn.q_proj.weight" | transpose\n',
+            'self_attn.q_proj.weight" | transpose or "model.layers.{l}.q.weight" | transpos\n',
+            r"unknown checkpoint step `transpos`",
+        ),
         ('  lm_head    = "lm_head.weight" | transpose\n', "", r"checkpoint hf does not say where `lm_head` comes from"),
         ("checkpoint gguf", "checkpoint ggml", r"unknown checkpoint format `ggml`"),
         (
@@ -201,6 +213,20 @@ def _f16(x):
 
 
 MISTAKES = {
+    "kimi_k3": (
+        (
+            "language_model.model.layers.3.self_attention_res_proj.weight",
+            None,
+            r"missing tensor `language_model\.model\.layers\.3\.self_attention_res_proj\.weight` for `attn_res` "
+            r"\(layer 3\)",
+        ),
+        (
+            "language_model.model.layers.2.block_sparse_moe.experts.4.w2.weight_packed",
+            _cut(np.s_[:, :-1]),
+            r"U8 \[256, 127\] \* .* U8 \[256, 8\]: codes .* are not packed MXFP4",
+        ),
+        ("language_model.model.layers.1.self_attn.b_proj.weight", _f16, r"is F16, which bf16 cannot hold exactly"),
+    ),
     "qwen3_30b_a3b": (
         ("model.layers.1.mlp.experts.5.up_proj.weight", None, r"expected \[256, 256\]"),
         (
@@ -284,6 +310,8 @@ def test_published_layouts_load_bit_exactly(published, tmp_path):
     assert report.tensors == len(tensors)
     bf16_kvb = name == "deepseek_v3" and not spec.model.tensor("wkv_b").type.dtype.quantised
     rounded = {"F8_E4M3*F32": 2} if bf16_kvb else {}  # kv_b_proj decoded into a bf16 wkv_b
+    if name == "kimi_k3":  # each residual vector a bf16 product (`round`): the output's, 2 a layer
+        rounded = {"BF16*BF16": 1 + 2 * len(spec.model.schedule)}
     assert dict(report.rounded) == rounded, report.summary()
 
 
@@ -449,7 +477,7 @@ def test_a_file_that_cannot_be_read_is_an_error_naming_the_tensor(llama, tmp_pat
         mkdsl.load_weights(spec, reader, host=True, progress=False)
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", [*sorted(PUBLISHED), "kimi_k3_dspark"])
 def test_full_size_mappings_fit_the_published_headers(name, tmp_path):
     """At the published sizes, every tensor each mapping names exists in the checkpoint's header
     (names, shapes and types as shared/facts/models.md tabulates them) and fits its weight: the
@@ -481,7 +509,27 @@ def test_every_spec_with_a_mapping_is_tested():
     paths = list((ROOT / "specs").glob("*.mk"))
     with_mapping = {p.stem for p in paths if re.search(r"^checkpoint ", p.read_text(), re.M)}
     oracle = {p.stem for p in paths if re.search(r"^\s*architecture = ", p.read_text(), re.M)}
-    assert with_mapping == set(MAPPED) | set(PUBLISHED) | oracle
+    assert with_mapping == set(MAPPED) | set(PUBLISHED) | oracle | {"kimi_k3_dspark"}  # the drafter: below
+
+
+def test_the_drafter_loads_its_checkpoint_repeating_kv_heads(tmp_path):
+    """Kimi K3's DSpark drafter from its published layout, at the mini size split over 4 devices
+    (each of the 2 stored key/value heads written twice, `repeat_groups`): every weight equals the
+    one the checkpoint was written from, its repeated heads copies of the stored ones."""
+    source = (ROOT / "specs/kimi_k3_dspark.mk").read_text()
+    assert "  TP = 1\n}" in source
+    path = tmp_path / "dspark.mk"
+    path.write_text(source.replace("  TP = 1\n}", "  TP = 4\n}"))
+    spec = mkdsl.load(path, "mini")
+    c = spec.model.const
+    assert c["REP"] == 2
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=5)
+    save_file(dspark_tensors(weights, len(spec.model.schedule), c), str(tmp_path / "model.safetensors"))
+    loaded, report = mkdsl.load_weights(spec, tmp_path, host=True, progress=False)
+    want = dspark_expected(weights, c)
+    assert not [w for w in want if not same_weight(loaded[w], want[w])]
+    heads = np.split(np.asarray(loaded["wk"][0]), c["NKVR"], axis=-1)
+    assert np.array_equal(heads[0], heads[1]) and not np.array_equal(heads[1], heads[2])
 
 
 @pytest.mark.parametrize("mistake", ["missing", "shape", "dtype"])
@@ -560,3 +608,81 @@ def test_pairs_decode_into_a_plain_dtype(tmp_path, rounds):
     want = e2m1[nib] * 2.0 ** (np.repeat(exps, 32, axis=1).astype(np.float64) - 127)
     assert same_weight(loaded["w_mx"], want.T.astype(np.float32))
     assert dict(report.rounded) == {"F8_E4M3*F32": 1}
+
+
+def _values(w) -> np.ndarray:
+    from mkdsl.lang.quant import QTensor, dequantize
+
+    return np.asarray(dequantize(w) if isinstance(w, QTensor) else w, np.float32)
+
+
+def _power_of_two_scales(weights: dict) -> dict:
+    """The fp8 weights' block scales moved to powers of two (codes kept): their values then are
+    what a bf16 save of fp8 blocks holds exactly."""
+    from mkdsl.lang.quant import QTensor
+
+    out = dict(weights)
+    for n, w in weights.items():
+        if isinstance(w, QTensor) and w.fmt.startswith("fp8"):
+            out[n] = w._replace(scales=np.exp2(np.round(np.log2(np.asarray(w.scales)))).astype(np.float32))
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_120b", "deepseek_v3"])
+def test_dequantised_saves_load_by_the_alternative_sources(name, tmp_path):
+    """A bf16 save of a quantised model (no blocks, no scales; gpt-oss's experts [in, out]) loads by
+    the mapping's `or` sources: every weight's values equal the quantised ones it was saved from,
+    re-quantised exactly (MXFP4 values and fp8 codes times power-of-two scales are bf16 values);
+    nothing is rounded. The published layout still loads by the first sources (above)."""
+    spec = mkdsl.load(ROOT / "specs" / f"{name}.mk", "mini")
+    m = spec.model
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=7)
+    weights = _power_of_two_scales(weights)
+    saved = dequantised_save(name, PUBLISHED[name](weights, m.schedule, m.const))
+    assert not any(n.endswith(("_scale_inv", "_blocks", "_scales")) for n in saved)
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    loaded, report = mkdsl.load_weights(spec, tmp_path, host=True, progress=False)
+    quantised = [n for n, w in weights.items() if hasattr(w, "codes")]
+    assert quantised and all(hasattr(loaded[n], "codes") for n in quantised)
+    bad = [n for n in weights if not np.array_equal(_values(loaded[n]), _values(weights[n]))]
+    assert not bad, f"{name}: values differ: {bad}"
+    assert not report.rounded, report.summary()
+
+
+def test_a_dequantised_save_off_the_grid_rounds_only_where_the_mapping_says_so(tmp_path):
+    """DeepSeek-V3's bf16 sources say `round`: bf16 values that are no fp8 codes times power-of-two
+    block scales load rounded to nearest codes (DeepSeek's amax / 448 scales: within half an e4m3
+    step, 2^-4 of a value, plus the block's smallest normal), counted in the report. gpt-oss's
+    do not: a value off the MXFP4 grid is refused, naming the tensor."""
+    import ml_dtypes
+
+    spec = mkdsl.load(ROOT / "specs/deepseek_v3.mk", "mini")
+    m = spec.model
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=64, seed=8)
+    saved = dequantised_save("deepseek_v3", PUBLISHED["deepseek_v3"](weights, m.schedule, m.const))
+    rng = np.random.default_rng(0)
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    saved[name] = (rng.standard_normal(saved[name].shape) * 0.05).astype(ml_dtypes.bfloat16)
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    loaded, report = mkdsl.load_weights(spec, tmp_path, host=True, progress=False)
+    assert report.rounded["BF16"] >= 1 and "BF16 -> fp8_e4m3(block=128)" in report.summary()
+    want = saved[name].astype(np.float32).T
+    got = _values(loaded["wq_a"])[0]
+    assert np.all(np.abs(got - want) <= 2.0**-4 * np.abs(want) + 2.0**-9 * np.abs(want).max())
+    assert not np.array_equal(got, want)  # it did round
+
+    oss = mkdsl.load(ROOT / "specs/gpt_oss_120b.mk", "mini")
+    w, _ = mkdsl.random_inputs(oss, batch=1, seq_len=64, seed=9)
+    saved = dequantised_save("gpt_oss_120b", PUBLISHED["gpt_oss_120b"](w, oss.model.schedule, oss.model.const))
+    victim = "model.layers.1.mlp.experts.down_proj"
+    bad = saved[victim].astype(np.float32)
+    bad[0, 0, 0] = bad[0, 0, 0] * 1.0078125 + 0.01  # no e2m1 code times its group's scale
+    saved[victim] = bad.astype(ml_dtypes.bfloat16)
+    root = tmp_path / "oss"
+    root.mkdir()
+    save_file(saved, str(root / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor `model\.layers\.1\.mlp\.experts\.down_proj` holds values that mxfp4 cannot hold exactly.*`w2`",
+    ):
+        mkdsl.load_weights(oss, root, host=True, progress=False)

@@ -55,10 +55,10 @@ def test_grouped_gated_norm_with_a_weight_per_channel():
 
 def test_repeat_step_stores_a_per_head_vector_per_channel():
     d = np.array([0.5, -1.0, 2.0], np.float32)
-    dim, idx = STEPS["repeat"].select((3,), {"times": 4, "dim": 0})
+    dim, idx = STEPS["repeat"].select((3,), {"each": 4, "dim": 0})
     assert dim == 0
     np.testing.assert_array_equal(np.take(d, idx), np.repeat(d, 4))
-    assert "times >= 1" in STEPS["repeat"].select((3,), {"times": 0, "dim": 0})
+    assert "each >= 1" in STEPS["repeat"].select((3,), {"each": 0, "dim": 0})
 
 
 @pytest.mark.slow

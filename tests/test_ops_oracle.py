@@ -506,6 +506,43 @@ def test_linear_int4(seed, b, k, n, group, scale, dt):
     check_linear(np.asarray(out), xv, int4_decode(codes, scales, group), f"linear int4(group={group})")
 
 
+@oracle_for("linear", "q8_0", "q4_0", "q4_1")
+@FEW
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    k=st.sampled_from([64, 128]),
+    n=st.sampled_from([1, 24]),
+    fmt=st.sampled_from(["q8_0", "q4_0", "q4_1"]),
+    scale=SCALES,
+    dt=ACT_DTYPES,
+)
+def test_linear_gguf_blocks(seed, b, k, n, fmt, scale, dt):
+    """llama.cpp's blocks of 32 inputs, element by element from their published definitions: Q8_0
+    d * q (q int8), Q4_0 d * (q - 8), Q4_1 d * q + m (q a nibble), d and m f16, stored as mkdsl
+    keeps them (dtypes.storage: Q4_1's d | m << 16 per block, Q8_0/Q4_0 two blocks' d per word)."""
+    rng = np.random.default_rng(seed)
+    x, xv = activation(rng, (b, k), scale, dt)
+    d = (rng.standard_normal((k // 32, n)) * 0.01).astype(np.float16)
+    m = (rng.standard_normal((k // 32, n)) * 0.01).astype(np.float16)
+    bits = lambda h: h.view(np.uint16).astype(np.uint32)  # noqa: E731
+    if fmt == "q8_0":
+        codes = rng.integers(-128, 128, (k, n)).astype(np.int8)
+        q = codes.astype(np.float64)
+    else:
+        codes = rng.integers(0, 2**32, (k // 8, n), dtype=np.uint32)
+        q = np.array([[nibble(codes, i, j) for j in range(n)] for i in range(k)], np.float64)
+    if fmt == "q4_1":
+        words = bits(d) | bits(m) << np.uint32(16)
+        want = q * np.repeat(d.astype(np.float64), 32, 0) + np.repeat(m.astype(np.float64), 32, 0)
+    else:
+        words = bits(d[0::2]) | bits(d[1::2]) << np.uint32(16)
+        want = (q - (8.0 if fmt == "q4_0" else 0.0)) * np.repeat(d.astype(np.float64), 32, 0)
+    (out,) = _jitted_qlinear(fmt, 32)(x, codes, words)
+    # each decoded value is exact in f32 but Q4_1's d * q + m, rounded once (2^-24 relative): inside check_linear's bound
+    check_linear(np.asarray(out), xv, want, f"linear {fmt}")
+
+
 @oracle_for("linear", "nvfp4")
 @FEW
 @given(seed=SEEDS, b=ROWS, k=st.sampled_from([16, 128]), n=st.sampled_from([1, 24]), scale=SCALES, dt=ACT_DTYPES)

@@ -30,7 +30,7 @@ import numpy as np
 
 from mkdsl.checkpoint.formats import CheckpointError, Stored, exact, open_checkpoint
 from mkdsl.checkpoint.mapping import FORMATS, WeightSource, apply_pair, apply_steps, mapped_grid, mapped_shape
-from mkdsl.checkpoint.pairs import BLOCKS, PAIRS, STORAGE, PairKind, target_groups
+from mkdsl.checkpoint.pairs import BLOCKS, PAIRS, STORAGE, PairKind, pair_kind, target_groups
 from mkdsl.checkpoint.steps import Grid
 from mkdsl.lang.dtypes import numpy_dtype, storage
 from mkdsl.lang.ir import Model, Tensor
@@ -50,12 +50,20 @@ class PairPlan:
 
 
 @dataclass(frozen=True)
+class QuantisePlan:
+    """A plain stored tensor read into a quantised weight (`quantise.py`): exactly, or rounded
+    where the source says `round`."""
+
+    rounds: bool
+
+
+@dataclass(frozen=True)
 class Piece:
     """One slice of a spec weight (a layer's, an expert's) and the stored tensors it is made of."""
 
     index: tuple[int, ...]  # into the spec weight's full shape
     names: tuple[str, ...]  # a pair: the codes', then the scales'
-    pair: PairPlan | None = None
+    pair: PairPlan | QuantisePlan | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,7 @@ def plan_load(model: Model, reader) -> list[WeightPlan]:
             f"its sections: {have}"
         )
     problems: list[str] = _layer_count_problems(model, reader)
-    plans = [_plan_weight(t, ckpt.source(t.name), reader, problems) for t in model.weights]
+    plans = [_plan_weight(t, choose_source(t, ckpt.source(t.name), reader), reader, problems) for t in model.weights]
     if problems:
         shown = problems[:MAX_REPORTED]
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
@@ -199,6 +207,19 @@ def _layer_count_problems(model: Model, reader) -> list[str]:
     return [f"the checkpoint has {int(found)} layers; the spec has {len(model.schedule)}"]
 
 
+def choose_source(t: Tensor, src: WeightSource, reader) -> WeightSource:
+    """The first of a weight's sources (`or` alternatives) whose first piece's tensors the checkpoint
+    holds: the layout of this save. None holds them: the first, whose missing tensors are reported."""
+    if not src.alternatives:
+        return src
+    layer = next((i for i, s in enumerate(t.slots) if s >= 0), None) if t.stacked else None
+    first = (0,) * len(src.stack)
+    for alt in src.sources:
+        if all(reader.info(n) is not None for n in alt.names(layer, first[: len(alt.stack)])):
+            return alt
+    return src
+
+
 def _plan_weight(t: Tensor, src: WeightSource, reader, problems: list[str]) -> WeightPlan:
     lead = t.type.shape[: len(src.stack)]
     piece_shape = tuple(t.type.shape[len(src.stack) :])
@@ -223,6 +244,7 @@ def _plan_weight(t: Tensor, src: WeightSource, reader, problems: list[str]) -> W
                 problem = pair if isinstance(pair, str) else None
             else:
                 problem = _check_piece(t, src, infos, piece_shape, rounded)
+                pair = QuantisePlan(src.rounds) if t.type.dtype.quantised else None
             if problem:  # not cached: the message names this piece's tensors
                 problems.append(f"{problem} for {_where(t, src, layer)}")
             else:
@@ -238,7 +260,8 @@ def _where(t: Tensor, src: WeightSource, layer: int | None) -> str:
 def _expected(t: Tensor, src: WeightSource, piece_shape: tuple) -> str:
     if src.scales is None:
         return _shape(piece_shape)
-    kinds = [f"{c} * {s}" for (c, s), k in PAIRS.items() if t.type.dtype.fmt in k.formats] or list(PAIRS)
+    kinds = [f"{c} * {s}" for (c, s), ks in PAIRS.items() if any(t.type.dtype.fmt in k.formats for k in ks)]
+    kinds = kinds or [f"{c} * {s}" for c, s in PAIRS]
     return f"{' or '.join(kinds)} holding {_shape(piece_shape)} values after the steps"
 
 
@@ -253,6 +276,11 @@ def _check_piece(t: Tensor, src: WeightSource, infos: list[Stored], want: tuple,
     if got != want:
         return f"tensor `{first.name}` is {first.dtype} {_shape(shape)}{_after(src, got)}; expected {_shape(want)}"
     target = t.type.dtype
+    if target.quantised:  # quantised at load: exact codes are checked as it reads (quantise.py)
+        bad = next((i for i in infos if i.dtype not in ("BF16", "F16", "F32")), None)
+        return (
+            None if bad is None else f"tensor `{bad.name}` is {bad.dtype}; {target} is quantised from BF16, F16 or F32"
+        )
     for i in infos:
         if exact(i.dtype, target.numpy):
             continue
@@ -275,13 +303,12 @@ def _plan_pair(t: Tensor, src: WeightSource, codes: Stored, scales: Stored, want
     or what is wrong with it."""
     pair = f"`{codes.name}` {codes.dtype} {_shape(codes.shape)} * `{scales.name}` {scales.dtype} {_shape(scales.shape)}"
     target = t.type.dtype
-    kind = PAIRS.get((codes.dtype, scales.dtype))
+    kind, grid = pair_kind(codes, scales, target.block)
     if kind is None or (target.quantised and target.fmt not in kind.formats) or (kind.glob and not target.quantised):
         return f"tensors {pair} are not a pair that holds {target} (expected {_expected(t, src, want)})"
     if glob and (glob[0].dtype != "F32" or int(np.prod(glob[0].shape)) != 1):
         g = glob[0]
         return f"tensor `{g.name}` {g.dtype} {_shape(g.shape)} is not a global scale (one F32 value)"
-    grid = kind.grid(codes.shape, scales.shape, target.block)
     if isinstance(grid, str):
         return f"tensors {pair}: {grid}; expected {_expected(t, src, want)}"
     out, moves = mapped_grid(grid, src.steps)
@@ -373,7 +400,7 @@ def _piece(wp: WeightPlan, p: Piece, reader, report: LoadReport, bar, cut: tuple
         if report.check_finite:
             _check_finite(p.names, [x])
     else:
-        blocks = p.pair is not None and p.pair.kind in BLOCKS.values()
+        blocks = isinstance(p.pair, PairPlan) and p.pair.kind in BLOCKS.values()  # a QuantisePlan has no kind
         parts = [_read(reader, n, blocks) for n in p.names]
         report.bytes_read += sum(a.nbytes for a in parts)
         if report.check_finite:
@@ -436,9 +463,18 @@ def _read(reader, name: str, blocks: bool = False) -> np.ndarray:
 
 def _pair_piece(p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadReport) -> tuple:
     """A stored pair's piece: re-packed into the spec's storage, or decoded into its plain dtype
-    (a global scale, NVFP4's, is one more storage part, `[1, 1]`)."""
-    kind, dtype = p.pair.kind, wp.tensor.type.dtype
-    codes, scales = kind.unpack(parts[0]) if len(parts) == 1 else (kind.unpack(parts[0]), parts[1])
+    (a global scale, NVFP4's, is one more storage part, `[1, 1]`; a GGUF block tensor is one
+    stored tensor holding both codes and scales)."""
+    dtype = wp.tensor.type.dtype
+    if isinstance(p.pair, QuantisePlan):
+        return _quantised_piece(p, parts, wp, report)
+    kind = p.pair.kind
+    if len(parts) == 1:
+        codes, scales = kind.unpack(parts[0])
+    else:
+        codes, scales = kind.unpack(parts[0]), parts[1]
+        if kind.scales_like_codes:
+            scales = scales.reshape(parts[0].shape)
     elements, scales = apply_pair(codes, scales, wp.source.steps, p.pair.moves)
     if dtype.quantised:
         glob = tuple(np.asarray(g, np.float32).reshape(1, 1) for g in parts[2:])
@@ -448,6 +484,24 @@ def _pair_piece(p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadR
         report.rounded[key] += 1
         report.target[key] = str(dtype)
     return (kind.decode(elements, scales, p.pair.grid).astype(numpy_dtype(dtype.numpy)),)
+
+
+def _quantised_piece(p: Piece, parts: list[np.ndarray], wp: WeightPlan, report: LoadReport) -> tuple:
+    """A plain stored piece (one tensor, or a concatenation) quantised into the spec's storage."""
+    from mkdsl.checkpoint.quantise import quantise
+
+    x = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    x = apply_steps(x.astype(np.float32), wp.source.steps)
+    try:
+        out, rounded = quantise(wp.tensor.type.dtype, x, p.pair.rounds, p.names[0])
+    except ValueError as e:
+        raise CheckpointError(f"{e} (for `{wp.tensor.name}`, spec line {wp.source.span.line})") from None
+    if rounded:
+        stored = "->".join(dict.fromkeys(str(a.dtype) for a in parts))
+        key = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(stored, stored)
+        report.rounded[key] += 1
+        report.target[key] = str(wp.tensor.type.dtype)
+    return out
 
 
 def _place_sharded(wp: WeightPlan, reader, report: LoadReport, bar, module, shardings) -> dict:

@@ -12,6 +12,7 @@ elements, its scales moving with them); each step is a `StepDef` registered in `
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,6 +55,13 @@ class WeightSource:
     span: Span = field(compare=False)
     scales: str | None = None
     glob: str | None = None  # NVFP4's per-tensor global scale (`"codes" * "scales" * "global"`)
+    # `or` sources: the same weight as another save stores it; the loader takes the first source
+    # whose tensors the checkpoint holds (`loader.choose_source`)
+    alternatives: tuple[WeightSource, ...] = ()
+
+    @property
+    def sources(self) -> tuple[WeightSource, ...]:
+        return (self, *self.alternatives)
 
     @property
     def rounds(self) -> bool:
@@ -207,12 +215,9 @@ def _check_entries(d, tensors: dict, consts, rep: Reporter, declared: set) -> li
             rep.error(e.span, f"checkpoint {d.format}: `{e.weight}` is mapped twice (first at line {mapped[e.weight]})")
             continue
         mapped[e.weight] = e.span.line
-        stack = _check_patterns(d.format, e, t, rep) if _check_pair(d.format, e, t, rep) else None
-        steps = tuple(s for s in (_check_step(d.format, st, consts, rep) for st in e.steps) if s is not None)
-        if stack is not None and len(steps) == len(e.steps):
-            scales = e.scales[0] if e.scales is not None else None
-            glob = e.glob[0] if e.glob is not None else None
-            sources.append(WeightSource(e.weight, e.patterns, steps, stack, e.span, scales, glob))
+        alts = [_check_source(d.format, a, t, consts, rep, i > 0) for i, a in enumerate((e, *e.alternatives))]
+        if all(a is not None for a in alts):
+            sources.append(dataclasses.replace(alts[0], alternatives=tuple(alts[1:])))
     missing = [n for n, t in tensors.items() if t.kind == "weight" and n not in mapped]
     if missing:
         rep.error(
@@ -221,6 +226,19 @@ def _check_entries(d, tensors: dict, consts, rep: Reporter, declared: set) -> li
             'a loader needs every weight: add `NAME = "tensor name"` lines',
         )
     return sources
+
+
+def _check_source(fmt: str, e, t, consts, rep: Reporter, alternative: bool) -> WeightSource | None:
+    """One source of an entry (the first, or an `or` alternative: a plain tensor may then feed a
+    quantised weight, quantised at load), or None after reporting its mistakes."""
+    plain_alternative = alternative and e.scales is None
+    stack = _check_patterns(fmt, e, t, rep) if plain_alternative or _check_pair(fmt, e, t, rep) else None
+    steps = tuple(s for s in (_check_step(fmt, st, consts, rep) for st in e.steps) if s is not None)
+    if stack is None or len(steps) != len(e.steps):
+        return None
+    scales = e.scales[0] if e.scales is not None else None
+    glob = e.glob[0] if e.glob is not None else None
+    return WeightSource(e.weight, e.patterns, steps, stack, e.span, scales, glob)
 
 
 def _list(names: list[str]) -> str:

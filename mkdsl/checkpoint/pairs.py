@@ -34,6 +34,7 @@ class PairKind:
     formats: frozenset[str]
     exact: frozenset[str]
     glob: bool = False  # a third stored tensor, the per-tensor f32 global scale (NVFP4); quantised targets only
+    scales_like_codes: bool = False  # the second tensor is read in the first's shape
 
 
 def _expand(scales: np.ndarray, grid: Grid) -> np.ndarray:
@@ -97,18 +98,68 @@ def _nv_decode(nib: np.ndarray, scales: np.ndarray, grid: Grid) -> np.ndarray:
     raise AssertionError("NVFP4 decodes only into nvfp4 (its global scale is a third tensor)")
 
 
+def _packed_grid(codes: tuple, scales: tuple, block: int) -> Grid | str:
+    """MXFP4 as compressed-tensors packs it (Kimi K3's `weight_packed` / `weight_scale`): codes
+    uint8 [..., n, k/2], two e2m1 codes a byte; one E8M0 scale byte per 32 inputs, [..., n, k/32]."""
+    if len(codes) < 2 or scales[:-1] != codes[:-1] or codes[-1] * 2 != scales[-1] * 32:
+        return f"codes {list(codes)} and scales {list(scales)} are not packed MXFP4 ([..., n, k/2] and [..., n, k/32])"
+    return Grid(codes[:-1] + (codes[-1] * 2,), (1,) * (len(codes) - 1) + (32,))
+
+
+def _packed_unpack(codes: np.ndarray) -> np.ndarray:
+    """Byte j holds input 2j in its low nibble and 2j + 1 in its high one."""
+    return np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], codes.shape[-1] * 2)
+
+
+def _product_grid(codes: tuple, scales: tuple, block: int) -> Grid | str:
+    """Two stored tensors of the same size whose product is the weight (Kimi K3's residual norm
+    gain times its projection, `[H]` and `[1, H]`): the second read in the first's shape."""
+    if int(np.prod(codes)) != int(np.prod(scales)):
+        return f"tensors {list(codes)} and {list(scales)} do not have the same size"
+    return Grid(codes, (1,) * len(codes))
+
+
 _FP8 = {"name": "fp8 codes with block scales", "grid": _block_grid, "unpack": lambda x: x}
-# (stored codes type, stored scales type) -> kind
-PAIRS: dict[tuple[str, str], PairKind] = {
-    ("F8_E4M3", "F32"): PairKind(**_FP8, decode=_fp8_decode, formats=frozenset({"fp8_e4m3:block"}), exact=frozenset()),
-    ("F8_E5M2", "F32"): PairKind(**_FP8, decode=_fp8_decode, formats=frozenset({"fp8_e5m2:block"}), exact=frozenset()),
-    ("U8", "U8"): PairKind(
-        "MXFP4 blocks", _mx_grid, _mx_unpack, _mx_decode, frozenset({"mxfp4"}), frozenset({"float32", "bfloat16"})
-    ),
-    ("U8", "F8_E4M3"): PairKind(
-        "NVFP4", _nv_grid, _nv_unpack, _nv_decode, frozenset({"nvfp4"}), frozenset(), glob=True
-    ),
+_MX = {"formats": frozenset({"mxfp4"}), "exact": frozenset({"float32", "bfloat16"})}
+_PRODUCT = {
+    "name": "a product of two tensors",
+    "grid": _product_grid,
+    "unpack": lambda x: x,
+    "decode": lambda a, b, grid: a.astype(np.float32) * b.astype(np.float32),
+    "formats": frozenset(),
+    "exact": frozenset({"float32"}),  # a product of two bf16 (or f16) values fits f32's 24 bits
+    "scales_like_codes": True,
 }
+# (stored codes type, stored scales type) -> the kinds stored so, the first whose grid fits
+PAIRS: dict[tuple[str, str], tuple[PairKind, ...]] = {
+    ("F8_E4M3", "F32"): (
+        PairKind(**_FP8, decode=_fp8_decode, formats=frozenset({"fp8_e4m3:block"}), exact=frozenset()),
+    ),
+    ("F8_E5M2", "F32"): (
+        PairKind(**_FP8, decode=_fp8_decode, formats=frozenset({"fp8_e5m2:block"}), exact=frozenset()),
+    ),
+    ("U8", "U8"): (
+        PairKind("MXFP4 blocks", _mx_grid, _mx_unpack, _mx_decode, **_MX),
+        PairKind("packed MXFP4", _packed_grid, _packed_unpack, _mx_decode, **_MX),
+    ),
+    ("U8", "F8_E4M3"): (
+        PairKind("NVFP4", _nv_grid, _nv_unpack, _nv_decode, frozenset({"nvfp4"}), frozenset(), glob=True),
+    ),
+    ("BF16", "BF16"): (PairKind(**_PRODUCT),),
+    ("F32", "F32"): (PairKind(**_PRODUCT),),
+}
+
+
+def pair_kind(codes, scales, block: int) -> tuple[PairKind | None, Grid | str]:
+    """The kind of a stored pair (`formats.Stored` infos) and its grid, or (None, why not)."""
+    kinds = PAIRS.get((codes.dtype, scales.dtype), ())
+    whys = []
+    for kind in kinds:
+        grid = kind.grid(codes.shape, scales.shape, block)
+        if not isinstance(grid, str):
+            return kind, grid
+        whys.append(grid)
+    return (kinds[0] if kinds else None), " (nor ".join(whys) + ")" * (len(whys) - 1) or "not a pair the loader reads"
 
 
 def _gguf_grid(codes: tuple, scales: tuple, block: int) -> Grid | str:

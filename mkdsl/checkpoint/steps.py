@@ -98,6 +98,33 @@ def _regroup(s: Shape, a: dict):
     return d, np.arange(s[d]).reshape(g, p, -1).swapaxes(0, 1).ravel()
 
 
+def _repeat_groups(s: Shape, a: dict):
+    d = _axis(s, a)
+    if isinstance(d, str):
+        return d
+    g, n = a["groups"], a["times"]
+    if g < 1 or n < 1 or s[d] % g:
+        return f"`repeat_groups(groups={g}, times={n})` needs dimension {d} ({s[d]}) to be {g} equal groups"
+    r = s[d] // g
+    return d, (np.repeat(np.arange(g), n)[:, None] * r + np.arange(r)).ravel()
+
+
+def _group_pad_shape(s: Shape, a: dict):
+    d = _axis(s, a)
+    if isinstance(d, str):
+        return d
+    g, size = a["groups"], a["size"]
+    if g < 1 or s[d] % g or size < s[d] // g:
+        return f"`group_pad(groups={g}, size={size})` needs dimension {d} ({s[d]}) to be {g} equal groups of at most {size}"
+    return s[:d] + (g * size,) + s[d + 1 :]
+
+
+def _group_pad(x: np.ndarray, a: dict) -> np.ndarray:
+    d, g = a["dim"], a["groups"]
+    parts = np.split(x, g, axis=d)
+    return np.concatenate([_pad(p, {"dim": d, "size": a["size"]}) for p in parts], axis=d)
+
+
 def _unpermute(s: Shape, a: dict):
     """llama.cpp stores row 2j+s of each head where Hugging Face has row s*d/2+j (its rope pairs
     adjacent rows): each head's rows regrouped as (d/2, 2) and transposed back to (2, d/2)."""
@@ -171,6 +198,21 @@ STEPS: dict[str, StepDef] = {
         "rest (part 0 of every group, then part 1, ...)",
         (("dim", 0),),
         select=_regroup,
+    ),
+    "repeat_groups": StepDef(
+        ("groups", "times", "dim"),
+        "cuts dimension `dim` into `groups` equal groups and writes each `times` times in a row (a "
+        "key/value head repeated so that every device holds whole heads)",
+        (("dim", 0),),
+        select=_repeat_groups,
+    ),
+    "group_pad": StepDef(
+        ("groups", "size", "dim"),
+        "cuts dimension `dim` into `groups` equal groups and pads each with zeros to `size` entries "
+        "(a projection the spec pads per device: each device's block holds its part first)",
+        (("dim", 0),),
+        shape=_group_pad_shape,
+        apply=_group_pad,
     ),
     "unpermute": StepDef(
         ("heads",),

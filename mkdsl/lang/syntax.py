@@ -6,6 +6,7 @@ offending token underlined and the tokens that would have been accepted as the h
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -204,6 +205,8 @@ class CkptEntry:
     steps: tuple[CkptStep, ...]
     scales: tuple[str, Span] | None = None
     glob: tuple[str, Span] | None = None  # `"codes" * "scales" * "global"`: NVFP4's per-tensor scale
+    # `or` sources after the first: the same weight as another save stores it (a dequantised one)
+    alternatives: tuple[CkptEntry, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -305,17 +308,15 @@ class _ToAst(Transformer_NonRecursive):
         return ContextDecl(Span.of(c[0]), str(c[0]), str(c[1]), tuple(c[2:]))
 
     def ckpt_entry(self, meta, c):
-        strings, rest = c[1], list(c[2:])
+        first, *others = (CkptEntry(Span.of(c[0]), str(c[0]), *alt) for alt in c[1:])
+        return dataclasses.replace(first, alternatives=tuple(others))
+
+    def ckpt_alt(self, meta, c):
+        """(patterns, their spans, steps, scales, global scale) of one source."""
+        strings, rest = c[0], list(c[1:])
         scaled = rest.pop(0) if rest and isinstance(rest[0], tuple) else ()
-        return CkptEntry(
-            Span.of(c[0]),
-            str(c[0]),
-            tuple(str(t)[1:-1] for t in strings),
-            tuple(map(Span.of, strings)),
-            tuple(rest),
-            scaled[0] if scaled else None,
-            scaled[1] if len(scaled) > 1 else None,
-        )
+        scales, glob = (scaled[0] if scaled else None), (scaled[1] if len(scaled) > 1 else None)
+        return tuple(str(t)[1:-1] for t in strings), tuple(map(Span.of, strings)), tuple(rest), scales, glob
 
     def ckpt_scales(self, meta, c):
         return tuple((str(t)[1:-1], Span.of(t)) for t in c)

@@ -27,12 +27,14 @@ whose ops read n weights or states (a matmul-like chain of at most n rounded inp
 within n x 2^-9 of the row's largest update (|out - in|), summed linearly as a worst case:
 LAYER_RTOL = 2^-9 per such op; F32_RTOL covers f32 accumulation order where an update is 0.
 A routing near tie (an op's `OpDef.near_tie` within ROUTE_TIE) may pick another expert: a row
-that fails in such a layer is run again with the runner-up, and passes as a reported near tie.
+that fails in such a layer (a prefill row or a decode step's) is run again from the same state
+with the runner-up, and passes as a reported near tie.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +132,12 @@ def save_bf16(hf, directory: Path) -> None:
     hf.to(torch.float32)
 
 
+def reload_hf(hf, directory: Path):
+    """`hf`'s class read back from its (rewritten) save, in f32."""
+    torch, _ = import_transformers()
+    return type(hf).from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def rounded_reads(graph: Graph) -> int:
     """How many of a graph's ops read a declared tensor (a weight or a state): each is a chain
     position where the spec rounds an activation to bf16 against a bf16 operand."""
@@ -142,24 +150,80 @@ def verify_against_transformers(
     """Build, save, load and compare (the module docstring); `prompt` random tokens, then `steps`
     decode steps."""
     from mkdsl.checkpoint.loader import load_weights
+    from mkdsl.verify.hf_save import compared_model, on_the_spec_grids
 
-    if len({len(model.kind(k).params) for k in model.schedule}) != 1 or len(model.kind(model.schedule[0]).params) != 1:
-        raise OracleError("the oracle compares a layer stack that carries one value (the residual stream)")
+    _one_carry(model)
+    model, unread = compared_model(model)
     hf = build_hf_model(model, seed)
     report = OracleReport(spec, hf_map(model).architecture)
     with tempfile.TemporaryDirectory(prefix="mkdsl-oracle-") as tmp:
         save_bf16(hf, Path(tmp))
+        moved = on_the_spec_grids(model, Path(tmp))
+        if moved:  # transformers computes with the values the spec's quantised weights hold
+            hf = reload_hf(hf, Path(tmp))
+            report.lines.append(f"{moved} stored tensors moved onto the grids of the spec's quantised weights")
         weights, load = load_weights(model, tmp, progress=False, host=True)
-    report.lines.append(load.summary() if hasattr(load, "summary") else f"loaded {len(weights)} weights")
-    vocab = hf.config.vocab_size
-    ids = np.random.default_rng(seed).integers(0, vocab, size=prompt).astype(np.int32)
+    report.lines.append(load.summary())
+    if unread:
+        report.lines.append(f"not compared (the decode step does not read them): {', '.join(unread)}")
+    ids = np.random.default_rng(seed).integers(0, hf.config.vocab_size, size=prompt).astype(np.int32)
+    compare(report, model, weights, hf, ids, steps, progress)
+    return report
+
+
+def verify_checkpoint(
+    model: Model,
+    spec: str,
+    directory,
+    prompts: list[np.ndarray] | None = None,
+    *,
+    steps: int = 2,
+    random_prompts: int = 3,
+    prompt: int = 12,
+    progress=None,
+) -> OracleReport:
+    """`--weights DIR`: a real checkpoint (a Hugging Face directory) read by transformers (the
+    mapping's class, in f32) and by the spec's mapping, compared on each prompt (token ids; None:
+    `random_prompts` random ones of `prompt` tokens) as above: every
+    layer fed transformers' hidden states, the logits, and the spec's greedy tokens teacher forced
+    through transformers."""
+    from mkdsl.checkpoint.loader import load_weights
+    from mkdsl.verify.hf_save import compared_model
+
+    _one_carry(model)
+    model, unread = compared_model(model)
+    torch, transformers = import_transformers()
+    cls = getattr(transformers, hf_map(model).architecture, None)
+    if cls is None:
+        raise OracleError(f"transformers {transformers.__version__} has no class `{hf_map(model).architecture}`")
+    weights, load = load_weights(model, directory, progress=False, host=True)  # its errors first: they name tensors
+    hf = cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    report = OracleReport(spec, f"{hf_map(model).architecture} from {directory}")
+    report.lines.append(load.summary())
+    if unread:
+        report.lines.append(f"not compared (the decode step does not read them): {', '.join(unread)}")
+    if prompts is None:  # `random_prompts` of `prompt` random tokens each
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, hf.config.vocab_size, size=prompt) for _ in range(random_prompts)]
+    for n, ids in enumerate(prompts):
+        report.lines.append(f"prompt {n + 1}:")
+        compare(report, model, weights, hf, np.asarray(ids, np.int32), steps, progress)
+    return report
+
+
+def _one_carry(model: Model) -> None:
+    if len({len(model.kind(k).params) for k in model.schedule}) != 1 or len(model.kind(model.schedule[0]).params) != 1:
+        raise OracleError("the oracle compares a layer stack that carries one value (the residual stream)")
+
+
+def compare(report: OracleReport, model: Model, weights, hf, ids: np.ndarray, steps: int, progress) -> None:
+    """The spec's greedy run from `ids` against transformers, teacher forced on its tokens."""
     greedy = free_run(model, weights, ids, steps)
     seq = np.concatenate([ids, greedy[:-1]]).astype(np.int32)
     trace = hf_trace(hf, seq)
     check_greedy(report, trace, greedy, len(ids))
     check_isolated(report, model, weights, trace, seq, len(ids), progress)
     report.lines.append(f"{len(ids)} prompt tokens + {steps} decode steps; greedy {greedy.tolist()}")
-    return report
 
 
 def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int) -> np.ndarray:
@@ -212,8 +276,10 @@ def check_isolated(report, model: Model, weights, trace: HFTrace, seq, prompt: i
 
     state = zero_state(model, len(seq) + 1)
     logits, _, state = run_prefill(model, Sampling(), weights, state, jnp.asarray(seq[None, :prompt]), feed=feed)
+    rows = slice(0, prompt)
     for i in range(length):
-        compare_layer(report, model, i, outs[i], trace, slice(0, prompt), "prefill", weights, seq)
+        rerun = _prefill_rerun(model, i, weights, trace, seq, rows)
+        compare_layer(report, model, i, outs[i], trace, rows, "prefill", rerun, weights, seq)
     compare_logits(report, np.asarray(logits, np.float32)[0], trace.logits[prompt - 1], "prefill")
     layered = build_layered_reference(model)
     from mkdsl.run.prefill import reference_weights
@@ -222,15 +288,20 @@ def check_isolated(report, model: Model, weights, trace: HFTrace, seq, prompt: i
     for p in range(prompt, len(seq)):
         tok, pos = jnp.asarray(seq[p : p + 1]), jnp.asarray([p], jnp.int32)
         for i in range(length):
-            carries, state = run_layer(
-                model, i, ref_w, state, tok, pos, [jnp.asarray(trace.layer_in[i][p : p + 1], dtype)]
-            )
-            compare_layer(
-                report, model, i, np.asarray(carries[0], np.float32), trace, slice(p, p + 1), f"step {p - prompt + 1}"
-            )
+            before, carry = state, [jnp.asarray(trace.layer_in[i][p : p + 1], dtype)]
+            carries, state = run_layer(model, i, ref_w, before, tok, pos, carry)
+            rerun = functools.partial(_decode_rerun, model, i, ref_w, before, tok, pos, carry)
+            got = np.asarray(carries[0], np.float32)
+            compare_layer(report, model, i, got, trace, slice(p, p + 1), f"step {p - prompt + 1}", rerun)
         last = [jnp.asarray(trace.layer_out[length - 1][p : p + 1], dtype)]
         logits, _ = layered.epilogue(ref_w, state, tok, pos, last)
         compare_logits(report, np.asarray(logits, np.float32)[0], trace.logits[p], f"step {p - prompt + 1}")
+
+
+def _decode_rerun(model, index, weights, state, tok, pos, carry):
+    from mkdsl.run.reference import run_layer
+
+    return run_layer(model, index, weights, state, tok, pos, carry)[0][0]
 
 
 def carry_dtype(model: Model):
@@ -248,17 +319,21 @@ def layer_ratio(model: Model, index: int, got: np.ndarray, trace: HFTrace, rows:
     return np.abs(got - want).max(axis=-1) / bound
 
 
-def compare_layer(report, model, index, got, trace, rows: slice, where: str, weights=None, seq=None) -> None:
-    """Each row of layer `index`'s output against transformers'; a failing row in a layer that
-    routes is first run again at its near tie (prefill rows only: they need no earlier state)."""
+def compare_layer(
+    report, model, index, got, trace, rows: slice, where: str, rerun=None, weights=None, seq=None
+) -> None:
+    """Each row of layer `index`'s output against transformers'. A failing row in a layer that
+    routes is first run again with its near tie taken the other way (`rerun()`: the layer's output
+    over `rows` again, from the same state, under the ops' `OpDef.near_tie` references), in the
+    prefill and in the decode steps alike; a prefill row that still fails is blamed on an op."""
     ratio = layer_ratio(model, index, got, trace, rows)
     report.note("layer", ratio.max())
     kind = model.schedule[index]
     routes = any(OPS[n.op].near_tie for n in model.kind(kind).nodes)
     for bad in np.flatnonzero(~(ratio <= 1)):
         what = f"{where} layer {index} ({kind}): row {rows.start + bad} off by {ratio[bad]:.2f}x the bound"
-        if rows.start == 0 and weights is not None and routes:
-            tie, fits = _runner_up(model, index, weights, trace, seq, rows, int(bad))
+        if rerun is not None and routes:
+            tie, fits = _runner_up(model, index, trace, rows, int(bad), rerun)
             if tie:
                 how = "the runner-up fits" if fits else "another of the near-tied choices"
                 report.ties.append(f"{what}: a routing near tie ({how})")
@@ -269,24 +344,32 @@ def compare_layer(report, model, index, got, trace, rows: slice, where: str, wei
         return  # the first failing row of a layer names it
 
 
-def _runner_up(model, index, weights, trace, seq, rows: slice, row: int) -> tuple[bool, bool]:
-    """(whether `row` has a routing near tie in the layer, whether the runner-up then fits)."""
-    from mkdsl.run.prefill import run_prefill_layer
-
+def _runner_up(model, index, trace, rows: slice, row: int, rerun) -> tuple[bool, bool]:
+    """(whether local row `row` of `rows` has a routing near tie in the layer, whether the layer's
+    output then fits there)."""
     kind = model.kind(model.schedule[index])
     originals = {n.op: OPS[n.op] for n in kind.nodes if OPS[n.op].near_tie is not None}
     flipped: list[bool] = []
     for name, op in originals.items():
         OPS[name] = dataclasses.replace(op, reference=op.near_tie(row, ROUTE_TIE, flipped), prefill=None)
     try:
-        state = zero_state(model, rows.stop + 1)
-        carries = [jnp.asarray(trace.layer_in[index][rows], carry_dtype(model))]
-        out, _ = run_prefill_layer(model, index, weights, state, jnp.asarray(seq[None, rows]), carries)
+        out = rerun()
     finally:
         OPS.update(originals)
-    return bool(flipped), bool(flipped) and layer_ratio(model, index, np.asarray(out[0], np.float32), trace, rows)[
+    return bool(flipped), bool(flipped) and layer_ratio(model, index, np.asarray(out, np.float32), trace, rows)[
         row
     ] <= 1
+
+
+def _prefill_rerun(model, index, weights, trace, seq, rows: slice):
+    from mkdsl.run.prefill import run_prefill_layer
+
+    def rerun():
+        state = zero_state(model, rows.stop + 1)
+        carries = [jnp.asarray(trace.layer_in[index][rows], carry_dtype(model))]
+        return run_prefill_layer(model, index, weights, state, jnp.asarray(seq[None, rows]), carries)[0][0]
+
+    return rerun
 
 
 def compare_logits(report: OracleReport, got: np.ndarray, want: np.ndarray, where: str) -> None:
