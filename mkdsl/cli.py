@@ -185,14 +185,9 @@ def cmd_plan(args) -> int:
         return _plan(args)
 
 
-def _plan(args) -> int:
-    import json
-
-    from mkdsl.plan import make_plan
-    from mkdsl.plan.breakdown import breakdown
-    from mkdsl.report.markdown import render_plan
-    from mkdsl.report.timing import plan_data, render_summary
-
+def _plan_inputs(args):
+    """`plan`'s spec (retyped for `--weights`' stored formats) checked against its arguments
+    before any planning: (model, source text, the batch dimension)."""
     _check_plan_draft(args)
     model, source, module_ast = _load(args)
     if args.weights is not None:  # the formats a `| stored` mapping keeps from this file
@@ -218,6 +213,18 @@ def _plan(args) -> int:
         raise UsageError(
             f"--context {args.context} is beyond `{cache.name}` in {cache.low} .. {cache.high} (spec {args.spec})"
         )
+    return model, source, rows
+
+
+def _plan(args) -> int:
+    import json
+
+    from mkdsl.plan import make_plan
+    from mkdsl.plan.breakdown import breakdown
+    from mkdsl.report.markdown import render_plan
+    from mkdsl.report.timing import plan_data, render_summary
+
+    model, source, rows = _plan_inputs(args)
     try:
         from mkdsl.spmd.shard import shard
 

@@ -1044,9 +1044,10 @@ def rms_rows(x, w, eps):
 
 def rmsnorm(x, w, out, eps, heads):
     """RMSNorm of each row of the ref `x` (or of each of `heads` equal slices of a row); w is f32
-    [1, d], or [1, heads * d] (a weight per channel: each slice takes its own columns, unrolled)."""
+    [1, d], or [1, heads * d] (a weight per channel: each slice takes its own columns, unrolled),
+    or None (the weightless norm)."""
     d = x.shape[1] // heads
-    whole = heads > 1 and w.shape[1] == x.shape[1]
+    whole = heads > 1 and w is not None and w.shape[1] == x.shape[1]
 
     def head(h):
         cols = head_cols(h, d)
