@@ -80,14 +80,13 @@ def _cache_upto(model, state: dict, limit) -> dict:
 
 
 def _state_errors(model, want: dict, got: dict) -> list[str]:
-    bad = []
+    bad, units = [], verify.state_units(model)  # a recurrent state: per head (mkdsl/verify/kernel.py)
     for t in model.states:
         for slot in range(t.stack if t.stacked else 1):
             layers = [li for li, s in enumerate(t.slots) if s == slot] if t.stacked else [len(model.schedule)]
             w = _f32(want[t.name][slot] if t.stacked else want[t.name])
             g = _f32(got[t.name][slot] if t.stacked else got[t.name])
-            unit = verify.state_units(model).get(t.name, 1)  # a recurrent state: per head (mkdsl/verify/kernel.py)
-            scale = np.abs(w).max(axis=tuple(range(-unit, 0)), keepdims=True)
+            scale = np.abs(w).max(axis=tuple(range(-units.get(t.name, 1), 0)), keepdims=True)
             bound = storage_ulp(w, np.asarray(want[t.name]).dtype) + (max(layers) + 1) * STATE_RTOL * scale
             ratio = float((np.abs(g - w) / bound).max())
             if not ratio <= 1:
