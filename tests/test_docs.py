@@ -4,8 +4,7 @@ inserts, are left out), hints and constant expressions are compared with the cod
 
 Fenced blocks are told apart by their info string (documented at the end of language.md):
 `mk` a complete spec, `mk fragment` top-level items, `mk fragment body` statements, `mk error`
-a spec whose diagnostics are the `text` block after it, `mk reference` a spec the reference runs
-but the kernel cannot lower yet, `mk skip` not checked.
+a spec whose diagnostics are the `text` block after it, `mk skip` not checked.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from mkdsl.ops import OPS, REQUIRED
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 LANGUAGE = DOCS / "language.md"
-KINDS = {"", "fragment", "fragment body", "error", "reference", "skip"}
+KINDS = {"", "fragment", "fragment body", "error", "skip"}
 
 
 @dataclass(frozen=True)
@@ -93,15 +92,6 @@ def test_complete_specs_check(block, tmp_path, monkeypatch, capsys):
         status, out, err = _check(tmp_path, monkeypatch, capsys, block.text, profile)
         assert status == 0, f"{block} (profile {profile}) does not check:\n{err}"
         assert ": ok: model " in out
-
-
-@pytest.mark.parametrize("block", by_kind("reference"), ids=str)
-def test_reference_only_specs_elaborate_and_do_not_check(block, tmp_path, monkeypatch, capsys):
-    from mkdsl.lang.elaborate import elaborate
-
-    elaborate(parse(block.text), None, block.text)  # the reference can be built from it
-    status, out, err = _check(tmp_path, monkeypatch, capsys, block.text)
-    assert status == 1 and "error:" in err, f"{block}: `mkdsl check` should say why the kernel cannot lower it"
 
 
 @pytest.mark.parametrize("block", by_kind("fragment"), ids=str)
