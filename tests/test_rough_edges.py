@@ -403,6 +403,29 @@ def test_a_damaged_cached_kernel_is_rebuilt(run_cache):
     assert kernel.read_bytes() == good
 
 
+CACHE_MOVES = """
+import os, sys, pathlib, jax, jax.numpy as jnp
+from mkdsl.run.decode import use_compilation_cache
+for i, root in enumerate(sys.argv[1:]):
+    os.environ["MKDSL_CACHE"] = root
+    use_compilation_cache()
+    jax.jit(lambda x: x * (i + 2) + 1)(jnp.ones(3)).block_until_ready()
+print(*(len(list((pathlib.Path(r) / "jax").glob("*"))) for r in sys.argv[1:]))
+"""
+
+
+def test_the_compilation_cache_follows_mkdsl_cache_within_a_process(tmp_path):
+    """JAX opens its persistent cache once, at the first directory it sees: a second directory in
+    the same process (a test session, a server) got nothing until mkdsl reset it (CI failed so).
+    A fresh process, so that this worker's JAX keeps its own settings."""
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", CACHE_MOVES, *roots], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    first, second = map(int, done.stdout.split())
+    assert first >= 1 and second >= 1, done.stdout  # each directory holds its own executable
+
+
 @pytest.mark.slow
 def test_run_gives_each_row_its_prompt_says_it_emulates_and_caches_compiles(llama_hf, run_cache, capsys):
     argv = ["run", str(LLAMA), "-p", "mini", "--weights", str(llama_hf), "--interpret", "--max-tokens", "2"]

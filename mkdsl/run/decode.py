@@ -429,8 +429,14 @@ def use_compilation_cache() -> None:
     """JAX's persistent compilation cache in `cache_root()/jax`: a later `mkdsl run` of the same
     kernel, batch and cache length loads XLA's compiled executables instead of compiling again.
     Every executable is kept (no minimum compile time): on a fast CPU a mini kernel compiles in
-    under a second, and keeping it still saves the trace and lowering of the next run."""
+    under a second, and keeping it still saves the trace and lowering of the next run. JAX opens
+    its cache once per process, at the first directory it sees: when a process (a server, a test
+    session) moves to another directory, the cache is reset so that the new one is used."""
     import jax
+    from jax.experimental.compilation_cache import compilation_cache
 
-    jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
+    path = str(cache_root() / "jax")
+    if jax.config.jax_compilation_cache_dir != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        compilation_cache.reset_cache()
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
