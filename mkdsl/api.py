@@ -223,10 +223,11 @@ def build_step(
     the state in the verify layout, `commit`); `context_layers`: a `context` output [batch, R,
     len, H], the residual stream after each listed layer."""
     module = module or load_kernel(spec)
-    if interpret is True:
-        from jax.experimental.pallas import tpu as pltpu
+    if interpret:
+        from mkdsl.backends.tpu.interpret import interpret_params, use_host_callbacks
 
-        interpret = pltpu.InterpretParams()
+        interpret = interpret_params() if interpret is True else interpret
+        use_host_callbacks()
     options = {"interpret": interpret or None, "steps_per_call": steps_per_call}
     if rows != 1 or context_layers:
         options.update(verify_rows=rows, context_layers=tuple(context_layers))
@@ -234,10 +235,7 @@ def build_step(
         options["sampling"] = module.Sampling(sampling.temperature, sampling.top_k, sampling.top_p)
     if mesh is not None:
         options["mesh"] = mesh
-    step = module.build_decode_step(batch, seq_len, **options)
-    if interpret and hasattr(module, "MESH_SHAPE"):
-        return _HostCallbacks(step)
-    return step
+    return module.build_decode_step(batch, seq_len, **options)
 
 
 def state_shardings(spec: Spec, mesh) -> dict:
@@ -275,23 +273,6 @@ def prefill_step(
     if per_device:
         return build_sharded_prefill(spec.model, mesh, **options)
     return build_prefill(spec.model, **options)
-
-
-class _HostCallbacks:
-    """A sharded step in interpret mode, called with the interpreter's callbacks on host arrays
-    (`mkdsl.verify.kernel.host_callbacks`: a workaround for a multi-device deadlock in jax 0.10.2)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def __call__(self, *args):
-        from mkdsl.verify.kernel import host_callbacks
-
-        with host_callbacks():
-            return self.step(*args)
-
-    def __getattr__(self, name):
-        return getattr(self.step, name)
 
 
 def generate(

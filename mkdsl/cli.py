@@ -996,9 +996,9 @@ def _interpret(args):
 
     if not args.interpret and jax.default_backend() == "tpu":
         return None
-    from jax.experimental.pallas import tpu as pltpu
+    from mkdsl.backends.tpu.interpret import interpret_params
 
-    return pltpu.InterpretParams()
+    return interpret_params()
 
 
 def cmd_bench(args) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mkdsl.backends.tpu.interpret import use_host_callbacks
 from mkdsl.run.distributed import to_host
 
 
@@ -83,10 +84,8 @@ class Decoder:
             kernel_sampling = self.module.Sampling(**dataclasses.asdict(self.sampling))  # the module's own class
             options = {"interpret": self.interpret, "sampling": kernel_sampling, "steps_per_call": n}
             step = self.module.build_decode_step(self.batch, self.seq_len, **options)
-            if self.interpret and hasattr(self.module, "MESH_SHAPE"):
-                from mkdsl.api import _HostCallbacks  # a sharded step in interpret mode (see build_step)
-
-                step = _HostCallbacks(step)
+            if self.interpret:
+                use_host_callbacks()
             self._steps[n] = step
         return self._steps[n]
 
@@ -151,10 +150,8 @@ class Decoder:
             if rows > 1 or layers:
                 options |= {"verify_rows": rows, "context_layers": tuple(layers)}
             step = self.module.build_decode_step(self.batch, self.seq_len, **options)
-            if self.interpret and hasattr(self.module, "MESH_SHAPE"):
-                from mkdsl.api import _HostCallbacks  # a sharded step in interpret mode (see build_step)
-
-                step = _HostCallbacks(step)
+            if self.interpret:
+                use_host_callbacks()
         return kernel_rows_target(self.module, step, self.weights, self.state, rows, self.seed, tuple(layers))
 
 

@@ -48,9 +48,8 @@ below it).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -70,39 +69,15 @@ ROUTE_TIE = 2.0**-8
 
 def interpret_params():
     """TPU interpret mode with the race detector on, NaN-filled fresh memory, OOB reads raising."""
-    from jax.experimental.pallas import tpu as pltpu
+    from mkdsl.backends.tpu.interpret import interpret_params as params
 
-    return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
+    return params(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
 
 
 def races_found() -> bool:
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
 
     return bool(ipc.races is not None and ipc.races.races_found)
-
-
-@contextlib.contextmanager
-def host_callbacks() -> Iterator[None]:
-    """Within: the interpreter's io_callbacks run on host arrays as they come.
-
-    jax 0.10.2's io_callback first `device_put`s its arguments on the first CPU device; over
-    several virtual devices, once an argument is large (~100 KiB) that copy waits behind the device
-    threads, which are blocked in the interpreter waiting for each other's semaphores: a deadlock.
-    The interpreter's callbacks take numpy arrays anyway.
-    """
-    from jax._src import callback as jax_callback
-    from jax._src import tree_util
-
-    def on_host(*args, result_avals, callback, sharding, ordered):
-        del result_avals, sharding, ordered
-        return tree_util.tree_map(np.asarray, callback(*args))
-
-    original = jax_callback.io_callback_impl
-    jax_callback.io_callback_impl = on_host
-    try:
-        yield
-    finally:
-        jax_callback.io_callback_impl = original
 
 
 # ---------------------------------------------------------------------------- results
@@ -308,14 +283,14 @@ def run_kernel(
 ) -> KernelOutput:
     """One step of a `layer_trace=True` build, on host copies (the kernel donates its state).
     `pad`: the module's `pad_weights` where it stores some matrices padded."""
+    from mkdsl.backends.tpu.interpret import use_host_callbacks
     from mkdsl.run.random_params import kernel_weights
 
+    use_host_callbacks()  # the step may have been built with params not from `interpret_params()`
     kw = {k: jnp.asarray(v) for k, v in pad(kernel_weights(weights)).items()}
     ks = {k: jnp.asarray(v) for k, v in state.items()}
-    guard = host_callbacks() if sharded else contextlib.nullcontext()
-    with guard:
-        logits, next_tokens, new_state, trace = step(kw, ks, jnp.asarray(tokens), jnp.asarray(positions))
-        logits = np.asarray(jax.block_until_ready(logits))
+    logits, next_tokens, new_state, trace = step(kw, ks, jnp.asarray(tokens), jnp.asarray(positions))
+    logits = np.asarray(jax.block_until_ready(logits))
     return KernelOutput(
         logits,
         np.asarray(next_tokens),

@@ -39,12 +39,12 @@ def calibrate(out: Path | None, interpret: bool, devices: int) -> int:
     import sys
 
     import jax
-    from jax.experimental.pallas import tpu as pltpu
 
     from mkdsl.backends.tpu.calibrate import suite
+    from mkdsl.backends.tpu.interpret import interpret_params
 
     on_tpu = jax.default_backend() == "tpu" and not interpret
-    interp = None if on_tpu else pltpu.InterpretParams()
+    interp = None if on_tpu else interpret_params()
     tiny = not on_tpu
     benches = [
         *suite.stream_benches(tiny, interp),
