@@ -104,7 +104,7 @@ PUBLISHED = {
             rms_norm_eps=1e-6,
             norm_topk_prob=True,
             tie_word_embeddings=False,
-        ),  # fmt: skip
+        ),
     ),
     "smollm2_135m": (
         "HuggingFaceTB/SmolLM2-135M config.json (several verbatim copies, as the model facts transcribe them)",
@@ -117,7 +117,7 @@ PUBLISHED = {
             vocab_size=49152,
             rms_norm_eps=1e-5,
             tie_word_embeddings=True,
-        ),  # fmt: skip
+        ),
     ),
 }
 
