@@ -63,9 +63,13 @@ class TilePart:
         squares: Mosaic DMAs an HBM window of a narrow array only into an array of its width. A
         labelled part whose tile has a row count off its 8-row tile (a whole K of 576 is 18 rows
         of GGUF block words) gets a ring array of exactly those rows: Mosaic slices a bank only
-        along whole tiles. So does a part fetched whole along K (28 scale rows of a K of 3584)."""
+        along whole tiles. So does any other part whose rows are not whole tiles of its dtype (28
+        bf16 scale rows of one K tile of 3584), and a part fetched whole along K."""
         if self.whole:
             return f"ring_{self.suffix}_{self.dtype}_{k // self.rdiv}"
+        rows = tk // self.rdiv if self.rdiv else 0
+        if not self.label and self.cdiv == 1 and rows % (32 // self.itemsize):  # e.g. 28 bf16 scale rows of a K of 3584
+            return f"ring_{self.suffix}_{self.dtype}_{rows}"
         if self.label and (tk // self.rdiv) % 8:
             return f"{self.ring}{tk // self.rdiv}"
         return f"ring_scales{n // self.cdiv}" if self.cdiv > 1 else self.ring
@@ -193,14 +197,21 @@ def padded_columns(n: int) -> int:
 def stream_layout(
     t: Tensor, tile_k: int, tile_n: int, transposed: bool = False
 ) -> tuple[StreamFormat | None, int | None, int | None]:
-    """(format, tk, tn) of a streamed matrix: its dtype's format with per-tile scale windows where
-    a K tile allows them, else (int4) the format with scales whole along K (`_int4_whole`)."""
+    """(format, tk, tn) of a streamed matrix: its dtype's format where a K tile up to `tile_k`
+    suits it. Else, for int4 (4-bit codes: half a bf16 tile's bytes per element), K tiles up to
+    twice `tile_k` in tiles of at most `tile_k * tile_n` elements (fewer columns): first with
+    per-tile scale windows (Qwen2.5-7B's K of 3584 in one tile), then with the scales whole along
+    K (`_int4_whole`; its scale rows come with every K tile, so a longer tile moves fewer)."""
     sf = stream_format(t.type.dtype)
     tk, tn = stream_tiles(t, tile_k, tile_n, transposed, sf)
-    if tk is None and not transposed and stream_format(t.type.dtype, whole=True) is not None:
-        sf = stream_format(t.type.dtype, whole=True)
-        tk, tn = stream_tiles(t, tile_k, tile_n, transposed, sf)
-    return sf, tk, tn
+    if tk is not None or transposed or t.type.dtype.name != "int4":
+        return sf, tk, tn
+    for fmt in (sf, stream_format(t.type.dtype, whole=True)):
+        tk, _ = stream_tiles(t, 2 * tile_k, tile_n, False, fmt)
+        if tk is not None:
+            narrow = max(128, min(tile_n, tile_k * tile_n // tk) // 128 * 128)
+            return fmt, *stream_tiles(t, 2 * tile_k, narrow, False, fmt)
+    return sf, None, None
 
 
 def format_of(model: Model, st) -> StreamFormat:
@@ -279,8 +290,8 @@ def _layout_hint(d: DType, transposed: bool) -> str | None:
     """The K layouts that stream, for the formats whose rule is short to say."""
     if d.name == "int4" and not transposed:
         return (
-            f"int4 K tiles are whole 8-row words of nibbles: a K of at most {TILE_K}, or one with a "
-            f"divisor <= {TILE_K} that is a multiple of 64 (e.g. pad K to a multiple of 64)"
+            f"int4 K tiles are whole 8-row words of nibbles: a K of at most {2 * TILE_K}, or one with a "
+            f"divisor <= {2 * TILE_K} that is a multiple of 64 (e.g. pad K to a multiple of 64)"
         )
     return None
 
