@@ -76,6 +76,8 @@ def test_groups_no_k_tile_windows_stream_with_whole_scales(tmp_path):
         assert moved[f"linear `{name}`"] == codes + 2 * scales, name  # two K tiles, each with all scales
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_kernel_with_whole_scales_matches_the_reference(tmp_path):
     """bf16 and f32 scales, groups 32, 64 and 128 (128 does not divide the K tile of 2240): the
     kernel in TPU interpret mode (race detector on) equals the reference within check_batch's

@@ -7,6 +7,8 @@ differs from the reference)."""
 
 from __future__ import annotations
 
+import pytest
+
 from mkdsl.compiler import compile_source
 from mkdsl.verify import kernel as verify
 
@@ -43,6 +45,8 @@ step(tokens, positions) {
 """
 
 
+@pytest.mark.slow  # ~13 s: two devices in TPU interpret mode
+@pytest.mark.timeout(600)
 def test_split_per_head_weight_matches_the_reference(tmp_path):
     out, _ = compile_source(SPEC, str(tmp_path / "headsplit.mk"), None, None)
     module = verify.import_generated(out.files["kernel.py"], tmp_path, "headsplit_kernel")
