@@ -67,8 +67,8 @@ class TilePart:
         bf16 scale rows of one K tile of 3584), and a part fetched whole along K."""
         if self.whole:
             return f"ring_{self.suffix}_{self.dtype}_{k // self.rdiv}"
-        rows = tk // self.rdiv if self.rdiv else 0
-        if not self.label and self.cdiv == 1 and rows % (32 // self.itemsize):  # e.g. 28 bf16 scale rows of a K of 3584
+        rows = tk // self.rdiv if self.rdiv > 1 else 0  # a packed or scale part (plain ones are whole tiles)
+        if not self.label and self.cdiv == 1 and rows % (32 // self.itemsize):  # 28 bf16 scale rows at K 3584
             return f"ring_{self.suffix}_{self.dtype}_{rows}"
         if self.label and (tk // self.rdiv) % 8:
             return f"{self.ring}{tk // self.rdiv}"
@@ -343,8 +343,8 @@ def _linear_runtime(model: Model, at: Site) -> tuple[str, ...]:
     if sf is None or (sf.fmt == "bf16" and n % 128 == 0 and not at.node.attr.get("transposed")):
         return ()
     gguf = ("runtime/gguf.py.jinja",) if t.type.dtype.gguf else ()
-    whole = stream_layout(t, TILE_K, tile_n_of(model), bool(at.node.attr.get("transposed")))[0]
-    wide = ("runtime/scales.py.jinja",) if whole is not None and whole.fmt.endswith(WHOLE) else ()
+    layout = stream_layout(t, TILE_K, tile_n_of(model), bool(at.node.attr.get("transposed")))[0]
+    wide = ("runtime/scales.py.jinja",) if layout is not None and layout.fmt.endswith(WHOLE) else ()
     return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja", *gguf, *wide)
 
 
