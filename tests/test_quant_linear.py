@@ -166,8 +166,11 @@ def test_the_plan_streams_storage_bytes(tmp_path):
     # block scales come as whole rows of squares, once per column block (2 of 256 here): 2 x 32 B
     assert moved["linear `w_c`"] == 256 * 512 + 2 * (2 * 4 * 4)
     rings = {a.name: a for a in plan.vmem if a.name.startswith("ring")}
-    assert {"ring", "ring_uint32", "ring_uint8", "ring_float8_e4m3fn", "ring_float8_e5m2", "ring_int8"} <= set(rings)
-    assert rings["ring_scales2"].shape[1:] == (2, 2) and rings["ring_float32"].shape[1:] == (2, 256)
+    # 8 rows of E8M0 scales are no whole 32-row 8-bit tile: an array of exactly those rows (`TilePart.ring_for`)
+    assert {"ring", "ring_uint32", "ring_scales_uint8_8", "ring_float8_e4m3fn", "ring_float8_e5m2", "ring_int8"} <= set(
+        rings
+    )
+    assert rings["ring_scales2"].shape[1:] == (2, 2) and rings["ring_scales_float32_2"].shape[1:] == (2, 256)
 
 
 PADDED = """
@@ -279,3 +282,21 @@ def test_hbm_capacity_is_checked_per_device(tmp_path):
     out = _compiled(split, tmp_path, "big2")  # half of each matrix per device: fits
     assert 51.5e9 < out.plan.hbm_bytes < 51.6e9
     assert "| HBM per device | 51.5" in out.files["plan.md"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_weight_format_compiles_with_libtpu(tmp_path):
+    """The same formats compiled for one TPU7x core by the real compiler: each tile part whose rows
+    are not whole tiles of its dtype (8 rows of E8M0 scales, 4 of int4's bf16 scales, 1 and 2 of
+    f32 group scales) has a ring array of exactly those rows (`TilePart.ring_for`)."""
+    from compile_helpers import compile_one_core, load_module, tpu7x_devices
+
+    from mkdsl.backends.tpu.libtpu import topology_for
+
+    out = _compiled(QSPEC, tmp_path, "qdemo")
+    path = tmp_path / "kernel.py"
+    path.write_text(out.files["kernel.py"], encoding="utf-8")
+    module = load_module(path, "qdemo_libtpu")
+    compiled, _ = compile_one_core(module, tpu7x_devices(topology_for(module))[0], 8, 256)
+    assert compiled is not None

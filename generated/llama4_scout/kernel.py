@@ -2047,7 +2047,9 @@ def spread_scales(scale_at, cols, block):
 @dataclasses.dataclass(frozen=True)
 class QStream(Stream):
     """A quantised matrix streamed as [tk, tn] tiles: `parts` is (storage suffix, ring array,
-    K rows per stored row, N columns per stored column) of each part; `fmt` picks the decoder."""
+    K rows per stored row (negative: the part's rows for the whole K come with every tile), N
+    columns per stored column) of each part; `fmt` picks the decoder (`TILE_DOTS`, called with
+    the tile's column block n and K tile k)."""
 
     fmt: str = "cast"
     group: int = 0  # inputs per scale (the block's side for "block")
@@ -2062,6 +2064,8 @@ class QStream(Stream):
             rows, cols = _part_tile(self, rdiv, cdiv)
             if rdiv == 0:  # one value per matrix (nvfp4's global scale)
                 r0, c0 = 0, 0
+            elif rdiv < 0:  # the rows of the whole K (scales no K tile windows legally), this column block's
+                r0, c0 = 0, pl.multiple_of(n * cols, cols)
             elif self.transposed:
                 # one K tile (k always 0): a static column offset, as a width that is no multiple of
                 # 128 (SmolLM2's 576) cannot be proven lane-aligned at a traced k
@@ -2087,6 +2091,8 @@ def _part_tile(st, rdiv, cdiv):
     word-aligned in HBM."""
     if rdiv == 0:
         return 1, 1
+    if rdiv < 0:
+        return st.k // -rdiv, st.tn
     if st.transposed:
         return st.tn, st.tk
     return _part_rows(st, rdiv), (st.n if cdiv > 1 else st.tn) // cdiv
@@ -2104,29 +2110,29 @@ def _dot(x, w, transposed=False):
     return jnp.dot(x, w, preferred_element_type=F32)
 
 
-def dot_bf16(r, st, bank, x, n):
+def dot_bf16(r, st, bank, x, n, k):
     """A plain bf16 matrix (streamed here when its outputs are padded or it is transposed)."""
     return _dot(x, _tile_part(r, st, bank, 0), st.transposed)
 
 
-def dot_cast(r, st, bank, x, n):
+def dot_cast(r, st, bank, x, n, k):
     """Unscaled fp8: codes are exact in bf16."""
     return _dot(x, _tile_part(r, st, bank, 0).astype(BF16), st.transposed)
 
 
-def dot_mxfp4(r, st, bank, x, n):
+def dot_mxfp4(r, st, bank, x, n, k):
     scale = e8m0_to_f32(_tile_part(r, st, bank, 1)).astype(BF16)
     return _dot(x, mxfp4_decode(_tile_part(r, st, bank, 0), scale))
 
 
-def dot_int4(r, st, bank, x, n):
+def dot_int4(r, st, bank, x, n, k):
     """nibble * bf16 scale has at most 11 significant bits: two exact bf16 halves."""
     w = int4_decode(_tile_part(r, st, bank, 0), _tile_part(r, st, bank, 1).astype(F32), st.group)
     hi, lo = split_bf16(w)
     return _dot(x, hi) + _dot(x, lo)
 
 
-def dot_int4_f32(r, st, bank, x, n):
+def dot_int4_f32(r, st, bank, x, n, k):
     """nibble * f32 scale, rounded to f32 as the reference decodes it: three exact bf16 parts."""
     w = int4_decode(_tile_part(r, st, bank, 0), _tile_part(r, st, bank, 1), st.group)
     hi = w.astype(BF16)
@@ -2134,13 +2140,13 @@ def dot_int4_f32(r, st, bank, x, n):
     return _dot(x, hi) + _dot(x, mid) + _dot(x, lo)
 
 
-def dot_nvfp4(r, st, bank, x, n):
+def dot_nvfp4(r, st, bank, x, n, k):
     """e2m1 * e4m3 (exact in bf16) through the MXU, the f32 product times the global scale."""
     w = fp4_decode(_tile_part(r, st, bank, 0), _tile_part(r, st, bank, 1).astype(BF16), 16)
     return _dot(x, w) * _tile_part(r, st, bank, 2)
 
 
-def dot_group(r, st, bank, x, n):
+def dot_group(r, st, bank, x, n, k):
     """int8 or fp8 codes with one f32 scale per `group` inputs of a column: each group's
     product of bf16 codes (exact) times its scale row."""
     codes, scales = _tile_part(r, st, bank, 0), _tile_part(r, st, bank, 1)
@@ -2154,7 +2160,7 @@ def dot_group(r, st, bank, x, n):
     return acc
 
 
-def dot_block(r, st, bank, x, n):
+def dot_block(r, st, bank, x, n, k):
     """fp8 codes with one f32 scale per [b, b] square: each b-row slab's product times a row
     holding its squares' scales over their columns. The bank holds the tile's rows of squares
     for all columns; column block n uses squares n * tn/b .. (n + 1) * tn/b - 1."""
@@ -2187,7 +2193,7 @@ def qlinear(r, issue, st: QStream, slot, base, xb, out):
         issue(g + RING_DEPTH - 1, st)
         bank = g % RING_DEPTH
         st.wait(r, bank)
-        return tile_dot(r, st, bank, xb[:, k_columns(st, k)], n)
+        return tile_dot(r, st, bank, xb[:, k_columns(st, k)], n, k)
 
     def column(n):
         return sum_k_tiles(st, xb.shape[0], st.tn, lambda k: tile(n, k))[0 : out.shape[0]]  # the logits output has batch rows

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mkdsl.backends.tpu.lowering import Site, check_lowerable, lowering_for, sites, unread_states
-from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, padded_columns, stream_format, stream_tiles
+from mkdsl.backends.tpu.lowerings.linear import TILE_K, TILE_N, format_of, padded_columns, stream_layout
 from mkdsl.lang.diagnostics import NOWHERE, Diagnostic, Span, SpecError
 from mkdsl.lang.dtypes import storage_bytes
 from mkdsl.lang.ir import Graph, Model, Node, TensorType
@@ -246,13 +246,15 @@ def tile_streams(s: _State) -> None:
                 continue
             t = s.model.tensor(w.name)
             transposed = bool(node.attr.get("transposed"))
-            tk, tn = stream_tiles(t, s.tile_k, s.tile_n, transposed)
+            sf, tk, tn = stream_layout(t, s.tile_k, s.tile_n, transposed)
             if tk is None or tn is None:
                 continue
             k, n = reversed(t.type.shape) if transposed else t.type.shape
-            sf, padded = stream_format(t.type.dtype), padded_columns(n)
+            padded = padded_columns(n)
             plain = sf.fmt == "bf16" and padded == n and not transposed
-            parts = () if plain else tuple((p.suffix, p.ring_for(padded, tk), p.rdiv, p.cdiv) for p in sf.parts)
+            parts = (
+                () if plain else tuple((p.suffix, p.ring_for(padded, tk, k), p.runtime_rdiv, p.cdiv) for p in sf.parts)
+            )
             valid = n if padded != n else 0
             stream = Stream(
                 t.name,
@@ -339,9 +341,9 @@ def ring_arrays(s: _State) -> dict:
     dtype of a streamed tile part, each bank as large as the largest such part."""
     shapes: dict = {}
     for st in all_streams(s):
-        for p in stream_format(s.model.tensor(st.tensor).type.dtype).parts:
-            rows, cols = p.tile(st.tk, st.tn, st.n, st.transposed)
-            ring = p.ring_for(st.n, st.tk)
+        for p in format_of(s.model, st).parts:
+            rows, cols = p.tile(st.tk, st.tn, st.n, st.transposed, st.k)
+            ring = p.ring_for(st.n, st.tk, st.k)
             r0, c0, _, _ = shapes.get(ring, (0, 0, p.dtype, p.memory))
             shapes[ring] = (max(r0, rows), max(c0, cols), p.dtype, p.memory)
     return shapes

@@ -37,6 +37,7 @@ RUNTIME_PARTS = (
     "runtime/decode.py.jinja",
     "runtime/qlinear.py.jinja",
     "runtime/gguf.py.jinja",
+    "runtime/scales.py.jinja",
     "runtime/routing.py.jinja",
     "runtime/moe.py.jinja",
     "runtime/elementwise.py.jinja",

@@ -39,6 +39,7 @@ class TilePart:
     # value per matrix (nvfp4's global scale), fetched with every tile
     cdiv: int = 1  # N columns per stored column (block scales)
     label: str = ""  # its own ring array `ring_<label>` (a part whose dtype another part of its tile has)
+    whole: bool = False  # the rows of the whole K with every tile (int4 scales no K tile can window legally)
 
     @property
     def ring(self) -> str:
@@ -52,24 +53,37 @@ class TilePart:
             return f"ring_{self.suffix}"  # [1, 1] windows go to an array of their own width
         return "ring" if self.dtype == "bfloat16" else f"ring_{self.dtype}"
 
-    def ring_for(self, n: int, tk: int = 0) -> str:
+    @property
+    def runtime_rdiv(self) -> int:
+        """`rdiv` as the kernel's `QStream.parts` hold it: negative for a part fetched whole along K."""
+        return -self.rdiv if self.whole else self.rdiv
+
+    def ring_for(self, n: int, tk: int = 0, k: int = 0) -> str:
         """Block scales (whole rows of squares) get a ring array as wide as their matrix's row of
         squares: Mosaic DMAs an HBM window of a narrow array only into an array of its width. A
         labelled part whose tile has a row count off its 8-row tile (a whole K of 576 is 18 rows
         of GGUF block words) gets a ring array of exactly those rows: Mosaic slices a bank only
-        along whole tiles."""
+        along whole tiles. So does any other part whose rows are not whole tiles of its dtype (28
+        bf16 scale rows of one K tile of 3584), and a part fetched whole along K."""
+        if self.whole:
+            return f"ring_{self.suffix}_{self.dtype}_{k // self.rdiv}"
+        rows = tk // self.rdiv if self.rdiv > 1 else 0  # a packed or scale part (plain ones are whole tiles)
+        if not self.label and self.cdiv == 1 and rows % (32 // self.itemsize):  # 28 bf16 scale rows at K 3584
+            return f"ring_{self.suffix}_{self.dtype}_{rows}"
         if self.label and (tk // self.rdiv) % 8:
             return f"{self.ring}{tk // self.rdiv}"
         return f"ring_scales{n // self.cdiv}" if self.cdiv > 1 else self.ring
 
-    def tile(self, tk: int, tn: int, n: int, transposed: bool = False) -> tuple[int, int]:
+    def tile(self, tk: int, tn: int, n: int, transposed: bool = False, k: int = 0) -> tuple[int, int]:
         """Its [rows, cols] in one ring bank (a transposed plain matrix's tile is [tn, tk]). Block
         scales come as whole rows of squares (all `n` columns): a window at a dynamic lane offset
-        of a narrow f32 array is not word-aligned in HBM."""
+        of a narrow f32 array is not word-aligned in HBM. A `whole` part has the rows of all `k`."""
         if transposed:
             return tn, tk
         if self.rdiv == 0:
             return 1, 1
+        if self.whole:
+            return k // self.rdiv, tn
         return max(1, tk // self.rdiv), (n if self.cdiv > 1 else tn) // self.cdiv
 
     @property
@@ -93,9 +107,28 @@ def _aligned(tk: int, k: int, rows: int, tile_rows: int) -> bool:
     return tk == k or rows % tile_rows == 0
 
 
-def stream_format(d: DType) -> StreamFormat | None:
-    """The streaming of a `linear` matrix of dtype `d`, or None (f32, i32 matrices do not stream)."""
+WHOLE = "_whole"  # the suffix of a format whose scales come whole along K with every tile
+
+
+def _int4_whole(d: DType) -> StreamFormat:
+    """int4 whose scale rows no K tile windows legally (a group of 128 at K = 3584: a bf16 window
+    must be 16 rows or all of them, so tk would be a multiple of 2048 dividing 3584). Each tile
+    brings the scale rows of its column block for the whole K (a legal superset, K/group rows),
+    and the kernel picks its tile's rows in VMEM; tk needs only whole 8-row nibble words and need
+    not be a multiple of the group."""
+    f32 = d.scale == "float32"
+    parts = (TilePart("codes", "uint32", "VMEM", 8), TilePart("scales", d.scale, "VMEM", d.group, whole=True))
+    return StreamFormat(
+        ("int4_f32" if f32 else "int4") + WHOLE, d.group, parts, lambda tk, k: _aligned(tk, k, tk // 8, 8)
+    )
+
+
+def stream_format(d: DType, whole: bool = False) -> StreamFormat | None:
+    """The streaming of a `linear` matrix of dtype `d`, or None (f32, i32 matrices do not stream).
+    `whole`: the int4 streaming with scales whole along K (`_int4_whole`), None for other dtypes."""
     g, b = d.group, d.block
+    if whole:
+        return _int4_whole(d) if d.name == "int4" else None
     if d.name == "bf16":
         return StreamFormat("bf16", 0, (TilePart("", "bfloat16", "VMEM", 1),), lambda tk, k: tk % 16 == 0)
     if d.name.startswith("fp8") and not d.quantised:
@@ -161,12 +194,40 @@ def padded_columns(n: int) -> int:
     return -(-n // 128) * 128
 
 
-def stream_tiles(t: Tensor, tile_k: int, tile_n: int, transposed: bool = False) -> tuple[int | None, int | None]:
-    """[tk, tn] of a streamed matrix (None where no aligned tile divides it): tk the whole K if
-    it fits, else the largest valid tile <= tile_k dividing K; tn likewise, lane-aligned. A
-    transposed matrix ([N, K] in HBM) has its K along the lanes: tk a multiple of 128 or all K."""
-    n, k = t.type.shape if transposed else reversed(t.type.shape)
+def stream_layout(
+    t: Tensor, tile_k: int, tile_n: int, transposed: bool = False
+) -> tuple[StreamFormat | None, int | None, int | None]:
+    """(format, tk, tn) of a streamed matrix: its dtype's format where a K tile up to `tile_k`
+    suits it. Else, for int4 (4-bit codes: half a bf16 tile's bytes per element), K tiles up to
+    twice `tile_k` in tiles of at most `tile_k * tile_n` elements (fewer columns): first with
+    per-tile scale windows (Qwen2.5-7B's K of 3584 in one tile), then with the scales whole along
+    K (`_int4_whole`; its scale rows come with every K tile, so a longer tile moves fewer)."""
     sf = stream_format(t.type.dtype)
+    tk, tn = stream_tiles(t, tile_k, tile_n, transposed, sf)
+    if tk is not None or transposed or t.type.dtype.name != "int4":
+        return sf, tk, tn
+    for fmt in (sf, stream_format(t.type.dtype, whole=True)):
+        tk, _ = stream_tiles(t, 2 * tile_k, tile_n, False, fmt)
+        if tk is not None:
+            narrow = max(128, min(tile_n, tile_k * tile_n // tk) // 128 * 128)
+            return fmt, *stream_tiles(t, 2 * tile_k, narrow, False, fmt)
+    return sf, None, None
+
+
+def format_of(model: Model, st) -> StreamFormat:
+    """The format a planned stream (plan.types.Stream) was cut with."""
+    return stream_format(model.tensor(st.tensor).type.dtype, whole=st.fmt.endswith(WHOLE))
+
+
+def stream_tiles(
+    t: Tensor, tile_k: int, tile_n: int, transposed: bool = False, sf: StreamFormat | None = None
+) -> tuple[int | None, int | None]:
+    """[tk, tn] of a streamed matrix in format `sf` (its dtype's by default; None where no aligned
+    tile divides it): tk the whole K if it fits, else the largest valid tile <= tile_k dividing K;
+    tn likewise, lane-aligned. A transposed matrix ([N, K] in HBM) has its K along the lanes: tk a
+    multiple of 128 or all K."""
+    n, k = t.type.shape if transposed else reversed(t.type.shape)
+    sf = sf or stream_format(t.type.dtype)
     if sf is None:
         return None, None
 
@@ -210,7 +271,7 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
                 "declare the weight bf16, or leave the input rounded to bf16",
             )
         ]
-    tk, tn = stream_tiles(t, TILE_K, tile_n_of(model), transposed)
+    _, tk, tn = stream_layout(t, TILE_K, tile_n_of(model), transposed)
     k, n = reversed(t.type.shape) if transposed else t.type.shape
     kd, nd = (1, 0) if transposed else (0, 1)
     if t.type.dtype.block and n % t.type.dtype.block and any(t.sharding[-1:]):
@@ -220,8 +281,19 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
         rows, cols = ("columns", "rows") if transposed else ("rows", "columns")
         what = f"{k} {rows}" + split_note(model, t, kd) if tk is None else f"{n} {cols}" + split_note(model, t, nd)
         need = f"a tile that divides it and suits {t.type.dtype}" if tk is None else "a multiple of 128"
-        return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}")]
+        hint = _layout_hint(t.type.dtype, transposed) if tk is None else None
+        return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}", hint)]
     return []
+
+
+def _layout_hint(d: DType, transposed: bool) -> str | None:
+    """The K layouts that stream, for the formats whose rule is short to say."""
+    if d.name == "int4" and not transposed:
+        return (
+            f"int4 K tiles are whole 8-row words of nibbles: a K of at most {2 * TILE_K}, or one with a "
+            f"divisor <= {2 * TILE_K} that is a multiple of 64 (e.g. pad K to a multiple of 64)"
+        )
+    return None
 
 
 def _allocate_linear(s: PlanContext, at: Site) -> None:
@@ -238,8 +310,8 @@ def _linear_traffic(s: PlanContext, at: Site) -> Traffic:
     st = s.stream_of(at)
     if not st:
         return Traffic()
-    parts = stream_format(s.model.tensor(st.tensor).type.dtype).parts
-    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn, st.n, st.transposed)) for p in parts)
+    parts = format_of(s.model, st).parts
+    per_tile = sum(p.itemsize * np.prod(p.tile(st.tk, st.tn, st.n, st.transposed, st.k)) for p in parts)
     return Traffic(int(per_tile) * st.tiles, st.tiles * len(parts))
 
 
@@ -271,7 +343,9 @@ def _linear_runtime(model: Model, at: Site) -> tuple[str, ...]:
     if sf is None or (sf.fmt == "bf16" and n % 128 == 0 and not at.node.attr.get("transposed")):
         return ()
     gguf = ("runtime/gguf.py.jinja",) if t.type.dtype.gguf else ()
-    return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja", *gguf)
+    layout = stream_layout(t, TILE_K, tile_n_of(model), bool(at.node.attr.get("transposed")))[0]
+    wide = ("runtime/scales.py.jinja",) if layout is not None and layout.fmt.endswith(WHOLE) else ()
+    return ("runtime/decode.py.jinja", "runtime/qlinear.py.jinja", *gguf, *wide)
 
 
 register_lowering(
