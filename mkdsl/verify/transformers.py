@@ -278,7 +278,7 @@ def check_isolated(report, model: Model, weights, trace: HFTrace, seq, prompt: i
     logits, _, state = run_prefill(model, Sampling(), weights, state, jnp.asarray(seq[None, :prompt]), feed=feed)
     rows = slice(0, prompt)
     for i in range(length):
-        rerun = _prefill_rerun(model, i, weights, trace, seq, rows)
+        rerun = _PrefillRerun(model, i, weights, trace, seq, rows)
         compare_layer(report, model, i, outs[i], trace, rows, "prefill", rerun, weights, seq)
     compare_logits(report, np.asarray(logits, np.float32)[0], trace.logits[prompt - 1], "prefill")
     layered = build_layered_reference(model)
@@ -298,10 +298,11 @@ def check_isolated(report, model: Model, weights, trace: HFTrace, seq, prompt: i
         compare_logits(report, np.asarray(logits, np.float32)[0], trace.logits[p], f"step {p - prompt + 1}")
 
 
-def _decode_rerun(model, index, weights, state, tok, pos, carry):
+def _decode_rerun(model, index, weights, state, tok, pos, carry, row: int):
+    """A decode step's one row (`row` 0), computed again from the same state."""
     from mkdsl.run.reference import run_layer
 
-    return run_layer(model, index, weights, state, tok, pos, carry)[0][0]
+    return row, lambda: run_layer(model, index, weights, state, tok, pos, carry)[0][0]
 
 
 def carry_dtype(model: Model):
@@ -346,30 +347,51 @@ def compare_layer(
 
 def _runner_up(model, index, trace, rows: slice, row: int, rerun) -> tuple[bool, bool]:
     """(whether local row `row` of `rows` has a routing near tie in the layer, whether the layer's
-    output then fits there)."""
+    output then fits there). `rerun(row) -> (i, run)`: `run()` computes the layer again over some
+    rows (under the near-tie references, which flip row `i` of what it computes) and returns
+    that row's output."""
     kind = model.kind(model.schedule[index])
     originals = {n.op: OPS[n.op] for n in kind.nodes if OPS[n.op].near_tie is not None}
     flipped: list[bool] = []
+    local, run = rerun(row)
     for name, op in originals.items():
-        OPS[name] = dataclasses.replace(op, reference=op.near_tie(row, ROUTE_TIE, flipped), prefill=None)
+        OPS[name] = dataclasses.replace(op, reference=op.near_tie(local, ROUTE_TIE, flipped), prefill=None)
     try:
-        out = rerun()
+        out = np.asarray(run(), np.float32).reshape(1, -1)
     finally:
         OPS.update(originals)
-    return bool(flipped), bool(flipped) and layer_ratio(model, index, np.asarray(out, np.float32), trace, rows)[
-        row
-    ] <= 1
+    at = slice(rows.start + row, rows.start + row + 1)
+    return bool(flipped), bool(flipped) and layer_ratio(model, index, out, trace, at)[0] <= 1
 
 
-def _prefill_rerun(model, index, weights, trace, seq, rows: slice):
-    from mkdsl.run.prefill import run_prefill_layer
+class _PrefillRerun:
+    """A prefill row of layer `index` computed again at its near tie: the layer is recorded once
+    (on the first tied row) and each tied row replayed alone from the choosing op on
+    (mkdsl/verify/row_replay.py); where that op's successors are not row-wise, the whole layer
+    runs again."""
 
-    def rerun():
+    def __init__(self, model, index, weights, trace, seq, rows: slice):
+        self.args, self.recorded = (model, index, weights, trace, seq, rows), None
+
+    def __call__(self, row: int):
+        from mkdsl.verify.row_replay import record_layer, replay, replayable
+
+        model, index, weights, trace, seq, rows = self.args
+        if replayable(model, index) is None:
+            return row, lambda: self._whole_layer()[row]
+        if self.recorded is None:
+            carry = trace.layer_in[index][rows]
+            self.recorded = record_layer(model, index, weights, carry, seq[rows], carry_dtype(model))
+        rec = self.recorded
+        return 0, lambda: replay(rec, row)
+
+    def _whole_layer(self):
+        from mkdsl.run.prefill import run_prefill_layer
+
+        model, index, weights, trace, seq, rows = self.args
         state = zero_state(model, rows.stop + 1)
         carries = [jnp.asarray(trace.layer_in[index][rows], carry_dtype(model))]
         return run_prefill_layer(model, index, weights, state, jnp.asarray(seq[None, rows]), carries)[0][0]
-
-    return rerun
 
 
 def compare_logits(report: OracleReport, got: np.ndarray, want: np.ndarray, where: str) -> None:
