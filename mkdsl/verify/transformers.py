@@ -27,8 +27,14 @@ whose ops read n weights or states (a matmul-like chain of at most n rounded inp
 within n x 2^-9 of the row's largest update (|out - in|), summed linearly as a worst case:
 LAYER_RTOL = 2^-9 per such op; F32_RTOL covers f32 accumulation order where an update is 0.
 A routing near tie (an op's `OpDef.near_tie` within ROUTE_TIE) may pick another expert: a row
-that fails in such a layer (a prefill row or a decode step's) is run again from the same state
-with the runner-up, and passes as a reported near tie.
+that fails in such a layer (a prefill row or a decode step's) is run again with the runner-up
+(a prefill row alone, from the choosing op on: mkdsl/verify/row_replay.py; a decode row from
+the same state), and passes as a reported near tie. A row that still fails may be
+ill-conditioned: the premise above (one rounding moves the update by 2^-9 of its scale) fails
+where the layer cancels and then normalises (Qwen3-Next's delta-rule read-out with q.k near 0,
+before its gated norm). The layer is run once more with its input moved by one rounding's size
+(`sensitivity`); a row that this moves by more than the premise passes, reported, within its
+usual bound plus that measured move (`_ill_conditioned`).
 """
 
 from __future__ import annotations
@@ -365,10 +371,11 @@ def compare_layer(
 def _ill_conditioned(model, index, got, trace, rows: slice, row: int, moved) -> str:
     """Why row `row` may exceed the bound though the spec is right, or "". The bound assumes one
     bf16 rounding moves the layer's output by at most 2^-9 of the row's update; `moved()` measures
-    what one such rounding of the layer's input really moves each row by (`sensitivity`). Where
-    that is more (a cancellation the layer then normalises: the delta rule's read-out q.k near
-    0 before the gated norm, docs in README), the row's bound is n such moves, n as in
-    `layer_ratio`."""
+    what moving the layer's input by one bf16 rounding's size really moves each row by
+    (`sensitivity`): the rounding of the normed input that every projection reads, with all its
+    consequences through the layer. Where that is more (a cancellation the layer then
+    normalises: the delta rule's read-out with q.k near 0 before its gated norm, README), the
+    row's bound is its usual one plus that one measured move."""
     if moved is None:
         return ""
     at = rows.start + row
@@ -379,21 +386,23 @@ def _ill_conditioned(model, index, got, trace, rows: slice, row: int, moved) -> 
         return ""
     n = rounded_reads(model.kind(model.schedule[index]))
     err = float(np.abs(got[row] - want).max())
-    if not err <= n * shift + F32_RTOL * float(np.abs(want).max()):
+    bound = shift + n * premise + F32_RTOL * float(np.abs(want).max())
+    if not err <= bound:
         return ""
     return (
-        f"one bf16 rounding of its input moves this row {shift / premise:.1f}x the bound's 2^-9 of its update, "
-        f"and the error is {err / (n * shift):.2f} of {n} such moves"
+        f"one bf16 rounding of its input moves this row {shift / premise:.1f}x the bound's 2^-9 of its "
+        f"update; the error is {err / bound:.2f} of the bound plus that move"
     )
 
 
 def sensitivity(run, carry: np.ndarray, seed: int = 0) -> np.ndarray:
-    """Per row, how far a layer's output moves (largest entry) when its input carry is moved by
-    one bf16 rounding's size: every entry times 1 ± 2^-9 (random signs). `run(carry)` is the
-    layer's output over the rows of `carry`."""
+    """Per row, how far a layer's update (output minus input, the bound's scale) moves, largest
+    entry, when its input carry is moved by one bf16 rounding's size: every entry times 1 ± 2^-9
+    (random signs). `run(carry)` is the layer's output over the rows of `carry`."""
     signs = np.random.default_rng(seed).choice([-1.0, 1.0], size=carry.shape).astype(np.float32)
-    base = np.asarray(run(carry), np.float32)
-    return np.abs(np.asarray(run(carry * (1 + ROUNDING * signs)), np.float32) - base).max(axis=-1)
+    moved = carry * (1 + ROUNDING * signs)
+    base = np.asarray(run(carry), np.float32) - carry
+    return np.abs(np.asarray(run(moved), np.float32) - moved - base).max(axis=-1)
 
 
 def _runner_up(model, index, trace, rows: slice, row: int, rerun) -> tuple[bool, bool]:
