@@ -210,3 +210,34 @@ def test_the_delta_rule_state_keeps_its_precision_over_1500_tokens():
     for name, o in forms.items():
         err = np.abs(o - exact).max(axis=(1, 2)) / scale
         assert err.max() <= 2.0**-15, (name, err.max())
+
+
+@pytest.mark.parametrize(
+    ("shift", "error", "passes"),
+    [(0.5, 2.0, False), (40.0, 0.5, True), (40.0, 2.0, False)],
+    ids=["well-conditioned", "ill-conditioned-within", "ill-conditioned-beyond"],
+)
+def test_an_ill_conditioned_row_passes_only_within_its_measured_move(shift, error, passes):
+    """`compare_layer`'s check on a decode row that fails its bound with no near tie: `moved`
+    (the layer's measured move under one input rounding) `shift` times the bound's premise
+    (2^-9 of the row's update); the row's error `error` times its usual bound plus that move. It
+    passes, reported as ill-conditioned, only where the move exceeds the premise and the error
+    is within the bound plus the move."""
+    model = mkdsl.load(ROOT / "specs/qwen3_30b_a3b.mk", "mini").model
+    h, p, layers = model.const["H"], 3, len(model.schedule)
+    rng = np.random.default_rng(2)
+    entering = rng.standard_normal((p + 1, h)).astype(np.float32)
+    want = entering + rng.standard_normal((p + 1, h)).astype(np.float32)
+    trace = vt.HFTrace(None, [entering] * layers, [want] * layers, [[] for _ in range(layers)])
+    premise = vt.ROUNDING * float(np.abs(want[p] - entering[p]).max())
+    n = vt.rounded_reads(model.kind(model.schedule[0]))
+    bound = shift * premise + n * premise if shift > 1 else n * premise
+    direction = rng.choice([-1.0, 1.0], size=h).astype(np.float32)
+    got = want[p : p + 1] + error * bound * direction  # its largest entry off by error x bound
+    report = vt.OracleReport("spec", "arch")
+    vt.compare_layer(report, model, 0, got, trace, slice(p, p + 1), "step 1", moved=lambda: np.array([shift * premise]))
+    assert report.ok == passes, report.text()
+    if passes:
+        assert "row 3 " in report.ties[0] and "ill-conditioned" in report.ties[0] and "40.0x" in report.ties[0]
+    else:
+        assert "step 1 layer 0" in report.failures[0] and not report.ties
