@@ -135,7 +135,8 @@ def test_row_976_is_the_spec_ill_conditioned_not_the_state_nor_transformers(laye
 
 
 @pytest.mark.slow
-def test_the_long_prompt_rows_are_a_replayed_near_tie_and_an_ill_conditioned_row(layer0):
+def test_the_long_prompt_rows_are_a_replayed_near_tie_and_an_ill_conditioned_row(layer0, monkeypatch):
+    from mkdsl.verify import row_replay
     from mkdsl.verify.row_replay import replay
 
     model, weights, _, trace, ids, rec = layer0
@@ -159,6 +160,10 @@ def test_the_long_prompt_rows_are_a_replayed_near_tie_and_an_ill_conditioned_row
     assert np.abs(outs[0] - outs[TIED]).max() <= vt.F32_RTOL * np.abs(outs[TIED]).max()
     assert np.abs(outs[0] - got[TIED]).max() > 0.01 * np.abs(got[TIED]).max()  # the flip changed the row
     assert np.array_equal(np.asarray(replay(rec, TIED)).reshape(-1), got[TIED])  # unflipped: as recorded
+    with monkeypatch.context() as m:  # where the choice's successors are not row-wise: the whole layer
+        m.setattr(row_replay, "replayable", lambda *_: None)
+        local, run = vt._PrefillRerun(model, 0, weights, trace, ids, rows)(TIED)
+        assert local == TIED and np.array_equal(np.asarray(run(), np.float32), got[TIED])
     # the checker: the tie by replay, the ill-conditioned row by its measured sensitivity
     report = vt.OracleReport("spec", "arch")
     vt.compare_layer(report, model, 0, got, trace, rows, "prefill", rerun, weights, ids, rerun.moved)
