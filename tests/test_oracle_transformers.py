@@ -195,7 +195,7 @@ def test_a_failing_decode_row_is_rerun_at_its_routing_near_tie(gap):
     """A decode step's row that fails in a layer that routes is run again (from the same state:
     `rerun`) with the routing's near tie taken the other way (`OpDef.near_tie` of `topk`): a near
     tie (top-k gap 0.1% of the k-th score, under ROUTE_TIE) is reported, not failed; a clear choice
-    (10%) is no near tie, and the row fails. The rerun here routes scores whose k-th and next
+    (10%) is no near tie, and the row fails (no `moved`: no ill-conditioning check). The rerun here routes scores whose k-th and next
     values are `gap` apart and gives back transformers' output."""
     import numpy as np
 
@@ -216,9 +216,12 @@ def test_a_failing_decode_row_is_rerun_at_its_routing_near_tie(gap):
     scores[0, k] = scores[0, k - 1] * (1 - gap)  # the runner-up, `gap` below the k-th choice
     scores[0, k + 1 :] = np.minimum(scores[0, k + 1 :], scores[0, k] * 0.5)  # the rest well below it
 
-    def rerun():
-        OPS["topk"].reference(jnp.asarray(scores), k=k)  # the layer's routing, under the near-tie rule
-        return want[p : p + 1]
+    def rerun(row):
+        def run():
+            OPS["topk"].reference(jnp.asarray(scores), k=k)  # the layer's routing, under the near-tie rule
+            return want[p : p + 1]
+
+        return row, run
 
     report = OracleReport("spec", "arch")
     compare_layer(report, model, 0, got, trace, slice(p, p + 1), "step 1", rerun)
