@@ -206,6 +206,8 @@ def _plan_inputs(args):
         raise UsageError(
             f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})"
         )
+    if args.draft == "mtp" and model.mtp is None:
+        raise UsageError(f"--draft mtp: {model.name} ({args.spec}) declares no `mtp` head")
     if args.context is not None and args.context < 0:
         raise UsageError(f"--context must be at least 0, got {args.context}")
     if args.context is not None and len(model.dims) > 1 and args.context > model.dims[1].high:
@@ -256,7 +258,7 @@ def _plan(args) -> int:
         _need_libtpu("--static")
         return _plan_static(args, source)
     if args.draft is not None:
-        figure = _plan_speculative(args, model, depth, options)
+        figure = _plan_speculative(args, model, depth, options, model_whole)
         print(render_summary(model, plan, args.spec, breakdown(model, plan)))
         from mkdsl.report.markdown import PUBLIC
 
@@ -275,8 +277,9 @@ def _plan(args) -> int:
     return 0
 
 
-def _plan_speculative(args, model, depth: int, options: dict):
-    """`plan --draft`: the verify step planned at B x R rows, the drafter's time, the accept step."""
+def _plan_speculative(args, model, depth: int, options: dict, whole):
+    """`plan --draft`: the verify step planned at B x R rows, the drafter's time, the accept step
+    (`model` per device, `whole` the spec's model, whose `mtp` head `--draft mtp` plans)."""
     from mkdsl.plan import make_plan
     from mkdsl.plan import speculative as spec_model
 
@@ -293,6 +296,10 @@ def _plan_speculative(args, model, depth: int, options: dict):
     series = sum(a.effect_us for a in planned.timing.assumptions if a.name == "rows_in_series")
     if args.draft == "ngram":
         figure = spec_model.ngram(args.batch, rows, args.acceptance, verify)
+    elif args.draft == "mtp":
+        from mkdsl.spmd.shard import shard
+
+        figure = _mtp_figure(args, spec_model.mtp_model(whole), verify, options)
     else:
         draft = _draft_plan(args, verify_rows)
         if isinstance(draft, tuple):  # its kernel does not lower yet: (floor us, why)
@@ -300,6 +307,27 @@ def _plan_speculative(args, model, depth: int, options: dict):
         else:
             figure = spec_model.with_draft_spec(args.batch, rows, args.acceptance, verify, draft, args.draft)
     return dataclasses.replace(figure, series_us=series)
+
+
+def _mtp_figure(args, head, verify: float, options: dict):
+    """`plan --draft mtp`: the target's head planned as a step of --batch rows, R - 1 of them per
+    verify step; a head the kernel cannot lower (`mkdsl check` says why) at its HBM floor."""
+    from mkdsl.plan import make_plan
+    from mkdsl.plan import speculative as spec_model
+    from mkdsl.spmd.shard import shard
+
+    try:
+        planned = make_plan(shard(head), batch=args.batch, context=args.context, **options)
+    except SpecError as e:
+        from mkdsl.run.spec_drafters import drafter_floor_us
+
+        first = e.diagnostics[0].message if e.diagnostics else str(e)
+        from mkdsl.plan.planner import default_context
+
+        context = args.context if args.context is not None else default_context(head)  # as the target's plan
+        floor = drafter_floor_us(head, args.batch, context)[0]
+        return spec_model.mtp_floor(args.batch, args.draft_rows, args.acceptance, verify, floor, first)
+    return spec_model.with_mtp(args.batch, args.draft_rows, args.acceptance, verify, planned)
 
 
 def _check_plan_draft(args) -> None:
@@ -311,11 +339,9 @@ def _check_plan_draft(args) -> None:
     shown = [f"--{o}" for o in ("full", "json", "placement", "levers", "static") if getattr(args, o)]
     if shown:
         raise UsageError(f"--draft prints the summary and the speculative figure; it does not combine with {shown[0]}")
-    if args.draft == "mtp":
-        raise UsageError("--draft mtp: MTP heads in the target spec are not available yet (issue #22's drafter specs)")
-    if args.draft != "ngram" and Path(args.draft).suffix != ".mk":
+    if args.draft not in ("ngram", "mtp") and Path(args.draft).suffix != ".mk":
         raise UsageError(f"--draft {args.draft}: expected ngram, mtp or a draft spec (a .mk file)")
-    if args.draft != "ngram":
+    if args.draft not in ("ngram", "mtp"):
         _read(args.draft)  # unreadable or oversized files are usage errors
     if args.draft_rows < 1:
         raise UsageError(f"--draft-rows must be at least 1, got {args.draft_rows}")
