@@ -297,8 +297,6 @@ def _plan_speculative(args, model, depth: int, options: dict, whole):
     if args.draft == "ngram":
         figure = spec_model.ngram(args.batch, rows, args.acceptance, verify)
     elif args.draft == "mtp":
-        from mkdsl.spmd.shard import shard
-
         figure = _mtp_figure(args, spec_model.mtp_model(whole), verify, options)
     else:
         draft = _draft_plan(args, verify_rows)
