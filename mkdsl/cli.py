@@ -744,6 +744,11 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--port {args.port}: not a port number")
     if args.decode == "kernel":
         _one_process_kernel("mkdsl serve --decode kernel", ", or with --decode reference")
+    _check_draft_args(args)
+    if args.draft is not None:
+        if _PROCESSES > 1:
+            raise UsageError("serve --draft runs on one process (the accept loop is on its host)")
+        args.batch = 1  # one sequence per verify step, as `run --draft`
     spec, module, weights, codec, _ = _prepare_run(args, None, None, serving=True)
     batch = args.batch
     seq_len = args.context if args.context is not None else 4 * module.KV_TILE
@@ -752,11 +757,26 @@ def cmd_serve(args) -> int:
     from mkdsl.run.prefill import PrefillError
 
     options = {"interpret": _interpret(args), "decode": args.decode, "mesh": _mesh(module)}
+    options["draft"] = _serve_drafter(args, spec, seq_len)
     try:
         serve.run_server(spec, module, weights, codec, batch, seq_len, args.host, args.port, args.model_name, **options)
     except PrefillError as e:
         raise UsageError(f"serve needs the spec's XLA prefill (each request prefills its own row): {e}") from None
     return 0
+
+
+def _serve_drafter(args, spec, seq_len: int):
+    """`serve --draft`: (its name, a function making a request's drafter), its weights loaded once
+    (as `run --draft` loads them); None without --draft."""
+    from mkdsl.run.drafters import make_drafter
+
+    if args.draft is None:
+        return None
+    draft_spec = getattr(args, "draft_spec", None)  # loaded and paired by _check_pairing
+    weights = _draft_weights(args, spec, draft_spec)
+    name = draft_spec if args.draft.endswith(".mk") else args.draft
+    rows = args.draft_rows or 4
+    return args.draft, lambda: make_drafter(name, rows, spec, weights, seq_len=seq_len)
 
 
 def _check_run_args(args) -> None:
@@ -770,8 +790,9 @@ def _check_run_args(args) -> None:
 
 
 def _check_draft_args(args) -> None:
-    """`run --draft`: a drafter kind, R in 2..16, one sequence, a readable --draft-weights (before
-    any loading; what the drafter pairs with is checked once the spec is read, `_check_pairing`)."""
+    """`run --draft` and `serve --draft`: a drafter kind, R in 2..16, one sequence, a readable
+    --draft-weights (before any loading; what the drafter pairs with is checked once the spec is
+    read, `_check_pairing`)."""
     from mkdsl.run.drafters import DrafterUnavailable, check_draft
 
     if args.draft is None:
@@ -790,8 +811,12 @@ def _check_draft_args(args) -> None:
         _read(args.draft)  # unreadable or oversized files are usage errors
     if not 2 <= (args.draft_rows or 4) <= 16:
         raise UsageError(f"--draft-rows must be in 2 .. 16 (the anchor and 1..15 drafts), got {args.draft_rows}")
-    if args.batch not in (None, 1) or len(args.prompt or ()) > 1 or args.steps_per_call != 1:
+    if args.batch not in (None, 1) or len(getattr(args, "prompt", None) or ()) > 1 or _steps_per_call(args) != 1:
         raise UsageError("--draft decodes one sequence, one verify step per call: --batch 1, --steps-per-call 1")
+
+
+def _steps_per_call(args) -> int:
+    return getattr(args, "steps_per_call", 1)  # `serve` runs one step per call
 
 
 def _check_pairing(args, model):
@@ -1215,6 +1240,7 @@ def _serve_parser(spec_command) -> None:
     )
     c.add_argument("--model-name", default=None, help="the model id clients name (default: the spec's model name)")
     _decode_args(c)
+    _draft_args(c, "speculative decoding with this drafter, one request at a time (ngram: prompt lookup)")
     _cluster_args(c)
 
 
@@ -1226,6 +1252,13 @@ def _decode_args(c) -> None:
         default="kernel",
         help="decode with the kernel (default) or the spec's unfused XLA reference step (sharded by XLA)",
     )
+
+
+def _draft_args(c, what: str) -> None:
+    """`run` and `serve`: the drafter of speculative decoding."""
+    c.add_argument("--draft", metavar="ngram|mtp|DRAFT.mk", help=what)
+    c.add_argument("--draft-rows", type=int, default=None, metavar="R", help="rows per verify step (default 4)")
+    c.add_argument("--draft-weights", metavar="PATH", help="a draft spec's checkpoint")
 
 
 def _plan_parser(c) -> None:
@@ -1325,13 +1358,7 @@ def _run_parser(spec_command) -> None:
     )
     c.add_argument("--steps-per-call", type=int, default=1, help="decode steps per call (default 1)")
     _decode_args(c)
-    c.add_argument(
-        "--draft",
-        metavar="ngram|mtp|DRAFT.mk",
-        help="speculative decoding with this drafter (ngram: prompt lookup; one sequence)",
-    )
-    c.add_argument("--draft-rows", type=int, default=None, metavar="R", help="rows per verify step (default 4)")
-    c.add_argument("--draft-weights", metavar="PATH", help="a draft spec's checkpoint")
+    _draft_args(c, "speculative decoding with this drafter (ngram: prompt lookup; one sequence)")
     c.add_argument(
         "--prefill",
         choices=("auto", "xla", "steps"),

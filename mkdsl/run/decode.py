@@ -55,12 +55,19 @@ class Decoder:
         self.module, self.weights, self.batch, self.seq_len = module, weights, batch, seq_len
         self.sampling, self.seed, self.interpret, self.steps_per_call = sampling, seed, interpret, steps_per_call
         self.spec, self.model, self.mesh, self.decode_with = spec, spec.model, mesh, decode
-        self.state = _zeros(module.state_layout(batch, seq_len), _state_shardings(module, mesh))
+        self.zero_state()
         self._steps: dict[int, Callable] = {}
         self._prefill_options = (prefill, per_device_prefill)
         self.prefill_fn = _prefill_fn(spec.model, module, sampling, prefill, mesh, per_device_prefill)
         self._by_sampling = {sampling: (self._steps, self.prefill_fn)}
         self._context_prefills: dict = {}  # (sampling, layers) -> the XLA prefill giving hidden states
+        self._verify_steps: dict = {}  # (sampling, rows, layers) -> the verify step
+
+    def zero_state(self) -> None:
+        """Every row's caches and recurrent state zeroed, in the plain layout (a new generation)."""
+        self.state = _zeros(
+            self.module.state_layout(self.batch, self.seq_len), _state_shardings(self.module, self.mesh)
+        )
 
     def use_sampling(self, sampling) -> None:
         """Sample with `sampling` from now on (its steps and prefill built once, then kept)."""
@@ -140,22 +147,29 @@ class Decoder:
     def verify_target(self, rows: int, layers: tuple[int, ...] = ()):
         """The R-row verify step as a speculative target (mkdsl/run/verify_rows.py), one sequence,
         on the current state: the kernel's (`verify_rows=rows`), or with `decode="reference"` the
-        spec's verify reference on the kernel's weights, its tokens drawn as the kernel draws them."""
+        spec's verify reference on the kernel's weights, its tokens drawn as the kernel draws them.
+        The step is built once per sampling, R and layers (a server verifies request after request)."""
         from mkdsl.run.speculative import kernel_rows_target
 
-        if self.decode_with == "reference":
-            step = _reference_rows(self.model, self.module, self.sampling, rows, tuple(layers))
-        else:
-            kernel_sampling = self.module.Sampling(**dataclasses.asdict(self.sampling))
-            options = {"interpret": self.interpret, "sampling": kernel_sampling}
-            if rows > 1 or layers:
-                options |= {"verify_rows": rows, "context_layers": tuple(layers)}
-            step = self.module.build_decode_step(self.batch, self.seq_len, **options)
-            if self.interpret and hasattr(self.module, "MESH_SHAPE"):
-                from mkdsl.api import _HostCallbacks  # a sharded step in interpret mode (see build_step)
-
-                step = _HostCallbacks(step)
+        key = (self.sampling, rows, tuple(layers))
+        if key not in self._verify_steps:
+            self._verify_steps[key] = self._verify_step(rows, tuple(layers))
+        step = self._verify_steps[key]
         return kernel_rows_target(self.module, step, self.weights, self.state, rows, self.seed, tuple(layers))
+
+    def _verify_step(self, rows: int, layers: tuple[int, ...]) -> Callable:
+        if self.decode_with == "reference":
+            return _reference_rows(self.model, self.module, self.sampling, rows, layers)
+        kernel_sampling = self.module.Sampling(**dataclasses.asdict(self.sampling))
+        options = {"interpret": self.interpret, "sampling": kernel_sampling}
+        if rows > 1 or layers:
+            options |= {"verify_rows": rows, "context_layers": layers}
+        step = self.module.build_decode_step(self.batch, self.seq_len, **options)
+        if self.interpret and hasattr(self.module, "MESH_SHAPE"):
+            from mkdsl.api import _HostCallbacks  # a sharded step in interpret mode (see build_step)
+
+            step = _HostCallbacks(step)
+        return step
 
 
 def unpad_weights(weights: dict, pads: dict) -> dict:
