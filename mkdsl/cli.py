@@ -774,6 +774,10 @@ def _serve_drafter(args, spec, seq_len: int):
         return None
     draft_spec = getattr(args, "draft_spec", None)  # loaded and paired by _check_pairing
     weights = _draft_weights(args, spec, draft_spec)
+    if weights is None and draft_spec is not None:  # drawn once, not per request (seed 0, as make_drafter's)
+        from mkdsl.run.spec_drafters import random_drafter_weights
+
+        weights = random_drafter_weights(draft_spec)
     name = draft_spec if args.draft.endswith(".mk") else args.draft
     rows = args.draft_rows or 4
     return args.draft, lambda: make_drafter(name, rows, spec, weights, seq_len=seq_len)

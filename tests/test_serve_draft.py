@@ -103,3 +103,59 @@ def test_ngram_speculative_server_answers_as_the_plain_server():
         # every token after the prefill's came from a verify step: at least n - 1 accepted in all
         assert kept + s["verify_steps"] >= n - 1
     assert np.mean([f["usage"]["speculative"]["mean_accepted_per_step"] for f in fast]) > 1
+
+
+@pytest.mark.timeout(900)
+def test_serve_draft_command_serves_the_plain_greedy_text(tmp_path):
+    """`mkdsl serve ... --draft ngram --draft-rows 4` as a user starts it (the Llama mini of
+    tests/test_serve.py, its reference verify step: `--decode reference`): the greedy completion
+    is plain greedy decoding's, streamed or whole; /health names the drafter; standard error gets
+    each request's verify steps and mean accepted tokens per step."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx2 as httpx
+    from checkpoint_writers import hf_tensors
+    from safetensors.numpy import save_file
+    from test_run import write_tokenizer
+    from test_serve import MODEL, _local_greedy, _port
+
+    spec = mkdsl.load(ROOT / "specs/llama3_8b.mk", "mini")
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=256, seed=11)  # test_serve's weights
+    save_file(hf_tensors(weights, 2), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    write_tokenizer(tmp_path, spec.model.const["V"])
+    port = _port()
+    cmd = ["timeout", "600", sys.executable, "-m", "mkdsl", "serve", str(ROOT / "specs/llama3_8b.mk"), "-p", "mini"]
+    cmd += ["--weights", str(tmp_path), "--decode", "reference", "--context", "256", "--port", str(port)]
+    cmd += ["--model-name", MODEL, "--draft", "ngram", "--draft-rows", "4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MKDSL_CACHE": str(tmp_path / "cache")}
+    log = tmp_path / "server.log"
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                try:
+                    health = httpx.get(f"{base}/health", timeout=2).json()
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+            assert health["rows"] == 1 and health["draft"] == "ngram" and health["draft_rows"] == 4
+            body = {"model": MODEL, "prompt": "the hello the hello the hello", "max_tokens": 12, "temperature": 0}
+            whole = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
+            with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                lines = [x[6:] for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+            streamed = "".join(json.loads(x)["choices"][0]["text"] for x in lines)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    text = whole["choices"][0]["text"]
+    assert text == _local_greedy(body["prompt"], 12) and streamed == text
+    assert whole["usage"]["speculative"]["verify_steps"] >= 1
+    assert log.read_text().count("mkdsl serve: speculative (ngram, 4 rows per verify step): ") == 2
