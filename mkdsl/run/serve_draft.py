@@ -55,14 +55,10 @@ class SpeculativeEngine(Engine):
         d.use_sampling(r.sampling)
         d.seed = r.seed
         d.zero_state()  # the last request's verify layout, or the first request's zeros
-        first = [True]
 
         def heard(tokens: list[int]) -> None:
             if r.cancelled.is_set() or self.stopped.is_set():
                 raise _Left
-            if not first[0]:
-                r.accepted.append(len(tokens))
-            first[0] = False
             for t in tokens:
                 if t in r.stop_ids:
                     r.finish = "stop"
@@ -71,23 +67,22 @@ class SpeculativeEngine(Engine):
 
         try:
             out, _, _ = run_decoder(d, self.make_drafter(), list(r.prompt), r.max_tokens, r.stop_ids, heard)
-            r.accepted[:] = [n for n, _ in out.steps]  # what each step accepted, the last one's whole
+            r.accepted[:] = [n for n, _ in out.steps]  # what each verify step accepted
+            self._log(r)
         except _Left:
             self.left += 1
         finally:
             d.state = None  # run_decoder leaves it so too; the next request zeroes it
-        self._log(r)
         r.out.put(None)
 
     def _log(self, r: Request) -> None:
-        if r.accepted:
-            mean = sum(r.accepted) / len(r.accepted)
-            print(
-                f"mkdsl serve: speculative ({self.draft}, {self.draft_rows} rows per verify step): {len(r.accepted)} "
-                f"verify steps, mean accepted {mean:.2f} tokens/step",
-                file=sys.stderr,
-                flush=True,
-            )
+        mean = sum(r.accepted) / len(r.accepted) if r.accepted else 0.0
+        print(
+            f"mkdsl serve: speculative ({self.draft}, {self.draft_rows} rows per verify step): {len(r.accepted)} "
+            f"verify steps, mean accepted {mean:.2f} tokens/step",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def usage(engine: Engine, r: Request) -> dict:
@@ -95,7 +90,7 @@ def usage(engine: Engine, r: Request) -> dict:
     `completion_tokens_details` (`accepted_prediction_tokens`: drafted tokens kept;
     `rejected_prediction_tokens`: drafted tokens the target refused), and `speculative`: the
     drafter, R, the verify steps and the mean tokens accepted per step (kept drafts + 1)."""
-    if getattr(engine, "draft", None) is None:
+    if engine.draft is None:
         return {}
     steps = len(r.accepted)
     kept = sum(r.accepted) - steps
