@@ -140,7 +140,7 @@ def test_plan_draft_mtp_plans_the_target_s_head_r_minus_1_times(capsys):
     assert not moved & {"wq_a", "kv_cache", "final_norm"}  # none of the target's layers or its own norm
     assert p["draft"] == pytest.approx(7 * head.timing.modeled_us, abs=0.05)  # printed .1f
     assert f"the target's `mtp` head, 7 steps of {head.timing.modeled_us:.1f} us" in out
-    assert "each head step: dispatch 70.0 us" in out and "linear `mtp_eh_proj`" in out
+    assert "each head step: dispatch 70.0 us" in out and "      linear `mtp_eh_proj`: " in out
     wide = make_plan(spec.local, batch=spec.model.dims[0].high, context=1152, static=static)
     verify = make_plan(spec.local, batch=8, context=1152, ring_depth=wide.ring_depth, static=static, verify_rows=8)
     assert p["verify"] == pytest.approx(verify.timing.modeled_us, abs=0.05)

@@ -162,8 +162,8 @@ def with_mtp(batch: int, rows: int, acceptance: float, verify_us: float, head_pl
     what = f"the target's `mtp` head, {n} steps of {t.modeled_us:.1f} us (the planner at {batch} row(s))"
     top = sorted(head_plan.phases, key=lambda c: -(c.stream_us + c.compute_us + c.comm_us))[:3]
     parts = (
-        f"each head step: dispatch {t.fixed_us:.1f} us, then its phases; the longest: "
-        + "; ".join(f"{c.what} {c.stream_us + c.compute_us + c.comm_us:.1f} us" for c in top),
+        f"each head step: dispatch {t.fixed_us:.1f} us, then its phases; the longest:",
+        *(f"  {c.what}: {c.stream_us + c.compute_us + c.comm_us:.1f} us" for c in top),
     )
     return Speculative(batch, rows, acceptance, verify_us, n * t.modeled_us, what, draft_parts=parts)
 
