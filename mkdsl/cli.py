@@ -815,12 +815,13 @@ def _check_draft_args(args) -> None:
         _read(args.draft)  # unreadable or oversized files are usage errors
     if not 2 <= (args.draft_rows or 4) <= 16:
         raise UsageError(f"--draft-rows must be in 2 .. 16 (the anchor and 1..15 drafts), got {args.draft_rows}")
-    if args.batch not in (None, 1) or len(getattr(args, "prompt", None) or ()) > 1 or _steps_per_call(args) != 1:
-        raise UsageError("--draft decodes one sequence, one verify step per call: --batch 1, --steps-per-call 1")
-
-
-def _steps_per_call(args) -> int:
-    return getattr(args, "steps_per_call", 1)  # `serve` runs one step per call
+    if (
+        args.batch not in (None, 1)
+        or len(getattr(args, "prompt", None) or ()) > 1
+        or getattr(args, "steps_per_call", 1) != 1
+    ):
+        needs = "--batch 1, --steps-per-call 1" if hasattr(args, "steps_per_call") else "--batch 1"  # serve: no steps
+        raise UsageError(f"--draft decodes one sequence, one verify step per call: {needs}")
 
 
 def _check_pairing(args, model):
