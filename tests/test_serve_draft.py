@@ -159,3 +159,33 @@ def test_serve_draft_command_serves_the_plain_greedy_text(tmp_path):
     assert text == _local_greedy(body["prompt"], 12) and streamed == text
     assert whole["usage"]["speculative"]["verify_steps"] >= 1
     assert log.read_text().count("mkdsl serve: speculative (ngram, 4 rows per verify step): ") == 2
+
+
+@pytest.mark.timeout(600)
+def test_a_draft_spec_server_answers_request_after_request_as_the_plain_server():
+    """A model drafter reading the target's hidden states (tests/data/tiny_draft.mk, random
+    weights, layers 0 and 1 of tiny) behind the server, tiny's reference verify step (`--decode
+    reference`): two requests one after the other, each from a zeroed state and a drafter that
+    heard only its own prompt, get the plain server's texts."""
+    from mkdsl.run.decode import Decoder
+    from mkdsl.run.engine import Engine
+    from mkdsl.run.sampling import Sampling
+    from mkdsl.run.serve_draft import SpeculativeEngine
+
+    spec = mkdsl.load(TINY)
+    weights, _ = mkdsl.random_inputs(spec, batch=1, seq_len=SEQ_LEN, seed=7)
+    axes = {t.name: 1 if t.stacked else 0 for t in spec.model.states}
+    module = mkdsl.load_kernel(spec)  # its layouts; the steps are the reference's
+    packed = mkdsl.kernel_weights(weights)
+    decoder = Decoder(spec, module, packed, 1, SEQ_LEN, Sampling(), interpret=None, prefill="xla", decode="reference")
+    prompts, n = ["the cat and the cat and the", "abcabcabcabcabcabcab"], 12  # one prefill bucket (32)
+    plain = _served(Engine(decoder, axes), prompts, n)
+
+    def drafter():
+        return mkdsl.make_drafter(str(ROOT / "tests" / "data" / "tiny_draft.mk"), spec, rows=4, seed=1)
+
+    fast = _served(SpeculativeEngine(decoder, axes, drafter, "tiny_draft.mk"), prompts, n)
+    assert plain[0]["choices"][0]["text"] != plain[1]["choices"][0]["text"]  # a mix-up of requests would show
+    for p, f in zip(plain, fast, strict=True):
+        assert f["choices"][0]["text"] == p["choices"][0]["text"] and len(p["choices"][0]["text"]) == n
+        assert f["usage"]["speculative"]["drafter"] == "tiny_draft.mk"

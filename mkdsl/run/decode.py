@@ -124,11 +124,20 @@ class Decoder:
     def decode(self, tokens: np.ndarray, position: int, n: int) -> np.ndarray:
         return self._call(tokens, position, n)
 
-    def prefill_with_context(self, tokens: np.ndarray, layers: tuple[int, ...]):
+    def prefill_with_context(self, tokens: np.ndarray, layers: tuple[int, ...], bucket: int = 1):
         """(next tokens [B], the prompt's hidden states after `layers` [B, T, len, H] or None):
-        `prefill`, or with layers the spec's XLA prefill asked for them (whole, under jit)."""
+        `prefill`, or with layers the spec's XLA prefill asked for them (whole, under jit).
+        `bucket` > 1 (the XLA prefill only): the prompt padded to a multiple of it, its length
+        given, so that prompts of nearby lengths share one compiled prefill (a server's)."""
+        tokens = np.asarray(tokens, np.int32)
+        t = tokens.shape[1]
+        lengths = start = None
+        if bucket > 1 and self.prefill_fn is not None:
+            padded = np.zeros((tokens.shape[0], -(-t // bucket) * bucket), np.int32)
+            padded[:, :t] = tokens
+            tokens, lengths, start = padded, np.full(len(tokens), t, np.int32), np.zeros(len(tokens), np.int32)
         if not layers:
-            return self.prefill(tokens), None
+            return self.prefill(tokens, lengths, start), None
         if self.prefill_fn is None:
             raise ValueError("a drafter reading the target's hidden states needs the spec's XLA prefill")
         from mkdsl.run.prefill import build_prefill
@@ -141,8 +150,8 @@ class Decoder:
             )
         fn = self._context_prefills[key]
         weights = unpad_weights(self.weights, getattr(self.module, "PADDED", {}))
-        self.logits, chosen, self.state, context = fn(weights, self.state, np.asarray(tokens, np.int32), seed=self.seed)
-        return to_host(chosen), to_host(context)
+        self.logits, chosen, self.state, context = fn(weights, self.state, tokens, lengths, start, seed=self.seed)
+        return to_host(chosen), to_host(context)[:, :t]
 
     def verify_target(self, rows: int, layers: tuple[int, ...] = ()):
         """The R-row verify step as a speculative target (mkdsl/run/verify_rows.py), one sequence,

@@ -66,7 +66,8 @@ class SpeculativeEngine(Engine):
                 r.out.put(t)
 
         try:
-            out, _, _ = run_decoder(d, self.make_drafter(), list(r.prompt), r.max_tokens, r.stop_ids, heard)
+            prompt, drafter = list(r.prompt), self.make_drafter()
+            out, _, _ = run_decoder(d, drafter, prompt, r.max_tokens, r.stop_ids, heard, bucket=self.bucket)
             r.accepted[:] = [n for n, _ in out.steps]  # what each verify step accepted
             self._log(r)
         except _Left:
