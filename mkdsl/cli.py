@@ -1263,7 +1263,9 @@ def _draft_args(c, what: str) -> None:
     """`run` and `serve`: the drafter of speculative decoding."""
     c.add_argument("--draft", metavar="ngram|mtp|DRAFT.mk", help=what)
     c.add_argument("--draft-rows", type=int, default=None, metavar="R", help="rows per verify step (default 4)")
-    c.add_argument("--draft-weights", metavar="PATH", help="a draft spec's checkpoint")
+    c.add_argument(
+        "--draft-weights", metavar="PATH", help="the drafter's checkpoint (a draft spec's; mtp: default --weights)"
+    )
 
 
 def _plan_parser(c) -> None:
