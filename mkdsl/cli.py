@@ -206,6 +206,8 @@ def _plan_inputs(args):
         raise UsageError(
             f"--batch {args.batch} is outside `{rows.name}` in {rows.low} .. {rows.high} (spec {args.spec})"
         )
+    if args.draft == "mtp" and model.mtp is None:
+        raise UsageError(f"--draft mtp: {model.name} ({args.spec}) declares no `mtp` head")
     if args.context is not None and args.context < 0:
         raise UsageError(f"--context must be at least 0, got {args.context}")
     if args.context is not None and len(model.dims) > 1 and args.context > model.dims[1].high:
@@ -256,7 +258,7 @@ def _plan(args) -> int:
         _need_libtpu("--static")
         return _plan_static(args, source)
     if args.draft is not None:
-        figure = _plan_speculative(args, model, depth, options)
+        figure = _plan_speculative(args, model, depth, options, model_whole)
         print(render_summary(model, plan, args.spec, breakdown(model, plan)))
         from mkdsl.report.markdown import PUBLIC
 
@@ -275,8 +277,9 @@ def _plan(args) -> int:
     return 0
 
 
-def _plan_speculative(args, model, depth: int, options: dict):
-    """`plan --draft`: the verify step planned at B x R rows, the drafter's time, the accept step."""
+def _plan_speculative(args, model, depth: int, options: dict, whole):
+    """`plan --draft`: the verify step planned at B x R rows, the drafter's time, the accept step
+    (`model` per device, `whole` the spec's model, whose `mtp` head `--draft mtp` plans)."""
     from mkdsl.plan import make_plan
     from mkdsl.plan import speculative as spec_model
 
@@ -293,6 +296,8 @@ def _plan_speculative(args, model, depth: int, options: dict):
     series = sum(a.effect_us for a in planned.timing.assumptions if a.name == "rows_in_series")
     if args.draft == "ngram":
         figure = spec_model.ngram(args.batch, rows, args.acceptance, verify)
+    elif args.draft == "mtp":
+        figure = _mtp_figure(args, spec_model.mtp_model(whole), verify, options)
     else:
         draft = _draft_plan(args, verify_rows)
         if isinstance(draft, tuple):  # its kernel does not lower yet: (floor us, why)
@@ -300,6 +305,27 @@ def _plan_speculative(args, model, depth: int, options: dict):
         else:
             figure = spec_model.with_draft_spec(args.batch, rows, args.acceptance, verify, draft, args.draft)
     return dataclasses.replace(figure, series_us=series)
+
+
+def _mtp_figure(args, head, verify: float, options: dict):
+    """`plan --draft mtp`: the target's head planned as a step of --batch rows, R - 1 of them per
+    verify step; a head the kernel cannot lower (`mkdsl check` says why) at its HBM floor."""
+    from mkdsl.plan import make_plan
+    from mkdsl.plan import speculative as spec_model
+    from mkdsl.spmd.shard import shard
+
+    try:
+        planned = make_plan(shard(head), batch=args.batch, context=args.context, **options)
+    except SpecError as e:
+        from mkdsl.run.spec_drafters import drafter_floor_us
+
+        first = e.diagnostics[0].message if e.diagnostics else str(e)
+        from mkdsl.plan.planner import default_context
+
+        context = args.context if args.context is not None else default_context(head)  # as the target's plan
+        floor = drafter_floor_us(head, args.batch, context)[0]
+        return spec_model.mtp_floor(args.batch, args.draft_rows, args.acceptance, verify, floor, first)
+    return spec_model.with_mtp(args.batch, args.draft_rows, args.acceptance, verify, planned)
 
 
 def _check_plan_draft(args) -> None:
@@ -311,11 +337,9 @@ def _check_plan_draft(args) -> None:
     shown = [f"--{o}" for o in ("full", "json", "placement", "levers", "static") if getattr(args, o)]
     if shown:
         raise UsageError(f"--draft prints the summary and the speculative figure; it does not combine with {shown[0]}")
-    if args.draft == "mtp":
-        raise UsageError("--draft mtp: MTP heads in the target spec are not available yet (issue #22's drafter specs)")
-    if args.draft != "ngram" and Path(args.draft).suffix != ".mk":
+    if args.draft not in ("ngram", "mtp") and Path(args.draft).suffix != ".mk":
         raise UsageError(f"--draft {args.draft}: expected ngram, mtp or a draft spec (a .mk file)")
-    if args.draft != "ngram":
+    if args.draft not in ("ngram", "mtp"):
         _read(args.draft)  # unreadable or oversized files are usage errors
     if args.draft_rows < 1:
         raise UsageError(f"--draft-rows must be at least 1, got {args.draft_rows}")
@@ -720,6 +744,11 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--port {args.port}: not a port number")
     if args.decode == "kernel":
         _one_process_kernel("mkdsl serve --decode kernel", ", or with --decode reference")
+    _check_draft_args(args)
+    if args.draft is not None:
+        if _PROCESSES > 1:
+            raise UsageError("serve --draft runs on one process (the accept loop is on its host)")
+        args.batch = 1  # one sequence per verify step, as `run --draft`
     spec, module, weights, codec, _ = _prepare_run(args, None, None, serving=True)
     batch = args.batch
     seq_len = args.context if args.context is not None else 4 * module.KV_TILE
@@ -728,11 +757,30 @@ def cmd_serve(args) -> int:
     from mkdsl.run.prefill import PrefillError
 
     options = {"interpret": _interpret(args), "decode": args.decode, "mesh": _mesh(module)}
+    options["draft"] = _serve_drafter(args, spec, seq_len)
     try:
         serve.run_server(spec, module, weights, codec, batch, seq_len, args.host, args.port, args.model_name, **options)
     except PrefillError as e:
         raise UsageError(f"serve needs the spec's XLA prefill (each request prefills its own row): {e}") from None
     return 0
+
+
+def _serve_drafter(args, spec, seq_len: int):
+    """`serve --draft`: (its name, a function making a request's drafter), its weights loaded once
+    (as `run --draft` loads them); None without --draft."""
+    from mkdsl.run.drafters import make_drafter
+
+    if args.draft is None:
+        return None
+    draft_spec = getattr(args, "draft_spec", None)  # loaded and paired by _check_pairing
+    weights = _draft_weights(args, spec, draft_spec)
+    if weights is None and draft_spec is not None:  # drawn once, not per request (seed 0, as make_drafter's)
+        from mkdsl.run.spec_drafters import random_drafter_weights
+
+        weights = random_drafter_weights(draft_spec)
+    name = draft_spec if args.draft.endswith(".mk") else args.draft
+    rows = args.draft_rows or 4
+    return args.draft, lambda: make_drafter(name, rows, spec, weights, seq_len=seq_len)
 
 
 def _check_run_args(args) -> None:
@@ -746,8 +794,9 @@ def _check_run_args(args) -> None:
 
 
 def _check_draft_args(args) -> None:
-    """`run --draft`: a drafter kind, R in 2..16, one sequence, a readable --draft-weights (before
-    any loading; what the drafter pairs with is checked once the spec is read, `_check_pairing`)."""
+    """`run --draft` and `serve --draft`: a drafter kind, R in 2..16, one sequence, a readable
+    --draft-weights (before any loading; what the drafter pairs with is checked once the spec is
+    read, `_check_pairing`)."""
     from mkdsl.run.drafters import DrafterUnavailable, check_draft
 
     if args.draft is None:
@@ -766,8 +815,13 @@ def _check_draft_args(args) -> None:
         _read(args.draft)  # unreadable or oversized files are usage errors
     if not 2 <= (args.draft_rows or 4) <= 16:
         raise UsageError(f"--draft-rows must be in 2 .. 16 (the anchor and 1..15 drafts), got {args.draft_rows}")
-    if args.batch not in (None, 1) or len(args.prompt or ()) > 1 or args.steps_per_call != 1:
-        raise UsageError("--draft decodes one sequence, one verify step per call: --batch 1, --steps-per-call 1")
+    if (
+        args.batch not in (None, 1)
+        or len(getattr(args, "prompt", None) or ()) > 1
+        or getattr(args, "steps_per_call", 1) != 1
+    ):
+        needs = "--batch 1, --steps-per-call 1" if hasattr(args, "steps_per_call") else "--batch 1"  # serve: no steps
+        raise UsageError(f"--draft decodes one sequence, one verify step per call: {needs}")
 
 
 def _check_pairing(args, model):
@@ -1191,6 +1245,7 @@ def _serve_parser(spec_command) -> None:
     )
     c.add_argument("--model-name", default=None, help="the model id clients name (default: the spec's model name)")
     _decode_args(c)
+    _draft_args(c, "speculative decoding with this drafter, one request at a time (ngram: prompt lookup)")
     _cluster_args(c)
 
 
@@ -1201,6 +1256,15 @@ def _decode_args(c) -> None:
         choices=("kernel", "reference"),
         default="kernel",
         help="decode with the kernel (default) or the spec's unfused XLA reference step (sharded by XLA)",
+    )
+
+
+def _draft_args(c, what: str) -> None:
+    """`run` and `serve`: the drafter of speculative decoding."""
+    c.add_argument("--draft", metavar="ngram|mtp|DRAFT.mk", help=what)
+    c.add_argument("--draft-rows", type=int, default=None, metavar="R", help="rows per verify step (default 4)")
+    c.add_argument(
+        "--draft-weights", metavar="PATH", help="the drafter's checkpoint (a draft spec's; mtp: default --weights)"
     )
 
 
@@ -1301,13 +1365,7 @@ def _run_parser(spec_command) -> None:
     )
     c.add_argument("--steps-per-call", type=int, default=1, help="decode steps per call (default 1)")
     _decode_args(c)
-    c.add_argument(
-        "--draft",
-        metavar="ngram|mtp|DRAFT.mk",
-        help="speculative decoding with this drafter (ngram: prompt lookup; one sequence)",
-    )
-    c.add_argument("--draft-rows", type=int, default=None, metavar="R", help="rows per verify step (default 4)")
-    c.add_argument("--draft-weights", metavar="PATH", help="a draft spec's checkpoint")
+    _draft_args(c, "speculative decoding with this drafter (ngram: prompt lookup; one sequence)")
     c.add_argument(
         "--prefill",
         choices=("auto", "xla", "steps"),

@@ -121,10 +121,50 @@ def test_a_draft_spec_the_kernel_cannot_lower_is_priced_at_its_floor(tmp_path, c
     assert "at its HBM floor for 4 rows (OPTIMISTIC" in out and "not by the positions" in out
 
 
+def test_plan_draft_mtp_plans_the_target_s_head_r_minus_1_times(capsys):
+    """DeepSeek-V3's `mtp` head (specs/deepseek_v3.mk, full size) as the drafter: one head step
+    planned at --batch rows by the target's own cost rules (its body a layer, its logits and the
+    target's sampling the epilogue), charged R - 1 = 7 times per verify step, with its parts."""
+    from mkdsl.plan.speculative import mtp_model
+    from mkdsl.spmd.shard import shard
+
+    dsv3 = str(ROOT / "specs" / "deepseek_v3.mk")
+    argv = ["plan", dsv3, "--batch", "1", "--context", "1152", "--draft", "mtp", "--draft-rows", "8"]
+    assert cli.main([*argv, "--acceptance", "6"]) == 0
+    out = capsys.readouterr().out
+    p = _parts(out)
+    spec, static = load(dsv3), _committed(dsv3)
+    head = make_plan(shard(mtp_model(spec.model)), batch=1, context=1152, static=static)
+    moved = {t.name for t in head.traffic if t.bytes}
+    assert {"mtp_eh_proj", "mtp_wq_a", "mtp_cache", "lm_head", "embed"} <= moved  # the head's and the shared ones
+    assert not moved & {"wq_a", "kv_cache", "final_norm"}  # none of the target's layers or its own norm
+    assert p["draft"] == pytest.approx(7 * head.timing.modeled_us, abs=0.05)  # printed .1f
+    assert f"the target's `mtp` head, 7 steps of {head.timing.modeled_us:.1f} us" in out
+    assert "each head step: dispatch 70.0 us" in out and "      linear `mtp_eh_proj`: " in out
+    wide = make_plan(spec.local, batch=spec.model.dims[0].high, context=1152, static=static)
+    verify = make_plan(spec.local, batch=8, context=1152, ring_depth=wide.ring_depth, static=static, verify_rows=8)
+    assert p["verify"] == pytest.approx(verify.timing.modeled_us, abs=0.05)
+    assert p["tps"] == pytest.approx(6e6 / (p["verify"] + p["draft"] + p["accept"]), rel=1e-3)
+
+
+def test_plan_draft_mtp_head_the_kernel_cannot_lower_is_at_its_floor(capsys):
+    """tests/data/tiny_mtp.mk's head keeps a cache not declared `per layer`, which the kernel
+    refuses: R - 1 head steps at its HBM floor, labelled OPTIMISTIC with `check`'s reason."""
+    from mkdsl.plan.speculative import mtp_model
+    from mkdsl.run.spec_drafters import drafter_floor_us
+
+    tiny_mtp = str(ROOT / "tests" / "data" / "tiny_mtp.mk")
+    assert cli.main(["plan", tiny_mtp, "--draft", "mtp", "--draft-rows", "4", "--acceptance", "2"]) == 0
+    out = capsys.readouterr().out
+    floor = drafter_floor_us(mtp_model(load(tiny_mtp).model), 1, 64)[0]  # the default context: 256 // 4
+    assert floor > 0 and _parts(out)["draft"] == pytest.approx(3 * floor, abs=0.05)
+    assert "3 steps at its HBM floor" in out and "OPTIMISTIC" in out and "`per layer`" in out
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--draft", "mtp"], "not available yet"),
+        (["--draft", "mtp"], "--draft mtp: tiny (" + TINY + ") declares no `mtp` head"),
         (["--draft", "ngram", "--acceptance", "9"], "--acceptance must be in 1 .. --draft-rows (8)"),
         (["--draft", "ngram", "--batch", "2"], "outside `B`"),
         (["--draft", "/nonexistent.mk"], "cannot read"),

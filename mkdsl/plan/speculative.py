@@ -8,15 +8,21 @@ own token, so 1 <= A <= R). Every part is modeled:
   with `verify_rows=R`: an op whose state runs the rows in series (`OpDef.rows_in_series`, the
   recurrent rules: row r reads the state row r - 1 wrote to HBM) is charged its state stream after
   its compute (`series_us`, shown);
-- drafter: a draft spec planned like any spec at its block of B x R rows; the n-gram drafter
-  runs on the host, not on the device, counted as 0 (its host cost: NGRAM_HOST);
+- drafter: a draft spec planned like any spec at its block of B x R rows; the target's `mtp`
+  head planned as a step of B rows (`mtp_model`: the planner prices its ops as it prices the
+  target's) and charged R - 1 times, one head step per draft, each after the last (a draft is
+  the next one's input); the n-gram drafter runs on the host, not on the device, counted as 0
+  (its host cost: NGRAM_HOST);
 - accept: ACCEPT_US, an estimate (not measured): the verify step's R tokens per sequence copied
   to the host and compared there, which the next step waits for (the drafter needs them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from mkdsl.lang.ir import Graph, Model, Node, Ref, Value
 
 ACCEPT_US = 20.0  # estimate, not measured: device -> host copy of B x R tokens and the host's compare
 NGRAM_HOST = (
@@ -36,6 +42,7 @@ class Speculative:
     draft: str  # what the drafter is and how its time was found
     accept_us: float = ACCEPT_US
     series_us: float = 0.0  # of verify_us: recurrent state charged row after row (OpDef.rows_in_series)
+    draft_parts: tuple[str, ...] = ()  # what the drafter's time is made of, shown under it
 
     @property
     def step_us(self) -> float:
@@ -68,6 +75,7 @@ class Speculative:
                 else []
             ),
             f"  drafter: {self.draft}: {self.draft_us:.1f} us",
+            *(f"    {part}" for part in self.draft_parts),
             f"  accept: {self.accept_us:.1f} us (estimate, not measured: tokens to the host and compared)",
             f"  modeled accepted tokens/s = {self.formula()}",
         ]
@@ -114,3 +122,56 @@ def with_draft_spec(batch: int, rows: int, acceptance: float, verify_us: float, 
     return Speculative(
         batch, rows, acceptance, verify_us, t.modeled_us, f"the draft spec {path} planned at {batch * rows} rows"
     )
+
+
+def mtp_model(model: Model) -> Model:
+    """The target's `mtp` head as a decode step the planner takes, so that its ops are priced by
+    the same rules as the target's: its body (the embedding of the token, the projection of the
+    normed pair, its transformer layer, up to the hidden state it returns) is the one layer, fed
+    the target's hidden state `h` as a step input; the nodes making its logits (its norm, the
+    shared output head) and the target's own sampling of them (the step's nodes reading its
+    logits) are the epilogue. ValueError for a model without a head."""
+    head = model.mtp
+    if head is None:
+        raise ValueError(f"{model.name} declares no `mtp` head")
+    (h,), (hidden, logits) = head.params, head.results
+    cut = 1 + next(i for i, n in enumerate(head.nodes) if any(v.name == hidden.name for v in n.outputs))
+    body = Graph("mtp", head.params, head.nodes[:cut], (hidden,), head.span)
+    out = Value(f"{hidden.name}_out", h.type, head.span)
+    writes = tuple(dict.fromkeys(w for n in body.nodes for w in n.writes))
+    stack = Node("layers", (Ref("input", h.name),), (), (out,), writes, head.span)
+
+    def renamed(n: Node, old: Ref, new: Ref) -> Node:
+        return dataclasses.replace(n, inputs=tuple(new if r == old else r for r in n.inputs))
+
+    logit_nodes = tuple(renamed(n, hidden, Ref("value", out.name)) for n in head.nodes[cut:])
+    sampled = [n for n in model.step.nodes if model.step.results[0] in n.inputs]
+    sampling = tuple(renamed(n, model.step.results[0], logits) for n in sampled)
+    results = (logits, *model.step.results[1:])
+    step = Graph(model.step.name, (), (stack, *logit_nodes, *sampling), results, head.span)
+    inputs = (*model.mtp_inputs, h, *(v for v in model.inputs if v.name not in {x.name for x in model.mtp_inputs}))
+    return dataclasses.replace(
+        model, name=f"{model.name}_mtp", kinds=(body,), schedule=("mtp",), step=step, inputs=inputs, mtp=None
+    )
+
+
+def with_mtp(batch: int, rows: int, acceptance: float, verify_us: float, head_plan) -> Speculative:
+    """The target's `mtp` head as the drafter: R - 1 of its steps (planned at B rows, one per
+    sequence) per verify step, one after the other, each with its own dispatch."""
+    t, n = head_plan.timing, rows - 1
+    what = f"the target's `mtp` head, {n} steps of {t.modeled_us:.1f} us (the planner at {batch} row(s))"
+    top = sorted(head_plan.phases, key=lambda c: -(c.stream_us + c.compute_us + c.comm_us))[:3]
+    parts = (
+        f"each head step: dispatch {t.fixed_us:.1f} us, then its phases; the longest:",
+        *(f"  {c.what}: {c.stream_us + c.compute_us + c.comm_us:.1f} us" for c in top),
+    )
+    return Speculative(batch, rows, acceptance, verify_us, n * t.modeled_us, what, draft_parts=parts)
+
+
+def mtp_floor(batch: int, rows: int, acceptance: float, verify_us: float, floor_us: float, why: str) -> Speculative:
+    """A head the kernel cannot lower: R - 1 steps at its HBM floor, OPTIMISTIC (as `with_draft_floor`)."""
+    what = (
+        f"the target's `mtp` head, {rows - 1} steps at its HBM floor of {floor_us:.1f} us for {batch} row(s) "
+        f"(OPTIMISTIC: no kernel schedule to plan, `mkdsl check` of the head says: {why})"
+    )
+    return Speculative(batch, rows, acceptance, verify_us, (rows - 1) * floor_us, what)

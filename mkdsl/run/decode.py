@@ -56,12 +56,19 @@ class Decoder:
         self.module, self.weights, self.batch, self.seq_len = module, weights, batch, seq_len
         self.sampling, self.seed, self.interpret, self.steps_per_call = sampling, seed, interpret, steps_per_call
         self.spec, self.model, self.mesh, self.decode_with = spec, spec.model, mesh, decode
-        self.state = _zeros(module.state_layout(batch, seq_len), _state_shardings(module, mesh))
+        self.zero_state()
         self._steps: dict[int, Callable] = {}
         self._prefill_options = (prefill, per_device_prefill)
         self.prefill_fn = _prefill_fn(spec.model, module, sampling, prefill, mesh, per_device_prefill)
         self._by_sampling = {sampling: (self._steps, self.prefill_fn)}
         self._context_prefills: dict = {}  # (sampling, layers) -> the XLA prefill giving hidden states
+        self._verify_steps: dict = {}  # (sampling, rows, layers) -> the verify step
+
+    def zero_state(self) -> None:
+        """Every row's caches and recurrent state zeroed, in the plain layout (a new generation)."""
+        self.state = _zeros(
+            self.module.state_layout(self.batch, self.seq_len), _state_shardings(self.module, self.mesh)
+        )
 
     def use_sampling(self, sampling) -> None:
         """Sample with `sampling` from now on (its steps and prefill built once, then kept)."""
@@ -116,11 +123,20 @@ class Decoder:
     def decode(self, tokens: np.ndarray, position: int, n: int) -> np.ndarray:
         return self._call(tokens, position, n)
 
-    def prefill_with_context(self, tokens: np.ndarray, layers: tuple[int, ...]):
+    def prefill_with_context(self, tokens: np.ndarray, layers: tuple[int, ...], bucket: int = 1):
         """(next tokens [B], the prompt's hidden states after `layers` [B, T, len, H] or None):
-        `prefill`, or with layers the spec's XLA prefill asked for them (whole, under jit)."""
+        `prefill`, or with layers the spec's XLA prefill asked for them (whole, under jit).
+        `bucket` > 1 (the XLA prefill only): the prompt padded to a multiple of it, its length
+        given, so that prompts of nearby lengths share one compiled prefill (a server's)."""
+        tokens = np.asarray(tokens, np.int32)
+        t = tokens.shape[1]
+        lengths = start = None
+        if bucket > 1 and self.prefill_fn is not None:
+            padded = np.zeros((tokens.shape[0], -(-t // bucket) * bucket), np.int32)
+            padded[:, :t] = tokens
+            tokens, lengths, start = padded, np.full(len(tokens), t, np.int32), np.zeros(len(tokens), np.int32)
         if not layers:
-            return self.prefill(tokens), None
+            return self.prefill(tokens, lengths, start), None
         if self.prefill_fn is None:
             raise ValueError("a drafter reading the target's hidden states needs the spec's XLA prefill")
         from mkdsl.run.prefill import build_prefill
@@ -133,26 +149,33 @@ class Decoder:
             )
         fn = self._context_prefills[key]
         weights = unpad_weights(self.weights, getattr(self.module, "PADDED", {}))
-        self.logits, chosen, self.state, context = fn(weights, self.state, np.asarray(tokens, np.int32), seed=self.seed)
-        return to_host(chosen), to_host(context)
+        self.logits, chosen, self.state, context = fn(weights, self.state, tokens, lengths, start, seed=self.seed)
+        return to_host(chosen), to_host(context)[:, :t]
 
     def verify_target(self, rows: int, layers: tuple[int, ...] = ()):
         """The R-row verify step as a speculative target (mkdsl/run/verify_rows.py), one sequence,
         on the current state: the kernel's (`verify_rows=rows`), or with `decode="reference"` the
-        spec's verify reference on the kernel's weights, its tokens drawn as the kernel draws them."""
+        spec's verify reference on the kernel's weights, its tokens drawn as the kernel draws them.
+        The step is built once per sampling, R and layers (a server verifies request after request)."""
         from mkdsl.run.speculative import kernel_rows_target
 
-        if self.decode_with == "reference":
-            step = _reference_rows(self.model, self.module, self.sampling, rows, tuple(layers))
-        else:
-            kernel_sampling = self.module.Sampling(**dataclasses.asdict(self.sampling))
-            options = {"interpret": self.interpret, "sampling": kernel_sampling}
-            if rows > 1 or layers:
-                options |= {"verify_rows": rows, "context_layers": tuple(layers)}
-            step = self.module.build_decode_step(self.batch, self.seq_len, **options)
-            if self.interpret:
-                use_host_callbacks()
+        key = (self.sampling, rows, tuple(layers))
+        if key not in self._verify_steps:
+            self._verify_steps[key] = self._verify_step(rows, tuple(layers))
+        step = self._verify_steps[key]
         return kernel_rows_target(self.module, step, self.weights, self.state, rows, self.seed, tuple(layers))
+
+    def _verify_step(self, rows: int, layers: tuple[int, ...]) -> Callable:
+        if self.decode_with == "reference":
+            return _reference_rows(self.model, self.module, self.sampling, rows, layers)
+        kernel_sampling = self.module.Sampling(**dataclasses.asdict(self.sampling))
+        options = {"interpret": self.interpret, "sampling": kernel_sampling}
+        if rows > 1 or layers:
+            options |= {"verify_rows": rows, "context_layers": layers}
+        step = self.module.build_decode_step(self.batch, self.seq_len, **options)
+        if self.interpret:
+            use_host_callbacks()
+        return step
 
 
 def unpad_weights(weights: dict, pads: dict) -> dict:

@@ -42,6 +42,7 @@ class Request:
     out: queue.Queue = field(default_factory=queue.Queue)  # token ids, then None at the end
     cancelled: threading.Event = field(default_factory=threading.Event)
     finish: str = "length"  # "stop" when an end token came
+    accepted: list[int] = field(default_factory=list)  # speculative serving: tokens accepted per verify step
 
     def key(self) -> tuple:
         """Requests with equal keys can share a call."""
@@ -50,7 +51,7 @@ class Request:
 
 
 @dataclass
-class _Row:
+class Row:
     request: Request
     position: int  # of the token fed next
     token: int  # fed next
@@ -60,10 +61,13 @@ class _Row:
 class Engine:
     """B rows of one Decoder (its weights, state and steps), driven by one thread."""
 
+    ahead = 1  # positions a request's last call may write past its last token (the cache must hold them)
+    draft: str | None = None  # the drafter of a speculative engine (mkdsl/run/serve_draft.py)
+
     def __init__(self, decoder: Decoder, batch_axes: dict[str, int], prefill_bucket: int = 16):
         self.decoder, self.batch = decoder, decoder.batch
         self.batch_axes, self.bucket = batch_axes, prefill_bucket
-        self.rows: list[_Row | None] = [None] * self.batch
+        self.rows: list[Row | None] = [None] * self.batch
         self.waiting: queue.Queue[Request] = queue.Queue()
         self.wake = threading.Event()
         self.stopped = threading.Event()
@@ -133,7 +137,7 @@ class Engine:
             lengths[i], reset[i] = len(r.prompt), 1
         chosen = self.execute(command)
         for i, r in new:
-            self.rows[i] = _Row(r, len(r.prompt), int(chosen[i]))
+            self.rows[i] = Row(r, len(r.prompt), int(chosen[i]))
             self._emit(i)
 
     def _decode(self) -> None:

@@ -13,6 +13,7 @@ import json
 import queue
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from mkdsl.run.engine import Engine, Request
@@ -66,6 +67,8 @@ class Api:
         e = self.engine
         status = "error" if e.error else "ok"
         rows = {"rows": e.batch, "rows_free": e.free_rows(), "waiting": e.waiting.qsize(), "left_early": e.left}
+        if e.draft is not None:  # speculative: the drafter and the rows each verify step checks
+            rows |= {"draft": e.draft, "draft_rows": e.draft_rows}
         return {"status": status, **rows}
 
     def models(self) -> dict:
@@ -80,8 +83,9 @@ class Api:
         ids = self.codec.encode(prompt_text)
         if not ids:
             raise ApiError(400, "the prompt encodes to no tokens", "prompt")
-        if len(ids) + body.max_tokens + 1 > self.seq_len:
-            message = f"{len(ids)} prompt tokens + max_tokens {body.max_tokens} exceed the context ({self.seq_len - 1})"
+        if len(ids) + body.max_tokens + self.engine.ahead > self.seq_len:
+            room = self.seq_len - self.engine.ahead  # a speculative verify step writes R - 1 past its anchor
+            message = f"{len(ids)} prompt tokens + max_tokens {body.max_tokens} exceed the context ({room})"
             raise ApiError(400, message, "max_tokens")
         sampling = Sampling(body.temperature, body.top_k, body.top_p)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -125,10 +129,13 @@ class Api:
             finish = why or finish
         return "".join(parts), finish
 
-    @staticmethod
-    def usage(r: Request, sink: TextSink) -> dict:
+    def usage(self, r: Request, sink: TextSink) -> dict:
+        """OpenAI's usage; with --draft also what the drafts did (mkdsl/run/serve_draft.py `usage`)."""
+        from mkdsl.run.serve_draft import usage
+
         done = len(sink.ids)
-        return {"prompt_tokens": len(r.prompt), "completion_tokens": done, "total_tokens": len(r.prompt) + done}
+        plain = {"prompt_tokens": len(r.prompt), "completion_tokens": done, "total_tokens": len(r.prompt) + done}
+        return plain | usage(self.engine, r)
 
     async def completion(self, body):
         prompt = body.prompt if isinstance(body.prompt, str) else _one(body.prompt, "prompt")
@@ -234,10 +241,21 @@ def _one(prompts: list[Any], param: str) -> str:
 
 
 def run_server(
-    spec, module, weights, codec, batch: int, seq_len: int, host: str, port: int, name: str | None, **options
+    spec,
+    module,
+    weights,
+    codec,
+    batch: int,
+    seq_len: int,
+    host: str,
+    port: int,
+    name: str | None,
+    draft: tuple[str, Callable] | None = None,
+    **options,
 ):
     """Serve until interrupted: process 0 runs the engine's thread and the HTTP server; on a
-    cluster the other processes follow process 0's calls."""
+    cluster the other processes follow process 0's calls. `draft`: (its name, a function making
+    a request's drafter) for speculative decoding, one process, one row (mkdsl/run/serve_draft.py)."""
     import threading
 
     import numpy as np
@@ -245,9 +263,11 @@ def run_server(
     from mkdsl.run import distributed
     from mkdsl.run.decode import Decoder
     from mkdsl.run.engine import follow
+    from mkdsl.run.serve_draft import SpeculativeEngine
 
     decoder = Decoder(spec, module, weights, batch, seq_len, Sampling(), prefill="xla", **options)
-    engine = Engine(decoder, {t.name: 1 if t.stacked else 0 for t in spec.model.states})
+    axes = {t.name: 1 if t.stacked else 0 for t in spec.model.states}
+    engine = Engine(decoder, axes) if draft is None else SpeculativeEngine(decoder, axes, draft[1], draft[0])
     import jax
 
     if jax.process_count() > 1:

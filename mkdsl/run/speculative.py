@@ -194,15 +194,16 @@ def zero_state(model, seq_len: int) -> dict:
     }
 
 
-def run_decoder(decoder, drafter: Drafter, prompt: list[int], max_tokens: int, stop, on_tokens=None):
-    """`mkdsl run --draft`: the decoder's prefill (with the prompt's hidden states if the drafter
-    reads some), then `speculate` on its R-row verify step. Returns (Speculation, prefill
-    seconds, how the prompt went: "XLA" or "kernel steps")."""
+def run_decoder(decoder, drafter: Drafter, prompt: list[int], max_tokens: int, stop, on_tokens=None, bucket=1):
+    """`mkdsl run --draft` (and `serve --draft`): the decoder's prefill (with the prompt's hidden
+    states if the drafter reads some; the prompt padded to a multiple of `bucket`), then
+    `speculate` on its R-row verify step. Returns (Speculation, prefill seconds, how the prompt
+    went: "XLA" or "kernel steps")."""
     if decoder.batch != 1:
         raise ValueError(f"speculative decoding runs one sequence (batch 1), not {decoder.batch}")
     layers = tuple(drafter.context_layers)
     t0 = time.perf_counter()
-    first, context = decoder.prefill_with_context(np.asarray([prompt], np.int32), layers)
+    first, context = decoder.prefill_with_context(np.asarray([prompt], np.int32), layers, bucket)
     prefill_s = time.perf_counter() - t0
     target = decoder.verify_target(drafter.rows, layers)
     out = speculate(
