@@ -62,6 +62,11 @@ def test_kquant_k_off_its_super_blocks_is_a_diagnostic_with_the_reason(tmp_path,
     assert main(["check", str(path)]) == 1
     err = capsys.readouterr().err
     assert "(768) must be a multiple of 512" in err and "keeps the f16 d of two in one word" in err, err
+    path.write_text(KSPEC.replace("weight w_d:     q4_k[4096, H]", "weight w_d:     q6_k[4096, H]"))
+    assert main(["check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "weight `w_d` has 4096 rows; streaming it in tiles needs a tile that divides it and suits q6_k" in err
+    assert "q6_k streams all of K in one tile, at most 2048 inputs" in err, err
 
 
 KSPEC = """

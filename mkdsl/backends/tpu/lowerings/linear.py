@@ -86,6 +86,7 @@ class StreamFormat:
     group: int
     parts: tuple[TilePart, ...]
     k_ok: Callable[[int, int], bool]  # (tk, K) -> a valid K tile (aligned windows of every part)
+    tiles: str = ""  # which K tiles suit it, where that is not plain (the checker's hint)
 
 
 def _aligned(tk: int, k: int, rows: int, tile_rows: int) -> bool:
@@ -170,8 +171,22 @@ def _kquant_stream(d: DType) -> StreamFormat:
         parts.append(TilePart("d", "uint32", "VMEM", 512, label="gguf_d"))
     m = f.k_multiple
     return StreamFormat(
-        d.name, 256, tuple(parts), lambda tk, k: tk % m == 0 and all(_aligned(tk, k, tk // p.rdiv, 8) for p in parts)
+        d.name,
+        256,
+        tuple(parts),
+        lambda tk, k: tk % m == 0 and all(_aligned(tk, k, tk // p.rdiv, 8) for p in parts),
+        _kquant_tiles(d.name),
     )
+
+
+def _kquant_tiles(name: str) -> str:
+    """The checker's hint on a K-quant K no tile suits."""
+    if name == "q6_k":
+        return (
+            f"q6_k streams all of K in one tile, at most {TILE_K} inputs: its d words (one per two "
+            "super-blocks) start an 8-row HBM tile only every 4096 inputs"
+        )
+    return f"{name} tiles are 512 inputs or a multiple (their scale words start 8-row HBM tiles), dividing K, or all of K up to {TILE_K}"
 
 
 def padded_columns(n: int) -> int:
@@ -239,7 +254,8 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
         rows, cols = ("columns", "rows") if transposed else ("rows", "columns")
         what = f"{k} {rows}" + split_note(model, t, kd) if tk is None else f"{n} {cols}" + split_note(model, t, nd)
         need = f"a tile that divides it and suits {t.type.dtype}" if tk is None else "a multiple of 128"
-        return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}")]
+        hint = stream_format(t.type.dtype).tiles if tk is None else ""
+        return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}", hint or None)]
     return []
 
 
