@@ -339,3 +339,53 @@ def test_a_serial_phase_charges_its_stream_after_its_compute():
     from dataclasses import replace
 
     assert total([replace(state, serial=True)], 0) == pytest.approx(3.5)  # one after the other
+
+
+QSPEC = """
+model decode_cost
+
+const H = 256
+const K = 4096
+
+dim B in 1 .. 8
+
+weight embed: bf16[H, H]
+weight w:     q4_k[H, K] per layer
+weight w2:    q4_k[K, H] per layer
+
+layer mlp(x) {
+  return x + linear(linear(x, w), w2)
+}
+
+layers 1 { mlp: otherwise }
+
+step(tokens, positions) {
+  x = layers(embedding(tokens, embed))
+  return x, argmax(x)
+}
+"""
+
+
+def test_the_vector_estimate_charges_decoding_quantised_tiles(tmp_path):
+    """A q4_k matrix pays its stated operations per weight at the vector unit's width (an
+    assumption named in the plan); the same spec in bf16 pays none."""
+    from mkdsl.ops.linear import DECODE_OPS_PER_WEIGHT
+    from mkdsl.plan.cost_model import vector_us
+
+    plans = {}
+    for dtype in ("q4_k", "bf16"):
+        (tmp_path / f"{dtype}.mk").write_text(QSPEC.replace("q4_k[", f"{dtype}["))
+        plans[dtype] = make_plan(shard(load(str(tmp_path / f"{dtype}.mk"))))
+    (w2,) = [p for p in plans["q4_k"].phases if p.what == "linear `w2`"]
+    (plain,) = [p for p in plans["bf16"].phases if p.what == "linear `w2`"]
+    decode = 4096 * 256 * DECODE_OPS_PER_WEIGHT["q4_k"]
+    assert DECODE_OPS_PER_WEIGHT["q4_k"] == 15
+    rows = 16  # batch 1 padded to the bf16 row tile: [16, 4096] in, [16, 256] out
+    assert w2.source == "vector" and w2.compute_us == pytest.approx(vector_us(rows * (4096 + 256) + decode))
+    # bf16: its small estimate hides under its stream; q4_k's decode outlasts the bf16 stream (modeled)
+    assert plain.compute_us <= vector_us(rows * (4096 + 256)) and w2.compute_us > 3 * (
+        plain.stream_us + plain.compute_us
+    )
+    names = {a.name: a.effect_us for a in plans["q4_k"].timing.assumptions}
+    assert names["quantised_decode"] == pytest.approx(2 * (vector_us(decode) - vector_us(0)))
+    assert "quantised_decode" not in {a.name for a in plans["bf16"].timing.assumptions}

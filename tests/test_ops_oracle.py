@@ -543,6 +543,84 @@ def test_linear_gguf_blocks(seed, b, k, n, fmt, scale, dt):
     check_linear(np.asarray(out), xv, want, f"linear {fmt}")
 
 
+@functools.cache
+def _jitted_kquant_linear(fmt: str):
+    ref = OPS["linear"].reference
+    return jax.jit(lambda x, codes, words, extra: ref(x, QTensor(codes, words, fmt, 256, None, extra)))
+
+
+def kquant_values(fmt: str, codes, words, extra) -> np.ndarray:
+    """K-quant weights [K, N] in float64, element by element from ggml's definitions and mkdsl's
+    documented storage (docs/language.md, Dtypes): q the nibble plus, for q5_k/q6_k, the bits of
+    `high` above it (word j of a super-block's W words holds inputs j, j + W, ...); q4_k/q5_k
+    d * sc * q - dmin * m per sub-block of 32 (6-bit sc, m of ggml's get_scale_min_k4 over the
+    12 bytes in words 1..3), q6_k d * sc * (q - 32) per 16 (int8 sc, the d of super-blocks 2i,
+    2i + 1 in one word)."""
+    k, n = codes.shape[0] * 8, codes.shape[1]
+    per = {"q4_k": 0, "q5_k": 32, "q6_k": 16}[fmt]
+    out = np.zeros((k, n))
+
+    def byte(word: int, b: int) -> int:
+        return (int(word) >> (8 * b)) & 255
+
+    def f16(bits: int) -> float:
+        return float(np.array([bits & 0xFFFF], np.uint16).view(np.float16)[0])
+
+    for c in range(n):
+        for i in range(k):
+            s, r = divmod(i, 256)
+            q = nibble(codes, i, c)
+            if per:
+                w, bits = 256 // per, 32 // per
+                q += ((int(extra[0][w * s + r % w, c]) >> (bits * (r // w))) & (2**bits - 1)) << 4
+            ws = [int(words[4 * s + f, c]) for f in range(4)]
+            if fmt == "q6_k":
+                j = r // 16
+                sc = byte(ws[j // 4], j % 4)
+                d = f16(int(extra[1][s // 2, c]) >> (16 * (s % 2)))
+                out[i, c] = d * (sc - 256 if sc >= 128 else sc) * (q - 32)
+                continue
+            j = r // 32
+            b = [byte(ws[1 + t // 4], t % 4) for t in range(12)]
+            if j < 4:
+                sc, m = b[j] & 63, b[j + 4] & 63
+            else:
+                sc, m = (b[j + 4] & 15) | ((b[j - 4] >> 6) << 4), (b[j + 4] >> 4) | ((b[j] >> 6) << 4)
+            out[i, c] = f16(ws[0]) * sc * q - f16(ws[0] >> 16) * m
+    return out
+
+
+@oracle_for("linear", "q4_k", "q5_k", "q6_k")
+@FEW
+@given(
+    seed=SEEDS,
+    b=ROWS,
+    n=st.sampled_from([1, 24]),
+    fmt=st.sampled_from(["q4_k", "q5_k", "q6_k"]),
+    scale=SCALES,
+    dt=ACT_DTYPES,
+)
+def test_linear_kquants(seed, b, n, fmt, scale, dt):
+    """GGUF K-quants (super-blocks of 256, two of them: q6_k's d words pair them): random codes,
+    bits and packed scales, f16 d and dmin of a trained model's size."""
+    rng = np.random.default_rng(seed)
+    k = 512
+    x, xv = activation(rng, (b, k), scale, dt)
+    codes = rng.integers(0, 2**32, (k // 8, n), dtype=np.uint32)
+    words = rng.integers(0, 2**32, (k // 64, n), dtype=np.uint32)
+    f16 = lambda a: a.astype(np.float16).view(np.uint16).astype(np.uint32)  # noqa: E731
+    extra = ()
+    if fmt != "q6_k":  # word 0 of each super-block: d | dmin << 16
+        words[0::4] = f16(rng.uniform(1e-4, 3e-3, (k // 256, n))) | f16(rng.uniform(1e-4, 3e-3, (k // 256, n))) << 16
+    if fmt != "q4_k":
+        extra = (rng.integers(0, 2**32, (k // (32 if fmt == "q5_k" else 16), n), dtype=np.uint32),)
+    if fmt == "q6_k":
+        extra += (f16(rng.uniform(1e-4, 3e-3, (k // 512, n))) | f16(rng.uniform(1e-4, 3e-3, (k // 512, n))) << 16,)
+    (out,) = _jitted_kquant_linear(fmt)(x, codes, words, extra)
+    # each decoded value rounds once in f32 (the subtraction; q6_k's product by q): inside check_linear's bound
+    check_linear(np.asarray(out), xv, kquant_values(fmt, codes, words, extra), f"linear {fmt}")
+
+
 @oracle_for("linear", "nvfp4")
 @FEW
 @given(seed=SEEDS, b=ROWS, k=st.sampled_from([16, 128]), n=st.sampled_from([1, 24]), scale=SCALES, dt=ACT_DTYPES)

@@ -14,7 +14,8 @@ each row of a stored `[out, in]` matrix is a run of blocks along `in`, little-en
   of 16), f16 `d`; value `(d * sc) * (q - 32)`.
 
 Every decode multiplies in f32 in ggml's order, so the values are the ones llama.cpp computes.
-`split` gives the Q8_0/Q4_x codes and f16 fields without decoding (kept as stored: `dtypes.GGUF`).
+`split` gives the Q8_0/Q4_x codes and f16 fields without decoding, `split_k` a K-quant's codes and
+its super-blocks' other bytes (kept as stored: `dtypes.GGUF`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ import numpy as np
 SIZES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q5_K": (256, 176)}
 SIZES["Q6_K"] = (256, 210)
 # Stored type -> the spec dtype that holds it as stored (mkdsl/lang/dtypes.py GGUF).
-KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+# A K-quant's bytes per super-block other than its codes: Q4_K/Q5_K d, dmin and 12 bytes of
+# scales and mins; Q6_K 16 int8 scales then d.
+HEAD = {"Q4_K": 16, "Q5_K": 16, "Q6_K": 18}
 
 
 def _blocks(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -72,10 +76,7 @@ def _k4(b: np.ndarray, fifth: np.ndarray | None) -> np.ndarray:
     """Q4_K (fifth None) or Q5_K: [n, 144 or 176] -> [n, 256] f32."""
     d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
     sc, m = _k_scales(b[:, 4:16])
-    qs = b[:, -128:].reshape(-1, 4, 32)  # 4 runs of 32 bytes: sub-blocks 2j (low) and 2j+1 (high)
-    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32).astype(np.int32)
-    if fifth is not None:  # bit i of byte l: input l of sub-block i
-        q = q + (((fifth[:, None, :] >> np.arange(8)[None, :, None]) & 1) << 4)
+    q = _k4_codes(b, fifth).reshape(-1, 8, 32)  # 8 sub-blocks of 32
     scale = (d * sc.astype(np.float32))[..., None]
     mins = (dmin * m.astype(np.float32))[..., None]
     return (scale * q.astype(np.float32) - mins).reshape(-1, 256)
@@ -85,19 +86,45 @@ def _q6k(b: np.ndarray) -> np.ndarray:
     """Q6_K: [n, 210] -> [n, 256] f32. Per half of 128 inputs: 64 bytes of low nibbles, 32 of
     high pairs; input 32i + l (i = 0..3) has the low (i < 2) or high nibble of byte l + 32(i % 2)
     and bits 2i, 2i+1 of high byte l."""
-    ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 32)
     sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 16)
     d = _f16(b[:, 208:210])[:, None]
+    q = _q6k_codes(b).astype(np.int32) - 32
+    scale = (d * sc)[..., None]  # sub-blocks of 16
+    return (scale * q.reshape(-1, 16, 16).astype(np.float32)).reshape(-1, 256)
+
+
+def _q6k_codes(b: np.ndarray) -> np.ndarray:
+    """Q6_K's 6-bit codes (0..63, before `- 32`) of [n, 210] blocks, in input order [n, 256]."""
+    ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32), b[:, 128:192].reshape(-1, 2, 32)
     low = np.stack([ql[:, :, 0] & 15, ql[:, :, 1] & 15, ql[:, :, 0] >> 4, ql[:, :, 1] >> 4], axis=2)
     high = np.stack([(qh >> (2 * i)) & 3 for i in range(4)], axis=2)
-    q = (low.astype(np.int32) | (high.astype(np.int32) << 4)) - 32  # [n, 2, 4, 32]
-    scale = (d * sc).reshape(-1, 2, 4, 2, 1)  # sub-blocks of 16: 2 per run of 32
-    return (scale * q.reshape(-1, 2, 4, 2, 16).astype(np.float32)).reshape(-1, 256)
+    return (low | (high << 4)).reshape(-1, 256)
+
+
+def _k4_codes(b: np.ndarray, fifth: np.ndarray | None) -> np.ndarray:
+    """Q4_K/Q5_K's codes (0..15 or 0..31) of [n, 144 or 176] blocks, in input order [n, 256]."""
+    qs = b[:, -128:].reshape(-1, 4, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
+    if fifth is not None:
+        q = q | (((fifth[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+    return q.reshape(-1, 256)
+
+
+def split_k(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant tensor as (codes [..., in] uint8 in input order: Q4_K 0..15, Q5_K 0..31 with the
+    fifth bit, Q6_K 0..63; its super-blocks' other bytes [..., in/256, HEAD] as stored: Q4_K/Q5_K
+    bytes 0..15, Q6_K bytes 192..209)."""
+    b = _blocks(raw, kind, shape).reshape(-1, SIZES[kind][1])
+    if kind == "Q6_K":
+        codes, head = _q6k_codes(b), b[:, 192:210]
+    else:
+        codes, head = _k4_codes(b, b[:, 16:48] if kind == "Q5_K" else None), b[:, 0:16]
+    return codes.reshape(shape), np.ascontiguousarray(head).reshape(*shape[:-1], shape[-1] // 256, HEAD[kind])
 
 
 def decode(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> np.ndarray:
     """A stored block tensor as f32 of `shape` (numpy order, blocks along the last axis)."""
-    if kind in KEPT:
+    if kind in ("Q8_0", "Q4_0", "Q4_1"):
         codes, d, m = split(raw, kind, shape)
         q = codes.astype(np.float32) - (8.0 if kind == "Q4_0" else 0.0)
         dd = np.repeat(d.astype(np.float32), 32, axis=-1)

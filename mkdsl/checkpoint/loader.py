@@ -383,9 +383,11 @@ def _build(wp: WeightPlan, reader, report: LoadReport, bar):
             out.codes[p.index], out.scales[p.index] = parts[:2]
             if out.glob is not None:
                 out.glob[p.index] = parts[2]
+            for a, part in zip(out.extra, parts[2:], strict=False):
+                a[p.index] = part
         else:
             out[p.index] = parts[0]
-    report.bytes += sum(a.nbytes for a in (out[:2] if isinstance(out, QTensor) else (out,)))
+    report.bytes += sum(a.nbytes for a in ((*out[:2], *out.extra) if isinstance(out, QTensor) else (out,)))
     return out
 
 

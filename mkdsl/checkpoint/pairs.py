@@ -18,7 +18,7 @@ import numpy as np
 from mkdsl.checkpoint import gguf_blocks
 from mkdsl.checkpoint.steps import Grid
 from mkdsl.lang.dtypes import DType
-from mkdsl.lang.quant import E2M1_VALUES, pack_nibbles
+from mkdsl.lang.quant import E2M1_VALUES, QTensor, dequantize, pack_kquant, pack_nibbles
 
 
 @dataclass(frozen=True)
@@ -162,20 +162,27 @@ def pair_kind(codes, scales, block: int) -> tuple[PairKind | None, Grid | str]:
     return (kinds[0] if kinds else None), " (nor ".join(whys) + ")" * (len(whys) - 1) or "not a pair the loader reads"
 
 
-def _gguf_grid(codes: tuple, scales: tuple, block: int) -> Grid | str:
-    """One stored block tensor ([..., out, in], blocks of 32 along `in`): `codes` is its shape."""
-    if len(codes) < 2 or codes[-1] % 32:
-        return f"a block tensor {list(codes)} with rows of whole 32-input blocks"
-    return Grid(codes, (1,) * (len(codes) - 1) + (32,))
+def _gguf_grid(per: int) -> Callable[[tuple, tuple, int], Grid | str]:
+    def grid(codes: tuple, scales: tuple, block: int) -> Grid | str:
+        """One stored block tensor ([..., out, in], blocks of `per` along `in`): `codes` is its shape."""
+        if len(codes) < 2 or codes[-1] % per:
+            return f"a block tensor {list(codes)} with rows of whole {per}-input blocks"
+        return Grid(codes, (1,) * (len(codes) - 1) + (per,))
+
+    return grid
 
 
 def _gguf_split(kind: str) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """The stored bytes [..., out, row bytes] -> (codes [..., out, in], one uint32 word per block:
-    its f16 d in the low half, Q4_1's f16 m in the high half)."""
+    its f16 d in the low half, Q4_1's f16 m in the high half; a K-quant's super-block bytes other
+    than its codes as one opaque numpy void per super-block, so that mapping steps move them whole)."""
 
     def split(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         per, size = gguf_blocks.SIZES[kind]
         shape = (*raw.shape[:-1], raw.shape[-1] // size * per)
+        if kind in gguf_blocks.HEAD:
+            codes, head = gguf_blocks.split_k(raw, kind, shape)
+            return codes, head.view(np.dtype((np.void, gguf_blocks.HEAD[kind])))[..., 0]
         codes, d, m = gguf_blocks.split(raw, kind, shape)
         words = d.view(np.uint16).astype(np.uint32)
         if m is not None:
@@ -185,7 +192,28 @@ def _gguf_split(kind: str) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarra
     return split
 
 
+def _head_bytes(head: np.ndarray) -> np.ndarray:
+    """A K-quant's super-block voids [..., S, N] -> their bytes [..., S, N, HEAD]."""
+    return np.ascontiguousarray(head).view(np.uint8).reshape(*head.shape, head.dtype.itemsize)
+
+
+def _kquant_decode(kind: str):
+    def decode(codes: np.ndarray, head: np.ndarray, grid: Grid) -> np.ndarray:
+        """f32 values through the spec's storage and the reference decoder (the super-blocks'
+        axis moved to K, the second to last, and back)."""
+        axis = grid.groups.index(256)
+        fmt = gguf_blocks.KEPT[kind]
+        parts = pack_kquant(fmt, np.moveaxis(codes, axis, -2), _head_bytes(np.moveaxis(head, axis, -2)))
+        w = dequantize(QTensor(parts[0], parts[1], fmt, 256, None, parts[2:]))
+        return np.moveaxis(np.asarray(w), -2, axis)
+
+    return decode
+
+
 def _gguf_decode(kind: str):
+    if kind in gguf_blocks.HEAD:
+        return _kquant_decode(kind)
+
     def decode(codes: np.ndarray, words: np.ndarray, grid: Grid) -> np.ndarray:
         d = _expand((words & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32), grid)
         q = codes.astype(np.float32) - (8.0 if kind == "Q4_0" else 0.0)
@@ -200,7 +228,12 @@ def _gguf_decode(kind: str):
 # reads its bytes (`read_blocks`) and `unpack` gives both codes and block words.
 BLOCKS: dict[str, PairKind] = {
     stored: PairKind(
-        f"GGUF {stored} blocks", _gguf_grid, _gguf_split(stored), _gguf_decode(stored), frozenset({fmt}), frozenset()
+        f"GGUF {stored} blocks",
+        _gguf_grid(gguf_blocks.SIZES[stored][0]),
+        _gguf_split(stored),
+        _gguf_decode(stored),
+        frozenset({fmt}),
+        frozenset(),
     )
     for stored, fmt in gguf_blocks.KEPT.items()
 }
@@ -226,4 +259,7 @@ STORAGE: dict[str, Callable] = {
     "q8_0": lambda e, s: (e.astype(np.int8), _pair_words(s.astype(np.uint32))),
     "q4_0": lambda e, s: (pack_nibbles(e), _pair_words(s.astype(np.uint32))),
     "q4_1": lambda e, s: (pack_nibbles(e), s.astype(np.uint32)),
+    "q4_k": lambda e, s: pack_kquant("q4_k", e, _head_bytes(s)),
+    "q5_k": lambda e, s: pack_kquant("q5_k", e, _head_bytes(s)),
+    "q6_k": lambda e, s: pack_kquant("q6_k", e, _head_bytes(s)),
 }

@@ -243,9 +243,10 @@ STEPS: dict[str, StepDef] = {
     ),
     "stored": StepDef(
         (),
-        "keeps a GGUF block format (Q8_0, Q4_0, Q4_1) as the file stores it: loaded for that file "
-        "(`mkdsl run`, `mkdsl plan --weights`, `mkdsl.load(spec, weights=...)`), the weight takes the "
-        "format (`q8_0`, `q4_0`, `q4_1`) in place of its declared dtype; otherwise as `round` (see below)",
+        "keeps a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) as the file stores it: loaded for "
+        "that file (`mkdsl run`, `mkdsl plan --weights`, `mkdsl.load(spec, weights=...)`), the weight takes "
+        "the format (`q8_0`, `q4_0`, `q4_1`, `q4_k`, `q5_k`, `q6_k`) in place of its declared dtype; "
+        "otherwise as `round` (see below)",
         shape=lambda s, a: s,
         apply=lambda x, a: x,
         grid=lambda g, a: g,

@@ -1,4 +1,5 @@
-"""`| stored`: a weight that keeps the checkpoint's GGUF block format (Q8_0, Q4_0, Q4_1).
+"""`| stored`: a weight that keeps the checkpoint's GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K,
+Q5_K, Q6_K).
 
 The kernel's layout depends on each weight's dtype, so the spec is retyped for the file before it
 is compiled: the declaration `weight wq: bf16[...]` becomes `weight wq: q4_1[...]` where every
@@ -12,12 +13,13 @@ import itertools
 import re
 
 from mkdsl.checkpoint.gguf_blocks import KEPT
+from mkdsl.lang.dtypes import GGUF
 from mkdsl.lang.ir import Model
 
 
 def stored_formats(model: Model, reader) -> dict[str, str]:
     """Weight -> the GGUF dtype (`dtypes.GGUF`) it keeps from `reader`'s file: every stored tensor
-    of a `| stored` entry in one format mkdsl keeps; weights already of that dtype are left out."""
+    of a `| stored` entry in one format mkdsl keeps (and K a multiple of what it needs); weights already of that dtype are left out."""
     ckpt = next((c for c in model.checkpoints if c.format == reader.format), None)
     out: dict[str, str] = {}
     for src in ckpt.sources if ckpt is not None else ():
@@ -31,7 +33,8 @@ def stored_formats(model: Model, reader) -> dict[str, str]:
             info = reader.info(src.names(layer, idx)[0])
             kinds.add(info.dtype if info is not None else None)
         kind = kinds.pop() if len(kinds) == 1 else None
-        if kind in KEPT:
+        # a K the format cannot hold (Q6_K's pairs of super-blocks) rounds, as `stored` says
+        if kind in KEPT and t.type.shape[-2] % GGUF[KEPT[kind]].dtype.k_multiple() == 0:
             out[src.weight] = KEPT[kind]
     return out
 

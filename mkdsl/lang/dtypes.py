@@ -34,12 +34,13 @@ class DType:
 
     @property
     def gguf(self) -> bool:
-        """A GGUF block format (llama.cpp's Q8_0, Q4_0, Q4_1), kept as the file stores it."""
+        """A GGUF block format (llama.cpp's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), kept as the file stores it."""
         return self.name in GGUF
 
     def k_multiple(self) -> int:
         """What the input dimension K must be a multiple of (packed nibbles: 8 per uint32 word;
-        GGUF Q8_0/Q4_0: two blocks' f16 scales per uint32 word)."""
+        GGUF Q8_0/Q4_0: two blocks' f16 scales per uint32 word; K-quants: whole super-blocks of
+        256, Q6_K two of them, whose f16 `d` share one word)."""
         if self.block:
             return 1
         if self.gguf:
@@ -81,6 +82,13 @@ class GGUFFormat:
     nibbles: bool  # 4-bit codes packed 8 per uint32 word; else one int8 code per value
     words_per: int  # blocks whose f16 scale shares one uint32 word (2: Q8_0, Q4_0; 1: Q4_1's d and m)
     k_multiple: int
+    high: int = 0  # K-quants: inputs per uint32 word of the codes' bits above the nibble (Q5_K 32, Q6_K 16)
+    why: str = ""  # why K must be a multiple of `k_multiple` (the checker's hint)
+
+    @property
+    def super_block(self) -> bool:
+        """A K-quant: super-blocks of 256 inputs, their scales packed in 4 uint32 words per column."""
+        return self.dtype.group == 256
 
 
 # llama.cpp's ggml block formats (32 inputs per block along a row): Q8_0 `d * q` (q int8), Q4_0
@@ -89,6 +97,22 @@ GGUF = {
     "q8_0": GGUFFormat(DType("q8_0", 8, "int8", float=False, group=32), False, 2, 64),
     "q4_0": GGUFFormat(DType("q4_0", 4, None, float=False, group=32), True, 2, 64),
     "q4_1": GGUFFormat(DType("q4_1", 4, None, float=False, group=32), True, 1, 32),
+}
+# The K-quants: super-blocks of 256 inputs in 8 (Q4_K, Q5_K) or 16 (Q6_K) sub-blocks. Q4_K
+# `(d * sc) * q - dmin * m` with 6-bit sub-block scales sc and mins m packed in 12 bytes, q a
+# nibble; Q5_K the same with a fifth bit on q; Q6_K `(d * sc) * (q - 32)`, q 6 bits, sc int8.
+_SB = "K-quant super-blocks are 256 inputs"
+GGUF |= {
+    "q4_k": GGUFFormat(DType("q4_k", 4, None, float=False, group=256), True, 8, 256, 0, _SB),
+    "q5_k": GGUFFormat(DType("q5_k", 5, None, float=False, group=256), True, 8, 256, 32, _SB),
+    "q6_k": GGUFFormat(
+        DType("q6_k", 6, None, float=False, group=256),
+        True,
+        8,
+        512,
+        16,
+        _SB + ", and q6_k keeps the f16 d of two in one word",
+    ),
 }
 ALL_NAMES = (*PLAIN, *FIXED_GROUP, "int4", "int8", *GGUF)
 
@@ -156,11 +180,38 @@ def _gguf_storage(f: GGUFFormat, lead: list, k: int, n: int) -> tuple[StoragePar
     """GGUF blocks, moved into mkdsl's [K, N] layout without changing a bit of them: codes as
     int4's words (unsigned nibbles) or int8; the f16 fields as uint32 words: Q4_1 `d | m << 16`
     per block, Q8_0/Q4_0 `d(2i) | d(2i+1) << 16` for blocks 2i, 2i+1 of a column (so as many
-    bytes as the file holds: 8.5, 4.5 and 5 bits per weight)."""
+    bytes as the file holds: 8.5, 4.5 and 5 bits per weight). K-quants: `_kquant_storage`."""
+    if f.super_block:
+        return _kquant_storage(f, lead, k, n)
     codes = (
         StoragePart("codes", (*lead, k // 8, n), "uint32") if f.nibbles else StoragePart("codes", (*lead, k, n), "int8")
     )
     return (codes, StoragePart("scales", (*lead, k // (32 * f.words_per), n), "uint32"))
+
+
+def _kquant_storage(f: GGUFFormat, lead: list, k: int, n: int) -> tuple[StoragePart, ...]:
+    """A K-quant's super-blocks (256 inputs of a column) as the file's bytes, re-arranged along K:
+    `codes`, the low nibbles as `q4_1`'s; `scales`, 4 uint32 words per super-block: Q4_K/Q5_K
+    `d | dmin << 16` then the 12 bytes of packed 6-bit scales and mins as stored, Q6_K the 16
+    int8 sub-block scales as stored; Q5_K/Q6_K `high`, the bits above the nibble (1 or 2 per
+    input; word j of a super-block holds inputs j, j + W, j + 2W, ... with W its words, lowest
+    bits first); Q6_K `d`, the f16 d of super-blocks 2i and 2i + 1 in one word. So 4.5, 5.5
+    and 6.5625 bits per weight, as the file holds."""
+    parts = [StoragePart("codes", (*lead, k // 8, n), "uint32"), StoragePart("scales", (*lead, k // 64, n), "uint32")]
+    if f.high:
+        parts.append(StoragePart("high", (*lead, k // f.high, n), "uint32"))
+    if f.dtype.name == "q6_k":
+        parts.append(StoragePart("d", (*lead, k // 512, n), "uint32"))
+    return tuple(parts)
+
+
+def extra_parts(name: str) -> tuple[str, ...]:
+    """The storage parts of dtype `name` after its codes and scales that `QTensor.extra` holds
+    (K-quants: `high`, Q6_K's `d`); none for other formats."""
+    f = GGUF.get(name)
+    if f is None or not f.super_block:
+        return ()
+    return ("high",) * bool(f.high) + ("d",) * (name == "q6_k")
 
 
 # Bytes per element of the storage dtypes, so sizing a plan (`mkdsl check`) needs no ml_dtypes

@@ -497,10 +497,11 @@ class _Elaborator:
                 if len(shape) < 2:
                     self.rep.error(t.type.span, f"a {dt} tensor needs at least 2 dimensions [.., in, out]")
                 elif isinstance(shape[-2], int) and shape[-2] % dt.k_multiple():
+                    why = dtypes.GGUF[dt.name].why if dt.gguf else ""
                     self.rep.error(
                         t.type.dims[-2].span,
                         f"the input dimension of {dt} weight `{t.name}` "
-                        f"({shape[-2]}) must be a multiple of {dt.k_multiple()}",
+                        f"({shape[-2]}) must be a multiple of {dt.k_multiple()}" + (f" ({why})" if why else ""),
                     )
                 if t.kind == "state":
                     self.rep.error(t.type.span, f"state `{t.name}` cannot be quantised ({dt})")

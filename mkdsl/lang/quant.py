@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mkdsl.lang.dtypes import GGUF, DType, numpy_dtype
+from mkdsl.lang.dtypes import GGUF, DType, extra_parts, numpy_dtype
 from mkdsl.lazy import jax, jnp
 
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
@@ -29,6 +29,7 @@ class QTensor(NamedTuple):
     fmt: str  # "mxfp4" | "nvfp4" | "int4" | "int8" | "fp8_e4m3" | "fp8_e5m2" | "fp8_e4m3:block" | "fp8_e5m2:block"
     group: int  # inputs per scale; for ":block" formats the block's side
     glob: object = None  # nvfp4: f32 [..., 1, 1], the per-tensor global scale; None for the others
+    extra: tuple = ()  # K-quants: the storage parts after codes and scales (`high`, Q6_K's `d`)
 
 
 @functools.cache
@@ -38,8 +39,8 @@ def register_pytree() -> None:
     Called by whoever jits over weights (not at import: that would import jax for `check`)."""
     jax.tree_util.register_pytree_node(
         QTensor,
-        lambda q: ((q.codes, q.scales, q.glob), (q.fmt, q.group)),
-        lambda aux, ch: QTensor(ch[0], ch[1], *aux, ch[2]),
+        lambda q: ((q.codes, q.scales, q.glob, q.extra), (q.fmt, q.group)),
+        lambda aux, ch: QTensor(ch[0], ch[1], *aux, ch[2], tuple(ch[3])),
     )
 
 
@@ -105,11 +106,15 @@ def storage_arrays(name: str, w: QTensor) -> dict:
     out = {f"{name}_codes": w.codes, f"{name}_scales": w.scales}
     if w.glob is not None:
         out[f"{name}_global"] = w.glob
+    for suffix, a in zip(extra_parts(w.fmt), w.extra, strict=True):
+        out[f"{name}_{suffix}"] = a
     return out
 
 
 def from_storage(dtype: DType, arrays: list) -> QTensor:
     """The QTensor of a quantised dtype from its storage arrays, in `dtypes.storage` order."""
+    if extra_parts(dtype.name):
+        return QTensor(arrays[0], arrays[1], dtype.fmt, dtype.group, None, tuple(arrays[2:]))
     glob = arrays[2] if len(arrays) > 2 else None
     return QTensor(arrays[0], arrays[1], dtype.fmt, dtype.block or dtype.group, glob)
 
@@ -117,7 +122,7 @@ def from_storage(dtype: DType, arrays: list) -> QTensor:
 def slot_of(w: QTensor, slot) -> QTensor:
     """One layer's matrix of a stacked quantised weight."""
     glob = None if w.glob is None else w.glob[slot]
-    return QTensor(w.codes[slot], w.scales[slot], w.fmt, w.group, glob)
+    return QTensor(w.codes[slot], w.scales[slot], w.fmt, w.group, glob, tuple(e[slot] for e in w.extra))
 
 
 def f16_half(words, half: int) -> jnp.ndarray:
@@ -140,10 +145,53 @@ def _gguf(w: QTensor) -> jnp.ndarray:
     return q * jnp.repeat(d.reshape(*lead, 2 * k64, n), 32, axis=-2)
 
 
+def _bytes_of(words, count: int):
+    """uint32 words [..., W, N] -> their `count` bytes [..., count, N] as int32, byte 0 first."""
+    b = (words[..., :, None, :] >> (jnp.arange(4, dtype=jnp.uint32) * 8)[:, None]) & jnp.uint32(255)
+    *lead, w, _, n = b.shape
+    return b.reshape(*lead, w * 4, n)[..., :count, :].astype(jnp.int32)
+
+
+def _k_scale_min(b) -> tuple:
+    """Q4_K/Q5_K's 12 bytes [..., 12, N] -> 6-bit scales and mins [..., 8, N] (ggml's
+    `get_scale_min_k4`): sub-blocks 0..3 in the low 6 bits of bytes 0..3 and 4..7; 4..7 in the
+    nibbles of bytes 8..11, their top 2 bits in the top bits of bytes 0..3 and 4..7."""
+    lo, mid, hi = b[..., 0:4, :], b[..., 4:8, :], b[..., 8:12, :]
+    sc = jnp.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-2)
+    m = jnp.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-2)
+    return sc, m
+
+
+def _kquant(w: QTensor) -> jnp.ndarray:
+    """K-quant super-blocks of 256 inputs (dtypes.storage) in f32 as llama.cpp decodes them:
+    Q4_K/Q5_K `(d * sc) * q - dmin * m` per sub-block of 32, Q6_K `(d * sc) * (q - 32)` per 16."""
+    f = GGUF[w.fmt]
+    q = unpack_nibbles(w.codes)
+    *lead, k, n = q.shape
+    s = k // 256
+    if f.high:
+        bits, per = 32 // f.high, f.high  # bits per input, inputs per word
+        h = w.extra[0].reshape(*lead, s, 1, 256 // per, n) >> (jnp.arange(per, dtype=jnp.uint32) * bits)[:, None, None]
+        q = q | ((h & jnp.uint32(2**bits - 1)).astype(jnp.int32) << 4).reshape(*lead, k, n)
+    words = w.scales.reshape(*lead, s, 4, n)
+    if w.fmt == "q6_k":
+        sc = _bytes_of(words, 16)
+        sc = jnp.where(sc >= 128, sc - 256, sc).astype(jnp.float32)  # int8
+        d = jnp.stack([f16_half(w.extra[1], 0), f16_half(w.extra[1], 1)], axis=-2).reshape(*lead, s, 1, n)
+        scale = (d * sc)[..., None, :]  # [..., s, 16, 1, N]
+        return (scale * (q - 32).astype(jnp.float32).reshape(*lead, s, 16, 16, n)).reshape(*lead, k, n)
+    sc, m = _k_scale_min(_bytes_of(words[..., 1:4, :], 12))
+    d, dmin = f16_half(words[..., 0:1, :], 0), f16_half(words[..., 0:1, :], 1)
+    scale, mins = (d * sc.astype(jnp.float32))[..., None, :], (dmin * m.astype(jnp.float32))[..., None, :]
+    return (scale * q.astype(jnp.float32).reshape(*lead, s, 8, 32, n) - mins).reshape(*lead, k, n)
+
+
 def dequantize(w: QTensor) -> jnp.ndarray:
     """Decode a quantised weight to f32 of its logical shape [..., K, N]."""
     if w.fmt.endswith(":block"):
         return _block(w)
+    if w.fmt in GGUF and GGUF[w.fmt].super_block:
+        return _kquant(w)
     if w.fmt in GGUF:
         return _gguf(w)
     vals, scale = GROUP_DECODERS[w.fmt](w)
@@ -156,6 +204,8 @@ def quantize(dtype: DType, w: np.ndarray) -> QTensor:
     w = np.asarray(w, np.float32)
     if dtype.block:
         return _quantize_block(dtype, w)
+    if dtype.gguf and GGUF[dtype.name].super_block:
+        return _quantize_kquant(dtype, w)
     if dtype.gguf:
         return _quantize_gguf(dtype, w)
     *lead, k, n = w.shape
@@ -246,6 +296,62 @@ def _quantize_gguf(dtype: DType, w: np.ndarray) -> QTensor:
     q = np.clip(np.round(b * inv[..., None, :]), -top - (dtype.name == "q4_0"), top)
     q = q + 8 if dtype.name == "q4_0" else q
     return QTensor(*pack_gguf(dtype.name, q.reshape(*lead, k, n), d), dtype.fmt, 32)
+
+
+def _quantize_kquant(dtype: DType, w: np.ndarray) -> QTensor:
+    """Super-blocks of 256 inputs shaped as llama.cpp's K-quants (for tests: simple rounding, not
+    ggml's search; any codes and fields of the format will do, the decode is what must be exact)."""
+    *lead, k, n = w.shape
+    s = k // 256
+    if dtype.name == "q6_k":
+        b = w.reshape(*lead, s, 16, 16, n)
+        scale = np.abs(b).max(axis=-2) / 31.0  # [..., s, 16, N]
+        d = (scale.max(axis=-2) / 127.0).astype(np.float16)
+        sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-30)[..., None, :]), 0, 127)
+        step = np.maximum(d.astype(np.float32)[..., None, :] * sc, 1e-30)[..., None, :]
+        q = np.clip(np.round(b / step), -32, 31) + 32
+        head = np.concatenate([np.moveaxis(sc.astype(np.int8), -2, -1).view(np.uint8), d[..., None].view(np.uint8)], -1)
+        parts = pack_kquant(dtype.name, q.reshape(*lead, k, n), head)
+        return QTensor(parts[0], parts[1], dtype.fmt, 256, None, parts[2:])
+    top = 2.0 ** (dtype.bits) - 1
+    b = w.reshape(*lead, s, 8, 32, n)
+    lo = np.minimum(b.min(axis=-2), 0.0)
+    scale, mins = (b.max(axis=-2) - lo) / top, -lo  # [..., s, 8, N]
+    d, dmin = (scale.max(axis=-2) / 63.0).astype(np.float16), (mins.max(axis=-2) / 63.0).astype(np.float16)
+    sc = np.clip(np.round(scale / np.maximum(d.astype(np.float32), 1e-30)[..., None, :]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / np.maximum(dmin.astype(np.float32), 1e-30)[..., None, :]), 0, 63).astype(np.uint8)
+    step = np.maximum(d.astype(np.float32)[..., None, :] * sc, 1e-30)[..., None, :]
+    q = np.clip(np.round((b + (dmin.astype(np.float32)[..., None, :] * m)[..., None, :]) / step), 0, top)
+    packed = np.concatenate(
+        [sc[..., :4, :] | ((sc[..., 4:, :] >> 4) << 6), m[..., :4, :] | ((m[..., 4:, :] >> 4) << 6)], -2
+    )
+    packed = np.concatenate([packed, (sc[..., 4:, :] & 15) | ((m[..., 4:, :] & 15) << 4)], -2)  # [..., s, 12, N]
+    fields = np.stack([d, dmin], -1).view(np.uint8).reshape(*lead, s, n, 4)
+    head = np.concatenate([fields, np.moveaxis(packed, -2, -1)], -1)
+    parts = pack_kquant(dtype.name, q.reshape(*lead, k, n), head)
+    return QTensor(parts[0], parts[1], dtype.fmt, 256, None, parts[2:])
+
+
+def pack_kquant(fmt: str, q: np.ndarray, head: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Codes [..., K, N] (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63) and each super-block's other bytes
+    as the file stores them ([..., K/256, N, 16 or 18] uint8, `gguf_blocks.HEAD`) into the
+    format's storage parts (dtypes.storage: codes, scales, then `high`, Q6_K's `d`), bit for bit."""
+    f = GGUF[fmt]
+    *lead, k, n = q.shape
+    s = k // 256
+    q = np.asarray(q).astype(np.uint32)
+    head = np.ascontiguousarray(head, np.uint8)
+    out = [pack_nibbles(q & 15)]
+    words = head[..., 0:16].copy().view("<u4")  # [..., s, N, 4]
+    out.append(np.moveaxis(words, -1, -2).reshape(*lead, 4 * s, n).astype(np.uint32))
+    if f.high:
+        bits, per = 32 // f.high, f.high
+        hb = (q >> 4).reshape(*lead, s, per, 256 // per, n) << (np.arange(per, dtype=np.uint32) * bits)[:, None, None]
+        out.append(np.bitwise_or.reduce(hb, axis=-3).reshape(*lead, k // per, n).astype(np.uint32))
+    if fmt == "q6_k":
+        d = head[..., 16:18].copy().view("<u2")[..., 0].astype(np.uint32)  # [..., s, N]
+        out.append(d[..., 0::2, :] | (d[..., 1::2, :] << 16))
+    return tuple(out)
 
 
 def pack_gguf(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

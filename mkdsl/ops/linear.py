@@ -57,11 +57,40 @@ def _linear_infer(args, attrs):
     return (TensorType(F32, (x.type.shape[0], n)),)
 
 
+# ASSUMPTION (an estimate, not measured): vector-unit operations per weight of decoding a tile in
+# VMEM, counted from the kernel's decoders (runtime/decode.py.jinja, gguf.py.jinja): unpacking
+# nibbles (~2), bits above them (q5_k/q6_k ~5), conversions (1 each), scale and min (1 each),
+# splitting an exact f32 value into bf16 parts (2 parts ~4, 3 parts ~7). Plain bf16 costs none;
+# the cost model charges these at the vector unit's width where libtpu's schedule of the op was
+# not read (plan/timeline.py `node_vector_us`, the `vector_estimate` assumption).
+DECODE_OPS_PER_WEIGHT = {
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+    "mxfp4": 3,
+    "nvfp4": 3,
+    "int4": 8,
+    "q8_0": 11,
+    "q4_0": 14,
+    "q4_1": 14,
+    "q4_k": 15,
+    "q5_k": 20,
+    "q6_k": 21,
+}
+
+
+def decode_ops(dtype) -> int:
+    """The estimate above for one weight of `dtype` (int4 with f32 scales: three bf16 parts, 11)."""
+    if dtype.name == "int4" and dtype.scale == "float32":
+        return 11
+    return DECODE_OPS_PER_WEIGHT.get(dtype.name, 0)
+
+
 def _linear_cost(ins, outs, attrs):
     x, w = ins
     k, n = w.shape
     passes = 3 if attrs.get("input") == "f32" else 1  # an f32 input is three bf16 parts on the MXU
-    return Cost(weight_bytes=nbytes(w), flops=2 * x.shape[0] * k * n * passes)
+    return Cost(weight_bytes=nbytes(w), flops=2 * x.shape[0] * k * n * passes, decode=k * n * decode_ops(w.dtype))
 
 
 register(

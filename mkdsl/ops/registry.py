@@ -49,12 +49,14 @@ class Cost:
     weight_bytes: int = 0
     state_bytes: int = 0
     flops: int = 0
+    decode: int = 0  # vector-unit element operations of decoding its quantised weights (an estimate the op states)
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(
             self.weight_bytes + other.weight_bytes,
             self.state_bytes + other.state_bytes,
             self.flops + other.flops,
+            self.decode + other.decode,
         )
 
 

@@ -70,6 +70,7 @@ class Phase:
     extrapolated_us: float = 0.0  # of compute_us, what a constant gives beyond its measured range
     wide_peers: bool = False  # a collective with a phase of more peers than the direct fit was measured on
     serial: bool = False  # its stream waits for its compute (verify rows in series: OpDef.rows_in_series)
+    decode_us: float = 0.0  # of a vector-estimated compute_us, decoding its quantised tiles (`Cost.decode`)
 
     @property
     def stream_us(self) -> float:

@@ -38,10 +38,17 @@ def node_flops(s, g: Graph, i: int) -> int:
 
 def node_vector_us(s, g: Graph, node) -> float:
     """The per-op estimate of node's vector work: its activations in and out and the vectors it reads
-    (declared matrices, caches and state are streamed: their tiles' work is the op's loop's)."""
+    (declared matrices, caches and state are streamed: their tiles' work is the op's loop's), plus
+    the decode of its quantised tiles its cost rule states (`Cost.decode`)."""
     types, outs = _types(s, g, node)
     ins = [t for r, t in zip(node.inputs, types, strict=True) if r.kind != "tensor" or len(t.shape) <= 1]
-    return cost_model.vector_us(sum(_numel(t) for t in (*ins, *outs)))
+    return cost_model.vector_us(sum(_numel(t) for t in (*ins, *outs)) + node_decode(s, g, node))
+
+
+def node_decode(s, g: Graph, node) -> int:
+    """Vector-unit element operations of decoding node's quantised tiles (its cost rule's estimate)."""
+    types, outs = _types(s, g, node)
+    return OPS[node.op].cost(types, outs, cost_attrs(node)).decode if node.op in OPS else 0
 
 
 def _numel(t) -> int:
@@ -168,6 +175,9 @@ def _op_phase(s, g: Graph, i: int, its_items, static: dict | None, during: bool)
         during=during,
         extrapolated_us=max(0.0, beyond),
         serial=s.span > 1 and op.rows_in_series and nbytes > 0,
+        decode_us=cost_model.vector_us(node_decode(s, g, node)) - cost_model.vector_us(0)
+        if source == "vector"
+        else 0.0,
     )
 
 
@@ -249,6 +259,17 @@ def assumptions(s, charges, spread: float) -> tuple[Assumption, ...]:
                 f"plus its elements at the vector unit's width ({m.UNEXPLAINED_LAYER_US:g} us per layer unexplained "
                 f"in the hand kernel over {m.VECTOR_OPS_PER_LAYER} ops; an estimate)",
                 vector,
+            )
+        )
+    decode = sum(c.phase.decode_us for c in charges if c.phase.source == "vector")
+    if decode:
+        out.append(
+            Assumption(
+                "quantised_decode",
+                "of the vector estimate, decoding quantised tiles in VMEM at the operations per weight "
+                "each op's cost rule states (`linear`: mkdsl/ops/linear.py DECODE_OPS_PER_WEIGHT, counted "
+                "from the kernel's decoders, not measured)",
+                decode,
             )
         )
     beyond = sum(min(c.compute_us, c.phase.extrapolated_us) for c in charges if c.phase.extrapolated_us)

@@ -100,6 +100,7 @@ class StreamFormat:
     group: int
     parts: tuple[TilePart, ...]
     k_ok: Callable[[int, int], bool]  # (tk, K) -> a valid K tile (aligned windows of every part)
+    tiles: str = ""  # which K tiles suit it, where that is not plain (the checker's hint)
 
 
 def _aligned(tk: int, k: int, rows: int, tile_rows: int) -> bool:
@@ -177,6 +178,8 @@ def _gguf_stream(d: DType) -> StreamFormat:
     blocks' f16 fields, `32 * words_per` inputs per word row; a K tile keeps every window whole
     or aligned to its HBM tile (8 rows of uint32, 32 of int8)."""
     f = GGUF[d.name]
+    if f.super_block:
+        return _kquant_stream(d)
     rows = 32 * f.words_per
     codes = TilePart("codes", "uint32", "VMEM", 8) if f.nibbles else TilePart("codes", "int8", "VMEM", 1)
     tile = 8 if f.nibbles else 32
@@ -186,6 +189,37 @@ def _gguf_stream(d: DType) -> StreamFormat:
         (codes, TilePart("scales", "uint32", "VMEM", rows, label="gguf_words")),
         lambda tk, k: tk % rows == 0 and _aligned(tk, k, tk // codes.rdiv, tile) and _aligned(tk, k, tk // rows, 8),
     )
+
+
+def _kquant_stream(d: DType) -> StreamFormat:
+    """K-quants (dtypes.storage): nibble words, 4 words of scales per super-block of 256, the
+    bits above the nibble (q5_k, q6_k) and q6_k's d words, each its own uint32 ring array. A K
+    tile is whole super-blocks (q6_k: pairs) whose windows are whole or 8-row aligned (q6_k's d,
+    one word row per 512 inputs: whole K, or tiles of 4096)."""
+    f = GGUF[d.name]
+    parts = [TilePart("codes", "uint32", "VMEM", 8), TilePart("scales", "uint32", "VMEM", 64, label="gguf_words")]
+    if f.high:
+        parts.append(TilePart("high", "uint32", "VMEM", f.high, label="gguf_high"))
+    if d.name == "q6_k":
+        parts.append(TilePart("d", "uint32", "VMEM", 512, label="gguf_d"))
+    m = f.k_multiple
+    return StreamFormat(
+        d.name,
+        256,
+        tuple(parts),
+        lambda tk, k: tk % m == 0 and all(_aligned(tk, k, tk // p.rdiv, 8) for p in parts),
+        _kquant_tiles(d.name),
+    )
+
+
+def _kquant_tiles(name: str) -> str:
+    """The checker's hint on a K-quant K no tile suits."""
+    if name == "q6_k":
+        return (
+            f"q6_k streams all of K in one tile, at most {TILE_K} inputs: its d words (one per two "
+            "super-blocks) start an 8-row HBM tile only every 4096 inputs"
+        )
+    return f"{name} tiles are 512 inputs or a multiple (their scale words start 8-row HBM tiles), dividing K, or all of K up to {TILE_K}"
 
 
 def padded_columns(n: int) -> int:
@@ -258,7 +292,7 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
             Diagnostic(
                 t.span,
                 f"`{t.name}` is {t.type.dtype}: matrices of `linear` stream as bf16, fp8, int8, int4, mxfp4 or nvfp4 "
-                "(or GGUF blocks: q8_0, q4_0, q4_1)",
+                "(or GGUF blocks: q8_0, q4_0, q4_1, q4_k, q5_k, q6_k)",
                 "declare it in one of those, or use it through an op that takes it",
             )
         ]
@@ -281,8 +315,9 @@ def _check_linear(model: Model, at: Site) -> list[Diagnostic]:
         rows, cols = ("columns", "rows") if transposed else ("rows", "columns")
         what = f"{k} {rows}" + split_note(model, t, kd) if tk is None else f"{n} {cols}" + split_note(model, t, nd)
         need = f"a tile that divides it and suits {t.type.dtype}" if tk is None else "a multiple of 128"
-        hint = _layout_hint(t.type.dtype, transposed) if tk is None else None
-        return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}", hint)]
+        fmt = stream_format(t.type.dtype)
+        hint = (_layout_hint(t.type.dtype, transposed) or (fmt.tiles if fmt else "")) if tk is None else ""
+        return [Diagnostic(t.span, f"weight `{t.name}` has {what}; streaming it in tiles needs {need}", hint or None)]
     return []
 
 
