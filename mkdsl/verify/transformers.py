@@ -45,6 +45,7 @@ from mkdsl.lang.ir import Graph, Model
 from mkdsl.lazy import jnp
 from mkdsl.ops import OPS
 from mkdsl.verify.oracle_trace import HFTrace, hf_trace, mk_op_values, zero_state
+from mkdsl.verify.plain_residual import plain_residual_model, replaced_ops
 
 ROUNDING = 2.0**-9  # one bf16-rounded matmul input, relative to the output's scale
 F32_RTOL = 2.0**-16  # f32 accumulation-order noise (as mkdsl/verify/kernel.py)
@@ -103,17 +104,33 @@ def import_transformers():
     return torch, transformers
 
 
+# Architectures transformers has no class for, built by mkdsl from transformers' modules: the
+# module that builds, saves and reloads each (its docstring says what it configures or replaces).
+STAND_INS = {"KimiK3ForCausalLM": "mkdsl.verify.kimi_k3"}
+
+
+def stand_in(architecture: str | None):
+    """The stand-in module of `architecture`, or None for a transformers class."""
+    import importlib
+
+    name = STAND_INS.get(architecture or "")
+    return importlib.import_module(name) if name else None
+
+
 def build_hf_model(model: Model, seed: int):
     """The transformers model of the spec's mapping, every parameter random (bf16 values), f32."""
     torch, transformers = import_transformers()
     cmap = hf_map(model)
-    cls = getattr(transformers, cmap.architecture, None)
-    if cls is None:
-        raise OracleError(f"transformers {transformers.__version__} has no class `{cmap.architecture}`")
-    config = cls.config_class(**cmap.config())
-    config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    hf = cls(config).eval().to(torch.float32)
+    if (built := stand_in(cmap.architecture)) is not None:
+        hf = built.build(model, cmap.config())
+    else:
+        cls = getattr(transformers, cmap.architecture, None)
+        if cls is None:
+            raise OracleError(f"transformers {transformers.__version__} has no class `{cmap.architecture}`")
+        config = cls.config_class(**cmap.config())
+        config._attn_implementation = "eager"
+        hf = cls(config).eval().to(torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(hf.named_parameters()):
@@ -152,15 +169,20 @@ def verify_against_transformers(
     from mkdsl.checkpoint.loader import load_weights
     from mkdsl.verify.hf_save import compared_model, on_the_spec_grids
 
+    built = stand_in(hf_map(model).architecture)
+    notes = _stand_in_notes(model, built)
+    if built is not None:
+        model = plain_residual_model(model)
     _one_carry(model)
     model, unread = compared_model(model)
     hf = build_hf_model(model, seed)
     report = OracleReport(spec, hf_map(model).architecture)
+    report.lines += notes
     with tempfile.TemporaryDirectory(prefix="mkdsl-oracle-") as tmp:
-        save_bf16(hf, Path(tmp))
+        (built.save if built is not None else save_bf16)(hf, Path(tmp))
         moved = on_the_spec_grids(model, Path(tmp))
         if moved:  # transformers computes with the values the spec's quantised weights hold
-            hf = reload_hf(hf, Path(tmp))
+            hf = (built.reload if built is not None else reload_hf)(hf, Path(tmp))
             report.lines.append(f"{moved} stored tensors moved onto the grids of the spec's quantised weights")
         weights, load = load_weights(model, tmp, progress=False, host=True)
     report.lines.append(load.summary())
@@ -190,6 +212,11 @@ def verify_checkpoint(
     from mkdsl.checkpoint.loader import load_weights
     from mkdsl.verify.hf_save import compared_model
 
+    if stand_in(hf_map(model).architecture) is not None:
+        raise OracleError(
+            f"transformers has no `{hf_map(model).architecture}` to read a checkpoint with (mkdsl builds "
+            "it from transformers' modules for random weights only): --weights cannot be compared"
+        )
     _one_carry(model)
     model, unread = compared_model(model)
     torch, transformers = import_transformers()
@@ -209,6 +236,14 @@ def verify_checkpoint(
         report.lines.append(f"prompt {n + 1}:")
         compare(report, model, weights, hf, np.asarray(ids, np.int32), steps, progress)
     return report
+
+
+def _stand_in_notes(model: Model, built) -> list[str]:
+    """What the stand-in compares with transformers, and what it cannot (the report's first lines)."""
+    if built is None:
+        return []
+    ops = ", ".join(f"`{o}`" for o in replaced_ops(model)) or "no op"
+    return [f"stand-in: {built.BASE}; " + n.format(ops=ops) for n in built.NOTES]
 
 
 def _one_carry(model: Model) -> None:
