@@ -33,6 +33,7 @@ with the runner-up, and passes as a reported near tie.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import tempfile
@@ -253,32 +254,66 @@ def _one_carry(model: Model) -> None:
 
 def compare(report: OracleReport, model: Model, weights, hf, ids: np.ndarray, steps: int, progress) -> None:
     """The spec's greedy run from `ids` against transformers, teacher forced on its tokens."""
-    greedy = free_run(model, weights, ids, steps)
+    ties: list[int] = []
+    greedy = free_run(model, weights, ids, steps, ties)
     seq = np.concatenate([ids, greedy[:-1]]).astype(np.int32)
     trace = hf_trace(hf, seq)
-    check_greedy(report, trace, greedy, len(ids))
+    check_greedy(report, trace, greedy, len(ids), min(ties, default=None))
     check_isolated(report, model, weights, trace, seq, len(ids), progress)
     report.lines.append(f"{len(ids)} prompt tokens + {steps} decode steps; greedy {greedy.tolist()}")
 
 
-def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int) -> np.ndarray:
-    """The spec's greedy tokens: its prefill over the prompt, then `steps` decode steps."""
+def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int, ties: list[int] | None = None) -> np.ndarray:
+    """The spec's greedy tokens: its prefill over the prompt, then `steps` decode steps. `ties`
+    collects the greedy tokens (0: the prefill's) whose run made a routing choice within ROUTE_TIE
+    of its runner-up (`OpDef.near_tie`): from there the spec's stream may take another expert than
+    transformers' and part from it by more than rounding."""
     from mkdsl.run.prefill import build_prefill, reference_weights
     from mkdsl.run.reference import build_reference
 
+    phase = [0]
     state = zero_state(model, len(ids) + steps + 1)
-    # unjitted: at mini sizes XLA's compile of the whole step costs more than running it op by op
-    _, token, state = build_prefill(model, jit=False)(weights, state, jnp.asarray(ids[None]))
-    out, step = [int(np.asarray(token)[0])], build_reference(model, jit=False)
-    ref_w = reference_weights(model, weights)
-    for j in range(steps):
-        pos = jnp.asarray([len(ids) + j], jnp.int32)
-        _, token, state = step(ref_w, state, jnp.asarray([out[-1]], jnp.int32), pos)
-        out.append(int(np.asarray(token)[0]))
+    with _watching_route_ties(model, lambda: (ties.append(phase[0]) if ties is not None else None)):
+        # unjitted: at mini sizes XLA's compile of the whole step costs more than running it op by op
+        _, token, state = build_prefill(model, jit=False)(weights, state, jnp.asarray(ids[None]))
+        out, step = [int(np.asarray(token)[0])], build_reference(model, jit=False)
+        ref_w = reference_weights(model, weights)
+        for j in range(steps):
+            phase[0] = j + 1
+            pos = jnp.asarray([len(ids) + j], jnp.int32)
+            _, token, state = step(ref_w, state, jnp.asarray([out[-1]], jnp.int32), pos)
+            out.append(int(np.asarray(token)[0]))
     return np.asarray(out, np.int32)
 
 
-def check_greedy(report: OracleReport, trace: HFTrace, greedy: np.ndarray, prompt: int) -> None:
+@contextlib.contextmanager
+def _watching_route_ties(model: Model, found):
+    """The model's routing ops run by their plain reference, each row probed by its `near_tie`
+    reference (which flips only at a near tie): `found()` is called for each near tie."""
+    originals = {n.op: OPS[n.op] for g in model.kinds for n in g.nodes if OPS[n.op].near_tie is not None}
+
+    def watched(op):
+        def reference(*arrays, **attrs):
+            for row in range(arrays[0].shape[0]):
+                flipped: list[bool] = []
+                op.near_tie(row, ROUTE_TIE, flipped)(*arrays, **attrs)
+                if flipped:
+                    found()
+            return op.reference(*arrays, **attrs)
+
+        return reference
+
+    for name, op in originals.items():
+        OPS[name] = dataclasses.replace(op, reference=watched(op), prefill=None)
+    try:
+        yield
+    finally:
+        OPS.update(originals)
+
+
+def check_greedy(report: OracleReport, trace: HFTrace, greedy: np.ndarray, prompt: int, tie: int | None = None) -> None:
+    """Each greedy token against transformers' choice; a different one passes as a near tie where
+    the logits are that close, or where the spec's run had a routing near tie at or before it (`tie`)."""
     for j, token in enumerate(greedy):
         logits = trace.logits[prompt - 1 + j]
         best = int(logits.argmax())
@@ -288,6 +323,8 @@ def check_greedy(report: OracleReport, trace: HFTrace, greedy: np.ndarray, promp
         where = f"greedy token {j}: spec {int(token)}, transformers {best} (margin {margin:.4g})"
         if margin <= TIE_RTOL * float(np.abs(logits).max()):
             report.ties.append(where)
+        elif tie is not None and tie <= j:
+            report.ties.append(where + f": after a routing near tie in the spec's run (greedy token {tie}'s)")
         else:
             report.failures.append(where + ": no near tie")
 
