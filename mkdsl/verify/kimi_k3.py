@@ -106,7 +106,9 @@ def _modules():
                     r.index_add_(0, token, y * top_k_weights[token, slot, None])
             return self.up(self.norm(r))
 
-    return types.SimpleNamespace(SituGate=SituGate, SituUp=SituUp, GatedOut=GatedOut, LatentExperts=LatentExperts, kl=kl)
+    return types.SimpleNamespace(
+        SituGate=SituGate, SituUp=SituUp, GatedOut=GatedOut, LatentExperts=LatentExperts, kl=kl
+    )
 
 
 def layer_types(model: Model) -> tuple[list[str], list[str]]:
@@ -188,7 +190,11 @@ def _k3_name(name: str, sparse: set[int]) -> str:
     rest = rest.replace("self_attn.forget_gate.", "self_attn.").replace("self_attn.g_a_proj.", "self_attn.g_proj.")
     if int(layer) in sparse:
         rest = rest.replace("mlp.", "block_sparse_moe.", 1)
-        for ours, theirs in (("down.", "routed_expert_down_proj."), ("up.", "routed_expert_up_proj."), ("norm.", "routed_expert_norm.")):
+        for ours, theirs in (
+            ("down.", "routed_expert_down_proj."),
+            ("up.", "routed_expert_up_proj."),
+            ("norm.", "routed_expert_norm."),
+        ):
             rest = rest.replace("experts." + ours, theirs)
     return f"{P}layers.{layer}.{rest}"
 

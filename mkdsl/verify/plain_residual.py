@@ -48,11 +48,7 @@ def _idle_carries(kinds: list[Graph]) -> set[int]:
     idle = set(range(len(kinds[0].params)))
     for g in kinds:
         used = {r.name for n in g.nodes for r in n.inputs if r.kind == "value"}
-        idle &= {
-            i
-            for i, p in enumerate(g.params)
-            if p.name not in used and g.results[i] == Ref("value", p.name)
-        }
+        idle &= {i for i, p in enumerate(g.params) if p.name not in used and g.results[i] == Ref("value", p.name)}
     return idle
 
 

@@ -273,7 +273,7 @@ def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int, ties: lis
 
     phase = [0]
     state = zero_state(model, len(ids) + steps + 1)
-    with _watching_route_ties(model, lambda: (ties.append(phase[0]) if ties is not None else None)):
+    with _watching_route_ties(model, lambda: ties.append(phase[0]) if ties is not None else None):
         # unjitted: at mini sizes XLA's compile of the whole step costs more than running it op by op
         _, token, state = build_prefill(model, jit=False)(weights, state, jnp.asarray(ids[None]))
         out, step = [int(np.asarray(token)[0])], build_reference(model, jit=False)
