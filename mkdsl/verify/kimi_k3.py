@@ -138,13 +138,13 @@ def build(model: Model, fields: dict):
     fields = dict(fields)
     latent = fields.pop("routed_expert_hidden_size")
     fields.pop("attn_res_block_size", None)
-    fields.pop("hidden_act")  # SiTU, installed below; KimiLinear's convolutions keep SiLU
+    fields.pop("hidden_act")  # SiTU, installed below; KimiLinear's default act (SiLU) stays its convolutions' as K3's
     dense = fields.pop("first_k_dense_replace")
     lower = fields["linear_attn_config"]["gate_lower_bound"]
     attention, mlp = layer_types(model)
     if mlp != ["dense" if i < dense else "sparse" for i in range(len(mlp))]:
         raise ValueError("the spec's dense layers are not config.first_k_dense_replace's")
-    config = m.kl.KimiLinearConfig(**fields, hidden_act="silu", layer_types=attention, mlp_layer_types=mlp)
+    config = m.kl.KimiLinearConfig(**fields, layer_types=attention, mlp_layer_types=mlp)
     config._attn_implementation = "eager"
     hf = m.kl.KimiLinearForCausalLM(config).eval().to(torch.float32)
     h, heads, d = config.hidden_size, config.linear_num_heads, config.linear_head_dim
