@@ -267,3 +267,49 @@ def test_a_failing_decode_row_is_rerun_at_its_routing_near_tie(gap):
     else:
         assert report.failures and not report.ties, report.text()
         assert "step 1 layer 0" in report.failures[0]
+
+
+@pytest.mark.parametrize("tie", [None, 0, 1, 2])
+def test_a_greedy_token_after_a_routing_near_tie_of_the_spec_s_run_is_a_tie(tie):
+    """Greedy token 1 differs from transformers' choice by a wide margin: a failure, unless the
+    spec's own run made a routing near tie at or before that token (`free_run`'s `ties`), from which
+    its stream may take other experts than transformers'."""
+    import numpy as np
+
+    from mkdsl.verify.oracle_trace import HFTrace
+    from mkdsl.verify.transformers import OracleReport, check_greedy
+
+    logits = np.random.default_rng(2).standard_normal((6, 32)).astype(np.float32)
+    prompt, greedy = 4, np.asarray([logits[3].argmax(), logits[4].argmin()], np.int32)
+    report = OracleReport("spec", "arch")
+    check_greedy(report, HFTrace(logits, [], [], []), greedy, prompt, tie)
+    if tie is not None and tie <= 1:
+        assert not report.failures and "greedy token 1" in report.ties[0] and "routing near tie" in report.ties[0]
+    else:
+        assert report.failures and "greedy token 1" in report.failures[0] and "no near tie" in report.failures[0]
+
+
+@pytest.mark.parametrize("gap", [0.001, 0.1], ids=["near-tie", "clear"])
+def test_the_spec_s_run_watches_its_routing_for_near_ties(gap):
+    """While `free_run` runs, each routing op (`OpDef.near_tie`) of the model reports a row whose
+    k-th choice is within ROUTE_TIE of its runner-up, and its results stay the plain reference's."""
+    import numpy as np
+
+    from mkdsl.lazy import jnp
+    from mkdsl.ops import OPS
+    from mkdsl.verify.transformers import _watching_route_ties
+
+    model = mkdsl.load(ROOT / "specs/kimi_k3.mk", "mini").model
+    k = model.const["TOPK"]
+    scores = np.sort(np.random.default_rng(3).uniform(0.2, 0.8, size=(2, 16)))[:, ::-1].copy()
+    scores[1, k] = scores[1, k - 1] - gap  # row 1's runner-up, `gap` below its k-th choice
+    scores[1, k + 1 :] = np.minimum(scores[1, k + 1 :], scores[1, k] - 0.1)
+    scores[0, k:] = np.minimum(scores[0, k:], scores[0, k - 1] - 0.1)  # row 0: a clear choice
+    bias = jnp.zeros(16, jnp.float32)
+    want = OPS["route"].reference(jnp.asarray(scores), bias, k=k)
+    found, original = [], OPS["route"]
+    with _watching_route_ties(model, lambda: found.append(True)):
+        got = OPS["route"].reference(jnp.asarray(scores), bias, k=k)
+    assert OPS["route"] is original  # restored
+    assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    assert found == ([True] if gap < 2.0**-6 else [])
