@@ -104,6 +104,7 @@ def test_kimi_k3_with_a_broken_mla_split_is_named(tmp_path, capsys):
     first = next(x for x in out.splitlines() if "FAILED: prefill layer" in x)
     assert "prefill layer 3 (mla_moe)" in first and f"`slice` at spec line {line}" in first, out
     assert "KimiLinearForCausalLM with Kimi K3's parts" in out and "`res_mix`" in out and "float64" in out, out
+    assert "layer by layer, every op but `res_mix`, `res_snapshot`, `res_init`: kda_dense (layers 0)" in out, out
     assert not any("layer 0 (" in x or "layer 1 (" in x for x in out.splitlines() if "FAILED" in x), out
 
 

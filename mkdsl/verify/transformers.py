@@ -244,7 +244,10 @@ def _stand_in_notes(model: Model, built) -> list[str]:
     if built is None:
         return []
     ops = ", ".join(f"`{o}`" for o in replaced_ops(model)) or "no op"
-    return [f"stand-in: {built.BASE}; " + n.format(ops=ops) for n in built.NOTES]
+    kinds = {k: [i for i, s in enumerate(model.schedule) if s == k] for k in dict.fromkeys(model.schedule)}
+    layers = "; ".join(f"{k} (layers {', '.join(map(str, ls))})" for k, ls in kinds.items())
+    compared = f"compared with transformers, layer by layer, every op but {ops}: {layers}"
+    return [f"stand-in: {built.BASE}", compared, *(n.format(ops=ops) for n in built.NOTES)]
 
 
 def _one_carry(model: Model) -> None:
