@@ -17,7 +17,12 @@ compares:
 * the epilogue, fed transformers' last hidden state: logits within `LOGIT_RTOL`.
 * greedy tokens: the spec's prefill and decode steps run free (no feeding); transformers, teacher
   forced on the same tokens, must pick the same token at each position unless the spec's token
-  scores within `TIE_RTOL` of its best (a near tie, reported and not failed).
+  scores within `TIE_RTOL` of its best, or the spec's run routed a row by a near tie (ROUTE_TIE)
+  at or before that token (near ties, reported and not failed).
+
+An architecture transformers lacks may be one of mkdsl's stand-ins (`STAND_INS`: built from
+transformers' modules, saved in the spec's published layout); the spec's residual-stream ops that
+the stand-in has no counterpart for are replaced by the plain residual add (`plain_residual`).
 
 Bounds (the numeric contract, docs/language.md): the spec rounds every matmul input to bf16
 (2^-9 relative at most, half a bf16 ulp) and stores bf16 caches; transformers, run here in f32 on
