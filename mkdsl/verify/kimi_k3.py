@@ -143,7 +143,9 @@ def build(model: Model, fields: dict):
     lower = fields["linear_attn_config"]["gate_lower_bound"]
     attention, mlp = layer_types(model)
     if mlp != ["dense" if i < dense else "sparse" for i in range(len(mlp))]:
-        raise ValueError("the spec's dense layers are not config.first_k_dense_replace's")
+        from mkdsl.verify.transformers import OracleError
+
+        raise OracleError(f"the spec's dense layers are not the first {dense} (config first_k_dense_replace)")
     config = m.kl.KimiLinearConfig(**fields, layer_types=attention, mlp_layer_types=mlp)
     config._attn_implementation = "eager"
     hf = m.kl.KimiLinearForCausalLM(config).eval().to(torch.float32)
