@@ -261,8 +261,41 @@ step(tokens, positions) {
 # the product of its norm gain and its projection (`*`: the residual projection's [1, H] times
 # the norm's [H], folded into bf16, so it says `round`). The spec's padded projections take
 # their zeros here: `pad` at the end, `group_pad` in each device's block of columns.
-# transformers has no class for this model (the oracle: docs/verification.md).
+# transformers has no class for this model: `KimiK3ForCausalLM` is mkdsl's stand-in, transformers'
+# KimiLinear with K3's parts (mkdsl/verify/kimi_k3.py; the oracle: docs/verification.md). The
+# config fields are the published config.json's; the experts also load a dequantised save (`or`).
 checkpoint hf {
+  config {
+    architecture = "KimiK3ForCausalLM"
+    vocab_size = V
+    hidden_size = H
+    intermediate_size = FD
+    moe_intermediate_size = FE
+    routed_expert_hidden_size = LAT
+    num_hidden_layers = L
+    num_attention_heads = NH
+    num_key_value_heads = NH
+    q_lora_rank = QR
+    kv_lora_rank = KVR
+    qk_nope_head_dim = NOPE
+    qk_rope_head_dim = XK
+    v_head_dim = D
+    num_experts = E
+    num_experts_per_token = TOPK
+    num_shared_experts = FS // FE
+    routed_scaling_factor = 1.0
+    rms_norm_eps = EPS
+    hidden_act = "situ"
+    first_k_dense_replace = 1
+    attn_res_block_size = BLOCK
+    pad_token_id = V - 1     # 163839
+    bos_token_id = V - 256   # 163584
+    eos_token_id = V - 254   # 163586
+    linear_attn_config.head_dim = D
+    linear_attn_config.num_heads = NH
+    linear_attn_config.short_conv_kernel_size = CONV
+    linear_attn_config.gate_lower_bound = -5.0
+  }
   embed       = "language_model.model.embed_tokens.weight"
   lm_head     = "language_model.lm_head.weight" | transpose
   final_norm  = "language_model.model.norm.weight"
@@ -308,10 +341,13 @@ checkpoint hf {
                 | transpose | group_pad(groups=TPN, size=LATW, dim=1)
   moe_w1      = "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight_packed"
                 * "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight_scale" | transpose
+                or "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight" | transpose
   moe_w3      = "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight_packed"
                 * "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight_scale" | transpose
+                or "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight" | transpose
   moe_w2      = "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight_packed"
                 * "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight_scale" | transpose
+                or "language_model.model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight" | transpose
   moe_rnorm   = "language_model.model.layers.{l}.block_sparse_moe.routed_expert_norm.weight"
   moe_up      = "language_model.model.layers.{l}.block_sparse_moe.routed_expert_up_proj.weight" | transpose
   shared_gate = "language_model.model.layers.{l}.block_sparse_moe.shared_experts.gate_proj.weight"

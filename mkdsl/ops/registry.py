@@ -130,6 +130,10 @@ class OpDef:
     # The trailing axes of an `inout` state that one update writes as a whole: the unit whose largest
     # entry scales the kernel check's state bound (mkdsl/verify/kernel.py). 1: each vector alone.
     state_unit: int = 1
+    # What a plain residual stream (`x + block(x)`, as transformers' models add) has in the place of
+    # each output: the operand it equals there (mkdsl/verify/plain_residual.py). () for every op but
+    # a residual-stream op that such a model lacks (Kimi K3's attention residuals).
+    plain_residual: tuple[str, ...] = ()
 
     def reached(self, operand: str) -> str:
         """How the kernel reaches a weight (or state) operand: "stream", "own" or "fetch"."""

@@ -124,6 +124,7 @@ register(
         outputs=2,
         doc="Start the block residual stream: (blocks [B, nblocks·H] with x in block 0, zero prefix [B, H]).",
         shard="whole",
+        plain_residual=("x", "x"),  # the stream starts at the embedding
     )
 )
 
@@ -187,6 +188,7 @@ register(
         doc="Attention-residual mix of the blocks valid at `layer` (and the prefix): "
         "Σ softmax((v·w)·rsqrt(mean(v²)+eps))·v, f32; after_snapshot selects the MLP input.",
         shard="whole",
+        plain_residual=("prefix",),  # the stream itself
     )
 )
 
@@ -231,5 +233,6 @@ register(
         "layer // block and restart the prefix at zero; otherwise pass both through.",
         shard="whole",
         in_place=((0, 0), (1, 1)),
+        plain_residual=("blocks", "prefix"),  # no block boundary: the stream runs on
     )
 )

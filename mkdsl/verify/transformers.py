@@ -17,7 +17,12 @@ compares:
 * the epilogue, fed transformers' last hidden state: logits within `LOGIT_RTOL`.
 * greedy tokens: the spec's prefill and decode steps run free (no feeding); transformers, teacher
   forced on the same tokens, must pick the same token at each position unless the spec's token
-  scores within `TIE_RTOL` of its best (a near tie, reported and not failed).
+  scores within `TIE_RTOL` of its best, or the spec's run routed a row by a near tie (ROUTE_TIE)
+  at or before that token (near ties, reported and not failed).
+
+An architecture transformers lacks may be one of mkdsl's stand-ins (`STAND_INS`: built from
+transformers' modules, saved in the spec's published layout); the spec's residual-stream ops that
+the stand-in has no counterpart for are replaced by the plain residual add (`plain_residual`).
 
 Bounds (the numeric contract, docs/language.md): the spec rounds every matmul input to bf16
 (2^-9 relative at most, half a bf16 ulp) and stores bf16 caches; transformers, run here in f32 on
@@ -39,6 +44,7 @@ usual bound plus that measured move (`_ill_conditioned`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import tempfile
@@ -51,6 +57,7 @@ from mkdsl.lang.ir import Graph, Model
 from mkdsl.lazy import jnp
 from mkdsl.ops import OPS
 from mkdsl.verify.oracle_trace import HFTrace, hf_trace, mk_op_values, zero_state
+from mkdsl.verify.plain_residual import plain_residual_model, replaced_ops
 
 ROUNDING = 2.0**-9  # one bf16-rounded matmul input, relative to the output's scale
 F32_RTOL = 2.0**-16  # f32 accumulation-order noise (as mkdsl/verify/kernel.py)
@@ -109,17 +116,33 @@ def import_transformers():
     return torch, transformers
 
 
+# Architectures transformers has no class for, built by mkdsl from transformers' modules: the
+# module that builds, saves and reloads each (its docstring says what it configures or replaces).
+STAND_INS = {"KimiK3ForCausalLM": "mkdsl.verify.kimi_k3"}
+
+
+def stand_in(architecture: str | None):
+    """The stand-in module of `architecture`, or None for a transformers class."""
+    import importlib
+
+    name = STAND_INS.get(architecture or "")
+    return importlib.import_module(name) if name else None
+
+
 def build_hf_model(model: Model, seed: int):
     """The transformers model of the spec's mapping, every parameter random (bf16 values), f32."""
     torch, transformers = import_transformers()
     cmap = hf_map(model)
-    cls = getattr(transformers, cmap.architecture, None)
-    if cls is None:
-        raise OracleError(f"transformers {transformers.__version__} has no class `{cmap.architecture}`")
-    config = cls.config_class(**cmap.config())
-    config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    hf = cls(config).eval().to(torch.float32)
+    if (built := stand_in(cmap.architecture)) is not None:
+        hf = built.build(model, cmap.config())
+    else:
+        cls = getattr(transformers, cmap.architecture, None)
+        if cls is None:
+            raise OracleError(f"transformers {transformers.__version__} has no class `{cmap.architecture}`")
+        config = cls.config_class(**cmap.config())
+        config._attn_implementation = "eager"
+        hf = cls(config).eval().to(torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(hf.named_parameters()):
@@ -158,15 +181,20 @@ def verify_against_transformers(
     from mkdsl.checkpoint.loader import load_weights
     from mkdsl.verify.hf_save import compared_model, on_the_spec_grids
 
+    built = stand_in(hf_map(model).architecture)
+    notes = _stand_in_notes(model, built)
+    if built is not None:
+        model = plain_residual_model(model)
     _one_carry(model)
     model, unread = compared_model(model)
     hf = build_hf_model(model, seed)
     report = OracleReport(spec, hf_map(model).architecture)
+    report.lines += notes
     with tempfile.TemporaryDirectory(prefix="mkdsl-oracle-") as tmp:
-        save_bf16(hf, Path(tmp))
+        (built.save if built is not None else save_bf16)(hf, Path(tmp))
         moved = on_the_spec_grids(model, Path(tmp))
         if moved:  # transformers computes with the values the spec's quantised weights hold
-            hf = reload_hf(hf, Path(tmp))
+            hf = (built.reload if built is not None else reload_hf)(hf, Path(tmp))
             report.lines.append(f"{moved} stored tensors moved onto the grids of the spec's quantised weights")
         weights, load = load_weights(model, tmp, progress=False, host=True)
     report.lines.append(load.summary())
@@ -196,6 +224,11 @@ def verify_checkpoint(
     from mkdsl.checkpoint.loader import load_weights
     from mkdsl.verify.hf_save import compared_model
 
+    if stand_in(hf_map(model).architecture) is not None:
+        raise OracleError(
+            f"transformers has no `{hf_map(model).architecture}` to read a checkpoint with (mkdsl builds "
+            "it from transformers' modules for random weights only): --weights cannot be compared"
+        )
     _one_carry(model)
     model, unread = compared_model(model)
     torch, transformers = import_transformers()
@@ -217,6 +250,17 @@ def verify_checkpoint(
     return report
 
 
+def _stand_in_notes(model: Model, built) -> list[str]:
+    """What the stand-in compares with transformers, and what it cannot (the report's first lines)."""
+    if built is None:
+        return []
+    ops = ", ".join(f"`{o}`" for o in replaced_ops(model)) or "no op"
+    kinds = {k: [i for i, s in enumerate(model.schedule) if s == k] for k in dict.fromkeys(model.schedule)}
+    layers = "; ".join(f"{k} (layers {', '.join(map(str, ls))})" for k, ls in kinds.items())
+    compared = f"compared with transformers, layer by layer, every op but {ops}: {layers}"
+    return [f"stand-in: {built.BASE}", compared, *(n.format(ops=ops) for n in built.NOTES)]
+
+
 def _one_carry(model: Model) -> None:
     if len({len(model.kind(k).params) for k in model.schedule}) != 1 or len(model.kind(model.schedule[0]).params) != 1:
         raise OracleError("the oracle compares a layer stack that carries one value (the residual stream)")
@@ -224,32 +268,66 @@ def _one_carry(model: Model) -> None:
 
 def compare(report: OracleReport, model: Model, weights, hf, ids: np.ndarray, steps: int, progress) -> None:
     """The spec's greedy run from `ids` against transformers, teacher forced on its tokens."""
-    greedy = free_run(model, weights, ids, steps)
+    ties: list[int] = []
+    greedy = free_run(model, weights, ids, steps, ties)
     seq = np.concatenate([ids, greedy[:-1]]).astype(np.int32)
     trace = hf_trace(hf, seq)
-    check_greedy(report, trace, greedy, len(ids))
+    check_greedy(report, trace, greedy, len(ids), min(ties, default=None))
     check_isolated(report, model, weights, trace, seq, len(ids), progress)
     report.lines.append(f"{len(ids)} prompt tokens + {steps} decode steps; greedy {greedy.tolist()}")
 
 
-def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int) -> np.ndarray:
-    """The spec's greedy tokens: its prefill over the prompt, then `steps` decode steps."""
+def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int, ties: list[int] | None = None) -> np.ndarray:
+    """The spec's greedy tokens: its prefill over the prompt, then `steps` decode steps. `ties`
+    collects the greedy tokens (0: the prefill's) whose run made a routing choice within ROUTE_TIE
+    of its runner-up (`OpDef.near_tie`): from there the spec's stream may take another expert than
+    transformers' and part from it by more than rounding."""
     from mkdsl.run.prefill import build_prefill, reference_weights
     from mkdsl.run.reference import build_reference
 
+    phase = [0]
     state = zero_state(model, len(ids) + steps + 1)
-    # unjitted: at mini sizes XLA's compile of the whole step costs more than running it op by op
-    _, token, state = build_prefill(model, jit=False)(weights, state, jnp.asarray(ids[None]))
-    out, step = [int(np.asarray(token)[0])], build_reference(model, jit=False)
-    ref_w = reference_weights(model, weights)
-    for j in range(steps):
-        pos = jnp.asarray([len(ids) + j], jnp.int32)
-        _, token, state = step(ref_w, state, jnp.asarray([out[-1]], jnp.int32), pos)
-        out.append(int(np.asarray(token)[0]))
+    with _watching_route_ties(model, lambda: ties.append(phase[0]) if ties is not None else None):
+        # unjitted: at mini sizes XLA's compile of the whole step costs more than running it op by op
+        _, token, state = build_prefill(model, jit=False)(weights, state, jnp.asarray(ids[None]))
+        out, step = [int(np.asarray(token)[0])], build_reference(model, jit=False)
+        ref_w = reference_weights(model, weights)
+        for j in range(steps):
+            phase[0] = j + 1
+            pos = jnp.asarray([len(ids) + j], jnp.int32)
+            _, token, state = step(ref_w, state, jnp.asarray([out[-1]], jnp.int32), pos)
+            out.append(int(np.asarray(token)[0]))
     return np.asarray(out, np.int32)
 
 
-def check_greedy(report: OracleReport, trace: HFTrace, greedy: np.ndarray, prompt: int) -> None:
+@contextlib.contextmanager
+def _watching_route_ties(model: Model, found):
+    """The model's routing ops run by their plain reference, each row probed by its `near_tie`
+    reference (which flips only at a near tie): `found()` is called for each near tie."""
+    originals = {n.op: OPS[n.op] for g in model.kinds for n in g.nodes if OPS[n.op].near_tie is not None}
+
+    def watched(op):
+        def reference(*arrays, **attrs):
+            for row in range(arrays[0].shape[0]):
+                flipped: list[bool] = []
+                op.near_tie(row, ROUTE_TIE, flipped)(*arrays, **attrs)
+                if flipped:
+                    found()
+            return op.reference(*arrays, **attrs)
+
+        return reference
+
+    for name, op in originals.items():
+        OPS[name] = dataclasses.replace(op, reference=watched(op), prefill=None)
+    try:
+        yield
+    finally:
+        OPS.update(originals)
+
+
+def check_greedy(report: OracleReport, trace: HFTrace, greedy: np.ndarray, prompt: int, tie: int | None = None) -> None:
+    """Each greedy token against transformers' choice; a different one passes as a near tie where
+    the logits are that close, or where the spec's run had a routing near tie at or before it (`tie`)."""
     for j, token in enumerate(greedy):
         logits = trace.logits[prompt - 1 + j]
         best = int(logits.argmax())
@@ -259,6 +337,8 @@ def check_greedy(report: OracleReport, trace: HFTrace, greedy: np.ndarray, promp
         where = f"greedy token {j}: spec {int(token)}, transformers {best} (margin {margin:.4g})"
         if margin <= TIE_RTOL * float(np.abs(logits).max()):
             report.ties.append(where)
+        elif tie is not None and tie <= j:
+            report.ties.append(where + f": after a routing near tie in the spec's run (greedy token {tie}'s)")
         else:
             report.failures.append(where + ": no near tie")
 
