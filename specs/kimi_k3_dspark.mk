@@ -131,7 +131,28 @@ step(tokens, positions) {
 # The field names `fc`, `hidden_norm`, `k_norm`, `markov_w1` and `markov_w2` are the checkpoint's
 # (facts/kimi_k3.md); the layer prefixes and the other names are inferred from the Qwen3-style
 # layer (Hugging Face's names), and the Markov matrices, [V, MR] each, are read as stored.
+# transformers has no class for this model: `KimiK3DSparkForCausalLM` is mkdsl's stand-in, built
+# from transformers' Qwen3 layers with the drafter's context cache and Markov bias
+# (mkdsl/verify/dspark.py; the oracle: README). The config fields are the published config.json's
+# (facts: transformer_layer_config, aux_hidden_state_layer_ids, sliding_window, markov_rank,
+# mask_token_id); the field names inside transformer_layer_config are inferred (Qwen3's).
 checkpoint hf {
+  config {
+    architecture = "KimiK3DSparkForCausalLM"
+    transformer_layer_config.vocab_size = V
+    transformer_layer_config.hidden_size = H
+    transformer_layer_config.intermediate_size = F
+    transformer_layer_config.num_hidden_layers = L
+    transformer_layer_config.num_attention_heads = NH
+    transformer_layer_config.num_key_value_heads = NKV
+    transformer_layer_config.head_dim = D
+    transformer_layer_config.rms_norm_eps = EPS
+    transformer_layer_config.rope_theta = THETA
+    aux_hidden_state_layer_ids = [C1, C2, C3, C4, C5]
+    sliding_window = W
+    markov_rank = MR
+    mask_token_id = MASK
+  }
   embed       = "embed_tokens.weight"
   fc          = "fc.weight" | transpose
   hidden_norm = "hidden_norm.weight"

@@ -53,8 +53,9 @@ def _rows(x, tokens: int) -> np.ndarray | None:
     return None
 
 
-def hf_trace(hf, ids: np.ndarray) -> HFTrace:
-    """One forward of `hf` over `ids` (no cache), recording what HFTrace holds."""
+def hf_trace(hf, ids: np.ndarray, **inputs) -> HFTrace:
+    """One forward of `hf` over `ids` (no cache; `inputs`: the forward's other arguments, a
+    stand-in's), recording what HFTrace holds."""
     import torch
 
     layers = decoder_layers(hf)
@@ -84,7 +85,7 @@ def hf_trace(hf, ids: np.ndarray) -> HFTrace:
                 hooks.append(sub.register_forward_hook(record))
     try:
         with torch.no_grad():
-            out = hf(input_ids=torch.as_tensor(ids[None], dtype=torch.long), use_cache=False)
+            out = hf(input_ids=torch.as_tensor(ids[None], dtype=torch.long), use_cache=False, **inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -115,6 +116,29 @@ def mk_op_values(model: Model, index: int, weights, carry_in: np.ndarray, tokens
             a = np.asarray(v, np.float32)
             if a.ndim >= 1 and a.shape[0] == len(tokens):
                 out.append((node, a.reshape(len(tokens), -1)))
+    return out
+
+
+def step_op_values(model: Model, index: int, weights, state, tokens, positions, carries):
+    """(node, value as [B, X]) of every op of layer `index` in one step of B rows (the reference's
+    decode step, `mkdsl.run.reference.run_layer`), from `state` and the layer's input `carries`."""
+    from mkdsl.run.reference import _inputs, _no_nesting, _run_graph
+
+    graph, rows, seen = model.kind(model.schedule[index]), len(tokens), []
+
+    def call(op, arrays, attrs):
+        outs = op.reference(*arrays, **attrs)
+        seen.append(outs)
+        return outs
+
+    inputs = _inputs(model, jnp.asarray(tokens), jnp.asarray(positions))
+    _run_graph(model, graph, list(carries), weights, dict(state), inputs, index, _no_nesting, call)
+    out = []
+    for node, outs in zip(graph.nodes, seen):
+        for v in outs[: len(node.outputs)]:
+            a = np.asarray(v, np.float32)
+            if a.ndim >= 1 and a.shape[0] == rows:
+                out.append((node, a.reshape(rows, -1)))
     return out
 
 

@@ -23,6 +23,9 @@ compares:
 An architecture transformers lacks may be one of mkdsl's stand-ins (`STAND_INS`: built from
 transformers' modules, saved in the spec's published layout); the spec's residual-stream ops that
 the stand-in has no counterpart for are replaced by the plain residual add (`plain_residual`).
+A stand-in whose step is no prefill and decode steps (a block drafter's, reading a context) brings
+its own `compare`, which runs its steps with this module's pieces and bounds
+(mkdsl/verify/draft_step.py).
 
 Bounds (the numeric contract, docs/language.md): the spec rounds every matmul input to bf16
 (2^-9 relative at most, half a bf16 ulp) and stores bf16 caches; transformers, run here in f32 on
@@ -118,7 +121,9 @@ def import_transformers():
 
 # Architectures transformers has no class for, built by mkdsl from transformers' modules: the
 # module that builds, saves and reloads each (its docstring says what it configures or replaces).
-STAND_INS = {"KimiK3ForCausalLM": "mkdsl.verify.kimi_k3"}
+# A stand-in whose step is not a prefill and decode steps (a block drafter's step reading a
+# context) also has `compare`, run in place of this module's (`compare`'s arguments).
+STAND_INS = {"KimiK3ForCausalLM": "mkdsl.verify.kimi_k3", "KimiK3DSparkForCausalLM": "mkdsl.verify.dspark"}
 
 
 def stand_in(architecture: str | None):
@@ -185,7 +190,9 @@ def verify_against_transformers(
     notes = _stand_in_notes(model, built)
     if built is not None:
         model = plain_residual_model(model)
-    _one_carry(model)
+    run = getattr(built, "compare", None) or compare
+    if run is compare:
+        _one_carry(model)
     model, unread = compared_model(model)
     hf = build_hf_model(model, seed)
     report = OracleReport(spec, hf_map(model).architecture)
@@ -201,7 +208,7 @@ def verify_against_transformers(
     if unread:
         report.lines.append(f"not compared (the decode step does not read them): {', '.join(unread)}")
     ids = np.random.default_rng(seed).integers(0, hf.config.vocab_size, size=prompt).astype(np.int32)
-    compare(report, model, weights, hf, ids, steps, progress)
+    run(report, model, weights, hf, ids, steps, progress)
     return report
 
 
@@ -254,10 +261,10 @@ def _stand_in_notes(model: Model, built) -> list[str]:
     """What the stand-in compares with transformers, and what it cannot (the report's first lines)."""
     if built is None:
         return []
-    ops = ", ".join(f"`{o}`" for o in replaced_ops(model)) or "no op"
+    ops = ", ".join(f"`{o}`" for o in replaced_ops(model))
     kinds = {k: [i for i, s in enumerate(model.schedule) if s == k] for k in dict.fromkeys(model.schedule)}
     layers = "; ".join(f"{k} (layers {', '.join(map(str, ls))})" for k, ls in kinds.items())
-    compared = f"compared with transformers, layer by layer, every op but {ops}: {layers}"
+    compared = f"compared with transformers, layer by layer, every op{f' but {ops}' if ops else ''}: {layers}"
     return [f"stand-in: {built.BASE}", compared, *(n.format(ops=ops) for n in built.NOTES)]
 
 
@@ -329,18 +336,24 @@ def check_greedy(report: OracleReport, trace: HFTrace, greedy: np.ndarray, promp
     """Each greedy token against transformers' choice; a different one passes as a near tie where
     the logits are that close, or where the spec's run had a routing near tie at or before it (`tie`)."""
     for j, token in enumerate(greedy):
-        logits = trace.logits[prompt - 1 + j]
-        best = int(logits.argmax())
-        if best == int(token):
-            continue
-        margin = float(logits.max() - logits[token])
-        where = f"greedy token {j}: spec {int(token)}, transformers {best} (margin {margin:.4g})"
-        if margin <= TIE_RTOL * float(np.abs(logits).max()):
-            report.ties.append(where)
-        elif tie is not None and tie <= j:
-            report.ties.append(where + f": after a routing near tie in the spec's run (greedy token {tie}'s)")
-        else:
-            report.failures.append(where + ": no near tie")
+        after = f"after a routing near tie in the spec's run (greedy token {tie}'s)" if tie is not None and tie <= j else ""
+        check_choice(report, trace.logits[prompt - 1 + j], int(token), f"greedy token {j}", after)
+
+
+def check_choice(report: OracleReport, scores: np.ndarray, token: int, what: str, excuse: str = "") -> None:
+    """The spec's choice `token` against the argmax of transformers' `scores`: a different one is a
+    near tie where its score is within TIE_RTOL of the best, or where `excuse` says why it may part."""
+    best = int(scores.argmax())
+    if best == token:
+        return
+    margin = float(scores.max() - scores[token])
+    where = f"{what}: spec {token}, transformers {best} (margin {margin:.4g})"
+    if margin <= TIE_RTOL * float(np.abs(scores).max()):
+        report.ties.append(where)
+    elif excuse:
+        report.ties.append(f"{where}: {excuse}")
+    else:
+        report.failures.append(where + ": no near tie")
 
 
 def check_isolated(report, model: Model, weights, trace: HFTrace, seq, prompt: int, progress) -> None:
@@ -419,13 +432,13 @@ def layer_ratio(model: Model, index: int, got: np.ndarray, trace: HFTrace, rows:
 
 
 def compare_layer(
-    report, model, index, got, trace, rows: slice, where: str, rerun=None, weights=None, seq=None, moved=None
+    report, model, index, got, trace, rows: slice, where: str, rerun=None, weights=None, seq=None, moved=None, explain=None
 ) -> None:
     """Each row of layer `index`'s output against transformers'. A failing row in a layer that
     routes is first run again with its near tie taken the other way (`rerun(row)`, see
     `_runner_up`), in the prefill and in the decode steps alike; one that still fails is checked
     for ill-conditioning (`moved()`: `sensitivity`); a prefill row that still fails is blamed on
-    an op."""
+    an op (`explain()` names it where the rows are not a prefill's)."""
     ratio = layer_ratio(model, index, got, trace, rows)
     report.note("layer", ratio.max())
     kind = model.schedule[index]
@@ -442,8 +455,11 @@ def compare_layer(
         if amplified:
             report.ties.append(f"{what}: ill-conditioned ({amplified})")
             continue
-        if weights is not None and not any(" layer " in f for f in report.failures):
-            what += "; " + blame(model, index, weights, trace, seq, rows)
+        if not any(" layer " in f for f in report.failures):
+            if explain is not None:
+                what += "; " + explain()
+            elif weights is not None:
+                what += "; " + blame(model, index, weights, trace, seq, rows)
         report.failures.append(what)
         return  # the first failing row of a layer names it
 
@@ -554,7 +570,13 @@ def blame(model: Model, index: int, weights, trace: HFTrace, seq, rows: slice) -
     if rows.start != 0:
         return "the prefill's layers agreed: the decode step's form of an op differs"
     values = mk_op_values(model, index, weights, trace.layer_in[index][rows], seq[rows], carry_dtype(model))
-    hf_values = [(n, v[rows]) for n, v in trace.modules[index]]
+    return first_differing(values, [(n, v[rows]) for n, v in trace.modules[index]])
+
+
+def first_differing(values, hf_values) -> str:
+    """The first op whose value (`values`: (node, [T, X]) in spec order) matches no transformers
+    module output (`hf_values`: (name, [T, X]) in call order), of the width of the first module
+    output that no spec value matches (the module docstring)."""
     tol = 2.0**-4
 
     def close(a, b):
