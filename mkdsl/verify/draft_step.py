@@ -89,7 +89,7 @@ def compare_draft_steps(report: OracleReport, model: Model, weights, hf, ids: np
         trace, c = _traced(hf, tokens, positions, context, cp)
         for state in (free, fed):
             state[ctx_name], state[pos_name] = context, cp
-        _, drafts, free = step(w, free, tokens, positions)
+        _, drafts, free = step(w, free, jnp.asarray(tokens), jnp.asarray(positions))
         _check_drafts(report, hf, trace.logits, tokens[0], np.asarray(drafts), f"draft step {s}: draft")
         fed = _compare_fed(report, model, w, layered, fed, (hf, trace, c), tokens, positions, f"draft step {s}")
     report.lines.append(
@@ -138,6 +138,7 @@ def _compare_fed(report, model: Model, w, layered, state, traced, tokens, positi
     from mkdsl.run.reference import run_layer
 
     hf, trace, c = traced
+    anchor, tokens, positions = int(tokens[0]), jnp.asarray(tokens), jnp.asarray(positions)
     x0, c0 = layered.prologue(w, state, tokens, positions)
     _compare_prologue(report, model, (x0, c0), (trace.layer_in[0], c), where)
     for i in range(len(model.schedule)):
@@ -149,7 +150,7 @@ def _compare_fed(report, model: Model, w, layered, state, traced, tokens, positi
     last = [jnp.asarray(trace.layer_out[-1]), jnp.asarray(c)]
     logits, drafts = layered.epilogue(w, state, tokens, positions, last)
     compare_logits(report, np.asarray(logits, np.float32), trace.logits, where)
-    _check_drafts(report, hf, trace.logits, tokens[0], np.asarray(drafts), f"{where}: draft (fed)")
+    _check_drafts(report, hf, trace.logits, anchor, np.asarray(drafts), f"{where}: draft (fed)")
     return state
 
 
