@@ -335,8 +335,9 @@ def _watching_route_ties(model: Model, found):
 def check_greedy(report: OracleReport, trace: HFTrace, greedy: np.ndarray, prompt: int, tie: int | None = None) -> None:
     """Each greedy token against transformers' choice; a different one passes as a near tie where
     the logits are that close, or where the spec's run had a routing near tie at or before it (`tie`)."""
+    excuse = f"after a routing near tie in the spec's run (greedy token {tie}'s)"
     for j, token in enumerate(greedy):
-        after = f"after a routing near tie in the spec's run (greedy token {tie}'s)" if tie is not None and tie <= j else ""
+        after = excuse if tie is not None and tie <= j else ""
         check_choice(report, trace.logits[prompt - 1 + j], int(token), f"greedy token {j}", after)
 
 
@@ -432,7 +433,18 @@ def layer_ratio(model: Model, index: int, got: np.ndarray, trace: HFTrace, rows:
 
 
 def compare_layer(
-    report, model, index, got, trace, rows: slice, where: str, rerun=None, weights=None, seq=None, moved=None, explain=None
+    report,
+    model,
+    index,
+    got,
+    trace,
+    rows: slice,
+    where: str,
+    rerun=None,
+    weights=None,
+    seq=None,
+    moved=None,
+    explain=None,
 ) -> None:
     """Each row of layer `index`'s output against transformers'. A failing row in a layer that
     routes is first run again with its near tie taken the other way (`rerun(row)`, see
