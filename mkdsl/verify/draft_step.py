@@ -77,7 +77,7 @@ def compare_draft_steps(report: OracleReport, model: Model, weights, hf, ids: np
     schedule = draft_schedule(len(ids), steps, rows, rng)
     hidden = rng.standard_normal((schedule[-1][1] + 1, model.tensor(ctx_name).type.shape[1])).astype(np.float32)
     w = reference_weights(model, weights)
-    free, fed = empty_state(model, rows), empty_state(model, rows)
+    free = fed = {k: jnp.asarray(v) for k, v in empty_state(model, rows).items()}  # unjitted: jnp's `.at`
     step, layered = build_reference(model, jit=False), build_layered_reference(model)
     mask = int(model.const["MASK"])
     hf.reset()
@@ -87,8 +87,8 @@ def compare_draft_steps(report: OracleReport, model: Model, weights, hf, ids: np
         context, cp = np.zeros((rows, hidden.shape[1]), np.float32), np.full(rows, -1, np.int32)
         context[: len(cpos)], cp[: len(cpos)] = hidden[cpos], cpos
         trace, c = _traced(hf, tokens, positions, context, cp)
-        for state in (free, fed):
-            state[ctx_name], state[pos_name] = context, cp
+        free = {**free, ctx_name: jnp.asarray(context), pos_name: jnp.asarray(cp)}
+        fed = {**fed, ctx_name: jnp.asarray(context), pos_name: jnp.asarray(cp)}
         _, drafts, free = step(w, free, jnp.asarray(tokens), jnp.asarray(positions))
         _check_drafts(report, hf, trace.logits, tokens[0], np.asarray(drafts), f"draft step {s}: draft")
         fed = _compare_fed(report, model, w, layered, fed, (hf, trace, c), tokens, positions, f"draft step {s}")
