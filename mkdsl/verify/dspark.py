@@ -41,10 +41,9 @@ NOTES = (
 _DRAFTER_FIELDS = ("aux_hidden_state_layer_ids", "sliding_window", "markov_rank", "mask_token_id")
 
 
-def _modules():
-    """The torch module classes (defined here so that mkdsl imports without torch)."""
+def _context_cache():
+    """The context cache class (defined here so that mkdsl imports without torch)."""
     import torch
-    from torch import nn
     from transformers.models.qwen3 import modeling_qwen3 as q3
 
     class ContextCache:
@@ -80,6 +79,17 @@ def _modules():
             blocked = torch.full(allowed.shape, torch.finfo(torch.float32).min)
             return torch.where(allowed, 0.0, blocked)[None, None]
 
+    return ContextCache
+
+
+def _drafter():
+    """The stand-in's module class (defined here so that mkdsl imports without torch)."""
+    import torch
+    from torch import nn
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+
+    context_cache = _context_cache()
+
     class DSparkDrafter(nn.Module):
         """The drafter (module docstring); `forward` runs one step and keeps the context cache."""
 
@@ -99,7 +109,7 @@ def _modules():
             self.reset()
 
         def reset(self) -> None:
-            self.cache = ContextCache(len(self.layers))
+            self.cache = context_cache(len(self.layers))
 
         def forward(self, input_ids, position_ids, context, context_positions, use_cache=False):
             """One step: input_ids, position_ids [1, B] (the anchor, then mask tokens), context
@@ -131,7 +141,7 @@ def _modules():
                 out.append(previous)
             return out
 
-    return types.SimpleNamespace(DSparkDrafter=DSparkDrafter)
+    return DSparkDrafter
 
 
 def build(model: Model, fields: dict):
@@ -151,7 +161,7 @@ def build(model: Model, fields: dict):
     layers = layer["num_hidden_layers"]
     config = Qwen3Config(**layer, layer_types=["full_attention"] * layers)
     config._attn_implementation = "eager"
-    drafter_cls = _modules().DSparkDrafter
+    drafter_cls = _drafter()
     context_layers = len(drafter["aux_hidden_state_layer_ids"])
     hf = drafter_cls(config, drafter["sliding_window"], drafter["markov_rank"], context_layers)
     return hf.eval().to(torch.float32)
