@@ -111,8 +111,9 @@ def test_kimi_k3_with_a_broken_mla_split_is_named(tmp_path, capsys):
 def test_dspark_without_its_q_norm_is_named(tmp_path, capsys):
     """`mkdsl verify --against transformers` on a copy of the DSpark drafter whose queries skip
     their per-head RMSNorm: the first drafter step's layer 0 fails, and the op named is the first
-    value that then differs, the `rope` of that query line; the report says what the stand-in takes
-    from transformers and what is mkdsl's glue."""
+    value that then differs, the `rope` of that query line (the stand-in's `q_norm` output has no
+    match; the spec's rotated queries are compared with the stand-in's); the report says what the
+    stand-in takes from transformers and what is mkdsl's glue."""
     source = (ROOT / "specs/kimi_k3_dspark.mk").read_text()
     good = "q = rope(rmsnorm(linear(h, wq), q_norm, heads=NH, eps=EPS), positions"
     assert good in source
@@ -126,6 +127,22 @@ def test_dspark_without_its_q_norm_is_named(tmp_path, capsys):
     first = next(x for x in out.splitlines() if "FAILED: draft step 0 layer" in x)
     assert "layer 0 (decoder)" in first and f"`rope` at spec line {line}" in first, out
     assert "Qwen3DecoderLayer" in out and "Markov bias" in out and "q_norm" in out, out
+
+
+@pytest.mark.slow
+def test_dspark_with_a_narrower_window_is_named(tmp_path):
+    """The drafter's context window written 8 in place of its cache's W (64 at mini): with the
+    prompt's 12 context rows before the anchor, the rows 8 or more positions back are masked in the
+    spec but not in the stand-in, and the first drafter step's layer 0 fails naming
+    `block_attention` (the stand-in's attention output has no match)."""
+    source = (ROOT / "specs/kimi_k3_dspark.mk").read_text()
+    good = "heads=NH, kv_heads=NKVR, window=W)"
+    assert source.count(good) == 1
+    path = tmp_path / "kimi_k3_dspark.mk"
+    path.write_text(source.replace(good, good.replace("window=W", "window=8")))
+    report = verify_against_transformers(mkdsl.load(path, "mini").model, str(path), steps=1, prompt=12)
+    first = next(f for f in report.failures if " layer " in f)
+    assert "draft step 0 layer 0 (decoder)" in first and "`block_attention`" in first, report.text()
 
 
 def test_kimi_k3_checkpoint_is_not_read_by_transformers(tmp_path):

@@ -13,6 +13,12 @@ output head. Only what no transformers model has is mkdsl's glue (said in the re
 * the mask: context positions below the anchor's and within the window, causal in the block;
 * the Markov bias `markov_w2(markov_w1[previous token])` and the left-to-right argmax.
 
+The attention itself is transformers' `eager_attention_forward`, registered under `ATTENTION` with
+three identity modules around it (`roped_q`, `roped_k`, `attended`): the oracle's trace records
+module outputs only, and so it also sees the rotated queries, the block's rotated keys and the
+attention's output, which the spec computes as values of their own (`rope`, `block_attention`): a
+spec that differs there is named at that op, not at the nearest value transformers happens to show.
+
 Its parameter names are the spec's mapping's (the published drafter checkpoint's), so the save is
 its state dict as it is. The drafter's step is a block reading a context, not a prefill and
 decode steps: `compare` (mkdsl/verify/draft_step.py) compares it step by step.
@@ -38,6 +44,7 @@ NOTES = (
     "left-to-right argmax",
 )
 
+ATTENTION = "mkdsl_dspark_eager"  # transformers' eager attention with the traced identities
 _DRAFTER_FIELDS = ("aux_hidden_state_layer_ids", "sliding_window", "markov_rank", "mask_token_id")
 
 
@@ -82,12 +89,26 @@ def _context_cache():
     return ContextCache
 
 
+def _traced_eager(module, query, key, value, attention_mask, **kwargs):
+    """transformers' eager attention, its rotated queries, the block's rotated keys (the last rows)
+    and its output passed through the attention's identity modules, [1, B, heads, d] each."""
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+
+    rows = query.shape[2]
+    module.roped_q(query.transpose(1, 2))
+    module.roped_k(key[:, :, -rows:].transpose(1, 2))
+    out, weights = q3.eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return module.attended(out), weights
+
+
 def _drafter():
     """The stand-in's module class (defined here so that mkdsl imports without torch)."""
     import torch
     from torch import nn
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.qwen3 import modeling_qwen3 as q3
 
+    ALL_ATTENTION_FUNCTIONS.register(ATTENTION, _traced_eager)
     context_cache = _context_cache()
 
     class DSparkDrafter(nn.Module):
@@ -101,6 +122,9 @@ def _drafter():
             self.fc = nn.Linear(context_layers * h, h, bias=False)
             self.hidden_norm = q3.Qwen3RMSNorm(h, eps)
             self.layers = nn.ModuleList(q3.Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            for layer in self.layers:
+                attn = layer.self_attn
+                attn.roped_q, attn.roped_k, attn.attended = nn.Identity(), nn.Identity(), nn.Identity()
             self.norm = q3.Qwen3RMSNorm(h, eps)
             self.rotary_emb = q3.Qwen3RotaryEmbedding(config)
             self.lm_head = nn.Linear(h, vocab, bias=False)
@@ -160,8 +184,8 @@ def build(model: Model, fields: dict):
         raise OracleError(f"KimiK3DSparkForCausalLM's config: {what}")
     layers = layer["num_hidden_layers"]
     config = Qwen3Config(**layer, layer_types=["full_attention"] * layers)
-    config._attn_implementation = "eager"
     drafter_cls = _drafter()
+    config._attn_implementation = ATTENTION
     context_layers = len(drafter["aux_hidden_state_layer_ids"])
     hf = drafter_cls(config, drafter["sliding_window"], drafter["markov_rank"], context_layers)
     return hf.eval().to(torch.float32)
