@@ -6,6 +6,7 @@ made of plain arrays (codes and scales) that a loader writes and the kernel read
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -224,10 +225,13 @@ def itemsize(name: str) -> int:
 
 
 def storage_bytes(dtype: DType, shape: tuple) -> int:
-    total = 0
-    for part in storage(dtype, shape):
-        total += int(np.prod(part.shape, dtype=np.int64)) * itemsize(part.dtype)
-    return total
+    """Bytes of a tensor's HBM storage."""
+    return _storage_bytes(dtype, tuple(shape))
+
+
+@functools.cache  # the planner asks ~10^5 times a compile, for a few hundred tensors
+def _storage_bytes(dtype: DType, shape: tuple) -> int:
+    return sum(math.prod(part.shape) * itemsize(part.dtype) for part in storage(dtype, shape))
 
 
 def numpy_dtype(name: str) -> np.dtype:

@@ -6,6 +6,7 @@ where each value came from so that later stages can still point at the spec.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from mkdsl.lang.diagnostics import Span
@@ -167,7 +168,12 @@ class Model:
     mtp_inputs: tuple[Value, ...] = ()
 
     def tensor(self, name: str) -> Tensor:
-        return next(t for t in self.tensors if t.name == name)
+        return self._tensors_by_name[name]
+
+    @functools.cached_property
+    def _tensors_by_name(self) -> dict[str, Tensor]:
+        """The tensors by name (the planner and the reference look tensors up ~10^5 times a compile)."""
+        return {t.name: t for t in self.tensors}
 
     def kind(self, name: str) -> Graph:
         return next(k for k in self.kinds if k.name == name)

@@ -8,10 +8,9 @@ has a TPU lowering in mkdsl/backends/tpu/lowerings/.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from mkdsl.lang.dtypes import DType
 from mkdsl.lang.ir import TensorType
@@ -175,7 +174,7 @@ def expect_divides(total, part: int, what: str, arg) -> int:
 
 
 def numel(t: TensorType) -> int:
-    return int(np.prod([d for d in t.shape], dtype=np.int64))
+    return math.prod(t.shape)
 
 
 def nbytes(t: TensorType) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -680,12 +681,14 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], dict[str, int]]
     group: dict[str, str] = {t.name: "state" for t in m.states}
     flops = dict.fromkeys([*(k.name for k in m.kinds), m.step.name], 0)
 
-    def visit(graph: Graph) -> None:
+    def visit(graph: Graph, runs: int = 1) -> None:
+        """Add `graph`'s traffic and flops, `runs` times (a layer kind: once per layer of that kind,
+        in first-layer order; its costs do not depend on the layer, see `cost_attrs`)."""
         after_layers = False
         for node in graph.nodes:
             if node.op == "layers":
-                for kind in m.schedule:
-                    visit(m.kind(kind))
+                for kind, count in Counter(m.schedule).items():
+                    visit(m.kind(kind), count)
                 after_layers = True
                 continue
             where = node.block or ("layer" if graph.name != "step" else "output" if after_layers else "input")
@@ -698,7 +701,7 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], dict[str, int]]
             c: Cost = op.cost(
                 [concrete(t, read_sizes) for t in types], [concrete(t, read_sizes) for t in outs], cost_attrs(node)
             )
-            flops[graph.name] += op.cost(
+            flops[graph.name] += runs * op.cost(
                 [concrete(t, flop_sizes) for t in types], [concrete(t, flop_sizes) for t in outs], cost_attrs(node)
             ).flops
             tensors = [r.name for r in node.inputs if r.kind == "tensor"]
@@ -706,9 +709,9 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], dict[str, int]]
             states = [n for n in tensors if m.tensor(n).kind == "state"]
             sizes = [storage_bytes(m.tensor(w).type.dtype, m.tensor(w).type.shape) for w in weights]
             for w, size in zip(weights, sizes, strict=True):  # shared in proportion to their storage
-                per_tensor[w] += c.weight_bytes * size // max(1, sum(sizes))
+                per_tensor[w] += runs * (c.weight_bytes * size // max(1, sum(sizes)))
             for n in states:
-                per_tensor[n] += c.state_bytes // len(states)
+                per_tensor[n] += runs * (c.state_bytes // len(states))
 
     visit(m.step)
     traffic = tuple(TensorTraffic(t.name, t.kind, per_tensor[t.name], group.get(t.name, "unused")) for t in m.tensors)
