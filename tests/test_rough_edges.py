@@ -460,6 +460,29 @@ def test_an_interrupt_landing_in_a_collector_callback_is_not_lost():
     assert went_on  # the collector finished undisturbed; the interrupt came after
 
 
+def test_an_interrupt_landing_in_a_finalizer_is_not_lost_nor_printed(monkeypatch):
+    """As above, in a `weakref.finalize` callback (a temporary file's cleanup during a load: CI saw
+    "Exception ignored in: <finalize object ...>" and a traceback once)."""
+    import signal
+    import sys
+    import weakref
+
+    from mkdsl.run.prompts import interrupts_kept
+
+    class Held:
+        pass
+
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    went_on = False
+    with pytest.raises(KeyboardInterrupt), interrupts_kept():
+        held = Held()
+        weakref.finalize(held, signal.raise_signal, signal.SIGINT)  # Ctrl-C pressed while it runs
+        del held
+        went_on = True
+    assert went_on and ignored == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.4, 1.5])
 def test_ctrl_c_while_the_checkpoint_loads_stops_the_run(llama_hf, run_cache, delay):

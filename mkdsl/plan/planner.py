@@ -701,9 +701,10 @@ def count_traffic(s: _State) -> tuple[tuple[TensorTraffic, ...], dict[str, int]]
             c: Cost = op.cost(
                 [concrete(t, read_sizes) for t in types], [concrete(t, read_sizes) for t in outs], cost_attrs(node)
             )
-            flops[graph.name] += runs * op.cost(
+            at_rows = op.cost(
                 [concrete(t, flop_sizes) for t in types], [concrete(t, flop_sizes) for t in outs], cost_attrs(node)
-            ).flops
+            )
+            flops[graph.name] += runs * at_rows.flops
             tensors = [r.name for r in node.inputs if r.kind == "tensor"]
             weights = [n for n in tensors if m.tensor(n).kind == "weight"]
             states = [n for n in tensors if m.tensor(n).kind == "state"]

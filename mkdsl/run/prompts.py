@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,11 +73,15 @@ def groups(texts: list[str], batch: int, encode, fits) -> list[Group]:
     return out
 
 
+_FINALIZE = weakref.finalize.__call__.__code__
+
+
 @contextlib.contextmanager
 def interrupts_kept() -> Iterator[list[bool]]:
     """Ctrl-C is never lost. Python raises KeyboardInterrupt wherever the signal lands, and one
     landing in a garbage-collector callback or a finaliser (JAX's `_xla_gc_callback` during a
-    load) is printed as "Exception ignored" and dropped, and the run went on. Here the interrupt
+    load, a `__del__`, a `weakref.finalize` callback) is printed as "Exception ignored" and
+    dropped, and the run went on. Here the interrupt
     is recorded; it is raised at once unless it lands in such a place, and `check` raises a
     recorded one at the next safe point (and on leaving)."""
     hit: list[bool] = []
@@ -85,7 +90,8 @@ def interrupts_kept() -> Iterator[list[bool]]:
         hit.append(True)
         f = frame
         while f is not None:
-            if "gc_callback" in f.f_code.co_name or f.f_code.co_name == "__del__":
+            code = f.f_code
+            if "gc_callback" in code.co_name or code.co_name == "__del__" or code is _FINALIZE:
                 return  # raised later, by `check`
             f = f.f_back
         raise KeyboardInterrupt
