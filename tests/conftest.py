@@ -22,12 +22,6 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # one-device kernels use the first). Must be set before JAX initialises its CPU backend.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# XLA:CPU without its LLVM optimisations: a test's programs run a few times each, and compiling
-# them was 43% of the suite's time. Measured on the 2-core dev machine: a one-op program compiles
-# in ~35 ms instead of ~45, interpret-mode megakernels compile ~10% faster and run as fast. (XLA
-# does not use fast math either way: the arithmetic is the same IEEE arithmetic.)
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 # Tests that build `pltpu.InterpretParams()` themselves get the host path for the interpreter's
 # callbacks that mkdsl installs wherever it asks for interpret mode (mkdsl/backends/tpu/interpret.py:
