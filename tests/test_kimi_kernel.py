@@ -11,8 +11,8 @@ its timeout instead of hanging CI.
 
 The spec is compiled once, with its `kv_tile` hint set to 16 so that three steps cross latent-cache
 tile boundaries cheaply (the cache holds SEQ_LEN = 4 tiles). Interpret mode runs with the race
-detector on (batch 4, at the step where the first row enters a new tile: RACE_STEP, RACE_BATCHES), uninitialised memory
-filled with NaN and out-of-bounds reads raising. Rows start at
+detector on (at batch 4, on the step where the first row enters a new tile: RACE_BATCHES,
+RACE_STEP), uninitialised memory filled with NaN and out-of-bounds reads raising. Rows start at
 different positions (STARTS): 0, the last three positions of the cache, and rows whose steps cross a
 16-token tile boundary; the first row crosses one, so batch 1 does too.
 
@@ -36,7 +36,8 @@ its query: attn_res, mlp_res, out_res), drawn like projections ~ N(0, 1/H) inste
 logit is ~ +-sqrt(H) = +-16 and the softmax over blocks is nearly one-hot, an unrealistic regime.
 
 Cost, 8 interpreted devices on the 2-core dev machine: ~40 s to trace and compile each build (two
-at batch 4, one at batch 1), ~10 s a step without the race detector, ~58 s with it. MKDSL_KIMI_BATCHES=1,2,4,8 runs more batches.
+at batch 4, one at batch 1), ~10 s a step without the race detector, ~58 s with it.
+MKDSL_KIMI_BATCHES=1,2,4,8 runs more batches.
 """
 
 from __future__ import annotations
@@ -192,12 +193,11 @@ def run_and_check(c: Compiled, batch: int, seed: int) -> dict:
     tokens = np.random.default_rng(seed).integers(0, vocab, batch).astype(np.int32)
     positions = np.asarray(STARTS[:batch], np.int32)
     race_step = RACE_STEP if batch in RACE_BATCHES else None
-    builds = {
-        False: dataclasses.replace(INTERPRET, detect_races=False),
-        **({True: INTERPRET} if race_step is not None else {}),
-    }
+    params = {False: dataclasses.replace(INTERPRET, detect_races=False)}
+    if race_step is not None:
+        params[True] = INTERPRET
     steps = {
-        races: module.build_decode_step(batch, SEQ_LEN, interpret=p, layer_trace=True) for races, p in builds.items()
+        races: module.build_decode_step(batch, SEQ_LEN, interpret=p, layer_trace=True) for races, p in params.items()
     }
     worst = {"of_tol": {}, "runner_ups": [], "seconds": []}
 

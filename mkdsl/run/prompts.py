@@ -81,9 +81,9 @@ def interrupts_kept() -> Iterator[list[bool]]:
     """Ctrl-C is never lost. Python raises KeyboardInterrupt wherever the signal lands, and one
     landing in a garbage-collector callback or a finaliser (JAX's `_xla_gc_callback` during a
     load, a `__del__`, a `weakref.finalize` callback) is printed as "Exception ignored" and
-    dropped, and the run went on. Here the interrupt
-    is recorded; it is raised at once unless it lands in such a place, and `check` raises a
-    recorded one at the next safe point (and on leaving)."""
+    dropped, and the run went on. Here the interrupt is recorded; it is raised at once unless it
+    lands in such a place, and `check` raises a recorded one at the next safe point (and on
+    leaving)."""
     hit: list[bool] = []
 
     def handler(signum, frame):
