@@ -13,7 +13,8 @@ threads, which are blocked in the interpreter waiting for each other's semaphore
 keeps jax's own path) straight to the callback with the host arrays. It is installed by whatever
 in mkdsl asks for interpret mode, once per process. The route is decided once per callback, and
 the interpreter's function is called with the flat arguments themselves (it takes no pytrees):
-jax's flatten/unflatten around each call was ~15% of the callbacks' time (py-spy, Kimi K3 mini);
+jax's pytree round trip around each call and the per-call routing check were ~25% of the
+callbacks' time (py-spy, Kimi K3 mini);
 a step takes 8-15% less (SmolLM2-135M: 2.39 -> 2.19 s, Kimi K3 mini on 8 devices: ~11 -> ~10 s).
 """
 
