@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import tree_util
+from jax import tree_util
 from jax.experimental import io_callback
 from jax.experimental import pallas as pl
 

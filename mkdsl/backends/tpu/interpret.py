@@ -14,8 +14,8 @@ keeps jax's own path) straight to the callback with the host arrays. It is insta
 in mkdsl asks for interpret mode, once per process. The route is decided once per callback, and
 the interpreter's function is called with the flat arguments themselves (it takes no pytrees):
 jax's pytree round trip around each call and the per-call routing check were ~25% of the
-callbacks' time (py-spy, Kimi K3 mini);
-a step takes 8-15% less (SmolLM2-135M: 2.39 -> 2.19 s, Kimi K3 mini on 8 devices: ~11 -> ~10 s).
+callbacks' time (py-spy, Kimi K3 mini); a step takes 8-15% less (SmolLM2-135M: 2.39 -> 2.19 s,
+Kimi K3 mini on 8 devices: ~11 -> ~10 s).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _direct(callback) -> Callable | None:
     pytrees), else the callback (it unflattens them); None for any other io_callback."""
     if not _from_interpreter(callback):
         return None
-    from jax._src import tree_util
+    from jax import tree_util
 
     flat = callback.in_tree == tree_util.tree_structure((tuple(range(callback.in_tree.num_leaves)), {}))
     return callback.callback_func if flat else callback
@@ -58,7 +58,7 @@ def _host_leaves(out) -> list:
         return [np.asarray(x) for x in out]
     if isinstance(out, _LEAVES):
         return [np.asarray(out)]
-    from jax._src import tree_util
+    from jax import tree_util
 
     return [np.asarray(x) for x in tree_util.tree_leaves(out)]
 
