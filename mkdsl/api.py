@@ -224,10 +224,10 @@ def build_step(
     len, H], the residual stream after each listed layer."""
     module = module or load_kernel(spec)
     if interpret:
-        from mkdsl.backends.tpu.interpret import interpret_params, use_host_callbacks
+        from mkdsl.backends.tpu.interpret import interpret_params, use_fast_interpreter
 
         interpret = interpret_params() if interpret is True else interpret
-        use_host_callbacks()
+        use_fast_interpreter()
     options = {"interpret": interpret or None, "steps_per_call": steps_per_call}
     if rows != 1 or context_layers:
         options.update(verify_rows=rows, context_layers=tuple(context_layers))

@@ -23,12 +23,13 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-# Tests that build `pltpu.InterpretParams()` themselves get the host path for the interpreter's
-# callbacks that mkdsl installs wherever it asks for interpret mode (mkdsl/backends/tpu/interpret.py:
-# 2.5-3.5x faster interpreted steps, and no multi-device deadlock).
-from mkdsl.backends.tpu.interpret import use_host_callbacks  # noqa: E402
+# Tests that build `pltpu.InterpretParams()` themselves get what mkdsl installs wherever it asks
+# for interpret mode (mkdsl/backends/tpu/interpret.py): the host path for the interpreter's
+# callbacks (2.5-3.5x faster interpreted steps, and no multi-device deadlock) and the vectorised
+# race detector (mkdsl/backends/tpu/race_detection.py).
+from mkdsl.backends.tpu.interpret import use_fast_interpreter  # noqa: E402
 
-use_host_callbacks()
+use_fast_interpreter()
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", derandomize=False, print_blob=True)

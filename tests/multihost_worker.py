@@ -75,9 +75,9 @@ def run(a) -> None:
     sampling = Sampling(a.temperature, 0, 1.0)
     interpret = None
     if a.decode == "kernel":
-        from jax.experimental.pallas import tpu as pltpu
+        from mkdsl.backends.tpu.interpret import interpret_params
 
-        interpret = pltpu.InterpretParams()
+        interpret = interpret_params()  # with mkdsl's interpreter speed-ups, as `mkdsl run` has them
     decoder = Decoder(
         spec, module, weights, 2, module.KV_TILE, sampling, interpret=interpret, seed=7, decode=a.decode, mesh=mesh
     )

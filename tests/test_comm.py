@@ -247,13 +247,15 @@ def run_interpret(out_path: str, comm_path: str, seed: int, wire_rows: int) -> N
     and the rows of every comm VMEM buffer."""
     import jax
     from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
-    from jax.experimental.pallas import tpu as pltpu
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from mkdsl.backends.tpu.interpret import interpret_params
+
     sizes = (4, 2)
     mesh = jax.make_mesh(sizes, AXES)
-    params = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
+    # mkdsl's interpreter speed-ups installed, as wherever mkdsl runs interpret mode
+    params = interpret_params(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
     ns = load_runtime(Path(comm_path))
     fn, scratch = build(ns, mesh, sizes, interpret=params, wire_rows=wire_rows)
     data = draw_inputs(seed, 8, sizes, wire_rows)

@@ -283,10 +283,10 @@ def run_kernel(
 ) -> KernelOutput:
     """One step of a `layer_trace=True` build, on host copies (the kernel donates its state).
     `pad`: the module's `pad_weights` where it stores some matrices padded."""
-    from mkdsl.backends.tpu.interpret import use_host_callbacks
+    from mkdsl.backends.tpu.interpret import use_fast_interpreter
     from mkdsl.run.random_params import kernel_weights
 
-    use_host_callbacks()  # the step may have been built with params not from `interpret_params()`
+    use_fast_interpreter()  # the step may have been built with params not from `interpret_params()`
     kw = {k: jnp.asarray(v) for k, v in pad(kernel_weights(weights)).items()}
     ks = {k: jnp.asarray(v) for k, v in state.items()}
     logits, next_tokens, new_state, trace = step(kw, ks, jnp.asarray(tokens), jnp.asarray(positions))

@@ -87,9 +87,18 @@ def use_host_callbacks() -> None:
     jax_callback.io_callback_impl = io_callback_impl
 
 
-def interpret_params(**options):
-    """`pltpu.InterpretParams(**options)`, with the host path for its callbacks installed."""
-    from jax.experimental.pallas import tpu as pltpu
+def use_fast_interpreter() -> None:
+    """Install mkdsl's two speed-ups of jax's TPU interpreter (idempotent): the host path for its
+    callbacks, and the vectorised race detector (mkdsl/backends/tpu/race_detection.py)."""
+    from mkdsl.backends.tpu.race_detection import use_vectorised_race_detection
 
     use_host_callbacks()
+    use_vectorised_race_detection()
+
+
+def interpret_params(**options):
+    """`pltpu.InterpretParams(**options)`, with mkdsl's speed-ups of the interpreter installed."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    use_fast_interpreter()
     return pltpu.InterpretParams(**options)
