@@ -11,8 +11,8 @@ its timeout instead of hanging CI.
 
 The spec is compiled once, with its `kv_tile` hint set to 16 so that three steps cross latent-cache
 tile boundaries cheaply (the cache holds SEQ_LEN = 4 tiles). Interpret mode runs with the race
-detector on (at batch 4, on the step where the first row enters a new tile: RACE_BATCHES,
-RACE_STEP), uninitialised memory filled with NaN and out-of-bounds reads raising. Rows start at
+detector on (every step at batch 4: RACE_BATCHES), uninitialised memory filled with NaN and
+out-of-bounds reads raising. Rows start at
 different positions (STARTS): 0, the last three positions of the cache, and rows whose steps cross a
 16-token tile boundary; the first row crosses one, so batch 1 does too.
 
@@ -35,8 +35,9 @@ its query: attn_res, mlp_res, out_res), drawn like projections ~ N(0, 1/H) inste
 (random_params' rule for 1-D weights, meant for norm gains): with near-one queries every mixing
 logit is ~ +-sqrt(H) = +-16 and the softmax over blocks is nearly one-hot, an unrealistic regime.
 
-Cost, 8 interpreted devices on the 2-core dev machine: ~40 s to trace and compile each build (two
-at batch 4, one at batch 1), ~10 s a step without the race detector, ~58 s with it.
+Cost, 8 interpreted devices on the 2-core dev machine: ~40 s to trace and compile each build (one
+per batch), ~8 s a batch-4 step without the race detector and ~12 s with it (measured with the
+vectorised detector, mkdsl/backends/tpu/race_detection.py).
 MKDSL_KIMI_BATCHES=1,2,4,8 runs more batches.
 """
 
@@ -71,13 +72,10 @@ BATCHES = tuple(int(b) for b in os.environ.get("MKDSL_KIMI_BATCHES", "1,4").spli
 STARTS = (KV_TILE - 2, 0, SEQ_LEN - STEPS, 2 * KV_TILE - 1, KV_TILE - 1, 5, 3 * KV_TILE - 1, 2 * KV_TILE - 3)
 
 INTERPRET = verify.interpret_params()
-# The step run with the race detector: the last, where the first row writes the first entry of a
-# new KV tile (and streams two tiles). The others, built once more without the detector, check
-# the numerics: on 8 interpreted devices a step costs ~58 s with it and ~10 s without (measured).
-RACE_STEP = STEPS - 1
-# The batches that run RACE_STEP with the detector: the DMAs, semaphores and remote copies of a
-# step are the same for every batch (B sizes the arrays, not the schedule), and the detector's
-# build and step cost ~100 s a batch; batch 1 checks the numerics only.
+# The batches whose steps all run with the race detector (the last step's first row writes the
+# first entry of a new KV tile and streams two tiles): the DMAs, semaphores and remote copies of a
+# step are the same for every batch (B sizes the arrays, not the schedule), so batch 1 checks the
+# numerics only, without the detector's ~50% longer steps.
 RACE_BATCHES = (4,)
 RECURRENT, CONV, CACHE = "recurrent", "conv", "cache"
 STATE_KINDS = {
@@ -192,20 +190,15 @@ def run_and_check(c: Compiled, batch: int, seed: int) -> dict:
     vocab = model.tensor("embed").type.shape[0]
     tokens = np.random.default_rng(seed).integers(0, vocab, batch).astype(np.int32)
     positions = np.asarray(STARTS[:batch], np.int32)
-    race_step = RACE_STEP if batch in RACE_BATCHES else None
-    params = {False: dataclasses.replace(INTERPRET, detect_races=False)}
-    if race_step is not None:
-        params[True] = INTERPRET
-    steps = {
-        races: module.build_decode_step(batch, SEQ_LEN, interpret=p, layer_trace=True) for races, p in params.items()
-    }
+    params = INTERPRET if batch in RACE_BATCHES else dataclasses.replace(INTERPRET, detect_races=False)
+    step = module.build_decode_step(batch, SEQ_LEN, interpret=params, layer_trace=True)
     worst = {"of_tol": {}, "runner_ups": [], "seconds": []}
 
     pltpu.reset_tpu_interpret_mode_state()
     for i in range(STEPS):
         where = f"batch {batch}, step {i}, positions {positions.tolist()}"
         t0 = time.perf_counter()
-        out = kernel_step(module, steps[i == race_step], weights, state, tokens, positions, where)
+        out = kernel_step(module, step, weights, state, tokens, positions, where)
         worst["seconds"].append(time.perf_counter() - t0)
         assert not verify.races_found(), f"{where}: the interpreter's race detector reported a race"
         for name, new in out.state.items():

@@ -268,11 +268,11 @@ def _speculate_against(plain, weights, verify_step, commit, spec, state, token, 
 
 
 # (spec, profile, R, first position, steps run with the race detector: None for all). Kimi K3
-# mini interprets 8 devices: a step costs ~58 s with the race detector and ~10 s without
-# (measured on the 2-core dev machine), so its first step runs with it (every DMA, semaphore and
-# remote copy of the R-row step; the schedule does not depend on the accepted length) and the
-# others, compiled once more without it, check the numerics. tests/test_kimi_kernel.py runs the
-# R = 1 step with it at batch 4, on the step whose first row enters a new KV tile.
+# mini interprets 8 devices: a 4-row step costs ~12 s with the race detector and ~8 s without, a
+# build ~35 s (measured on the 2-core dev machine), so its first step runs with it (every DMA,
+# semaphore and remote copy of the R-row step; the schedule does not depend on the accepted
+# length) and the other 7, compiled once more without it, check the numerics. tests/test_kimi_kernel.py
+# runs every R = 1 step with it at batch 4, including one whose first row enters a new KV tile.
 KERNEL_CASES = [
     ("specs/tiny.mk", None, 8, 10, None),
     ("specs/gemma3_27b.mk", "mini", 4, 20, None),  # from position 20 past the 32-token window
