@@ -928,7 +928,8 @@ def _say_emulation(args, module) -> None:
 
     layout = module.weight_layout()
     nbytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in layout.values())
-    print(emulation_notice(nbytes, args.max_tokens, args.batch), file=sys.stderr, flush=True)
+    verify_rows = args.draft_rows if getattr(args, "draft", None) else 1
+    print(emulation_notice(nbytes, args.max_tokens, args.batch, verify_rows), file=sys.stderr, flush=True)
 
 
 def _stdin_prompts():

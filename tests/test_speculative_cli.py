@@ -40,6 +40,15 @@ def test_run_draft_arguments_are_usage_errors_before_loading(capsys, extra, mess
     assert message in capsys.readouterr().err
 
 
+def test_the_emulation_notice_of_a_draft_run_says_its_verify_rows_and_bounds_the_time():
+    from mkdsl.run.prompts import emulation_notice
+
+    plain, draft = emulation_notice(2**26, 16, 1), emulation_notice(2**26, 16, 1, verify_rows=4)
+    assert "(1 row;" in plain and "at most" not in plain
+    assert "(one sequence, 4 rows a verify step;" in draft
+    assert re.search(r"[\d.]+ s per step, at most \d+ s for 16 tokens", draft), draft
+
+
 def _committed(path: str):
     """The static costs `mkdsl plan` reads with no flag: the spec's committed specs/costs file."""
     from mkdsl.plan.static_costs import default_costs

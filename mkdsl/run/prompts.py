@@ -110,18 +110,28 @@ def check(hit: list[bool]) -> None:
         raise KeyboardInterrupt
 
 
-# A rough rate of TPU interpret mode on a 2-core CPU: SmolLM2-135M (257 MiB of bf16 weights)
-# took 30.5 s per decode step (README's first run), so about 8.8 MB of weights per second.
-INTERPRET_BYTES_PER_S = 257 * 2**20 / 30.5
+# A rough rate of TPU interpret mode on a 2-core CPU: SmolLM2-135M from its Q4_1 GGUF (63.3 MiB
+# of weights as the kernel keeps them) took 2.18 s per decode step (`mkdsl run --interpret`, 14
+# timed steps, 2026-12-06), so about 29 MiB of weights per second. An assumption no measurement
+# checks: that the cost scales with the weights' bytes. It scales with the interpreter's
+# callbacks (a tile's DMA, loads and stores), so bf16 weights, 4x the bytes in as many tiles of
+# 4x the size, are likely over-estimated.
+INTERPRET_BYTES_PER_S = 63.3 * 2**20 / 2.18
 
 
-def emulation_notice(weight_bytes: int, tokens: int, rows: int) -> str:
-    """The one line `mkdsl run` prints before the load when the kernel runs in interpret mode."""
+def emulation_notice(weight_bytes: int, tokens: int, rows: int, verify_rows: int = 1) -> str:
+    """The one line `mkdsl run` prints before the load when the kernel runs in interpret mode.
+    `verify_rows` > 1: speculative decoding, one step per verify of that many rows of one sequence,
+    so the figure for the tokens (a step each) is an upper bound."""
     per_step = weight_bytes / INTERPRET_BYTES_PER_S
     total = per_step * tokens
     when = f"{total / 60:.0f} min" if total >= 120 else f"{total:.0f} s"
+    if verify_rows > 1:
+        when, shape = f"at most {when}", f"one sequence, {verify_rows} rows a verify step"
+    else:
+        shape = f"{rows} row{'s' if rows > 1 else ''}"
     return (
         "mkdsl run: no TPU: the kernel runs in TPU interpret mode, an emulation on the CPU; expect roughly "
-        f"{per_step:.1f} s per step, {when} for {tokens} tokens ({rows} row{'s' if rows > 1 else ''}; "
+        f"{per_step:.1f} s per step, {when} for {tokens} tokens ({shape}; "
         "an estimate from a 2-core CPU, plus the first call's trace and compile)"
     )
