@@ -17,7 +17,10 @@ clock with the componentwise maximum of the earlier ones, and scans nothing when
 Whether two ranges overlap is jax's own rule (`_ranges_overlap`), called as it is. Source locations
 are summarised only for a race that is reported (jax summarises one per access).
 tests/test_race_detection.py checks it against jax's own detector on random access histories and
-on kernels with and without a race.
+on kernels with and without a race. Measured with it (2-core dev machine, one run each): Qwen3-Next
+mini's step ~2 s; Kimi K3 mini's 4-row verify step ~12 s, against ~8 s without a detector (the
+rest of the gap is the interpreter's own clock keeping and the checks of concurrent accesses to
+disjoint parts of one buffer, such as a weight ring's slots, which do scan).
 """
 
 from __future__ import annotations
