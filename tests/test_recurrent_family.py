@@ -10,7 +10,8 @@ its loop over the heads' slots (static column offsets). The kernel is checked la
 
 tests/data/delta_narrow.mk is a Gated DeltaNet layer with 16 value heads of 64 and 8 key heads of
 128: before the unroll, Mosaic refused its `vector<1x64xf32>` load at a loop index ("cannot
-statically prove that index in dimension 1 is a multiple of 128"). Cost: interpret ~40-70 s, each
+statically prove that index in dimension 1 is a multiple of 128"); at batch 8 its loop is folded
+(128-lane windows at a loop index, each 64-wide head a static slice of one). Cost: interpret ~40-70 s, each
 libtpu compile ~10-25 s, the SPMD prefill ~30 s on the 2-core dev machine (slow-marked).
 """
 
@@ -73,7 +74,9 @@ def test_outer_members_compile_with_libtpu(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_delta_rule_with_narrow_value_heads_compiles_with_libtpu(tmp_path):
-    """16 value heads of 64 (two slots' worth at batch 1): the loop over the slots is unrolled."""
+    """16 value heads of 64: at batch 1 (8 heads a row, two slots' worth) the loop over the slots
+    is unrolled; at batch 8 (a head of 8 rows a slot) it is folded, a trip of 2 slots' value columns
+    one 128-lane window at a loop index (`Recurrent.fold`, tests/test_recurrent_fold.py)."""
     out, path = _compiled(NARROW, tmp_path)
     assert "self.unrolled = s_in.shape[2] % 128 != 0 or s_in.shape[3] % 128 != 0" in path.read_text(encoding="utf-8")
     module = load_module(path, "delta_narrow_compile")

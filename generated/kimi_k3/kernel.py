@@ -2591,7 +2591,11 @@ class Recurrent:
     updated together, so their chains interleave, and the code holds one copy of them whatever the
     batch. Heads narrower than a lane tile (dk or dv not a multiple of 128) cannot be sliced at a
     loop index (Mosaic proves lane offsets multiples of 128 only): their loop is unrolled, so that
-    every column offset is static.
+    every column offset is static. Except when the keys are lane-aligned and `fold` = 128 // (per *
+    dv) > 1 units fill a lane tile of value columns (Mamba-2's 64-wide heads at a head per row):
+    the loop then runs over trips of `fold` consecutive units, a trip's v columns read and its
+    outputs stored (a row's assembled and stored once) as ONE 128-lane window at a loop index,
+    each unit's columns a static slice of it; the pipeline steps per unit inside the trip as before.
 
     Per state: S' = exp(g) * S (`decay`: "key" scales the key rows, "head" the whole state by one
     g per row and head, "const" by a weight's g per head, "" not at all), u = beta * (v - S'^T k)
@@ -2616,6 +2620,9 @@ class Recurrent:
         self.per = max(c for c in range(1, heads + 1) if heads % c == 0 and c * self.rows <= cap)
         self.units = heads // self.per
         self.unrolled = s_in.shape[2] % 128 != 0 or s_in.shape[3] % 128 != 0
+        width = self.per * s_in.shape[3]  # a unit's value columns
+        fold = 128 // width if 128 % width == 0 else 1  # units per 128-lane window of value columns
+        self.fold = fold if self.unrolled and s_in.shape[2] % 128 == 0 and self.units % fold == 0 else 1
 
     def copies(self, slot, r0, rows, u, s, out):
         """The DMAs of unit u's states of rows r0 .. r0 + rows - 1 into (or out of) VMEM slot s:
@@ -2632,14 +2639,18 @@ class Recurrent:
             pairs = [(buf.at[pl.ds(b * self.per, self.per)], hbm.at[slot, r0 + b, pl.ds(u * self.per, self.per)]) for b in range(rows)]
         return [pltpu.make_async_copy(*((v, h) if out else (h, v)), self.sem.at[int(out), s]) for v, h in pairs]
 
-    def block(self, x, r0, rows, u, width, key):
+    def block(self, x, r0, rows, u, width, key, lanes=None):
         """[per * rows, width]: row p * rows + b is row r0 + b of x at the columns of head u*per + p
-        (of its key head if `key`)."""
-        def cols(p):
+        (of its key head if `key`). `lanes` (a folded trip's value columns): (window, f), the
+        trip's 128-lane window of x's rows r0 .. as loaded, and u's place in the trip."""
+        def part(p):
+            if lanes is not None:  # a static slice of the window
+                at = (lanes[1] * self.per + p) * width
+                return lanes[0][:, at : at + width]
             h = u * self.per + p
-            return head_cols(self.key_lo + h // self.group if key else h, width)
+            return x[r0 : r0 + rows, head_cols(self.key_lo + h // self.group if key else h, width)]
 
-        return jnp.concatenate([x[r0 : r0 + rows, cols(p)] for p in range(self.per)], axis=0)
+        return jnp.concatenate([part(p) for p in range(self.per)], axis=0)
 
     def columns(self, r0, rows, u, q, k, g):
         """Unit u's k, q (and per-channel decay) blocks as `broadcast_columns`: computed an
@@ -2659,13 +2670,16 @@ class Recurrent:
             return self.s_in[s, i] * jnp.exp(lane_pick(gr, h))
         return self.s_in[s, i]
 
-    def update(self, r0, rows, u, s, cols, q, k, v, g, beta, out):
-        """The slot's states; their decay, k and q lane-broadcast from `cols` (`broadcast_row`)."""
+    def update(self, r0, rows, u, s, cols, q, k, v, g, beta, out, lanes=None):
+        """The slot's states; their decay, k and q lane-broadcast from `cols` (`broadcast_row`).
+        Their outputs are stored in `out`, or with `lanes` (a folded trip: `block`) returned,
+        [rows][per] of [1, dv], for `run` to store with the trip's other units'."""
         dk, dv = self.s_in.shape[2], self.s_in.shape[3]
         n = rows * self.per
         kb, qb = self.block(k, r0, rows, u, dk, True), self.block(q, r0, rows, u, dk, True)
-        vb = self.block(v, r0, rows, u, dv, False)
+        vb = self.block(v, r0, rows, u, dv, False, lanes)
         qk = jnp.sum(qb * kb, axis=1, keepdims=True)  # [n, 1]: q.k per state
+        outs = [[None] * self.per for _ in range(rows)]
         for i in range(n):
             b, p = i // self.per, i % self.per
             h, j, row = u * self.per + p, p * rows + b, r0 + b
@@ -2676,7 +2690,11 @@ class Recurrent:
             if beta is not None:
                 upd = lane_pick(beta[row : row + 1, :], h) * upd
             self.s_out[s, i] = s1 + kj * upd
-            out[row : row + 1, head_cols(h, dv)] = qs + qk[j : j + 1] * upd
+            if lanes is None:
+                out[row : row + 1, head_cols(h, dv)] = qs + qk[j : j + 1] * upd
+            else:
+                outs[b][p] = qs + qk[j : j + 1] * upd
+        return outs
 
     def run(self, slot, r0, rows, q, k, v, g, beta, out):
         """The pipeline over the heads' slots for rows r0 .. r0 + rows - 1."""
@@ -2693,23 +2711,35 @@ class Recurrent:
         for i in range(min(slots - 1, n)):
             start(i, i, False)
 
-        def step(i, carry):
+        def step(i, carry, lanes=None):
             s, cols = carry
             ahead = jnp.where(s == 0, slots - 1, s - 1)  # the slot of i + slots - 1
             when(i + slots - 1 < n, lambda: start(i + slots - 1, ahead, False))
             wait(s, False)
             when(i >= slots, lambda: wait(s, True))  # the write-back that last used it
-            self.update(r0, rows, i, s, cols, q, k, v, g, beta, out)
+            outs = self.update(r0, rows, i, s, cols, q, k, v, g, beta, out, lanes)
             start(i, s, True)
             following = min(i + 1, n - 1) if isinstance(i, int) else jnp.minimum(i + 1, n - 1)  # the last iteration's are not used
-            return jnp.where(s == slots - 1, 0, s + 1), self.columns(r0, rows, following, q, k, g)
+            return (jnp.where(s == slots - 1, 0, s + 1), self.columns(r0, rows, following, q, k, g)), outs
+
+        def trip(t, carry):  # `fold` units, their value columns one 128-lane window (the class docstring)
+            cols = pl.ds(pl.multiple_of(t * 128, 128), 128)
+            window, outs = v[r0 : r0 + rows, cols], []
+            for f in range(self.fold):
+                carry, unit = step(t * self.fold + f, carry, (window, f))
+                outs.append(unit)
+            for b in range(rows):  # a row's outputs in window order, stored once
+                out[r0 + b : r0 + b + 1, cols] = jnp.concatenate([unit[b][p] for unit in outs for p in range(self.per)], axis=1)
+            return carry
 
         carry = (jnp.int32(0), self.columns(r0, rows, 0, q, k, g))
-        if n == 1 or self.unrolled:  # narrow heads: static column offsets (see the class docstring)
+        if self.fold > 1:
+            jax.lax.fori_loop(0, n // self.fold, trip, carry)
+        elif n == 1 or self.unrolled:  # narrow heads: static column offsets (see the class docstring)
             for i in range(n):
-                carry = step(i, carry)
+                carry = step(i, carry)[0]
         else:
-            jax.lax.fori_loop(0, n, step, carry)
+            jax.lax.fori_loop(0, n, lambda i, c: step(i, c)[0], carry)
         for i in range(max(0, n - slots), n):
             wait(i % slots, True)
 
