@@ -250,12 +250,11 @@ def run_interpret(out_path: str, comm_path: str, seed: int, wire_rows: int) -> N
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from mkdsl.backends.tpu.interpret import interpret_params
+    from mkdsl.verify.kernel import interpret_params
 
     sizes = (4, 2)
     mesh = jax.make_mesh(sizes, AXES)
-    # mkdsl's interpreter speed-ups installed, as wherever mkdsl runs interpret mode
-    params = interpret_params(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
+    params = interpret_params()  # race detector, NaN-filled fresh memory, OOB reads raising
     ns = load_runtime(Path(comm_path))
     fn, scratch = build(ns, mesh, sizes, interpret=params, wire_rows=wire_rows)
     data = draw_inputs(seed, 8, sizes, wire_rows)

@@ -147,11 +147,10 @@ def run_interpret(out_path: str, comm_path: str, wire_rows: int) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P  # noqa: N817
 
-    from mkdsl.backends.tpu.interpret import interpret_params
+    from mkdsl.verify.kernel import interpret_params
 
     mesh = jax.make_mesh(SIZES, AXES)
-    # mkdsl's interpreter speed-ups installed, as wherever mkdsl runs interpret mode
-    params = interpret_params(detect_races=True, uninitialized_memory="nan", out_of_bounds_reads="raise")
+    params = interpret_params()  # race detector, NaN-filled fresh memory, OOB reads raising
     fn, names = build(load_runtime(Path(comm_path)), mesh, params, wire_rows)
     rng = np.random.default_rng(0)
     data = {k: rng.standard_normal((8, ITERS, ROWS, n)).astype(np.float32) for k, n in INS.items()}

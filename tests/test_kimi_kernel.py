@@ -12,9 +12,9 @@ its timeout instead of hanging CI.
 The spec is compiled once, with its `kv_tile` hint set to 16 so that three steps cross latent-cache
 tile boundaries cheaply (the cache holds SEQ_LEN = 4 tiles). Interpret mode runs with the race
 detector on (every step at batch 4: RACE_BATCHES), uninitialised memory filled with NaN and
-out-of-bounds reads raising. Rows start at
-different positions (STARTS): 0, the last three positions of the cache, and rows whose steps cross a
-16-token tile boundary; the first row crosses one, so batch 1 does too.
+out-of-bounds reads raising. Rows start at different positions (STARTS): 0, the last three
+positions of the cache, and rows whose steps cross a 16-token tile boundary; the first row
+crosses one, so batch 1 does too.
 
 Layer by layer. Each step runs the kernel's debug build (`layer_trace=True`: it also returns the
 attention-residual blocks and prefix entering and leaving every layer), and

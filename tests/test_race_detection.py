@@ -91,7 +91,7 @@ def _dma_then_read(wait_first: bool):
 def test_an_interpreted_kernel_s_race_is_found_and_its_fix_is_clean(capsys):
     """conftest installs the vectorised detector, as mkdsl does wherever it asks for interpret mode."""
     x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
-    out = jax.block_until_ready(_dma_then_read(wait_first=False)(x))
+    jax.block_until_ready(_dma_then_read(wait_first=False)(x))
     assert type(ipc.races) is VectorisedRaceDetection
     assert ipc.races.races_found
     assert "RACE DETECTED" in capsys.readouterr().out

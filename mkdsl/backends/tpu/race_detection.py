@@ -31,8 +31,6 @@ import threading
 import numpy as np
 from jax._src.pallas.mosaic.interpret.race_detection_state import _ranges_overlap
 
-INTERPRETER = "jax._src.pallas.mosaic.interpret.interpret_pallas_call"
-
 
 def unordered(clocks: np.ndarray, clock: np.ndarray) -> np.ndarray:
     """Indices of the rows of `clocks` that are neither strictly before nor strictly after
@@ -133,6 +131,6 @@ def _message(kind: str, access: tuple, buffer_key, other: str, earlier: tuple) -
 
 def use_vectorised_race_detection() -> None:
     """Make the interpreter build `VectorisedRaceDetection` for each kernel call (idempotent)."""
-    import importlib
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 
-    importlib.import_module(INTERPRETER).RaceDetectionState = VectorisedRaceDetection
+    interpret_pallas_call.RaceDetectionState = VectorisedRaceDetection
