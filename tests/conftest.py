@@ -19,9 +19,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # parallel run) must not make the compile tests fail.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Eight virtual CPU devices, so sharded kernels run over a real mesh in interpret mode (tests of
-# one-device kernels use the first). Must be set before JAX initialises its CPU backend.
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# one-device kernels use the first), and XLA:CPU's fast-compile flags (tests/xla_cpu.py: about
+# half the suite's compile time). Must be set before JAX initialises its CPU backend.
+from xla_cpu import xla_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = xla_flags(8, os.environ.get("XLA_FLAGS", ""))
 
 # Tests that build `pltpu.InterpretParams()` themselves get what mkdsl installs wherever it asks
 # for interpret mode (mkdsl/backends/tpu/interpret.py): the host path for the interpreter's

@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from xla_cpu import xla_flags
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -31,7 +33,7 @@ def main() -> int:
     p.add_argument("--decode", default="reference", help="kernel: the kernel's step in TPU interpret mode")
     p.add_argument("--fail-on", type=int, default=None, help="this process raises after loading (a failure test)")
     a = p.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
+    os.environ["XLA_FLAGS"] = xla_flags(a.devices)
     os.environ["JAX_PLATFORMS"] = "cpu"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

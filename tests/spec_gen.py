@@ -24,6 +24,8 @@ import os
 import random
 from dataclasses import dataclass, field
 
+from xla_cpu import xla_flags
+
 STEPS = 1  # decode steps per case (the caches start random, so attention reads earlier tokens anyway)
 KV_TILE = 128  # the kv_tile hint: a 256-token cache is two tiles (verify.check_seq_len)
 
@@ -453,7 +455,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-races", action="store_true", help="without the interpreter's race detector (faster)")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = xla_flags(8, os.environ.get("XLA_FLAGS", ""))
     bad, t0 = 0, time.time()
     with tempfile.TemporaryDirectory(prefix="mkdsl-specgen-") as tmp:
         for index in range(args.index, args.index + args.cases):

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_cpu import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "mkdsl" / "backends" / "tpu" / "templates" / "runtime"
@@ -424,7 +425,7 @@ def test_collectives_interpret_8_devices(tmp_path, wire_rows):
     fresh = os.environ.get("MKDSL_HYPOTHESIS_PROFILE") == "dev"
     seed = int(os.environ.get("MKDSL_COMM_SEED", np.random.SeedSequence().entropy % 2**31 if fresh else 0))
     out = tmp_path / "run.npz"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(8)}
     run = subprocess.run(
         [sys.executable, __file__, str(out), str(COMM), str(seed), str(wire_rows)],
         capture_output=True,
@@ -596,6 +597,6 @@ def test_adjacent_all_reduces_run_fused_and_match_the_reference(tmp_path):
 
 
 if __name__ == "__main__":  # the interpret run's subprocess: python test_comm.py OUT.npz COMM_PATH SEED ROWS
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = xla_flags(8)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     run_interpret(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from xla_cpu import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "mkdsl" / "backends" / "tpu" / "templates" / "runtime"
@@ -219,7 +220,7 @@ def failures(res, wire_rows: int, wire16: bool) -> list[str]:
 
 def run(tmp_path: Path, comm: Path, wire_rows: int, wire16: bool) -> dict:
     out = tmp_path / "out.npz"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
     cmd = [sys.executable, __file__, str(out), str(comm), str(wire_rows), str(int(wire16))]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-4000:]

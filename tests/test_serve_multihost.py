@@ -18,6 +18,7 @@ import pytest
 from safetensors.numpy import save_file
 from test_multihost import free_port
 from test_run import write_tokenizer
+from xla_cpu import xla_flags
 
 import mkdsl
 
@@ -44,7 +45,7 @@ def checkpoint(root: Path) -> Path:
 @pytest.mark.slow
 def test_two_processes_serve_what_one_process_runs(tmp_path):
     root = checkpoint(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"PYTHONPATH": str(ROOT)}
+    env = os.environ | {"PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags()}  # the CLI sets the device count
     env["MKDSL_CACHE"] = str(tmp_path / "cache")
     common = [str(SPEC), "-p", "mini", "--weights", str(root), "--decode", "reference"]
     port, coordinator = free_port(), f"127.0.0.1:{free_port()}"
