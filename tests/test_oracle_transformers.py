@@ -338,7 +338,7 @@ def test_the_spec_s_run_watches_its_routing_for_near_ties(gap):
 
     from mkdsl.lazy import jnp
     from mkdsl.ops import OPS
-    from mkdsl.verify.transformers import _watching_route_ties
+    from mkdsl.verify.transformers import watching_route_ties
 
     model = mkdsl.load(ROOT / "specs/kimi_k3.mk", "mini").model
     k = model.const["TOPK"]
@@ -349,8 +349,14 @@ def test_the_spec_s_run_watches_its_routing_for_near_ties(gap):
     bias = jnp.zeros(16, jnp.float32)
     want = OPS["route"].reference(jnp.asarray(scores), bias, k=k)
     found, original = [], OPS["route"]
-    with _watching_route_ties(model, lambda: found.append(True)):
+    with watching_route_ties(model, lambda: found.append(True)):
         got = OPS["route"].reference(jnp.asarray(scores), bias, k=k)
     assert OPS["route"] is original  # restored
     assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
     assert found == ([True] if gap < 2.0**-6 else [])
+    with watching_route_ties(model, lambda: None, flip=0):  # the first near tie takes the runner-up
+        ids = np.asarray(OPS["route"].reference(jnp.asarray(scores), bias, k=k)[1])
+    assert np.array_equal(ids[0], np.asarray(want[1])[0])  # row 0 had no near tie
+    swapped = np.asarray(want[1])[1].copy()
+    swapped[-1] = k if gap < 2.0**-6 else swapped[-1]  # the k-th choice given to the runner-up
+    assert np.array_equal(ids[1], swapped)

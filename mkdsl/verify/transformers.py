@@ -294,7 +294,7 @@ def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int, ties: lis
 
     phase = [0]
     state = zero_state(model, len(ids) + steps + 1)
-    with _watching_route_ties(model, lambda: ties.append(phase[0]) if ties is not None else None):
+    with watching_route_ties(model, lambda: ties.append(phase[0]) if ties is not None else None):
         # unjitted: at mini sizes XLA's compile of the whole step costs more than running it op by op
         _, token, state = build_prefill(model, jit=False)(weights, state, jnp.asarray(ids[None]))
         out, step = [int(np.asarray(token)[0])], build_reference(model, jit=False)
@@ -308,19 +308,25 @@ def free_run(model: Model, weights: dict, ids: np.ndarray, steps: int, ties: lis
 
 
 @contextlib.contextmanager
-def _watching_route_ties(model: Model, found):
+def watching_route_ties(model: Model, found, margin: float = ROUTE_TIE, flip: int | None = None):
     """The model's routing ops run by their plain reference, each row probed by its `near_tie`
-    reference (which flips only at a near tie): `found()` is called for each near tie."""
+    reference (which flips only at a choice within `margin` of its runner-up): `found()` is
+    called for each near tie, and the `flip`-th of them (0-based, in the order found) takes the
+    runner-up. Unjitted use only: the probe reads the scores' values."""
     originals = {n.op: OPS[n.op] for g in model.kinds for n in g.nodes if OPS[n.op].near_tie is not None}
+    seen = [0]
 
     def watched(op):
         def reference(*arrays, **attrs):
+            out = op.reference(*arrays, **attrs)
             for row in range(arrays[0].shape[0]):
                 flipped: list[bool] = []
-                op.near_tie(row, ROUTE_TIE, flipped)(*arrays, **attrs)
+                probe = op.near_tie(row, margin, flipped)(*arrays, **attrs)
                 if flipped:
+                    out = probe if seen[0] == flip else out
+                    seen[0] += 1
                     found()
-            return op.reference(*arrays, **attrs)
+            return out
 
         return reference
 
