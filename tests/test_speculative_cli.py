@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from xla_cpu import optimised
 
 from mkdsl import cli
 from mkdsl.api import load
@@ -201,7 +202,7 @@ def test_smollm2_ngram_speculation_prints_the_plain_text():
         *("--prompt", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "--max-tokens", "16", "--temperature", "0"),
         "--interpret",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": optimised(os.environ.get("XLA_FLAGS", ""))}
     plain = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     assert plain.returncode == 0, plain.stderr
     spec = subprocess.run(
