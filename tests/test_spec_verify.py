@@ -26,7 +26,7 @@ or a near tie, within twice the whole-step logit bound ((L + 1) x LOGIT_RTOL of 
 near tie may go either way under rounding (Qwen3-Next mini, seed 8: a top-2 gap of 0.0168 at
 logits of 6.7), so decoding goes on from the kernel's token; more than two in a run would mean
 errors far above rounding. A routing choice within ROUTE_TIE (2^-8) of its runner-up may also go
-either way (Kimi K3 mini, 16 random experts: the kernel took another expert than plain at 2 of 24
+either way (Kimi K3 mini, 16 random experts: the kernel took another expert than plain at 3 of 24
 tokens on the dev machine, where XLA:CPU's flags moved the rounding by an ulp): a kept token plain
 misses counts as a routing near tie where plain, taking the runner-up at one of its routing near
 ties in the rows fed so far, scores it within that bound; only the others count against the two
