@@ -32,9 +32,8 @@ misses counts as a routing near tie where plain, taking the runner-up at one of 
 ties in the rows fed so far, scores it within that bound; only the others count against the two
 logit near ties. Plain starts from the kernel's state at every step rather than following its
 own trajectory: in Kimi K3 mini (random MoE routing over 16 experts), verify and plain from one
-state differ by <= 0.17 in logits of ~3.5 (rounding), but their separate
-trajectories by 2.6 after five steps, as one routing choice tips and its effect stays in the
-KDA and MLA state. A state committed from the wrong row or a row attending the wrong positions
+state differ by <= 0.17 in logits of ~3.5 (rounding), but their separate trajectories by 2.6
+after five steps, as one routing choice tips and its effect stays in the KDA and MLA state. A state committed from the wrong row or a row attending the wrong positions
 moves logits and states by O(1). Every step's kernel also equals the reference layer by layer
 (mkdsl/verify/kernel.py's LayerChecker over the B*R rows, its bounds derived there). Cases: tiny
 (R = 8), Gemma 3 mini (GQA with a 32-token window, crossed), Qwen3-30B-A3B mini (MoE),
@@ -222,6 +221,11 @@ def test_reference_greedy_speculative_decoding_equals_plain_greedy(path, profile
     assert set(kept) == set(range(rows)), kept
 
 
+def _near_tie(lg: np.ndarray, choice: int, tie: float) -> bool:
+    """Whether `choice` scores within `tie` x the row's largest |logit| of the row's best."""
+    return bool(lg.max() - lg[choice] <= tie * np.abs(lg).max())
+
+
 def _routing_tie_explains(spec, weights, state, tokens, start: int, choice: int, tie: float) -> bool:
     """Whether plain's reference, fed `tokens` one at a time from `state` at `start`, with one of
     its routing choices within the kernel check's ROUTE_TIE (2^-8) of the runner-up taking the
@@ -243,8 +247,7 @@ def _routing_tie_explains(spec, weights, state, tokens, start: int, choice: int,
 
     _, ties = run(None)
     for n in range(ties):
-        lg, _ = run(n)
-        if lg.max() - lg[choice] <= tie * np.abs(lg).max():
+        if _near_tie(run(n)[0], choice, tie):
             return True
     return False
 
@@ -260,10 +263,10 @@ def _speculate_against(plain, weights, verify_step, commit, spec, state, token, 
     must be plain's argmax there, or within `tie` x the row's largest |logit| of it (a near tie,
     which rounding may decide either way; decoding goes on from the kernel's token), unless plain,
     taking the runner-up at one of its routing near ties in the rows fed so far this step, scores
-    it so (`_routing_tie_explains`: a routing near tie, not counted as a logit one); and `commit` must select exactly what
-    `mkdsl.commit` selects (which the reference tests above hold to plain decoding), so a wrong
-    slot is caught. Returns (tokens, accepted drafts per step, logit near ties, tokens explained
-    by a routing near tie)."""
+    it so (`_routing_tie_explains`: a routing near tie, not counted as a logit one); and `commit`
+    must select exactly what `mkdsl.commit` selects (which the reference tests above hold to plain
+    decoding), so a wrong slot is caught. Returns (tokens, accepted drafts per step, logit near
+    ties, tokens explained by a routing near tie)."""
     out, kept, ties, routed, pos, last = [], [], [], [], start, token
     for _ in range(count + 2 * rows):
         missing = [n for n in range(rows) if n not in kept]
@@ -292,9 +295,9 @@ def _speculate_against(plain, weights, verify_step, commit, spec, state, token, 
                 if _routing_tie_explains(spec, weights, step_state, tokens[0, : j + 1], pos, choice, tie):
                     routed.append(len(out) + j)
                     continue
-                gap = float(lg.max() - lg[choice])
-                assert gap <= tie * np.abs(lg).max(), (
-                    f"token {len(out) + j}: {choice}, {gap:.3g} below the argmax, and no routing near tie explains it"
+                assert _near_tie(lg, choice, tie), (
+                    f"token {len(out) + j}: {choice}, {lg.max() - lg[choice]:.3g} below the argmax, "
+                    "and no routing near tie explains it"
                 )
                 ties.append(len(out) + j)
         out += [*drafts[: a - 1], int(nxt[a - 1])]
